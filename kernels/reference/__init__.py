@@ -1,0 +1,10 @@
+"""The ``reference`` backend: plain torch, any device; the numerics oracle."""
+
+from .activation import *  # noqa: F401,F403
+from .activation import __all__ as _act_all
+from .cast import *  # noqa: F401,F403
+from .cast import __all__ as _cast_all
+from .gemm import *  # noqa: F401,F403
+from .gemm import __all__ as _gemm_all
+
+__all__ = _act_all + _cast_all + _gemm_all

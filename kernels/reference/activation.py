@@ -1,0 +1,65 @@
+"""Reference activations and their gradients, in fp32.
+
+GELU is the tanh approximation (as in TransformerEngine). SwiGLU splits the last
+dimension in two halves: ``silu(x[..., :d]) * x[..., d:]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference"]
+
+ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_C = 0.044715
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)))
+
+
+def _gelu_grad(x: torch.Tensor) -> torch.Tensor:
+    inner = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)
+    t = torch.tanh(inner)
+    d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+
+
+def _silu_grad(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def activation_reference(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``kind(x)`` computed in fp32 (or fp64 for fp64 input); returns that dtype."""
+    x = x if x.dtype == torch.float64 else x.float()
+    if kind == "gelu":
+        return _gelu(x)
+    if kind == "relu":
+        return torch.relu(x)
+    if kind == "silu":
+        return x * torch.sigmoid(x)
+    if kind == "swiglu":
+        gate, up = x.chunk(2, dim=-1)
+        return gate * torch.sigmoid(gate) * up
+    raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")
+
+
+def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Gradient w.r.t. the activation's input ``x`` given the output gradient ``dy``."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x, dy = x.to(wide), dy.to(wide)
+    if kind == "gelu":
+        return dy * _gelu_grad(x)
+    if kind == "relu":
+        return dy * (x > 0).to(wide)
+    if kind == "silu":
+        return dy * _silu_grad(x)
+    if kind == "swiglu":
+        gate, up = x.chunk(2, dim=-1)
+        silu = gate * torch.sigmoid(gate)
+        return torch.cat([dy * up * _silu_grad(gate), dy * silu], dim=-1)
+    raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")

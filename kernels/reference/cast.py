@@ -1,0 +1,207 @@
+"""Reference FP8 casts in plain torch: the numerics oracle for every backend.
+
+All arithmetic is fp32 on the values loaded from the input (bf16/fp16/fp32), in
+this order, which the Triton and CUDA kernels reproduce bit for bit:
+
+- a cast multiplies by the fp32 scale (one rounding), clamps to +-fmax and rounds
+  to the nearest FP8 value, ties to even; NaN stays NaN;
+- a scale from an amax is ``fmax / max(amax, eps)`` (IEEE division); amax 0, inf
+  or NaN gives 1; an infinite quotient gives the largest finite fp32; with
+  power-of-2 scales the mantissa is cleared (rounds down to a power of two);
+  ``scale_inv = 1 / scale`` (IEEE division);
+- an MXFP8 block's E8M0 exponent is the smallest that keeps ``amax / 2**e <= fmax``:
+  ``e = ceil(log2(amax / fmax))``, found exactly from the bits of amax; clamped to
+  the E8M0 range; a block whose amax is inf or NaN gets the NaN byte 255 and NaN
+  data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..operand import ScaledOperand
+
+__all__ = [
+    "FLT_MAX",
+    "saturating_cast_reference",
+    "scale_from_amax_reference",
+    "quantize_tensorwise_reference",
+    "quantize_current_reference",
+    "quantize_rowwise_reference",
+    "quantize_block_reference",
+    "quantize_mxfp8_reference",
+    "e8m0_exponent_reference",
+    "e8m0_to_float",
+    "dequantize_reference",
+]
+
+FLT_MAX = torch.finfo(torch.float32).max
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_FP8_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+_MANTISSA_OF_1_75 = 0x600000  # fmax of both formats is 1.75 * 2**emax
+
+
+def _fmax(fp8_dtype: torch.dtype) -> float:
+    try:
+        return _FP8_MAX[fp8_dtype]
+    except KeyError:
+        raise ValueError(f"fp8_dtype: must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}") from None
+
+
+def saturating_cast_reference(x_scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Round fp32 values to ``fp8_dtype``, saturating to +-fmax (NaN stays NaN)."""
+    fmax = _fmax(fp8_dtype)
+    return x_scaled.float().clamp(-fmax, fmax).to(fp8_dtype)
+
+
+def scale_from_amax_reference(
+    amax: torch.Tensor, fmax: float, power_2: bool = False, epsilon: float = 0.0
+) -> torch.Tensor:
+    """fp32 scale(s) for fp32 amax(es); see the module docstring for the rules."""
+    amax = amax.float()
+    if epsilon > 0.0:
+        amax = torch.maximum(amax, torch.tensor(epsilon, dtype=torch.float32, device=amax.device))
+    scale = torch.tensor(fmax, dtype=torch.float32, device=amax.device) / amax
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    usable = (amax > 0) & torch.isfinite(amax)
+    scale = torch.where(usable, scale, torch.ones_like(scale))
+    if power_2:
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return scale
+
+
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(scale) / scale
+
+
+def quantize_tensorwise_reference(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = True, columnwise: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Cast 2-D ``x`` with the given 0-d fp32 ``scale``; also return ``amax(|x|)``.
+
+    Returns ``(data (M, K) or None, data_t (K, M) or None, amax)``: the delayed
+    scaling cast, whose amax goes into the history.
+    """
+    xf = x.float()
+    q = saturating_cast_reference(xf * scale.float(), fp8_dtype)
+    amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+    return (q if rowwise else None), (q.t().contiguous() if columnwise else None), amax
+
+
+def quantize_current_reference(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    power_2: bool = False,
+    epsilon: float = 0.0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling: amax of ``x``, its scale, then the cast.
+
+    Returns ``(data, data_t, scale, scale_inv, amax)``.
+    """
+    xf = x.float()
+    amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+    scale = scale_from_amax_reference(amax, _fmax(fp8_dtype), power_2, epsilon)
+    q = saturating_cast_reference(xf * scale, fp8_dtype)
+    return (q if rowwise else None), (q.t().contiguous() if columnwise else None), scale, _reciprocal(scale), amax
+
+
+def quantize_rowwise_reference(
+    x: torch.Tensor, fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0
+) -> ScaledOperand:
+    """One scale per row of 2-D ``x`` (the layout of row-wise scaled GEMMs)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    scale = scale_from_amax_reference(amax, _fmax(fp8_dtype), power_2, epsilon)
+    return ScaledOperand(saturating_cast_reference(xf * scale, fp8_dtype), _reciprocal(scale), "row")
+
+
+def _tiles(x: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Zero-pad 2-D ``x`` to whole tiles and view it as (R, tile_rows, C, tile_cols)."""
+    rows, cols = x.shape
+    pad_r, pad_c = (-rows) % tile_rows, (-cols) % tile_cols
+    xp = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    grid = (xp.shape[0] // tile_rows, xp.shape[1] // tile_cols)
+    return xp.reshape(grid[0], tile_rows, grid[1], tile_cols), grid
+
+
+def _untile(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    g0, tr, g1, tc = t.shape
+    return t.reshape(g0 * tr, g1 * tc)[:rows, :cols]
+
+
+def quantize_block_reference(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    tile_rows: int,
+    power_2: bool = True,
+    epsilon: float = 0.0,
+) -> ScaledOperand:
+    """Block scaling of 2-D ``x`` with 1x128 (``tile_rows=1``) or 128x128 tiles.
+
+    Partial tiles at the edges are allowed; the padding does not count in amax.
+    """
+    if tile_rows not in (1, 128):
+        raise ValueError(f"tile_rows: must be 1 (1x128) or 128 (128x128), got {tile_rows}")
+    rows, cols = x.shape
+    t, _ = _tiles(x.float(), tile_rows, 128)
+    amax = t.abs().amax(dim=(1, 3))  # (R, C)
+    scale = scale_from_amax_reference(amax, _fmax(fp8_dtype), power_2, epsilon)
+    q = saturating_cast_reference(t * scale[:, None, :, None], fp8_dtype)
+    scaling = "block_1x128" if tile_rows == 1 else "block_128x128"
+    return ScaledOperand(_untile(q, rows, cols).contiguous(), _reciprocal(scale), scaling)
+
+
+def e8m0_exponent_reference(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """E8M0 byte (uint8) for fp32 block amaxes: ``127 + ceil(log2(amax / fmax))``."""
+    bits = amax.float().view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    byte = biased - _FP8_EMAX[fp8_dtype] + (mantissa > _MANTISSA_OF_1_75).to(torch.int32)
+    byte = byte.clamp(0, 254)
+    byte = torch.where(biased == 0, torch.zeros_like(byte), byte)  # 0 and subnormal amax
+    byte = torch.where(biased == 255, torch.full_like(byte, 255), byte)  # inf / NaN
+    return byte.to(torch.uint8)
+
+
+def _e8m0_reciprocal(byte: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2**(127 - byte)`` (exact: normal for every byte 0..253), NaN for 255."""
+    b = byte.to(torch.int32)
+    mult = ((254 - b).clamp(min=1) << 23).view(torch.float32)
+    return torch.where(b == 255, torch.full_like(mult, float("nan")), mult)
+
+
+def e8m0_to_float(byte: torch.Tensor) -> torch.Tensor:
+    """fp32 value ``2**(byte - 127)`` of E8M0 bytes (NaN for 255)."""
+    value = torch.exp2(byte.to(torch.float64) - 127.0).float()
+    return torch.where(byte == 255, torch.full_like(value, float("nan")), value)
+
+
+def quantize_mxfp8_reference(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
+    """MXFP8 along the last dim of 2-D ``x``: one E8M0 scale per 32 elements."""
+    rows, cols = x.shape
+    if cols % 32:
+        raise ValueError(f"MXFP8: the quantized dimension ({cols}) must be a multiple of 32")
+    blocks = x.float().reshape(rows, cols // 32, 32)
+    byte = e8m0_exponent_reference(blocks.abs().amax(dim=2), fp8_dtype)
+    q = saturating_cast_reference(blocks * _e8m0_reciprocal(byte)[:, :, None], fp8_dtype)
+    return ScaledOperand(q.reshape(rows, cols), byte, "mx_32")
+
+
+def _expanded_scale_inv(op: ScaledOperand) -> torch.Tensor:
+    rows, cols = op.data.shape
+    if op.scaling == "tensor":
+        return op.scale_inv.float()
+    if op.scaling == "row":
+        return op.scale_inv.float().expand(rows, cols)
+    if op.scaling == "mx_32":
+        return e8m0_to_float(op.scale_inv).repeat_interleave(32, dim=1)
+    tile_r = 1 if op.scaling == "block_1x128" else 128
+    s = op.scale_inv.float().repeat_interleave(128, dim=1)[:, :cols]
+    return s.repeat_interleave(tile_r, dim=0)[:rows] if tile_r > 1 else s
+
+
+def dequantize_reference(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale_inv`` in fp32 (exact for representable values), then ``out_dtype``."""
+    return (op.data.float() * _expanded_scale_inv(op)).to(out_dtype)

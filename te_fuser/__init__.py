@@ -1,0 +1,1 @@
+"""te_fuser: FP8 training with fusible operations."""

@@ -1,0 +1,158 @@
+"""Kernel backends: ``reference`` (plain torch), ``triton``, ``cuda``, and ``auto``.
+
+Every backend implements the same kernels under the same names and signatures
+(those of :mod:`te_fuser.kernels.reference`, without the ``_reference`` suffix):
+
+    quantize_tensorwise, quantize_current, quantize_rowwise, quantize_block,
+    quantize_mxfp8, dequantize, gemm, activation, activation_grad
+
+``set_backend(name)`` chooses globally; ``te.autocast(backend=...)`` overrides it
+inside a region. ``auto`` (the default) uses ``reference`` on CPU tensors and, on
+a GPU, the backend measured fastest for each kernel (``kernels/auto_table.json``).
+A backend that lacks a kernel falls back to ``reference`` and says so in
+:class:`KernelChoice`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import _env
+
+__all__ = ["BACKENDS", "KERNELS", "KernelChoice", "set_backend", "get_backend", "use_backend", "resolve"]
+
+BACKENDS = ("reference", "triton", "cuda", "auto")
+KERNELS = (
+    "quantize_tensorwise",
+    "quantize_current",
+    "quantize_rowwise",
+    "quantize_block",
+    "quantize_mxfp8",
+    "dequantize",
+    "gemm",
+    "activation",
+    "activation_grad",
+)
+_MODULES = {
+    "reference": "te_fuser.kernels.reference",
+    "triton": "te_fuser.kernels.triton",
+    "cuda": "te_fuser.kernels.cuda",
+}
+
+_state: dict[str, Any] = {"backend": None}  # None: not yet resolved from the environment
+_override: list[str] = []
+_resolved: dict[tuple[str, str, str], "KernelChoice"] = {}
+_auto_table: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The function that runs ``kernel`` and the backend it came from."""
+
+    kernel: str
+    backend: str
+    fn: Callable
+    note: str = ""
+
+
+def _check_name(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"backend: must be one of {list(BACKENDS)}, got {name!r}")
+    return name
+
+
+def set_backend(name: str) -> None:
+    """Choose the kernel backend for the whole process."""
+    _state["backend"] = _check_name(name)
+
+
+def get_backend() -> str:
+    """The backend in force here (an autocast override wins over the global one)."""
+    if _override:
+        return _override[-1]
+    if _state["backend"] is None:
+        _state["backend"] = _check_name(_env.backend_default() or "auto")
+    return _state["backend"]
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Use backend ``name`` inside the block (``None``: no change)."""
+    if name is None:
+        yield
+        return
+    _override.append(_check_name(name))
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def _module(backend: str):
+    return importlib.import_module(_MODULES[backend])
+
+
+def _unavailable_reason(backend: str, device: torch.device) -> str | None:
+    if backend == "triton":
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "the triton backend runs on CPU tensors only under TRITON_INTERPRET=1 (set before import)"
+        if device.type not in ("cpu", "cuda"):
+            return f"the triton backend does not run on {device.type} tensors"
+    if backend == "cuda":
+        if device.type != "cuda":
+            return f"the cuda backend needs CUDA tensors, got a {device.type} tensor"
+        if not torch.cuda.is_available():
+            return "the cuda backend needs a GPU, and torch.cuda.is_available() is False"
+    return None
+
+
+def _auto_backend(kernel: str, device: torch.device) -> str:
+    global _auto_table
+    if device.type != "cuda":
+        return "reference"
+    if _auto_table is None:
+        path = Path(_module("reference").__file__).parent.parent / "auto_table.json"
+        _auto_table = json.loads(path.read_text()) if path.exists() else {}
+    return _auto_table.get(kernel, "triton")
+
+
+def resolve(kernel: str, device: torch.device | str, backend: str | None = None) -> KernelChoice:
+    """The implementation of ``kernel`` for tensors on ``device``.
+
+    Raises ``RuntimeError`` naming the backend and the missing requirement when an
+    explicitly chosen backend cannot run there.
+    """
+    device = torch.device(device)
+    requested = _check_name(backend or get_backend())
+    cache_key = (kernel, requested, device.type)
+    hit = _resolved.get(cache_key)
+    if hit is not None:
+        return hit
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: must be one of {list(KERNELS)}, got {kernel!r}")
+    chosen = _auto_backend(kernel, device) if requested == "auto" else requested
+    reason = _unavailable_reason(chosen, device)
+    if reason is not None:
+        if requested == "auto":
+            chosen, reason = "reference", None
+        else:
+            raise RuntimeError(f"backend {chosen!r} cannot run kernel {kernel!r}: {reason}")
+    note = ""
+    if chosen == "reference":
+        fn = getattr(_module("reference"), f"{kernel}_reference")
+    else:
+        fn = getattr(_module(chosen), kernel, None)
+        if fn is None:
+            note = f"{chosen} has no {kernel} kernel; using reference"
+            chosen, fn = "reference", getattr(_module("reference"), f"{kernel}_reference")
+    choice = KernelChoice(kernel, chosen, fn, note)
+    _resolved[cache_key] = choice
+    return choice
