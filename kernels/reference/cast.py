@@ -75,16 +75,24 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_tensorwise_reference(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = True, columnwise: bool = False
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Cast 2-D ``x`` with the given 0-d fp32 ``scale``; also return ``amax(|x|)``.
 
     Returns ``(data (M, K) or None, data_t (K, M) or None, amax)``: the delayed
-    scaling cast, whose amax goes into the history.
+    scaling cast. When ``amax_out`` (a one-element fp32 tensor, e.g. a slot of the
+    amax history) is given, the amax is written there and that tensor returned.
     """
     xf = x.float()
     q = saturating_cast_reference(xf * scale.float(), fp8_dtype)
     amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+    if amax_out is not None:
+        amax = amax_out.copy_(amax.reshape(amax_out.shape))
     return (q if rowwise else None), (q.t().contiguous() if columnwise else None), amax
 
 
