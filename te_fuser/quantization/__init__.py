@@ -1,0 +1,28 @@
+"""Quantizers and the quantized-tensor storage.
+
+``quantizer_for(recipe, role)`` builds the quantizer a recipe prescribes for one
+tensor role; ``quantizer(x, rowwise=..., columnwise=...)`` returns a
+:class:`QuantizedTensor` (or ``x`` itself for :class:`IdentityQuantizer`).
+"""
+
+from .base import Quantizer
+from .block import Float8BlockQuantizer
+from .current import Float8CurrentScalingQuantizer
+from .delayed import DelayedScalingQuantizer
+from .factory import quantizer_for
+from .identity import IdentityQuantizer
+from .mxfp8 import MXFP8Quantizer
+from .role import QuantizerRole
+from .tensor import QuantizedTensor
+
+__all__ = [
+    "QuantizerRole",
+    "QuantizedTensor",
+    "Quantizer",
+    "IdentityQuantizer",
+    "Float8CurrentScalingQuantizer",
+    "DelayedScalingQuantizer",
+    "MXFP8Quantizer",
+    "Float8BlockQuantizer",
+    "quantizer_for",
+]

@@ -1,0 +1,161 @@
+"""The ``Quantizer`` interface the fuser and the ops rely on.
+
+A quantizer holds the recipe state of one tensor role (its FP8 format, scaling
+options and, for delayed scaling, the amax history) and turns a high-precision
+tensor into a :class:`QuantizedTensor` by calling the cast kernels through
+``te_fuser.backend.resolve`` — so the same quantizer runs on every backend. It
+never computes FP8 numerics itself.
+
+Ops call ``quantizer(x, rowwise=..., columnwise=...)`` and never branch on the
+recipe. Before a plan is published the fuser calls :meth:`Quantizer.check_shape`
+and :meth:`Quantizer.check_device`, which raise without changing any state.
+
+The hot path does not synchronise with the host: scales, amaxes and histories
+stay device tensors, and decisions on their values are ``torch.where``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..fp8 import FP8_MAX, short_name
+from ..kernels.operand import ScaledOperand
+from .role import QuantizerRole
+from .tensor import QuantizedTensor, flat_2d_shape
+
+__all__ = ["Quantizer", "FP8_MIN_COMPUTE_CAPABILITY"]
+
+# FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Quantizer:
+    """Base class: one tensor role's quantization recipe state.
+
+    Attributes the fuser reads:
+
+    - ``role``: the :class:`QuantizerRole` it serves (``None`` until assigned);
+    - ``fp8_dtype``: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, or ``None``;
+    - ``scaling``: a key of ``kernels.operand.SCALINGS`` or ``'identity'``;
+    - ``min_compute_capability``: the CUDA capability the FP8 GEMMs need, or ``None``.
+
+    Subclasses implement :meth:`_quantize` on the 2-D flattening ``(M, K)`` and,
+    when they hold state, :meth:`state_dict` / :meth:`load_state_dict`.
+    """
+
+    scaling: str = "identity"
+    min_compute_capability: tuple[int, int] | None = FP8_MIN_COMPUTE_CAPABILITY
+
+    def __init__(self, fp8_dtype: torch.dtype | None, role: QuantizerRole | None = None) -> None:
+        self.role = role
+        self.fp8_dtype = fp8_dtype if fp8_dtype is None else self._checked_fp8_dtype(fp8_dtype)
+
+    # -- quantization --------------------------------------------------------
+    def __call__(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> QuantizedTensor:
+        """Quantize ``x`` (any shape ``(..., K)``) as its 2-D flattening ``(M, K)``."""
+        self._check_input(x, rowwise, columnwise)
+        self.check_shape(tuple(x.shape), rowwise=rowwise, columnwise=columnwise)
+        x_hp = x.reshape(-1, x.shape[-1])  # (M, K)
+        rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise)
+        return QuantizedTensor(rowwise_op, columnwise_op, x.shape, x.dtype)
+
+    def _quantize(
+        self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
+    ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
+        """The row-wise (M, K) and column-wise (K, M) copies of ``x_hp`` (M, K)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _quantize")
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Calibration: record what the scaling state needs from ``x`` without casting."""
+
+    # -- validation before a plan is published -------------------------------
+    def check_shape(self, shape: tuple[int, ...], *, rowwise: bool = True, columnwise: bool = False) -> None:
+        """Raise ``ValueError`` when a tensor of ``shape`` cannot be quantized as asked."""
+        flat_2d_shape(tuple(shape))
+
+    def check_device(self, device: torch.device | str) -> None:
+        """Raise ``RuntimeError`` when ``device`` lacks what this quantizer's GEMMs need.
+
+        CPU (and any non-CUDA device) passes: the reference backend emulates every
+        format there.
+        """
+        if self.min_compute_capability is None:
+            return
+        device = torch.device(device)
+        if device.type != "cuda":
+            return
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{self._who()}: device {device} was requested but no CUDA device is available")
+        self.check_capability(torch.cuda.get_device_capability(device), device)
+
+    def check_capability(self, capability: tuple[int, int], device: torch.device | str | None = None) -> None:
+        """Raise ``RuntimeError`` when CUDA compute ``capability`` is below ``min_compute_capability``."""
+        needed = self.min_compute_capability
+        if needed is None or tuple(capability) >= tuple(needed):
+            return
+        where = f"device {device}" if device is not None else "the device"
+        raise RuntimeError(
+            f"{self._who()}: {self.describe()} needs FP8 tensor cores (CUDA compute capability >= "
+            f"{needed[0]}.{needed[1]}), but {where} has compute capability {capability[0]}.{capability[1]}; "
+            "run this role in high precision (no recipe) or on a newer GPU"
+        )
+
+    # -- state -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The scaling state, tensors cloned (empty for stateless quantizers)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self._who()}: holds no scaling state, got keys {sorted(state)}")
+
+    def carry_state_from(self, previous: "Quantizer | None") -> None:
+        """Take over what stays valid from the quantizer of the previous recipe (default: nothing)."""
+
+    # -- text --------------------------------------------------------------------
+    def describe(self) -> str:
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        role = f", role={self.role}" if self.role is not None else ""
+        return f"{type(self).__name__}({self.describe()}{role})"
+
+    # -- helpers for subclasses --------------------------------------------------
+    def _who(self) -> str:
+        role = str(self.role) if self.role is not None else "(no role)"
+        return f"{type(self).__name__} for {role}"
+
+    def _checked_fp8_dtype(self, fp8_dtype: Any) -> torch.dtype:
+        if not isinstance(fp8_dtype, torch.dtype) or fp8_dtype not in FP8_MAX:
+            raise ValueError(
+                f"{type(self).__name__}.fp8_dtype: must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                f"got {fp8_dtype!r}"
+            )
+        return fp8_dtype
+
+    def _checked_epsilon(self, name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):
+            raise ValueError(f"{type(self).__name__}.{name}: must be a finite float >= 0, got {value!r}")
+        return float(value) + 0.0
+
+    def _checked_bool(self, name: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{type(self).__name__}.{name}: must be True or False, got {value!r}")
+        return value
+
+    def _check_input(self, x: Any, rowwise: bool, columnwise: bool) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self._who()}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _HIGH_PRECISION:
+            raise TypeError(
+                f"{self._who()}: input dtype must be one of "
+                f"{[short_name(d) for d in _HIGH_PRECISION]}, got {x.dtype}"
+            )
+        if x.dim() == 0:
+            raise ValueError(f"{self._who()}: cannot quantize a 0-d tensor; give it at least one dimension")
+        if not (rowwise or columnwise):
+            raise ValueError(f"{self._who()}: rowwise and columnwise are both False; ask for at least one copy")

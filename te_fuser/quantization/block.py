@@ -1,0 +1,73 @@
+"""``Float8BlockQuantizer``: DeepSeek-style 1x128 or 128x128 tile scales."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backend
+from ..fp8 import short_name
+from ..kernels.operand import ScaledOperand
+from ..recipe import BLOCK_SCALING_TILE
+from .base import Quantizer
+from .role import QuantizerRole
+
+__all__ = ["Float8BlockQuantizer"]
+
+
+class Float8BlockQuantizer(Quantizer):
+    """Block scaling with ``block_dim`` 1 (1x128 tiles) or 2 (128x128 tiles).
+
+    - 1x128: the row-wise copy has one scale per 128 elements of a row (along K);
+      the column-wise copy is quantized from the high-precision ``x.T``, one scale
+      per 128 elements along M.
+    - 128x128: the column-wise copy is the transposed row-wise data with the
+      transposed scale grid: exactly the same tiles.
+
+    Any shape is accepted; partial tiles at the edges take their amax from the
+    elements they hold. Scales are powers of two when ``power_2_scales``.
+    """
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype,
+        block_dim: int,
+        power_2_scales: bool = True,
+        amax_epsilon: float = 0.0,
+        role: QuantizerRole | None = None,
+    ) -> None:
+        super().__init__(fp8_dtype, role)
+        if isinstance(block_dim, bool) or block_dim not in (1, 2):
+            raise ValueError(
+                f"Float8BlockQuantizer.block_dim: must be 1 (1x128 tiles) or 2 (128x128 tiles), got {block_dim!r}"
+            )
+        self.block_dim = block_dim
+        self.power_2_scales = self._checked_bool("power_2_scales", power_2_scales)
+        self.amax_epsilon = self._checked_epsilon("amax_epsilon", amax_epsilon)
+        self.tile_rows = 1 if block_dim == 1 else BLOCK_SCALING_TILE
+        self.scaling = "block_1x128" if block_dim == 1 else "block_128x128"
+
+    def _quantize(
+        self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
+    ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
+        cast = backend.resolve("quantize_block", x_hp.device).fn
+        options = (self.fp8_dtype, self.tile_rows, self.power_2_scales, self.amax_epsilon)
+        if self.block_dim == 1:
+            rowwise_op = cast(x_hp, *options) if rowwise else None  # (M, K)
+            columnwise_op = cast(x_hp.t(), *options) if columnwise else None  # (K, M)
+            return rowwise_op, columnwise_op
+        square = cast(x_hp, *options)  # (M, K), scales (ceil(M/128), ceil(K/128))
+        columnwise_op = None
+        if columnwise:
+            columnwise_op = ScaledOperand(
+                square.data.t().contiguous(),  # (K, M)
+                square.scale_inv.t().contiguous(),  # (ceil(K/128), ceil(M/128))
+                "block_128x128",
+            )
+        return (square if rowwise else None), columnwise_op
+
+    def describe(self) -> str:
+        tiles = "1x128" if self.block_dim == 1 else "128x128"
+        extras = (", pow2" if self.power_2_scales else ", fp32") + (
+            f", eps={self.amax_epsilon!r}" if self.amax_epsilon else ""
+        )
+        return f"block({short_name(self.fp8_dtype)}, {tiles}{extras})"

@@ -1,0 +1,51 @@
+"""``Float8CurrentScalingQuantizer``: one fp32 scale per tensor, from its own amax."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backend
+from ..fp8 import short_name
+from ..kernels.operand import ScaledOperand
+from .base import Quantizer
+from .role import QuantizerRole
+
+__all__ = ["Float8CurrentScalingQuantizer"]
+
+
+class Float8CurrentScalingQuantizer(Quantizer):
+    """Current scaling: ``scale = fmax / max(amax(x), amax_epsilon)``.
+
+    With ``power_2_scales`` the scale is rounded down to a power of two. Both
+    copies share the one scale; the column-wise copy is the transposed data.
+    """
+
+    scaling = "tensor"
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype,
+        power_2_scales: bool = False,
+        amax_epsilon: float = 0.0,
+        role: QuantizerRole | None = None,
+    ) -> None:
+        super().__init__(fp8_dtype, role)
+        self.power_2_scales = self._checked_bool("power_2_scales", power_2_scales)
+        self.amax_epsilon = self._checked_epsilon("amax_epsilon", amax_epsilon)
+
+    def _quantize(
+        self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
+    ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
+        cast = backend.resolve("quantize_current", x_hp.device).fn
+        x_fp8, x_fp8_t, _scale, scale_inv, _amax = cast(
+            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise
+        )
+        rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None  # (M, K)
+        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None  # (K, M)
+        return rowwise_op, columnwise_op
+
+    def describe(self) -> str:
+        extras = (", pow2" if self.power_2_scales else "") + (
+            f", eps={self.amax_epsilon!r}" if self.amax_epsilon else ""
+        )
+        return f"current({short_name(self.fp8_dtype)}{extras})"

@@ -1,0 +1,255 @@
+"""``DelayedScalingQuantizer``: per-tensor scales from a history of past amaxes.
+
+Each call casts with the scale computed from the history *before* this tensor,
+records this tensor's amax as the newest history entry, then computes the scale
+for the next call:
+
+    amax  = max(history) | history[0] | amax_compute_algo(history)
+    scale = (fmax / amax) / 2**margin          (fp32 division; the margin is exact)
+          | scaling_factor_compute_algo(amax, scale, fmax, recipe)
+
+Guards, applied with ``torch.where`` on the device (no host sync):
+
+- amax == 0 keeps the previous scale;
+- amax inf or NaN keeps the previous scale and adds one to ``nonfinite_amax_count``;
+- a quotient that overflows (tiny amax) gives the largest finite fp32.
+
+A fresh quantizer (new model, or delayed scaling entered from another recipe)
+first *seeds* its scale from the amax of the first tensor it sees, so that tensor
+is cast with a fitting scale instead of 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import backend
+from ..fp8 import FP8_MAX, short_name
+from ..kernels.operand import ScaledOperand
+from .base import Quantizer
+from .role import QuantizerRole
+
+__all__ = ["DelayedScalingQuantizer"]
+
+FLT_MAX = torch.finfo(torch.float32).max
+_AMAX_ALGOS = ("max", "most_recent")
+_STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_count")
+
+
+def _divide_by_power_of_2(t: torch.Tensor, exponent: int) -> torch.Tensor:
+    """``t / 2**exponent`` in fp32, in steps whose divisor fp32 holds exactly."""
+    while exponent > 0:
+        step = min(exponent, 64)
+        t = t / float(2**step)
+        exponent -= step
+    return t
+
+
+class DelayedScalingQuantizer(Quantizer):
+    """Delayed scaling (see the module docstring).
+
+    State (fp32 device tensors, moved to the input's device on first use):
+    ``scale`` and ``scale_inv`` (0-d), ``amax_history`` (``amax_history_len``,),
+    newest first; ``nonfinite_amax_count`` (0-d int64) counts the scale updates
+    skipped because the amax was inf or NaN; ``seeded`` is False until an amax
+    was recorded. Set ``amax_reduction_group`` to a ``torch.distributed`` group
+    to take the maximum amax over its ranks before each scale update.
+    """
+
+    scaling = "tensor"
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype,
+        margin: int = 0,
+        amax_history_len: int = 1024,
+        amax_compute_algo: str | Callable = "max",
+        scaling_factor_compute_algo: Callable | None = None,
+        recipe: Any = None,
+        role: QuantizerRole | None = None,
+    ) -> None:
+        super().__init__(fp8_dtype, role)
+        self.margin = self._checked_int("margin", margin, 0)
+        self.amax_history_len = self._checked_int("amax_history_len", amax_history_len, 1)
+        if not callable(amax_compute_algo) and amax_compute_algo not in _AMAX_ALGOS:
+            raise ValueError(
+                f"DelayedScalingQuantizer.amax_compute_algo: must be one of {list(_AMAX_ALGOS)} or a callable, "
+                f"got {amax_compute_algo!r}"
+            )
+        if scaling_factor_compute_algo is not None and not callable(scaling_factor_compute_algo):
+            raise TypeError(
+                "DelayedScalingQuantizer.scaling_factor_compute_algo: must be a callable or None, "
+                f"got {scaling_factor_compute_algo!r}"
+            )
+        self.amax_compute_algo = amax_compute_algo
+        self.scaling_factor_compute_algo = scaling_factor_compute_algo
+        self.recipe = recipe
+        self.fmax = FP8_MAX[self.fp8_dtype]
+        self.amax_reduction_group = None
+        self._reset(torch.device("cpu"))
+
+    def _checked_int(self, name: str, value: Any, minimum: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"DelayedScalingQuantizer.{name}: must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def _reset(self, device: torch.device) -> None:
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.scale_inv = torch.ones((), dtype=torch.float32, device=device)
+        self.amax_history = torch.zeros(self.amax_history_len, dtype=torch.float32, device=device)
+        self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
+        self.seeded = False
+
+    def _move_state(self, device: torch.device) -> None:
+        if self.scale.device != device:
+            # host -> device copies need no wait; a device -> host copy must complete
+            non_blocking = device.type == "cuda" and self.scale.device.type == "cpu"
+            for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count"):
+                setattr(self, name, getattr(self, name).to(device, non_blocking=non_blocking))
+
+    # -- quantization ----------------------------------------------------------
+    def _quantize(
+        self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
+    ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
+        self._move_state(x_hp.device)
+        cast = backend.resolve("quantize_tensorwise", x_hp.device).fn
+        if not self.seeded:
+            self._seed(x_hp, cast)
+        scale_inv = self.scale_inv  # the state is rebound, never written in place
+        history = torch.roll(self.amax_history, 1)  # slot 0 receives this tensor's amax
+        x_fp8, x_fp8_t, _ = cast(
+            x_hp, self.scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=history[0:1]
+        )
+        self._record(history)
+        rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None  # (M, K)
+        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None  # (K, M)
+        return rowwise_op, columnwise_op
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Calibration: record ``amax(x)`` in the history and update the scale; no cast."""
+        self._check_input(x, True, False)
+        x_hp = x.reshape(-1, x.shape[-1])  # (M, K)
+        self._move_state(x_hp.device)
+        cast = backend.resolve("quantize_tensorwise", x_hp.device).fn
+        history = torch.roll(self.amax_history, 1)
+        cast(x_hp, self.scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=history[0:1])
+        self.seeded = True
+        self._record(history)
+
+    def _seed(self, x_hp: torch.Tensor, cast: Callable) -> None:
+        """First scale of a fresh quantizer, from the amax of ``x_hp`` itself."""
+        amax = torch.zeros(1, dtype=torch.float32, device=x_hp.device)
+        cast(x_hp, self.scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
+        self._reduce_amax(amax)
+        scale, _ = self._next_scale(amax.reshape(()), self.scale)
+        self._set_scale(scale)
+        self.seeded = True
+
+    def _record(self, history: torch.Tensor) -> None:
+        """Adopt ``history`` (its newest amax in slot 0) and update the scale from it."""
+        self._reduce_amax(history[0:1])
+        self.amax_history = history
+        scale, nonfinite = self._next_scale(self._history_amax(history), self.scale)
+        self._set_scale(scale)
+        self.nonfinite_amax_count = self.nonfinite_amax_count + nonfinite.to(torch.int64)
+
+    def _reduce_amax(self, amax: torch.Tensor) -> None:
+        if self.amax_reduction_group is not None:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
+
+    # -- the scale update --------------------------------------------------------
+    def _history_amax(self, history: torch.Tensor) -> torch.Tensor:
+        algo = self.amax_compute_algo
+        if algo == "max":
+            return history.amax()
+        if algo == "most_recent":
+            return history[0].clone()
+        amax = algo(history.clone())
+        return torch.as_tensor(amax, dtype=torch.float32, device=history.device).reshape(())
+
+    def _next_scale(self, amax: torch.Tensor, prev_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, amax is not finite)`` for an fp32 0-d ``amax``."""
+        if self.scaling_factor_compute_algo is None:
+            scale = torch.full_like(amax, self.fmax) / amax  # IEEE fp32 division
+            scale = _divide_by_power_of_2(scale, self.margin)
+        else:
+            scale = self.scaling_factor_compute_algo(amax, prev_scale, self.fmax, self.recipe)
+            scale = torch.as_tensor(scale, dtype=torch.float32, device=amax.device).reshape(())
+        scale = torch.where(torch.isinf(scale), FLT_MAX, scale)
+        nonfinite = ~torch.isfinite(amax)
+        return torch.where(nonfinite | (amax == 0), prev_scale, scale), nonfinite
+
+    def _set_scale(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+        self.scale_inv = torch.ones_like(scale) / scale
+
+    @property
+    def nonfinite_amax_events(self) -> int:
+        """How many scale updates an inf/NaN amax skipped (reads the device: syncs)."""
+        return int(self.nonfinite_amax_count.item())
+
+    # -- state -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale.clone(),
+            "scale_inv": self.scale_inv.clone(),
+            "amax_history": self.amax_history.clone(),
+            "seeded": self.seeded,
+            "nonfinite_amax_count": self.nonfinite_amax_count.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = sorted(set(_STATE_KEYS) - set(state))
+        unexpected = sorted(set(state) - set(_STATE_KEYS))
+        if missing or unexpected:
+            raise ValueError(f"{self._who()}: state_dict keys: missing {missing}, unexpected {unexpected}")
+        history = torch.as_tensor(state["amax_history"])
+        if tuple(history.shape) != (self.amax_history_len,):
+            raise ValueError(
+                f"{self._who()}: state_dict amax_history has shape {tuple(history.shape)}, this quantizer "
+                f"keeps ({self.amax_history_len},); use carry_state_from to resize a history"
+            )
+        device = self.scale.device
+        self.amax_history = history.to(device=device, dtype=torch.float32, copy=True)
+        self.scale = torch.as_tensor(state["scale"]).to(device=device, dtype=torch.float32, copy=True).reshape(())
+        scale_inv = torch.as_tensor(state["scale_inv"])
+        self.scale_inv = scale_inv.to(device=device, dtype=torch.float32, copy=True).reshape(())
+        count = torch.as_tensor(state["nonfinite_amax_count"])
+        self.nonfinite_amax_count = count.to(device=device, dtype=torch.int64, copy=True).reshape(())
+        self.seeded = bool(state["seeded"])
+
+    def carry_state_from(self, previous: Quantizer | None) -> None:
+        """Continue the amax history of a previous delayed-scaling quantizer.
+
+        The history is resized to this quantizer's length (the newest entries are
+        kept; growing pads zeros at the old end) and the scale recomputed from it
+        under this quantizer's format, margin and algorithms. Any other previous
+        quantizer (or ``None``) leaves this one fresh: it seeds on first use.
+        """
+        if previous is self:
+            return
+        if not isinstance(previous, DelayedScalingQuantizer):
+            self._reset(self.scale.device)
+            return
+        device = previous.amax_history.device
+        self._reset(device)
+        kept = min(previous.amax_history_len, self.amax_history_len)
+        self.amax_history[:kept] = previous.amax_history[:kept]
+        self.nonfinite_amax_count = previous.nonfinite_amax_count.clone()
+        self.seeded = previous.seeded
+        if self.seeded:
+            scale, _ = self._next_scale(self._history_amax(self.amax_history), previous.scale)
+            self._set_scale(scale)
+
+    # -- text --------------------------------------------------------------------
+    def describe(self) -> str:
+        text = f"delayed({short_name(self.fp8_dtype)}, hist={self.amax_history_len}, margin={self.margin}"
+        algo = self.amax_compute_algo
+        if algo != "max":
+            text += f", amax={algo if isinstance(algo, str) else getattr(algo, '__qualname__', 'callable')}"
+        if self.scaling_factor_compute_algo is not None:
+            sf = self.scaling_factor_compute_algo
+            text += f", scale={getattr(sf, '__qualname__', 'callable')}"
+        return text + ")"

@@ -1,0 +1,33 @@
+"""``IdentityQuantizer``: high precision, no FP8."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Quantizer
+from .role import QuantizerRole
+
+__all__ = ["IdentityQuantizer"]
+
+
+class IdentityQuantizer(Quantizer):
+    """Leaves tensors in high precision: ``quantizer(x) is x``.
+
+    Needs no FP8 hardware, so :meth:`check_device` never fails, and accepts any
+    shape.
+    """
+
+    scaling = "identity"
+    min_compute_capability = None
+
+    def __init__(self, role: QuantizerRole | None = None) -> None:
+        super().__init__(None, role)
+
+    def __call__(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> torch.Tensor:
+        return x
+
+    def check_shape(self, shape: tuple[int, ...], *, rowwise: bool = True, columnwise: bool = False) -> None:
+        return None
+
+    def describe(self) -> str:
+        return "identity"
