@@ -1,1 +1,14 @@
-"""te_fuser: FP8 training with fusible operations."""
+"""te_fuser: FP8 training with fusible operations, re-fused whenever the recipe changes.
+
+    import te_fuser as te
+    model = te.ops.Sequential(te.ops.RMSNorm(h), te.ops.Linear(h, f), te.ops.GELU(), te.ops.Linear(f, h))
+    with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+        y = model(x)
+"""
+
+from . import ops, quantization, recipe
+from .autocast import DEFAULT_RECIPE, autocast
+from .backend import get_backend, set_backend
+
+__all__ = ["ops", "quantization", "recipe", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend"]
+__version__ = "0.1.0"

@@ -4,7 +4,7 @@ Every backend implements the same kernels under the same names and signatures
 (those of :mod:`te_fuser.kernels.reference`, without the ``_reference`` suffix):
 
     quantize_tensorwise, quantize_current, quantize_rowwise, quantize_block,
-    quantize_mxfp8, dequantize, gemm, activation, activation_grad
+    quantize_mxfp8, dequantize, gemm, activation, activation_grad, dact_dbias
 
 ``set_backend(name)`` chooses globally; ``te.autocast(backend=...)`` overrides it
 inside a region. ``auto`` (the default) uses ``reference`` on CPU tensors and, on
@@ -40,6 +40,7 @@ KERNELS = (
     "gemm",
     "activation",
     "activation_grad",
+    "dact_dbias",
 )
 _MODULES = {
     "reference": "te_fuser.kernels.reference",

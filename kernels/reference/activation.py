@@ -10,7 +10,7 @@ import math
 
 import torch
 
-__all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference"]
+__all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference", "dact_dbias_reference"]
 
 ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -63,3 +63,11 @@ def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> t
         silu = gate * torch.sigmoid(gate)
         return torch.cat([dy * up * _silu_grad(gate), dy * silu], dim=-1)
     raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")
+
+
+def dact_dbias_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of ``Bias -> activation``: ``dx = dact(dy, x)`` in ``x.dtype`` and
+    ``dbias = dx.sum(rows)`` accumulated in fp32 from the fp32 ``dx`` (returned fp32)."""
+    dx32 = activation_grad_reference(dy, x, kind)
+    dbias = dx32.reshape(-1, dx32.shape[-1]).sum(dim=0)
+    return dx32.to(x.dtype), dbias.float()

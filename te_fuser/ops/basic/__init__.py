@@ -1,0 +1,15 @@
+"""Basic operations: each owns its parameters and runs its own forward and backward."""
+
+from .activation import GELU, Activation, ReLU, SiLU, SwiGLU
+from .bias import Bias
+from .composite import Linear
+from .extra import AddExtraInput, MakeExtraOutput
+from .linear import BasicLinear
+from .misc import ConstantScale, Dropout, Identity, Quantize, Reshape
+from .norm import LayerNorm, RMSNorm
+
+__all__ = [
+    "Activation", "GELU", "ReLU", "SiLU", "SwiGLU", "Bias", "Linear", "BasicLinear",
+    "AddExtraInput", "MakeExtraOutput", "ConstantScale", "Dropout", "Identity", "Quantize",
+    "Reshape", "LayerNorm", "RMSNorm",
+]

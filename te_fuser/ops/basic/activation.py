@@ -1,0 +1,49 @@
+"""Activations: GELU (tanh approximation), ReLU, SiLU, and SwiGLU (gated halves)."""
+
+from __future__ import annotations
+
+from ..gemm import activation_backward, apply_activation
+from ..op import BasicOperation
+
+__all__ = ["Activation", "GELU", "ReLU", "SiLU", "SwiGLU"]
+
+
+class Activation(BasicOperation):
+    """Elementwise activation ``kind``; saves its input for the backward."""
+
+    module_type = "activation"
+    kind: str = ""
+
+    def check_shapes(self, in_shape, quantizers):
+        if self.kind == "swiglu":
+            if in_shape[-1] % 2:
+                raise ValueError(f"{self.describe()}: input's last dim ({in_shape[-1]}) must be even (gate and up halves)")
+            return in_shape[:-1] + (in_shape[-1] // 2,)
+        return in_shape
+
+    def op_forward(self, ctx, x, extra_inputs):
+        x = x.to(ctx.run.compute_dtype)
+        if ctx.run.needs_backward:
+            ctx.saved["x"] = x
+        return apply_activation(x, self.kind), []
+
+    def op_backward(self, ctx, dy, grad_extra_outputs):
+        return activation_backward(dy, ctx.saved["x"], self.kind), [], []
+
+
+class GELU(Activation):
+    kind = "gelu"
+
+
+class ReLU(Activation):
+    kind = "relu"
+
+
+class SiLU(Activation):
+    kind = "silu"
+
+
+class SwiGLU(Activation):
+    """``silu(x[..., :d]) * x[..., d:]`` with ``d`` half the last dim."""
+
+    kind = "swiglu"

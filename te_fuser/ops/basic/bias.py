@@ -1,0 +1,38 @@
+"""Bias: ``y = x + b`` over the last dim."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..op import BasicOperation
+
+__all__ = ["Bias", "bias_grad"]
+
+
+def bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sum of ``dy`` over every dim but the last, accumulated in fp32."""
+    return dy.reshape(-1, dy.shape[-1]).float().sum(dim=0).to(dtype)
+
+
+class Bias(BasicOperation):
+    module_type = "bias"
+
+    def __init__(self, size: int, *, device=None, dtype=None, name=None) -> None:
+        super().__init__(name)
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"Bias.size: must be a positive integer, got {size!r}")
+        self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=dtype))  # Linear re-initialises it
+
+    def check_shapes(self, in_shape, quantizers):
+        if in_shape[-1] != self.bias.shape[0]:
+            raise ValueError(f"{self.describe()}: input's last dim is {in_shape[-1]}, expected {self.bias.shape[0]}")
+        return in_shape
+
+    def op_forward(self, ctx, x, extra_inputs):
+        dtype = ctx.run.compute_dtype
+        return x.to(dtype) + self.bias.to(dtype), []
+
+    def op_backward(self, ctx, dy, grad_extra_outputs):
+        db = bias_grad(dy, self.bias.dtype) if (not ctx.param_needs_grad or ctx.param_needs_grad[0]) else None
+        return dy, [db], []

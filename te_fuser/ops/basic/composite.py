@@ -1,0 +1,53 @@
+"""Linear: BasicLinear followed by Bias, as one module a user can hold."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .bias import Bias
+from .linear import BasicLinear
+
+__all__ = ["Linear"]
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T + bias``, initialised like ``torch.nn.Linear``.
+
+    In a ``Sequential`` it contributes its basic ops (BasicLinear, then Bias when
+    ``bias=True``), which the fuser may fuse with their neighbours.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None, name=None):
+        super().__init__()
+        self.linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name)
+        self.bias_op = Bias(out_features, device=device, dtype=dtype, name=name) if bias else None
+        if self.bias_op is not None:
+            bound = 1.0 / math.sqrt(in_features)
+            with torch.no_grad():
+                self.bias_op.bias.uniform_(-bound, bound)
+        self._own_fuser = None
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return None if self.bias_op is None else self.bias_op.bias
+
+    @property
+    def basic_ops(self) -> list:
+        return [self.linear] + ([self.bias_op] if self.bias_op is not None else [])
+
+    def quantizer(self, tensor_type: str):
+        return self.linear.quantizer(tensor_type)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._own_fuser is None:
+            from ..fuser import OperationFuser
+
+            self._own_fuser = OperationFuser(self.basic_ops)
+        return self._own_fuser(x, training=self.training)

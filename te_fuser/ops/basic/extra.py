@@ -1,0 +1,40 @@
+"""Residual branches: AddExtraInput adds a second input; MakeExtraOutput emits a copy."""
+
+from __future__ import annotations
+
+from ..op import BasicOperation
+
+__all__ = ["AddExtraInput", "MakeExtraOutput"]
+
+
+class AddExtraInput(BasicOperation):
+    """``y = x + extra`` where ``extra`` is passed to the Sequential call after ``x``."""
+
+    module_type = "add"
+    num_extra_inputs = 1
+
+    def check_shapes(self, in_shape, quantizers):
+        return in_shape
+
+    def op_forward(self, ctx, x, extra_inputs):
+        (extra,) = extra_inputs
+        if extra.shape != x.shape:
+            raise ValueError(f"{self.describe()}: extra input shape {tuple(extra.shape)} != input shape {tuple(x.shape)}")
+        return x + extra.to(x.dtype), []
+
+    def op_backward(self, ctx, dy, grad_extra_outputs):
+        return dy, [], [dy]
+
+
+class MakeExtraOutput(BasicOperation):
+    """``y = x`` and ``x`` is also returned by the Sequential call (a residual branch)."""
+
+    module_type = "branch"
+    num_extra_outputs = 1
+
+    def op_forward(self, ctx, x, extra_inputs):
+        return x, [x]
+
+    def op_backward(self, ctx, dy, grad_extra_outputs):
+        (dextra,) = grad_extra_outputs
+        return (dy if dextra is None else dy + dextra), [], []

@@ -1,0 +1,152 @@
+"""BasicLinear: ``y = x @ w.T`` without bias, in FP8 when a recipe is active.
+
+The three GEMMs of a linear layer, x (M, K), w (N, K), dy (M, N):
+
+- fprop ``y  = x · wᵀ``   (M×K · K×N): x row-wise   (input quantizer),  w row-wise    (weight quantizer)
+- dgrad ``dx = dy · w``   (M×N · N×K): dy row-wise  (grad_output),      w column-wise (weight quantizer)
+- wgrad ``dw = dyᵀ · x``  (N×M · M×K): dy column-wise (grad_output),    x column-wise (input quantizer)
+
+"Row-wise" means quantized along the row (the last dim); a column-wise copy is
+quantized along the other dim and stored transposed, so every GEMM reduces along
+the contiguous dim of both operands (see ``te_fuser.kernels.operand``).
+
+``backward_override='high_precision'`` saves x and w in high precision for the
+backward GEMMs; ``'dequantized'`` saves their FP8 copies and dequantizes them.
+The quantized weight is cached and reused while the weight's version, storage and
+the plan's quantizer are unchanged (once per optimizer step across micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ...quantization.tensor import QuantizedTensor
+from ..gemm import columnwise, gemm, rowwise
+from ..op import BasicOperation, OpContext
+
+__all__ = ["BasicLinear", "linear_forward", "linear_backward"]
+
+
+class BasicLinear(BasicOperation):
+    module_type = "linear"
+    forward_roles = ("input", "weight")
+    backward_roles = ("grad_output",)
+
+    def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None, name=None) -> None:
+        super().__init__(name)
+        for field, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BasicLinear.{field}: must be a positive integer, got {value!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as torch.nn.Linear
+        self._weight_cache: tuple | None = None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def drop_caches(self) -> None:
+        self._weight_cache = None
+
+    def quantized_weight(self, quantizer, w_hp: torch.Tensor, need_columnwise: bool):
+        """The weight quantized by ``quantizer``, reused while nothing changed."""
+        w = self.weight
+        stamp = (quantizer, w._version, w.data_ptr(), w_hp.dtype)
+        cache = self._weight_cache
+        if cache is not None and cache[0] == stamp and (cache[1] or not need_columnwise):
+            return cache[2]
+        w_q = quantizer(w_hp, rowwise=True, columnwise=need_columnwise)
+        self._weight_cache = (stamp, need_columnwise, w_q)
+        return w_q
+
+    def check_shapes(self, in_shape, quantizers):
+        if in_shape[-1] != self.in_features:
+            raise ValueError(
+                f"{self.describe()}: input's last dim is {in_shape[-1]}, expected in_features={self.in_features}"
+            )
+        rows = math.prod(in_shape[:-1])
+        checks = (("input", (rows, self.in_features)), ("weight", tuple(self.weight.shape)),
+                  ("grad_output", (rows, self.out_features)))
+        for tensor_type, shape in checks:
+            q = quantizers.get(tensor_type)
+            if q is not None:
+                q.check_shape(shape, rowwise=True, columnwise=True)
+        return torch.Size((*in_shape[:-1], self.out_features))
+
+    def op_forward(self, ctx: OpContext, x, extra_inputs: Sequence[torch.Tensor]):
+        return linear_forward(ctx, self, x), []
+
+    def op_backward(self, ctx: OpContext, dy, grad_extra_outputs):
+        dx, dw = linear_backward(ctx, self, dy)
+        return dx, [dw], []
+
+
+def linear_forward(
+    ctx: OpContext,
+    op: BasicLinear,
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fprop with an optional epilogue; saves the backward's operands in ``ctx``."""
+    run = ctx.run
+    dtype = run.compute_dtype
+    x2d = x.reshape(-1, op.in_features).to(dtype)  # (M, K)
+    w_hp = op.weight.to(dtype)  # (N, K)
+    keep_fp8 = run.quantizing and run.backward_override != "high_precision"
+    fp8_backward = run.quantizing and run.backward_override is None
+    need_wgrad = run.needs_backward and op.weight.requires_grad
+    if run.quantizing:
+        x_q = ctx.quantizer("input")(x2d, rowwise=True, columnwise=need_wgrad and fp8_backward)
+        w_q = op.quantized_weight(ctx.quantizer("weight"), w_hp, run.needs_backward and fp8_backward)
+    else:
+        if run.calibrating:
+            ctx.quantizer("input").observe(x2d)
+            ctx.quantizer("weight").observe(w_hp)
+        x_q, w_q = x2d, w_hp
+    res2d = None if residual is None else residual.reshape(-1, op.out_features)
+    y2d = gemm(rowwise(x_q), rowwise(w_q), dtype, bias=bias, activation=activation, residual=res2d)
+    if run.needs_backward:
+        ctx.saved["x"] = x_q if keep_fp8 else x2d
+        ctx.saved["w"] = w_q if keep_fp8 else w_hp
+        ctx.saved["x_shape"] = x.shape
+    out_features = y2d.shape[-1]
+    return y2d.reshape(*x.shape[:-1], out_features)
+
+
+def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool):
+    """dy, x and w in the form the backward GEMMs take, per ``backward_override``."""
+    run, saved = ctx.run, ctx.saved
+    x_s, w_s = saved["x"], saved["w"]
+    if run.quantizing and run.backward_override is None:
+        dy_q = ctx.quantizer("grad_output")(dy2d, rowwise=need_dx, columnwise=need_dw)
+        return dy_q, x_s, w_s
+    if isinstance(x_s, QuantizedTensor):  # 'dequantized'
+        x_s = x_s.dequantize(run.compute_dtype)
+    if isinstance(w_s, QuantizedTensor):
+        w_s = w_s.dequantize(run.compute_dtype)
+    return dy2d, x_s, w_s
+
+
+def linear_backward(
+    ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dgrad (plus ``grad_residual``, a gradient to add to dx) and wgrad."""
+    dtype = ctx.run.compute_dtype
+    dy2d = dy.reshape(-1, op.out_features).to(dtype)  # (M, N)
+    need_dx = ctx.needs_input_grad
+    need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else op.weight.requires_grad
+    dy_q, x_s, w_s = _backward_operands(ctx, dy2d, need_dx, need_dw)
+    dx = dw = None
+    if need_dx:
+        res = None if grad_residual is None else grad_residual.reshape(-1, op.in_features)
+        dx2d = gemm(rowwise(dy_q), columnwise(w_s), dtype, residual=res)  # (M, K)
+        dx = dx2d.reshape(ctx.saved["x_shape"])
+    if need_dw:
+        dw = gemm(columnwise(dy_q), columnwise(x_s), op.weight.dtype)  # (N, K)
+    return dx, dw

@@ -1,0 +1,265 @@
+"""The op fuser: plans keyed by the recipe string, rebuilt when the key changes.
+
+Key = (recipe string, whether a backward is needed, compute dtype, training,
+calibrating, device type). The hot path compares the recipe *object* with the
+last one, then the cached strings, then the few other fields. On a change:
+
+1. build a candidate: fresh quantizers for every role (``quantizer_for`` or the
+   recipe's ``qfactory``), carrying delayed-scaling state over from the old ones;
+   forward and backward fusion passes over the rule table;
+2. validate it fully: every op's shapes against its quantizers' block sizes,
+   every quantizer's device needs, a backward plan covering every op;
+3. publish it atomically (install the quantizers, drop cached quantized weights).
+
+Any failure in 1-2 raises before anything is published: the previous plan, its
+quantizers and caches stay exactly as they were. A backward always runs with the
+plan captured by its forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .. import backend
+from ..autocast import current_state
+from ..callable_key import FallbackChurnDetector
+from ..quantization import quantizer_for
+from .op import BasicOperation, OpContext, RunConfig
+from .rules import PlanStep, match
+
+__all__ = ["OperationFuser", "FusionPlan", "FusionStats"]
+
+# Bumped whenever any op installs quantizers; a plan remembers the value it saw,
+# so an op used by another fuser (or on its own) in between is noticed cheaply.
+_EPOCH = [0]
+
+
+@dataclass
+class FusionStats:
+    """Counters of one fuser (or the sum over a Sequential's fusers)."""
+
+    builds: int = 0
+    hits: int = 0
+    key: str | None = None
+    build_seconds: float = 0.0
+    last_build_phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class FusionPlan:
+    key: tuple
+    recipe_key: str
+    run: RunConfig
+    quantizers: list[dict]
+    forward: list[PlanStep]
+    backward: list[PlanStep]
+    declined: list[str]
+    notes: list[str]
+    epoch: int = -1
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+class OperationFuser:
+    """Runs a list of basic ops through a fused plan."""
+
+    def __init__(self, ops: Sequence[BasicOperation]) -> None:
+        self.ops = list(ops)
+        self._params = [list(op.parameters()) for op in self.ops]
+        self._flat_params = [p for ps in self._params for p in ps]
+        self._n_extra_in = [op.num_extra_inputs for op in self.ops]
+        self._plan: FusionPlan | None = None
+        self._last_recipe = None
+        self.stats = FusionStats()
+        self._churn = FallbackChurnDetector(f"te_fuser ({', '.join(op.describe() for op in self.ops[:3])}...)")
+
+    @property
+    def plan(self) -> FusionPlan | None:
+        return self._plan
+
+    @property
+    def num_extra_inputs(self) -> int:
+        return sum(self._n_extra_in)
+
+    # -- the hot path ---------------------------------------------------------
+    def __call__(self, x: torch.Tensor, *extra_inputs: torch.Tensor, training: bool | None = None):
+        state = current_state()
+        recipe = state.recipe
+        needs_backward = torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in self._flat_params)
+            or any(t.requires_grad for t in extra_inputs)
+        )
+        training = self.ops[0].training if training is None else training
+        plan = self._plan
+        if not (
+            plan is not None
+            and (recipe is self._last_recipe or (recipe is not None and plan.recipe_key == recipe._key))
+            and plan.key[1:] == (needs_backward, _compute_dtype(x), training, state.calibrating, x.device.type)
+            and (plan.epoch == _EPOCH[0] or self._still_installed(plan))
+        ):
+            plan = self._rebuild(recipe, state.calibrating, x, needs_backward, training)
+        else:
+            self.stats.hits += 1
+        self._last_recipe = recipe
+        return self._run(plan, x, extra_inputs)
+
+    def _still_installed(self, plan: FusionPlan) -> bool:
+        for op, qs in zip(self.ops, plan.quantizers):
+            if op._quantizers is not qs or op._quantizer_key != plan.recipe_key:
+                return False
+        plan.epoch = _EPOCH[0]
+        return True
+
+    # -- building a plan --------------------------------------------------------
+    def _rebuild(self, recipe, calibrating, x, needs_backward, training) -> FusionPlan:
+        t0 = time.perf_counter()
+        phases = {}
+        recipe_key = str(recipe) if recipe is not None else "high_precision"
+        quantizers = self._build_quantizers(recipe)
+        t1 = time.perf_counter()
+        phases["quantizers"] = t1 - t0
+        plan_recipe = recipe if (recipe is not None and not calibrating) else None
+        fwd = match(self.ops, "forward", plan_recipe)
+        bwd = match(self.ops, "backward", plan_recipe)
+        t2 = time.perf_counter()
+        phases["fusion"] = t2 - t1
+        self._validate(x, quantizers, bwd.steps)
+        notes = self._kernel_notes(recipe is not None and not calibrating, x.device)
+        t3 = time.perf_counter()
+        phases["validation"] = t3 - t2
+        key = (recipe_key, needs_backward, _compute_dtype(x), training, calibrating, x.device.type)
+        run = RunConfig(recipe, calibrating, key[2], needs_backward, training, recipe_key)
+        plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes)
+        self._publish(plan)
+        t4 = time.perf_counter()
+        phases["publish"] = t4 - t3
+        self.stats.builds += 1
+        self.stats.key = recipe_key
+        self.stats.build_seconds += t4 - t0
+        self.stats.last_build_phases = phases
+        self._churn.observe(recipe_key)
+        return plan
+
+    def _build_quantizers(self, recipe) -> list[dict]:
+        out = []
+        for op in self.ops:
+            qs = {}
+            if recipe is not None:
+                for role in op.roles():
+                    q = quantizer_for(recipe, role)
+                    q.carry_state_from(op._quantizers.get(role.tensor_type))
+                    qs[role.tensor_type] = q
+            out.append(qs)
+        return out
+
+    def _validate(self, x: torch.Tensor, quantizers: list[dict], backward_steps: list[PlanStep]) -> None:
+        shape = x.shape
+        for op, qs in zip(self.ops, quantizers):
+            shape = op.check_shapes(shape, qs)
+            for q in qs.values():
+                q.check_device(x.device)
+        covered = sorted(i for step in backward_steps for i in step.indices)
+        if covered != list(range(len(self.ops))):
+            raise RuntimeError(f"op fuser: the backward plan covers ops {covered}, expected all of 0..{len(self.ops) - 1}")
+
+    @staticmethod
+    def _kernel_notes(quantizing: bool, device: torch.device) -> list[str]:
+        names = ("gemm", "quantize_current", "quantize_tensorwise", "quantize_block", "quantize_mxfp8")
+        if not quantizing:
+            return []
+        notes = []
+        for name in names:
+            choice = backend.resolve(name, device)
+            notes.append(f"{name}: {choice.backend}" + (f" ({choice.note})" if choice.note else ""))
+        return notes
+
+    def _publish(self, plan: FusionPlan) -> None:
+        for op, qs in zip(self.ops, plan.quantizers):
+            op.install_quantizers(qs, plan.recipe_key)
+        _EPOCH[0] += 1
+        plan.epoch = _EPOCH[0]
+        self._plan = plan
+
+    # -- running -----------------------------------------------------------------
+    def _run(self, plan: FusionPlan, x: torch.Tensor, extra_inputs: Sequence[torch.Tensor]):
+        if len(extra_inputs) != self.num_extra_inputs:
+            raise ValueError(f"op fuser: expected {self.num_extra_inputs} extra input(s), got {len(extra_inputs)}")
+        outputs = _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
+        return outputs
+
+
+def _split(items: Sequence, counts: Sequence[int]) -> list[list]:
+    out, i = [], 0
+    for n in counts:
+        out.append(list(items[i : i + n]))
+        i += n
+    return out
+
+
+def _run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
+    ctxs = [OpContext(op, qs, plan.run) for op, qs in zip(fuser.ops, plan.quantizers)]
+    extras_in = _split(extra_inputs, fuser._n_extra_in)
+    extras_out: list[list] = [[] for _ in fuser.ops]
+    for step in plan.forward:
+        idx = step.indices
+        x, outs = step.executor.fuser_forward([ctxs[i] for i in idx], x, [extras_in[i] for i in idx])
+        for i, o in zip(idx, outs):
+            extras_out[i] = o
+    return ctxs, x, [t for o in extras_out for t in o]
+
+
+class _FuserFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, fuser_and_plan, *tensors):
+        fuser, plan = fuser_and_plan
+        extra_inputs = tensors[len(fuser._flat_params):]
+        ctxs, y, extra_outputs = _run_forward(fuser, plan, x, extra_inputs)
+        seen = {id(x), id(y), *(id(t) for t in tensors)}
+        fixed = []
+        for t in extra_outputs:  # an output must not alias an input or another output
+            fixed.append(t.clone() if id(t) in seen else t)
+            seen.add(id(fixed[-1]))
+        fctx.fuser, fctx.plan, fctx.ctxs = fuser, plan, ctxs
+        fctx.x_dtype = x.dtype
+        return (y, *fixed) if fixed else y
+
+    @staticmethod
+    def backward(fctx, dy, *grad_extra_outputs):
+        fuser, plan, ctxs = fctx.fuser, fctx.plan, fctx.ctxs
+        needs = fctx.needs_input_grad
+        n_params = len(fuser._flat_params)
+        param_needs = _split(needs[2 : 2 + n_params], [len(p) for p in fuser._params])
+        extra_needs = _split(needs[2 + n_params :], fuser._n_extra_in)
+        upstream = needs[0]
+        for ctx, p_need, e_need in zip(ctxs, param_needs, extra_needs):
+            ctx.needs_input_grad = upstream
+            ctx.param_needs_grad = tuple(p_need)
+            upstream = upstream or any(p_need) or any(e_need)
+        n_out = [op.num_extra_outputs for op in fuser.ops]
+        d_extra_out = _split(grad_extra_outputs, n_out)
+        pgrads: list[list] = [[None] * len(p) for p in fuser._params]
+        d_extra_in: list[list] = [[None] * n for n in fuser._n_extra_in]
+        dx = dy
+        for step in reversed(plan.backward):
+            idx = step.indices
+            dx, step_pgrads, step_dextra = step.executor.fuser_backward(
+                [ctxs[i] for i in idx], dx, [d_extra_out[i] for i in idx]
+            )
+            for i, g, d in zip(idx, step_pgrads, step_dextra):
+                pgrads[i] = list(g) if g else pgrads[i]
+                d_extra_in[i] = list(d) if d else d_extra_in[i]
+        if dx is not None and needs[0]:
+            dx = dx.to(fctx.x_dtype)
+        else:
+            dx = None
+        flat_p = [g if need else None for gs, ns in zip(pgrads, param_needs) for g, need in zip(gs, ns)]
+        return (dx, None, *flat_p, *[g for gs in d_extra_in for g in gs])

@@ -1,0 +1,72 @@
+"""The GEMM entry point of the ops: picks the FP8 kernel or the high-precision path.
+
+``gemm(a, b, ...)`` computes ``activation(a @ b.T + bias) + residual`` where each
+operand is either a :class:`~te_fuser.kernels.operand.ScaledOperand` (FP8,
+quantized along its last dim) or a high-precision tensor. Two FP8 operands go to
+the backend's ``gemm`` kernel (epilogue in fp32, one rounding to ``out_dtype``).
+When either operand is high precision (no recipe, an identity quantizer, a
+``backward_override``), the other is dequantized and the product runs in
+``out_dtype`` through torch, with the epilogue applied op by op exactly as the
+unfused ops would — so a model under an identity-only recipe matches a plain
+high-precision model bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backend
+from ..kernels.operand import ScaledOperand
+from ..quantization.tensor import QuantizedTensor
+
+__all__ = ["gemm", "rowwise", "columnwise", "apply_activation", "activation_backward"]
+
+Operand = "ScaledOperand | torch.Tensor"
+
+
+def rowwise(q: "QuantizedTensor | torch.Tensor") -> Operand:
+    """The (M, K) operand of a quantized or plain 2-D tensor."""
+    return q.rowwise if isinstance(q, QuantizedTensor) else q
+
+
+def columnwise(q: "QuantizedTensor | torch.Tensor") -> Operand:
+    """The transposed (K, M) operand of a quantized or plain 2-D tensor."""
+    return q.columnwise if isinstance(q, QuantizedTensor) else q.t()
+
+
+def _high_precision(op: Operand, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(op, ScaledOperand):
+        return backend.resolve("dequantize", op.data.device).fn(op, dtype)
+    return op if op.dtype == dtype else op.to(dtype)
+
+
+def apply_activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``kind(x)`` computed in fp32 by the backend kernel, returned in ``x.dtype``."""
+    return backend.resolve("activation", x.device).fn(x, kind).to(x.dtype)
+
+
+def activation_backward(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+    return backend.resolve("activation_grad", x.device).fn(dy, x, kind).to(x.dtype)
+
+
+def gemm(
+    a: Operand,
+    b: Operand,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``activation(a (P, R) @ b (Q, R).T + bias) + residual`` as ``out_dtype``."""
+    if isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand):
+        fn = backend.resolve("gemm", a.data.device).fn
+        return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual)
+    a_hp, b_hp = _high_precision(a, out_dtype), _high_precision(b, out_dtype)
+    out = torch.nn.functional.linear(a_hp, b_hp)
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    if activation is not None:
+        out = apply_activation(out, activation)
+    if residual is not None:
+        out = out + residual.to(out_dtype)
+    return out

@@ -1,0 +1,181 @@
+"""Basic and fused operations: the units the op fuser plans with.
+
+A :class:`BasicOperation` is an ``nn.Module`` that owns its parameters and knows
+how to run its own forward and backward given an :class:`OpContext`. A
+:class:`FusedOperation` stands in for a run of consecutive basic ops in one pass
+(forward or backward) and owns no parameters: it reads them from its basic ops.
+
+Ops exchange plain tensors. Each basic op saves what its backward needs in its
+own context, whichever op (basic or fused) ran its forward, so forward and
+backward fusions can be chosen independently.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import nn
+
+from ..quantization.role import QuantizerRole
+
+if TYPE_CHECKING:
+    from ..quantization import Quantizer
+    from ..recipe import Recipe
+
+__all__ = ["RunConfig", "OpContext", "BasicOperation", "FusedOperation"]
+
+
+class RunConfig:
+    """What a plan was built for: shared by every op context of one forward."""
+
+    __slots__ = ("recipe", "calibrating", "compute_dtype", "needs_backward", "training", "key")
+
+    def __init__(self, recipe, calibrating, compute_dtype, needs_backward, training, key):
+        self.recipe: Recipe | None = recipe
+        self.calibrating: bool = calibrating
+        self.compute_dtype: torch.dtype = compute_dtype
+        self.needs_backward: bool = needs_backward
+        self.training: bool = training
+        self.key: str = key
+
+    @property
+    def backward_override(self) -> str | None:
+        return None if self.recipe is None else self.recipe.backward_override
+
+    @property
+    def quantizing(self) -> bool:
+        return self.recipe is not None and not self.calibrating
+
+
+class OpContext:
+    """One basic op's state for one forward/backward: its quantizers (those of the
+    plan that ran the forward), the run configuration, and saved tensors."""
+
+    __slots__ = ("op", "quantizers", "run", "saved", "needs_input_grad", "param_needs_grad")
+
+    def __init__(self, op: "BasicOperation", quantizers: dict[str, "Quantizer"], run: RunConfig):
+        self.op = op
+        self.quantizers = quantizers
+        self.run = run
+        self.saved: dict[str, Any] = {}
+        self.needs_input_grad = True
+        self.param_needs_grad: tuple[bool, ...] = ()
+
+    def quantizer(self, tensor_type: str) -> "Quantizer | None":
+        return self.quantizers.get(tensor_type)
+
+
+class BasicOperation(nn.Module):
+    """An op the fuser can plan with.
+
+    Subclasses set ``module_type`` (the first field of their quantizer roles),
+    ``forward_roles`` / ``backward_roles`` (tensor types they quantize), the
+    number of extra inputs / outputs, and implement :meth:`op_forward` and
+    :meth:`op_backward`. Called directly (``op(x)``), an op runs through its own
+    one-op fuser and is exactly as correct as inside a ``Sequential``.
+    """
+
+    module_type: str = "op"
+    forward_roles: tuple[str, ...] = ()
+    backward_roles: tuple[str, ...] = ()
+    num_extra_inputs: int = 0
+    num_extra_outputs: int = 0
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__()
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{type(self).__name__}(name=...): must be a string, got {type(name).__name__}")
+        self.name = name or ""
+        self._quantizers: dict[str, Quantizer] = {}
+        self._quantizer_key: str | None = None
+        self._own_fuser = None
+
+    # -- quantizers -----------------------------------------------------------
+    def roles(self) -> list[QuantizerRole]:
+        return [QuantizerRole(self.module_type, t, self.name) for t in self.forward_roles + self.backward_roles]
+
+    def quantizer(self, tensor_type: str) -> "Quantizer | None":
+        """The quantizer installed for ``tensor_type`` (``'input'``, ``'weight'``...)."""
+        if tensor_type not in self.forward_roles + self.backward_roles:
+            raise ValueError(
+                f"{self.describe()}: no quantizer role {tensor_type!r}; "
+                f"roles are {list(self.forward_roles + self.backward_roles)}"
+            )
+        return self._quantizers.get(tensor_type)
+
+    def install_quantizers(self, quantizers: dict[str, "Quantizer"], key: str) -> None:
+        """Make ``quantizers`` this op's own, built for ``key`` (called on publish)."""
+        self._quantizers = quantizers
+        self._quantizer_key = key
+        self.drop_caches()
+
+    def drop_caches(self) -> None:
+        """Forget cached quantized tensors (the weight cache of a linear)."""
+
+    # -- planning -------------------------------------------------------------
+    def check_shapes(self, in_shape: torch.Size, quantizers: dict[str, "Quantizer"]) -> torch.Size:
+        """Validate this op for an input of ``in_shape``; return the output shape."""
+        return in_shape
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({self.name!r})" if self.name else type(self).__name__
+
+    # -- execution ------------------------------------------------------------
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extra_inputs: Sequence[torch.Tensor]):
+        """Return ``(y, extra_outputs)``; save what the backward needs in ``ctx``."""
+        raise NotImplementedError
+
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grad_extra_outputs: Sequence[torch.Tensor | None]):
+        """Return ``(dx, param_grads, grad_extra_inputs)``; ``param_grads`` aligned
+        with ``self.parameters()`` (``None`` where no gradient is needed)."""
+        raise NotImplementedError
+
+    # Uniform interface with FusedOperation: lists with one entry per basic op.
+    def fuser_forward(self, ctxs, x, extra_inputs):
+        y, extra_out = self.op_forward(ctxs[0], x, extra_inputs[0])
+        return y, [extra_out]
+
+    def fuser_backward(self, ctxs, dy, grad_extra_outputs):
+        dx, pgrads, dextra = self.op_backward(ctxs[0], dy, grad_extra_outputs[0])
+        return dx, [pgrads], [dextra]
+
+    @property
+    def basic_ops(self) -> list["BasicOperation"]:
+        return [self]
+
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        if self._own_fuser is None:
+            from .fuser import OperationFuser
+
+            self._own_fuser = OperationFuser([self])
+        return self._own_fuser(x, *extra_inputs)
+
+
+class FusedOperation:
+    """A run of consecutive basic ops executed as one, in the forward or backward pass.
+
+    The contract: a fused op is *equivalent to the unfused ops* — given the same
+    inputs, parameters and quantizers it returns the same outputs and gradients,
+    saves in each basic op's context what that op's own backward needs, and
+    updates the same scaling state. Results may differ only by the roundings of
+    intermediate tensors it no longer materialises (the compute dtype's rounding;
+    bit-identical in high precision when nothing is skipped), which the tests
+    bound with the central tolerance table.
+    """
+
+    def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
+        self._basic_ops = list(basic_ops)
+
+    @property
+    def basic_ops(self) -> list[BasicOperation]:
+        return self._basic_ops
+
+    def fuser_forward(self, ctxs, x, extra_inputs):
+        raise NotImplementedError
+
+    def fuser_backward(self, ctxs, dy, grad_extra_outputs):
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}[{', '.join(op.describe() for op in self._basic_ops)}]"

@@ -1,0 +1,99 @@
+"""Fusion rules as data, and the one matcher that applies them.
+
+A rule names a pass (``forward`` or ``backward``), a pattern of basic-op types
+(in forward order, also for backward rules), a predicate on the matched ops and
+the recipe that returns ``None`` to accept or a reason to decline, and the fused
+op class to build. The matcher walks the op list left to right; at each position
+it tries the rules of the pass in table order (longest patterns first) and takes
+the first that accepts. It records which rule fired where, and why others that
+matched the pattern declined; ``Sequential.fusion_plan()`` shows both.
+
+Users add rules with :func:`register_fusion_rule`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .op import BasicOperation, FusedOperation
+
+__all__ = ["FusionRule", "PlanStep", "MatchResult", "register_fusion_rule", "fusion_rules", "match"]
+
+Predicate = Callable[[Sequence[BasicOperation], object], "str | None"]
+
+
+@dataclass(frozen=True)
+class FusionRule:
+    name: str
+    pass_: str  # "forward" | "backward"
+    pattern: tuple[tuple[type, ...], ...]  # each position: the accepted op types
+    build: Callable[[Sequence[BasicOperation]], FusedOperation]
+    predicate: Predicate = field(default=lambda ops, recipe: None)
+
+    def __post_init__(self) -> None:
+        if self.pass_ not in ("forward", "backward"):
+            raise ValueError(f"FusionRule.pass_: must be 'forward' or 'backward', got {self.pass_!r}")
+        if not self.pattern:
+            raise ValueError(f"FusionRule.pattern of {self.name!r}: must name at least one op type")
+
+    def matches_types(self, ops: Sequence[BasicOperation], start: int) -> bool:
+        if start + len(self.pattern) > len(ops):
+            return False
+        return all(isinstance(ops[start + i], types) for i, types in enumerate(self.pattern))
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One executed unit: a basic op or a fused op over ``indices`` (consecutive)."""
+
+    executor: object  # BasicOperation | FusedOperation
+    indices: tuple[int, ...]
+    rule: str | None
+
+
+@dataclass
+class MatchResult:
+    steps: list[PlanStep]
+    declined: list[str]
+
+
+_RULES: list[FusionRule] = []
+
+
+def register_fusion_rule(rule: FusionRule) -> None:
+    """Add ``rule`` to the table (kept ordered longest pattern first, then by
+    registration). Plans built afterwards use it."""
+    if not isinstance(rule, FusionRule):
+        raise TypeError(f"register_fusion_rule: expected a FusionRule, got {type(rule).__name__}")
+    if any(r.name == rule.name for r in _RULES):
+        raise ValueError(f"register_fusion_rule: a rule named {rule.name!r} already exists")
+    _RULES.append(rule)
+    _RULES.sort(key=lambda r: -len(r.pattern))  # stable: ties keep registration order
+
+
+def fusion_rules(pass_: str | None = None) -> list[FusionRule]:
+    return [r for r in _RULES if pass_ is None or r.pass_ == pass_]
+
+
+def match(ops: Sequence[BasicOperation], pass_: str, recipe) -> MatchResult:
+    """Cover ``ops`` with fused and basic steps for one pass."""
+    rules = fusion_rules(pass_)
+    steps: list[PlanStep] = []
+    declined: list[str] = []
+    i = 0
+    while i < len(ops):
+        for rule in rules:
+            if not rule.matches_types(ops, i):
+                continue
+            window = ops[i : i + len(rule.pattern)]
+            reason = rule.predicate(window, recipe)
+            if reason is None:
+                steps.append(PlanStep(rule.build(window), tuple(range(i, i + len(window))), rule.name))
+                i += len(window)
+                break
+            declined.append(f"{rule.name} at ops {i}..{i + len(window) - 1}: {reason}")
+        else:
+            steps.append(PlanStep(ops[i], (i,), None))
+            i += 1
+    return MatchResult(steps, declined)

@@ -1,0 +1,177 @@
+"""Sequential: a list of modules whose runs of fusible ops are fused as groups.
+
+Fusible ops (basic ops, and composites such as ``Linear`` that expand into basic
+ops) that stand next to each other form a group run by one
+:class:`~te_fuser.ops.fuser.OperationFuser`; any other ``nn.Module`` runs as it
+is between groups. ``model(x, *extra_inputs)`` returns ``y``, or
+``(y, *extra_outputs)`` when ops such as ``MakeExtraOutput`` emit branches.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from .fuser import FusionStats, OperationFuser
+from .op import BasicOperation
+
+__all__ = ["Sequential"]
+
+
+def _basic_ops_of(module: nn.Module) -> list[BasicOperation] | None:
+    if isinstance(module, BasicOperation):
+        return [module]
+    ops = getattr(module, "basic_ops", None)
+    if isinstance(ops, list) and ops and all(isinstance(op, BasicOperation) for op in ops):
+        return ops
+    return None
+
+
+class Sequential(nn.Module):
+    def __init__(self, *modules: nn.Module) -> None:
+        super().__init__()
+        self._items = nn.ModuleList()
+        self.extend(modules)
+
+    # -- list semantics --------------------------------------------------------
+    def _changed(self) -> None:
+        self._groups: list | None = None
+
+    def _check(self, module) -> nn.Module:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Sequential: items must be torch.nn.Module, got {type(module).__name__}")
+        return module
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._items)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return Sequential(*list(self._items)[idx])
+        return self._items[idx]
+
+    def __setitem__(self, idx: int, module: nn.Module) -> None:
+        self._items[idx] = self._check(module)
+        self._changed()
+
+    def __delitem__(self, idx) -> None:
+        del self._items[idx]
+        self._changed()
+
+    def append(self, module: nn.Module) -> "Sequential":
+        self._items.append(self._check(module))
+        self._changed()
+        return self
+
+    def extend(self, modules: Iterable[nn.Module]) -> "Sequential":
+        for m in modules:
+            self._items.append(self._check(m))
+        self._changed()
+        return self
+
+    def insert(self, index: int, module: nn.Module) -> "Sequential":
+        self._items.insert(index, self._check(module))
+        self._changed()
+        return self
+
+    def __add__(self, other: "Sequential") -> "Sequential":
+        if not isinstance(other, Sequential):
+            return NotImplemented
+        return Sequential(*self._items, *other._items)
+
+    # -- grouping ------------------------------------------------------------------
+    def groups(self) -> list:
+        """Each entry is an OperationFuser (a run of fusible ops) or a plain module."""
+        if self._groups is None:
+            groups: list = []
+            run: list[BasicOperation] = []
+            for module in self._items:
+                ops = _basic_ops_of(module)
+                if ops is not None:
+                    run.extend(ops)
+                    continue
+                if run:
+                    groups.append(OperationFuser(run))
+                    run = []
+                groups.append(module)
+            if run:
+                groups.append(OperationFuser(run))
+            self._groups = groups
+        return self._groups
+
+    # -- running -------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        extra_in = list(extra_inputs)
+        extra_out: list[torch.Tensor] = []
+        for group in self.groups():
+            if not isinstance(group, OperationFuser):
+                x = group(x)
+                continue
+            n = group.num_extra_inputs
+            if n > len(extra_in):
+                raise ValueError(
+                    f"Sequential: ops need {sum(g.num_extra_inputs for g in self._fusers())} extra input(s), "
+                    f"got {len(extra_inputs)}"
+                )
+            taken, extra_in = extra_in[:n], extra_in[n:]
+            out = group(x, *taken, training=self.training)
+            if isinstance(out, tuple):
+                x, extra_out = out[0], extra_out + list(out[1:])
+            else:
+                x = out
+        if extra_in:
+            raise ValueError(f"Sequential: {len(extra_in)} extra input(s) left unused")
+        return (x, *extra_out) if extra_out else x
+
+    def _fusers(self) -> list[OperationFuser]:
+        return [g for g in self.groups() if isinstance(g, OperationFuser)]
+
+    # -- introspection ---------------------------------------------------------------
+    def fusion_stats(self) -> FusionStats:
+        total = FusionStats()
+        for fuser in self._fusers():
+            s = fuser.stats
+            total.builds += s.builds
+            total.hits += s.hits
+            total.build_seconds += s.build_seconds
+            total.key = s.key if s.key is not None else total.key
+            for phase, secs in s.last_build_phases.items():
+                total.last_build_phases[phase] = total.last_build_phases.get(phase, 0.0) + secs
+        return total
+
+    def fusion_plan(self) -> str:
+        """A readable account of the published plan of every group."""
+        lines = []
+        for g, group in enumerate(self.groups()):
+            if not isinstance(group, OperationFuser):
+                lines.append(f"group {g}: plain module {type(group).__name__} (runs as is)")
+                continue
+            ops = group.ops
+            plan = group.plan
+            lines.append(f"group {g}: {len(ops)} ops: " + ", ".join(f"{i}:{op.describe()}" for i, op in enumerate(ops)))
+            if plan is None:
+                lines.append("  not built yet (call the model once)")
+                continue
+            lines.append(f"  recipe: {plan.recipe_key}")
+            _, needs_backward, dtype, training, calibrating, device = plan.key
+            lines.append(
+                f"  built for: backward={needs_backward} dtype={str(dtype).replace('torch.', '')} "
+                f"training={training} calibrating={calibrating} device={device}"
+            )
+            for name, steps in (("forward", plan.forward), ("backward", plan.backward)):
+                lines.append(f"  {name}:")
+                for step in steps:
+                    covers = ", ".join(f"{i}:{ops[i].describe()}" for i in step.indices)
+                    what = type(step.executor).__name__
+                    via = f"  [rule {step.rule}]" if step.rule else ""
+                    lines.append(f"    {what}({covers}){via}")
+            for reason in plan.declined:
+                lines.append(f"  declined: {reason}")
+            for note in plan.notes:
+                lines.append(f"  kernel: {note}")
+        return "\n".join(lines)
