@@ -1,0 +1,314 @@
+"""DelayedScalingQuantizer: amax history and scale, checked exactly step by step.
+
+Expectations are computed in float64 by :func:`simulate` and rounded to fp32 at
+the points where the contract rounds: ``fmax / amax`` is one IEEE fp32 division
+(float64 division followed by one rounding to fp32 gives the same value), the
+margin divides by an exact power of two.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tolerances import assert_bitwise
+
+from te_fuser.kernels.reference import quantize_tensorwise_reference
+from te_fuser.quantization import DelayedScalingQuantizer, Float8CurrentScalingQuantizer, QuantizedTensor
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FMAX = {E4M3: 448.0, E5M2: 57344.0}
+FLT_MAX = torch.finfo(torch.float32).max
+INF, NAN = math.inf, math.nan
+
+
+def f32(value: float) -> float:
+    """Round a float64 value to fp32 (overflow gives inf)."""
+    return torch.tensor(value, dtype=torch.float64).float().item()
+
+
+def with_amax(amax: float, shape=(4, 32)) -> torch.Tensor:
+    """An fp32 tensor whose amax is ``amax`` (inf / NaN: one such element among ones)."""
+    if math.isfinite(amax):
+        x = torch.full(shape, amax / 2)
+        x[1, 5] = -amax
+    else:
+        x = torch.ones(shape)
+        x[1, 5] = amax
+    return x
+
+
+def expected_update(amax: float, prev_scale: float, fmax: float, margin: int) -> tuple[float, bool]:
+    """Next scale and whether the amax was non-finite, in float64 arithmetic."""
+    if math.isnan(amax) or math.isinf(amax):
+        return prev_scale, True
+    if amax == 0:
+        return prev_scale, False
+    scale = f32(f32(fmax / amax) / 2**margin)
+    return (FLT_MAX if math.isinf(scale) else scale), False
+
+
+def history_max(history: list[float]) -> float:
+    return NAN if any(math.isnan(a) for a in history) else max(history)
+
+
+def simulate(amaxes, fmax, margin, history_len, algo=history_max):
+    """Per call: (scale used by the cast, history after it, next scale, non-finite count)."""
+    history, scale, seeded, count, steps = [0.0] * history_len, 1.0, False, 0, []
+    for amax in amaxes:
+        if not seeded:
+            scale, _ = expected_update(amax, scale, fmax, margin)
+            seeded = True
+        used = scale
+        history = [amax] + history[:-1]
+        scale, nonfinite = expected_update(algo(history), scale, fmax, margin)
+        count += nonfinite
+        steps.append((used, list(history), scale, count))
+    return steps
+
+
+def check_steps(quantizer: DelayedScalingQuantizer, amaxes, expected) -> None:
+    for step, (amax, (used, history, scale, count)) in enumerate(zip(amaxes, expected)):
+        x = with_amax(amax)
+        t = quantizer(x)
+        where = f"step {step} (amax {amax})"
+        assert_bitwise(t.rowwise.scale_inv, torch.tensor(f32(1.0 / used)), f"{where}: scale_inv of the cast")
+        ref, _, _ = quantize_tensorwise_reference(x, torch.tensor(used), quantizer.fp8_dtype)
+        assert_bitwise(t.rowwise.data, ref, f"{where}: FP8 data")
+        assert_bitwise(quantizer.amax_history, torch.tensor(history), f"{where}: history")
+        assert_bitwise(quantizer.scale, torch.tensor(scale), f"{where}: next scale")
+        assert_bitwise(quantizer.scale_inv, torch.tensor(f32(1.0 / scale)), f"{where}: next scale_inv")
+        assert quantizer.nonfinite_amax_events == count, where
+
+
+def test_seed_from_first_tensor():
+    """A fresh quantizer casts its first tensor with a scale from that tensor's amax, not 1."""
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    assert not quantizer.seeded
+    t = quantizer(with_amax(1024.0))  # with scale 1 this would saturate at 448
+    assert quantizer.seeded
+    assert_bitwise(t.rowwise.scale_inv, torch.tensor(f32(1 / 0.4375)), "seeded scale_inv (448/1024 = 0.4375)")
+    assert t.rowwise.data.float().abs().max() == 448.0
+    assert_bitwise(quantizer.amax_history, torch.tensor([1024.0, 0.0, 0.0, 0.0]), "history")
+    assert_bitwise(quantizer.scale, torch.tensor(0.4375), "scale")
+
+
+def test_max_algo_over_a_window():
+    amaxes = [2.0, 5.0, 0.0, 3.0, 1.0, 0.5, 0.25]
+    quantizer = DelayedScalingQuantizer(E4M3, margin=0, amax_history_len=3)
+    expected = simulate(amaxes, 448.0, 0, 3)
+    assert expected[0][0] == 224.0 and expected[1][2] == f32(448 / 5)  # anchors computed by hand
+    assert expected[5][2] == f32(448 / 3)  # 5 left the window, 3 is the largest left
+    check_steps(quantizer, amaxes, expected)
+
+
+def test_most_recent_with_margin_zero_tiny_inf_nan():
+    amaxes = [3.0, 0.0, f32(1e-40), INF, 7.0, NAN, 0.1]
+    quantizer = DelayedScalingQuantizer(E5M2, margin=2, amax_history_len=4, amax_compute_algo="most_recent")
+    expected = simulate(amaxes, 57344.0, 2, 4, algo=lambda h: h[0])
+    assert expected[0][2] == f32(57344 / 3) / 4  # the margin: an exact division by 4
+    assert expected[1][2] == expected[0][2]  # amax 0 keeps the scale
+    assert expected[2][2] == FLT_MAX  # a tiny amax overflows the division
+    assert expected[3][2] == FLT_MAX and expected[3][3] == 1  # inf keeps the scale, counted
+    assert expected[5][2] == expected[4][2] and expected[5][3] == 2  # NaN too
+    check_steps(quantizer, amaxes, expected)
+
+
+def test_max_algo_keeps_scale_while_inf_is_in_the_window():
+    amaxes = [1.0, INF, 2.0, 3.0, 4.0]
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=2)
+    expected = simulate(amaxes, 448.0, 0, 2)
+    assert [step[3] for step in expected] == [0, 1, 2, 2, 2]
+    assert expected[3][2] == f32(448 / 3)
+    check_steps(quantizer, amaxes, expected)
+
+
+def test_nonfinite_first_tensor_keeps_scale_one():
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=2)
+    expected = simulate([NAN, 8.0], 448.0, 0, 2)
+    assert expected[0][0] == 1.0 and expected[0][3] == 1  # counted at the update, not at the seed
+    assert expected[1][3] == 2  # NaN is still in the window of two
+    check_steps(quantizer, [NAN, 8.0], expected)
+
+
+def second_newest(history: torch.Tensor) -> torch.Tensor:
+    return history[1]
+
+
+def test_callable_amax_algo():
+    amaxes = [4.0, 2.0, 8.0, 1.0]
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3, amax_compute_algo=second_newest)
+    expected = simulate(amaxes, 448.0, 0, 3, algo=lambda h: h[1])
+    assert expected[0][2] == expected[0][0] == 112.0  # second newest is 0 at first: keeps the seed
+    check_steps(quantizer, amaxes, expected)
+
+
+def test_scaling_factor_compute_algo():
+    seen = []
+
+    def doubling(amax, scale, fmax, recipe):
+        seen.append((float(amax), fmax, recipe))
+        return scale * 2.0
+
+    recipe = object()
+    quantizer = DelayedScalingQuantizer(
+        E5M2, amax_history_len=2, scaling_factor_compute_algo=doubling, recipe=recipe
+    )
+    scales_used = []
+    for amax in [3.0, 5.0, 0.0, INF, 6.0]:
+        scales_used.append(1.0 / quantizer(with_amax(amax)).rowwise.scale_inv.item())
+    # seed 2 (doubles 1); then 4, 8; amax 0 is not zero in a 'max' window: 16; inf keeps 16; ...
+    assert scales_used == [2.0, 4.0, 8.0, 16.0, 16.0]
+    assert quantizer.scale.item() == 16.0 and quantizer.nonfinite_amax_events == 2
+    assert seen[0] == (3.0, 57344.0, recipe)
+
+
+def test_scaling_factor_algo_overflow_is_capped():
+    quantizer = DelayedScalingQuantizer(E4M3, scaling_factor_compute_algo=lambda a, s, f, r: s * 1e30)
+    quantizer(with_amax(1.0))
+    quantizer(with_amax(1.0))
+    assert quantizer.scale.item() == FLT_MAX
+
+
+def test_observe_records_without_casting():
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3)
+    assert quantizer.observe(with_amax(16.0)) is None
+    assert quantizer.seeded
+    assert_bitwise(quantizer.amax_history, torch.tensor([16.0, 0.0, 0.0]), "history")
+    assert_bitwise(quantizer.scale, torch.tensor(28.0), "scale 448/16")
+    t = quantizer(with_amax(2.0))  # seeded: cast with the calibrated scale
+    assert_bitwise(t.rowwise.scale_inv, torch.tensor(f32(1 / 28)), "scale_inv used")
+
+
+def run_steps(quantizer, amaxes):
+    for amax in amaxes:
+        quantizer(with_amax(amax))
+    return quantizer
+
+
+@pytest.mark.parametrize(
+    "new_len, history",
+    [(2, [3.0, 2.0]), (4, [3.0, 2.0, 1.0, 7.0]), (6, [3.0, 2.0, 1.0, 7.0, 0.0, 0.0])],
+    ids=["shrink", "same", "grow"],
+)
+def test_carry_state_resizes_history(new_len, history):
+    previous = run_steps(DelayedScalingQuantizer(E4M3, amax_history_len=4), [7.0, 1.0, 2.0, 3.0])
+    quantizer = DelayedScalingQuantizer(E5M2, margin=1, amax_history_len=new_len)
+    quantizer.carry_state_from(previous)
+    assert quantizer.seeded
+    assert_bitwise(quantizer.amax_history, torch.tensor(history), "carried history")
+    expected_scale, _ = expected_update(max(history), 1.0, 57344.0, 1)  # 7 drops out on shrink
+    assert_bitwise(quantizer.scale, torch.tensor(expected_scale), "scale under the new format and margin")
+    assert_bitwise(quantizer.scale_inv, torch.tensor(f32(1 / expected_scale)), "scale_inv")
+    t = quantizer(with_amax(1.0))  # no re-seeding: the carried scale casts
+    assert_bitwise(t.rowwise.scale_inv, torch.tensor(f32(1 / expected_scale)), "scale_inv used")
+    assert previous.amax_history_len == 4 and previous.amax_history[0].item() == 3.0  # untouched
+
+
+def test_carry_state_recomputes_with_the_new_algo():
+    previous = run_steps(DelayedScalingQuantizer(E4M3, amax_history_len=3), [9.0, 2.0])
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3, amax_compute_algo="most_recent")
+    quantizer.carry_state_from(previous)
+    assert_bitwise(quantizer.scale, torch.tensor(224.0), "448 / most recent amax 2")
+
+
+def test_carry_state_keeps_nonfinite_count_and_previous_scale():
+    previous = run_steps(DelayedScalingQuantizer(E4M3, amax_history_len=2), [2.0, INF])
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3)
+    quantizer.carry_state_from(previous)
+    assert quantizer.scale.item() == previous.scale.item() == 224.0  # inf in the window: kept
+    assert quantizer.nonfinite_amax_events == 1
+
+
+@pytest.mark.parametrize("previous", [None, "current", "unseeded"])
+def test_carry_state_from_other_starts_fresh(previous):
+    if previous == "current":
+        previous = Float8CurrentScalingQuantizer(E4M3)
+    elif previous == "unseeded":
+        previous = DelayedScalingQuantizer(E4M3, amax_history_len=2)
+    quantizer = run_steps(DelayedScalingQuantizer(E4M3, amax_history_len=2), [4.0, 8.0])
+    quantizer.carry_state_from(previous)
+    assert not quantizer.seeded and quantizer.scale.item() == 1.0
+    assert not quantizer.amax_history.any()
+    t = quantizer(with_amax(32.0))  # seeds again from this tensor
+    assert_bitwise(t.rowwise.scale_inv, torch.tensor(f32(1 / 14)), "seeded 448/32 = 14")
+
+
+def test_state_dict_roundtrip_continues_identically():
+    amaxes = [2.0, INF, 5.0]
+    source = run_steps(DelayedScalingQuantizer(E4M3, amax_history_len=4), amaxes)
+    state = source.state_dict()
+    assert sorted(state) == ["amax_history", "nonfinite_amax_count", "scale", "scale_inv", "seeded"]
+    state["amax_history"].fill_(-1.0)  # the state dict holds copies
+    assert source.amax_history[0].item() == 5.0
+    state = source.state_dict()
+    target = DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    target.load_state_dict(state)
+    assert target.seeded and target.nonfinite_amax_events == 2  # inf stayed in the window
+    a, b = source(with_amax(3.0)), target(with_amax(3.0))
+    assert_bitwise(a.rowwise.data, b.rowwise.data, "same cast")
+    for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count"):
+        assert_bitwise(getattr(target, name), getattr(source, name), name)
+
+
+def test_load_state_dict_rejects_bad_state():
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    state = DelayedScalingQuantizer(E4M3, amax_history_len=8).state_dict()
+    with pytest.raises(ValueError, match=r"amax_history.*\(8,\).*\(4,\).*carry_state_from"):
+        quantizer.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"missing \['seeded'\]"):
+        quantizer.load_state_dict({k: v for k, v in quantizer.state_dict().items() if k != "seeded"})
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, field",
+    [
+        (dict(margin=-1), ValueError, "margin"),
+        (dict(margin=True), ValueError, "margin"),
+        (dict(amax_history_len=0), ValueError, "amax_history_len"),
+        (dict(amax_compute_algo="mean"), ValueError, "amax_compute_algo"),
+        (dict(scaling_factor_compute_algo=3), TypeError, "scaling_factor_compute_algo"),
+    ],
+)
+def test_invalid_arguments(kwargs, error, field):
+    with pytest.raises(error, match=field):
+        DelayedScalingQuantizer(E4M3, **kwargs)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        DelayedScalingQuantizer(torch.bfloat16)
+
+
+def test_describe_and_columnwise_copy():
+    quantizer = DelayedScalingQuantizer(E4M3)
+    assert quantizer.describe() == "delayed(e4m3, hist=1024, margin=0)"
+    custom = DelayedScalingQuantizer(E5M2, margin=2, amax_history_len=8, amax_compute_algo=second_newest)
+    assert custom.describe() == "delayed(e5m2, hist=8, margin=2, amax=second_newest)"
+    x = torch.arange(-48.0, 48.0).reshape(2, 3, 16)  # (6, 16) flattened
+    t = quantizer(x, rowwise=True, columnwise=True)
+    assert isinstance(t, QuantizedTensor) and t.shape == x.shape
+    assert_bitwise(t.columnwise.data, t.rowwise.data.t().contiguous(), "columnwise = transposed rowwise")
+    assert t.columnwise.scale_inv is t.rowwise.scale_inv
+    assert quantizer.scale_inv is not t.rowwise.scale_inv  # the next update does not alter t
+
+
+def _reduction_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3)
+        quantizer.amax_reduction_group = dist.group.WORLD
+        for amax in ([1.0, 16.0], [4.0, 2.0])[rank]:
+            quantizer(with_amax(amax))
+        torch.save(quantizer.state_dict(), f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_amax_reduction_group_takes_the_max_over_ranks(tmp_path):
+    """Two CPU ranks (gloo) see different amaxes; both seed, record and scale from the maximum."""
+    mp.spawn(_reduction_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        state = torch.load(tmp_path / f"rank{rank}.pt")
+        assert_bitwise(state["amax_history"], torch.tensor([16.0, 4.0, 0.0]), f"rank {rank} history")
+        assert_bitwise(state["scale"], torch.tensor(28.0), f"rank {rank} scale 448/16")
