@@ -1,0 +1,25 @@
+"""The ``triton`` backend: fused FP8 casts, FP8 GEMMs with epilogues, activations.
+
+Same names, signatures and return types as :mod:`te_fuser.kernels.reference`
+(without the ``_reference`` suffix), bit-exact for the casts. Runs on CUDA tensors,
+and on CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported).
+Extra fused kernels: :func:`dact_dbias` (activation gradient and bias gradient in
+one pass).
+"""
+
+from .activations import activation, activation_grad, dact_dbias
+from .cast import dequantize, quantize_block, quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
+from .fp8_gemm import gemm
+
+__all__ = [
+    "quantize_tensorwise",
+    "quantize_current",
+    "quantize_rowwise",
+    "quantize_block",
+    "quantize_mxfp8",
+    "dequantize",
+    "gemm",
+    "activation",
+    "activation_grad",
+    "dact_dbias",
+]

@@ -1,0 +1,265 @@
+"""Activations, their gradients, and the fused backward ``dact_dbias`` in Triton.
+
+The math matches :mod:`te_fuser.kernels.reference.activation` (GELU is the tanh
+approximation; SwiGLU is ``silu(x[..., :d]) * x[..., d:]``), computed in fp32
+(fp64 for fp64 inputs). The ``@triton.jit`` helpers here are also the GEMM
+epilogue's activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_input, is_interpreted, sm_count
+
+__all__ = ["activation", "activation_grad", "dact_dbias", "ACTIVATION_CODES"]
+
+# Activation kind -> the constexpr code the kernels branch on (0: none).
+ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4}
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_C = 0.044715
+
+
+def activation_code(kind: str | None) -> int:
+    try:
+        return ACTIVATION_CODES[kind]
+    except KeyError:
+        kinds = [k for k in ACTIVATION_CODES if k is not None]
+        raise ValueError(f"activation: must be one of {kinds}, got {kind!r}") from None
+
+
+# ------------------------------------------------------------------- jit math
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(u):
+    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+
+@triton.jit
+def _gelu_inner(x):
+    return 0.7978845608028654 * (x + 0.044715 * x * x * x)
+
+
+@triton.jit
+def gelu(x):
+    return 0.5 * x * (1.0 + _tanh(_gelu_inner(x)))
+
+
+@triton.jit
+def gelu_grad(x):
+    t = _tanh(_gelu_inner(x))
+    d_inner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+
+
+@triton.jit
+def silu(x):
+    return x * _sigmoid(x)
+
+
+@triton.jit
+def silu_grad(x):
+    s = _sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+@triton.jit
+def apply_activation(x, KIND: tl.constexpr):
+    """Element-wise activation ``KIND`` (1 gelu, 2 relu, 3 silu; 0 identity)."""
+    if KIND == 1:
+        return gelu(x)
+    elif KIND == 2:
+        return tl.where(x > 0.0, x, 0.0)
+    elif KIND == 3:
+        return silu(x)
+    else:
+        return x
+
+
+@triton.jit
+def apply_activation_grad(dy, x, KIND: tl.constexpr):
+    if KIND == 1:
+        return dy * gelu_grad(x)
+    elif KIND == 2:
+        return tl.where(x > 0.0, dy, 0.0)
+    else:
+        return dy * silu_grad(x)
+
+
+# -------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, COMPUTE: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y (rows, cols_out) = KIND(x); for SwiGLU x is (rows, 2 * cols_out)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_out)
+    if KIND == 4:
+        row_ptr = x_ptr + offs_r[:, None] * (2 * cols_out) + offs_c[None, :]
+        gate = tl.load(row_ptr, mask=mask, other=0.0).to(COMPUTE)
+        up = tl.load(row_ptr + cols_out, mask=mask, other=0.0).to(COMPUTE)
+        y = silu(gate) * up
+    else:
+        x = tl.load(x_ptr + offs_r[:, None] * cols_out + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
+        y = apply_activation(x, KIND)
+    tl.store(y_ptr + offs_r[:, None] * cols_out + offs_c[None, :], y, mask=mask)
+
+
+@triton.jit
+def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr, COMPUTE: tl.constexpr):
+    """Write the input gradient of one tile; return its column sums
+    (two halves, gate then up, for SwiGLU; the second is zeros otherwise)."""
+    mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_dy)
+    dy = tl.load(dy_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
+    if KIND == 4:
+        x_row = x_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
+        gate = tl.load(x_row, mask=mask, other=0.0).to(COMPUTE)
+        up = tl.load(x_row + cols_dy, mask=mask, other=0.0).to(COMPUTE)
+        d_gate = dy * up * silu_grad(gate)
+        d_up = dy * silu(gate)
+        dx_row = dx_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
+        tl.store(dx_row, d_gate, mask=mask)
+        tl.store(dx_row + cols_dy, d_up, mask=mask)
+        return tl.sum(tl.where(mask, d_gate, 0.0), axis=0), tl.sum(tl.where(mask, d_up, 0.0), axis=0)
+    else:
+        x = tl.load(x_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
+        dx = apply_activation_grad(dy, x, KIND)
+        tl.store(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask=mask)
+        col_sum = tl.sum(tl.where(mask, dx, 0.0), axis=0)
+        return col_sum, tl.zeros_like(col_sum)
+
+
+@triton.jit
+def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.constexpr, COMPUTE: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE)
+
+
+@triton.jit
+def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, rows, cols_dy, rows_per_split,
+                       KIND: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
+    and the column sums of that slab into partial[s] (a row of cols_dx)."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    split = tl.program_id(1)
+    first = split * rows_per_split
+    sum_a = tl.zeros([BLOCK_C], dtype=COMPUTE)
+    sum_b = tl.zeros([BLOCK_C], dtype=COMPUTE)
+    for r0 in range(first, tl.minimum(first + rows_per_split, rows), BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        offs_r = tl.where(offs_r < first + rows_per_split, offs_r, rows)  # stay inside this split
+        part_a, part_b = _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE)
+        sum_a += part_a
+        sum_b += part_b
+    cols_dx = 2 * cols_dy if KIND == 4 else cols_dy
+    col_ok = offs_c < cols_dy
+    tl.store(partial_ptr + split * cols_dx + offs_c, sum_a, mask=col_ok)
+    if KIND == 4:
+        tl.store(partial_ptr + split * cols_dx + cols_dy + offs_c, sum_b, mask=col_ok)
+
+
+# ------------------------------------------------------------------ launchers
+
+
+def _compute_dtype(x: torch.Tensor):
+    return (tl.float64, torch.float64) if x.dtype == torch.float64 else (tl.float32, torch.float32)
+
+
+def _as_rows(x: torch.Tensor, kind: str, kernel: str) -> tuple[torch.Tensor, int]:
+    """x as contiguous (rows, cols) and the number of output columns."""
+    if x.dim() == 0:
+        raise ValueError(f"{kernel}: x must have at least one dimension, got a 0-d tensor")
+    x2d = x.contiguous().reshape(-1, x.shape[-1])  # (prod(leading), cols)
+    cols = x2d.shape[1]
+    if kind == "swiglu":
+        if cols % 2:
+            raise ValueError(f"{kernel}: swiglu needs an even last dimension, got {cols}")
+        cols //= 2
+    return x2d, cols
+
+
+def _blocks(x: torch.Tensor) -> tuple[int, int]:
+    return (16, 32) if is_interpreted(x) else (8, 256)
+
+
+def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``kind(x)`` in fp32 (fp64 for fp64 input); SwiGLU halves the last dimension."""
+    code = activation_code(kind)
+    if kind is None:
+        raise ValueError("activation: kind must be given")
+    check_input(x, "activation", dims=None)
+    x2d, cols = _as_rows(x, kind, "activation")
+    tl_compute, compute = _compute_dtype(x)
+    rows = x2d.shape[0]
+    y = torch.empty((rows, cols), dtype=compute, device=x.device)
+    if y.numel():
+        block_r, block_c = _blocks(x)
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+        _activation_kernel[grid](x2d, y, rows, cols, KIND=code, COMPUTE=tl_compute, BLOCK_R=block_r,
+                                 BLOCK_C=block_c, num_warps=4)
+    return y.reshape(*x.shape[:-1], cols)
+
+
+def _check_grad_inputs(dy: torch.Tensor, x: torch.Tensor, kind: str, kernel: str):
+    activation_code(kind)
+    if kind is None:
+        raise ValueError(f"{kernel}: kind must be given")
+    check_input(x, kernel, "x", dims=None)
+    check_input(dy, kernel, "dy", dims=None)
+    x2d, cols = _as_rows(x, kind, kernel)
+    expected = (*x.shape[:-1], cols)
+    if tuple(dy.shape) != expected:
+        raise ValueError(f"{kernel}: dy must have shape {expected} for x of shape {tuple(x.shape)} "
+                         f"and kind {kind!r}, got {tuple(dy.shape)}")
+    if dy.device != x.device:
+        raise ValueError(f"{kernel}: dy is on {dy.device} but x is on {x.device}")
+    dy2d = dy.contiguous().reshape(-1, cols)  # (rows, cols)
+    return dy2d, x2d, cols
+
+
+def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Gradient w.r.t. the activation's input ``x`` given the output gradient ``dy``."""
+    dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "activation_grad")
+    tl_compute, compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
+    rows = x2d.shape[0]
+    dx = torch.empty(x2d.shape, dtype=compute, device=x.device)
+    if dx.numel():
+        block_r, block_c = _blocks(x)
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+        _activation_grad_kernel[grid](dy2d, x2d, dx, rows, cols, KIND=activation_code(kind), COMPUTE=tl_compute,
+                                      BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return dx.reshape(x.shape)
+
+
+def dact_dbias(dy: torch.Tensor, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dbias)``: the activation gradient and its sum over all leading
+    dimensions (the gradient of a bias added before the activation), in one pass
+    over ``dy`` and ``x``. Both in fp32 (fp64 for fp64 inputs)."""
+    dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "dact_dbias")
+    tl_compute, compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
+    rows, cols_dx = x2d.shape
+    dx = torch.empty((rows, cols_dx), dtype=compute, device=x.device)
+    if not dx.numel():
+        return dx.reshape(x.shape), torch.zeros(cols_dx, dtype=compute, device=x.device)
+    block_r, block_c = _blocks(x)
+    col_blocks = triton.cdiv(cols, block_c)
+    splits = max(1, min(triton.cdiv(rows, block_r), (4 * sm_count(x)) // col_blocks))
+    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
+    splits = triton.cdiv(rows, rows_per_split)
+    partial = torch.empty((splits, cols_dx), dtype=compute, device=x.device)
+    _dact_dbias_kernel[(col_blocks, splits)](dy2d, x2d, dx, partial, rows, cols, rows_per_split,
+                                             KIND=activation_code(kind), COMPUTE=tl_compute, BLOCK_R=block_r,
+                                             BLOCK_C=block_c, num_warps=4)
+    return dx.reshape(x.shape), partial.sum(dim=0)

@@ -1,0 +1,437 @@
+"""FP8 casts in Triton, bit-exact against :mod:`te_fuser.kernels.reference.cast`.
+
+Each kernel reads the high-precision input once per pass, converts it to fp32 at
+once, and writes FP8 bytes through ``uint8`` views (see :mod:`._common`).
+
+- ``quantize_tensorwise``: delayed scaling, one pass: cast with the given scale,
+  the amax of the input and, optionally, the transposed (column-wise) copy, all
+  from one read of each tile.
+- ``quantize_current``: two passes: per-program amax partials, then a cast pass
+  whose programs reduce the partials, derive the scale and cast.
+- ``quantize_rowwise``, ``quantize_block`` (1x128, 128x128), ``quantize_mxfp8``.
+- ``dequantize`` of any :class:`ScaledOperand`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..operand import ScaledOperand, scale_grid_shape
+from ._common import (
+    abs_bits,
+    check_epsilon,
+    check_input,
+    check_scale,
+    e8m0_from_amax,
+    e8m0_reciprocal,
+    e8m0_value,
+    fp8_bytes,
+    fp8_format,
+    fp8_to_float,
+    is_interpreted,
+    reciprocal,
+    scale_from_amax,
+    sm_count,
+    to_output,
+)
+
+__all__ = [
+    "quantize_tensorwise",
+    "quantize_current",
+    "quantize_rowwise",
+    "quantize_block",
+    "quantize_mxfp8",
+    "dequantize",
+]
+
+_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+_TL_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _fp8_meta(fp8_dtype: torch.dtype) -> dict:
+    fmax, mant_bits, min_step_exp, _ = fp8_format(fp8_dtype)
+    return dict(OUT_DTYPE=_TL_FP8[fp8_dtype], FMAX=fmax, MANT_BITS=mant_bits, MIN_STEP_EXP=min_step_exp)
+
+
+def _tile_shape(x: torch.Tensor, columnwise: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the per-tensor cast kernels."""
+    if is_interpreted(x):
+        return 32, 64, 4
+    return (64, 128, 8) if columnwise else (32, 256, 8)
+
+
+# ----------------------------------------------------------------- per tensor
+
+
+@triton.jit
+def _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn,
+               ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
+    """Cast one (BLOCK_M, BLOCK_N) tile of x; return the tile's amax as int32 bits."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    q = fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+    if ROWWISE:
+        tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+    if COLUMNWISE:
+        tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(q), mask=tl.trans(mask))
+    return tl.max(tl.max(abs_bits(x), axis=1), axis=0)
+
+
+@triton.jit
+def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_ptr, M, N, stride_xm, stride_xn,
+                                ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                                FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
+    """Cast with a given scale; the amax is reduced with integer atomics on the bits
+    of |x| in ``work[0]``, and the last program to finish writes it out."""
+    tile = tl.program_id(0)
+    scale = tl.load(scale_ptr)
+    amax_bits = _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
+                           BLOCK_M, BLOCK_N, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+    tl.atomic_max(work_ptr, amax_bits)
+    finished = tl.atomic_add(work_ptr + 1, 1)
+    if finished == tl.num_programs(0) - 1:
+        total = tl.atomic_max(work_ptr, 0)
+        tl.store(amax_ptr, total.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, partials_ptr, M, N, stride_xm, stride_xn,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pass 1 of current scaling: program p reduces tiles p, p + P, ... of x."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    running = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for tile in range(pid, n_tiles, n_programs):
+        offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+        running = tl.maximum(running, abs_bits(x.to(tl.float32)))
+    tl.store(partials_ptr + pid, tl.max(tl.max(running, axis=1), axis=0))
+
+
+@triton.jit
+def _quantize_current_kernel(x_ptr, partials_ptr, n_partials, q_ptr, qt_ptr, scale_ptr, scale_inv_ptr, amax_ptr,
+                             M, N, stride_xm, stride_xn, POWER_2: tl.constexpr, EPSILON: tl.constexpr,
+                             ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PARTIALS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                             FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
+    """Pass 2 of current scaling: reduce the amax partials, derive the scale, cast."""
+    tile = tl.program_id(0)
+    offs = tl.arange(0, PARTIALS)
+    amax_bits = tl.max(tl.load(partials_ptr + offs, mask=offs < n_partials, other=0), axis=0)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
+    _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
+               BLOCK_M, BLOCK_N, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+    if tile == 0:
+        tl.store(scale_ptr, scale)
+        tl.store(scale_inv_ptr, reciprocal(scale))
+        tl.store(amax_ptr, amax)
+
+
+def _as_matrix(x: torch.Tensor, columnwise: bool, kernel: str) -> torch.Tensor:
+    """2-D view of ``x``: (M, N) as given, or (prod(leading), last) without a column-wise copy."""
+    if x.dim() == 2:
+        return x
+    if columnwise:
+        raise ValueError(f"{kernel}: a column-wise (transposed) copy needs a 2-D x, got shape {tuple(x.shape)}")
+    if x.dim() == 0:
+        return x.reshape(1, 1)
+    return x.reshape(-1, x.shape[-1])  # (prod(leading), N)
+
+
+def _outputs(x2d: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool):
+    M, N = x2d.shape
+    q = torch.empty((M, N), dtype=fp8_dtype, device=x2d.device) if rowwise else None
+    qt = torch.empty((N, M), dtype=fp8_dtype, device=x2d.device) if columnwise else None
+    return q, qt
+
+
+def _u8(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """uint8 view of an FP8 output (a dummy pointer when the output is not wanted)."""
+    return t.view(torch.uint8) if t is not None else like
+
+
+def quantize_tensorwise(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Delayed-scaling cast of ``x`` with the 0-d fp32 ``scale``, in one pass.
+
+    Returns ``(data (M, K) or None, data_t (K, M) or None, amax)``; with ``amax_out``
+    (a one-element fp32 tensor) the amax is written there and that tensor returned.
+    """
+    kernel = "quantize_tensorwise"
+    check_input(x, kernel, dims=None)
+    check_scale(scale, kernel, x.device)
+    meta = _fp8_meta(fp8_dtype)
+    if amax_out is not None and (amax_out.numel() != 1 or amax_out.dtype != torch.float32):
+        raise ValueError(f"{kernel}: amax_out must be a one-element float32 tensor, got {amax_out.dtype} "
+                         f"of shape {tuple(amax_out.shape)}")
+    x2d = _as_matrix(x, columnwise, kernel)
+    q, qt = _outputs(x2d, fp8_dtype, rowwise, columnwise)
+    amax = torch.empty((), dtype=torch.float32, device=x.device) if amax_out is None else amax_out
+    M, N = x2d.shape
+    if x2d.numel() == 0:
+        amax.fill_(0.0)
+    else:
+        block_m, block_n, warps = _tile_shape(x2d, columnwise)
+        work = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
+        grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+        _quantize_tensorwise_kernel[grid](
+            x2d, scale, _u8(q, work), _u8(qt, work), amax, work, M, N, x2d.stride(0), x2d.stride(1),
+            ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **meta)
+    if q is not None and x.dim() != 2:
+        q = q.reshape(x.shape)
+    return q, qt, amax
+
+
+def quantize_current(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    power_2: bool = False,
+    epsilon: float = 0.0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling in two passes (amax, then cast).
+
+    Returns ``(data, data_t, scale, scale_inv, amax)``, the last three 0-d fp32.
+    """
+    kernel = "quantize_current"
+    check_input(x, kernel, dims=None)
+    epsilon = check_epsilon(epsilon, kernel)
+    meta = _fp8_meta(fp8_dtype)
+    x2d = _as_matrix(x, columnwise, kernel)
+    q, qt = _outputs(x2d, fp8_dtype, rowwise, columnwise)
+    M, N = x2d.shape
+    stats = torch.empty(3, dtype=torch.float32, device=x.device)  # scale, scale_inv, amax
+    if x2d.numel() == 0:
+        stats.copy_(torch.tensor([1.0, 1.0, 0.0]))
+    else:
+        block_m, block_n, warps = _tile_shape(x2d, columnwise)
+        n_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+        n_partials = min(n_tiles, 2 * sm_count(x2d))
+        partials = torch.empty(n_partials, dtype=torch.int32, device=x.device)
+        _amax_partials_kernel[(n_partials,)](x2d, partials, M, N, x2d.stride(0), x2d.stride(1),
+                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        _quantize_current_kernel[(n_tiles,)](
+            x2d, partials, n_partials, _u8(q, partials), _u8(qt, partials), stats, stats[1:], stats[2:],
+            M, N, x2d.stride(0), x2d.stride(1), POWER_2=bool(power_2), EPSILON=epsilon, ROWWISE=rowwise,
+            COLUMNWISE=columnwise, PARTIALS=triton.next_power_of_2(n_partials), BLOCK_M=block_m,
+            BLOCK_N=block_n, num_warps=warps, **meta)
+    if q is not None and x.dim() != 2:
+        q = q.reshape(x.shape)
+    return q, qt, stats[0], stats[1], stats[2]
+
+
+# ------------------------------------------------------------ per row / tile
+
+
+@triton.jit
+def _quantize_rowwise_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_xn,
+                             POWER_2: tl.constexpr, EPSILON: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
+                             MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
+    """BLOCK_M rows per program: one sweep for the row amaxes, one to cast."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
+    running = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (offs_n[None, :] < N)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+        running = tl.maximum(running, abs_bits(x.to(tl.float32)))
+    amax = tl.max(running, axis=1).to(tl.float32, bitcast=True)  # (BLOCK_M,)
+    scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
+    tl.store(scale_inv_ptr + offs_m, reciprocal(scale), mask=row_ok)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (offs_n[None, :] < N)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+        q = fp8_bytes(x.to(tl.float32) * scale[:, None], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+        tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+
+
+def quantize_rowwise(
+    x: torch.Tensor, fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0
+) -> ScaledOperand:
+    """One scale per row of 2-D ``x``: ``ScaledOperand(data (M, K), scale_inv (M, 1), "row")``."""
+    kernel = "quantize_rowwise"
+    check_input(x, kernel)
+    epsilon = check_epsilon(epsilon, kernel)
+    meta = _fp8_meta(fp8_dtype)
+    M, N = x.shape
+    q = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
+    scale_inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M and N:
+        block_m, block_n = (4, 64) if is_interpreted(x) else (4, 1024)
+        _quantize_rowwise_kernel[(triton.cdiv(M, block_m),)](
+            x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), POWER_2=bool(power_2),
+            EPSILON=epsilon, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **meta)
+    elif M:
+        scale_inv.fill_(1.0)
+    return ScaledOperand(q, scale_inv, "row")
+
+
+@triton.jit
+def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_xn, stride_sm,
+                           TILE_ROWS: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, POWER_2: tl.constexpr,
+                           EPSILON: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
+                           MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
+    """ROWS_PER_PROGRAM x 128 elements per program: 1x128 tiles (one scale per row)
+    or one 128x128 tile (one scale). Padding outside x does not count in amax."""
+    offs_m = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    offs_n = tl.program_id(1) * 128 + tl.arange(0, 128)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    row_amax = tl.max(abs_bits(x), axis=1)  # (ROWS_PER_PROGRAM,) int32 bits
+    if TILE_ROWS == 1:
+        scale = scale_from_amax(row_amax.to(tl.float32, bitcast=True), FMAX, POWER_2, EPSILON)
+        tl.store(scale_inv_ptr + offs_m * stride_sm + tl.program_id(1), reciprocal(scale), mask=offs_m < M)
+        x_scaled = x * scale[:, None]
+    else:
+        tile_amax = tl.max(row_amax, axis=0).to(tl.float32, bitcast=True)
+        scale = scale_from_amax(tile_amax, FMAX, POWER_2, EPSILON)
+        tl.store(scale_inv_ptr + tl.program_id(0) * stride_sm + tl.program_id(1), reciprocal(scale))
+        x_scaled = x * scale
+    q = fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+    tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+
+
+def quantize_block(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    tile_rows: int,
+    power_2: bool = True,
+    epsilon: float = 0.0,
+) -> ScaledOperand:
+    """Block scaling of 2-D ``x`` with 1x128 (``tile_rows=1``) or 128x128 tiles;
+    partial tiles at the edges are allowed."""
+    kernel = "quantize_block"
+    check_input(x, kernel)
+    if tile_rows not in (1, 128):
+        raise ValueError(f"tile_rows: must be 1 (1x128) or 128 (128x128), got {tile_rows}")
+    epsilon = check_epsilon(epsilon, kernel)
+    meta = _fp8_meta(fp8_dtype)
+    M, N = x.shape
+    scaling = "block_1x128" if tile_rows == 1 else "block_128x128"
+    q = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
+    scale_inv = torch.empty(scale_grid_shape(scaling, M, N), dtype=torch.float32, device=x.device)
+    rows_per_program = 128 if tile_rows == 128 else (16 if is_interpreted(x) else 32)
+    if M and N:
+        grid = (triton.cdiv(M, rows_per_program), triton.cdiv(N, 128))
+        _quantize_block_kernel[grid](
+            x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), scale_inv.stride(0),
+            TILE_ROWS=tile_rows, ROWS_PER_PROGRAM=rows_per_program, POWER_2=bool(power_2), EPSILON=epsilon,
+            num_warps=8 if tile_rows == 128 else 4, **meta)
+    return ScaledOperand(q, scale_inv, scaling)
+
+
+@triton.jit
+def _quantize_mxfp8_kernel(x_ptr, q_ptr, scale_ptr, M, N, stride_xm, stride_xn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_EMAX: tl.constexpr,
+                           OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                           MIN_STEP_EXP: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) elements per program, one E8M0 byte per 32 of a row."""
+    GROUPS: tl.constexpr = BLOCK_N // 32
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+    x3 = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, 32))  # (BLOCK_M, GROUPS, 32)
+    amax = tl.max(abs_bits(x3), axis=2).to(tl.float32, bitcast=True)  # (BLOCK_M, GROUPS)
+    byte = e8m0_from_amax(amax, FP8_EMAX)
+    x_scaled = x3 * e8m0_reciprocal(byte)[:, :, None]
+    q = tl.reshape(fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP), (BLOCK_M, BLOCK_N))
+    tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+    offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    s_mask = (offs_m[:, None] < M) & (offs_g[None, :] < N // 32)
+    tl.store(scale_ptr + offs_m[:, None] * (N // 32) + offs_g[None, :], byte.to(tl.uint8), mask=s_mask)
+
+
+def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
+    """MXFP8 along the last dim of 2-D ``x`` (a multiple of 32): E8M0 ``uint8`` scales."""
+    kernel = "quantize_mxfp8"
+    check_input(x, kernel)
+    meta = _fp8_meta(fp8_dtype)
+    M, N = x.shape
+    if N % 32:
+        raise ValueError(f"MXFP8: the quantized dimension ({N}) must be a multiple of 32")
+    q = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
+    scale = torch.empty((M, N // 32), dtype=torch.uint8, device=x.device)
+    if M and N:
+        block_m, block_n = (16, 64) if is_interpreted(x) else (32, 128)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+        _quantize_mxfp8_kernel[grid](
+            x, q.view(torch.uint8), scale, M, N, x.stride(0), x.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
+            FP8_EMAX=fp8_format(fp8_dtype)[3], num_warps=4, **meta)
+    return ScaledOperand(q, scale, "mx_32")
+
+
+# ---------------------------------------------------------------- dequantize
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, out_ptr, M, N, stride_sm, stride_sn,
+                       TILE_R: tl.constexpr, TILE_C: tl.constexpr, E8M0: tl.constexpr, IS_E4M3: tl.constexpr,
+                       OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``data * scale_inv`` in fp32, the scale of element (m, n) at
+    ``s[(m // TILE_R) * stride_sm + (n // TILE_C) * stride_sn]``."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    q = tl.load(q_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    s_offs = (offs_m[:, None] // TILE_R) * stride_sm + (offs_n[None, :] // TILE_C) * stride_sn
+    s = tl.load(s_ptr + s_offs, mask=mask, other=1)
+    if E8M0:
+        s = e8m0_value(s.to(tl.int32))
+    out = fp8_to_float(q, IS_E4M3) * s
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], to_output(out, OUT_DTYPE), mask=mask)
+
+
+def _scale_lookup(op: ScaledOperand) -> tuple[int, int, int, int]:
+    """(TILE_R, TILE_C, stride_sm, stride_sn) of an operand's scale grid."""
+    if op.scaling == "tensor":
+        return 1, 1, 0, 0
+    if op.scaling == "row":
+        return 1, 1, op.scale_inv.stride(0), 0
+    tile_r, tile_c = {"block_1x128": (1, 128), "block_128x128": (128, 128), "mx_32": (1, 32)}[op.scaling]
+    return tile_r, tile_c, op.scale_inv.stride(0), op.scale_inv.stride(1)
+
+
+def dequantize(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale_inv`` in fp32 (exact for representable values), then ``out_dtype``."""
+    if not isinstance(op, ScaledOperand):
+        raise TypeError(f"dequantize: op must be a ScaledOperand, got {type(op).__name__}")
+    if out_dtype not in _TL_OUT:
+        raise ValueError(f"dequantize: out_dtype must be one of {list(_TL_OUT)}, got {out_dtype}")
+    fp8_format(op.fp8_dtype)
+    data = op.data.contiguous()
+    M, N = data.shape
+    out = torch.empty((M, N), dtype=out_dtype, device=data.device)
+    if M and N:
+        tile_r, tile_c, stride_sm, stride_sn = _scale_lookup(op)
+        block_m, block_n = (16, 64) if is_interpreted(data) else (32, 128)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+        _dequantize_kernel[grid](
+            data, op.scale_inv, out, M, N, stride_sm, stride_sn, TILE_R=tile_r, TILE_C=tile_c,
+            E8M0=op.scaling == "mx_32", IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn, OUT_DTYPE=_TL_OUT[out_dtype],
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    return out

@@ -1,0 +1,468 @@
+"""FP8 GEMMs with fused epilogues in Triton.
+
+``out = activation(a @ b.T + bias) + residual`` with ``a`` (P, R) and ``b`` (Q, R)
+both K-major (see :mod:`te_fuser.kernels.operand`), fp32 accumulation, and one of
+these kernels chosen by the operands' scalings:
+
+- ``_fp8_gemm_tensorwise_kernel``: tensor or row scales on either side, applied
+  once in the epilogue; also the kernel for plain high-precision operands;
+- ``_fp8_gemm_blockwise_1x128_128x128_kernel`` / ``_fp8_gemm_blockwise_1x128_1x128_kernel``:
+  DeepSeek-style block scaling: each 128-deep partial product is promoted to the
+  fp32 accumulator with its A-row and B-block scales;
+- ``_mxfp8_gemm_kernel``: MXFP8 (E8M0 per 32 along K); Hopper has no MXFP8
+  datapath, so ``tl.dot_scaled`` (which Triton lowers to bf16 products there) does
+  the exact power-of-2 scaling.
+
+The epilogue adds the bias, applies GELU/ReLU/SiLU, or SwiGLU as a gated pair:
+the program computes the gate columns ``j`` and the up columns ``j + Q/2`` side by
+side and writes ``silu(gate) * up``; then it adds the residual and casts.
+Other scaling pairs are dequantized to fp32 and multiplied by the same kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..operand import ScaledOperand
+from ._common import e8m0_value, fp8_format, fp8_to_float, is_interpreted, to_output
+from .activations import activation_code, apply_activation, silu
+from .cast import dequantize
+
+__all__ = ["gemm"]
+
+_TL_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+# ------------------------------------------------------------ shared pieces
+
+
+@triton.jit
+def _tile_coords(M, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped launch order: GROUP_M row tiles share each column tile in L2."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N_OUT, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              OUT_DTYPE: tl.constexpr):
+    """bias -> activation (SwiGLU from the gate/up pair) -> residual -> store."""
+    n_ok = offs_n < N_OUT
+    mask = (offs_m[:, None] < M) & n_ok[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION == 4:
+            acc_up += tl.load(bias_ptr + HALF + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 4:
+        out = silu(acc) * acc_up
+    else:
+        out = apply_activation(acc, ACTIVATION)
+    if HAS_RESIDUAL:
+        out += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], to_output(out, OUT_DTYPE), mask=mask)
+
+
+# ------------------------------------------------------------ tensor / row
+
+
+@triton.jit
+def _fp8_gemm_tensorwise_kernel(
+        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        stride_am, stride_bn, stride_rm, stride_om,
+        SCALED: tl.constexpr, A_ROW_SCALES: tl.constexpr, B_ROW_SCALES: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, PROMOTE_EVERY: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """a (M, K) @ b (N, K).T with one scale per tensor or per row, applied after
+    the fp32 accumulation (they are constant along K)."""
+    offs_m, offs_n = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    GATED: tl.constexpr = ACTIVATION == 4
+    rows_a = offs_m % M  # wrapped rows are computed and never stored
+    rows_b = offs_n % N_OUT
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k[None, :] < K - k0
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+        if UPCAST:  # the interpreter multiplies bf16 as raw bits: widen first (exact)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=INPUT_PRECISION, max_num_imprecise_acc=PROMOTE_EVERY)
+        if GATED:
+            b_up = tl.load(b_ptrs + HALF * stride_bn, mask=k_ok, other=0.0)
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            acc_up = tl.dot(a, tl.trans(b_up), acc_up, input_precision=INPUT_PRECISION,
+                            max_num_imprecise_acc=PROMOTE_EVERY)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if SCALED:
+        sa = tl.load(sa_ptr + rows_a) if A_ROW_SCALES else tl.load(sa_ptr)
+        sb = tl.load(sb_ptr + rows_b) if B_ROW_SCALES else tl.load(sb_ptr)
+        if A_ROW_SCALES:
+            sa = sa[:, None]
+        if B_ROW_SCALES:
+            sb_gate = sb[None, :]
+        else:
+            sb_gate = sb
+        acc = acc * sa * sb_gate
+        if GATED:
+            sb_up = tl.load(sb_ptr + HALF + rows_b)[None, :] if B_ROW_SCALES else sb
+            acc_up = acc_up * sa * sb_up
+    _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+              HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
+
+
+# ------------------------------------------------------------ block scaling
+
+
+@triton.jit
+def _blockwise_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, offs_k, BLOCK_K: tl.constexpr):
+    """One 128-deep block of a @ b.T with its scales applied (a fresh fp32 product)."""
+    k_ok = offs_k[None, :] < K - kb * BLOCK_K
+    a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+    b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+    partial = tl.dot(a, tl.trans(b))
+    return partial * tl.load(sa_ptrs + kb)[:, None] * tl.load(sb_ptrs + kb)[None, :]
+
+
+@triton.jit
+def _fp8_gemm_blockwise_body(
+        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, B_TILE_ROWS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """a: 1x128 scales (M, K/128); b: 1x128 (N, K/128) or 128x128 (N/128, K/128)."""
+    BLOCK_K: tl.constexpr = 128
+    GATED: tl.constexpr = ACTIVATION == 4
+    offs_m, offs_n = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    rows_a = offs_m % M
+    rows_b = offs_n % N_OUT
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]
+    sa_ptrs = sa_ptr + rows_a * stride_sam
+    sb_ptrs = sb_ptr + (rows_b // B_TILE_ROWS) * stride_sbn
+    sb_up_ptrs = sb_ptr + ((rows_b + HALF) // B_TILE_ROWS) * stride_sbn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        acc += _blockwise_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, offs_k, BLOCK_K)
+        if GATED:
+            acc_up += _blockwise_partial(a_ptrs, b_ptrs + HALF * stride_bn, sa_ptrs, sb_up_ptrs, kb, K, offs_k,
+                                         BLOCK_K)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+              HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
+
+
+@triton.jit
+def _fp8_gemm_blockwise_1x128_128x128_kernel(
+        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
+        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    _fp8_gemm_blockwise_body(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+                             stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 128,
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def _fp8_gemm_blockwise_1x128_1x128_kernel(
+        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
+        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    _fp8_gemm_blockwise_body(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+                             stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 1,
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+# ------------------------------------------------------------------ MXFP8
+
+
+@triton.jit
+def _mx_scaled_tile(q, s, IS_E4M3: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """(R, BLOCK_K) FP8 tile times its E8M0 scales (R, BLOCK_K / 32), exactly, in DOT_DTYPE."""
+    R: tl.constexpr = q.shape[0]
+    BLOCK_K: tl.constexpr = q.shape[1]
+    v = tl.reshape(fp8_to_float(q, IS_E4M3), (R, BLOCK_K // 32, 32))  # (R, groups, 32)
+    v = v * e8m0_value(s.to(tl.int32))[:, :, None]
+    return tl.reshape(v, (R, BLOCK_K)).to(DOT_DTYPE)
+
+
+@triton.jit
+def _mx_partial(a, sa, b_ptrs, sb_ptrs, k_ok, s_ok, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+                DOT_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """a @ b.T for one BLOCK_K slice: ``tl.dot_scaled``, or the same products from
+    tiles scaled in registers (FP8 times a power of two is exact in bf16)."""
+    b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+    sb = tl.load(sb_ptrs, mask=s_ok, other=127)
+    if DOT_SCALED:
+        return tl.dot_scaled(a, sa, A_FORMAT, tl.trans(b), sb, B_FORMAT)
+    else:
+        a_hp = _mx_scaled_tile(a, sa, A_FORMAT == "e4m3", DOT_DTYPE)
+        b_hp = _mx_scaled_tile(b, sb, B_FORMAT == "e4m3", DOT_DTYPE)
+        return tl.dot(a_hp, tl.trans(b_hp), input_precision="ieee")
+
+
+@triton.jit
+def _mxfp8_gemm_kernel(
+        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
+        A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, DOT_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """MXFP8 x MXFP8: E8M0 scales (uint8) per 32 along K on both sides."""
+    GATED: tl.constexpr = ACTIVATION == 4
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    offs_m, offs_n = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    rows_a = offs_m % M
+    rows_b = offs_n % N_OUT
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, GROUPS)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]
+    sa_ptrs = sa_ptr + rows_a[:, None] * stride_sam + offs_g[None, :]
+    sb_ptrs = sb_ptr + rows_b[:, None] * stride_sbn + offs_g[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k[None, :] < K - k0
+        s_ok = offs_g[None, :] < (K - k0) // 32
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+        sa = tl.load(sa_ptrs, mask=s_ok, other=127)
+        acc += _mx_partial(a, sa, b_ptrs, sb_ptrs, k_ok, s_ok, A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE)
+        if GATED:
+            acc_up += _mx_partial(a, sa, b_ptrs + HALF * stride_bn, sb_ptrs + HALF * stride_sbn, k_ok, s_ok,
+                                  A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        sa_ptrs += GROUPS
+        sb_ptrs += GROUPS
+    _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+              HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
+
+
+# --------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class _Epilogue:
+    """The checked epilogue of one GEMM call."""
+
+    bias: torch.Tensor | None
+    residual: torch.Tensor | None
+    activation: int
+    n_out: int
+    half: int
+    out_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def _tiles(device: torch.device, scaling: str, m: int, n_out: int, gated: bool) -> _Tiles:
+    """Tile shapes: small ones for the interpreter; Hopper-sized ones on a GPU."""
+    block_k = 128 if scaling in ("block", "mx") else 64
+    if device.type == "cpu":
+        return _Tiles(32, 32, block_k if scaling != "plain" else 32, 4, 4, 1)
+    if scaling == "plain":
+        return _Tiles(128, 128, 64, 8, 8, 3)
+    small = m * n_out <= 1024 * 1024
+    block_n = 128 if (gated or small or scaling == "mx") else 256
+    stages = 3 if block_n == 256 or gated else 4
+    return _Tiles(128, block_n, 128, 8, 8, stages)
+
+
+def _check_epilogue(bias, residual, activation, out_dtype, m, n, device) -> _Epilogue:
+    if out_dtype not in _TL_OUT:
+        raise ValueError(f"gemm: out_dtype must be one of {list(_TL_OUT)}, got {out_dtype}")
+    code = activation_code(activation)
+    n_out = n
+    if code == 4:
+        if n % 2:
+            raise ValueError(f"gemm: swiglu needs an even number of output columns, b has {n} rows")
+        n_out = n // 2
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (n,) or bias.device != device:
+            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"gemm: bias must be a ({n},) tensor on {device}, got {got}")
+        bias = bias.contiguous()
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.shape != (m, n_out) or residual.device != device:
+            got = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+            raise ValueError(f"gemm: residual must be a ({m}, {n_out}) tensor on {device}, got {got}")
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    return _Epilogue(bias, residual, code, n_out, n // 2 if code == 4 else 0, out_dtype)
+
+
+def _operand_matrix(op, name: str) -> torch.Tensor:
+    if isinstance(op, ScaledOperand):
+        return op.data
+    if isinstance(op, torch.Tensor):
+        if op.dim() != 2:
+            raise ValueError(f"gemm: {name} must be 2-D (rows, K), got shape {tuple(op.shape)}")
+        if op.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"gemm: plain operand {name} must be bf16, fp16 or fp32, got {op.dtype}")
+        return op
+    raise TypeError(f"gemm: {name} must be a ScaledOperand or a torch.Tensor, got {type(op).__name__}")
+
+
+def _k_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _launch_common(epi: _Epilogue, out: torch.Tensor, dummy: torch.Tensor) -> tuple[list, dict]:
+    res = epi.residual
+    args = [epi.bias if epi.bias is not None else dummy, res if res is not None else dummy, out]
+    meta = dict(HAS_BIAS=epi.bias is not None, ACTIVATION=epi.activation, HAS_RESIDUAL=res is not None,
+                OUT_DTYPE=_TL_OUT[epi.out_dtype])
+    return args, dict(stride_rm=res.stride(0) if res is not None else 0, stride_om=out.stride(0), **meta)
+
+
+def _grid(m: int, epi: _Epilogue, t: _Tiles) -> tuple[int]:
+    return (triton.cdiv(m, t.block_m) * triton.cdiv(epi.n_out, t.block_n),)
+
+
+def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: str) -> None:
+    """tensor/row scaled FP8 operands, or plain ones (``sa``/``sb`` None)."""
+    m, k = a.shape
+    t = _tiles(a.device, "tensor" if sa is not None else "plain", m, epi.n_out, epi.activation == 4)
+    args, meta = _launch_common(epi, out, a)
+    upcast = a.dtype == torch.bfloat16 and is_interpreted(a)
+    precision = "ieee" if (a.dtype == torch.float32 or upcast) else None
+    promote = t.block_k if (a.dtype.itemsize == 1 and k >= t.block_k) else None
+    _fp8_gemm_tensorwise_kernel[_grid(m, epi, t)](
+        a, b, sa if sa is not None else out, sb if sb is not None else out, *args, m, epi.n_out, k, epi.half,
+        a.stride(0), b.stride(0), SCALED=sa is not None, A_ROW_SCALES=kind[0] == "row",
+        B_ROW_SCALES=kind[1] == "row", INPUT_PRECISION=precision, PROMOTE_EVERY=promote, UPCAST=upcast, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
+        num_stages=t.num_stages, **meta)
+
+
+def _gemm_blockwise(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.Tensor) -> None:
+    m, k = a.data.shape
+    t = _tiles(a.data.device, "block", m, epi.n_out, epi.activation == 4)
+    args, meta = _launch_common(epi, out, a.data)
+    kernel = (_fp8_gemm_blockwise_1x128_128x128_kernel if b.scaling == "block_128x128"
+              else _fp8_gemm_blockwise_1x128_1x128_kernel)
+    a_data, b_data = _k_major(a.data), _k_major(b.data)
+    sa, sb = a.scale_inv.contiguous(), b.scale_inv.contiguous()
+    kernel[_grid(m, epi, t)](
+        a_data, b_data, sa, sb, *args, m, epi.n_out, k, epi.half,
+        a_data.stride(0), b_data.stride(0), sa.stride(0), sb.stride(0),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP_M=t.group_m, num_warps=t.num_warps,
+        num_stages=t.num_stages, **meta)
+
+
+# MXFP8 products through tl.dot_scaled (True) or through tiles scaled in registers
+# and a bf16 dot (False); both exact. Chosen by measurement on Hopper.
+MXFP8_DOT_SCALED = True
+
+
+def _gemm_mxfp8(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.Tensor,
+                dot_scaled: bool | None = None) -> None:
+    m, k = a.data.shape
+    if k % 32:
+        raise ValueError(f"gemm: MXFP8 operands need K % 32 == 0, got K={k}")
+    t = _tiles(a.data.device, "mx", m, epi.n_out, epi.activation == 4)
+    args, meta = _launch_common(epi, out, a.data)
+    a_data, b_data = _k_major(a.data), _k_major(b.data)
+    sa, sb = a.scale_inv.contiguous(), b.scale_inv.contiguous()
+    _mxfp8_gemm_kernel[_grid(m, epi, t)](
+        a_data, b_data, sa, sb, *args, m, epi.n_out, k, epi.half, a_data.stride(0), b_data.stride(0),
+        sa.stride(0), sb.stride(0), A_FORMAT=_FP8_NAMES[a.fp8_dtype], B_FORMAT=_FP8_NAMES[b.fp8_dtype],
+        DOT_SCALED=MXFP8_DOT_SCALED if dot_scaled is None else dot_scaled,
+        DOT_DTYPE=tl.float32 if is_interpreted(a_data) else tl.bfloat16,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
+        num_stages=t.num_stages, **meta)
+
+
+def _pair(a, b) -> str:
+    """Which kernel a pair of operands goes to."""
+    sa = a.scaling if isinstance(a, ScaledOperand) else "plain"
+    sb = b.scaling if isinstance(b, ScaledOperand) else "plain"
+    if sa in ("tensor", "row") and sb in ("tensor", "row"):
+        return "tensorwise"
+    if sa == "block_1x128" and sb in ("block_1x128", "block_128x128"):
+        return "blockwise"
+    if sa == "mx_32" and sb == "mx_32":
+        return "mxfp8"
+    if sa == "plain" and sb == "plain":
+        return "plain"
+    return "dequantized"
+
+
+def gemm(
+    a: ScaledOperand | torch.Tensor,
+    b: ScaledOperand | torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``activation(a (P, R) @ b (Q, R).T + bias (Q,)) + residual (P, Q')``, fp32
+    accumulation, cast to ``out_dtype``; ``swiglu`` halves the columns (Q' = Q/2)."""
+    a_mat, b_mat = _operand_matrix(a, "a"), _operand_matrix(b, "b")
+    if a_mat.shape[1] != b_mat.shape[1]:
+        raise ValueError(f"gemm: reduction dims differ: a is {tuple(a_mat.shape)}, b is {tuple(b_mat.shape)}")
+    if a_mat.device != b_mat.device:
+        raise ValueError(f"gemm: a is on {a_mat.device} but b is on {b_mat.device}")
+    for op, name in ((a, "a"), (b, "b")):
+        if isinstance(op, ScaledOperand):
+            fp8_format(op.fp8_dtype)
+    m, n = a_mat.shape[0], b_mat.shape[0]
+    epi = _check_epilogue(bias, residual, activation, out_dtype, m, n, a_mat.device)
+    out = torch.empty((m, epi.n_out), dtype=out_dtype, device=a_mat.device)
+    if out.numel() == 0:
+        return out
+    if a_mat.shape[1] == 0:
+        a, b = a_mat.float(), b_mat.float()  # an empty reduction: the epilogue of zeros
+    pair = _pair(a, b)
+    if pair == "tensorwise":
+        _gemm_tensorwise(_k_major(a.data), _k_major(b.data), a.scale_inv.reshape(-1), b.scale_inv.reshape(-1),
+                         epi, out, (a.scaling, b.scaling))
+    elif pair == "blockwise":
+        _gemm_blockwise(a, b, epi, out)
+    elif pair == "mxfp8":
+        _gemm_mxfp8(a, b, epi, out)
+    else:
+        a_hp, b_hp = _high_precision_pair(a, b, pair)
+        _gemm_tensorwise(a_hp, b_hp, None, None, epi, out, ("plain", "plain"))
+    return out
+
+
+def _high_precision_pair(a, b, pair: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands as K-major tensors of one high-precision dtype."""
+    if pair == "plain" and a.dtype == b.dtype:
+        return _k_major(a), _k_major(b)
+    a_hp = dequantize(a, torch.float32) if isinstance(a, ScaledOperand) else a.float()
+    b_hp = dequantize(b, torch.float32) if isinstance(b, ScaledOperand) else b.float()
+    return _k_major(a_hp), _k_major(b_hp)
