@@ -66,8 +66,9 @@ def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> t
 
 
 def dact_dbias_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward of ``Bias -> activation``: ``dx = dact(dy, x)`` in ``x.dtype`` and
-    ``dbias = dx.sum(rows)`` accumulated in fp32 from the fp32 ``dx`` (returned fp32)."""
-    dx32 = activation_grad_reference(dy, x, kind)
-    dbias = dx32.reshape(-1, dx32.shape[-1]).sum(dim=0)
-    return dx32.to(x.dtype), dbias.float()
+    """The backward of ``Bias -> activation``: ``dx = dact(dy, x)`` rounded to
+    ``x.dtype``, and ``dbias`` = the fp32 sum over rows of that rounded ``dx`` — the
+    same numbers the unfused activation and bias backwards produce."""
+    dx = activation_grad_reference(dy, x, kind).to(x.dtype)
+    dbias = dx.reshape(-1, dx.shape[-1]).float().sum(dim=0)
+    return dx, dbias

@@ -72,8 +72,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 class OperationFuser:
     """Runs a list of basic ops through a fused plan."""
 
-    def __init__(self, ops: Sequence[BasicOperation]) -> None:
+    def __init__(self, ops: Sequence[BasicOperation], fuse: bool = True) -> None:
         self.ops = list(ops)
+        self.fuse = fuse
         self._params = [list(op.parameters()) for op in self.ops]
         self._flat_params = [p for ps in self._params for p in ps]
         self._n_extra_in = [op.num_extra_inputs for op in self.ops]
@@ -128,8 +129,8 @@ class OperationFuser:
         t1 = time.perf_counter()
         phases["quantizers"] = t1 - t0
         plan_recipe = recipe if (recipe is not None and not calibrating) else None
-        fwd = match(self.ops, "forward", plan_recipe)
-        bwd = match(self.ops, "backward", plan_recipe)
+        fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse)
+        bwd = match(self.ops, "backward", plan_recipe, enabled=self.fuse)
         t2 = time.perf_counter()
         phases["fusion"] = t2 - t1
         self._validate(x, quantizers, bwd.steps)

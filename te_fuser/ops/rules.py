@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 from .op import BasicOperation, FusedOperation
 
-__all__ = ["FusionRule", "PlanStep", "MatchResult", "register_fusion_rule", "fusion_rules", "match"]
+__all__ = ["FusionRule", "PlanStep", "MatchResult", "register_fusion_rule", "unregister_fusion_rule", "fusion_rules", "match"]
 
 Predicate = Callable[[Sequence[BasicOperation], object], "str | None"]
 
@@ -72,13 +72,22 @@ def register_fusion_rule(rule: FusionRule) -> None:
     _RULES.sort(key=lambda r: -len(r.pattern))  # stable: ties keep registration order
 
 
+def unregister_fusion_rule(name: str) -> FusionRule:
+    """Remove the rule called ``name`` from the table and return it."""
+    for i, rule in enumerate(_RULES):
+        if rule.name == name:
+            return _RULES.pop(i)
+    raise KeyError(f"unregister_fusion_rule: no rule named {name!r}")
+
+
 def fusion_rules(pass_: str | None = None) -> list[FusionRule]:
     return [r for r in _RULES if pass_ is None or r.pass_ == pass_]
 
 
-def match(ops: Sequence[BasicOperation], pass_: str, recipe) -> MatchResult:
-    """Cover ``ops`` with fused and basic steps for one pass."""
-    rules = fusion_rules(pass_)
+def match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool = True) -> MatchResult:
+    """Cover ``ops`` with fused and basic steps for one pass (basic steps only when
+    not ``enabled``)."""
+    rules = fusion_rules(pass_) if enabled else []
     steps: list[PlanStep] = []
     declined: list[str] = []
     i = 0

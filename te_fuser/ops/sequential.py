@@ -30,8 +30,11 @@ def _basic_ops_of(module: nn.Module) -> list[BasicOperation] | None:
 
 
 class Sequential(nn.Module):
-    def __init__(self, *modules: nn.Module) -> None:
+    def __init__(self, *modules: nn.Module, fuse: bool = True) -> None:
         super().__init__()
+        if not isinstance(fuse, bool):
+            raise TypeError(f"Sequential(fuse=...): must be True or False, got {fuse!r}")
+        self.fuse = fuse  # False: every op runs on its own (the unfused baseline)
         self._items = nn.ModuleList()
         self.extend(modules)
 
@@ -52,7 +55,7 @@ class Sequential(nn.Module):
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
-            return Sequential(*list(self._items)[idx])
+            return Sequential(*list(self._items)[idx], fuse=self.fuse)
         return self._items[idx]
 
     def __setitem__(self, idx: int, module: nn.Module) -> None:
@@ -82,7 +85,7 @@ class Sequential(nn.Module):
     def __add__(self, other: "Sequential") -> "Sequential":
         if not isinstance(other, Sequential):
             return NotImplemented
-        return Sequential(*self._items, *other._items)
+        return Sequential(*self._items, *other._items, fuse=self.fuse and other.fuse)
 
     # -- grouping ------------------------------------------------------------------
     def groups(self) -> list:
@@ -96,11 +99,11 @@ class Sequential(nn.Module):
                     run.extend(ops)
                     continue
                 if run:
-                    groups.append(OperationFuser(run))
+                    groups.append(OperationFuser(run, fuse=self.fuse))
                     run = []
                 groups.append(module)
             if run:
-                groups.append(OperationFuser(run))
+                groups.append(OperationFuser(run, fuse=self.fuse))
             self._groups = groups
         return self._groups
 

@@ -1,0 +1,125 @@
+"""Every fusion rule: fused equals unfused on the same inputs, outputs and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import te_fuser as te
+from op_testing import RECIPES, representable, run
+from te_fuser.ops import fusion_rules
+from te_fuser.ops.fused import DEFAULT_RULES
+from tolerances import assert_close
+
+H, F = 64, 128  # multiples of 32 (also F / 2) so that MXFP8 applies too
+
+
+def _models(rule_name):
+    """Models in which ``rule_name`` fires, with their number of extra inputs."""
+    acts = [te.ops.GELU, te.ops.ReLU, te.ops.SiLU, te.ops.SwiGLU]
+
+    def width(act, n):
+        return n // 2 if act is te.ops.SwiGLU else n
+
+    if rule_name in ("forward_linear_bias_activation", "backward_linear_bias_activation"):
+        return [([te.ops.Linear(H, F), act(), te.ops.Linear(width(act, F), H)], 0) for act in acts]
+    if rule_name == "backward_activation_bias":
+        return [([te.ops.Bias(H), act(), te.ops.Linear(width(act, H), H)], 0) for act in acts]
+    if rule_name == "forward_linear_bias":
+        return [([te.ops.Linear(H, F)], 0)]
+    if rule_name == "forward_linear_bias_add":
+        return [([te.ops.Linear(H, F), te.ops.AddExtraInput()], 1)]
+    if rule_name == "backward_linear_add":
+        return [([te.ops.MakeExtraOutput(), te.ops.BasicLinear(H, F)], 0)]
+    raise KeyError(rule_name)
+
+
+def test_every_default_rule_has_a_test_model():
+    names = {r.name for r in fusion_rules()}
+    assert {r.name for r in DEFAULT_RULES} <= names
+    for rule in DEFAULT_RULES:
+        assert _models(rule.name)
+
+
+def _representable_params(model, gen):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(representable(*p.shape, generator=gen, scale_exp=-2 if p.dim() == 1 else -3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current", "mxfp8", "block"])
+@pytest.mark.parametrize("rule", [r.name for r in DEFAULT_RULES])
+def test_fused_equals_unfused(rule, recipe_name, dtype):
+    recipe = RECIPES[recipe_name]
+    if rule == "backward_linear_bias_activation" and recipe is None:
+        pytest.skip("the rule declines without an FP8 recipe (tested below)")
+    for mods, n_extra in _models(rule):
+        gen = torch.Generator().manual_seed(7)
+        fused = te.ops.Sequential(*mods).to(dtype)
+        _representable_params(fused, gen)
+        unfused = te.ops.Sequential(*copy.deepcopy(list(fused)), fuse=False)
+        x = representable(2, 16, H, generator=gen, dtype=dtype, scale_exp=-3)
+        extras = [representable(2, 16, F, generator=gen, dtype=dtype, scale_exp=-3) for _ in range(n_extra)]
+        with torch.no_grad():
+            probe = unfused(x, *extras)
+        probe = probe if isinstance(probe, tuple) else (probe,)
+        dy = representable(*probe[0].shape, generator=gen, dtype=dtype)
+        dextras = [representable(*p.shape, generator=gen, dtype=dtype) for p in probe[1:]]
+        out_f, g_f = run(fused, x, *extras, recipe=recipe, dy=dy, dextras=dextras)
+        out_u, g_u = run(unfused, x, *extras, recipe=recipe, dy=dy, dextras=dextras)
+        assert f"[rule {rule}]" in fused.fusion_plan(), fused.fusion_plan()
+        assert "[rule" not in unfused.fusion_plan()
+        context = f"rule={rule} recipe={recipe_name} model={[type(m).__name__ for m in mods]}"
+        # Where a fused op's output is re-quantized downstream (the second linear's
+        # input, the first linear's grad output), a last-bit difference of the
+        # skipped rounding can move a value by one FP8 step: compare within that
+        # format's tolerance. Elsewhere only the compute dtype's rounding differs.
+        requantized = recipe is not None and len(mods) > 2
+        out_key = recipe.fp8_format.fwd_dtype if requantized else dtype
+        grad_key = recipe.fp8_format.bwd_dtype if requantized else dtype
+        for a, b in zip(out_f, out_u):
+            assert_close(a, b, out_key, f"{context} output", scaled=True)
+        assert g_f.keys() == g_u.keys()
+        for name in g_u:
+            assert (g_f[name] is None) == (g_u[name] is None), name
+            if g_u[name] is not None:
+                assert_close(g_f[name], g_u[name], grad_key, f"{context} grad {name}", scaled=True)
+
+
+def test_rules_that_read_the_recipe_decline_with_a_reason():
+    model = te.ops.Sequential(te.ops.Linear(H, F), te.ops.GELU())
+    run(model, representable(4, H))
+    plan = model.fusion_plan()
+    assert "declined: backward_linear_bias_activation" in plan and "no FP8 recipe" in plan
+    assert "[rule backward_activation_bias]" in plan
+    run(model, representable(4, H), recipe=te.recipe.Float8CurrentScaling(backward_override="high_precision"))
+    assert "backward_override='high_precision'" in model.fusion_plan()
+    run(model, representable(4, H), recipe=te.recipe.Float8CurrentScaling())
+    assert "[rule backward_linear_bias_activation]" in model.fusion_plan()
+
+
+def test_user_registered_rule_fires():
+    from te_fuser.ops import FusedOperation, FusionRule, register_fusion_rule, unregister_fusion_rule
+
+    class ForwardScaleScale(FusedOperation):
+        def fuser_forward(self, ctxs, x, extra_inputs):
+            a, b = self.basic_ops
+            return x * (a.scale * b.scale), [[], []]
+
+    register_fusion_rule(
+        FusionRule("forward_scale_scale_test", "forward", ((te.ops.ConstantScale,), (te.ops.ConstantScale,)),
+                   ForwardScaleScale)
+    )
+    try:
+        model = te.ops.Sequential(te.ops.ConstantScale(2.0), te.ops.ConstantScale(0.25))
+        out, grads = run(model, torch.ones(3, 4))
+    finally:
+        unregister_fusion_rule("forward_scale_scale_test")
+    assert "[rule forward_scale_scale_test]" in model.fusion_plan()
+    torch.testing.assert_close(out[0], torch.full((3, 4), 0.5))
+    torch.testing.assert_close(grads["x"], torch.full((3, 4), 0.5))
+    with pytest.raises(ValueError, match="already exists"):
+        register_fusion_rule(DEFAULT_RULES[0])
