@@ -1,0 +1,123 @@
+"""The Quantizer interface: device checks, input checks, identity, text, state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_fuser.quantization import (
+    DelayedScalingQuantizer,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    Quantizer,
+    QuantizerRole,
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+ROLE = QuantizerRole("linear", "weight", "fc2")
+FP8_QUANTIZERS = {
+    "delayed": lambda: DelayedScalingQuantizer(E4M3, amax_history_len=4, role=ROLE),
+    "current": lambda: Float8CurrentScalingQuantizer(E4M3, role=ROLE),
+    "mxfp8": lambda: MXFP8Quantizer(E4M3, role=ROLE),
+    "block_1x128": lambda: Float8BlockQuantizer(E4M3, 1, role=ROLE),
+    "block_128x128": lambda: Float8BlockQuantizer(E5M2, 2, role=ROLE),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FP8_QUANTIZERS))
+def test_fp8_quantizers_pass_on_cpu(name):
+    quantizer = FP8_QUANTIZERS[name]()
+    assert isinstance(quantizer, Quantizer) and quantizer.min_compute_capability == (8, 9)
+    quantizer.check_device("cpu")
+    quantizer.check_device(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", sorted(FP8_QUANTIZERS))
+def test_capability_below_fp8_is_rejected_with_role_and_need(name):
+    quantizer = FP8_QUANTIZERS[name]()
+    for capability in [(8, 9), (9, 0), (10, 0), (12, 1)]:
+        quantizer.check_capability(capability, "cuda:0")
+    for capability in [(8, 6), (8, 0), (7, 5)]:
+        pattern = rf"linear:fc2\.weight.*compute capability >= 8\.9.*cuda:0 has compute capability {capability[0]}\.{capability[1]}"
+        with pytest.raises(RuntimeError, match=pattern) as err:
+            quantizer.check_capability(capability, "cuda:0")
+        assert quantizer.describe() in str(err.value)
+
+
+def test_check_device_on_cuda_reads_the_real_device():
+    quantizer = Float8CurrentScalingQuantizer(E4M3, role=ROLE)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"linear:fc2\.weight.*no CUDA device is available"):
+            quantizer.check_device("cuda:0")
+        return
+    capability = torch.cuda.get_device_capability(0)
+    if capability >= (8, 9):
+        quantizer.check_device("cuda:0")
+    else:
+        with pytest.raises(RuntimeError, match="compute capability"):
+            quantizer.check_device("cuda:0")
+
+
+def test_identity_needs_nothing():
+    quantizer = IdentityQuantizer(role=ROLE)
+    for device in ("cpu", "cuda:0", "cuda", "meta"):
+        quantizer.check_device(device)  # no FP8 check, whatever the machine
+    quantizer.check_capability((6, 0), "cuda:0")
+    quantizer.check_shape((67, 13), rowwise=True, columnwise=True)
+    x = torch.randn(3, 5, 7, dtype=torch.bfloat16)
+    assert quantizer(x) is x and quantizer(x, rowwise=False, columnwise=True) is x
+    assert quantizer.describe() == "identity" and quantizer.scaling == "identity" and quantizer.fp8_dtype is None
+    assert quantizer.state_dict() == {}
+    quantizer.load_state_dict({})
+    quantizer.observe(x)
+    quantizer.carry_state_from(DelayedScalingQuantizer(E4M3))
+    with pytest.raises(ValueError, match="holds no scaling state"):
+        quantizer.load_state_dict({"scale": torch.ones(())})
+
+
+@pytest.mark.parametrize("name", sorted(FP8_QUANTIZERS))
+def test_bad_input_names_the_role(name):
+    quantizer = FP8_QUANTIZERS[name]()
+    with pytest.raises(TypeError, match=r"linear:fc2\.weight.*torch\.Tensor"):
+        quantizer([[1.0, 2.0]])
+    with pytest.raises(TypeError, match=r"linear:fc2\.weight.*dtype"):
+        quantizer(torch.ones(32, 32, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"linear:fc2\.weight.*dtype"):
+        quantizer(torch.ones(32, 32).to(E4M3))
+    with pytest.raises(ValueError, match=r"linear:fc2\.weight.*0-d"):
+        quantizer(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"linear:fc2\.weight.*at least one copy"):
+        quantizer(torch.ones(32, 32), rowwise=False, columnwise=False)
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8", "block_1x128", "block_128x128"])
+def test_stateless_quantizers(name):
+    quantizer = FP8_QUANTIZERS[name]()
+    assert quantizer.state_dict() == {}
+    quantizer.observe(torch.ones(32, 32))  # calibration is a no-op
+    quantizer.carry_state_from(DelayedScalingQuantizer(E4M3))
+    with pytest.raises(ValueError, match="holds no scaling state"):
+        quantizer.load_state_dict(DelayedScalingQuantizer(E4M3).state_dict())
+
+
+def test_repr_names_the_role():
+    assert repr(Float8CurrentScalingQuantizer(E4M3, role=ROLE)) == (
+        "Float8CurrentScalingQuantizer(current(e4m3), role=linear:fc2.weight)"
+    )
+    assert repr(IdentityQuantizer()) == "IdentityQuantizer(identity)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to observe host syncs")
+@pytest.mark.parametrize("name", sorted(FP8_QUANTIZERS))
+def test_hot_path_does_not_sync_the_host(name):
+    quantizer = FP8_QUANTIZERS[name]()
+    x = torch.randn(128, 256, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # the first call of a delayed quantizer seeds; the next ones update
+            quantizer(x, rowwise=True, columnwise=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
