@@ -1,0 +1,41 @@
+"""The ``cuda`` backend: CUDA C++ FP8 casts and cuBLASLt FP8 GEMMs.
+
+Kernels (same names, signatures and results as the reference ones, casts bit
+for bit):
+
+- ``quantize_tensorwise``: delayed-scaling cast; amax, row-wise and transposed
+  (column-wise) FP8 copies in one pass;
+- ``quantize_current``: current scaling, two passes (amax, then scale and cast,
+  optionally with the transposed copy);
+- ``quantize_rowwise``: one scale per row (for row-wise scaled GEMMs);
+- ``quantize_mxfp8``: MXFP8 (E8M0 scale per 32 elements along the last dim);
+- ``gemm``: ``torch._scaled_mm`` (cuBLASLt) plus one fused epilogue kernel;
+  operand pairs cuBLASLt cannot run go to the reference GEMM
+  (:func:`gemm_unsupported_reason` says why).
+
+Not provided (the dispatcher falls back to ``reference`` and says so):
+``quantize_block``, ``dequantize``, ``activation``, ``activation_grad``.
+
+Importing this module compiles nothing and needs no GPU. The extension is built
+for sm_90a with nvcc on first use (see :mod:`._build`); without a CUDA build of
+PyTorch, a Hopper GPU, nvcc or ninja, the kernels raise ``RuntimeError`` naming
+what is missing (:func:`unavailable_reason`).
+"""
+
+from ._build import extension as load_extension
+from ._build import is_loaded, unavailable_reason
+from .cast import quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
+from .gemm import block_scaled_mm_available, gemm, gemm_unsupported_reason
+
+__all__ = [
+    "quantize_tensorwise",
+    "quantize_current",
+    "quantize_rowwise",
+    "quantize_mxfp8",
+    "gemm",
+    "gemm_unsupported_reason",
+    "block_scaled_mm_available",
+    "load_extension",
+    "is_loaded",
+    "unavailable_reason",
+]

@@ -1,0 +1,204 @@
+"""Launchers of the CUDA FP8 casts: check, allocate, launch.
+
+Same names, signatures and results as the reference casts
+(:mod:`te_fuser.kernels.reference.cast`), bit for bit. Inputs are bf16, fp16 or
+fp32 CUDA tensors; a non-contiguous or misaligned input is copied first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..operand import ScaledOperand
+from ._build import extension, raw_stream
+
+__all__ = ["quantize_tensorwise", "quantize_current", "quantize_rowwise", "quantize_mxfp8"]
+
+HP_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FP8_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+_ALIGNMENT = 16  # bytes: the kernels use 16-byte vector accesses
+
+
+def _fp8_code(fp8_dtype: torch.dtype, op: str) -> int:
+    try:
+        return FP8_CODES[fp8_dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}") from None
+
+
+def check_cuda_tensor(t: torch.Tensor, op: str, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise RuntimeError(f"{op}: the cuda backend needs {name} on a CUDA device, got a {t.device.type} tensor")
+
+
+def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous tensor whose data starts on a 16-byte boundary."""
+    t = t.contiguous()
+    if t.data_ptr() % _ALIGNMENT:
+        t = t.clone()
+    return t
+
+
+def _hp_input(x: torch.Tensor, op: str) -> torch.Tensor:
+    check_cuda_tensor(x, op, "x")
+    if x.dtype not in HP_CODES:
+        raise TypeError(f"{op}: x must be bfloat16, float16 or float32, got {x.dtype}")
+    return aligned_contiguous(x)
+
+
+def on_device(device: torch.device):
+    """Make ``device`` current for the launch (a no-op when it already is)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _matrix_shape(x: torch.Tensor, columnwise: bool, op: str) -> tuple[int, int]:
+    """(rows, cols) the kernel sees: a 2-D x as is; other ranks flattened (row-wise only)."""
+    if x.dim() == 2:
+        return x.shape[0], x.shape[1]
+    if columnwise:
+        raise ValueError(f"{op}: a column-wise (transposed) copy needs a 2-D x, got shape {tuple(x.shape)}")
+    return 1, x.numel()
+
+
+def _scale_tensor(scale: torch.Tensor, device: torch.device, op: str) -> torch.Tensor:
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        raise ValueError(f"{op}: scale must be a one-element tensor")
+    if scale.device != device:
+        raise RuntimeError(f"{op}: scale is on {scale.device} but x is on {device}")
+    return scale if scale.dtype == torch.float32 else scale.float()
+
+
+def _amax_target(amax_out: torch.Tensor | None, device: torch.device, op: str) -> torch.Tensor:
+    if amax_out is None:
+        return torch.empty((), dtype=torch.float32, device=device)
+    if not isinstance(amax_out, torch.Tensor) or amax_out.numel() != 1:
+        raise ValueError(f"{op}: amax_out must be a one-element tensor (e.g. a slot of the amax history)")
+    if amax_out.device != device:
+        raise RuntimeError(f"{op}: amax_out is on {amax_out.device} but x is on {device}")
+    if amax_out.dtype != torch.float32:
+        return torch.empty((), dtype=torch.float32, device=device)  # copied into amax_out afterwards
+    return amax_out
+
+
+def _check_epsilon(epsilon: float, op: str) -> float:
+    epsilon = float(epsilon)
+    if not epsilon >= 0.0:
+        raise ValueError(f"{op}: epsilon must be >= 0, got {epsilon}")
+    return epsilon
+
+
+def quantize_tensorwise(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Delayed-scaling cast with the given 0-d fp32 ``scale``; also ``amax(|x|)``.
+
+    One pass over ``x``: returns ``(data (M, K) or None, data_t (K, M) or None,
+    amax)``; the amax is written into ``amax_out`` when given (and that tensor
+    returned), as the reference does.
+    """
+    op = "quantize_tensorwise"
+    code = _fp8_code(fp8_dtype, op)
+    x = _hp_input(x, op)
+    rows, cols = _matrix_shape(x, columnwise, op)
+    scale = _scale_tensor(scale, x.device, op)
+    amax = _amax_target(amax_out, x.device, op)
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
+    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device) if columnwise else None
+    with on_device(x.device):
+        extension().cast(
+            x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),
+            scale.data_ptr(), amax.data_ptr(), 0, 0, 0, 0.0, False, raw_stream(x.device),
+        )  # fmt: skip
+    if amax_out is not None and amax is not amax_out:
+        amax = amax_out.copy_(amax.reshape(amax_out.shape))
+    return data, data_t, amax
+
+
+def quantize_current(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    power_2: bool = False,
+    epsilon: float = 0.0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling: amax of ``x`` (pass 1), then scale and cast (pass 2).
+
+    Returns ``(data, data_t, scale, scale_inv, amax)``, all 0-d fp32 but the data.
+    """
+    op = "quantize_current"
+    code = _fp8_code(fp8_dtype, op)
+    epsilon = _check_epsilon(epsilon, op)
+    x = _hp_input(x, op)
+    rows, cols = _matrix_shape(x, columnwise, op)
+    stats = torch.empty(3, dtype=torch.float32, device=x.device)  # amax, scale, scale_inv
+    amax, scale, scale_inv = stats.unbind()
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
+    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device) if columnwise else None
+    ext = extension()
+    stream = raw_stream(x.device)
+    with on_device(x.device):
+        ext.amax(x.data_ptr(), HP_CODES[x.dtype], x.numel(), amax.data_ptr(), stream)
+        ext.cast(
+            x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),
+            0, 0, amax.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), epsilon, bool(power_2), stream,
+        )  # fmt: skip
+    return data, data_t, scale, scale_inv, amax
+
+
+def quantize_rowwise(
+    x: torch.Tensor, fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0
+) -> ScaledOperand:
+    """One scale per row of 2-D ``x`` (the layout of row-wise scaled GEMMs)."""
+    op = "quantize_rowwise"
+    code = _fp8_code(fp8_dtype, op)
+    epsilon = _check_epsilon(epsilon, op)
+    x = _hp_input(x, op)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D (rows, K), got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    if cols == 0:
+        raise ValueError(f"{op}: x has no columns to take a row amax over (shape {tuple(x.shape)})")
+    data = torch.empty((rows, cols), dtype=fp8_dtype, device=x.device)
+    scale_inv = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    with on_device(x.device):
+        extension().quantize_rowwise(
+            x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, data.data_ptr(), scale_inv.data_ptr(),
+            bool(power_2), epsilon, raw_stream(x.device),
+        )  # fmt: skip
+    return ScaledOperand(data, scale_inv, "row")
+
+
+def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
+    """MXFP8 along the last dim of 2-D ``x``: one E8M0 scale per 32 elements."""
+    op = "quantize_mxfp8"
+    code = _fp8_code(fp8_dtype, op)
+    x = _hp_input(x, op)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D (rows, K), got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    if cols % 32:
+        raise ValueError(f"MXFP8: the quantized dimension ({cols}) must be a multiple of 32")
+    data = torch.empty((rows, cols), dtype=fp8_dtype, device=x.device)
+    scales = torch.empty((rows, cols // 32), dtype=torch.uint8, device=x.device)
+    with on_device(x.device):
+        extension().quantize_mxfp8(
+            x.data_ptr(), HP_CODES[x.dtype], code, x.numel(), data.data_ptr(), scales.data_ptr(),
+            raw_stream(x.device),
+        )  # fmt: skip
+    return ScaledOperand(data, scales, "mx_32")

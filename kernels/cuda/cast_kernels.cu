@@ -1,0 +1,310 @@
+// FP8 cast kernels: amax, tensor-scaled casts (delayed and current scaling) with
+// an optional transposed copy, one-scale-per-row casts and MXFP8.
+//
+// Numerics follow kernels/reference/cast.py bit for bit (see fp8_common.cuh).
+// Inputs are contiguous and 16-byte aligned (the Python launchers ensure it);
+// vector accesses are 16 bytes per thread wherever the shape allows.
+#include "dispatch.cuh"
+#include "fp8_common.cuh"
+#include "launchers.cuh"
+
+namespace te_fuser {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kChunk = 16;  // elements per thread per step of the flat kernels
+constexpr int kTile = 64;   // cast-transpose tile: kTile x kTile elements
+constexpr int kTileWords = kTile / 4 + 1;  // staged FP8 tile row: 16 words + 1 against bank conflicts
+
+// The scale of a tensor-scaled cast: given (delayed) or derived from amax_in (current).
+template <int FP8, bool CURRENT>
+__device__ __forceinline__ float cast_scale(const CastScaling& s) {
+  if (CURRENT) return scale_from_amax(*s.amax_in, Fp8Traits<FP8>::fmax, s.power_2, s.epsilon);
+  return *s.scale;
+}
+
+template <bool CURRENT>
+__device__ __forceinline__ void publish_scale(const CastScaling& s, float scale, bool first_thread) {
+  if (CURRENT && first_thread) {
+    *s.scale_out = scale;
+    *s.scale_inv_out = __fdiv_rn(1.0f, scale);
+  }
+}
+
+// Reduce the block's amax bits and fold them into the tensor's amax.
+__device__ __forceinline__ void commit_amax(uint32_t amax_bits, float* amax_out, uint32_t* scratch) {
+  amax_bits = block_max_bits(amax_bits, scratch);
+  if (threadIdx.x == 0 && amax_bits != 0u) atomicMax(reinterpret_cast<unsigned int*>(amax_out), amax_bits);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x, int64_t numel, float* amax_out) {
+  __shared__ uint32_t scratch[33];
+  uint32_t amax = 0u;
+  const int64_t chunks = numel / kChunk;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks; c += stride) {
+    float v0[8], v1[8];
+    load8(x + c * kChunk, v0);
+    load8(x + c * kChunk + 8, v1);
+    amax = amax_bits8(v1, amax_bits8(v0, amax));
+  }
+  const int64_t tail = numel - chunks * kChunk;  // < 16 elements
+  if (blockIdx.x == 0 && threadIdx.x < tail) {
+    amax = max(amax, __float_as_uint(to_float(x[chunks * kChunk + threadIdx.x])) & kAbsMask);
+  }
+  commit_amax(amax, amax_out, scratch);
+}
+
+// Flat cast of `numel` elements (no transposed copy). `out` may be null.
+template <typename T, int FP8, bool CURRENT>
+__global__ void __launch_bounds__(kThreads)
+    cast_flat_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, int64_t numel, CastScaling s) {
+  __shared__ uint32_t scratch[33];
+  const float scale = cast_scale<FP8, CURRENT>(s);
+  publish_scale<CURRENT>(s, scale, blockIdx.x == 0 && threadIdx.x == 0);
+  uint32_t amax = 0u;
+  const int64_t chunks = numel / kChunk;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks; c += stride) {
+    const int64_t base = c * kChunk;
+    float v0[8], v1[8];
+    load8(x + base, v0);
+    load8(x + base + 8, v1);
+    if (!CURRENT) amax = amax_bits8(v1, amax_bits8(v0, amax));
+    if (out != nullptr) {
+      const uint2 q0 = scale_to_fp8x8<FP8>(v0, scale);
+      const uint2 q1 = scale_to_fp8x8<FP8>(v1, scale);
+      *reinterpret_cast<uint4*>(out + base) = make_uint4(q0.x, q0.y, q1.x, q1.y);
+    }
+  }
+  const int64_t tail = numel - chunks * kChunk;
+  if (blockIdx.x == 0 && threadIdx.x < tail) {
+    const int64_t i = chunks * kChunk + threadIdx.x;
+    const float v = to_float(x[i]);
+    amax = max(amax, __float_as_uint(v) & kAbsMask);
+    if (out != nullptr) out[i] = uint8_t(fp8x2_from_float<FP8>(v * scale, 0.0f) & 0xFFu);
+  }
+  if (!CURRENT) commit_amax(amax, s.amax_out, scratch);
+}
+
+// How many of the next 8 elements exist, given `remaining` elements to the end of the row.
+__device__ __forceinline__ int elements_left(int64_t remaining) {
+  return remaining <= 0 ? 0 : (remaining >= 8 ? 8 : int(remaining));
+}
+
+// Byte j of a little-endian word.
+__device__ __forceinline__ uint32_t byte_of(uint32_t word, int j) { return (word >> (8 * j)) & 0xFFu; }
+
+// Writes the staged FP8 tile transposed: out_t[col][row] for the tile at (row0, col0).
+// Each thread moves a 4x4 block of bytes: four 32-bit reads, four 32-bit writes.
+__device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint8_t* __restrict__ out_t, int64_t rows,
+                                                      int64_t cols, int64_t row0, int64_t col0) {
+  const int block_row = threadIdx.x % (kTile / 4);  // 4 source rows: block_row * 4 ...
+  const int block_col = threadIdx.x / (kTile / 4);  // 4 source columns: block_col * 4 ...
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = tile[(block_row * 4 + i) * kTileWords + block_col];
+  const int64_t row = row0 + block_row * 4;
+  const bool whole_word = (rows % 4 == 0) && (row + 4 <= rows);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t col = col0 + block_col * 4 + j;
+    if (col >= cols || row >= rows) continue;
+    const uint32_t packed = byte_of(w[0], j) | (byte_of(w[1], j) << 8) | (byte_of(w[2], j) << 16) | (byte_of(w[3], j) << 24);
+    uint8_t* dst = out_t + col * rows + row;
+    if (whole_word) {
+      *reinterpret_cast<uint32_t*>(dst) = packed;
+    } else {
+      for (int i = 0; i < 4 && row + i < rows; ++i) dst[i] = uint8_t(byte_of(packed, i));
+    }
+  }
+}
+
+// Cast of a (rows, cols) tile with a transposed copy: out (rows, cols) may be
+// null, out_t (cols, rows) is not. One kTile x kTile tile per block.
+template <typename T, int FP8, bool CURRENT>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t rows,
+                          int64_t cols, CastScaling s) {
+  __shared__ uint32_t tile[kTile * kTileWords];
+  __shared__ uint32_t scratch[33];
+  const float scale = cast_scale<FP8, CURRENT>(s);
+  publish_scale<CURRENT>(s, scale, blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0);
+  const int64_t row0 = int64_t(blockIdx.y) * kTile;
+  const int64_t col0 = int64_t(blockIdx.x) * kTile;
+  const bool vector_ok = cols % 8 == 0;
+  const int c = (threadIdx.x % 8) * 8;  // column of this thread's 8 elements in the tile
+  uint32_t amax = 0u;
+#pragma unroll
+  for (int pass = 0; pass < kTile / 32; ++pass) {
+    const int r = pass * 32 + threadIdx.x / 8;
+    const int64_t row = row0 + r;
+    const int64_t col = col0 + c;
+    const int count = row < rows ? elements_left(cols - col) : 0;
+    const int64_t offset = row * cols + col;
+    float v[8];
+    if (count == 8 && vector_ok) {
+      load8(x + offset, v);
+    } else {
+      load8_partial(x + offset, count, v);
+    }
+    if (!CURRENT) amax = amax_bits8(v, amax);
+    const uint2 q = scale_to_fp8x8<FP8>(v, scale);
+    if (out != nullptr && count > 0) {
+      if (count == 8 && vector_ok) {
+        *reinterpret_cast<uint2*>(out + offset) = q;
+      } else {
+        for (int j = 0; j < count; ++j) out[offset + j] = uint8_t(byte_of(j < 4 ? q.x : q.y, j % 4));
+      }
+    }
+    tile[r * kTileWords + c / 4] = q.x;
+    tile[r * kTileWords + c / 4 + 1] = q.y;
+  }
+  __syncthreads();
+  write_transposed_tile(tile, out_t, rows, cols, row0, col0);
+  if (!CURRENT) commit_amax(amax, s.amax_out, scratch);
+}
+
+// One block per row: amax of the row, its scale, then the cast.
+template <typename T, int FP8>
+__global__ void __launch_bounds__(kThreads)
+    quantize_rowwise_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, float* __restrict__ scale_inv,
+                            int64_t cols, bool power_2, float epsilon) {
+  __shared__ uint32_t scratch[33];
+  const int64_t row = blockIdx.x;
+  const T* x_row = x + row * cols;
+  uint8_t* out_row = out + row * cols;
+  const bool vector_ok = cols % 8 == 0;
+  const int64_t step = int64_t(blockDim.x) * 8;
+  uint32_t amax = 0u;
+  for (int64_t col = int64_t(threadIdx.x) * 8; col < cols; col += step) {
+    const int count = elements_left(cols - col);
+    float v[8];
+    if (count == 8 && vector_ok) load8(x_row + col, v); else load8_partial(x_row + col, count, v);
+    amax = amax_bits8(v, amax);
+  }
+  amax = block_max_bits(amax, scratch);
+  const float scale = scale_from_amax(__uint_as_float(amax), Fp8Traits<FP8>::fmax, power_2, epsilon);
+  if (threadIdx.x == 0) scale_inv[row] = __fdiv_rn(1.0f, scale);
+  for (int64_t col = int64_t(threadIdx.x) * 8; col < cols; col += step) {
+    const int count = elements_left(cols - col);
+    float v[8];
+    if (count == 8 && vector_ok) load8(x_row + col, v); else load8_partial(x_row + col, count, v);
+    const uint2 q = scale_to_fp8x8<FP8>(v, scale);
+    if (count == 8 && vector_ok) {
+      *reinterpret_cast<uint2*>(out_row + col) = q;
+    } else {
+      for (int j = 0; j < count; ++j) out_row[col + j] = uint8_t(byte_of(j < 4 ? q.x : q.y, j % 4));
+    }
+  }
+}
+
+// MXFP8: each thread casts 8 elements; four neighbouring lanes form one 32-element
+// block and share its amax through two shuffles. Warps step through the tensor
+// together so every shuffle has all 32 lanes present.
+template <typename T, int FP8>
+__global__ void __launch_bounds__(kThreads)
+    quantize_mxfp8_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ scales,
+                          int64_t chunks) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t base = warp * 32; base < chunks; base += warps * 32) {
+    const int64_t c = base + lane;
+    const bool active = c < chunks;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (active) load8(x + c * 8, v);
+    uint32_t amax = amax_bits8(v, 0u);
+    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+    if (active) {
+      const uint32_t byte = e8m0_from_amax_bits<FP8>(amax);
+      *reinterpret_cast<uint2*>(out + c * 8) = scale_to_fp8x8<FP8>(v, e8m0_reciprocal(byte));
+      if ((lane & 3) == 0) scales[c >> 2] = uint8_t(byte);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  check_cuda(cudaMemsetAsync(amax_out, 0, sizeof(float), stream), "amax (zeroing)");
+  if (numel == 0) return;
+  dispatch_hp(hp_type, "amax", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const unsigned grid = grid_for(numel / kChunk, kThreads);
+    amax_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), numel, amax_out);
+  });
+  check_launch("amax");
+}
+
+void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols, uint8_t* out, uint8_t* out_t,
+                 const CastScaling& scaling, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const bool current = scaling.amax_in != nullptr;
+  if (!current) check_cuda(cudaMemsetAsync(scaling.amax_out, 0, sizeof(float), stream), "cast (zeroing amax)");
+  const int64_t numel = rows * cols;
+  const bool transpose = out_t != nullptr && numel > 0;
+  dispatch_hp(hp_type, "cast", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_fp8(fp8_type, "cast", [&](auto fp8) {
+      constexpr int FP8 = decltype(fp8)::value;
+      const T* xt = static_cast<const T*>(x);
+      if (transpose) {
+        const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
+        if (current) {
+          cast_transpose_kernel<T, FP8, true><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols, scaling);
+        } else {
+          cast_transpose_kernel<T, FP8, false><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols, scaling);
+        }
+      } else {
+        const unsigned grid = grid_for(numel / kChunk, kThreads);
+        if (current) {
+          cast_flat_kernel<T, FP8, true><<<grid, kThreads, 0, stream>>>(xt, out, numel, scaling);
+        } else {
+          cast_flat_kernel<T, FP8, false><<<grid, kThreads, 0, stream>>>(xt, out, numel, scaling);
+        }
+      }
+    });
+  });
+  check_launch(transpose ? "cast_transpose" : "cast");
+}
+
+void launch_quantize_rowwise(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols, uint8_t* out,
+                             float* scale_inv, bool power_2, float epsilon, void* stream_ptr) {
+  if (rows == 0) return;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  // Enough warps to cover a row in one 8-element step, up to kThreads.
+  const int64_t lanes = (cols + 7) / 8;
+  const int threads = int(std::min<int64_t>(kThreads, std::max<int64_t>(32, (lanes + 31) / 32 * 32)));
+  dispatch_hp(hp_type, "quantize_rowwise", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_fp8(fp8_type, "quantize_rowwise", [&](auto fp8) {
+      constexpr int FP8 = decltype(fp8)::value;
+      quantize_rowwise_kernel<T, FP8><<<unsigned(rows), threads, 0, stream>>>(static_cast<const T*>(x), out, scale_inv,
+                                                                              cols, power_2, epsilon);
+    });
+  });
+  check_launch("quantize_rowwise");
+}
+
+void launch_quantize_mxfp8(const void* x, int hp_type, int fp8_type, int64_t numel, uint8_t* out, uint8_t* scales,
+                           void* stream_ptr) {
+  if (numel == 0) return;
+  if (numel % 32 != 0) throw std::invalid_argument("quantize_mxfp8: numel must be a multiple of 32");
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const int64_t chunks = numel / 8;
+  dispatch_hp(hp_type, "quantize_mxfp8", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_fp8(fp8_type, "quantize_mxfp8", [&](auto fp8) {
+      constexpr int FP8 = decltype(fp8)::value;
+      const unsigned grid = grid_for(chunks, kThreads);
+      quantize_mxfp8_kernel<T, FP8><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), out, scales, chunks);
+    });
+  });
+  check_launch("quantize_mxfp8");
+}
+
+}  // namespace te_fuser

@@ -1,0 +1,196 @@
+"""FP8 GEMMs through cuBLASLt (``torch._scaled_mm``) plus one CUDA epilogue kernel.
+
+``out = activation(a @ b.T + bias) + residual`` with ``a`` (M, K) and ``b``
+(N, K), both quantized along K (:mod:`te_fuser.kernels.operand`). cuBLASLt wants
+A row-major and B column-major: ``b.data`` is (N, K) row-major, so
+``b.data.t()`` is the column-major (K, N) operand it takes, with no copy.
+
+Scaling pairs run by cuBLASLt:
+
+- ``tensor x tensor``; ``row x row`` (scale_a (M, 1), scale_b (1, N)); a tensor
+  scale paired with a row one is expanded to rows;
+- ``block_1x128 x block_128x128`` and ``block_1x128 x block_1x128`` where
+  ``torch._scaled_mm`` has its block-scaled (cuBLASLt >= 12.9, sm_90) path,
+  with M % 4 == 0 and K % 512 == 0 (cuBLASLt pads the block scales along K to a
+  multiple of 4 blocks, a layout ``torch._scaled_mm`` cannot express otherwise).
+
+Anything else falls back, inside :func:`gemm`, to the reference GEMM (correct,
+slow): MXFP8 operands (no MXFP8 cuBLASLt path on Hopper), other pairs, two E5M2
+operands, high-precision operands, and K or N not multiples of 16.
+:func:`gemm_unsupported_reason` says which case applies, so callers can report it.
+
+Epilogue: a bias alone is fused into cuBLASLt when the output and the bias are
+both bf16 (or both fp16). When there is an activation or a residual, cuBLASLt
+writes fp32 and one CUDA kernel applies bias, activation and residual and casts
+once, so the result is rounded once as in the reference (a bf16 intermediate
+would round twice and lose the small differences a residual add can leave).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..operand import ScaledOperand
+from ..reference.activation import ACTIVATIONS
+from ..reference.gemm import gemm_reference
+from ._build import extension, raw_stream
+from .cast import HP_CODES, aligned_contiguous, check_cuda_tensor, on_device
+
+__all__ = ["gemm", "gemm_unsupported_reason", "block_scaled_mm_available"]
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4}
+_TENSOR_ROW_PAIRS = {("tensor", "tensor"), ("row", "row"), ("tensor", "row"), ("row", "tensor")}
+_BLOCK_PAIRS = {("block_1x128", "block_128x128"), ("block_1x128", "block_1x128")}
+_MIN_BLOCK_TORCH = (2, 10)  # first release with the fixed block-scale layout checks
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def block_scaled_mm_available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` here runs 1x128 / 128x128 block-scaled GEMMs."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if _torch_version() < _MIN_BLOCK_TORCH:
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _structural_reason(a: ScaledOperand, b: ScaledOperand) -> str | None:
+    pair = (a.scaling, b.scaling)
+    if pair not in _TENSOR_ROW_PAIRS and pair not in _BLOCK_PAIRS:
+        return f"cuBLASLt on Hopper has no {a.scaling} x {b.scaling} FP8 GEMM"
+    if a.fp8_dtype == torch.float8_e5m2 and b.fp8_dtype == torch.float8_e5m2:
+        return "cuBLASLt does not multiply two E5M2 operands"
+    m, k = a.shape
+    n = b.shape[0]
+    if k % 16 or n % 16:
+        return f"cuBLASLt FP8 GEMMs need K and N to be multiples of 16, got K={k}, N={n}"
+    if pair in _BLOCK_PAIRS and (m % 4 or k % 512):
+        return f"block-scaled cuBLASLt GEMMs here need M % 4 == 0 and K % 512 == 0, got M={m}, K={k}"
+    return None
+
+
+def gemm_unsupported_reason(
+    a: ScaledOperand | torch.Tensor, b: ScaledOperand | torch.Tensor
+) -> str | None:
+    """Why :func:`gemm` would run these operands on the reference path (``None``: cuBLASLt)."""
+    if not (isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand)):
+        return "a high-precision operand: the cuda backend only runs FP8 x FP8 GEMMs"
+    reason = _structural_reason(a, b)
+    if reason is not None:
+        return reason
+    device = a.data.device
+    if device.type != "cuda":
+        return f"the operands are on {device.type}, not on a CUDA device"
+    if (a.scaling, b.scaling) in _BLOCK_PAIRS and not block_scaled_mm_available(device):
+        return (
+            f"torch {torch.__version__} on this GPU has no block-scaled torch._scaled_mm "
+            f"(needs torch >= {'.'.join(map(str, _MIN_BLOCK_TORCH))}, sm_90, cuBLASLt >= 12.9)"
+        )
+    return None
+
+
+def _check_args(a, b, out_dtype, bias, activation, residual) -> tuple[int, int, int]:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"gemm: out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"gemm: activation must be None or one of {list(ACTIVATIONS)}, got {activation!r}")
+    m, k = a.shape
+    n, k_b = b.shape
+    if k != k_b:
+        raise ValueError(f"gemm: reduction dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
+    if activation == "swiglu" and n % 2:
+        raise ValueError(f"gemm: swiglu halves the output columns, which must be even, got N={n}")
+    out_cols = n // 2 if activation == "swiglu" else n
+    if residual is not None and tuple(residual.shape) != (m, out_cols):
+        raise ValueError(f"gemm: residual must have shape ({m}, {out_cols}), got {tuple(residual.shape)}")
+    return m, n, out_cols
+
+
+def _rows_scale(op: ScaledOperand, rows: int) -> torch.Tensor:
+    """(rows, 1) fp32 contiguous scales of a tensor- or row-scaled operand."""
+    scale = op.scale_inv.float()
+    return scale.reshape(1, 1).expand(rows, 1).contiguous() if op.scaling == "tensor" else scale.contiguous()
+
+
+def _scaled_mm_scales(a: ScaledOperand, b: ScaledOperand) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale_a, scale_b in the shapes and strides torch._scaled_mm reads them."""
+    m, n = a.shape[0], b.shape[0]
+    pair = (a.scaling, b.scaling)
+    if pair == ("tensor", "tensor"):
+        return a.scale_inv.float(), b.scale_inv.float()
+    if pair in _TENSOR_ROW_PAIRS:
+        return _rows_scale(a, m), _rows_scale(b, n).reshape(1, n)  # (M, 1), (1, N)
+    # 1x128 scales of a: (M, K/128) with stride (1, M) ("outer-dim-major").
+    scale_a = a.scale_inv.float().t().contiguous().t()
+    if b.scaling == "block_128x128":
+        scale_b = b.scale_inv.float().contiguous().t()  # (K/128, N/128), transpose of a row-major grid
+    else:
+        scale_b = b.scale_inv.float().t().contiguous()  # (K/128, N), so scale_b.t() is outer-dim-major
+    return scale_a, scale_b
+
+
+def _epilogue(y: torch.Tensor, bias, activation, residual, out_dtype) -> torch.Tensor:
+    rows, in_cols = y.shape
+    out_cols = in_cols // 2 if activation == "swiglu" else in_cols
+    in_place = out_dtype == y.dtype and out_cols == in_cols
+    out = y if in_place else torch.empty((rows, out_cols), dtype=out_dtype, device=y.device)
+    if bias is not None:
+        bias = aligned_contiguous(bias if bias.dtype in HP_CODES else bias.float())
+    if residual is not None:
+        residual = aligned_contiguous(residual if residual.dtype in HP_CODES else residual.float())
+    extension().epilogue(
+        y.data_ptr(), HP_CODES[y.dtype],
+        0 if bias is None else bias.data_ptr(), 0 if bias is None else HP_CODES[bias.dtype],
+        0 if residual is None else residual.data_ptr(), 0 if residual is None else HP_CODES[residual.dtype],
+        out.data_ptr(), HP_CODES[out.dtype], rows, out_cols, ACTIVATION_CODES[activation], raw_stream(y.device),
+    )  # fmt: skip
+    return out
+
+
+def gemm(
+    a: ScaledOperand | torch.Tensor,
+    b: ScaledOperand | torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``activation(a (P, R) @ b (Q, R).T + bias (Q,)) + residual (P, Q')`` as ``out_dtype``.
+
+    cuBLASLt FP8 GEMM where it applies (see the module docstring), else the
+    reference GEMM; same contract as ``gemm_reference``.
+    """
+    for name, op in (("a", a), ("b", b)):
+        check_cuda_tensor(op.data if isinstance(op, ScaledOperand) else op, "gemm", name)
+    if gemm_unsupported_reason(a, b) is not None:
+        return gemm_reference(a, b, out_dtype, bias, activation, residual)
+    m, n, _ = _check_args(a, b, out_dtype, bias, activation, residual)
+    for name, t in (("bias", bias), ("residual", residual)):
+        if t is not None:
+            check_cuda_tensor(t, "gemm", name)
+    fused = activation is not None or residual is not None
+    bias_in_gemm = bias is not None and not fused and out_dtype != torch.float32 and bias.dtype == out_dtype
+    needs_epilogue = fused or (bias is not None and not bias_in_gemm)
+    scale_a, scale_b = _scaled_mm_scales(a, b)
+    x_fp8 = aligned_contiguous(a.data)  # (M, K) row-major
+    w_fp8 = aligned_contiguous(b.data)  # (N, K) row-major; .t() is (K, N) column-major
+    with on_device(x_fp8.device):
+        y = torch._scaled_mm(
+            x_fp8,
+            w_fp8.t(),
+            scale_a=scale_a,
+            scale_b=scale_b,
+            bias=bias if bias_in_gemm else None,
+            out_dtype=torch.float32 if needs_epilogue else out_dtype,
+            use_fast_accum=False,
+        )  # (M, N)
+        if not needs_epilogue:
+            return y
+        return _epilogue(y, bias, activation, residual, out_dtype)

@@ -1,0 +1,61 @@
+// Host entry points of the CUDA kernels, in plain C++ types.
+//
+// The Python launchers (kernels/cuda/cast.py, gemm.py) check shapes, dtypes and
+// devices, allocate the outputs and pass raw device pointers here; binding.cpp
+// exposes these functions to Python. Nothing here includes a torch header, so
+// the kernels build and compile-check without a CUDA build of PyTorch.
+//
+// Type codes: high precision 0 = float32, 1 = bfloat16, 2 = float16;
+// FP8 0 = e4m3fn, 1 = e5m2. `stream` is a cudaStream_t.
+// Every function throws std::runtime_error when a launch fails.
+#pragma once
+
+#include <cstdint>
+
+namespace te_fuser {
+
+// Where a cast's scale comes from and where its by-products go (device pointers).
+struct CastScaling {
+  // Delayed scaling: the fp32 scale to cast with, and where amax(|x|) is written
+  // (zeroed first, then reduced into).
+  const float* scale = nullptr;
+  float* amax_out = nullptr;
+  // Current scaling: amax(|x|) from launch_amax; the cast derives the scale from
+  // it and writes the scale and its reciprocal once.
+  const float* amax_in = nullptr;
+  float* scale_out = nullptr;
+  float* scale_inv_out = nullptr;
+  float epsilon = 0.0f;
+  bool power_2 = false;
+};
+
+// amax(|x|) of `numel` elements into amax_out (fp32, one element).
+void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, void* stream);
+
+// Tensor-scaled cast of x (rows, cols), row-major. `out` (rows, cols) and / or
+// `out_t` (cols, rows) may be null. Current scaling when scaling.amax_in is set,
+// delayed scaling otherwise.
+void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols, uint8_t* out,
+                 uint8_t* out_t, const CastScaling& scaling, void* stream);
+
+// One scale per row: out (rows, cols), scale_inv (rows,) fp32.
+void launch_quantize_rowwise(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols,
+                             uint8_t* out, float* scale_inv, bool power_2, float epsilon, void* stream);
+
+// MXFP8 along the last dim: one E8M0 byte per 32 consecutive elements
+// (numel a multiple of 32; rows never straddle a block).
+void launch_quantize_mxfp8(const void* x, int hp_type, int fp8_type, int64_t numel, uint8_t* out,
+                           uint8_t* scales, void* stream);
+
+// Activation codes of the GEMM epilogue.
+enum EpilogueActivation : int { kActNone = 0, kActGelu = 1, kActRelu = 2, kActSilu = 3, kActSwiglu = 4 };
+
+// out (rows, out_cols) = activation(y + bias) + residual, in fp32, for a GEMM
+// result y (rows, in_cols): in_cols = 2 * out_cols for SwiGLU, else out_cols.
+// bias (in_cols,) and residual (rows, out_cols) may be null. out may alias y
+// when both have the same type and shape. out_cols must be a multiple of 8.
+void launch_epilogue(const void* y, int y_type, const void* bias, int bias_type, const void* residual,
+                     int residual_type, void* out, int out_type, int64_t rows, int64_t out_cols, int activation,
+                     void* stream);
+
+}  // namespace te_fuser
