@@ -59,17 +59,20 @@ def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.cons
 
 @triton.jit
 def fp8_to_float(q, IS_E4M3: tl.constexpr):
-    """fp32 value of FP8 ``q``, with the special encodings decoded explicitly."""
-    q_bits = q.to(tl.uint8, bitcast=True)
+    """fp32 value of FP8 ``q``; NaN and inf are decoded explicitly, with the bits
+    torch gives them (sign, and the FP8 mantissa in the top fp32 mantissa bits)."""
+    q_bits = q.to(tl.uint8, bitcast=True).to(tl.int32)
     low = q_bits & 0x7F
-    neg = q_bits >= 0x80
+    sign = (q_bits & 0x80) << 24
     v = q.to(tl.float32)
     if IS_E4M3:
-        v = tl.where(low == 0x7F, float("nan"), v)
+        special = low == 0x7F
+        special_bits = sign | 0x7FF00000
     else:
-        v = tl.where(low == 0x7C, tl.where(neg, float("-inf"), float("inf")), v)
-        v = tl.where(low > 0x7C, float("nan"), v)
-    return v
+        special = low >= 0x7C
+        quiet = tl.where(low > 0x7C, 0x7FC00000 | ((low & 3) << 21), 0x7F800000)
+        special_bits = sign | quiet
+    return tl.where(special, special_bits.to(tl.float32, bitcast=True), v)
 
 
 @triton.jit

@@ -1,0 +1,70 @@
+"""Triton activations, activation gradients and the fused ``dact_dbias``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_fuser.kernels import reference as ref
+from te_fuser.kernels import triton as tk
+from tolerances import assert_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KINDS = ["gelu", "relu", "silu", "swiglu"]
+
+
+def _x(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = -0.3 + 2.5 * torch.randn(shape, generator=gen)
+    x.view(-1)[:4] = torch.tensor([0.0, -30.0, 30.0, 1e-3])  # flat and saturated regions
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape,dtype", [((13, 96), torch.float32), ((2, 5, 64), torch.bfloat16),
+                                         ((7, 34), torch.float64)])
+def test_activation_and_grad_match_reference(kind, shape, dtype):
+    x = _x(shape, dtype)
+    y = tk.activation(x, kind)
+    y_ref = ref.activation_reference(x, kind)
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    assert_close(y, y_ref, torch.float32, f"activation {kind}")
+    dy = _x(y.shape, dtype, seed=1)
+    dx = tk.activation_grad(dy, x, kind)
+    dx_ref = ref.activation_grad_reference(dy, x, kind)
+    assert dx.dtype == dx_ref.dtype and dx.shape == x.shape
+    assert_close(dx, dx_ref, torch.float32, f"activation_grad {kind}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dact_dbias_matches_unfused(kind):
+    """dx equals activation_grad; dbias equals its column sums (fp64 reference);
+    300 rows span several row splits and a partial last one."""
+    x = _x((300, 40), seed=2)
+    dy = _x((300, 20 if kind == "swiglu" else 40), seed=3)
+    dx, dbias = tk.dact_dbias(dy, x, kind)
+    dx_ref = ref.activation_grad_reference(dy.double(), x.double(), kind)
+    assert_close(dx, dx_ref, torch.float32, f"dact_dbias dx {kind}")
+    assert dbias.shape == (40,)
+    assert_close(dbias, dx_ref.sum(dim=0), torch.float32, f"dact_dbias dbias {kind}")
+
+
+def test_dact_dbias_leading_dims():
+    x = _x((3, 9, 64), seed=4)
+    dy = _x((3, 9, 64), seed=5)
+    dx, dbias = tk.dact_dbias(dy, x, "gelu")
+    dx_ref = ref.activation_grad_reference(dy.double(), x.double(), "gelu")
+    assert_close(dx, dx_ref, torch.float32, "dx 3-D")
+    assert_close(dbias, dx_ref.sum(dim=(0, 1)), torch.float32, "dbias 3-D")
+
+
+def test_activation_errors():
+    x = _x((4, 6))
+    with pytest.raises(ValueError, match="activation: must be one of"):
+        tk.activation(x, "tanh")
+    with pytest.raises(ValueError, match="even last dimension"):
+        tk.activation(x[:, :5], "swiglu")
+    with pytest.raises(ValueError, match="dy must have shape"):
+        tk.activation_grad(x, x, "swiglu")
+    with pytest.raises(TypeError, match="x must be one of"):
+        tk.dact_dbias(x, x.to(torch.int32), "relu")
