@@ -59,6 +59,7 @@ class FusionPlan:
     backward: list[PlanStep]
     declined: list[str]
     notes: list[str]
+    out_shape: torch.Size | None = None
     epoch: int = -1
 
 
@@ -101,15 +102,15 @@ class OperationFuser:
         )
         training = self.ops[0].training if training is None else training
         plan = self._plan
-        if not (
+        if (
             plan is not None
             and (recipe is self._last_recipe or (recipe is not None and plan.recipe_key == recipe._key))
             and plan.key[1:] == (needs_backward, _compute_dtype(x), training, state.calibrating, x.device.type)
             and (plan.epoch == _EPOCH[0] or self._still_installed(plan))
         ):
-            plan = self._rebuild(recipe, state.calibrating, x, needs_backward, training)
-        else:
             self.stats.hits += 1
+        else:
+            plan = self.build(recipe, state.calibrating, x.shape, _compute_dtype(x), x.device, needs_backward, training)
         self._last_recipe = recipe
         return self._run(plan, x, extra_inputs)
 
@@ -121,25 +122,31 @@ class OperationFuser:
         return True
 
     # -- building a plan --------------------------------------------------------
-    def _rebuild(self, recipe, calibrating, x, needs_backward, training) -> FusionPlan:
+    def build(self, recipe, calibrating, shape, dtype, device, needs_backward, training) -> FusionPlan:
+        """Build, validate and publish the plan for these conditions (the slow path)."""
+        device = torch.device(device)
         t0 = time.perf_counter()
         phases = {}
         recipe_key = str(recipe) if recipe is not None else "high_precision"
-        quantizers = self._build_quantizers(recipe)
+        # Quantizers are rebuilt iff the recipe key changed: a plan for another grad
+        # mode or dtype under the same recipe shares the installed ones.
+        reuse = all(op._quantizer_key == recipe_key for op in self.ops)
+        quantizers = [op._quantizers for op in self.ops] if reuse else self._build_quantizers(recipe, recipe_key)
         t1 = time.perf_counter()
         phases["quantizers"] = t1 - t0
         plan_recipe = recipe if (recipe is not None and not calibrating) else None
         fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse)
-        bwd = match(self.ops, "backward", plan_recipe, enabled=self.fuse)
+        bwd = match(self.ops if needs_backward else [], "backward", plan_recipe, enabled=self.fuse)
         t2 = time.perf_counter()
         phases["fusion"] = t2 - t1
-        self._validate(x, quantizers, bwd.steps)
-        notes = self._kernel_notes(recipe is not None and not calibrating, x.device)
+        out_shape = self._validate(shape, device, quantizers, bwd.steps if needs_backward else None)
+        notes = self._kernel_notes(plan_recipe, device)
         t3 = time.perf_counter()
         phases["validation"] = t3 - t2
-        key = (recipe_key, needs_backward, _compute_dtype(x), training, calibrating, x.device.type)
-        run = RunConfig(recipe, calibrating, key[2], needs_backward, training, recipe_key)
-        plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes)
+        key = (recipe_key, needs_backward, dtype, training, calibrating, device.type)
+        run = RunConfig(recipe, calibrating, dtype, needs_backward, training, recipe_key)
+        plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes,
+                          out_shape=out_shape)
         self._publish(plan)
         t4 = time.perf_counter()
         phases["publish"] = t4 - t3
@@ -148,9 +155,12 @@ class OperationFuser:
         self.stats.build_seconds += t4 - t0
         self.stats.last_build_phases = phases
         self._churn.observe(recipe_key)
+        self._last_recipe = recipe
         return plan
 
-    def _build_quantizers(self, recipe) -> list[dict]:
+    def _build_quantizers(self, recipe, recipe_key: str) -> list[dict]:
+        """Fresh quantizers for every role, continuing the scaling state of the
+        installed ones (or of a loaded checkpoint). Nothing installed is touched."""
         out = []
         for op in self.ops:
             qs = {}
@@ -158,25 +168,37 @@ class OperationFuser:
                 for role in op.roles():
                     q = quantizer_for(recipe, role)
                     q.carry_state_from(op._quantizers.get(role.tensor_type))
+                    op.restore_loaded_state(q, role.tensor_type, recipe_key)
                     qs[role.tensor_type] = q
             out.append(qs)
         return out
 
-    def _validate(self, x: torch.Tensor, quantizers: list[dict], backward_steps: list[PlanStep]) -> None:
-        shape = x.shape
+    def _validate(self, shape, device, quantizers: list[dict], backward_steps: list[PlanStep] | None) -> torch.Size:
         for op, qs in zip(self.ops, quantizers):
-            shape = op.check_shapes(shape, qs)
+            shape = op.check_shapes(torch.Size(shape), qs)
             for q in qs.values():
-                q.check_device(x.device)
+                q.check_device(device)
+        if backward_steps is None:
+            return torch.Size(shape)
         covered = sorted(i for step in backward_steps for i in step.indices)
         if covered != list(range(len(self.ops))):
             raise RuntimeError(f"op fuser: the backward plan covers ops {covered}, expected all of 0..{len(self.ops) - 1}")
+        return torch.Size(shape)
 
     @staticmethod
-    def _kernel_notes(quantizing: bool, device: torch.device) -> list[str]:
-        names = ("gemm", "quantize_current", "quantize_tensorwise", "quantize_block", "quantize_mxfp8")
-        if not quantizing:
+    def _kernel_notes(recipe, device: torch.device) -> list[str]:
+        """Which backend runs each kernel this recipe uses (and any fallback)."""
+        if recipe is None:
             return []
+        names = ["gemm", "dequantize"]
+        if recipe.delayed():
+            names.append("quantize_tensorwise")
+        elif recipe.float8_current_scaling():
+            names.append("quantize_current")
+        elif recipe.float8_block_scaling():
+            names.append("quantize_block")
+        elif recipe.mxfp8():
+            names.append("quantize_mxfp8")
         notes = []
         for name in names:
             choice = backend.resolve(name, device)
@@ -184,9 +206,13 @@ class OperationFuser:
         return notes
 
     def _publish(self, plan: FusionPlan) -> None:
+        changed = False
         for op, qs in zip(self.ops, plan.quantizers):
-            op.install_quantizers(qs, plan.recipe_key)
-        _EPOCH[0] += 1
+            if op._quantizers is not qs or op._quantizer_key != plan.recipe_key:
+                op.install_quantizers(qs, plan.recipe_key)
+                changed = True
+        if changed:
+            _EPOCH[0] += 1
         plan.epoch = _EPOCH[0]
         self._plan = plan
 

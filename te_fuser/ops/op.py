@@ -89,6 +89,7 @@ class BasicOperation(nn.Module):
         self.name = name or ""
         self._quantizers: dict[str, Quantizer] = {}
         self._quantizer_key: str | None = None
+        self._loaded_state: dict | None = None  # quantizer state from a checkpoint, not yet applied
         self._own_fuser = None
 
     # -- quantizers -----------------------------------------------------------
@@ -108,10 +109,39 @@ class BasicOperation(nn.Module):
         """Make ``quantizers`` this op's own, built for ``key`` (called on publish)."""
         self._quantizers = quantizers
         self._quantizer_key = key
+        self._loaded_state = None
         self.drop_caches()
 
     def drop_caches(self) -> None:
         """Forget cached quantized tensors (the weight cache of a linear)."""
+
+    # -- checkpoints: the scaling state travels in the module's state_dict -----
+    def get_extra_state(self) -> dict:
+        return {
+            "recipe_key": self._quantizer_key,
+            "quantizers": {
+                t: {"class": type(q).__qualname__, "state": q.state_dict()} for t, q in self._quantizers.items()
+            },
+        }
+
+    def set_extra_state(self, state: dict) -> None:
+        if not state or not state.get("quantizers"):
+            return
+        self._loaded_state = state
+        if state["recipe_key"] == self._quantizer_key:  # the plan in use is the checkpoint's: apply now
+            for tensor_type, q in self._quantizers.items():
+                self.restore_loaded_state(q, tensor_type, self._quantizer_key)
+            self._loaded_state = None
+
+    def restore_loaded_state(self, quantizer: "Quantizer", tensor_type: str, recipe_key: str) -> None:
+        """Load the checkpointed state of ``tensor_type`` into ``quantizer`` when it was
+        saved under the same recipe by the same kind of quantizer."""
+        loaded = self._loaded_state
+        if loaded is None or loaded["recipe_key"] != recipe_key:
+            return
+        entry = loaded["quantizers"].get(tensor_type)
+        if entry is not None and entry["class"] == type(quantizer).__qualname__:
+            quantizer.load_state_dict(entry["state"])
 
     # -- planning -------------------------------------------------------------
     def check_shapes(self, in_shape: torch.Size, quantizers: dict[str, "Quantizer"]) -> torch.Size:

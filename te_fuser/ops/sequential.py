@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from .fuser import FusionStats, OperationFuser
+from .fuser import FusionStats, OperationFuser, _compute_dtype
 from .op import BasicOperation
 
 __all__ = ["Sequential"]
@@ -131,6 +131,31 @@ class Sequential(nn.Module):
             raise ValueError(f"Sequential: {len(extra_in)} extra input(s) left unused")
         return (x, *extra_out) if extra_out else x
 
+    def prepare(self, x: torch.Tensor, *extra_inputs: torch.Tensor, recipe=None, calibrating: bool = False,
+                needs_backward: bool | None = None) -> None:
+        """Build and publish every group's plan for an input like ``x`` under
+        ``recipe`` (default: the recipe of the current ``te.autocast``, or high
+        precision) without running any op: quantizers are created (continuing any
+        delayed-scaling state), fusion passes run and the plan is validated, so a
+        bad recipe is rejected here, and the next call is a hot-path hit. Plain
+        modules between groups are traced on the meta device for their shapes."""
+        from ..autocast import current_state
+
+        if recipe is None and current_state().enabled:
+            recipe = current_state().recipe
+        shape, dtype, device = x.shape, _compute_dtype(x), x.device
+        if needs_backward is None:
+            needs_backward = torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in self.parameters())
+            )
+        for group in self.groups():
+            if isinstance(group, OperationFuser):
+                plan = group.build(recipe, calibrating, shape, dtype, device, needs_backward, self.training)
+                shape = plan.out_shape
+            else:
+                with torch.no_grad():
+                    shape = group(torch.empty(shape, dtype=dtype, device="meta")).shape
+
     def _fusers(self) -> list[OperationFuser]:
         return [g for g in self.groups() if isinstance(g, OperationFuser)]
 
@@ -166,7 +191,8 @@ class Sequential(nn.Module):
                 f"  built for: backward={needs_backward} dtype={str(dtype).replace('torch.', '')} "
                 f"training={training} calibrating={calibrating} device={device}"
             )
-            for name, steps in (("forward", plan.forward), ("backward", plan.backward)):
+            passes = (("forward", plan.forward), ("backward", plan.backward)) if needs_backward else (("forward", plan.forward),)
+            for name, steps in passes:
                 lines.append(f"  {name}:")
                 for step in steps:
                     covers = ", ".join(f"{i}:{ops[i].describe()}" for i in step.indices)

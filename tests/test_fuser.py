@@ -1,0 +1,331 @@
+"""The op fuser's contract: one build per key change, atomic rejection, continuity,
+weight caching, backward with the forward's plan, and a switch that equals a
+fresh model on the target recipe."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import expecttest
+import pytest
+import torch
+
+import te_fuser as te
+from op_testing import RECIPES, identity_factory, representable
+from te_fuser import recipe as R
+from te_fuser.quantization import DelayedScalingQuantizer, IdentityQuantizer
+
+H, F = 64, 128
+
+
+def mlp(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return te.ops.Sequential(
+        te.ops.RMSNorm(H), te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H)
+    ).to(dtype)
+
+
+def step(model, x, recipe, opt=None):
+    """One training step; returns (output, grads by parameter name)."""
+    model.zero_grad(set_to_none=True)
+    xx = x.detach().clone().requires_grad_(True)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        y = model(xx)
+    y.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads["x"] = xx.grad
+    if opt is not None:
+        opt.step()
+    return y.detach(), grads
+
+
+def assert_identical(a, b, what):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_identical(a[k], b[k], f"{what}[{k}]")
+        return
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert_identical(u, v, f"{what}[{i}]")
+        return
+    if not isinstance(a, torch.Tensor):
+        assert a == b, f"{what}: {a!r} != {b!r}"
+        return
+    assert torch.equal(a, b), f"{what}: not bit-identical (max diff {(a.double() - b.double()).abs().max()})"
+
+
+def test_exactly_one_build_per_key_change():
+    model = mlp()
+    x = torch.randn(8, H)
+    schedule = ["delayed", "delayed", "current", "current", "current", "block", "delayed", "none", "none"]
+    for name in schedule:
+        step(model, x, RECIPES[name])
+    changes = 1 + sum(a != b for a, b in zip(schedule, schedule[1:]))
+    stats = model.fusion_stats()
+    assert stats.builds == changes and stats.hits == len(schedule) - changes
+
+
+def test_no_build_over_1000_steps_with_new_but_equal_recipes():
+    model = te.ops.Sequential(te.ops.Linear(32, 32))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        for _ in range(1000):
+            with te.autocast(recipe=R.Float8CurrentScaling()):
+                model(x)
+    stats = model.fusion_stats()
+    assert stats.builds == 1 and stats.hits == 999
+    assert stats.key == str(R.Float8CurrentScaling())
+
+
+@pytest.mark.parametrize("a,b", [("delayed", "current"), ("current", "delayed"), ("none", "mxfp8"),
+                                 ("block", "delayed"), ("mxfp8", "none")])
+def test_mid_training_switch_is_bit_identical_to_a_fresh_model_on_the_target(a, b):
+    x = [representable(32, H, generator=torch.Generator().manual_seed(i)) * 0.125 for i in range(6)]
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for i in range(3):
+        step(model, x[i], RECIPES[a], opt)
+    model.prepare(x[3], recipe=RECIPES[b])  # the switch: plan and quantizers for B, nothing run
+    snapshot = copy.deepcopy(model.state_dict())
+    fresh = mlp(seed=123)
+    fresh.load_state_dict(snapshot)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=1e-2)
+    for i in range(3, 6):
+        out_m, g_m = step(model, x[i], RECIPES[b], opt)
+        out_f, g_f = step(fresh, x[i], RECIPES[b], fresh_opt)
+        assert_identical(out_m, out_f, f"step {i} output")
+        assert_identical(g_m, g_f, f"step {i} grads")
+
+
+def test_delayed_to_delayed_carries_the_history_and_a_fresh_model_with_that_state_matches():
+    x = [torch.randn(32, H, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    a, b = R.DelayedScaling(amax_history_len=8), R.DelayedScaling(amax_history_len=4, margin=1)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for i in range(3):
+        step(model, x[i], a, opt)
+    old = model[1].quantizer("input")
+    old_history = old.amax_history.clone()
+    model.prepare(x[3], recipe=b)
+    new = model[1].quantizer("input")
+    assert isinstance(new, DelayedScalingQuantizer) and new is not old and new.amax_history_len == 4
+    assert torch.equal(new.amax_history, old_history[:4])
+    expected_scale = torch.tensor(448.0) / old_history.max() / 2.0  # fmax / amax / 2**margin
+    assert torch.equal(new.scale, expected_scale)
+    fresh = mlp(seed=5)
+    fresh.load_state_dict(copy.deepcopy(model.state_dict()))
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=1e-2)
+    for i in range(3, 6):
+        assert_identical(step(model, x[i], b, opt), step(fresh, x[i], b, fresh_opt), f"step {i}")
+
+
+def test_entering_delayed_scaling_seeds_the_scale_from_the_current_amax():
+    model = te.ops.Sequential(te.ops.BasicLinear(H, H))
+    x = torch.randn(8, H) * 10
+    step(model, x, RECIPES["current"])
+    step(model, x, R.DelayedScaling())
+    q = model[0].quantizer("input")
+    assert q.seeded
+    assert torch.equal(q.amax_history[0], x.abs().max())
+
+
+def test_rejected_switch_raises_and_leaves_the_old_plan_untouched():
+    x = [torch.randn(8, 48, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    make = lambda: te.ops.Sequential(te.ops.Linear(48, 40), te.ops.ReLU(), te.ops.Linear(40, 48))  # noqa: E731
+    torch.manual_seed(1)
+    model = make()
+    twin = copy.deepcopy(model)
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+    recipe = R.DelayedScaling(amax_history_len=4)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        step(m, x[0], recipe, o)
+    plan_before = model.fusion_plan()
+    quantizers_before = model[0].linear._quantizers
+    state_before = copy.deepcopy(model[0].linear.quantizer("input").state_dict())
+    with pytest.raises(ValueError, match=r"dim 1 \(columns, 48\).*multiple of 32"):
+        step(model, x[1], R.MXFP8BlockScaling())
+
+    def refuse_grads(role):
+        if role.tensor_type == "grad_output":
+            raise ValueError("no gradients here")
+        return IdentityQuantizer()
+
+    with pytest.raises(RuntimeError, match="grad_output"):
+        step(model, x[1], R.CustomRecipe(refuse_grads, qfactory_key="refuse"))
+    assert model.fusion_plan() == plan_before
+    assert model[0].linear._quantizers is quantizers_before
+    assert_identical(model[0].linear.quantizer("input").state_dict(), state_before, "delayed state")
+    for i in range(1, 4):
+        assert_identical(step(model, x[i], recipe, opt), step(twin, x[i], recipe, twin_opt), f"step {i}")
+
+
+def test_weights_changed_in_place_are_never_used_stale():
+    torch.manual_seed(0)
+    model = te.ops.Sequential(te.ops.Linear(H, H))
+    x = torch.randn(16, H)
+    recipe = R.Float8CurrentScaling()
+    with torch.no_grad(), te.autocast(recipe=recipe):
+        model(x)
+        cached = model[0].linear._weight_cache[2]
+        model(x)
+        assert model[0].linear._weight_cache[2] is cached, "micro-batches must reuse the quantized weight"
+        for _ in range(3):
+            model[0].weight.copy_(torch.randn(H, H))  # an in-place overwrite, as by a train/infer loop
+            y = model(x)
+            fresh = copy.deepcopy(model)
+            fresh[0].linear.drop_caches()
+            assert torch.equal(y, fresh(x))
+            assert model[0].linear._weight_cache[2] is not cached
+            cached = model[0].linear._weight_cache[2]
+
+
+def test_backward_uses_the_quantizers_of_its_forward():
+    x = torch.randn(16, H, generator=torch.Generator().manual_seed(3))
+    model = mlp()
+    twin = copy.deepcopy(model)
+    xa = x.clone().requires_grad_(True)
+    with te.autocast(recipe=RECIPES["block"]):
+        ya = model(xa)
+    with te.autocast(recipe=RECIPES["current"]):
+        model(torch.randn(16, H))  # re-fuses under another recipe before the backward
+    ya.sum().backward()
+    xb = x.clone().requires_grad_(True)
+    with te.autocast(recipe=RECIPES["block"]):
+        yb = twin(xb)
+    yb.sum().backward()
+    assert torch.equal(xa.grad, xb.grad)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def test_custom_recipe_calls_qfactory_once_per_role_per_build():
+    calls = []
+
+    def factory(role):
+        calls.append(role)
+        return IdentityQuantizer()
+
+    model = mlp()
+    recipe = R.CustomRecipe(factory, qfactory_key="counting")
+    x = torch.randn(4, H)
+    for _ in range(3):
+        step(model, x, recipe)
+    roles = [(r.module_type, r.tensor_type) for r in calls]
+    assert roles == [("linear", "input"), ("linear", "weight"), ("linear", "grad_output")] * 2
+    step(model, x, R.CustomRecipe(factory, qfactory_key="counting-2"))
+    assert len(calls) == 12
+
+
+def test_identity_only_custom_recipe_matches_plain_bf16_bit_for_bit():
+    x = torch.randn(8, H).bfloat16()
+    model = mlp(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    with_identity = step(model, x, R.CustomRecipe(identity_factory, qfactory_key="identity"))
+    plain = step(twin, x, None)
+    assert_identical(with_identity, plain, "identity recipe vs bf16")
+    assert all(q.min_compute_capability is None for q in model[1].linear._quantizers.values())
+
+
+def test_an_op_called_on_its_own_is_as_correct_as_in_a_sequential():
+    x = torch.randn(8, H)
+    model = te.ops.Sequential(te.ops.Linear(H, H))
+    twin = copy.deepcopy(model)
+    step(model, x, RECIPES["current"])
+    step(twin, x, RECIPES["current"])
+    with te.autocast(recipe=RECIPES["block"]), torch.no_grad():
+        model[0](x)  # the Linear on its own installs block-scaling quantizers
+    assert model[0].linear._quantizer_key == str(RECIPES["block"])
+    assert_identical(step(model, x, RECIPES["current"]), step(twin, x, RECIPES["current"]), "after standalone use")
+    assert model[0].linear._quantizer_key == str(RECIPES["current"])
+
+
+def test_a_fresh_lambda_per_step_warns_once_from_the_fuser():
+    model = te.ops.Sequential(te.ops.Linear(32, 32))
+    x = torch.randn(4, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            step(model, x, R.DelayedScaling(amax_compute_algo=lambda h: h.max()))
+    assert len([w for w in caught if "re-fuses" in str(w.message)]) == 1
+    assert model.fusion_stats().builds == 6
+
+
+def test_grad_mode_changes_share_quantizers_and_weight_cache():
+    model = te.ops.Sequential(te.ops.Linear(H, H))
+    x = torch.randn(4, H)
+    recipe = R.DelayedScaling()
+    step(model, x, recipe)
+    quantizers = model[0].linear._quantizers
+    with torch.no_grad(), te.autocast(recipe=recipe):
+        model(x)
+    assert model[0].linear._quantizers is quantizers
+
+
+class TestFusionPlanText(expecttest.TestCase):
+    def test_fusion_plan_strings(self):
+        model = te.ops.Sequential(
+            te.ops.LayerNorm(H, name="ln"), te.ops.MakeExtraOutput(), te.ops.BasicLinear(H, F, name="fc1"),
+            te.ops.Bias(F), te.ops.SwiGLU(), te.ops.Linear(F // 2, H, name="fc2"), te.ops.AddExtraInput(),
+            torch.nn.Tanh(), te.ops.Linear(H, H, name="fc3"),
+        )
+        self.assertExpectedInline(model.fusion_plan(), """\
+group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bias, 4:SwiGLU, 5:BasicLinear('fc2'), 6:Bias('fc2'), 7:AddExtraInput
+  not built yet (call the model once)
+group 1: plain module Tanh (runs as is)
+group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
+  not built yet (call the model once)""")
+        x = torch.randn(4, H, requires_grad=True)
+        with te.autocast(recipe=R.Float8CurrentScaling()):
+            y, branch = model(x, torch.randn(4, H))
+        text = model.fusion_plan().replace(str(R.Float8CurrentScaling()), "<Float8CurrentScaling>")
+        self.assertExpectedInline(text, """\
+group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bias, 4:SwiGLU, 5:BasicLinear('fc2'), 6:Bias('fc2'), 7:AddExtraInput
+  recipe: <Float8CurrentScaling>
+  built for: backward=True dtype=float32 training=True calibrating=False device=cpu
+  forward:
+    LayerNorm(0:LayerNorm('ln'))
+    MakeExtraOutput(1:MakeExtraOutput)
+    ForwardLinearBiasActivation(2:BasicLinear('fc1'), 3:Bias, 4:SwiGLU)  [rule forward_linear_bias_activation]
+    ForwardLinearBiasAdd(5:BasicLinear('fc2'), 6:Bias('fc2'), 7:AddExtraInput)  [rule forward_linear_bias_add]
+  backward:
+    LayerNorm(0:LayerNorm('ln'))
+    BackwardLinearAdd(1:MakeExtraOutput, 2:BasicLinear('fc1'))  [rule backward_linear_add]
+    BackwardActivationBias(3:Bias, 4:SwiGLU)  [rule backward_activation_bias]
+    BasicLinear(5:BasicLinear('fc2'))
+    Bias(6:Bias('fc2'))
+    AddExtraInput(7:AddExtraInput)
+  kernel: gemm: reference
+  kernel: dequantize: reference
+  kernel: quantize_current: reference
+group 1: plain module Tanh (runs as is)
+group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
+  recipe: <Float8CurrentScaling>
+  built for: backward=True dtype=float32 training=True calibrating=False device=cpu
+  forward:
+    ForwardLinearBiasActivation(0:BasicLinear('fc3'), 1:Bias('fc3'))  [rule forward_linear_bias]
+  backward:
+    BasicLinear(0:BasicLinear('fc3'))
+    Bias(1:Bias('fc3'))
+  kernel: gemm: reference
+  kernel: dequantize: reference
+  kernel: quantize_current: reference""")
+        with torch.no_grad():
+            model(x, torch.randn(4, H))
+        self.assertExpectedInline(model.fusion_plan(), """\
+group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bias, 4:SwiGLU, 5:BasicLinear('fc2'), 6:Bias('fc2'), 7:AddExtraInput
+  recipe: high_precision
+  built for: backward=False dtype=float32 training=True calibrating=False device=cpu
+  forward:
+    LayerNorm(0:LayerNorm('ln'))
+    MakeExtraOutput(1:MakeExtraOutput)
+    ForwardLinearBiasActivation(2:BasicLinear('fc1'), 3:Bias, 4:SwiGLU)  [rule forward_linear_bias_activation]
+    ForwardLinearBiasAdd(5:BasicLinear('fc2'), 6:Bias('fc2'), 7:AddExtraInput)  [rule forward_linear_bias_add]
+group 1: plain module Tanh (runs as is)
+group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
+  recipe: high_precision
+  built for: backward=False dtype=float32 training=True calibrating=False device=cpu
+  forward:
+    ForwardLinearBiasActivation(0:BasicLinear('fc3'), 1:Bias('fc3'))  [rule forward_linear_bias]""")
