@@ -150,3 +150,15 @@ def test_gemm_empty_reduction_gives_epilogue_of_zeros():
     bias = torch.arange(6.0, device=DEVICE)
     got = tk.gemm(a, b, torch.float32, bias=bias, activation="relu")
     assert torch.equal(got, bias.expand(4, 6))
+
+
+@pytest.mark.parametrize("scheme", ["tensor_x_row_e5m2", "block_1x128_x_128x128", "mx_x_mx", "plain_bf16"])
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_gemm_tma_descriptor_path(monkeypatch, scheme, activation):
+    """The TMA-descriptor loads (the GPU default) on ragged shapes: zero fill past the edges."""
+    for family, block_k in (("tensor", 64), ("block", 128), ("mx", 128), ("plain", 32)):
+        monkeypatch.setitem(fp8_gemm.TILE_OVERRIDES, family,
+                            fp8_gemm.Tiles(32, 32, block_k, 4, 4, 1, use_tma=True))
+    x, w, bias = _inputs(67, 96, 160, seed=7)
+    qa, qb = SCHEMES[scheme]
+    _check(qa(x), qb(w), torch.float32, f"{scheme} {activation} TMA", bias=bias, activation=activation)

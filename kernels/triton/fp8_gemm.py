@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from ..operand import ScaledOperand
 from ._common import e8m0_value, fp8_format, fp8_to_float, is_interpreted, to_output
 from .activations import activation_code, apply_activation, silu
@@ -43,7 +45,8 @@ _FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 @triton.jit
 def _tile_coords(M, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped launch order: GROUP_M row tiles share each column tile in L2."""
+    """First row and column of this program's output tile, in grouped order
+    (GROUP_M row tiles share each column tile while it is in L2)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N_OUT, BLOCK_N)
@@ -52,7 +55,19 @@ def _tile_coords(M, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
     group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _load_k_tile(src, row0, rows, k0, K, stride, offs_k, USE_TMA: tl.constexpr):
+    """The (rows, BLOCK_K) tile of a K-major operand at columns k0...: through a
+    TMA descriptor (zero fill outside the matrix) or through pointers (``rows``
+    already wrapped inside the matrix, columns past K masked to zero)."""
+    if USE_TMA:
+        return src.load([row0, k0])
+    else:
+        cols = k0 + offs_k
+        return tl.load(src + rows[:, None] * stride + cols[None, :], mask=cols[None, :] < K, other=0.0)
 
 
 @triton.jit
@@ -80,51 +95,42 @@ def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, ou
 
 @triton.jit
 def _fp8_gemm_tensorwise_kernel(
-        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_rm, stride_om,
         SCALED: tl.constexpr, A_ROW_SCALES: tl.constexpr, B_ROW_SCALES: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr, PROMOTE_EVERY: tl.constexpr, UPCAST: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, PROMOTE_EVERY: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """a (M, K) @ b (N, K).T with one scale per tensor or per row, applied after
     the fp32 accumulation (they are constant along K)."""
-    offs_m, offs_n = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
     GATED: tl.constexpr = ACTIVATION == 4
+    m0, n0 = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     rows_a = offs_m % M  # wrapped rows are computed and never stored
     rows_b = offs_n % N_OUT
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k[None, :] < K - k0
-        a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+        a = _load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
+        b = _load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
         if UPCAST:  # the interpreter multiplies bf16 as raw bits: widen first (exact)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=INPUT_PRECISION, max_num_imprecise_acc=PROMOTE_EVERY)
         if GATED:
-            b_up = tl.load(b_ptrs + HALF * stride_bn, mask=k_ok, other=0.0)
+            b_up = _load_k_tile(b_src, HALF + n0, HALF + rows_b, k0, K, stride_bn, offs_k, USE_TMA)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             acc_up = tl.dot(a, tl.trans(b_up), acc_up, input_precision=INPUT_PRECISION,
                             max_num_imprecise_acc=PROMOTE_EVERY)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
     if SCALED:
-        sa = tl.load(sa_ptr + rows_a) if A_ROW_SCALES else tl.load(sa_ptr)
-        sb = tl.load(sb_ptr + rows_b) if B_ROW_SCALES else tl.load(sb_ptr)
-        if A_ROW_SCALES:
-            sa = sa[:, None]
-        if B_ROW_SCALES:
-            sb_gate = sb[None, :]
-        else:
-            sb_gate = sb
-        acc = acc * sa * sb_gate
+        sa = tl.load(sa_ptr + rows_a)[:, None] if A_ROW_SCALES else tl.load(sa_ptr)
+        sb = tl.load(sb_ptr + rows_b)[None, :] if B_ROW_SCALES else tl.load(sb_ptr)
+        acc = acc * sa * sb
         if GATED:
-            sb_up = tl.load(sb_ptr + HALF + rows_b)[None, :] if B_ROW_SCALES else sb
+            sb_up = tl.load(sb_ptr + HALF + rows_b)[None, :] if B_ROW_SCALES else tl.load(sb_ptr)
             acc_up = acc_up * sa * sb_up
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
               HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
@@ -134,66 +140,64 @@ def _fp8_gemm_tensorwise_kernel(
 
 
 @triton.jit
-def _blockwise_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, offs_k, BLOCK_K: tl.constexpr):
-    """One 128-deep block of a @ b.T with its scales applied (a fresh fp32 product)."""
-    k_ok = offs_k[None, :] < K - kb * BLOCK_K
-    a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-    b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+def _blockwise_partial(a, b_src, n0, rows_b, sa, sb_ptrs, k0, K, stride_bn, offs_k, USE_TMA: tl.constexpr):
+    """One 128-deep block of a @ b.T, a fresh fp32 product promoted with its scales."""
+    b = _load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
     partial = tl.dot(a, tl.trans(b))
-    return partial * tl.load(sa_ptrs + kb)[:, None] * tl.load(sb_ptrs + kb)[None, :]
+    return partial * sa[:, None] * tl.load(sb_ptrs + k0 // 128)[None, :]
 
 
 @triton.jit
 def _fp8_gemm_blockwise_body(
-        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, B_TILE_ROWS: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """a: 1x128 scales (M, K/128); b: 1x128 (N, K/128) or 128x128 (N/128, K/128)."""
     BLOCK_K: tl.constexpr = 128
     GATED: tl.constexpr = ACTIVATION == 4
-    offs_m, offs_n = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    m0, n0 = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     rows_a = offs_m % M
     rows_b = offs_n % N_OUT
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]
     sa_ptrs = sa_ptr + rows_a * stride_sam
     sb_ptrs = sb_ptr + (rows_b // B_TILE_ROWS) * stride_sbn
-    sb_up_ptrs = sb_ptr + ((rows_b + HALF) // B_TILE_ROWS) * stride_sbn
+    sb_up_ptrs = sb_ptr + ((HALF + rows_b) // B_TILE_ROWS) * stride_sbn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        acc += _blockwise_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, offs_k, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        a = _load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
+        sa = tl.load(sa_ptrs + k0 // BLOCK_K)
+        acc += _blockwise_partial(a, b_src, n0, rows_b, sa, sb_ptrs, k0, K, stride_bn, offs_k, USE_TMA)
         if GATED:
-            acc_up += _blockwise_partial(a_ptrs, b_ptrs + HALF * stride_bn, sa_ptrs, sb_up_ptrs, kb, K, offs_k,
-                                         BLOCK_K)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+            acc_up += _blockwise_partial(a, b_src, HALF + n0, HALF + rows_b, sa, sb_up_ptrs, k0, K, stride_bn,
+                                         offs_k, USE_TMA)
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
               HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
 
 
 @triton.jit
 def _fp8_gemm_blockwise_1x128_128x128_kernel(
-        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    _fp8_gemm_blockwise_body(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
                              stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 128,
-                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, BLOCK_M, BLOCK_N, GROUP_M)
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, USE_TMA, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 @triton.jit
 def _fp8_gemm_blockwise_1x128_1x128_kernel(
-        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    _fp8_gemm_blockwise_body(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
                              stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 1,
-                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, BLOCK_M, BLOCK_N, GROUP_M)
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, USE_TMA, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 # ------------------------------------------------------------------ MXFP8
@@ -210,11 +214,12 @@ def _mx_scaled_tile(q, s, IS_E4M3: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _mx_partial(a, sa, b_ptrs, sb_ptrs, k_ok, s_ok, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
-                DOT_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _mx_partial(a, sa, b_src, n0, rows_b, sb_ptrs, k0, K, stride_bn, offs_k, s_ok,
+                A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, DOT_SCALED: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, USE_TMA: tl.constexpr):
     """a @ b.T for one BLOCK_K slice: ``tl.dot_scaled``, or the same products from
     tiles scaled in registers (FP8 times a power of two is exact in bf16)."""
-    b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+    b = _load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
     sb = tl.load(sb_ptrs, mask=s_ok, other=127)
     if DOT_SCALED:
         return tl.dot_scaled(a, sa, A_FORMAT, tl.trans(b), sb, B_FORMAT)
@@ -226,38 +231,35 @@ def _mx_partial(a, sa, b_ptrs, sb_ptrs, k_ok, s_ok, A_FORMAT: tl.constexpr, B_FO
 
 @triton.jit
 def _mxfp8_gemm_kernel(
-        a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, DOT_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr):
     """MXFP8 x MXFP8: E8M0 scales (uint8) per 32 along K on both sides."""
     GATED: tl.constexpr = ACTIVATION == 4
     GROUPS: tl.constexpr = BLOCK_K // 32
-    offs_m, offs_n = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    m0, n0 = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     rows_a = offs_m % M
     rows_b = offs_n % N_OUT
     offs_k = tl.arange(0, BLOCK_K)
     offs_g = tl.arange(0, GROUPS)
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]
-    sa_ptrs = sa_ptr + rows_a[:, None] * stride_sam + offs_g[None, :]
-    sb_ptrs = sb_ptr + rows_b[:, None] * stride_sbn + offs_g[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k[None, :] < K - k0
-        s_ok = offs_g[None, :] < (K - k0) // 32
-        a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-        sa = tl.load(sa_ptrs, mask=s_ok, other=127)
-        acc += _mx_partial(a, sa, b_ptrs, sb_ptrs, k_ok, s_ok, A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE)
+        groups = k0 // 32 + offs_g
+        s_ok = groups[None, :] < K // 32
+        a = _load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
+        sa = tl.load(sa_ptr + rows_a[:, None] * stride_sam + groups[None, :], mask=s_ok, other=127)
+        sb_ptrs = sb_ptr + rows_b[:, None] * stride_sbn + groups[None, :]
+        acc += _mx_partial(a, sa, b_src, n0, rows_b, sb_ptrs, k0, K, stride_bn, offs_k, s_ok,
+                           A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE, USE_TMA)
         if GATED:
-            acc_up += _mx_partial(a, sa, b_ptrs + HALF * stride_bn, sb_ptrs + HALF * stride_sbn, k_ok, s_ok,
-                                  A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-        sa_ptrs += GROUPS
-        sb_ptrs += GROUPS
+            acc_up += _mx_partial(a, sa, b_src, HALF + n0, HALF + rows_b, sb_ptrs + HALF * stride_sbn, k0, K,
+                                  stride_bn, offs_k, s_ok, A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE, USE_TMA)
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
               HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
 
@@ -278,26 +280,35 @@ class _Epilogue:
 
 
 @dataclass(frozen=True)
-class _Tiles:
+class Tiles:
+    """Launch shape of one GEMM kernel."""
+
     block_m: int
     block_n: int
     block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    use_tma: bool = True
 
 
-def _tiles(device: torch.device, scaling: str, m: int, n_out: int, gated: bool) -> _Tiles:
-    """Tile shapes: small ones for the interpreter; Hopper-sized ones on a GPU."""
-    block_k = 128 if scaling in ("block", "mx") else 64
+# Tuning hook for the benchmarks: kernel family ("tensor", "block", "mx", "plain")
+# -> Tiles used instead of the defaults below. Empty in normal use.
+TILE_OVERRIDES: dict[str, Tiles] = {}
+
+
+def _tiles(device: torch.device, family: str, m: int, n_out: int, gated: bool) -> Tiles:
+    """Tile shapes: small ones for the interpreter, Hopper-sized ones on a GPU."""
+    if family in TILE_OVERRIDES:
+        return TILE_OVERRIDES[family]
+    block_k = 128 if family in ("block", "mx") else 64
     if device.type == "cpu":
-        return _Tiles(32, 32, block_k if scaling != "plain" else 32, 4, 4, 1)
-    if scaling == "plain":
-        return _Tiles(128, 128, 64, 8, 8, 3)
+        return Tiles(32, 32, block_k if family != "plain" else 32, 4, 4, 1, use_tma=False)
+    if family == "plain":
+        return Tiles(128, 128, 64, 8, 8, 3)
     small = m * n_out <= 1024 * 1024
-    block_n = 128 if (gated or small or scaling == "mx") else 256
-    stages = 3 if block_n == 256 or gated else 4
-    return _Tiles(128, block_n, 128, 8, 8, stages)
+    block_n = 128 if (gated or small or family == "mx") else 256
+    return Tiles(128, block_n, 128, 8, 8, 3 if block_n == 256 or gated else 4)
 
 
 def _check_epilogue(bias, residual, activation, out_dtype, m, n, device) -> _Epilogue:
@@ -339,6 +350,19 @@ def _k_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def _tma_ok(*mats: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row pitches."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in mats)
+
+
+def _sources(a: torch.Tensor, b: torch.Tensor, t: Tiles) -> tuple[object, object, bool]:
+    """The operands as TMA descriptors when the tiles ask for it and they allow it."""
+    if t.use_tma and _tma_ok(a, b):
+        return (TensorDescriptor.from_tensor(a, [t.block_m, t.block_k]),
+                TensorDescriptor.from_tensor(b, [t.block_n, t.block_k]), True)
+    return a, b, False
+
+
 def _launch_common(epi: _Epilogue, out: torch.Tensor, dummy: torch.Tensor) -> tuple[list, dict]:
     res = epi.residual
     args = [epi.bias if epi.bias is not None else dummy, res if res is not None else dummy, out]
@@ -347,11 +371,11 @@ def _launch_common(epi: _Epilogue, out: torch.Tensor, dummy: torch.Tensor) -> tu
     return args, dict(stride_rm=res.stride(0) if res is not None else 0, stride_om=out.stride(0), **meta)
 
 
-def _grid(m: int, epi: _Epilogue, t: _Tiles) -> tuple[int]:
+def _grid(m: int, epi: _Epilogue, t: Tiles) -> tuple[int]:
     return (triton.cdiv(m, t.block_m) * triton.cdiv(epi.n_out, t.block_n),)
 
 
-def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: str) -> None:
+def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tuple[str, str]) -> None:
     """tensor/row scaled FP8 operands, or plain ones (``sa``/``sb`` None)."""
     m, k = a.shape
     t = _tiles(a.device, "tensor" if sa is not None else "plain", m, epi.n_out, epi.activation == 4)
@@ -359,36 +383,38 @@ def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: str)
     upcast = a.dtype == torch.bfloat16 and is_interpreted(a)
     precision = "ieee" if (a.dtype == torch.float32 or upcast) else None
     promote = t.block_k if (a.dtype.itemsize == 1 and k >= t.block_k) else None
+    a_src, b_src, use_tma = _sources(a, b, t)
     _fp8_gemm_tensorwise_kernel[_grid(m, epi, t)](
-        a, b, sa if sa is not None else out, sb if sb is not None else out, *args, m, epi.n_out, k, epi.half,
-        a.stride(0), b.stride(0), SCALED=sa is not None, A_ROW_SCALES=kind[0] == "row",
-        B_ROW_SCALES=kind[1] == "row", INPUT_PRECISION=precision, PROMOTE_EVERY=promote, UPCAST=upcast, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
-        num_stages=t.num_stages, **meta)
+        a_src, b_src, sa if sa is not None else out, sb if sb is not None else out, *args, m, epi.n_out, k,
+        epi.half, a.stride(0), b.stride(0), SCALED=sa is not None, A_ROW_SCALES=kind[0] == "row",
+        B_ROW_SCALES=kind[1] == "row", INPUT_PRECISION=precision, PROMOTE_EVERY=promote, UPCAST=upcast,
+        USE_TMA=use_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages, **meta)
 
 
 def _gemm_blockwise(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.Tensor) -> None:
     m, k = a.data.shape
     t = _tiles(a.data.device, "block", m, epi.n_out, epi.activation == 4)
+    if t.block_k != 128:
+        raise ValueError(f"gemm: block-scaled GEMMs need block_k == 128, got {t.block_k}")
     args, meta = _launch_common(epi, out, a.data)
     kernel = (_fp8_gemm_blockwise_1x128_128x128_kernel if b.scaling == "block_128x128"
               else _fp8_gemm_blockwise_1x128_1x128_kernel)
     a_data, b_data = _k_major(a.data), _k_major(b.data)
     sa, sb = a.scale_inv.contiguous(), b.scale_inv.contiguous()
+    a_src, b_src, use_tma = _sources(a_data, b_data, t)
     kernel[_grid(m, epi, t)](
-        a_data, b_data, sa, sb, *args, m, epi.n_out, k, epi.half,
-        a_data.stride(0), b_data.stride(0), sa.stride(0), sb.stride(0),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP_M=t.group_m, num_warps=t.num_warps,
-        num_stages=t.num_stages, **meta)
+        a_src, b_src, sa, sb, *args, m, epi.n_out, k, epi.half, a_data.stride(0), b_data.stride(0),
+        sa.stride(0), sb.stride(0), USE_TMA=use_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP_M=t.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages, **meta)
 
 
 # MXFP8 products through tl.dot_scaled (True) or through tiles scaled in registers
-# and a bf16 dot (False); both exact. Chosen by measurement on Hopper.
+# and a bf16 dot (False); both exact.
 MXFP8_DOT_SCALED = True
 
 
-def _gemm_mxfp8(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.Tensor,
-                dot_scaled: bool | None = None) -> None:
+def _gemm_mxfp8(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.Tensor) -> None:
     m, k = a.data.shape
     if k % 32:
         raise ValueError(f"gemm: MXFP8 operands need K % 32 == 0, got K={k}")
@@ -396,13 +422,13 @@ def _gemm_mxfp8(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.T
     args, meta = _launch_common(epi, out, a.data)
     a_data, b_data = _k_major(a.data), _k_major(b.data)
     sa, sb = a.scale_inv.contiguous(), b.scale_inv.contiguous()
+    a_src, b_src, use_tma = _sources(a_data, b_data, t)
     _mxfp8_gemm_kernel[_grid(m, epi, t)](
-        a_data, b_data, sa, sb, *args, m, epi.n_out, k, epi.half, a_data.stride(0), b_data.stride(0),
+        a_src, b_src, sa, sb, *args, m, epi.n_out, k, epi.half, a_data.stride(0), b_data.stride(0),
         sa.stride(0), sb.stride(0), A_FORMAT=_FP8_NAMES[a.fp8_dtype], B_FORMAT=_FP8_NAMES[b.fp8_dtype],
-        DOT_SCALED=MXFP8_DOT_SCALED if dot_scaled is None else dot_scaled,
-        DOT_DTYPE=tl.float32 if is_interpreted(a_data) else tl.bfloat16,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
-        num_stages=t.num_stages, **meta)
+        DOT_SCALED=MXFP8_DOT_SCALED, DOT_DTYPE=tl.float32 if is_interpreted(a_data) else tl.bfloat16,
+        USE_TMA=use_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages, **meta)
 
 
 def _pair(a, b) -> str:
