@@ -25,7 +25,7 @@ what is missing (:func:`unavailable_reason`).
 from ._build import extension as load_extension
 from ._build import is_loaded, unavailable_reason
 from .cast import quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
-from .gemm import block_scaled_mm_available, gemm, gemm_unsupported_reason
+from .scaled_mm import block_scaled_mm_available, gemm, gemm_unsupported_reason
 
 __all__ = [
     "quantize_tensorwise",

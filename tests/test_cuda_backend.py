@@ -1,0 +1,108 @@
+"""The cuda backend's contract, checked without a GPU: it imports cleanly and
+compiles nothing, its kernels have the reference signatures, asking for it on
+CPU tensors fails with a clear reason, and the shipped ``auto`` table is valid."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from te_fuser import backend
+from te_fuser.kernels import cuda
+from te_fuser.kernels import reference as ref
+from te_fuser.kernels.operand import ScaledOperand
+
+REPO = Path(__file__).resolve().parent.parent
+PROVIDED = ("quantize_tensorwise", "quantize_current", "quantize_rowwise", "quantize_mxfp8", "gemm")
+
+
+def test_import_compiles_nothing_and_needs_no_gpu():
+    code = (
+        "import sys, torch; import te_fuser.kernels.cuda as c; "
+        "assert not c.is_loaded(); "
+        "assert not any('te_fuser_cuda_kernels' in m for m in sys.modules); "
+        "assert 'triton' not in sys.modules; print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("kernel", PROVIDED)
+def test_signatures_match_the_reference(kernel):
+    ours = inspect.signature(getattr(cuda, kernel))
+    theirs = inspect.signature(getattr(ref, f"{kernel}_reference"))
+    assert list(ours.parameters) == list(theirs.parameters)
+    for name, p in ours.parameters.items():
+        assert p.default == theirs.parameters[name].default, f"{kernel}({name}=...) default differs"
+        assert p.kind == theirs.parameters[name].kind
+
+
+def test_kernels_cublaslt_cannot_do_are_left_to_the_fallback():
+    for kernel in backend.KERNELS:
+        assert hasattr(cuda, kernel) == (kernel in PROVIDED), kernel
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_cpu_tensors_get_a_clear_runtime_error():
+    with pytest.raises(RuntimeError, match="cuda backend needs CUDA tensors, got a cpu tensor"):
+        backend.resolve("quantize_current", "cpu", backend="cuda")
+    with pytest.raises(RuntimeError, match="needs x on a CUDA device"):
+        cuda.quantize_current(torch.ones(4, 4), torch.float8_e4m3fn)
+    op = ScaledOperand(torch.ones(16, 16).to(torch.float8_e4m3fn), torch.tensor(1.0), "tensor")
+    with pytest.raises(RuntimeError, match="needs a on a CUDA device"):
+        cuda.gemm(op, op)
+    assert cuda.unavailable_reason() is not None
+    with pytest.raises(RuntimeError, match="te_fuser.kernels.cuda cannot run: .*") as err:
+        cuda.load_extension()
+    assert cuda.unavailable_reason() in str(err.value)
+    assert not cuda.is_loaded()
+
+
+def test_auto_backend_on_cpu_is_reference():
+    choice = backend.resolve("gemm", "cpu", backend="auto")
+    assert choice.backend == "reference"
+
+
+def _q(scaling, rows, k, fp8=torch.float8_e4m3fn):
+    from te_fuser.kernels.operand import scale_grid_shape
+
+    return ScaledOperand(torch.zeros(rows, k).to(fp8), torch.ones(scale_grid_shape(scaling, rows, k)), scaling)
+
+
+@pytest.mark.parametrize(
+    "a,b,expected",
+    [
+        (("mx_32", 64, 128), ("mx_32", 64, 128), "no mx_32 x mx_32"),
+        (("tensor", 64, 40), ("tensor", 64, 40), "multiples of 16"),
+        (("tensor", 64, 64, torch.float8_e5m2), ("tensor", 64, 64, torch.float8_e5m2), "two E5M2"),
+        (("block_1x128", 64, 384), ("block_128x128", 64, 384), "K % 512"),
+        (("block_1x128", 66, 512), ("block_1x128", 64, 512), "M % 4"),
+        (("row", 64, 64), ("block_128x128", 64, 64), "no row x block_128x128"),
+        (("tensor", 64, 64), ("tensor", 64, 64), "not on a CUDA device"),
+    ],
+)
+def test_gemm_unsupported_reasons(a, b, expected):
+    reason = cuda.gemm_unsupported_reason(_q(*a), _q(*b))
+    assert reason is not None and expected in reason, reason
+
+
+def test_auto_table_is_valid():
+    table = json.loads((REPO / "kernels" / "auto_table.json").read_text())
+    assert set(table) == set(backend.KERNELS)
+    for kernel, name in table.items():
+        assert name in ("reference", "triton", "cuda"), (kernel, name)
+        if name == "cuda":
+            assert hasattr(cuda, kernel), f"auto table picks cuda for {kernel}, which it does not provide"
+
+
+def test_tune_auto_script_runs_its_help():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "tune_auto.py"), "--help"], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "auto_table.json" in result.stdout, result.stderr

@@ -1,0 +1,157 @@
+"""CUDA backend GEMMs (cuBLASLt via torch._scaled_mm + the epilogue kernel) against
+float64 on exactly representable operands (needs a Hopper GPU).
+
+``out = a @ b.T`` with a (M, K), b (N, K) quantized along K. "Exact" operands
+hold small integers with power-of-two scales, so every product and partial sum
+is exact in fp32 and the fp32 result must match float64 to rounding; "realistic"
+operands come from the reference casts of off-centre random data.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerances import assert_bitwise, assert_close
+
+from te_fuser.kernels import cuda
+from te_fuser.kernels import reference as ref
+from te_fuser.kernels.operand import ScaledOperand, scale_grid_shape
+
+REASON = cuda.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cuda backend unavailable: {REASON}")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TENSOR_ROW_PAIRS = [("tensor", "tensor"), ("row", "row"), ("tensor", "row"), ("row", "tensor")]
+BLOCK_PAIRS = [("block_1x128", "block_128x128"), ("block_1x128", "block_1x128")]
+
+
+def decode_f64(op: ScaledOperand) -> torch.Tensor:
+    """data * scale_inv in float64 with the scale grid expanded here."""
+    rows, cols = op.data.shape
+    data, scale = op.data.double().cpu(), op.scale_inv.double().cpu()
+    if op.scaling == "tensor":
+        return data * scale
+    if op.scaling == "row":
+        return data * scale.reshape(rows, 1)
+    tile_rows = 1 if op.scaling == "block_1x128" else 128
+    scale = scale.repeat_interleave(tile_rows, dim=0)[:rows]
+    return data * scale.repeat_interleave(128, dim=1)[:, :cols]
+
+
+def exact_operand(scaling: str, rows: int, k: int, fp8: torch.dtype, seed: int, exps=(-2, 2)) -> ScaledOperand:
+    """Integers in [-4, 4] with power-of-two scales 2**exps[0] .. 2**exps[1]."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(-4, 5, (rows, k), generator=g).float().to(fp8)
+    exps = torch.randint(exps[0], exps[1] + 1, scale_grid_shape(scaling, rows, k), generator=g).float()
+    return ScaledOperand(data.cuda(), torch.exp2(exps).cuda(), scaling)
+
+
+def realistic_operand(scaling: str, rows: int, k: int, fp8: torch.dtype, seed: int) -> ScaledOperand:
+    g = torch.Generator().manual_seed(seed)
+    x = (-2.3 + 0.5 * torch.randn((rows, k), generator=g)).to(torch.bfloat16).cuda()
+    if scaling == "tensor":
+        data, _, _, scale_inv, _ = ref.quantize_current_reference(x, fp8)
+        return ScaledOperand(data, scale_inv, "tensor")
+    if scaling == "row":
+        return ref.quantize_rowwise_reference(x, fp8)
+    return ref.quantize_block_reference(x, fp8, tile_rows=1 if scaling == "block_1x128" else 128, power_2=False)
+
+
+def expected_f64(a, b, bias=None, activation=None, residual=None) -> torch.Tensor:
+    out = decode_f64(a) @ decode_f64(b).t()
+    if bias is not None:
+        out = out + bias.double().cpu()
+    if activation is not None:
+        out = ref.activation_reference(out, activation)
+    if residual is not None:
+        out = out + residual.double().cpu()
+    return out
+
+
+def _shape_for(pair):
+    return (68, 1024, 144) if pair in BLOCK_PAIRS else (67, 256, 144)
+
+
+@pytest.mark.parametrize("pair", TENSOR_ROW_PAIRS + BLOCK_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.mark.parametrize("fp8_pair", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=["e4m3", "e5m2xe4m3", "e4m3xe5m2"])
+def test_exact_operands_fp32_and_bf16_out(pair, fp8_pair):
+    m, k, n = _shape_for(pair)
+    a = exact_operand(pair[0], m, k, fp8_pair[0], seed=1)
+    b = exact_operand(pair[1], n, k, fp8_pair[1], seed=2)
+    assert cuda.gemm_unsupported_reason(a, b) is None
+    expected = expected_f64(a, b)
+    context = f"gemm {pair} {fp8_pair} M,K,N={m},{k},{n}"
+    out = cuda.gemm(a, b, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert_close(out.cpu(), expected, "fp8_gemm_fp32_out", context)
+    assert_close(cuda.gemm(a, b).cpu(), expected, torch.bfloat16, context + " bf16 out")
+
+
+@pytest.mark.parametrize("pair", TENSOR_ROW_PAIRS + BLOCK_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+def test_realistic_operands_bf16_out(pair):
+    m, k, n = (256, 1024, 512)
+    a = realistic_operand(pair[0], m, k, E4M3, seed=3)
+    b = realistic_operand(pair[1], n, k, E4M3, seed=4)
+    assert cuda.gemm_unsupported_reason(a, b) is None
+    out = cuda.gemm(a, b)
+    assert_close(out.cpu(), expected_f64(a, b), torch.bfloat16, f"gemm {pair} realistic")
+
+
+@pytest.mark.parametrize("activation", [None, "gelu", "relu", "silu", "swiglu"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("pair", [("tensor", "tensor"), ("block_1x128", "block_128x128")], ids=lambda p: p[0])
+def test_epilogue(pair, residual, bias_dtype, out_dtype, activation):
+    m, k, n = _shape_for(pair)
+    # Scales around 2**-5 keep the results O(1), where the activations bend.
+    a = exact_operand(pair[0], m, k, E4M3, seed=5, exps=(-6, -4))
+    b = exact_operand(pair[1], n, k, E4M3, seed=6, exps=(-6, -4))
+    g = torch.Generator().manual_seed(7)
+    bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).cuda()
+    out_cols = n // 2 if activation == "swiglu" else n
+    res = torch.randn((m, out_cols), generator=g).to(torch.bfloat16).cuda() if residual else None
+    out = cuda.gemm(a, b, out_dtype, bias=bias, activation=activation, residual=res)
+    assert out.dtype == out_dtype and out.shape == (m, out_cols)
+    expected = expected_f64(a, b, bias, activation, res)
+    context = f"gemm epilogue {pair} bias={bias_dtype} act={activation} residual={residual}"
+    key = "fp8_gemm_fp32_out" if out_dtype == torch.float32 else out_dtype
+    assert_close(out.cpu(), expected, key, context)
+
+
+def test_fallbacks_use_the_reference_gemm():
+    cases = {
+        "multiples of 16": (exact_operand("tensor", 32, 40, E4M3, 1), exact_operand("tensor", 48, 40, E4M3, 2)),
+        "mx_32 x mx_32": (
+            ref.quantize_mxfp8_reference(torch.randn(64, 128).cuda(), E4M3),
+            ref.quantize_mxfp8_reference(torch.randn(32, 128).cuda(), E4M3),
+        ),
+        "two E5M2": (exact_operand("tensor", 32, 64, E5M2, 1), exact_operand("tensor", 32, 64, E5M2, 2)),
+        "K % 512": (exact_operand("block_1x128", 32, 384, E4M3, 1), exact_operand("block_128x128", 32, 384, E4M3, 2)),
+        "high-precision": (torch.randn(32, 64).cuda(), exact_operand("tensor", 32, 64, E4M3, 2)),
+    }
+    for expected_reason, (a, b) in cases.items():
+        reason = cuda.gemm_unsupported_reason(a, b)
+        assert reason is not None and (expected_reason in reason or expected_reason == "mx_32 x mx_32"), reason
+        bias = torch.randn(b.shape[0]).cuda()
+        got = cuda.gemm(a, b, torch.float32, bias=bias, activation="gelu")
+        want = ref.gemm_reference(a, b, torch.float32, bias=bias, activation="gelu")
+        assert_bitwise(got, want, expected_reason)
+
+
+def test_argument_errors():
+    a = exact_operand("tensor", 32, 64, E4M3, 1)
+    b = exact_operand("tensor", 48, 64, E4M3, 2)
+    with pytest.raises(ValueError, match="out_dtype"):
+        cuda.gemm(a, b, out_dtype=E4M3)
+    with pytest.raises(ValueError, match="activation"):
+        cuda.gemm(a, b, activation="tanh")
+    with pytest.raises(ValueError, match="residual"):
+        cuda.gemm(a, b, residual=torch.zeros(32, 24, device="cuda"))
+    with pytest.raises(ValueError, match="bias"):
+        cuda.gemm(a, b, bias=torch.zeros(47, device="cuda"))
+    with pytest.raises(ValueError, match="reduction dims differ"):
+        cuda.gemm(a, exact_operand("tensor", 48, 32, E4M3, 2))
+    cpu = ScaledOperand(a.data.cpu(), a.scale_inv.cpu(), "tensor")
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        cuda.gemm(cpu, b)
