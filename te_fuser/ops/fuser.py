@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from .. import backend
-from ..autocast import current_state
+from ..autocast import _stack as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from .op import BasicOperation, OpContext, RunConfig
@@ -62,6 +62,14 @@ class FusionPlan:
     out_shape: torch.Size | None = None
     epoch: int = -1
 
+    def __post_init__(self) -> None:  # the key's fields, unpacked for the hot path
+        _, self.needs_backward, self.dtype, self.training, self.calibrating, self.device_type = self.key
+        self.is_cuda = self.device_type == "cuda"
+
+
+_grad_enabled = torch.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
@@ -79,6 +87,7 @@ class OperationFuser:
         self._params = [list(op.parameters()) for op in self.ops]
         self._flat_params = [p for ps in self._params for p in ps]
         self._n_extra_in = [op.num_extra_inputs for op in self.ops]
+        self._num_extra_inputs = sum(self._n_extra_in)
         self._plan: FusionPlan | None = None
         self._last_recipe = None
         self.stats = FusionStats()
@@ -90,29 +99,40 @@ class OperationFuser:
 
     @property
     def num_extra_inputs(self) -> int:
-        return sum(self._n_extra_in)
+        return self._num_extra_inputs
 
     # -- the hot path ---------------------------------------------------------
     def __call__(self, x: torch.Tensor, *extra_inputs: torch.Tensor, training: bool | None = None):
-        state = current_state()
+        state = _AUTOCAST_STACK[-1]  # te.autocast's state (see autocast.current_state)
         recipe = state.recipe
-        needs_backward = torch.is_grad_enabled() and (
-            x.requires_grad or any(p.requires_grad for p in self._flat_params)
-            or any(t.requires_grad for t in extra_inputs)
+        needs_backward = _grad_enabled() and (
+            x.requires_grad or self._params_require_grad() or any(t.requires_grad for t in extra_inputs)
         )
-        training = self.ops[0].training if training is None else training
+        if training is None:
+            training = self.ops[0].training
+        dtype = _compute_dtype(x) if _any_autocast() else x.dtype
         plan = self._plan
         if (
             plan is not None
             and (recipe is self._last_recipe or (recipe is not None and plan.recipe_key == recipe._key))
-            and plan.key[1:] == (needs_backward, _compute_dtype(x), training, state.calibrating, x.device.type)
+            and plan.needs_backward is needs_backward
+            and plan.dtype is dtype
+            and plan.training is training
+            and plan.calibrating is state.calibrating
+            and plan.is_cuda is x.is_cuda
             and (plan.epoch == _EPOCH[0] or self._still_installed(plan))
         ):
             self.stats.hits += 1
+            self._last_recipe = recipe
         else:
-            plan = self.build(recipe, state.calibrating, x.shape, _compute_dtype(x), x.device, needs_backward, training)
-        self._last_recipe = recipe
-        return self._run(plan, x, extra_inputs)
+            plan = self.build(recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training)
+        return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
+
+    def _params_require_grad(self) -> bool:
+        for p in self._flat_params:
+            if p.requires_grad:
+                return True
+        return False
 
     def _still_installed(self, plan: FusionPlan) -> bool:
         for op, qs in zip(self.ops, plan.quantizers):
@@ -216,13 +236,6 @@ class OperationFuser:
         plan.epoch = _EPOCH[0]
         self._plan = plan
 
-    # -- running -----------------------------------------------------------------
-    def _run(self, plan: FusionPlan, x: torch.Tensor, extra_inputs: Sequence[torch.Tensor]):
-        if len(extra_inputs) != self.num_extra_inputs:
-            raise ValueError(f"op fuser: expected {self.num_extra_inputs} extra input(s), got {len(extra_inputs)}")
-        outputs = _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
-        return outputs
-
 
 def _split(items: Sequence, counts: Sequence[int]) -> list[list]:
     out, i = [], 0
@@ -233,6 +246,8 @@ def _split(items: Sequence, counts: Sequence[int]) -> list[list]:
 
 
 def _run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
+    if len(extra_inputs) != fuser.num_extra_inputs:
+        raise ValueError(f"op fuser: expected {fuser.num_extra_inputs} extra input(s), got {len(extra_inputs)}")
     ctxs = [OpContext(op, qs, plan.run) for op, qs in zip(fuser.ops, plan.quantizers)]
     extras_in = _split(extra_inputs, fuser._n_extra_in)
     extras_out: list[list] = [[] for _ in fuser.ops]

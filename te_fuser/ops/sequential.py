@@ -105,13 +105,20 @@ class Sequential(nn.Module):
             if run:
                 groups.append(OperationFuser(run, fuse=self.fuse))
             self._groups = groups
+            self._single_plain_fuser = (
+                len(groups) == 1 and isinstance(groups[0], OperationFuser) and groups[0].num_extra_inputs == 0
+                and all(op.num_extra_outputs == 0 for op in groups[0].ops)
+            )
         return self._groups
 
     # -- running -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        groups = self._groups if self._groups is not None else self.groups()
+        if len(groups) == 1 and not extra_inputs and self._single_plain_fuser:  # the common case, kept short
+            return groups[0](x, training=self.training)
         extra_in = list(extra_inputs)
         extra_out: list[torch.Tensor] = []
-        for group in self.groups():
+        for group in groups:
             if not isinstance(group, OperationFuser):
                 x = group(x)
                 continue
