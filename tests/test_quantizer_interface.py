@@ -142,3 +142,9 @@ def test_cuda_matches_cpu_bit_for_bit(name):
             assert_bitwise(op_cuda.data, op_cpu.data, f"{name} step {step} {copy} data")
             assert_bitwise(op_cuda.scale_inv, op_cpu.scale_inv, f"{name} step {step} {copy} scales")
         assert_bitwise(b.dequantize(), a.dequantize(), f"{name} step {step} dequantized")
+
+
+@pytest.mark.parametrize("name", sorted(FP8_QUANTIZERS))
+def test_check_shape_rejects_0d_with_the_role(name):
+    with pytest.raises(ValueError, match=r"linear:fc2\.weight.*0-d"):
+        FP8_QUANTIZERS[name]().check_shape(())

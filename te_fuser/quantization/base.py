@@ -75,7 +75,7 @@ class Quantizer:
     # -- validation before a plan is published -------------------------------
     def check_shape(self, shape: tuple[int, ...], *, rowwise: bool = True, columnwise: bool = False) -> None:
         """Raise ``ValueError`` when a tensor of ``shape`` cannot be quantized as asked."""
-        flat_2d_shape(tuple(shape))
+        self._flat_shape(shape)
 
     def check_device(self, device: torch.device | str) -> None:
         """Raise ``RuntimeError`` when ``device`` lacks what this quantizer's GEMMs need.
@@ -128,6 +128,12 @@ class Quantizer:
     def _who(self) -> str:
         role = str(self.role) if self.role is not None else "(no role)"
         return f"{type(self).__name__} for {role}"
+
+    def _flat_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """``(M, K)`` of the 2-D flattening of ``shape``; a 0-d shape is rejected."""
+        if len(shape) == 0:
+            raise ValueError(f"{self._who()}: cannot quantize a 0-d tensor; give it at least one dimension")
+        return flat_2d_shape(tuple(shape))
 
     def _checked_fp8_dtype(self, fp8_dtype: Any) -> torch.dtype:
         if not isinstance(fp8_dtype, torch.dtype) or fp8_dtype not in FP8_MAX:

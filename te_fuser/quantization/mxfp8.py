@@ -10,7 +10,6 @@ from ..kernels.operand import ScaledOperand
 from ..recipe import MXFP8_BLOCK
 from .base import Quantizer
 from .role import QuantizerRole
-from .tensor import flat_2d_shape
 
 __all__ = ["MXFP8Quantizer"]
 
@@ -29,7 +28,7 @@ class MXFP8Quantizer(Quantizer):
         super().__init__(fp8_dtype, role)
 
     def check_shape(self, shape: tuple[int, ...], *, rowwise: bool = True, columnwise: bool = False) -> None:
-        rows, cols = flat_2d_shape(tuple(shape))
+        rows, cols = self._flat_shape(shape)
         wanted = [("rowwise", 1, "columns", cols)] if rowwise else []
         wanted += [("columnwise", 0, "rows", rows)] if columnwise else []
         for copy, dim, dim_name, size in wanted:
