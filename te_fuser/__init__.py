@@ -9,6 +9,7 @@
 from . import ops, quantization, recipe
 from .autocast import DEFAULT_RECIPE, autocast
 from .backend import get_backend, set_backend
+from .warmup import warmup
 
-__all__ = ["ops", "quantization", "recipe", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend"]
+__all__ = ["ops", "quantization", "recipe", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend", "warmup"]
 __version__ = "0.1.0"

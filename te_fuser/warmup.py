@@ -1,0 +1,114 @@
+"""``te.warmup``: compile every kernel a model needs under a list of recipes, in advance.
+
+    te.warmup(model, [te.recipe.DelayedScaling(), te.recipe.MXFP8BlockScaling()], x)
+
+Runs one forward and backward of ``model`` on ``sample_input`` under each recipe,
+so that Triton and CUDA kernels for those recipes, shapes and dtypes are compiled
+and cached; then puts everything back as it was: parameters (never written),
+gradients, buffers, the RNG state, every op's installed quantizers, their scaling
+state (amax histories included), cached quantized weights, published plans and
+fusion statistics. A later switch to one of these recipes pays only the plan
+build, not compilation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .autocast import autocast
+from .ops.fuser import _EPOCH, OperationFuser
+from .ops.op import BasicOperation
+from .recipe import Recipe
+
+__all__ = ["warmup"]
+
+
+def _fusers_of(model: nn.Module) -> list[OperationFuser]:
+    fusers = []
+    for module in model.modules():
+        groups = getattr(module, "groups", None)
+        if callable(groups):
+            fusers.extend(g for g in groups() if isinstance(g, OperationFuser))
+        own = getattr(module, "_own_fuser", None)
+        if isinstance(own, OperationFuser):
+            fusers.append(own)
+    return fusers
+
+
+class _Snapshot:
+    """Everything a warm-up run could change, to be put back afterwards."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.grads = [(p, p.grad) for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = None  # the warm-up's gradients go to fresh tensors, dropped afterwards
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.ops = [
+            (op, op._quantizers, op._quantizer_key, op._loaded_state, getattr(op, "_weight_cache", None),
+             {t: q.state_dict() for t, q in op._quantizers.items()})
+            for op in model.modules() if isinstance(op, BasicOperation)
+        ]
+        self.fusers = [
+            (f, f._plan, f._last_recipe, f.stats.builds, f.stats.hits, f.stats.key, f.stats.build_seconds,
+             dict(f.stats.last_build_phases), f._churn.__dict__.copy())
+            for f in _fusers_of(model)
+        ]
+        self.epoch = _EPOCH[0]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        for p, g in self.grads:
+            p.grad = g
+        for op, quantizers, key, loaded, wcache, states in self.ops:
+            op._quantizers, op._quantizer_key, op._loaded_state = quantizers, key, loaded
+            for t, q in quantizers.items():
+                q.load_state_dict(states[t])
+            if hasattr(op, "_weight_cache"):
+                op._weight_cache = wcache
+        for f, plan, last, builds, hits, key, secs, phases, churn in self.fusers:
+            f._plan, f._last_recipe = plan, last
+            f.stats.builds, f.stats.hits, f.stats.key, f.stats.build_seconds = builds, hits, key, secs
+            f.stats.last_build_phases = phases
+            f._churn.__dict__.update(churn)
+        _EPOCH[0] += 1  # plans re-check their ops' quantizers once
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def warmup(
+    model: nn.Module,
+    recipes: Iterable[Recipe | None],
+    sample_input: torch.Tensor,
+    *extra_inputs: torch.Tensor,
+    backward: bool = True,
+) -> None:
+    """Compile the kernels ``model`` needs under each recipe (``None``: high
+    precision) for inputs like ``sample_input``, leaving the model's state untouched."""
+    recipes = list(recipes)
+    for i, r in enumerate(recipes):
+        if r is not None and not isinstance(r, Recipe):
+            raise TypeError(f"warmup(recipes=...): item {i} must be a recipe or None, got {type(r).__name__}")
+    snapshot = _Snapshot(model)
+    try:
+        for recipe in recipes:
+            x = sample_input.detach().clone().requires_grad_(backward and sample_input.is_floating_point())
+            with autocast(enabled=recipe is not None, recipe=recipe), (
+                contextlib.nullcontext() if backward else torch.no_grad()
+            ):
+                out = model(x, *extra_inputs)
+            if backward:
+                outs = out if isinstance(out, tuple) else (out,)
+                torch.autograd.backward([o for o in outs if o.requires_grad],
+                                        [torch.ones_like(o) for o in outs if o.requires_grad])
+    finally:
+        snapshot.restore()

@@ -1,0 +1,55 @@
+"""te.warmup leaves parameters, gradients, scaling state, plans and RNG untouched."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import te_fuser as te
+from te_fuser import recipe as R
+
+
+def make():
+    torch.manual_seed(0)
+    return te.ops.Sequential(te.ops.Linear(64, 64), te.ops.GELU(), te.ops.Dropout(0.1), te.ops.Linear(64, 64))
+
+
+def train_step(model, x, recipe, opt):
+    with te.autocast(recipe=recipe):
+        y = model(x)
+    y.square().mean().backward()
+    opt.step()
+    return y.detach()
+
+
+def test_warmup_changes_nothing_the_training_can_see():
+    recipe = R.DelayedScaling(amax_history_len=4)
+    model, twin = make(), make()
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    x = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for m, o in ((model, opt), (twin, twin_opt)):
+        train_step(m, x[0], recipe, o)  # grads stay set: warmup must not touch them
+    params = copy.deepcopy(model.state_dict())
+    grads = [p.grad.clone() for p in model.parameters()]
+    history = model[0].linear.quantizer("input").amax_history.clone()
+    plan_text, stats = model.fusion_plan(), model.fusion_stats()
+    rng = torch.get_rng_state()
+
+    te.warmup(model, [R.Float8CurrentScaling(), R.MXFP8BlockScaling(), None, recipe], x[1])
+
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k]) if isinstance(v, torch.Tensor) else True, k
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert torch.equal(model[0].linear.quantizer("input").amax_history, history)
+    assert model.fusion_plan() == plan_text and model.fusion_stats() == stats
+    assert torch.equal(torch.get_rng_state(), rng)
+    for i in range(1, 4):
+        assert torch.equal(train_step(model, x[i], recipe, opt), train_step(twin, x[i], recipe, twin_opt))
+    assert model.fusion_stats().builds == stats.builds  # no rebuild after the warm-up
+
+
+def test_warmup_rejects_non_recipes():
+    with pytest.raises(TypeError, match="item 1"):
+        te.warmup(make(), [None, "mxfp8"], torch.randn(4, 64))
