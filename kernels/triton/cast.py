@@ -89,15 +89,21 @@ def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_
                                 ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
                                 FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
-    """Cast with a given scale; the amax is reduced with integer atomics on the bits
-    of |x| in ``work[0]``, and the last program to finish writes it out."""
-    tile = tl.program_id(0)
+    """Cast with a given scale; program p casts tiles p, p + P, ... The amax is
+    reduced with integer atomics on the bits of |x| in ``work[0]``, and the last
+    program to finish writes it out."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     scale = tl.load(scale_ptr)
-    amax_bits = _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
-                           BLOCK_M, BLOCK_N, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+    amax_bits = tl.zeros([], dtype=tl.int32)
+    for tile in range(pid, n_tiles, n_programs):
+        tile_bits = _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
+                               BLOCK_M, BLOCK_N, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+        amax_bits = tl.maximum(amax_bits, tile_bits)
     tl.atomic_max(work_ptr, amax_bits)
     finished = tl.atomic_add(work_ptr + 1, 1)
-    if finished == tl.num_programs(0) - 1:
+    if finished == n_programs - 1:
         total = tl.atomic_max(work_ptr, 0)
         tl.store(amax_ptr, total.to(tl.float32, bitcast=True))
 
@@ -126,18 +132,27 @@ def _quantize_current_kernel(x_ptr, partials_ptr, n_partials, q_ptr, qt_ptr, sca
                              ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PARTIALS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
                              FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
-    """Pass 2 of current scaling: reduce the amax partials, derive the scale, cast."""
-    tile = tl.program_id(0)
+    """Pass 2 of current scaling: reduce the amax partials, derive the scale, and
+    cast tiles p, p + P, ..."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     offs = tl.arange(0, PARTIALS)
     amax_bits = tl.max(tl.load(partials_ptr + offs, mask=offs < n_partials, other=0), axis=0)
     amax = amax_bits.to(tl.float32, bitcast=True)
     scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
-    _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
-               BLOCK_M, BLOCK_N, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
-    if tile == 0:
+    for tile in range(pid, n_tiles, n_programs):
+        _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
+                   BLOCK_M, BLOCK_N, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+    if pid == 0:
         tl.store(scale_ptr, scale)
         tl.store(scale_inv_ptr, reciprocal(scale))
         tl.store(amax_ptr, amax)
+
+
+def _programs(x2d: torch.Tensor, n_tiles: int) -> int:
+    """Persistent grid: enough programs to fill every multiprocessor, no more."""
+    return min(n_tiles, 8 * sm_count(x2d))
 
 
 def _as_matrix(x: torch.Tensor, columnwise: bool, kernel: str) -> torch.Tensor:
@@ -192,7 +207,7 @@ def quantize_tensorwise(
     else:
         block_m, block_n, warps = _tile_shape(x2d, columnwise)
         work = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
-        grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+        grid = (_programs(x2d, triton.cdiv(M, block_m) * triton.cdiv(N, block_n)),)
         _quantize_tensorwise_kernel[grid](
             x2d, scale, _u8(q, work), _u8(qt, work), amax, work, M, N, x2d.stride(0), x2d.stride(1),
             ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **meta)
@@ -226,11 +241,11 @@ def quantize_current(
     else:
         block_m, block_n, warps = _tile_shape(x2d, columnwise)
         n_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-        n_partials = min(n_tiles, 2 * sm_count(x2d))
+        n_partials = _programs(x2d, n_tiles)
         partials = torch.empty(n_partials, dtype=torch.int32, device=x.device)
         _amax_partials_kernel[(n_partials,)](x2d, partials, M, N, x2d.stride(0), x2d.stride(1),
                                              BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-        _quantize_current_kernel[(n_tiles,)](
+        _quantize_current_kernel[(n_partials,)](
             x2d, partials, n_partials, _u8(q, partials), _u8(qt, partials), stats, stats[1:], stats[2:],
             M, N, x2d.stride(0), x2d.stride(1), POWER_2=bool(power_2), EPSILON=epsilon, ROWWISE=rowwise,
             COLUMNWISE=columnwise, PARTIALS=triton.next_power_of_2(n_partials), BLOCK_M=block_m,

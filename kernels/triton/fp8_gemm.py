@@ -375,6 +375,12 @@ def _grid(m: int, epi: _Epilogue, t: Tiles) -> tuple[int]:
     return (triton.cdiv(m, t.block_m) * triton.cdiv(epi.n_out, t.block_n),)
 
 
+# Hopper's FP8 tensor cores accumulate in reduced precision; by default the sum is
+# promoted to the fp32 accumulator every BLOCK_K (128) products. True: promote
+# only at the end of the K loop (cuBLASLt's "fast accumulation"), for comparison.
+TENSORWISE_FAST_ACCUM = False
+
+
 def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tuple[str, str]) -> None:
     """tensor/row scaled FP8 operands, or plain ones (``sa``/``sb`` None)."""
     m, k = a.shape
@@ -382,7 +388,7 @@ def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tupl
     args, meta = _launch_common(epi, out, a)
     upcast = a.dtype == torch.bfloat16 and is_interpreted(a)
     precision = "ieee" if (a.dtype == torch.float32 or upcast) else None
-    promote = t.block_k if (a.dtype.itemsize == 1 and k >= t.block_k) else None
+    promote = t.block_k if (a.dtype.itemsize == 1 and k >= t.block_k and not TENSORWISE_FAST_ACCUM) else None
     a_src, b_src, use_tma = _sources(a, b, t)
     _fp8_gemm_tensorwise_kernel[_grid(m, epi, t)](
         a_src, b_src, sa if sa is not None else out, sb if sb is not None else out, *args, m, epi.n_out, k,

@@ -1,0 +1,104 @@
+"""FP8 cast kernels: time, logical TB/s and fraction of the measured copy ceiling.
+
+Logical IO counts each input read once and each output written once (bf16 in,
+FP8 out, plus the transposed copy where asked). Current scaling also reports the
+fraction of its two-pass floor (read x for the amax, then read x and write FP8),
+side by side with the same cast in torch eager and torch.compile.
+
+    python benchmarks/bench_cast.py [--backends triton cuda] [--shapes 8192x8192 16384x8192 256x1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from harness import Row  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+def torch_current_cast(x: torch.Tensor):
+    """The peer: current scaling written in plain torch ops."""
+    amax = x.abs().amax().float()
+    scale = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    return (x.float() * scale).clamp(-448.0, 448.0).to(E4M3), 1.0 / scale, amax
+
+
+def _cases(mod, x: torch.Tensor):
+    """name -> (callable on x, logical bytes, two-pass floor bytes or None)."""
+    n = x.numel()
+    scale = torch.tensor(0.5, device=x.device)
+    cases = {
+        "tensorwise": (lambda t: mod.quantize_tensorwise(t, scale, E4M3), 3 * n, None),
+        "tensorwise+T": (lambda t: mod.quantize_tensorwise(t, scale, E4M3, True, True), 4 * n, None),
+        "current": (lambda t: mod.quantize_current(t, E4M3), 3 * n, 5 * n),
+        "current+T": (lambda t: mod.quantize_current(t, E4M3, columnwise=True), 4 * n, 6 * n),
+        "rowwise": (lambda t: mod.quantize_rowwise(t, E4M3), 3 * n, None),
+        "block_1x128": (lambda t: mod.quantize_block(t, E4M3, 1), 3 * n, None),
+        "block_128x128": (lambda t: mod.quantize_block(t, E4M3, 128), 3 * n, None),
+        "mxfp8": (lambda t: mod.quantize_mxfp8(t, E4M3), 3 * n + n // 32, None),
+    }
+    kernel_of = {"tensorwise": "quantize_tensorwise", "tensorwise+T": "quantize_tensorwise",
+                 "current": "quantize_current", "current+T": "quantize_current", "rowwise": "quantize_rowwise",
+                 "block_1x128": "quantize_block", "block_128x128": "quantize_block", "mxfp8": "quantize_mxfp8"}
+    return {name: case for name, case in cases.items() if hasattr(mod, kernel_of[name])}
+
+
+def bench_shape(shape: tuple[int, int], backends: list[str], copy_tbs: float) -> list[Row]:
+    rows_n, cols_n = shape
+    nbytes = rows_n * cols_n * 2
+    inputs = harness.rotation(lambda: (torch.randn(rows_n, cols_n, device="cuda").bfloat16(),), nbytes)
+    label = f"{rows_n}x{cols_n} bf16"
+    out: list[Row] = []
+    eager_ms = harness.time_ms(torch_current_cast, inputs)
+    compiled = torch.compile(torch_current_cast)
+    compiled_ms = harness.time_ms(compiled, inputs)
+    for name, ms in (("torch eager", eager_ms), ("torch.compile", compiled_ms)):
+        tbs = 3 * rows_n * cols_n / (ms * 1e-3) / 1e12
+        out.append(harness.progress(Row("cast", "current", name, label, ms, tbs, "TB/s", tbs / copy_tbs,
+                       extra={"of_two_pass_floor": 5 * rows_n * cols_n / (copy_tbs * 1e12) / (ms * 1e-3)})))
+    for backend in backends:
+        mod = harness.backend_module(backend)
+        for name, (fn, logical, floor) in _cases(mod, inputs[0][0]).items():
+            try:
+                fn(inputs[0][0])
+                ms = harness.time_ms(fn, inputs)
+            except Exception as err:  # a backend that cannot run this case says why, once
+                out.append(harness.progress(Row("cast", name, backend, label, float("nan"), float("nan"), "TB/s",
+                               note=f"{type(err).__name__}: {str(err)[:80]}")))
+                continue
+            tbs = logical / (ms * 1e-3) / 1e12
+            row = Row("cast", name, backend, label, ms, tbs, "TB/s", tbs / copy_tbs)
+            if floor is not None:
+                row.extra["of_two_pass_floor"] = floor / (copy_tbs * 1e12) / (ms * 1e-3)
+                if name == "current":
+                    row.vs_peer, row.peer = compiled_ms / ms, "torch.compile"
+                    row.note = f"{row.extra['of_two_pass_floor']:.0%} of two-pass floor"
+            out.append(harness.progress(row))
+    return out
+
+
+def main(argv=None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+", default=None)
+    parser.add_argument("--shapes", nargs="+", default=["8192x8192", "16384x8192", "256x1024"])
+    parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/results.csv)")
+    args = parser.parse_args(argv)
+    backends = args.backends or harness.default_backends("quantize_current")
+    copy_tbs = harness.copy_ceiling_tbs()
+    rows = [Row("cast", "device copy", "torch", "1 GiB", float("nan"), copy_tbs, "TB/s", 1.0)]
+    for text in args.shapes:
+        rows += bench_shape(tuple(int(v) for v in text.split("x")), backends, copy_tbs)
+    harness.append_csv(rows, args.csv)
+    harness.print_table(rows, "FP8 casts")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

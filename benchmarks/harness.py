@@ -1,0 +1,187 @@
+"""The one benchmark harness: timing, ceilings, CSV rows and a table.
+
+- :func:`time_ms`: median time of a CUDA callable through
+  ``triton.testing.do_bench`` (CUDA events; the L2 cache is flushed before every
+  timed run), cycling through several input sets so that repeated runs never
+  find their inputs in the cache.
+- :func:`copy_ceiling_tbs`: the device-copy bandwidth measured in this run (bytes
+  read plus bytes written), the ceiling of memory-bound kernels.
+- :class:`Row`, :func:`append_csv`, :func:`print_table`: every script reports rows
+  of (benchmark, case, backend, time, achieved rate, fraction of a ceiling, ratio
+  to a peer) and appends them to ``benchmarks/results.csv`` with the device, the
+  versions and the date.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import itertools
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS_CSV = Path(__file__).with_name("results.csv")
+
+
+def time_ms(fn: Callable[..., object], inputs: Sequence[tuple] = ((),), warmup_ms: int = 25,
+            rep_ms: int = 100) -> float:
+    """Median milliseconds of ``fn(*inputs[i])``, rotating over ``inputs``."""
+    import triton.testing
+
+    cycle = itertools.cycle(inputs)
+
+    def call():
+        return fn(*next(cycle))
+
+    return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def rotation(make: Callable[[], tuple], bytes_per_set: int, l2_bytes: int | None = None) -> list[tuple]:
+    """Enough input sets (from ``make()``) to cover twice the L2 cache, at most 8."""
+    l2 = l2_bytes if l2_bytes is not None else _l2_bytes()
+    count = max(1, min(8, -(-2 * l2 // max(bytes_per_set, 1))))
+    return [make() for _ in range(count)]
+
+
+def _l2_bytes() -> int:
+    if not torch.cuda.is_available():
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20))
+
+
+def copy_ceiling_tbs(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth in TB/s, counting bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def matmul_ceiling_tflops(n: int = 8192) -> float:
+    """bf16 torch.matmul TFLOP/s at n^3 on random data."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+@dataclass
+class Row:
+    """One measurement. ``rate`` is in ``unit`` (TB/s or TFLOP/s); ``of_ceiling`` is
+    rate / measured ceiling; ``vs_peer`` is peer time / our time (>1: faster)."""
+
+    bench: str
+    case: str
+    backend: str
+    shape: str
+    ms: float
+    rate: float
+    unit: str
+    of_ceiling: float | None = None
+    vs_peer: float | None = None
+    peer: str = ""
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def environment() -> dict:
+    import triton
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": device,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda or "",
+    }
+
+
+def append_csv(rows: Sequence[Row], path: Path | str | None = None) -> Path:
+    """Append rows (with device, versions and date) to the results CSV."""
+    path = Path(path) if path is not None else RESULTS_CSV
+    env = environment()
+    records = []
+    for row in rows:
+        record = {**env, **asdict(row)}
+        record.pop("extra")
+        record.update({f"x_{k}": v for k, v in row.extra.items()})
+        records.append(record)
+    if not records:
+        return path
+    fields = list(records[0])
+    for record in records[1:]:
+        fields += [k for k in record if k not in fields]
+    new_file = not path.exists() or os.path.getsize(path) == 0
+    if not new_file:
+        with open(path, newline="") as f:
+            existing = next(csv.reader(f), [])
+        fields = existing + [k for k in fields if k not in existing]
+        if fields != existing:  # the header grew: rewrite the file with the wider header
+            with open(path, newline="") as f:
+                old = list(csv.DictReader(f))
+            records = old + records
+            new_file = True
+    with open(path, "w" if new_file else "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        if new_file:
+            writer.writeheader()
+        writer.writerows(records)
+    return path
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if abs(value) >= 0.01 or value == 0 else f"{value:.2e}"
+    return str(value)
+
+
+def progress(row: Row) -> Row:
+    """Print one row as soon as it is measured (a run cut short still shows it)."""
+    rate = "-" if row.rate != row.rate else f"{row.rate:.1f} {row.unit}"
+    print(f"  {row.bench:10s} {row.case:40s} {row.backend:12s} {row.shape:16s} {row.ms:9.4f} ms  {rate}"
+          f"{'  ' + row.note if row.note else ''}", flush=True)
+    return row
+
+
+def print_table(rows: Sequence[Row], title: str = "") -> None:
+    """A fixed-width table of rows, the way RESULTS.md quotes them."""
+    header = ("bench", "case", "backend", "shape", "ms", "rate", "unit", "of ceil", "vs peer", "peer")
+    table = [header] + [
+        (r.bench, r.case, r.backend, r.shape, _fmt(r.ms, 4), _fmt(r.rate), r.unit, _fmt(r.of_ceiling),
+         _fmt(r.vs_peer), r.peer)
+        for r in rows
+    ]
+    widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
+    if title:
+        print(f"\n== {title}")
+    for i, line in enumerate(table):
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)))
+        if i == 0:
+            print("  ".join("-" * width for width in widths))
+
+
+def default_backends(kernel: str) -> list[str]:
+    """triton, plus cuda when that backend module exposes ``kernel``."""
+    backends = ["triton"]
+    try:
+        import te_fuser.kernels.cuda as cuda_backend
+
+        if hasattr(cuda_backend, kernel):
+            backends.append("cuda")
+    except Exception:  # a cuda backend that cannot even be imported is not benchmarked
+        pass
+    return backends
+
+
+def backend_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"te_fuser.kernels.{name}")

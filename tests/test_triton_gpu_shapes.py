@@ -1,0 +1,97 @@
+"""The Triton kernels at real sizes on a GPU (skipped without one).
+
+Casts of 4096x4096 bit for bit, GEMMs of 2048^3 for every scheme and epilogue
+against the reference on the same quantized operands, activations of 4M elements.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_fuser.kernels import reference as ref
+from te_fuser.kernels import triton as tk
+from te_fuser.kernels.operand import ScaledOperand
+from tolerances import assert_bitwise, assert_close
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _big(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = -2.3 + 0.5 * torch.randn(rows, cols, device="cuda", generator=gen)
+    x = x * torch.exp2(torch.randint(-14, 14, (rows, cols), device="cuda", generator=gen).float())
+    x[:, 128:256] = 0.0
+    x[7, 9] = float("nan")
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_casts_4096_bitwise(fp8_dtype):
+    x = _big(4096, 4096)
+    x_finite = torch.nan_to_num(x)
+    scale = torch.tensor(0.37, device="cuda")
+    for g, w in zip(tk.quantize_tensorwise(x_finite, scale, fp8_dtype, True, True),
+                    ref.quantize_tensorwise_reference(x_finite, scale, fp8_dtype, True, True)):
+        assert_bitwise(g, w, "tensorwise 4096")
+    for g, w in zip(tk.quantize_current(x_finite, fp8_dtype, columnwise=True),
+                    ref.quantize_current_reference(x_finite, fp8_dtype, columnwise=True)):
+        assert_bitwise(g, w, "current 4096")
+    pairs = [
+        (tk.quantize_rowwise(x, fp8_dtype), ref.quantize_rowwise_reference(x, fp8_dtype)),
+        (tk.quantize_block(x, fp8_dtype, 1), ref.quantize_block_reference(x, fp8_dtype, 1)),
+        (tk.quantize_block(x[:4000, :4000], fp8_dtype, 128), ref.quantize_block_reference(x[:4000, :4000],
+                                                                                          fp8_dtype, 128)),
+        (tk.quantize_mxfp8(x, fp8_dtype), ref.quantize_mxfp8_reference(x, fp8_dtype)),
+    ]
+    for got, want in pairs:
+        assert_bitwise(got.data, want.data, f"{want.scaling} data 4096")
+        assert_bitwise(got.scale_inv, want.scale_inv, f"{want.scaling} scales 4096")
+        assert_bitwise(tk.dequantize(got, torch.bfloat16), ref.dequantize_reference(want, torch.bfloat16),
+                       f"{want.scaling} dequantize")
+
+
+def _operands(scheme: str, x: torch.Tensor, w: torch.Tensor):
+    if scheme == "tensor":
+        qa, qb = ref.quantize_current_reference(x, E4M3), ref.quantize_current_reference(w, E4M3)
+        return ScaledOperand(qa[0], qa[3], "tensor"), ScaledOperand(qb[0], qb[3], "tensor")
+    if scheme == "row":
+        return ref.quantize_rowwise_reference(x, E4M3), ref.quantize_rowwise_reference(w, E4M3)
+    if scheme == "block_128x128":
+        return ref.quantize_block_reference(x, E4M3, 1), ref.quantize_block_reference(w, E4M3, 128)
+    if scheme == "block_1x128":
+        return ref.quantize_block_reference(x, E4M3, 1), ref.quantize_block_reference(w, E4M3, 1)
+    return ref.quantize_mxfp8_reference(x, E4M3), ref.quantize_mxfp8_reference(w, E4M3)
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "row", "block_128x128", "block_1x128", "mx"])
+def test_gemm_2048_every_scheme(scheme):
+    n = 2048
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(n, n, device="cuda", generator=gen) * n**-0.25
+    w = torch.randn(n, n, device="cuda", generator=gen) * n**-0.25
+    bias = torch.randn(n, device="cuda", generator=gen)
+    a, b = _operands(scheme, x, w)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = tk.gemm(a, b, out_dtype)
+        want = ref.gemm_reference(a, b, out_dtype)
+        assert_close(got, want, "fp8_gemm_fp32_out" if out_dtype == torch.float32 else out_dtype, scheme)
+    residual = torch.randn(n, n // 2, device="cuda", generator=gen)
+    got = tk.gemm(a, b, torch.float32, bias=bias, activation="swiglu", residual=residual)
+    want = ref.gemm_reference(a, b, torch.float32, bias=bias, activation="swiglu", residual=residual)
+    assert_close(got, want, "fp8_gemm_fp32_out", f"{scheme} swiglu epilogue")
+    got = tk.gemm(a, b, torch.bfloat16, bias=bias, activation="gelu")
+    want = ref.gemm_reference(a, b, torch.bfloat16, bias=bias, activation="gelu")
+    assert_close(got, want, torch.bfloat16, f"{scheme} gelu epilogue")
+
+
+@pytest.mark.parametrize("kind", ["gelu", "relu", "silu", "swiglu"])
+def test_activations_4m(kind):
+    x = torch.randn(2048, 2048, device="cuda") * 3
+    dy = torch.randn(2048, 1024 if kind == "swiglu" else 2048, device="cuda")
+    assert_close(tk.activation(x, kind), ref.activation_reference(x, kind), torch.float32, kind)
+    dx, dbias = tk.dact_dbias(dy, x, kind)
+    dx_ref = ref.activation_grad_reference(dy.double(), x.double(), kind)
+    assert_close(dx, dx_ref, torch.float32, f"{kind} dx")
+    assert_close(dbias, dx_ref.sum(0), torch.float32, f"{kind} dbias", scaled=True)
