@@ -66,6 +66,11 @@ class OpContext:
         return self.quantizers.get(tensor_type)
 
 
+# Plain per-op state that is neither a parameter, a buffer nor a module: set
+# without nn.Module.__setattr__'s bookkeeping (it runs on every recipe switch).
+_PLAIN_STATE = frozenset({"_quantizers", "_quantizer_key", "_loaded_state", "_weight_cache", "_own_fuser"})
+
+
 class BasicOperation(nn.Module):
     """An op the fuser can plan with.
 
@@ -91,6 +96,12 @@ class BasicOperation(nn.Module):
         self._quantizer_key: str | None = None
         self._loaded_state: dict | None = None  # quantizer state from a checkpoint, not yet applied
         self._own_fuser = None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _PLAIN_STATE:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     # -- quantizers -----------------------------------------------------------
     def roles(self) -> list[QuantizerRole]:

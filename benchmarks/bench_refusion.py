@@ -1,0 +1,278 @@
+"""What re-fusion costs, as a function of the number of ops.
+
+For Sequential models of 2, 8, 32 and 128 ops (RMSNorm / Linear / Bias / GELU
+mixes) it measures:
+
+(a) the unchanged-recipe hot path per call: the work ``Sequential.forward`` does
+    to decide that the published plan still applies, with the same recipe object
+    and with a new-but-equal one (the plan's execution is stubbed out, and the cost
+    of entering ``te.autocast`` is measured apart and subtracted);
+(b) a warm switch (kernels compiled) between two recipes, split into its phases:
+    key check, quantizers, fusion passes, validation, publish;
+(c) the weight re-quantization after a switch, against its bandwidth floor;
+(d) a cold switch: the first step under a recipe whose kernels never compiled,
+    minus a steady step (GPU; on CPU the reference backend compiles nothing);
+(e) the same after ``te.warmup``.
+
+Prints a table, appends CSV rows (benchmarks/results.csv), writes a PNG plot
+(when matplotlib is present) and, with ``--json PATH``, the figures.
+``--quick`` finishes in well under 30 s on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+import te_fuser as te  # noqa: E402
+from te_fuser.ops import fuser as fuser_module  # noqa: E402
+
+OP_COUNTS = (2, 8, 32, 128)
+RECIPE_A = te.recipe.Float8CurrentScaling()
+RECIPE_B = te.recipe.DelayedScaling(amax_history_len=16)
+
+
+def make_model(n_ops: int, hidden: int, device) -> te.ops.Sequential:
+    """``n_ops`` basic ops: Linear(+Bias) for 2, else blocks of RMSNorm, BasicLinear, Bias, GELU."""
+    if n_ops == 2:
+        return te.ops.Sequential(te.ops.Linear(hidden, hidden, device=device))
+    ops = []
+    for _ in range(n_ops // 4):
+        ops += [te.ops.RMSNorm(hidden, device=device), te.ops.BasicLinear(hidden, hidden, device=device),
+                te.ops.Bias(hidden, device=device), te.ops.GELU()]
+    return te.ops.Sequential(*ops)
+
+
+@contextlib.contextmanager
+def plans_not_executed():
+    """Make the fuser return its input instead of running the plan (isolates the decision)."""
+    original = fuser_module._FuserFunction.apply
+    fuser_module._FuserFunction.apply = staticmethod(lambda x, fuser_and_plan, *tensors: x)
+    try:
+        yield
+    finally:
+        fuser_module._FuserFunction.apply = original
+
+
+def per_call_us(fn, calls: int, repeats: int) -> float:
+    """Best of ``repeats`` means over ``calls`` calls, in microseconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def hot_path(model, x, calls, repeats) -> dict:
+    equal = [te.recipe.Float8CurrentScaling() for _ in range(calls)]
+    with plans_not_executed(), torch.no_grad():
+        with te.autocast(recipe=RECIPE_A):
+            model.forward(x)  # publish the plan
+        it = iter(())
+
+        def same():
+            with te.autocast(recipe=RECIPE_A):
+                model.forward(x)
+
+        def new_equal():
+            with te.autocast(recipe=next(it)):
+                model.forward(x)
+
+        def context_only():
+            with te.autocast(recipe=RECIPE_A):
+                pass
+
+        t_same = per_call_us(same, calls, repeats)
+        t_ctx = per_call_us(context_only, calls, repeats)
+        best_equal = float("inf")
+        for _ in range(repeats):
+            it = iter(equal)
+            best_equal = min(best_equal, per_call_us(new_equal, calls, 1))
+    builds = model.fusion_stats().builds
+    assert builds == 1, f"the hot path rebuilt ({builds} builds)"
+    return {"same": max(t_same - t_ctx, 0.0), "equal": max(best_equal - t_ctx, 0.0), "autocast_enter_exit": t_ctx}
+
+
+def warm_switch(model, x, switches) -> dict:
+    with torch.no_grad():
+        for r in (RECIPE_A, RECIPE_B):  # compile / warm everything once, for real
+            with te.autocast(recipe=r):
+                model(x)
+    totals, phases = [], {}
+    with plans_not_executed(), torch.no_grad():
+        for i in range(switches):
+            recipe = (RECIPE_B, RECIPE_A)[i % 2]
+            t0 = time.perf_counter()
+            with te.autocast(recipe=recipe):
+                model.forward(x)
+            totals.append(time.perf_counter() - t0)
+            for name, secs in model.fusion_stats().last_build_phases.items():
+                phases.setdefault(name, []).append(secs)
+    result = {name: statistics.median(v) * 1e6 for name, v in phases.items()}
+    result["total"] = statistics.median(totals) * 1e6
+    result["key"] = max(result["total"] - sum(result[n] for n in phases), 0.0)
+    return result
+
+
+def weight_requant(model, device) -> dict:
+    """Quantize every weight as a switch to RECIPE_A does, vs copying the same bytes."""
+    weights = [op.weight for op in model.modules() if isinstance(op, te.ops.BasicLinear)]
+    quantizers = [te.quantization.quantizer_for(RECIPE_A, te.quantization.QuantizerRole("linear", "weight"))
+                  for _ in weights]
+
+    def requant():
+        for q, w in zip(quantizers, weights):
+            q(w, rowwise=True, columnwise=True)
+
+    moved = sum(w.numel() * (w.element_size() + 2) for w in weights)  # read hp, write row + column FP8
+    if device.type == "cuda":
+        ms = harness.time_ms(requant)
+        ceiling = harness.copy_ceiling_tbs()
+    else:
+        ms = per_call_us(requant, 3, 3) / 1e3
+        src = torch.empty(moved // 2, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        ceiling = 2 * src.numel() / (per_call_us(lambda: dst.copy_(src), 3, 3) * 1e-6) / 1e12
+    floor_ms = moved / (ceiling * 1e12) * 1e3
+    return {"ms": ms, "floor_ms": floor_ms, "ratio": ms / floor_ms, "bytes": moved}
+
+
+def first_step_cost(model, x, recipe, steady_recipe) -> float:
+    """First training step under ``recipe`` minus a steady step under it, in ms."""
+    def step(r):
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with te.autocast(recipe=r):
+            y = model(x)
+        y.float().sum().backward()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    step(steady_recipe)
+    first = step(recipe)
+    steady = statistics.median(step(recipe) for _ in range(3))
+    return max(first - steady, 0.0) * 1e3
+
+
+def cold_and_warmed_switch(n_ops, hidden, device) -> dict:
+    x = torch.randn(256, hidden, device=device)
+    cold_recipe = te.recipe.Float8BlockScaling()
+    model = make_model(n_ops, hidden, device)
+    cold = first_step_cost(model, x, cold_recipe, RECIPE_A)
+    model = make_model(n_ops, hidden, device)
+    warm_recipe = te.recipe.MXFP8BlockScaling()
+    te.warmup(model, [warm_recipe], x)
+    warmed = first_step_cost(model, x, warm_recipe, RECIPE_A)
+    return {"cold_ms": cold, "after_warmup_ms": warmed}
+
+
+def plot(results: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    counts = sorted(results)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, key in (("hot path, same recipe object", "hot_same"), ("hot path, new equal recipe", "hot_equal")):
+        ax1.plot(counts, [results[n][key] for n in counts], marker="o", label=label)
+    ax1.set(xscale="log", xlabel="ops in the Sequential", ylabel="µs per call", title="unchanged recipe")
+    ax1.legend()
+    for phase in ("key", "quantizers", "fusion", "validation", "publish", "total"):
+        ax2.plot(counts, [results[n]["switch"][phase] for n in counts], marker="o", label=phase)
+    ax2.set(xscale="log", yscale="log", xlabel="ops in the Sequential", ylabel="µs", title="warm switch, by phase")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (CPU: well under 30 s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", default=str(Path(__file__).with_name("refusion.png")))
+    p.add_argument("--no-csv", action="store_true")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    hidden = args.hidden or (1024 if device.type == "cuda" else 64)
+    calls, repeats, switches = (300, 3, 20) if args.quick else (3000, 5, 100)
+    results, rows = {}, []
+    for n in OP_COUNTS:
+        x = torch.randn(64, hidden, device=device)
+        hot = hot_path(make_model(n, hidden, device), x, calls, repeats)
+        switch = warm_switch(make_model(n, hidden, device), x, switches)
+        requant = weight_requant(make_model(n, hidden, device), device)
+        results[n] = {"hot_same": hot["same"], "hot_equal": hot["equal"], "switch": switch, "requant": requant,
+                      "autocast_enter_exit_us": hot["autocast_enter_exit"]}
+        if not args.quick or device.type == "cuda":
+            results[n].update(cold_and_warmed_switch(n, hidden, device))
+        shape = f"{n} ops, h={hidden}"
+        rows += [
+            harness.Row("refusion", "hot path, same object", "-", shape, hot["same"] / 1e3, 0.0, "us/call",
+                        note="Sequential.forward decision; autocast enter/exit subtracted"),
+            harness.Row("refusion", "hot path, new equal object", "-", shape, hot["equal"] / 1e3, 0.0, "us/call"),
+            harness.Row("refusion", "warm switch", "-", shape, switch["total"] / 1e3, 0.0, "us",
+                        extra={k: round(v, 2) for k, v in switch.items()}),
+            harness.Row("refusion", "weight re-quantization", "-", shape, requant["ms"], 0.0, "ms",
+                        of_ceiling=1 / requant["ratio"], note=f"floor {requant['floor_ms']:.4f} ms"),
+        ]
+        if "cold_ms" in results[n]:
+            rows += [harness.Row("refusion", "cold switch (first step - steady)", "-", shape, results[n]["cold_ms"],
+                                 0.0, "ms"),
+                     harness.Row("refusion", "switch after te.warmup", "-", shape, results[n]["after_warmup_ms"],
+                                 0.0, "ms")]
+    print(f"te_fuser re-fusion cost on {device} (torch {torch.__version__})")
+    print(f"{'ops':>5} {'hot same µs':>11} {'hot equal µs':>12} {'switch µs':>10} "
+          f"{'key/quant/fuse/valid/publish µs':>34} {'requant x floor':>15} {'cold ms':>8} {'warmed ms':>9}")
+    for n in OP_COUNTS:
+        r = results[n]
+        s = r["switch"]
+        split = "/".join(f"{s[k]:.0f}" for k in ("key", "quantizers", "fusion", "validation", "publish"))
+        print(f"{n:>5} {r['hot_same']:>11.2f} {r['hot_equal']:>12.2f} {s['total']:>10.1f} {split:>34} "
+              f"{r['requant']['ratio']:>15.2f} {r.get('cold_ms', float('nan')):>8.2f} "
+              f"{r.get('after_warmup_ms', float('nan')):>9.2f}")
+    if not args.no_csv:
+        harness.append_csv(rows)
+    if plot(results, Path(args.plot)):
+        print(f"plot: {args.plot}")
+    summary = {
+        "device": str(device),
+        "hot_path_us_same_object": {n: results[n]["hot_same"] for n in OP_COUNTS},
+        "hot_path_us_equal_object": {n: results[n]["hot_equal"] for n in OP_COUNTS},
+        "warm_switch_us": {n: results[n]["switch"]["total"] for n in OP_COUNTS},
+        "warm_switch_phases_us": {n: results[n]["switch"] for n in OP_COUNTS},
+        "weight_requant": {n: results[n]["requant"] for n in OP_COUNTS},
+        "cold_switch_ms": {n: results[n].get("cold_ms") for n in OP_COUNTS},
+        "switch_after_warmup_ms": {n: results[n].get("after_warmup_ms") for n in OP_COUNTS},
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    if "--cold-cache" in sys.argv:  # a fresh Triton cache, so that a "cold" switch really compiles
+        sys.argv.remove("--cold-cache")
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="te_fuser_triton_cache_")
+    main()
