@@ -1,0 +1,165 @@
+"""Layers, fwd+bwd, side by side: bf16 eager, torchao float8 (compiled), te_fuser.
+
+Cases (DESIGN.md section 6):
+- Linear 16384 x 8192 -> 7168 (M x K -> N),
+- MLP block: RMSNorm, Linear 4096 -> 2 x 14336, SwiGLU, Linear 14336 -> 4096; 8192 tokens,
+- a small, CPU-bound Linear 1024 x 1024 -> 1024.
+
+Contenders: bf16 eager (torch.nn), torchao 0.18 float8 tensorwise with
+torch.compile (when torchao imports), te_fuser under current, delayed and block
+scaling. Each time is the median of a full forward + backward (parameter grads
+included). It also times a recipe switch: torchao must re-convert and recompile
+(measured: the first step of a freshly converted and compiled copy, minus a
+steady step); te_fuser's first step after a switch minus a steady step, with the
+kernels warmed by ``te.warmup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+import te_fuser as te  # noqa: E402
+
+RECIPES = {
+    "current": te.recipe.Float8CurrentScaling(),
+    "delayed": te.recipe.DelayedScaling(amax_history_len=16),
+    "block": te.recipe.Float8BlockScaling(),
+}
+
+
+class TorchMLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden, eps=1e-5)
+        self.fc1 = nn.Linear(hidden, 2 * ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        gate, up = self.fc1(self.norm(x)).chunk(2, dim=-1)
+        return self.fc2(nn.functional.silu(gate) * up)
+
+
+def torch_model(case: str, dims) -> nn.Module:
+    if case == "mlp":
+        return TorchMLP(dims["hidden"], dims["ffn"])
+    return nn.Linear(dims["k"], dims["n"])
+
+
+def te_model(case: str, dims) -> te.ops.Sequential:
+    if case == "mlp":
+        h, f = dims["hidden"], dims["ffn"]
+        return te.ops.Sequential(te.ops.RMSNorm(h), te.ops.Linear(h, 2 * f), te.ops.SwiGLU(), te.ops.Linear(f, h))
+    return te.ops.Sequential(te.ops.Linear(dims["k"], dims["n"]))
+
+
+CASES = {
+    "linear": dict(m=16384, k=8192, n=7168),
+    "mlp": dict(m=8192, hidden=4096, ffn=14336),
+    "small": dict(m=1024, k=1024, n=1024),
+}
+
+
+def flops(case: str, d) -> float:
+    if case == "mlp":
+        return 3 * 2 * d["m"] * (d["hidden"] * 2 * d["ffn"] + d["ffn"] * d["hidden"])
+    return 3 * 2 * d["m"] * d["k"] * d["n"]
+
+
+def in_features(case, d):
+    return d["hidden"] if case == "mlp" else d["k"]
+
+
+def fwd_bwd(model, x, dy, recipe=None):
+    def run():
+        for p in model.parameters():
+            p.grad = None
+        if recipe is None:
+            y = model(x)
+        else:
+            with te.autocast(recipe=recipe):
+                y = model(x)
+        y.backward(dy)
+
+    return run
+
+
+def torchao_convert(model: nn.Module, recipe_name: str):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted = convert_to_float8_training(copy.deepcopy(model), config=Float8LinearConfig.from_recipe_name(recipe_name))
+    return torch.compile(converted)
+
+
+def wall_ms(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def bench_case(case: str, rows: list, switch_rows: list) -> None:
+    d = CASES[case]
+    torch.manual_seed(0)
+    base = torch_model(case, d).cuda().bfloat16()
+    x = torch.randn(d["m"], in_features(case, d), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        dy = torch.randn_like(base(x))
+    total = flops(case, d)
+    shape = " ".join(f"{k}={v}" for k, v in d.items())
+    bf16_ms = harness.time_ms(fwd_bwd(base, x, dy))
+    rows.append(harness.Row("layers", case, "bf16 eager", shape, bf16_ms, total / bf16_ms / 1e9, "TFLOP/s"))
+    ao_ms = None
+    try:
+        ao = torchao_convert(base, "tensorwise")
+        ao_ms = harness.time_ms(fwd_bwd(ao, x, dy))
+        rows.append(harness.Row("layers", case, "torchao tensorwise compiled", shape, ao_ms, total / ao_ms / 1e9,
+                                "TFLOP/s", vs_peer=bf16_ms / ao_ms, peer="bf16 eager"))
+        switch_ms = wall_ms(lambda: fwd_bwd(torchao_convert(base, "rowwise"), x, dy)()) - ao_ms
+        switch_rows.append(harness.Row("layers", f"{case}: switch tensorwise->rowwise", "torchao", shape,
+                                       switch_ms, 0.0, "ms", note="re-convert + recompile + first step - steady"))
+    except Exception as err:  # torchao absent or failing: report and go on
+        print(f"torchao unavailable for {case}: {type(err).__name__}: {err}")
+    model = te_model(case, d).cuda().bfloat16()
+    te.warmup(model, list(RECIPES.values()), x.detach())
+    for name, recipe in RECIPES.items():
+        ms = harness.time_ms(fwd_bwd(model, x, dy, recipe))
+        rows.append(harness.Row("layers", case, f"te_fuser {name}", shape, ms, total / ms / 1e9, "TFLOP/s",
+                                vs_peer=bf16_ms / ms, peer="bf16 eager",
+                                note="" if ao_ms is None else f"vs torchao {ao_ms / ms:.2f}x"))
+    steady = statistics.median(wall_ms(fwd_bwd(model, x, dy, RECIPES["block"])) for _ in range(3))
+    first = wall_ms(fwd_bwd(model, x, dy, RECIPES["current"]))
+    steady_current = statistics.median(wall_ms(fwd_bwd(model, x, dy, RECIPES["current"])) for _ in range(3))
+    switch_rows.append(harness.Row("layers", f"{case}: switch block->current", "te_fuser", shape,
+                                   first - steady_current, 0.0, "ms",
+                                   note=f"first step - steady (steady block {steady:.3f} ms)"))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="*", default=list(CASES))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_layers needs a GPU")
+        return
+    rows, switch_rows = [], []
+    for case in args.cases:
+        bench_case(case, rows, switch_rows)
+    harness.print_table(rows, "layers fwd+bwd")
+    harness.print_table(switch_rows, "recipe switch")
+    harness.append_csv(rows + switch_rows)
+
+
+if __name__ == "__main__":
+    main()
