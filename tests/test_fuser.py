@@ -329,3 +329,30 @@ group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
   built for: backward=False dtype=float32 training=True calibrating=False device=cpu
   forward:
     ForwardLinearBiasActivation(0:BasicLinear('fc3'), 1:Bias('fc3'))  [rule forward_linear_bias]""")
+
+
+class Square(te.ops.BasicOperation):
+    """A user-written basic op: y = x * x."""
+
+    module_type = "square"
+
+    def op_forward(self, ctx, x, extra_inputs):
+        ctx.saved["x"] = x
+        return x * x, []
+
+    def op_backward(self, ctx, dy, grad_extra_outputs):
+        return 2 * ctx.saved["x"] * dy, [], []
+
+
+def test_a_user_written_basic_op_runs_in_a_sequential():
+    model = te.ops.Sequential(te.ops.Linear(8, 8), Square(), te.ops.Linear(8, 4))
+    reference = torch.nn.Sequential(copy.deepcopy(model[0]), copy.deepcopy(model[2]))
+    x = torch.randn(5, 8, requires_grad=True)
+    y = model(x)
+    y.sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = reference[1](reference[0](x2) ** 2)
+    y2.sum().backward()
+    torch.testing.assert_close(y, y2)
+    torch.testing.assert_close(x.grad, x2.grad)
+    assert "Square(2:Square)" in model.fusion_plan()
