@@ -21,6 +21,7 @@ is cast with a fitting scale instead of 1.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -100,13 +101,14 @@ class DelayedScalingQuantizer(Quantizer):
         self.scale_inv = torch.ones((), dtype=torch.float32, device=device)
         self.amax_history = torch.zeros(self.amax_history_len, dtype=torch.float32, device=device)
         self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
+        self._fmax = torch.full((), self.fmax, dtype=torch.float32, device=device)
         self.seeded = False
 
     def _move_state(self, device: torch.device) -> None:
         if self.scale.device != device:
             # host -> device copies need no wait; a device -> host copy must complete
             non_blocking = device.type == "cuda" and self.scale.device.type == "cpu"
-            for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count"):
+            for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count", "_fmax"):
                 setattr(self, name, getattr(self, name).to(device, non_blocking=non_blocking))
 
     # -- quantization ----------------------------------------------------------
@@ -151,9 +153,9 @@ class DelayedScalingQuantizer(Quantizer):
         """Adopt ``history`` (its newest amax in slot 0) and update the scale from it."""
         self._reduce_amax(history[0:1])
         self.amax_history = history
-        scale, nonfinite = self._next_scale(self._history_amax(history), self.scale)
+        scale, finite = self._next_scale(self._history_amax(history), self.scale)
         self._set_scale(scale)
-        self.nonfinite_amax_count = self.nonfinite_amax_count + nonfinite.to(torch.int64)
+        self.nonfinite_amax_count = self.nonfinite_amax_count + finite.logical_not()
 
     def _reduce_amax(self, amax: torch.Tensor) -> None:
         if self.amax_reduction_group is not None:
@@ -165,25 +167,29 @@ class DelayedScalingQuantizer(Quantizer):
         if algo == "max":
             return history.amax()
         if algo == "most_recent":
-            return history[0].clone()
+            return history[0]
         amax = algo(history.clone())
         return torch.as_tensor(amax, dtype=torch.float32, device=history.device).reshape(())
 
     def _next_scale(self, amax: torch.Tensor, prev_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale, amax is not finite)`` for an fp32 0-d ``amax``."""
+        """``(scale, amax is finite)`` for an fp32 0-d ``amax``.
+
+        A handful of tiny device ops, no host sync; each one counts on the hot path.
+        """
         if self.scaling_factor_compute_algo is None:
-            scale = torch.full_like(amax, self.fmax) / amax  # IEEE fp32 division
+            scale = torch.div(self._fmax, amax)  # IEEE fp32 division; a tiny amax gives inf
             scale = _divide_by_power_of_2(scale, self.margin)
         else:
             scale = self.scaling_factor_compute_algo(amax, prev_scale, self.fmax, self.recipe)
             scale = torch.as_tensor(scale, dtype=torch.float32, device=amax.device).reshape(())
-        scale = torch.where(torch.isinf(scale), FLT_MAX, scale)
-        nonfinite = ~torch.isfinite(amax)
-        return torch.where(nonfinite | (amax == 0), prev_scale, scale), nonfinite
+        scale = torch.nan_to_num(scale, nan=math.nan, posinf=FLT_MAX)  # inf -> largest finite fp32
+        finite = torch.isfinite(amax)
+        usable = torch.logical_and(amax > 0, finite)  # amax 0, inf or NaN keep the previous scale
+        return torch.where(usable, scale, prev_scale), finite
 
     def _set_scale(self, scale: torch.Tensor) -> None:
         self.scale = scale
-        self.scale_inv = torch.ones_like(scale) / scale
+        self.scale_inv = torch.reciprocal(scale)  # an IEEE fp32 division, on CPU and CUDA alike
 
     @property
     def nonfinite_amax_events(self) -> int:
