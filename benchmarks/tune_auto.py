@@ -84,20 +84,21 @@ def _kernel(modules, backend, kernel):
 
 
 def _cast_cases(torch, x):
-    """kernel name -> (call(fn), bytes moved, label)."""
+    """(kernel name, call(fn), bytes moved, label) for each timed cast."""
     e4m3 = torch.float8_e4m3fn
     n = x.numel()
     read, fp8 = n * x.element_size(), n
     scale = torch.tensor(1.5, device="cuda")
     slot = torch.zeros(4, device="cuda")[1]
-    return {
-        "quantize_current": (lambda f: f(x, e4m3), read + fp8, "rowwise"),
-        "quantize_tensorwise": (
-            lambda f: f(x, scale, e4m3, rowwise=True, columnwise=True, amax_out=slot), read + 2 * fp8, "row+col+amax"
-        ),
-        "quantize_rowwise": (lambda f: f(x, e4m3), read + fp8 + 4 * x.shape[0], "rowwise"),
-        "quantize_mxfp8": (lambda f: f(x, e4m3), read + fp8 + n // 32, "rowwise"),
-    }
+    return [
+        ("quantize_current", lambda f: f(x, e4m3), read + fp8, "rowwise"),
+        ("quantize_current", lambda f: f(x, e4m3, rowwise=True, columnwise=True), read + 2 * fp8, "row+col"),
+        ("quantize_tensorwise", lambda f: f(x, scale, e4m3, amax_out=slot), read + fp8, "rowwise+amax"),
+        ("quantize_tensorwise", lambda f: f(x, scale, e4m3, rowwise=True, columnwise=True, amax_out=slot),
+         read + 2 * fp8, "row+col+amax"),  # fmt: skip
+        ("quantize_rowwise", lambda f: f(x, e4m3), read + fp8 + 4 * x.shape[0], "rowwise"),
+        ("quantize_mxfp8", lambda f: f(x, e4m3), read + fp8 + n // 32, "rowwise"),
+    ]
 
 
 def bench_casts(bench: Bench, modules) -> dict:
@@ -105,7 +106,7 @@ def bench_casts(bench: Bench, modules) -> dict:
     totals: dict = {}
     for rows, cols in CAST_SHAPES:
         x = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
-        for kernel, (call, nbytes, label) in _cast_cases(torch, x).items():
+        for kernel, call, nbytes, label in _cast_cases(torch, x):
             for backend in BACKENDS:
                 fn = _kernel(modules, backend, kernel)
                 if fn is None:

@@ -83,6 +83,7 @@ def _q(scaling, rows, k, fp8=torch.float8_e4m3fn):
         (("tensor", 64, 64, torch.float8_e5m2), ("tensor", 64, 64, torch.float8_e5m2), "two E5M2"),
         (("block_1x128", 64, 384), ("block_128x128", 64, 384), "K % 512"),
         (("block_1x128", 66, 512), ("block_1x128", 64, 512), "M % 4"),
+        (("block_1x128", 64, 320), ("block_1x128", 64, 320), "K % 128"),
         (("row", 64, 64), ("block_128x128", 64, 64), "no row x block_128x128"),
         (("tensor", 64, 64), ("tensor", 64, 64), "not on a CUDA device"),
     ],

@@ -12,9 +12,12 @@ namespace te_fuser {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kChunk = 16;  // elements per thread per step of the flat kernels
-constexpr int kTile = 64;   // cast-transpose tile: kTile x kTile elements
-constexpr int kTileWords = kTile / 4 + 1;  // staged FP8 tile row: 16 words + 1 against bank conflicts
+constexpr int kChunk = 16;   // elements per thread per step of the flat kernels
+constexpr int kUnroll = 2;   // steps whose loads are in flight together
+constexpr int kTile = 128;   // cast-transpose tile: kTile x kTile elements
+constexpr int kTileWords = kTile / 4 + 1;     // staged FP8 tile row: 32 words + 1 against bank conflicts
+constexpr int kThreadsPerTileRow = kTile / 8;  // each thread loads 8 consecutive elements
+constexpr int kTileRowsPerPass = kThreads / kThreadsPerTileRow;
 
 // The scale of a tensor-scaled cast: given (delayed) or derived from amax_in (current).
 template <int FP8, bool CURRENT>
@@ -37,17 +40,39 @@ __device__ __forceinline__ void commit_amax(uint32_t amax_bits, float* amax_out,
   if (threadIdx.x == 0 && amax_bits != 0u) atomicMax(reinterpret_cast<unsigned int*>(amax_out), amax_bits);
 }
 
+// Raw loads of kUnroll grid-stride chunks (16 elements each) starting at chunk
+// c0; chunks past the end read as zeros. All loads issue before any is used.
+template <typename T>
+__device__ __forceinline__ void load_chunks(const T* __restrict__ x, int64_t c0, int64_t stride, int64_t chunks,
+                                            Raw8<T> (&raw)[kUnroll][2]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t c = c0 + u * stride;
+    if (c < chunks) {
+      raw[u][0] = load_raw8(x + c * kChunk);
+      raw[u][1] = load_raw8(x + c * kChunk + 8);
+    } else {
+      raw[u][0] = raw[u][1] = zero_raw8<T>();
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x, int64_t numel, float* amax_out) {
   __shared__ uint32_t scratch[33];
   uint32_t amax = 0u;
   const int64_t chunks = numel / kChunk;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks; c += stride) {
-    float v0[8], v1[8];
-    load8(x + c * kChunk, v0);
-    load8(x + c * kChunk + 8, v1);
-    amax = amax_bits8(v1, amax_bits8(v0, amax));
+  for (int64_t c0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c0 < chunks; c0 += kUnroll * stride) {
+    Raw8<T> raw[kUnroll][2];
+    load_chunks(x, c0, stride, chunks, raw);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float v0[8], v1[8];
+      unpack8(raw[u][0], v0);
+      unpack8(raw[u][1], v1);
+      amax = amax_bits8(v1, amax_bits8(v0, amax));  // zero padding does not change it
+    }
   }
   const int64_t tail = numel - chunks * kChunk;  // < 16 elements
   if (blockIdx.x == 0 && threadIdx.x < tail) {
@@ -66,16 +91,22 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t amax = 0u;
   const int64_t chunks = numel / kChunk;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks; c += stride) {
-    const int64_t base = c * kChunk;
-    float v0[8], v1[8];
-    load8(x + base, v0);
-    load8(x + base + 8, v1);
-    if (!CURRENT) amax = amax_bits8(v1, amax_bits8(v0, amax));
-    if (out != nullptr) {
-      const uint2 q0 = scale_to_fp8x8<FP8>(v0, scale);
-      const uint2 q1 = scale_to_fp8x8<FP8>(v1, scale);
-      *reinterpret_cast<uint4*>(out + base) = make_uint4(q0.x, q0.y, q1.x, q1.y);
+  for (int64_t c0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c0 < chunks; c0 += kUnroll * stride) {
+    Raw8<T> raw[kUnroll][2];
+    load_chunks(x, c0, stride, chunks, raw);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + u * stride;
+      if (c >= chunks) continue;
+      float v0[8], v1[8];
+      unpack8(raw[u][0], v0);
+      unpack8(raw[u][1], v1);
+      if (!CURRENT) amax = amax_bits8(v1, amax_bits8(v0, amax));
+      if (out != nullptr) {
+        const uint2 q0 = scale_to_fp8x8<FP8>(v0, scale);
+        const uint2 q1 = scale_to_fp8x8<FP8>(v1, scale);
+        *reinterpret_cast<uint4*>(out + c * kChunk) = make_uint4(q0.x, q0.y, q1.x, q1.y);
+      }
     }
   }
   const int64_t tail = numel - chunks * kChunk;
@@ -97,36 +128,67 @@ __device__ __forceinline__ int elements_left(int64_t remaining) {
 __device__ __forceinline__ uint32_t byte_of(uint32_t word, int j) { return (word >> (8 * j)) & 0xFFu; }
 
 // Writes the staged FP8 tile transposed: out_t[col][row] for the tile at (row0, col0).
-// Each thread moves a 4x4 block of bytes: four 32-bit reads, four 32-bit writes.
+// Each thread moves 4x4 blocks of bytes (four 32-bit reads, four 32-bit writes);
+// consecutive lanes take consecutive 4-row groups, so a warp writes 128
+// contiguous bytes of one out_t row.
 __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint8_t* __restrict__ out_t, int64_t rows,
                                                       int64_t cols, int64_t row0, int64_t col0) {
-  const int block_row = threadIdx.x % (kTile / 4);  // 4 source rows: block_row * 4 ...
-  const int block_col = threadIdx.x / (kTile / 4);  // 4 source columns: block_col * 4 ...
-  uint32_t w[4];
+  constexpr int kGroups = kTile / 4;  // 4-row (and 4-column) groups per tile side
 #pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = tile[(block_row * 4 + i) * kTileWords + block_col];
-  const int64_t row = row0 + block_row * 4;
-  const bool whole_word = (rows % 4 == 0) && (row + 4 <= rows);
+  for (int step = 0; step < kGroups * kGroups / kThreads; ++step) {
+    const int index = step * kThreads + threadIdx.x;
+    const int row_group = index % kGroups;  // source rows row_group * 4 ...
+    const int col_group = index / kGroups;  // source columns col_group * 4 ...
+    uint32_t w[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int64_t col = col0 + block_col * 4 + j;
-    if (col >= cols || row >= rows) continue;
-    const uint32_t packed = byte_of(w[0], j) | (byte_of(w[1], j) << 8) | (byte_of(w[2], j) << 16) | (byte_of(w[3], j) << 24);
-    uint8_t* dst = out_t + col * rows + row;
-    if (whole_word) {
-      *reinterpret_cast<uint32_t*>(dst) = packed;
-    } else {
-      for (int i = 0; i < 4 && row + i < rows; ++i) dst[i] = uint8_t(byte_of(packed, i));
+    for (int i = 0; i < 4; ++i) w[i] = tile[(row_group * 4 + i) * kTileWords + col_group];
+    const int64_t row = row0 + row_group * 4;
+    if (row >= rows) continue;
+    const bool whole_word = (rows % 4 == 0) && (row + 4 <= rows);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t col = col0 + col_group * 4 + j;
+      if (col >= cols) continue;
+      const uint32_t packed =
+          byte_of(w[0], j) | (byte_of(w[1], j) << 8) | (byte_of(w[2], j) << 16) | (byte_of(w[3], j) << 24);
+      uint8_t* dst = out_t + col * rows + row;
+      if (whole_word) {
+        *reinterpret_cast<uint32_t*>(dst) = packed;
+      } else {
+        for (int i = 0; i < 4 && row + i < rows; ++i) dst[i] = uint8_t(byte_of(packed, i));
+      }
     }
   }
 }
 
+// Casts this thread's 8 elements of tile row r and stages them in the shared tile;
+// `count` elements exist (8 and vector_ok: 16-byte accesses).
+template <int FP8>
+__device__ __forceinline__ void cast_tile_piece(const float (&v)[8], float scale, int count, bool vector_ok,
+                                                    uint8_t* __restrict__ out, int64_t offset, uint32_t* tile, int r,
+                                                    int c) {
+  const uint2 q = scale_to_fp8x8<FP8>(v, scale);
+  if (out != nullptr && count > 0) {
+    if (count == 8 && vector_ok) {
+      *reinterpret_cast<uint2*>(out + offset) = q;
+    } else {
+      for (int j = 0; j < count; ++j) out[offset + j] = uint8_t(byte_of(j < 4 ? q.x : q.y, j % 4));
+    }
+  }
+  tile[r * kTileWords + c / 4] = q.x;
+  tile[r * kTileWords + c / 4 + 1] = q.y;
+}
+
 // Cast of a (rows, cols) tile with a transposed copy: out (rows, cols) may be
-// null, out_t (cols, rows) is not. One kTile x kTile tile per block.
+// null, out_t (cols, rows) is not. One kTile x kTile tile per block. Whole
+// tiles issue kGroup 16-byte loads per thread before using any of them; edge
+// tiles go element by element.
 template <typename T, int FP8, bool CURRENT>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t rows,
                           int64_t cols, CastScaling s) {
+  constexpr int kPasses = kTile / kTileRowsPerPass;
+  constexpr int kGroup = 4;
   __shared__ uint32_t tile[kTile * kTileWords];
   __shared__ uint32_t scratch[33];
   const float scale = cast_scale<FP8, CURRENT>(s);
@@ -134,39 +196,72 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row0 = int64_t(blockIdx.y) * kTile;
   const int64_t col0 = int64_t(blockIdx.x) * kTile;
   const bool vector_ok = cols % 8 == 0;
-  const int c = (threadIdx.x % 8) * 8;  // column of this thread's 8 elements in the tile
+  const bool whole_tile = vector_ok && row0 + kTile <= rows && col0 + kTile <= cols;
+  const int c = (threadIdx.x % kThreadsPerTileRow) * 8;  // column of this thread's 8 elements in the tile
+  const int r_first = threadIdx.x / kThreadsPerTileRow;
   uint32_t amax = 0u;
+  if (whole_tile) {
 #pragma unroll
-  for (int pass = 0; pass < kTile / 32; ++pass) {
-    const int r = pass * 32 + threadIdx.x / 8;
-    const int64_t row = row0 + r;
-    const int64_t col = col0 + c;
-    const int count = row < rows ? elements_left(cols - col) : 0;
-    const int64_t offset = row * cols + col;
-    float v[8];
-    if (count == 8 && vector_ok) {
-      load8(x + offset, v);
-    } else {
-      load8_partial(x + offset, count, v);
-    }
-    if (!CURRENT) amax = amax_bits8(v, amax);
-    const uint2 q = scale_to_fp8x8<FP8>(v, scale);
-    if (out != nullptr && count > 0) {
-      if (count == 8 && vector_ok) {
-        *reinterpret_cast<uint2*>(out + offset) = q;
-      } else {
-        for (int j = 0; j < count; ++j) out[offset + j] = uint8_t(byte_of(j < 4 ? q.x : q.y, j % 4));
+    for (int g = 0; g < kPasses; g += kGroup) {
+      float v[kGroup][8];
+#pragma unroll
+      for (int p = 0; p < kGroup; ++p) {
+        load8(x + (row0 + (g + p) * kTileRowsPerPass + r_first) * cols + col0 + c, v[p]);
+      }
+#pragma unroll
+      for (int p = 0; p < kGroup; ++p) {
+        const int r = (g + p) * kTileRowsPerPass + r_first;
+        if (!CURRENT) amax = amax_bits8(v[p], amax);
+        cast_tile_piece<FP8>(v[p], scale, 8, true, out, (row0 + r) * cols + col0 + c, tile, r, c);
       }
     }
-    tile[r * kTileWords + c / 4] = q.x;
-    tile[r * kTileWords + c / 4 + 1] = q.y;
+  } else {
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int r = pass * kTileRowsPerPass + r_first;
+      const int64_t row = row0 + r;
+      const int64_t col = col0 + c;
+      const int count = row < rows ? elements_left(cols - col) : 0;
+      const int64_t offset = row * cols + col;
+      float v[8];
+      if (count == 8 && vector_ok) {
+        load8(x + offset, v);
+      } else {
+        load8_partial(x + offset, count, v);
+      }
+      if (!CURRENT) amax = amax_bits8(v, amax);
+      cast_tile_piece<FP8>(v, scale, count, vector_ok, out, offset, tile, r, c);
+    }
   }
   __syncthreads();
   write_transposed_tile(tile, out_t, rows, cols, row0, col0);
   if (!CURRENT) commit_amax(amax, s.amax_out, scratch);
 }
 
-// One block per row: amax of the row, its scale, then the cast.
+// Loads kUnroll pieces of 8 elements of a row, `step` apart: all loads issue
+// before any is converted. Pieces at the end of the row go element by element.
+template <typename T>
+__device__ __forceinline__ void load_row_pieces(const T* x_row, int64_t col0, int64_t step, int64_t cols,
+                                                bool vector_ok, float (&v)[kUnroll][8], int (&count)[kUnroll]) {
+  Raw8<T> raw[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t col = col0 + u * step;
+    count[u] = elements_left(cols - col);
+    if (count[u] == 8 && vector_ok) {
+      raw[u] = load_raw8(x_row + col);
+    } else {
+      load8_partial(x_row + col, count[u], v[u]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (count[u] == 8 && vector_ok) unpack8(raw[u], v[u]);
+  }
+}
+
+// One block per row: amax of the row, its scale, then the cast (the second read
+// of the row comes from cache).
 template <typename T, int FP8>
 __global__ void __launch_bounds__(kThreads)
     quantize_rowwise_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, float* __restrict__ scale_inv,
@@ -178,31 +273,37 @@ __global__ void __launch_bounds__(kThreads)
   const bool vector_ok = cols % 8 == 0;
   const int64_t step = int64_t(blockDim.x) * 8;
   uint32_t amax = 0u;
-  for (int64_t col = int64_t(threadIdx.x) * 8; col < cols; col += step) {
-    const int count = elements_left(cols - col);
-    float v[8];
-    if (count == 8 && vector_ok) load8(x_row + col, v); else load8_partial(x_row + col, count, v);
-    amax = amax_bits8(v, amax);
+  for (int64_t col0 = int64_t(threadIdx.x) * 8; col0 < cols; col0 += kUnroll * step) {
+    float v[kUnroll][8];
+    int count[kUnroll];
+    load_row_pieces(x_row, col0, step, cols, vector_ok, v, count);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) amax = amax_bits8(v[u], amax);
   }
   amax = block_max_bits(amax, scratch);
   const float scale = scale_from_amax(__uint_as_float(amax), Fp8Traits<FP8>::fmax, power_2, epsilon);
   if (threadIdx.x == 0) scale_inv[row] = __fdiv_rn(1.0f, scale);
-  for (int64_t col = int64_t(threadIdx.x) * 8; col < cols; col += step) {
-    const int count = elements_left(cols - col);
-    float v[8];
-    if (count == 8 && vector_ok) load8(x_row + col, v); else load8_partial(x_row + col, count, v);
-    const uint2 q = scale_to_fp8x8<FP8>(v, scale);
-    if (count == 8 && vector_ok) {
-      *reinterpret_cast<uint2*>(out_row + col) = q;
-    } else {
-      for (int j = 0; j < count; ++j) out_row[col + j] = uint8_t(byte_of(j < 4 ? q.x : q.y, j % 4));
+  for (int64_t col0 = int64_t(threadIdx.x) * 8; col0 < cols; col0 += kUnroll * step) {
+    float v[kUnroll][8];
+    int count[kUnroll];
+    load_row_pieces(x_row, col0, step, cols, vector_ok, v, count);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t col = col0 + u * step;
+      const uint2 q = scale_to_fp8x8<FP8>(v[u], scale);
+      if (count[u] == 8 && vector_ok) {
+        *reinterpret_cast<uint2*>(out_row + col) = q;
+      } else {
+        for (int j = 0; j < count[u]; ++j) out_row[col + j] = uint8_t(byte_of(j < 4 ? q.x : q.y, j % 4));
+      }
     }
   }
 }
 
 // MXFP8: each thread casts 8 elements; four neighbouring lanes form one 32-element
 // block and share its amax through two shuffles. Warps step through the tensor
-// together so every shuffle has all 32 lanes present.
+// together so every shuffle has all 32 lanes present; each step loads kUnroll
+// warp-wide spans before using them.
 template <typename T, int FP8>
 __global__ void __launch_bounds__(kThreads)
     quantize_mxfp8_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ scales,
@@ -210,18 +311,26 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t base = warp * 32; base < chunks; base += warps * 32) {
-    const int64_t c = base + lane;
-    const bool active = c < chunks;
-    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (active) load8(x + c * 8, v);
-    uint32_t amax = amax_bits8(v, 0u);
-    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-    if (active) {
-      const uint32_t byte = e8m0_from_amax_bits<FP8>(amax);
-      *reinterpret_cast<uint2*>(out + c * 8) = scale_to_fp8x8<FP8>(v, e8m0_reciprocal(byte));
-      if ((lane & 3) == 0) scales[c >> 2] = uint8_t(byte);
+  for (int64_t base = warp * 32 * kUnroll; base < chunks; base += warps * 32 * kUnroll) {
+    Raw8<T> raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = base + u * 32 + lane;
+      raw[u] = c < chunks ? load_raw8(x + c * 8) : zero_raw8<T>();
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = base + u * 32 + lane;
+      float v[8];
+      unpack8(raw[u], v);
+      uint32_t amax = amax_bits8(v, 0u);
+      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      if (c < chunks) {
+        const uint32_t byte = e8m0_from_amax_bits<FP8>(amax);
+        *reinterpret_cast<uint2*>(out + c * 8) = scale_to_fp8x8<FP8>(v, e8m0_reciprocal(byte));
+        if ((lane & 3) == 0) scales[c >> 2] = uint8_t(byte);
+      }
     }
   }
 }
@@ -234,7 +343,7 @@ void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, voi
   if (numel == 0) return;
   dispatch_hp(hp_type, "amax", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const unsigned grid = grid_for(numel / kChunk, kThreads);
+    const unsigned grid = grid_for((numel / kChunk + kUnroll - 1) / kUnroll, kThreads);
     amax_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), numel, amax_out);
   });
   check_launch("amax");
@@ -253,14 +362,16 @@ void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t
       constexpr int FP8 = decltype(fp8)::value;
       const T* xt = static_cast<const T*>(x);
       if (transpose) {
-        const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
+        const int64_t row_tiles = (rows + kTile - 1) / kTile;
+        if (row_tiles > 65535) throw std::invalid_argument("cast: a transposed copy supports at most 8388480 rows");
+        const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned(row_tiles));
         if (current) {
           cast_transpose_kernel<T, FP8, true><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols, scaling);
         } else {
           cast_transpose_kernel<T, FP8, false><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols, scaling);
         }
       } else {
-        const unsigned grid = grid_for(numel / kChunk, kThreads);
+        const unsigned grid = grid_for((numel / kChunk + kUnroll - 1) / kUnroll, kThreads);
         if (current) {
           cast_flat_kernel<T, FP8, true><<<grid, kThreads, 0, stream>>>(xt, out, numel, scaling);
         } else {
@@ -300,7 +411,7 @@ void launch_quantize_mxfp8(const void* x, int hp_type, int fp8_type, int64_t num
     using T = typename decltype(tag)::type;
     dispatch_fp8(fp8_type, "quantize_mxfp8", [&](auto fp8) {
       constexpr int FP8 = decltype(fp8)::value;
-      const unsigned grid = grid_for(chunks, kThreads);
+      const unsigned grid = grid_for((chunks + kUnroll - 1) / kUnroll, kThreads);
       quantize_mxfp8_kernel<T, FP8><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), out, scales, chunks);
     });
   });

@@ -67,17 +67,41 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-// Eight consecutive elements starting at a 16-byte aligned address.
-__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
-  const float4 lo = *reinterpret_cast<const float4*>(p);
-  const float4 hi = *reinterpret_cast<const float4*>(p + 4);
-  v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w;
-  v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+// Eight consecutive elements as raw 16-byte words, loaded apart from their
+// conversion so that several loads can be in flight before the first use.
+template <typename T>
+struct Raw8 {
+  uint4 words[sizeof(T) == 4 ? 2 : 1];
+};
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> load_raw8(const T* p) {  // p: 16-byte aligned
+  Raw8<T> raw;
+#pragma unroll
+  for (int i = 0; i < int(sizeof(raw.words) / sizeof(uint4)); ++i) raw.words[i] = reinterpret_cast<const uint4*>(p)[i];
+  return raw;
 }
 
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+template <typename T>
+__device__ __forceinline__ Raw8<T> zero_raw8() {
+  Raw8<T> raw;
+#pragma unroll
+  for (int i = 0; i < int(sizeof(raw.words) / sizeof(uint4)); ++i) raw.words[i] = make_uint4(0u, 0u, 0u, 0u);
+  return raw;
+}
+
+__device__ __forceinline__ void unpack8(const Raw8<float>& raw, float (&v)[8]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    v[4 * i] = __uint_as_float(raw.words[i].x);
+    v[4 * i + 1] = __uint_as_float(raw.words[i].y);
+    v[4 * i + 2] = __uint_as_float(raw.words[i].z);
+    v[4 * i + 3] = __uint_as_float(raw.words[i].w);
+  }
+}
+
+__device__ __forceinline__ void unpack8(const Raw8<__nv_bfloat16>& raw, float (&v)[8]) {
+  const uint32_t words[4] = {raw.words[0].x, raw.words[0].y, raw.words[0].z, raw.words[0].w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     // bf16 -> fp32 is exact: the bf16 bits become the high half of the fp32.
@@ -86,15 +110,20 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
   }
 }
 
-__device__ __forceinline__ void load8(const __half* p, float (&v)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
+__device__ __forceinline__ void unpack8(const Raw8<__half>& raw, float (&v)[8]) {
+  const __half2* pairs = reinterpret_cast<const __half2*>(&raw.words[0]);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 f = __half22float2(pairs[i]);
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
   }
+}
+
+// Eight consecutive elements starting at a 16-byte aligned address.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
+  unpack8(load_raw8(p), v);
 }
 
 // Up to eight elements, any alignment: element j is loaded when j < count, else 0.

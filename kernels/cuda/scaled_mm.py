@@ -11,8 +11,10 @@ Scaling pairs run by cuBLASLt:
   scale paired with a row one is expanded to rows;
 - ``block_1x128 x block_128x128`` and ``block_1x128 x block_1x128`` where
   ``torch._scaled_mm`` has its block-scaled (cuBLASLt >= 12.9, sm_90) path,
-  with M % 4 == 0 and K % 512 == 0 (cuBLASLt pads the block scales along K to a
-  multiple of 4 blocks, a layout ``torch._scaled_mm`` cannot express otherwise).
+  with M % 4 == 0 (cuBLASLt refuses other M) and K % 128 == 0; for
+  ``block_128x128`` weights also K % 512 == 0: cuBLASLt reads the 128x128
+  scales with K padded to a multiple of 4 blocks, a layout ``torch._scaled_mm``
+  2.11 cannot pass, and gives wrong results for other K (measured on an H200).
 
 Anything else falls back, inside :func:`gemm`, to the reference GEMM (correct,
 slow): MXFP8 operands (no MXFP8 cuBLASLt path on Hopper), other pairs, two E5M2
@@ -69,8 +71,13 @@ def _structural_reason(a: ScaledOperand, b: ScaledOperand) -> str | None:
     n = b.shape[0]
     if k % 16 or n % 16:
         return f"cuBLASLt FP8 GEMMs need K and N to be multiples of 16, got K={k}, N={n}"
-    if pair in _BLOCK_PAIRS and (m % 4 or k % 512):
-        return f"block-scaled cuBLASLt GEMMs here need M % 4 == 0 and K % 512 == 0, got M={m}, K={k}"
+    if pair in _BLOCK_PAIRS:
+        k_multiple = 512 if b.scaling == "block_128x128" else 128
+        if m % 4 or k % k_multiple:
+            return (
+                f"block-scaled cuBLASLt GEMMs ({a.scaling} x {b.scaling}) need M % 4 == 0 and "
+                f"K % {k_multiple} == 0, got M={m}, K={k}"
+            )
     return None
 
 
