@@ -103,13 +103,16 @@ class OperationFuser:
 
     # -- the hot path ---------------------------------------------------------
     def __call__(self, x: torch.Tensor, *extra_inputs: torch.Tensor, training: bool | None = None):
+        return self.run(x, self.ops[0].training if training is None else training, extra_inputs)
+
+    def run(self, x: torch.Tensor, training: bool, extra_inputs: tuple = ()):
+        """Run the ops on ``x``; the hot path (positional arguments only: keyword
+        arguments cost more than the whole check)."""
         state = _AUTOCAST_STACK[-1]  # te.autocast's state (see autocast.current_state)
         recipe = state.recipe
         needs_backward = _grad_enabled() and (
             x.requires_grad or self._params_require_grad() or any(t.requires_grad for t in extra_inputs)
         )
-        if training is None:
-            training = self.ops[0].training
         dtype = _compute_dtype(x) if _any_autocast() else x.dtype
         plan = self._plan
         if (

@@ -115,7 +115,7 @@ class Sequential(nn.Module):
     def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
         groups = self._groups if self._groups is not None else self.groups()
         if len(groups) == 1 and not extra_inputs and self._single_plain_fuser:  # the common case, kept short
-            return groups[0](x, training=self.training)
+            return groups[0].run(x, self.training)
         extra_in = list(extra_inputs)
         extra_out: list[torch.Tensor] = []
         for group in groups:
@@ -129,7 +129,7 @@ class Sequential(nn.Module):
                     f"got {len(extra_inputs)}"
                 )
             taken, extra_in = extra_in[:n], extra_in[n:]
-            out = group(x, *taken, training=self.training)
+            out = group.run(x, self.training, tuple(taken))
             if isinstance(out, tuple):
                 x, extra_out = out[0], extra_out + list(out[1:])
             else:
