@@ -84,17 +84,66 @@ def bench_shape(shape: tuple[int, int], backends: list[str], copy_tbs: float) ->
     return out
 
 
+FLAT_PLANS = [(8, 1024, 8, 8), (8, 1024, 8, 4), (8, 1024, 8, 16), (4, 1024, 4, 16), (16, 512, 8, 8),
+              (16, 1024, 8, 4), (8, 2048, 8, 4), (2, 1024, 4, 32)]
+TRANSPOSE_PLANS = [(64, 128, 8, 8), (64, 64, 4, 16), (128, 64, 8, 8), (32, 128, 4, 16), (128, 128, 8, 4)]
+
+
+def _amax_pass(x: torch.Tensor):
+    """Pass 1 of current scaling alone (the amax partials)."""
+    from te_fuser.kernels.triton import cast
+
+    xk, plan = cast._cast_plan(x, False)
+    programs, launch = cast._launch_meta(xk, plan)
+    partials = torch.empty(programs, dtype=torch.int32, device=x.device)
+    return lambda t: cast._amax_partials_kernel[(programs,)](t.view(xk.shape), partials, *xk.shape, xk.stride(0),
+                                                           xk.stride(1), **launch)
+
+
+def sweep(copy_tbs: float, rows_n: int = 8192, cols_n: int = 8192) -> list[Row]:
+    """Time the Triton per-tensor casts under several launch plans."""
+    from te_fuser.kernels import triton as tk
+    from te_fuser.kernels.triton import cast
+
+    x = torch.randn(rows_n, cols_n, device="cuda").bfloat16()
+    n, label, out = x.numel(), f"{rows_n}x{cols_n} bf16", []
+    saved = dict(cast.CAST_PLANS)
+    scale = torch.tensor(0.5, device="cuda")
+    try:
+        for plan in FLAT_PLANS:
+            cast.CAST_PLANS["flat"] = cast.CastPlan(*plan)
+            cases = (("amax pass", _amax_pass(x), 2 * n), ("current", lambda t: tk.quantize_current(t, E4M3), 3 * n),
+                     ("tensorwise", lambda t: tk.quantize_tensorwise(t, scale, E4M3), 3 * n))
+            for name, fn, nbytes in cases:
+                ms = harness.time_ms(fn, [(x,)])
+                tbs = nbytes / (ms * 1e-3) / 1e12
+                out.append(harness.progress(Row("cast-sweep", f"{name} flat {plan}", "triton", label, ms, tbs,
+                                                "TB/s", tbs / copy_tbs)))
+        for plan in TRANSPOSE_PLANS:
+            cast.CAST_PLANS["transpose"] = cast.CastPlan(*plan)
+            ms = harness.time_ms(lambda t: tk.quantize_tensorwise(t, scale, E4M3, True, True), [(x,)])
+            tbs = 4 * n / (ms * 1e-3) / 1e12
+            out.append(harness.progress(Row("cast-sweep", f"tensorwise+T {plan}", "triton", label, ms, tbs, "TB/s",
+                                            tbs / copy_tbs)))
+    finally:
+        cast.CAST_PLANS.update(saved)
+    return out
+
+
 def main(argv=None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=None)
     parser.add_argument("--shapes", nargs="+", default=["8192x8192", "16384x8192", "256x1024"])
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/results.csv)")
+    parser.add_argument("--sweep", action="store_true", help="also time the Triton casts under several launch plans")
     args = parser.parse_args(argv)
     backends = args.backends or harness.default_backends("quantize_current")
     copy_tbs = harness.copy_ceiling_tbs()
-    rows = [Row("cast", "device copy", "torch", "1 GiB", float("nan"), copy_tbs, "TB/s", 1.0)]
+    rows = [harness.progress(Row("cast", "device copy", "torch", "1 GiB", float("nan"), copy_tbs, "TB/s", 1.0))]
     for text in args.shapes:
         rows += bench_shape(tuple(int(v) for v in text.split("x")), backends, copy_tbs)
+    if args.sweep:
+        rows += sweep(copy_tbs)
     harness.append_csv(rows, args.csv)
     harness.print_table(rows, "FP8 casts")
     return rows

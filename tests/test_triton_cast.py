@@ -171,8 +171,9 @@ def test_current_scaling_non_contiguous_input():
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("power_2", [False, True])
-def test_rowwise_bitwise(fp8_dtype, power_2):
-    x = adversarial(67, 160, fp8_dtype, seed=7)
+@pytest.mark.parametrize("shape", [(67, 160), (19, 600)])  # rows in registers / swept twice
+def test_rowwise_bitwise(fp8_dtype, power_2, shape):
+    x = adversarial(*shape, fp8_dtype, seed=7)
     x[3] = 0.0
     x[9, 4] = float("nan")
     got = tk.quantize_rowwise(x, fp8_dtype, power_2, epsilon=1e-6 if power_2 else 0.0)
@@ -184,7 +185,7 @@ def test_rowwise_bitwise(fp8_dtype, power_2):
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("tile_rows", [1, 128])
-@pytest.mark.parametrize("shape", [(67, 160), (133, 300)])
+@pytest.mark.parametrize("shape", [(67, 160), (133, 300), (128, 256)])  # the last: whole tiles only
 def test_block_bitwise_with_partial_tiles(fp8_dtype, tile_rows, shape):
     x = adversarial(*shape, fp8_dtype, seed=11)
     x[:, 128:256] = 0.0  # an all-zero tile column: amax 0, scale 1
@@ -198,7 +199,8 @@ def test_block_bitwise_with_partial_tiles(fp8_dtype, tile_rows, shape):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
-@pytest.mark.parametrize("shape,dtype", [((67, 160), torch.bfloat16), ((13, 96), torch.float32)])
+@pytest.mark.parametrize("shape,dtype", [((67, 160), torch.bfloat16), ((13, 96), torch.float32),
+                                         ((64, 256), torch.bfloat16)])
 def test_mxfp8_bitwise(fp8_dtype, shape, dtype):
     x = adversarial(*shape, fp8_dtype, dtype, seed=13)
     x[2, :32] = 0.0  # all-zero block: byte 0

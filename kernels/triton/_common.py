@@ -34,27 +34,34 @@ FLT_MAX = 3.4028234663852886e38
 @triton.jit
 def round_to_fp8_grid(v, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
     """fp32 ``v`` saturated to +-FMAX and rounded to the FP8 grid (nearest, ties to
-    even) in fp32 arithmetic; the sign (also of zero) is kept. NaN gives garbage
-    here and is patched by :func:`fp8_bytes`."""
-    v_bits = v.to(tl.int32, bitcast=True)
-    mag = tl.minimum(tl.abs(v), FMAX)
-    mag_exp = mag.to(tl.int32, bitcast=True) >> 23
-    # Rounding quantum: 2**(exponent - mantissa bits), never below the subnormal
-    # step. Adding and subtracting c = quantum * 2**23 rounds to a multiple of it.
-    c_exp = tl.maximum(mag_exp - MANT_BITS, MIN_STEP_EXP) + 23
-    c = (c_exp << 23).to(tl.float32, bitcast=True)
+    even) in fp32 arithmetic; the sign (also of zero) is kept and NaN stays NaN."""
+    mag = tl.minimum(tl.abs(v), FMAX, propagate_nan=tl.PropagateNan.ALL)
+    # Rounding quantum q = 2**(exponent(mag) - MANT_BITS), never below the
+    # subnormal step; c = q * 2**23 is built from the exponent bits of mag, and
+    # (mag + c) - c rounds mag to a multiple of q.
+    exp_bits = mag.to(tl.int32, bitcast=True) & 0x7F800000
+    c_bits = tl.maximum(exp_bits + ((23 - MANT_BITS) << 23), (MIN_STEP_EXP + 23) << 23)
+    c = c_bits.to(tl.float32, bitcast=True)
     rounded = (mag + c) - c
-    out_bits = rounded.to(tl.int32, bitcast=True) | (v_bits & -2147483648)
-    return out_bits.to(tl.float32, bitcast=True)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
-    """The FP8 encoding (uint8) of the saturating cast of fp32 ``v``."""
+def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
+              PATCH_NAN: tl.constexpr):
+    """The FP8 encoding (uint8) of the saturating cast of fp32 ``v``; NaN becomes
+    0x7F with the sign bit of ``v``, as torch encodes it. The GPU's conversion
+    gives 0x7F for NaN and the sign is ORed in (a no-op for numbers, which carry
+    it already); under the interpreter, whose conversion mangles NaN, NaN bytes
+    are selected explicitly (PATCH_NAN)."""
     on_grid = round_to_fp8_grid(v, FMAX, MANT_BITS, MIN_STEP_EXP)
     q = on_grid.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
-    sign = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-    return tl.where(v != v, sign | 0x7F, q).to(tl.uint8)
+    sign_byte = (v.to(tl.int32, bitcast=True) >> 24).to(tl.uint8)
+    if PATCH_NAN:
+        return tl.where(v != v, sign_byte | 0x7F, q).to(tl.uint8)
+    else:
+        return q | (sign_byte & 0x80)
 
 
 @triton.jit

@@ -14,6 +14,8 @@ once, and writes FP8 bytes through ``uint8`` views (see :mod:`._common`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -50,16 +52,55 @@ _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 _TL_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _fp8_meta(fp8_dtype: torch.dtype) -> dict:
+def _fp8_meta(fp8_dtype: torch.dtype, x: torch.Tensor) -> dict:
+    """The constexprs of the FP8 format; the interpreter's FP8 conversion needs NaN patched."""
     fmax, mant_bits, min_step_exp, _ = fp8_format(fp8_dtype)
-    return dict(OUT_DTYPE=_TL_FP8[fp8_dtype], FMAX=fmax, MANT_BITS=mant_bits, MIN_STEP_EXP=min_step_exp)
+    return dict(OUT_DTYPE=_TL_FP8[fp8_dtype], FMAX=fmax, MANT_BITS=mant_bits, MIN_STEP_EXP=min_step_exp,
+                PATCH_NAN=is_interpreted(x))
 
 
-def _tile_shape(x: torch.Tensor, columnwise: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the per-tensor cast kernels."""
-    if is_interpreted(x):
-        return 32, 64, 4
-    return (64, 128, 8) if columnwise else (32, 256, 8)
+@dataclass(frozen=True)
+class CastPlan:
+    """Launch shape of a per-tensor cast: tiles of (block_m, block_n) elements and
+    ``programs_per_sm`` persistent programs per multiprocessor."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
+
+
+# Launch shapes on a GPU: "flat" casts a contiguous tensor without a transposed
+# copy (viewed as rows of block_n elements), "transpose" writes both copies.
+# The benchmarks may replace entries to compare launch shapes.
+CAST_PLANS = {
+    "flat": CastPlan(8, 1024, 8, 8),
+    "transpose": CastPlan(64, 128, 8, 8),
+}
+_INTERPRETED_PLAN = CastPlan(32, 64, 4, 8)
+
+
+def _cast_plan(x2d: torch.Tensor, columnwise: bool) -> tuple[torch.Tensor, CastPlan]:
+    """The plan, and x2d as the kernels see it: a contiguous x without a transposed
+    copy is viewed as (numel / block_n, block_n) rows when that divides evenly."""
+    if is_interpreted(x2d):
+        plan = _INTERPRETED_PLAN
+    elif columnwise:
+        return x2d, CAST_PLANS["transpose"]
+    else:
+        plan = CAST_PLANS["flat"]
+    if not columnwise and x2d.is_contiguous() and x2d.numel() % plan.block_n == 0:
+        return x2d.view(-1, plan.block_n), plan  # (numel / block_n, block_n)
+    return x2d, plan
+
+
+def _launch_meta(xk: torch.Tensor, plan: CastPlan) -> tuple[int, dict]:
+    """(number of persistent programs, shared launch arguments) for kernel view xk."""
+    M, N = xk.shape
+    n_tiles = triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n)
+    programs = min(n_tiles, plan.programs_per_sm * sm_count(xk))
+    even = M % plan.block_m == 0 and N % plan.block_n == 0
+    return programs, dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, EVEN=even, num_warps=plan.num_warps)
 
 
 # ----------------------------------------------------------------- per tensor
@@ -68,27 +109,38 @@ def _tile_shape(x: torch.Tensor, columnwise: bool) -> tuple[int, int, int]:
 @triton.jit
 def _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn,
                ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
-    """Cast one (BLOCK_M, BLOCK_N) tile of x; return the tile's amax as int32 bits."""
+               EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
+               MIN_STEP_EXP: tl.constexpr, PATCH_NAN: tl.constexpr):
+    """Cast one (BLOCK_M, BLOCK_N) tile of x; return the tile's amax as int32 bits.
+    EVEN: the tiles cover x exactly (no masks)."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
+    if EVEN:
+        mask = None
+        x = tl.load(x_ptrs)
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    q = fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+    q = fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
     if ROWWISE:
         tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
     if COLUMNWISE:
-        tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(q), mask=tl.trans(mask))
+        if EVEN:
+            tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(q))
+        else:
+            tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(q), mask=tl.trans(mask))
     return tl.max(tl.max(abs_bits(x), axis=1), axis=0)
 
 
 @triton.jit
 def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_ptr, M, N, stride_xm, stride_xn,
-                                ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                                FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
+                                ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                                FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
+                                PATCH_NAN: tl.constexpr):
     """Cast with a given scale; program p casts tiles p, p + P, ... The amax is
     reduced with integer atomics on the bits of |x| in ``work[0]``, and the last
     program to finish writes it out."""
@@ -99,7 +151,7 @@ def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_
     amax_bits = tl.zeros([], dtype=tl.int32)
     for tile in range(pid, n_tiles, n_programs):
         tile_bits = _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
-                               BLOCK_M, BLOCK_N, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+                               BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
         amax_bits = tl.maximum(amax_bits, tile_bits)
     tl.atomic_max(work_ptr, amax_bits)
     finished = tl.atomic_add(work_ptr + 1, 1)
@@ -110,7 +162,7 @@ def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_
 
 @triton.jit
 def _amax_partials_kernel(x_ptr, partials_ptr, M, N, stride_xm, stride_xn,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
     """Pass 1 of current scaling: program p reduces tiles p, p + P, ... of x."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -120,8 +172,11 @@ def _amax_partials_kernel(x_ptr, partials_ptr, M, N, stride_xm, stride_xn,
     for tile in range(pid, n_tiles, n_programs):
         offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
+        if EVEN:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N), other=0.0)
         running = tl.maximum(running, abs_bits(x.to(tl.float32)))
     tl.store(partials_ptr + pid, tl.max(tl.max(running, axis=1), axis=0))
 
@@ -130,8 +185,9 @@ def _amax_partials_kernel(x_ptr, partials_ptr, M, N, stride_xm, stride_xn,
 def _quantize_current_kernel(x_ptr, partials_ptr, n_partials, q_ptr, qt_ptr, scale_ptr, scale_inv_ptr, amax_ptr,
                              M, N, stride_xm, stride_xn, POWER_2: tl.constexpr, EPSILON: tl.constexpr,
                              ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PARTIALS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                             FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                             OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                             MIN_STEP_EXP: tl.constexpr, PATCH_NAN: tl.constexpr):
     """Pass 2 of current scaling: reduce the amax partials, derive the scale, and
     cast tiles p, p + P, ..."""
     pid = tl.program_id(0)
@@ -143,16 +199,11 @@ def _quantize_current_kernel(x_ptr, partials_ptr, n_partials, q_ptr, qt_ptr, sca
     scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
     for tile in range(pid, n_tiles, n_programs):
         _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
-                   BLOCK_M, BLOCK_N, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+                   BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
     if pid == 0:
         tl.store(scale_ptr, scale)
         tl.store(scale_inv_ptr, reciprocal(scale))
         tl.store(amax_ptr, amax)
-
-
-def _programs(x2d: torch.Tensor, n_tiles: int) -> int:
-    """Persistent grid: enough programs to fill every multiprocessor, no more."""
-    return min(n_tiles, 8 * sm_count(x2d))
 
 
 def _as_matrix(x: torch.Tensor, columnwise: bool, kernel: str) -> torch.Tensor:
@@ -194,23 +245,22 @@ def quantize_tensorwise(
     kernel = "quantize_tensorwise"
     check_input(x, kernel, dims=None)
     check_scale(scale, kernel, x.device)
-    meta = _fp8_meta(fp8_dtype)
+    meta = _fp8_meta(fp8_dtype, x)
     if amax_out is not None and (amax_out.numel() != 1 or amax_out.dtype != torch.float32):
         raise ValueError(f"{kernel}: amax_out must be a one-element float32 tensor, got {amax_out.dtype} "
                          f"of shape {tuple(amax_out.shape)}")
     x2d = _as_matrix(x, columnwise, kernel)
     q, qt = _outputs(x2d, fp8_dtype, rowwise, columnwise)
     amax = torch.empty((), dtype=torch.float32, device=x.device) if amax_out is None else amax_out
-    M, N = x2d.shape
     if x2d.numel() == 0:
         amax.fill_(0.0)
     else:
-        block_m, block_n, warps = _tile_shape(x2d, columnwise)
+        xk, plan = _cast_plan(x2d, columnwise)
+        programs, launch = _launch_meta(xk, plan)
         work = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
-        grid = (_programs(x2d, triton.cdiv(M, block_m) * triton.cdiv(N, block_n)),)
-        _quantize_tensorwise_kernel[grid](
-            x2d, scale, _u8(q, work), _u8(qt, work), amax, work, M, N, x2d.stride(0), x2d.stride(1),
-            ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **meta)
+        _quantize_tensorwise_kernel[(programs,)](
+            xk, scale, _u8(q, work), _u8(qt, work), amax, work, *xk.shape, xk.stride(0), xk.stride(1),
+            ROWWISE=rowwise, COLUMNWISE=columnwise, **launch, **meta)
     if q is not None and x.dim() != 2:
         q = q.reshape(x.shape)
     return q, qt, amax
@@ -231,28 +281,25 @@ def quantize_current(
     kernel = "quantize_current"
     check_input(x, kernel, dims=None)
     epsilon = check_epsilon(epsilon, kernel)
-    meta = _fp8_meta(fp8_dtype)
+    meta = _fp8_meta(fp8_dtype, x)
     x2d = _as_matrix(x, columnwise, kernel)
     q, qt = _outputs(x2d, fp8_dtype, rowwise, columnwise)
-    M, N = x2d.shape
-    stats = torch.empty(3, dtype=torch.float32, device=x.device)  # scale, scale_inv, amax
+    # separate allocations: cuBLASLt wants each scale pointer 16-byte aligned
+    scale, scale_inv, amax = (torch.empty((), dtype=torch.float32, device=x.device) for _ in range(3))
     if x2d.numel() == 0:
-        stats.copy_(torch.tensor([1.0, 1.0, 0.0]))
+        scale.fill_(1.0), scale_inv.fill_(1.0), amax.fill_(0.0)
     else:
-        block_m, block_n, warps = _tile_shape(x2d, columnwise)
-        n_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-        n_partials = _programs(x2d, n_tiles)
-        partials = torch.empty(n_partials, dtype=torch.int32, device=x.device)
-        _amax_partials_kernel[(n_partials,)](x2d, partials, M, N, x2d.stride(0), x2d.stride(1),
-                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-        _quantize_current_kernel[(n_partials,)](
-            x2d, partials, n_partials, _u8(q, partials), _u8(qt, partials), stats, stats[1:], stats[2:],
-            M, N, x2d.stride(0), x2d.stride(1), POWER_2=bool(power_2), EPSILON=epsilon, ROWWISE=rowwise,
-            COLUMNWISE=columnwise, PARTIALS=triton.next_power_of_2(n_partials), BLOCK_M=block_m,
-            BLOCK_N=block_n, num_warps=warps, **meta)
+        xk, plan = _cast_plan(x2d, columnwise)
+        programs, launch = _launch_meta(xk, plan)
+        partials = torch.empty(programs, dtype=torch.int32, device=x.device)
+        _amax_partials_kernel[(programs,)](xk, partials, *xk.shape, xk.stride(0), xk.stride(1), **launch)
+        _quantize_current_kernel[(programs,)](
+            xk, partials, programs, _u8(q, partials), _u8(qt, partials), scale, scale_inv, amax,
+            *xk.shape, xk.stride(0), xk.stride(1), POWER_2=bool(power_2), EPSILON=epsilon, ROWWISE=rowwise,
+            COLUMNWISE=columnwise, PARTIALS=triton.next_power_of_2(programs), **launch, **meta)
     if q is not None and x.dim() != 2:
         q = q.reshape(x.shape)
-    return q, qt, stats[0], stats[1], stats[2]
+    return q, qt, scale, scale_inv, amax
 
 
 # ------------------------------------------------------------ per row / tile
@@ -261,26 +308,50 @@ def quantize_current(
 @triton.jit
 def _quantize_rowwise_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_xn,
                              POWER_2: tl.constexpr, EPSILON: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
-                             MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
-    """BLOCK_M rows per program: one sweep for the row amaxes, one to cast."""
+                             BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                             FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
+                             PATCH_NAN: tl.constexpr):
+    """BLOCK_M rows per program. SINGLE_PASS (BLOCK_N >= N): the rows stay in
+    registers between the amax and the cast; else one sweep for the row amaxes
+    and one to cast (the second mostly from L2)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
-    running = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+    if SINGLE_PASS:
+        offs_n = tl.arange(0, BLOCK_N)
         mask = row_ok[:, None] & (offs_n[None, :] < N)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
-        running = tl.maximum(running, abs_bits(x.to(tl.float32)))
-    amax = tl.max(running, axis=1).to(tl.float32, bitcast=True)  # (BLOCK_M,)
-    scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
-    tl.store(scale_inv_ptr + offs_m, reciprocal(scale), mask=row_ok)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask = row_ok[:, None] & (offs_n[None, :] < N)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
-        q = fp8_bytes(x.to(tl.float32) * scale[:, None], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+        x = x.to(tl.float32)
+        amax = tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True)  # (BLOCK_M,)
+        scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
+        q = fp8_bytes(x * scale[:, None], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
         tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+    else:
+        running = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (offs_n[None, :] < N)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+            running = tl.maximum(running, abs_bits(x.to(tl.float32)))
+        amax = tl.max(running, axis=1).to(tl.float32, bitcast=True)  # (BLOCK_M,)
+        scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (offs_n[None, :] < N)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+            q = fp8_bytes(x.to(tl.float32) * scale[:, None], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
+            tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+    tl.store(scale_inv_ptr + offs_m, reciprocal(scale), mask=row_ok)
+
+
+def _rowwise_blocks(x: torch.Tensor) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps): whole rows in registers up to
+    8192 columns on a GPU (256 interpreted), else sweeps of 1024 (64)."""
+    N = x.shape[1]
+    limit, sweep = (256, 64) if is_interpreted(x) else (8192, 1024)
+    if N <= limit:
+        block_n = triton.next_power_of_2(N)
+        return max(1, 4096 // block_n), block_n, True, 8 if block_n >= 4096 else 4
+    return 4, sweep, False, 4
 
 
 def quantize_rowwise(
@@ -290,15 +361,15 @@ def quantize_rowwise(
     kernel = "quantize_rowwise"
     check_input(x, kernel)
     epsilon = check_epsilon(epsilon, kernel)
-    meta = _fp8_meta(fp8_dtype)
+    meta = _fp8_meta(fp8_dtype, x)
     M, N = x.shape
     q = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M and N:
-        block_m, block_n = (4, 64) if is_interpreted(x) else (4, 1024)
+        block_m, block_n, single_pass, warps = _rowwise_blocks(x)
         _quantize_rowwise_kernel[(triton.cdiv(M, block_m),)](
             x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), POWER_2=bool(power_2),
-            EPSILON=epsilon, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **meta)
+            EPSILON=epsilon, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single_pass, num_warps=warps, **meta)
     elif M:
         scale_inv.fill_(1.0)
     return ScaledOperand(q, scale_inv, "row")
@@ -307,15 +378,19 @@ def quantize_rowwise(
 @triton.jit
 def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_xn, stride_sm,
                            TILE_ROWS: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, POWER_2: tl.constexpr,
-                           EPSILON: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
-                           MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
+                           EPSILON: tl.constexpr, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
+                           MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr, PATCH_NAN: tl.constexpr):
     """ROWS_PER_PROGRAM x 128 elements per program: 1x128 tiles (one scale per row)
     or one 128x128 tile (one scale). Padding outside x does not count in amax."""
     offs_m = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     offs_n = tl.program_id(1) * 128 + tl.arange(0, 128)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
+    if EVEN:
+        mask = None
+        x = tl.load(x_ptrs).to(tl.float32)
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     row_amax = tl.max(abs_bits(x), axis=1)  # (ROWS_PER_PROGRAM,) int32 bits
     if TILE_ROWS == 1:
         scale = scale_from_amax(row_amax.to(tl.float32, bitcast=True), FMAX, POWER_2, EPSILON)
@@ -326,7 +401,7 @@ def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_
         scale = scale_from_amax(tile_amax, FMAX, POWER_2, EPSILON)
         tl.store(scale_inv_ptr + tl.program_id(0) * stride_sm + tl.program_id(1), reciprocal(scale))
         x_scaled = x * scale
-    q = fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP)
+    q = fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
     tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
 
 
@@ -344,7 +419,7 @@ def quantize_block(
     if tile_rows not in (1, 128):
         raise ValueError(f"tile_rows: must be 1 (1x128) or 128 (128x128), got {tile_rows}")
     epsilon = check_epsilon(epsilon, kernel)
-    meta = _fp8_meta(fp8_dtype)
+    meta = _fp8_meta(fp8_dtype, x)
     M, N = x.shape
     scaling = "block_1x128" if tile_rows == 1 else "block_128x128"
     q = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
@@ -355,37 +430,46 @@ def quantize_block(
         _quantize_block_kernel[grid](
             x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), scale_inv.stride(0),
             TILE_ROWS=tile_rows, ROWS_PER_PROGRAM=rows_per_program, POWER_2=bool(power_2), EPSILON=epsilon,
+            EVEN=M % rows_per_program == 0 and N % 128 == 0,
             num_warps=8 if tile_rows == 128 else 4, **meta)
     return ScaledOperand(q, scale_inv, scaling)
 
 
 @triton.jit
 def _quantize_mxfp8_kernel(x_ptr, q_ptr, scale_ptr, M, N, stride_xm, stride_xn,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_EMAX: tl.constexpr,
-                           OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
-                           MIN_STEP_EXP: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                           FP8_EMAX: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                           MIN_STEP_EXP: tl.constexpr, PATCH_NAN: tl.constexpr):
     """(BLOCK_M, BLOCK_N) elements per program, one E8M0 byte per 32 of a row."""
     GROUPS: tl.constexpr = BLOCK_N // 32
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
+    if EVEN:
+        mask = None
+        x = tl.load(x_ptrs)
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
     x3 = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, 32))  # (BLOCK_M, GROUPS, 32)
     amax = tl.max(abs_bits(x3), axis=2).to(tl.float32, bitcast=True)  # (BLOCK_M, GROUPS)
     byte = e8m0_from_amax(amax, FP8_EMAX)
     x_scaled = x3 * e8m0_reciprocal(byte)[:, :, None]
-    q = tl.reshape(fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP), (BLOCK_M, BLOCK_N))
+    q = tl.reshape(fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN), (BLOCK_M, BLOCK_N))
     tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
     offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    s_mask = (offs_m[:, None] < M) & (offs_g[None, :] < N // 32)
-    tl.store(scale_ptr + offs_m[:, None] * (N // 32) + offs_g[None, :], byte.to(tl.uint8), mask=s_mask)
+    s_ptrs = scale_ptr + offs_m[:, None] * (N // 32) + offs_g[None, :]
+    if EVEN:
+        tl.store(s_ptrs, byte.to(tl.uint8))
+    else:
+        tl.store(s_ptrs, byte.to(tl.uint8), mask=(offs_m[:, None] < M) & (offs_g[None, :] < N // 32))
 
 
 def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
     """MXFP8 along the last dim of 2-D ``x`` (a multiple of 32): E8M0 ``uint8`` scales."""
     kernel = "quantize_mxfp8"
     check_input(x, kernel)
-    meta = _fp8_meta(fp8_dtype)
+    meta = _fp8_meta(fp8_dtype, x)
     M, N = x.shape
     if N % 32:
         raise ValueError(f"MXFP8: the quantized dimension ({N}) must be a multiple of 32")
@@ -396,6 +480,7 @@ def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
         _quantize_mxfp8_kernel[grid](
             x, q.view(torch.uint8), scale, M, N, x.stride(0), x.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
+            EVEN=M % block_m == 0 and N % block_n == 0,
             FP8_EMAX=fp8_format(fp8_dtype)[3], num_warps=4, **meta)
     return ScaledOperand(q, scale, "mx_32")
 
