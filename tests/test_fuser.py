@@ -356,3 +356,21 @@ def test_a_user_written_basic_op_runs_in_a_sequential():
     torch.testing.assert_close(y, y2)
     torch.testing.assert_close(x.grad, x2.grad)
     assert "Square(2:Square)" in model.fusion_plan()
+
+
+def test_autocast_amax_reduction_group_reaches_delayed_quantizers_when_the_recipe_reduces():
+    group = object()  # stands for a torch.distributed group; only its identity is used here
+    model = te.ops.Sequential(te.ops.Linear(16, 16))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        with te.autocast(recipe=R.DelayedScaling(reduce_amax=False), amax_reduction_group=group):
+            model.prepare(x)
+        assert model[0].linear.quantizer("input").amax_reduction_group is None
+        with te.autocast(recipe=R.DelayedScaling(), amax_reduction_group=group):
+            model.prepare(x)
+        assert model[0].linear.quantizer("input").amax_reduction_group is group
+        builds = model.fusion_stats().builds
+        with te.autocast(recipe=R.DelayedScaling()):
+            model.prepare(x)  # same recipe, no group: the plan is rebuilt without it
+        assert model[0].linear.quantizer("input").amax_reduction_group is None
+        assert model.fusion_stats().builds == builds + 1

@@ -60,6 +60,7 @@ class FusionPlan:
     declined: list[str]
     notes: list[str]
     out_shape: torch.Size | None = None
+    amax_reduction_group: object = None  # te.autocast's group: delayed-scaling amaxes are all-reduced over it
     epoch: int = -1
 
     def __post_init__(self) -> None:  # the key's fields, unpacked for the hot path
@@ -123,12 +124,14 @@ class OperationFuser:
             and plan.training is training
             and plan.calibrating is state.calibrating
             and plan.is_cuda is x.is_cuda
+            and plan.amax_reduction_group is state.amax_reduction_group
             and (plan.epoch == _EPOCH[0] or self._still_installed(plan))
         ):
             self.stats.hits += 1
             self._last_recipe = recipe
         else:
-            plan = self.build(recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training)
+            plan = self.build(recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training,
+                              state.amax_reduction_group)
         return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
 
     def _params_require_grad(self) -> bool:
@@ -145,7 +148,8 @@ class OperationFuser:
         return True
 
     # -- building a plan --------------------------------------------------------
-    def build(self, recipe, calibrating, shape, dtype, device, needs_backward, training) -> FusionPlan:
+    def build(self, recipe, calibrating, shape, dtype, device, needs_backward, training,
+              amax_reduction_group=None) -> FusionPlan:
         """Build, validate and publish the plan for these conditions (the slow path)."""
         device = torch.device(device)
         t0 = time.perf_counter()
@@ -169,7 +173,7 @@ class OperationFuser:
         key = (recipe_key, needs_backward, dtype, training, calibrating, device.type)
         run = RunConfig(recipe, calibrating, dtype, needs_backward, training, recipe_key)
         plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes,
-                          out_shape=out_shape)
+                          out_shape=out_shape, amax_reduction_group=amax_reduction_group)
         self._publish(plan)
         t4 = time.perf_counter()
         phases["publish"] = t4 - t3
@@ -229,6 +233,11 @@ class OperationFuser:
         return notes
 
     def _publish(self, plan: FusionPlan) -> None:
+        reduce = plan.run.recipe is not None and getattr(plan.run.recipe, "reduce_amax", False)
+        for qs in plan.quantizers:
+            for q in qs.values():
+                if hasattr(q, "amax_reduction_group"):
+                    q.amax_reduction_group = plan.amax_reduction_group if reduce else None
         changed = False
         for op, qs in zip(self.ops, plan.quantizers):
             if op._quantizers is not qs or op._quantizer_key != plan.recipe_key:

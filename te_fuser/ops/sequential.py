@@ -157,7 +157,8 @@ class Sequential(nn.Module):
             )
         for group in self.groups():
             if isinstance(group, OperationFuser):
-                plan = group.build(recipe, calibrating, shape, dtype, device, needs_backward, self.training)
+                plan = group.build(recipe, calibrating, shape, dtype, device, needs_backward, self.training,
+                                   current_state().amax_reduction_group)
                 shape = plan.out_shape
             else:
                 with torch.no_grad():
