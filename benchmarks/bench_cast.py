@@ -50,37 +50,43 @@ def _cases(mod, x: torch.Tensor):
     return {name: case for name, case in cases.items() if hasattr(mod, kernel_of[name])}
 
 
+def _row(case: str, backend: str, label: str, ms: float, logical: int, floor: int | None, copy_tbs: float,
+         graph: bool) -> Row:
+    tbs = logical / (ms * 1e-3) / 1e12
+    row = Row("cast-graph" if graph else "cast", case, backend, label, ms, tbs, "TB/s", tbs / copy_tbs)
+    if floor is not None:
+        row.extra["of_two_pass_floor"] = floor / (copy_tbs * 1e12) / (ms * 1e-3)
+        row.note = f"{row.extra['of_two_pass_floor']:.0%} of two-pass floor"
+    return row
+
+
 def bench_shape(shape: tuple[int, int], backends: list[str], copy_tbs: float) -> list[Row]:
+    """Every cast at one shape, timed from Python and (shapes over 8 MiB) from a CUDA graph."""
     rows_n, cols_n = shape
-    nbytes = rows_n * cols_n * 2
-    inputs = harness.rotation(lambda: (torch.randn(rows_n, cols_n, device="cuda").bfloat16(),), nbytes)
+    n = rows_n * cols_n
+    inputs = harness.rotation(lambda: (torch.randn(rows_n, cols_n, device="cuda").bfloat16(),), 2 * n)
     label = f"{rows_n}x{cols_n} bf16"
-    out: list[Row] = []
-    eager_ms = harness.time_ms(torch_current_cast, inputs)
+    timers = [(False, harness.time_ms)] + ([(True, harness.graph_time_ms)] if 2 * n >= 8 * 2**20 else [])
     compiled = torch.compile(torch_current_cast)
-    compiled_ms = harness.time_ms(compiled, inputs)
-    for name, ms in (("torch eager", eager_ms), ("torch.compile", compiled_ms)):
-        tbs = 3 * rows_n * cols_n / (ms * 1e-3) / 1e12
-        out.append(harness.progress(Row("cast", "current", name, label, ms, tbs, "TB/s", tbs / copy_tbs,
-                       extra={"of_two_pass_floor": 5 * rows_n * cols_n / (copy_tbs * 1e12) / (ms * 1e-3)})))
-    for backend in backends:
-        mod = harness.backend_module(backend)
-        for name, (fn, logical, floor) in _cases(mod, inputs[0][0]).items():
-            try:
-                fn(inputs[0][0])
-                ms = harness.time_ms(fn, inputs)
-            except Exception as err:  # a backend that cannot run this case says why, once
-                out.append(harness.progress(Row("cast", name, backend, label, float("nan"), float("nan"), "TB/s",
-                               note=f"{type(err).__name__}: {str(err)[:80]}")))
-                continue
-            tbs = logical / (ms * 1e-3) / 1e12
-            row = Row("cast", name, backend, label, ms, tbs, "TB/s", tbs / copy_tbs)
-            if floor is not None:
-                row.extra["of_two_pass_floor"] = floor / (copy_tbs * 1e12) / (ms * 1e-3)
+    out: list[Row] = []
+    for graph, timer in timers:
+        peer_ms = {}
+        for name, fn in (("torch eager", torch_current_cast), ("torch.compile", compiled)):
+            peer_ms[name] = timer(fn, inputs)
+            out.append(harness.progress(_row("current", name, label, peer_ms[name], 3 * n, 5 * n, copy_tbs, graph)))
+        for backend in backends:
+            mod = harness.backend_module(backend)
+            for name, (fn, logical, floor) in _cases(mod, inputs[0][0]).items():
+                try:
+                    ms = timer(fn, inputs)
+                except Exception as err:  # a backend that cannot run this case says why
+                    out.append(harness.progress(Row("cast", name, backend, label, float("nan"), float("nan"),
+                                                    "TB/s", note=f"{type(err).__name__}: {str(err)[:80]}")))
+                    continue
+                row = _row(name, backend, label, ms, logical, floor, copy_tbs, graph)
                 if name == "current":
-                    row.vs_peer, row.peer = compiled_ms / ms, "torch.compile"
-                    row.note = f"{row.extra['of_two_pass_floor']:.0%} of two-pass floor"
-            out.append(harness.progress(row))
+                    row.vs_peer, row.peer = peer_ms["torch.compile"] / ms, "torch.compile"
+                out.append(harness.progress(row))
     return out
 
 

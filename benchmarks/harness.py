@@ -30,7 +30,9 @@ RESULTS_CSV = Path(__file__).with_name("results.csv")
 
 def time_ms(fn: Callable[..., object], inputs: Sequence[tuple] = ((),), warmup_ms: int = 25,
             rep_ms: int = 100) -> float:
-    """Median milliseconds of ``fn(*inputs[i])``, rotating over ``inputs``."""
+    """Median milliseconds of ``fn(*inputs[i])`` launched from Python (what an
+    eager caller sees: includes the host's launch cost when it exceeds the GPU's
+    time), rotating over ``inputs``, L2 flushed before every timed run."""
     import triton.testing
 
     cycle = itertools.cycle(inputs)
@@ -39,6 +41,22 @@ def time_ms(fn: Callable[..., object], inputs: Sequence[tuple] = ((),), warmup_m
         return fn(*next(cycle))
 
     return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graph_time_ms(fn: Callable[..., object], inputs: Sequence[tuple] = ((),), rep_ms: int = 100) -> float:
+    """Median milliseconds of one ``fn`` call replayed from a CUDA graph: the GPU
+    time alone, without the host's launch cost. The graph captures one call per
+    input set (rotating), and no L2 flush, so use inputs larger than L2."""
+    import triton.testing
+
+    cycle = itertools.cycle(inputs)
+    fn(*inputs[0])  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+
+    def call():
+        return fn(*next(cycle))
+
+    return float(triton.testing.do_bench_cudagraph(call, rep=rep_ms, return_mode="median"))
 
 
 def rotation(make: Callable[[], tuple], bytes_per_set: int, l2_bytes: int | None = None) -> list[tuple]:

@@ -113,9 +113,9 @@ def test_gemm_swiglu_spans_block_scale_rows():
     _check(a, b, torch.float32, "swiglu 1x128 x 128x128", bias=bias, activation="swiglu")
 
 
-def test_mxfp8_register_scaling_path(monkeypatch):
-    """The path that scales tiles in registers (no tl.dot_scaled) gives the same result."""
-    monkeypatch.setattr(fp8_gemm, "MXFP8_DOT_SCALED", False)
+def test_mxfp8_other_product_path(monkeypatch):
+    """The other MXFP8 product path (tl.dot_scaled or tiles scaled in registers) gives the same result."""
+    monkeypatch.setattr(fp8_gemm, "MXFP8_DOT_SCALED", not fp8_gemm.MXFP8_DOT_SCALED)
     x, w, bias = _inputs(33, 64, 96, seed=4)
     qa, qb = SCHEMES["mx_e5m2_x_mx"]
     _check(qa(x), qb(w), torch.float32, "mx in registers", bias=bias, activation="swiglu")

@@ -140,20 +140,28 @@ def _fp8_gemm_tensorwise_kernel(
 
 
 @triton.jit
-def _blockwise_partial(a, b_src, n0, rows_b, sa, sb_ptrs, k0, K, stride_bn, offs_k, USE_TMA: tl.constexpr):
-    """One 128-deep block of a @ b.T, a fresh fp32 product promoted with its scales."""
+def _blockwise_partial(a, b_src, n0, rows_b, sa, sb_ptrs, k0, K, stride_bn, offs_k, B_SCALAR: tl.constexpr,
+                       USE_TMA: tl.constexpr):
+    """One 128-deep block of a @ b.T, a fresh fp32 product promoted with its scales
+    (B_SCALAR: the tile's columns share one B scale, ``sb_ptrs`` is one pointer)."""
     b = _load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
     partial = tl.dot(a, tl.trans(b))
-    return partial * sa[:, None] * tl.load(sb_ptrs + k0 // 128)[None, :]
+    sb = tl.load(sb_ptrs + k0 // 128)
+    if B_SCALAR:
+        return partial * (sa * sb)[:, None]
+    else:
+        return partial * sa[:, None] * sb[None, :]
 
 
 @triton.jit
 def _fp8_gemm_blockwise_body(
         a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, B_TILE_ROWS: tl.constexpr,
-        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """a: 1x128 scales (M, K/128); b: 1x128 (N, K/128) or 128x128 (N/128, K/128)."""
+        B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        OUT_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        GROUP_M: tl.constexpr):
+    """a: 1x128 scales (M, K/128); b: 1x128 (N, K/128) or 128x128 (N/128, K/128).
+    B_SCALAR: 128x128 B tiles and output tiles inside one of them (one B scale)."""
     BLOCK_K: tl.constexpr = 128
     GATED: tl.constexpr = ACTIVATION == 4
     m0, n0 = _tile_coords(M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
@@ -163,17 +171,21 @@ def _fp8_gemm_blockwise_body(
     rows_b = offs_n % N_OUT
     offs_k = tl.arange(0, BLOCK_K)
     sa_ptrs = sa_ptr + rows_a * stride_sam
-    sb_ptrs = sb_ptr + (rows_b // B_TILE_ROWS) * stride_sbn
-    sb_up_ptrs = sb_ptr + ((HALF + rows_b) // B_TILE_ROWS) * stride_sbn
+    if B_SCALAR:
+        sb_ptrs = sb_ptr + (n0 // 128) * stride_sbn
+        sb_up_ptrs = sb_ptr + ((HALF + n0) // 128) * stride_sbn
+    else:
+        sb_ptrs = sb_ptr + (rows_b // B_TILE_ROWS) * stride_sbn
+        sb_up_ptrs = sb_ptr + ((HALF + rows_b) // B_TILE_ROWS) * stride_sbn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = _load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
         sa = tl.load(sa_ptrs + k0 // BLOCK_K)
-        acc += _blockwise_partial(a, b_src, n0, rows_b, sa, sb_ptrs, k0, K, stride_bn, offs_k, USE_TMA)
+        acc += _blockwise_partial(a, b_src, n0, rows_b, sa, sb_ptrs, k0, K, stride_bn, offs_k, B_SCALAR, USE_TMA)
         if GATED:
             acc_up += _blockwise_partial(a, b_src, HALF + n0, HALF + rows_b, sa, sb_up_ptrs, k0, K, stride_bn,
-                                         offs_k, USE_TMA)
+                                         offs_k, B_SCALAR, USE_TMA)
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
               HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
 
@@ -182,10 +194,11 @@ def _fp8_gemm_blockwise_body(
 def _fp8_gemm_blockwise_1x128_128x128_kernel(
         a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
-        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        OUT_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        GROUP_M: tl.constexpr):
     _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
-                             stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 128,
+                             stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 128, B_SCALAR,
                              HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, USE_TMA, BLOCK_M, BLOCK_N, GROUP_M)
 
 
@@ -196,7 +209,7 @@ def _fp8_gemm_blockwise_1x128_1x128_kernel(
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
         USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
-                             stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 1,
+                             stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 1, False,
                              HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, USE_TMA, BLOCK_M, BLOCK_N, GROUP_M)
 
 
@@ -204,19 +217,24 @@ def _fp8_gemm_blockwise_1x128_1x128_kernel(
 
 
 @triton.jit
-def _mx_scaled_tile(q, s, IS_E4M3: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """(R, BLOCK_K) FP8 tile times its E8M0 scales (R, BLOCK_K / 32), exactly, in DOT_DTYPE."""
+def _mx_scaled_tile(q, s, IS_E4M3: tl.constexpr, DOT_DTYPE: tl.constexpr, DECODE_SPECIALS: tl.constexpr):
+    """(R, BLOCK_K) FP8 tile times its E8M0 scales (R, BLOCK_K / 32), exactly, in
+    DOT_DTYPE. DECODE_SPECIALS: decode NaN/inf explicitly (the interpreter's FP8
+    conversion does not; the GPU's does)."""
     R: tl.constexpr = q.shape[0]
     BLOCK_K: tl.constexpr = q.shape[1]
-    v = tl.reshape(fp8_to_float(q, IS_E4M3), (R, BLOCK_K // 32, 32))  # (R, groups, 32)
-    v = v * e8m0_value(s.to(tl.int32))[:, :, None]
+    if DECODE_SPECIALS:
+        v = fp8_to_float(q, IS_E4M3)
+    else:
+        v = q.to(tl.float32)
+    v = tl.reshape(v, (R, BLOCK_K // 32, 32)) * e8m0_value(s.to(tl.int32))[:, :, None]  # (R, groups, 32)
     return tl.reshape(v, (R, BLOCK_K)).to(DOT_DTYPE)
 
 
 @triton.jit
 def _mx_partial(a, sa, b_src, n0, rows_b, sb_ptrs, k0, K, stride_bn, offs_k, s_ok,
                 A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, DOT_SCALED: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, USE_TMA: tl.constexpr):
+                DOT_DTYPE: tl.constexpr, DECODE_SPECIALS: tl.constexpr, USE_TMA: tl.constexpr):
     """a @ b.T for one BLOCK_K slice: ``tl.dot_scaled``, or the same products from
     tiles scaled in registers (FP8 times a power of two is exact in bf16)."""
     b = _load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
@@ -224,8 +242,8 @@ def _mx_partial(a, sa, b_src, n0, rows_b, sb_ptrs, k0, K, stride_bn, offs_k, s_o
     if DOT_SCALED:
         return tl.dot_scaled(a, sa, A_FORMAT, tl.trans(b), sb, B_FORMAT)
     else:
-        a_hp = _mx_scaled_tile(a, sa, A_FORMAT == "e4m3", DOT_DTYPE)
-        b_hp = _mx_scaled_tile(b, sb, B_FORMAT == "e4m3", DOT_DTYPE)
+        a_hp = _mx_scaled_tile(a, sa, A_FORMAT == "e4m3", DOT_DTYPE, DECODE_SPECIALS)
+        b_hp = _mx_scaled_tile(b, sb, B_FORMAT == "e4m3", DOT_DTYPE, DECODE_SPECIALS)
         return tl.dot(a_hp, tl.trans(b_hp), input_precision="ieee")
 
 
@@ -234,7 +252,8 @@ def _mxfp8_gemm_kernel(
         a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, DOT_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        DECODE_SPECIALS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
         USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr):
     """MXFP8 x MXFP8: E8M0 scales (uint8) per 32 along K on both sides."""
@@ -256,10 +275,11 @@ def _mxfp8_gemm_kernel(
         sa = tl.load(sa_ptr + rows_a[:, None] * stride_sam + groups[None, :], mask=s_ok, other=127)
         sb_ptrs = sb_ptr + rows_b[:, None] * stride_sbn + groups[None, :]
         acc += _mx_partial(a, sa, b_src, n0, rows_b, sb_ptrs, k0, K, stride_bn, offs_k, s_ok,
-                           A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE, USE_TMA)
+                           A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE, DECODE_SPECIALS, USE_TMA)
         if GATED:
             acc_up += _mx_partial(a, sa, b_src, HALF + n0, HALF + rows_b, sb_ptrs + HALF * stride_sbn, k0, K,
-                                  stride_bn, offs_k, s_ok, A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE, USE_TMA)
+                                  stride_bn, offs_k, s_ok, A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE,
+                                  DECODE_SPECIALS, USE_TMA)
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
               HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
 
@@ -297,18 +317,21 @@ class Tiles:
 TILE_OVERRIDES: dict[str, Tiles] = {}
 
 
-def _tiles(device: torch.device, family: str, m: int, n_out: int, gated: bool) -> Tiles:
-    """Tile shapes: small ones for the interpreter, Hopper-sized ones on a GPU."""
+def _tiles(device: torch.device, family: str, m: int, n_out: int, k: int, gated: bool) -> Tiles:
+    """Tile shapes: small ones for the interpreter, Hopper-sized ones on a GPU.
+    Below ~8 GFLOP the host's launch cost exceeds the GPU time, so those GEMMs
+    skip the TMA descriptors (about 20 us of host time per call)."""
     if family in TILE_OVERRIDES:
         return TILE_OVERRIDES[family]
     block_k = 128 if family in ("block", "mx") else 64
     if device.type == "cpu":
         return Tiles(32, 32, block_k if family != "plain" else 32, 4, 4, 1, use_tma=False)
+    use_tma = 2 * m * n_out * k >= 2**33
     if family == "plain":
-        return Tiles(128, 128, 64, 8, 8, 3)
-    small = m * n_out <= 1024 * 1024
-    block_n = 128 if (gated or small or family == "mx") else 256
-    return Tiles(128, block_n, 128, 8, 8, 3 if block_n == 256 or gated else 4)
+        return Tiles(128, 128, 64, 8, 8, 3, use_tma)
+    if family == "tensor" and not gated and m * n_out > 1024 * 1024:
+        return Tiles(256, 128, 128, 8, 8, 3, use_tma)  # the fastest measured on an H200 (RESULTS.md)
+    return Tiles(128, 128, 128, 8, 8, 3 if (gated or family == "mx") else 4, use_tma)
 
 
 def _check_epilogue(bias, residual, activation, out_dtype, m, n, device) -> _Epilogue:
@@ -384,7 +407,7 @@ TENSORWISE_FAST_ACCUM = False
 def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tuple[str, str]) -> None:
     """tensor/row scaled FP8 operands, or plain ones (``sa``/``sb`` None)."""
     m, k = a.shape
-    t = _tiles(a.device, "tensor" if sa is not None else "plain", m, epi.n_out, epi.activation == 4)
+    t = _tiles(a.device, "tensor" if sa is not None else "plain", m, epi.n_out, k, epi.activation == 4)
     args, meta = _launch_common(epi, out, a)
     upcast = a.dtype == torch.bfloat16 and is_interpreted(a)
     precision = "ieee" if (a.dtype == torch.float32 or upcast) else None
@@ -400,7 +423,7 @@ def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tupl
 
 def _gemm_blockwise(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.Tensor) -> None:
     m, k = a.data.shape
-    t = _tiles(a.data.device, "block", m, epi.n_out, epi.activation == 4)
+    t = _tiles(a.data.device, "block", m, epi.n_out, k, epi.activation == 4)
     if t.block_k != 128:
         raise ValueError(f"gemm: block-scaled GEMMs need block_k == 128, got {t.block_k}")
     args, meta = _launch_common(epi, out, a.data)
@@ -409,22 +432,26 @@ def _gemm_blockwise(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: tor
     a_data, b_data = _k_major(a.data), _k_major(b.data)
     sa, sb = a.scale_inv.contiguous(), b.scale_inv.contiguous()
     a_src, b_src, use_tma = _sources(a_data, b_data, t)
+    extra = {}
+    if b.scaling == "block_128x128":  # one B scale per output tile when tiles nest in B's 128-row tiles
+        extra["B_SCALAR"] = 128 % t.block_n == 0 and epi.half % 128 == 0
     kernel[_grid(m, epi, t)](
         a_src, b_src, sa, sb, *args, m, epi.n_out, k, epi.half, a_data.stride(0), b_data.stride(0),
-        sa.stride(0), sb.stride(0), USE_TMA=use_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP_M=t.group_m,
+        sa.stride(0), sb.stride(0), USE_TMA=use_tma, **extra, BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP_M=t.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages, **meta)
 
 
 # MXFP8 products through tl.dot_scaled (True) or through tiles scaled in registers
-# and a bf16 dot (False); both exact.
-MXFP8_DOT_SCALED = True
+# and a bf16 dot (False); both exact. On an H200 with triton 3.6 the second ran
+# 1.5x faster at 4096^3 and 8192^3 (benchmarks/RESULTS.md).
+MXFP8_DOT_SCALED = False
 
 
 def _gemm_mxfp8(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.Tensor) -> None:
     m, k = a.data.shape
     if k % 32:
         raise ValueError(f"gemm: MXFP8 operands need K % 32 == 0, got K={k}")
-    t = _tiles(a.data.device, "mx", m, epi.n_out, epi.activation == 4)
+    t = _tiles(a.data.device, "mx", m, epi.n_out, k, epi.activation == 4)
     args, meta = _launch_common(epi, out, a.data)
     a_data, b_data = _k_major(a.data), _k_major(b.data)
     sa, sb = a.scale_inv.contiguous(), b.scale_inv.contiguous()
@@ -433,6 +460,7 @@ def _gemm_mxfp8(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.T
         a_src, b_src, sa, sb, *args, m, epi.n_out, k, epi.half, a_data.stride(0), b_data.stride(0),
         sa.stride(0), sb.stride(0), A_FORMAT=_FP8_NAMES[a.fp8_dtype], B_FORMAT=_FP8_NAMES[b.fp8_dtype],
         DOT_SCALED=MXFP8_DOT_SCALED, DOT_DTYPE=tl.float32 if is_interpreted(a_data) else tl.bfloat16,
+        DECODE_SPECIALS=is_interpreted(a_data),
         USE_TMA=use_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages, **meta)
 
