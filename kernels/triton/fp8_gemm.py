@@ -443,7 +443,7 @@ def _gemm_blockwise(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: tor
 
 # MXFP8 products through tl.dot_scaled (True) or through tiles scaled in registers
 # and a bf16 dot (False); both exact. On an H200 with triton 3.6 the second ran
-# 1.5x faster at 4096^3 and 8192^3 (benchmarks/RESULTS.md).
+# 2.4x faster at 8192^3 (271 against 111 TFLOP/s, benchmarks/RESULTS.md).
 MXFP8_DOT_SCALED = False
 
 
