@@ -14,7 +14,7 @@ import te_fuser.kernels.triton.fp8_gemm as fp8_gemm
 from te_fuser.kernels import reference as ref
 from te_fuser.kernels import triton as tk
 from te_fuser.kernels.operand import ScaledOperand
-from tolerances import assert_close
+from tolerances import assert_bitwise, assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -175,3 +175,36 @@ def test_gemm_tma_descriptor_path(monkeypatch, scheme, activation):
     x, w, bias = _inputs(67, 96, 160, seed=7)
     qa, qb = SCHEMES[scheme]
     _check(qa(x), qb(w), torch.float32, f"{scheme} {activation} TMA", bias=bias, activation=activation)
+
+
+@pytest.mark.parametrize("scheme", ["tensor_x_tensor", "block_1x128_x_128x128", "mx_x_mx", "plain_bf16"])
+@pytest.mark.parametrize("fp8_dtype,activation", [(E4M3, "gelu"), (E5M2, "swiglu"), (E4M3, None)])
+def test_gemm_fp8_out_is_the_cast_of_the_fp32_gemm(scheme, fp8_dtype, activation):
+    """The FP8-output epilogue equals quantize_tensorwise of the same kernel's fp32
+    result, bit for bit: data, saturation and the amax."""
+    x, w, bias = _inputs(67, 96, 160, seed=8)
+    n_out = 48 if activation == "swiglu" else 96
+    residual = torch.randn(67, n_out, device=DEVICE)
+    qa, qb = SCHEMES[scheme]
+    a, b = qa(x), qb(w)
+    out_scale = torch.tensor(96.0 if fp8_dtype == E4M3 else 12288.0, device=DEVICE)  # saturates some outputs
+    epilogue = dict(bias=bias, activation=activation, residual=residual)
+    got, amax = tk.gemm_fp8_out(a, b, out_scale, fp8_dtype, **epilogue)
+    y = tk.gemm(a, b, torch.float32, **epilogue)
+    want, _, want_amax = ref.quantize_tensorwise_reference(y, out_scale, fp8_dtype)
+    assert_bitwise(got, want, f"{scheme} {activation} FP8 output")
+    assert_bitwise(amax, want_amax, f"{scheme} {activation} amax")
+    assert (got.view(torch.uint8) & 0x7F).eq(0x7E if fp8_dtype == E4M3 else 0x7B).any(), "no output saturated"
+
+
+def test_gemm_fp8_out_amax_slot_and_errors():
+    x, w, _ = _inputs(16, 32, 64, seed=9)
+    a, b = _tensorwise(x, E4M3), _tensorwise(w, E4M3)
+    history = torch.full((3,), -1.0, device=DEVICE)
+    out, amax = tk.gemm_fp8_out(a, b, torch.tensor(1.0, device=DEVICE), E4M3, amax_out=history[1])
+    assert amax.data_ptr() == history[1].data_ptr() and out.dtype == E4M3
+    assert history[1].item() == tk.gemm(a, b, torch.float32).abs().max().item()
+    with pytest.raises(ValueError, match="out_scale must be"):
+        tk.gemm_fp8_out(a, b, torch.ones(2, device=DEVICE), E4M3)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        tk.gemm_fp8_out(a, b, torch.tensor(1.0, device=DEVICE), torch.bfloat16)

@@ -3,13 +3,14 @@
 Same names, signatures and return types as :mod:`te_fuser.kernels.reference`
 (without the ``_reference`` suffix), bit-exact for the casts. Runs on CUDA tensors,
 and on CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported).
-Extra fused kernels: :func:`dact_dbias` (activation gradient and bias gradient in
-one pass).
+Extra fused kernels: :func:`gemm_fp8_out` (the GEMM epilogue also casts its result
+to FP8 with a given scale and reduces its amax) and :func:`dact_dbias` (activation
+gradient and bias gradient in one pass).
 """
 
 from .activations import activation, activation_grad, dact_dbias
 from .cast import dequantize, quantize_block, quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
-from .fp8_gemm import gemm
+from .fp8_gemm import gemm, gemm_fp8_out
 
 __all__ = [
     "quantize_tensorwise",
@@ -19,6 +20,7 @@ __all__ = [
     "quantize_mxfp8",
     "dequantize",
     "gemm",
+    "gemm_fp8_out",
     "activation",
     "activation_grad",
     "dact_dbias",

@@ -30,13 +30,14 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..operand import ScaledOperand
-from ._common import e8m0_value, fp8_format, fp8_to_float, is_interpreted, to_output
+from ._common import abs_bits, e8m0_value, fp8_bytes, fp8_format, fp8_to_float, is_interpreted, to_output
 from .activations import activation_code, apply_activation, silu
 from .cast import dequantize
 
-__all__ = ["gemm"]
+__all__ = ["gemm", "gemm_fp8_out"]
 
 _TL_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TL_FP8_OUT = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 _FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
@@ -71,10 +72,20 @@ def _load_k_tile(src, row0, rows, k0, K, stride, offs_k, USE_TMA: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              OUT_DTYPE: tl.constexpr):
-    """bias -> activation (SwiGLU from the gate/up pair) -> residual -> store."""
+def _fp8_out_bytes(v, OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr):
+    if OUT_DTYPE == tl.float8e4nv:
+        return fp8_bytes(v, OUT_DTYPE, 448.0, 3, 127 - 9, PATCH_NAN)
+    else:
+        return fp8_bytes(v, OUT_DTYPE, 57344.0, 2, 127 - 16, PATCH_NAN)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
+              stride_om, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr):
+    """bias -> activation (SwiGLU from the gate/up pair) -> residual -> store.
+    An FP8 OUT_DTYPE casts with the scale in ``fp8_state[0]`` (fp32 bits) and
+    reduces the amax of the fp32 result into ``fp8_state[1]`` (int32 bits of |out|)."""
     n_ok = offs_n < N_OUT
     mask = (offs_m[:, None] < M) & n_ok[None, :]
     if HAS_BIAS:
@@ -87,7 +98,14 @@ def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, ou
         out = apply_activation(acc, ACTIVATION)
     if HAS_RESIDUAL:
         out += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], to_output(out, OUT_DTYPE), mask=mask)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if OUT_DTYPE == tl.float8e4nv or OUT_DTYPE == tl.float8e5:
+        scale = tl.load(fp8_state_ptr).to(tl.float32, bitcast=True)
+        tl.store(out_ptrs, _fp8_out_bytes(out * scale, OUT_DTYPE, PATCH_NAN), mask=mask)
+        tile_amax = tl.max(tl.max(tl.where(mask, abs_bits(out), 0), axis=1), axis=0)
+        tl.atomic_max(fp8_state_ptr + 1, tile_amax)
+    else:
+        tl.store(out_ptrs, to_output(out, OUT_DTYPE), mask=mask)
 
 
 # ------------------------------------------------------------ tensor / row
@@ -95,11 +113,12 @@ def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, ou
 
 @triton.jit
 def _fp8_gemm_tensorwise_kernel(
-        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_rm, stride_om,
         SCALED: tl.constexpr, A_ROW_SCALES: tl.constexpr, B_ROW_SCALES: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr, PROMOTE_EVERY: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+        PATCH_NAN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PROMOTE_EVERY: tl.constexpr, UPCAST: tl.constexpr,
+        USE_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """a (M, K) @ b (N, K).T with one scale per tensor or per row, applied after
     the fp32 accumulation (they are constant along K)."""
@@ -132,8 +151,8 @@ def _fp8_gemm_tensorwise_kernel(
         if GATED:
             sb_up = tl.load(sb_ptr + HALF + rows_b)[None, :] if B_ROW_SCALES else tl.load(sb_ptr)
             acc_up = acc_up * sa * sb_up
-    _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-              HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
+    _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
+              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN)
 
 
 # ------------------------------------------------------------ block scaling
@@ -155,11 +174,11 @@ def _blockwise_partial(a, b_src, n0, rows_b, sa, sb_ptrs, k0, K, stride_bn, offs
 
 @triton.jit
 def _fp8_gemm_blockwise_body(
-        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, B_TILE_ROWS: tl.constexpr,
         B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        OUT_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        GROUP_M: tl.constexpr):
+        OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """a: 1x128 scales (M, K/128); b: 1x128 (N, K/128) or 128x128 (N/128, K/128).
     B_SCALAR: 128x128 B tiles and output tiles inside one of them (one B scale)."""
     BLOCK_K: tl.constexpr = 128
@@ -186,31 +205,34 @@ def _fp8_gemm_blockwise_body(
         if GATED:
             acc_up += _blockwise_partial(a, b_src, HALF + n0, HALF + rows_b, sa, sb_up_ptrs, k0, K, stride_bn,
                                          offs_k, B_SCALAR, USE_TMA)
-    _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-              HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
+    _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
+              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN)
 
 
 @triton.jit
 def _fp8_gemm_blockwise_1x128_128x128_kernel(
-        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        OUT_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        GROUP_M: tl.constexpr):
-    _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
-                             stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 128, B_SCALAR,
-                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, USE_TMA, BLOCK_M, BLOCK_N, GROUP_M)
+        OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K,
+                             HALF, stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 128, B_SCALAR,
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, USE_TMA, BLOCK_M, BLOCK_N,
+                             GROUP_M)
 
 
 @triton.jit
 def _fp8_gemm_blockwise_1x128_1x128_kernel(
-        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
-                             stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 1, False,
-                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, USE_TMA, BLOCK_M, BLOCK_N, GROUP_M)
+        PATCH_NAN: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        GROUP_M: tl.constexpr):
+    _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K,
+                             HALF, stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 1, False,
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, USE_TMA, BLOCK_M, BLOCK_N,
+                             GROUP_M)
 
 
 # ------------------------------------------------------------------ MXFP8
@@ -249,11 +271,11 @@ def _mx_partial(a, sa, b_src, n0, rows_b, sb_ptrs, k0, K, stride_bn, offs_k, s_o
 
 @triton.jit
 def _mxfp8_gemm_kernel(
-        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, M, N_OUT, K, HALF,
+        a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, DOT_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
         DECODE_SPECIALS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr,
         USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr):
     """MXFP8 x MXFP8: E8M0 scales (uint8) per 32 along K on both sides."""
@@ -280,8 +302,8 @@ def _mxfp8_gemm_kernel(
             acc_up += _mx_partial(a, sa, b_src, HALF + n0, HALF + rows_b, sb_ptrs + HALF * stride_sbn, k0, K,
                                   stride_bn, offs_k, s_ok, A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE,
                                   DECODE_SPECIALS, USE_TMA)
-    _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-              HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE)
+    _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
+              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN)
 
 
 # --------------------------------------------------------------- launcher
@@ -297,6 +319,7 @@ class _Epilogue:
     n_out: int
     half: int
     out_dtype: torch.dtype
+    fp8_state: torch.Tensor | None = None  # FP8 output: int32 [scale bits, amax bits]
 
 
 @dataclass(frozen=True)
@@ -334,8 +357,8 @@ def _tiles(device: torch.device, family: str, m: int, n_out: int, k: int, gated:
     return Tiles(128, 128, 128, 8, 8, 3 if (gated or family == "mx") else 4, use_tma)
 
 
-def _check_epilogue(bias, residual, activation, out_dtype, m, n, device) -> _Epilogue:
-    if out_dtype not in _TL_OUT:
+def _check_epilogue(bias, residual, activation, out_dtype, m, n, device, fp8_state=None) -> _Epilogue:
+    if out_dtype not in (_TL_FP8_OUT if fp8_state is not None else _TL_OUT):
         raise ValueError(f"gemm: out_dtype must be one of {list(_TL_OUT)}, got {out_dtype}")
     code = activation_code(activation)
     n_out = n
@@ -354,7 +377,7 @@ def _check_epilogue(bias, residual, activation, out_dtype, m, n, device) -> _Epi
             raise ValueError(f"gemm: residual must be a ({m}, {n_out}) tensor on {device}, got {got}")
         if residual.stride(1) != 1:
             residual = residual.contiguous()
-    return _Epilogue(bias, residual, code, n_out, n // 2 if code == 4 else 0, out_dtype)
+    return _Epilogue(bias, residual, code, n_out, n // 2 if code == 4 else 0, out_dtype, fp8_state)
 
 
 def _operand_matrix(op, name: str) -> torch.Tensor:
@@ -388,9 +411,11 @@ def _sources(a: torch.Tensor, b: torch.Tensor, t: Tiles) -> tuple[object, object
 
 def _launch_common(epi: _Epilogue, out: torch.Tensor, dummy: torch.Tensor) -> tuple[list, dict]:
     res = epi.residual
-    args = [epi.bias if epi.bias is not None else dummy, res if res is not None else dummy, out]
+    fp8 = epi.fp8_state is not None
+    args = [epi.bias if epi.bias is not None else dummy, res if res is not None else dummy,
+            out.view(torch.uint8) if fp8 else out, epi.fp8_state if fp8 else dummy]
     meta = dict(HAS_BIAS=epi.bias is not None, ACTIVATION=epi.activation, HAS_RESIDUAL=res is not None,
-                OUT_DTYPE=_TL_OUT[epi.out_dtype])
+                OUT_DTYPE=(_TL_FP8_OUT if fp8 else _TL_OUT)[epi.out_dtype], PATCH_NAN=is_interpreted(out))
     return args, dict(stride_rm=res.stride(0) if res is not None else 0, stride_om=out.stride(0), **meta)
 
 
@@ -480,29 +505,22 @@ def _pair(a, b) -> str:
     return "dequantized"
 
 
-def gemm(
-    a: ScaledOperand | torch.Tensor,
-    b: ScaledOperand | torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``activation(a (P, R) @ b (Q, R).T + bias (Q,)) + residual (P, Q')``, fp32
-    accumulation, cast to ``out_dtype``; ``swiglu`` halves the columns (Q' = Q/2)."""
+def _checked_operands(a, b) -> tuple[torch.Tensor, torch.Tensor]:
     a_mat, b_mat = _operand_matrix(a, "a"), _operand_matrix(b, "b")
     if a_mat.shape[1] != b_mat.shape[1]:
         raise ValueError(f"gemm: reduction dims differ: a is {tuple(a_mat.shape)}, b is {tuple(b_mat.shape)}")
     if a_mat.device != b_mat.device:
         raise ValueError(f"gemm: a is on {a_mat.device} but b is on {b_mat.device}")
-    for op, name in ((a, "a"), (b, "b")):
+    for op in (a, b):
         if isinstance(op, ScaledOperand):
             fp8_format(op.fp8_dtype)
-    m, n = a_mat.shape[0], b_mat.shape[0]
-    epi = _check_epilogue(bias, residual, activation, out_dtype, m, n, a_mat.device)
-    out = torch.empty((m, epi.n_out), dtype=out_dtype, device=a_mat.device)
+    return a_mat, b_mat
+
+
+def _run(a, b, a_mat: torch.Tensor, b_mat: torch.Tensor, epi: _Epilogue, out: torch.Tensor) -> None:
+    """Launch the kernel for this pair of operands into ``out``."""
     if out.numel() == 0:
-        return out
+        return
     if a_mat.shape[1] == 0:
         a, b = a_mat.float(), b_mat.float()  # an empty reduction: the epilogue of zeros
     pair = _pair(a, b)
@@ -516,7 +534,57 @@ def gemm(
     else:
         a_hp, b_hp = _high_precision_pair(a, b, pair)
         _gemm_tensorwise(a_hp, b_hp, None, None, epi, out, ("plain", "plain"))
+
+
+def gemm(
+    a: ScaledOperand | torch.Tensor,
+    b: ScaledOperand | torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``activation(a (P, R) @ b (Q, R).T + bias (Q,)) + residual (P, Q')``, fp32
+    accumulation, cast to ``out_dtype``; ``swiglu`` halves the columns (Q' = Q/2)."""
+    a_mat, b_mat = _checked_operands(a, b)
+    m, n = a_mat.shape[0], b_mat.shape[0]
+    epi = _check_epilogue(bias, residual, activation, out_dtype, m, n, a_mat.device)
+    out = torch.empty((m, epi.n_out), dtype=out_dtype, device=a_mat.device)
+    _run(a, b, a_mat, b_mat, epi, out)
     return out
+
+
+def gemm_fp8_out(
+    a: ScaledOperand | torch.Tensor,
+    b: ScaledOperand | torch.Tensor,
+    out_scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gemm` whose epilogue also casts: returns ``(out (P, Q') in fp8_dtype,
+    amax)``, where ``out`` is the saturating cast of the fp32 result times the 0-d
+    fp32 ``out_scale`` and ``amax`` the max of |fp32 result| (a 0-d tensor, or
+    ``amax_out`` filled), as ``quantize_tensorwise`` of ``gemm(..., torch.float32)``
+    would give in a second pass."""
+    a_mat, b_mat = _checked_operands(a, b)
+    fp8_format(fp8_dtype)
+    if not isinstance(out_scale, torch.Tensor) or out_scale.numel() != 1 or out_scale.dtype != torch.float32:
+        raise ValueError("gemm_fp8_out: out_scale must be a one-element float32 tensor")
+    if out_scale.device != a_mat.device:
+        raise ValueError(f"gemm_fp8_out: out_scale is on {out_scale.device} but a is on {a_mat.device}")
+    state = torch.zeros(2, dtype=torch.int32, device=a_mat.device)  # scale bits, amax bits
+    state[0] = out_scale.reshape(()).view(torch.int32)
+    m, n = a_mat.shape[0], b_mat.shape[0]
+    epi = _check_epilogue(bias, residual, activation, fp8_dtype, m, n, a_mat.device, state)
+    out = torch.empty((m, epi.n_out), dtype=fp8_dtype, device=a_mat.device)
+    _run(a, b, a_mat, b_mat, epi, out)
+    amax = state[1:].view(torch.float32).reshape(())
+    if amax_out is not None:
+        return out, amax_out.copy_(amax.reshape(amax_out.shape))
+    return out, amax
 
 
 def _high_precision_pair(a, b, pair: str) -> tuple[torch.Tensor, torch.Tensor]:
