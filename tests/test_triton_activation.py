@@ -7,7 +7,7 @@ import torch
 
 from te_fuser.kernels import reference as ref
 from te_fuser.kernels import triton as tk
-from tolerances import assert_close
+from tolerances import assert_bitwise, assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ["gelu", "relu", "silu", "swiglu"]
@@ -68,3 +68,21 @@ def test_activation_errors():
         tk.activation_grad(x, x, "swiglu")
     with pytest.raises(TypeError, match="x must be one of"):
         tk.dact_dbias(x, x.to(torch.int32), "relu")
+
+
+@pytest.mark.parametrize("kind,fp8_dtype", [("gelu", torch.float8_e4m3fn), ("swiglu", torch.float8_e5m2),
+                                            ("relu", torch.float8_e4m3fn)])
+def test_dact_dbias_fp8_is_the_cast_of_dact_dbias(kind, fp8_dtype):
+    """dx written as FP8 equals the delayed-scaling cast of dact_dbias's dx, bit for
+    bit, with the same dbias and the amax of dx."""
+    x = _x((300, 40), seed=6)
+    dy = _x((300, 20 if kind == "swiglu" else 40), seed=7)
+    scale = torch.tensor(4.0 if fp8_dtype == torch.float8_e4m3fn else 1024.0, device=DEVICE)  # some saturate
+    dx_fp8, dbias, amax = tk.dact_dbias_fp8(dy, x, kind, scale, fp8_dtype)
+    dx, dbias_hp = tk.dact_dbias(dy, x, kind)
+    want, _, want_amax = ref.quantize_tensorwise_reference(dx, scale, fp8_dtype)
+    assert_bitwise(dx_fp8, want, f"dact_dbias_fp8 {kind}")
+    assert_bitwise(amax, want_amax, f"dact_dbias_fp8 {kind} amax")
+    assert_bitwise(dbias, dbias_hp, f"dact_dbias_fp8 {kind} dbias")
+    with pytest.raises(ValueError, match="scale must be"):
+        tk.dact_dbias_fp8(dy, x, kind, torch.ones(3, device=DEVICE), fp8_dtype)

@@ -5,10 +5,11 @@ Same names, signatures and return types as :mod:`te_fuser.kernels.reference`
 and on CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported).
 Extra fused kernels: :func:`gemm_fp8_out` (the GEMM epilogue also casts its result
 to FP8 with a given scale and reduces its amax) and :func:`dact_dbias` (activation
-gradient and bias gradient in one pass).
+gradient and bias gradient in one pass; :func:`dact_dbias_fp8` also writes the
+gradient as FP8 with a given scale, with its amax).
 """
 
-from .activations import activation, activation_grad, dact_dbias
+from .activations import activation, activation_grad, dact_dbias, dact_dbias_fp8
 from .cast import dequantize, quantize_block, quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
 from .fp8_gemm import gemm, gemm_fp8_out
 
@@ -24,4 +25,5 @@ __all__ = [
     "activation",
     "activation_grad",
     "dact_dbias",
+    "dact_dbias_fp8",
 ]

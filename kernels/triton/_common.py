@@ -65,6 +65,15 @@ def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.cons
 
 
 @triton.jit
+def fp8_bytes_as(v, OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr):
+    """:func:`fp8_bytes` with the format constants taken from ``OUT_DTYPE``."""
+    if OUT_DTYPE == tl.float8e4nv:
+        return fp8_bytes(v, OUT_DTYPE, 448.0, 3, 127 - 9, PATCH_NAN)
+    else:
+        return fp8_bytes(v, OUT_DTYPE, 57344.0, 2, 127 - 16, PATCH_NAN)
+
+
+@triton.jit
 def fp8_to_float(q, IS_E4M3: tl.constexpr):
     """fp32 value of FP8 ``q``; NaN and inf are decoded explicitly, with the bits
     torch gives them (sign, and the FP8 mantissa in the top fp32 mantissa bits)."""

@@ -12,14 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_input, is_interpreted, sm_count
+from ._common import abs_bits, check_input, fp8_bytes_as, is_interpreted, sm_count
 
-__all__ = ["activation", "activation_grad", "dact_dbias", "ACTIVATION_CODES"]
+__all__ = ["activation", "activation_grad", "dact_dbias", "dact_dbias_fp8", "ACTIVATION_CODES"]
 
 # Activation kind -> the constexpr code the kernels branch on (0: none).
 ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4}
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_C = 0.044715
+_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
 def activation_code(kind: str | None) -> int:
@@ -116,9 +115,23 @@ def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, COMPUTE
 
 
 @triton.jit
-def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr, COMPUTE: tl.constexpr):
-    """Write the input gradient of one tile; return its column sums
-    (two halves, gate then up, for SwiGLU; the second is zeros otherwise)."""
+def _store_dx(dx_ptrs, dx, mask, scale, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr):
+    """Store a dx tile (in its compute dtype, or FP8 bytes of ``dx * scale`` when
+    FP8_OUT is an FP8 dtype); return the tile's amax bits (0 without FP8_OUT)."""
+    if FP8_OUT is None:
+        tl.store(dx_ptrs, dx, mask=mask)
+        return tl.zeros([], dtype=tl.int32)
+    else:
+        dx32 = dx.to(tl.float32)
+        tl.store(dx_ptrs, fp8_bytes_as(dx32 * scale, FP8_OUT, PATCH_NAN), mask=mask)
+        return tl.max(tl.max(tl.where(mask, abs_bits(dx32), 0), axis=1), axis=0)
+
+
+@triton.jit
+def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr,
+               COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr):
+    """Write the input gradient of one tile; return its column sums (two halves,
+    gate then up, for SwiGLU; the second is zeros otherwise) and its amax bits."""
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_dy)
     dy = tl.load(dy_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
     if KIND == 4:
@@ -128,15 +141,16 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.co
         d_gate = dy * up * silu_grad(gate)
         d_up = dy * silu(gate)
         dx_row = dx_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
-        tl.store(dx_row, d_gate, mask=mask)
-        tl.store(dx_row + cols_dy, d_up, mask=mask)
-        return tl.sum(tl.where(mask, d_gate, 0.0), axis=0), tl.sum(tl.where(mask, d_up, 0.0), axis=0)
+        amax_gate = _store_dx(dx_row, d_gate, mask, scale, FP8_OUT, PATCH_NAN)
+        amax_up = _store_dx(dx_row + cols_dy, d_up, mask, scale, FP8_OUT, PATCH_NAN)
+        sum_gate = tl.sum(tl.where(mask, d_gate, 0.0), axis=0)
+        return sum_gate, tl.sum(tl.where(mask, d_up, 0.0), axis=0), tl.maximum(amax_gate, amax_up)
     else:
         x = tl.load(x_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
         dx = apply_activation_grad(dy, x, KIND)
-        tl.store(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask=mask)
+        amax = _store_dx(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask, scale, FP8_OUT, PATCH_NAN)
         col_sum = tl.sum(tl.where(mask, dx, 0.0), axis=0)
-        return col_sum, tl.zeros_like(col_sum)
+        return col_sum, tl.zeros_like(col_sum), amax
 
 
 @triton.jit
@@ -144,30 +158,41 @@ def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.const
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE)
+    _dact_tile(dy_ptr, x_ptr, dx_ptr, 1.0, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, None, False)
 
 
 @triton.jit
-def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, rows, cols_dy, rows_per_split,
-                       KIND: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, fp8_state_ptr, rows, cols_dy, rows_per_split,
+                       KIND: tl.constexpr, COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
-    and the column sums of that slab into partial[s] (a row of cols_dx)."""
+    and the column sums of that slab into partial[s] (a row of cols_dx). With an
+    FP8 FP8_OUT, dx is written as FP8 with the scale in ``fp8_state[0]`` (fp32
+    bits) and the amax of dx is reduced into ``fp8_state[1]``."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     split = tl.program_id(1)
     first = split * rows_per_split
+    scale = 1.0
+    if FP8_OUT is not None:
+        scale = tl.load(fp8_state_ptr).to(tl.float32, bitcast=True)
     sum_a = tl.zeros([BLOCK_C], dtype=COMPUTE)
     sum_b = tl.zeros([BLOCK_C], dtype=COMPUTE)
+    amax = tl.zeros([], dtype=tl.int32)
     for r0 in range(first, tl.minimum(first + rows_per_split, rows), BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         offs_r = tl.where(offs_r < first + rows_per_split, offs_r, rows)  # stay inside this split
-        part_a, part_b = _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE)
+        part_a, part_b, part_amax = _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND,
+                                               COMPUTE, FP8_OUT, PATCH_NAN)
         sum_a += part_a
         sum_b += part_b
+        amax = tl.maximum(amax, part_amax)
     cols_dx = 2 * cols_dy if KIND == 4 else cols_dy
     col_ok = offs_c < cols_dy
     tl.store(partial_ptr + split * cols_dx + offs_c, sum_a, mask=col_ok)
     if KIND == 4:
         tl.store(partial_ptr + split * cols_dx + cols_dy + offs_c, sum_b, mask=col_ok)
+    if FP8_OUT is not None:
+        tl.atomic_max(fp8_state_ptr + 1, amax)
 
 
 # ------------------------------------------------------------------ launchers
@@ -243,23 +268,59 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tenso
     return dx.reshape(x.shape)
 
 
+def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_state: torch.Tensor | None,
+                       compute) -> torch.Tensor:
+    """Run the fused kernel into ``dx`` (FP8 when ``fp8_state`` is given); return dbias."""
+    tl_compute, torch_compute = compute
+    rows, cols_dx = x2d.shape
+    block_r, block_c = _blocks(x2d)
+    col_blocks = triton.cdiv(cols, block_c)
+    splits = max(1, min(triton.cdiv(rows, block_r), (4 * sm_count(x2d)) // col_blocks))
+    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
+    splits = triton.cdiv(rows, rows_per_split)
+    partial = torch.empty((splits, cols_dx), dtype=torch_compute, device=x2d.device)
+    fp8_out = None if fp8_state is None else _TL_FP8[dx.dtype]
+    _dact_dbias_kernel[(col_blocks, splits)](
+        dy2d, x2d, dx.view(torch.uint8) if fp8_out is not None else dx, partial,
+        fp8_state if fp8_state is not None else partial, rows, cols, rows_per_split, KIND=activation_code(kind),
+        COMPUTE=tl_compute, FP8_OUT=fp8_out, PATCH_NAN=is_interpreted(x2d), BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=4)
+    return partial.sum(dim=0)
+
+
 def dact_dbias(dy: torch.Tensor, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dbias)``: the activation gradient and its sum over all leading
     dimensions (the gradient of a bias added before the activation), in one pass
     over ``dy`` and ``x``. Both in fp32 (fp64 for fp64 inputs)."""
     dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "dact_dbias")
-    tl_compute, compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
-    rows, cols_dx = x2d.shape
-    dx = torch.empty((rows, cols_dx), dtype=compute, device=x.device)
+    compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
+    dx = torch.empty(x2d.shape, dtype=compute[1], device=x.device)
     if not dx.numel():
-        return dx.reshape(x.shape), torch.zeros(cols_dx, dtype=compute, device=x.device)
-    block_r, block_c = _blocks(x)
-    col_blocks = triton.cdiv(cols, block_c)
-    splits = max(1, min(triton.cdiv(rows, block_r), (4 * sm_count(x)) // col_blocks))
-    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
-    splits = triton.cdiv(rows, rows_per_split)
-    partial = torch.empty((splits, cols_dx), dtype=compute, device=x.device)
-    _dact_dbias_kernel[(col_blocks, splits)](dy2d, x2d, dx, partial, rows, cols, rows_per_split,
-                                             KIND=activation_code(kind), COMPUTE=tl_compute, BLOCK_R=block_r,
-                                             BLOCK_C=block_c, num_warps=4)
-    return dx.reshape(x.shape), partial.sum(dim=0)
+        return dx.reshape(x.shape), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device)
+    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, None, compute)
+    return dx.reshape(x.shape), dbias
+
+
+def dact_dbias_fp8(
+    dy: torch.Tensor, x: torch.Tensor, kind: str, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dact_dbias` with dx written once, in FP8: ``(dx_fp8, dbias, amax)``,
+    where ``dx_fp8`` is the delayed-scaling cast of dx with the 0-d fp32 ``scale``
+    (``quantize_tensorwise`` of ``dact_dbias``'s dx, bit for bit) and ``amax`` the
+    max of |dx| (0-d fp32)."""
+    dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "dact_dbias_fp8")
+    if fp8_dtype not in _TL_FP8:
+        raise ValueError(f"dact_dbias_fp8: fp8_dtype must be one of {list(_TL_FP8)}, got {fp8_dtype}")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError("dact_dbias_fp8: scale must be a one-element float32 tensor")
+    if scale.device != x.device:
+        raise ValueError(f"dact_dbias_fp8: scale is on {scale.device} but x is on {x.device}")
+    compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
+    state = torch.zeros(2, dtype=torch.int32, device=x.device)  # scale bits, amax bits
+    state[0] = scale.reshape(()).view(torch.int32)
+    dx = torch.empty(x2d.shape, dtype=fp8_dtype, device=x.device)
+    amax = state[1:].view(torch.float32).reshape(())
+    if not dx.numel():
+        return dx.reshape(x.shape), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device), amax
+    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, state, compute)
+    return dx.reshape(x.shape), dbias, amax

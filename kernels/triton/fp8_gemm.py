@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..operand import ScaledOperand
-from ._common import abs_bits, e8m0_value, fp8_bytes, fp8_format, fp8_to_float, is_interpreted, to_output
+from ._common import abs_bits, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, is_interpreted, to_output
 from .activations import activation_code, apply_activation, silu
 from .cast import dequantize
 
@@ -72,14 +72,6 @@ def _load_k_tile(src, row0, rows, k0, K, stride, offs_k, USE_TMA: tl.constexpr):
 
 
 @triton.jit
-def _fp8_out_bytes(v, OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr):
-    if OUT_DTYPE == tl.float8e4nv:
-        return fp8_bytes(v, OUT_DTYPE, 448.0, 3, 127 - 9, PATCH_NAN)
-    else:
-        return fp8_bytes(v, OUT_DTYPE, 57344.0, 2, 127 - 16, PATCH_NAN)
-
-
-@triton.jit
 def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
               stride_om, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr):
@@ -101,7 +93,7 @@ def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, ou
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if OUT_DTYPE == tl.float8e4nv or OUT_DTYPE == tl.float8e5:
         scale = tl.load(fp8_state_ptr).to(tl.float32, bitcast=True)
-        tl.store(out_ptrs, _fp8_out_bytes(out * scale, OUT_DTYPE, PATCH_NAN), mask=mask)
+        tl.store(out_ptrs, fp8_bytes_as(out * scale, OUT_DTYPE, PATCH_NAN), mask=mask)
         tile_amax = tl.max(tl.max(tl.where(mask, abs_bits(out), 0), axis=1), axis=0)
         tl.atomic_max(fp8_state_ptr + 1, tile_amax)
     else:
