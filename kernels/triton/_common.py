@@ -4,8 +4,10 @@ Every FP8 cast here rounds onto the FP8 grid in fp32 arithmetic before the final
 ``.to(fp8)``, so that conversion only re-encodes a value the format holds exactly.
 That makes the kernels bit-exact against :mod:`te_fuser.kernels.reference` both on
 a GPU and under ``TRITON_INTERPRET=1`` (whose own FP8 conversion rounds wrongly).
-The FP8 bytes are then written through a ``uint8`` view, with NaN patched to the
-encoding torch uses (``0x7F`` plus the sign bit).
+The FP8 bytes are written through a ``uint8`` view; NaN gets the encoding torch
+uses (``0x7F`` plus the sign bit). Divisions are IEEE (``tl.math.div_rn``), amaxes
+are integer maxima of the bits of |x| (ordered like the values, NaN above inf, so
+NaN propagates as in ``torch.amax``).
 """
 
 from __future__ import annotations

@@ -10,13 +10,19 @@ these kernels chosen by the operands' scalings:
   DeepSeek-style block scaling: each 128-deep partial product is promoted to the
   fp32 accumulator with its A-row and B-block scales;
 - ``_mxfp8_gemm_kernel``: MXFP8 (E8M0 per 32 along K); Hopper has no MXFP8
-  datapath, so ``tl.dot_scaled`` (which Triton lowers to bf16 products there) does
-  the exact power-of-2 scaling.
+  datapath, so each FP8 tile is multiplied by its power-of-2 scales in registers
+  (exact in bf16) and fed to a bf16 dot (or, switchable, ``tl.dot_scaled``).
 
 The epilogue adds the bias, applies GELU/ReLU/SiLU, or SwiGLU as a gated pair:
 the program computes the gate columns ``j`` and the up columns ``j + Q/2`` side by
-side and writes ``silu(gate) * up``; then it adds the residual and casts.
-Other scaling pairs are dequantized to fp32 and multiplied by the same kernel.
+side and writes ``silu(gate) * up``; then it adds the residual and casts (to
+bf16/fp16/fp32, or, in :func:`gemm_fp8_out`, to FP8 with a given scale while
+reducing the amax). Other scaling pairs are dequantized to fp32 and multiplied by
+the tensorwise kernel.
+
+On Hopper the FP8 tensor cores accumulate in a narrower format; the tensorwise
+kernel promotes to fp32 every 128 products (``TENSORWISE_FAST_ACCUM`` switches that
+off), the block kernels every 128-deep block.
 """
 
 from __future__ import annotations
