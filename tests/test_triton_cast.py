@@ -72,7 +72,7 @@ def test_midpoints_are_ties():
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("shape,dtype", [((67, 160), torch.bfloat16), ((13, 96), torch.float32),
-                                         ((40, 72), torch.float16)])
+                                         ((40, 72), torch.float16), ((9, 40), torch.float64)])
 def test_tensorwise_cast_transpose_amax_bitwise(fp8_dtype, shape, dtype):
     x = adversarial(*shape, fp8_dtype, dtype)
     scale = torch.tensor(1.0 if dtype == torch.float16 else 0.75, device=DEVICE)
