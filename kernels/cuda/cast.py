@@ -146,8 +146,10 @@ def quantize_current(
     epsilon = _check_epsilon(epsilon, op)
     x = _hp_input(x, op)
     rows, cols = _matrix_shape(x, columnwise, op)
-    stats = torch.empty(3, dtype=torch.float32, device=x.device)  # amax, scale, scale_inv
-    amax, scale, scale_inv = stats.unbind()
+    # amax, scale, scale_inv in one allocation, each 16-byte aligned: cuBLASLt
+    # refuses (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not.
+    stats = torch.empty((3, 4), dtype=torch.float32, device=x.device)
+    amax, scale, scale_inv = stats[:, 0].unbind()
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
     data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device) if columnwise else None
     ext = extension()
