@@ -16,6 +16,7 @@ stay device tensors, and decisions on their values are ``torch.where``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -31,6 +32,12 @@ __all__ = ["Quantizer", "FP8_MIN_COMPUTE_CAPABILITY"]
 # FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    """A device's compute capability (asked once: the query costs microseconds)."""
+    return torch.cuda.get_device_capability(index)
 
 
 class Quantizer:
@@ -90,7 +97,8 @@ class Quantizer:
             return
         if not torch.cuda.is_available():
             raise RuntimeError(f"{self._who()}: device {device} was requested but no CUDA device is available")
-        self.check_capability(torch.cuda.get_device_capability(device), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.check_capability(_capability(index), device)
 
     def check_capability(self, capability: tuple[int, int], device: torch.device | str | None = None) -> None:
         """Raise ``RuntimeError`` when CUDA compute ``capability`` is below ``min_compute_capability``."""
