@@ -9,8 +9,11 @@ Every backend implements the same kernels under the same names and signatures
 ``set_backend(name)`` chooses globally; ``te.autocast(backend=...)`` overrides it
 inside a region. ``auto`` (the default) uses ``reference`` on CPU tensors and, on
 a GPU, the backend measured fastest for each kernel (``kernels/auto_table.json``).
-A backend that lacks a kernel falls back to ``reference`` and says so in
-:class:`KernelChoice`.
+A backend that lacks a kernel falls back to ``triton`` where it runs, else to
+``reference``, and says so in :class:`KernelChoice` (``fusion_plan()`` shows it). A
+backend module may also expose ``<kernel>_unsupported_reason(a, b)``: operands it
+names a reason for go to the fallback per call (cuBLASLt has no MXFP8 path on
+Hopper, for example).
 """
 
 from __future__ import annotations
@@ -125,6 +128,26 @@ def _auto_backend(kernel: str, device: torch.device) -> str:
     return _auto_table.get(kernel, "triton")
 
 
+def _fallback(kernel: str, failed: str, device: torch.device) -> "KernelChoice":
+    """The next backend for ``kernel`` after ``failed``: triton where it runs, else reference."""
+    if failed != "triton" and _unavailable_reason("triton", device) is None:
+        if getattr(_module("triton"), kernel, None) is not None:
+            return KernelChoice(kernel, "triton", getattr(_module("triton"), kernel))
+    return KernelChoice(kernel, "reference", getattr(_module("reference"), f"{kernel}_reference"))
+
+
+def _per_call_fallback(fn: Callable, unsupported_reason: Callable, fallback_fn: Callable) -> Callable:
+    """``fn`` where ``unsupported_reason(*args)`` is None, else ``fallback_fn``."""
+
+    def dispatch(*args, **kwargs):
+        if unsupported_reason(*args[:2]) is None:
+            return fn(*args, **kwargs)
+        return fallback_fn(*args, **kwargs)
+
+    dispatch.__name__ = getattr(fn, "__name__", "dispatch")
+    return dispatch
+
+
 def resolve(kernel: str, device: torch.device | str, backend: str | None = None) -> KernelChoice:
     """The implementation of ``kernel`` for tensors on ``device``.
 
@@ -150,10 +173,16 @@ def resolve(kernel: str, device: torch.device | str, backend: str | None = None)
     if chosen == "reference":
         fn = getattr(_module("reference"), f"{kernel}_reference")
     else:
-        fn = getattr(_module(chosen), kernel, None)
+        module = _module(chosen)
+        fn = getattr(module, kernel, None)
         if fn is None:
-            note = f"{chosen} has no {kernel} kernel; using reference"
-            chosen, fn = "reference", getattr(_module("reference"), f"{kernel}_reference")
+            fallback = _fallback(kernel, chosen, device)
+            note = f"{chosen} has no {kernel} kernel; using {fallback.backend}"
+            chosen, fn = fallback.backend, fallback.fn
+        elif hasattr(module, f"{kernel}_unsupported_reason"):
+            fallback = _fallback(kernel, chosen, device)
+            fn = _per_call_fallback(fn, getattr(module, f"{kernel}_unsupported_reason"), fallback.fn)
+            note = f"operand pairs {chosen} cannot run go to {fallback.backend}"
     choice = KernelChoice(kernel, chosen, fn, note)
     _resolved[cache_key] = choice
     return choice

@@ -107,3 +107,18 @@ def test_tune_auto_script_runs_its_help():
         [sys.executable, str(REPO / "benchmarks" / "tune_auto.py"), "--help"], capture_output=True, text=True
     )
     assert result.returncode == 0 and "auto_table.json" in result.stdout, result.stderr
+
+
+def test_per_call_fallback_sends_unsupported_operands_to_the_next_backend():
+    from te_fuser import backend
+
+    calls = []
+    dispatch = backend._per_call_fallback(
+        lambda a, b, **kw: calls.append("primary"),
+        lambda a, b: None if a == "ok" else "no such path",
+        lambda a, b, **kw: calls.append("fallback"),
+    )
+    dispatch("ok", 1, out_dtype=None)
+    dispatch("mx", 1)
+    assert calls == ["primary", "fallback"]
+    assert backend._fallback("gemm", "cuda", torch.device("cpu")).backend in ("triton", "reference")
