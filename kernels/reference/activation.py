@@ -33,19 +33,22 @@ def _silu_grad(x: torch.Tensor) -> torch.Tensor:
     return s * (1.0 + x * (1.0 - s))
 
 
-def activation_reference(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """``kind(x)`` computed in fp32 (or fp64 for fp64 input); returns that dtype."""
+def activation_reference(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``kind(x)`` computed in fp32 (or fp64 for fp64 input), returned in that dtype
+    or rounded once to ``out_dtype``."""
     x = x if x.dtype == torch.float64 else x.float()
     if kind == "gelu":
-        return _gelu(x)
-    if kind == "relu":
-        return torch.relu(x)
-    if kind == "silu":
-        return x * torch.sigmoid(x)
-    if kind == "swiglu":
+        y = _gelu(x)
+    elif kind == "relu":
+        y = torch.relu(x)
+    elif kind == "silu":
+        y = x * torch.sigmoid(x)
+    elif kind == "swiglu":
         gate, up = x.chunk(2, dim=-1)
-        return gate * torch.sigmoid(gate) * up
-    raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")
+        y = gate * torch.sigmoid(gate) * up
+    else:
+        raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:

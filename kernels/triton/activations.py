@@ -219,8 +219,9 @@ def _blocks(x: torch.Tensor) -> tuple[int, int]:
     return (16, 32) if is_interpreted(x) else (8, 256)
 
 
-def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """``kind(x)`` in fp32 (fp64 for fp64 input); SwiGLU halves the last dimension."""
+def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``kind(x)`` in fp32 (fp64 for fp64 input), or rounded once to ``out_dtype``;
+    SwiGLU halves the last dimension."""
     code = activation_code(kind)
     if kind is None:
         raise ValueError("activation: kind must be given")
@@ -228,12 +229,17 @@ def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     x2d, cols = _as_rows(x, kind, "activation")
     tl_compute, compute = _compute_dtype(x)
     rows = x2d.shape[0]
-    y = torch.empty((rows, cols), dtype=compute, device=x.device)
+    # On the GPU the store rounds to out_dtype (RNE) in the kernel; the interpreter's
+    # own bf16 conversion is not trusted, so there torch rounds the fp32 result.
+    store_dtype = out_dtype if (out_dtype is not None and not is_interpreted(x)) else compute
+    y = torch.empty((rows, cols), dtype=store_dtype, device=x.device)
     if y.numel():
         block_r, block_c = _blocks(x)
         grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
         _activation_kernel[grid](x2d, y, rows, cols, KIND=code, COMPUTE=tl_compute, BLOCK_R=block_r,
                                  BLOCK_C=block_c, num_warps=4)
+    if out_dtype is not None and y.dtype != out_dtype:
+        y = y.to(out_dtype)
     return y.reshape(*x.shape[:-1], cols)
 
 

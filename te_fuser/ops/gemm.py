@@ -42,7 +42,7 @@ def _high_precision(op: Operand, dtype: torch.dtype) -> torch.Tensor:
 
 def apply_activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     """``kind(x)`` computed in fp32 by the backend kernel, returned in ``x.dtype``."""
-    return backend.resolve("activation", x.device).fn(x, kind).to(x.dtype)
+    return backend.resolve("activation", x.device).fn(x, kind, out_dtype=x.dtype)
 
 
 def activation_backward(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
