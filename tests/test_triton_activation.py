@@ -97,3 +97,15 @@ def test_activation_rounds_once_to_out_dtype(kind, out_dtype):
     # One rounding of the fp32 result (the fp32 values themselves differ from
     # torch's in the last bits: the kernel's tanh is exp-based).
     assert_close(y, ref.activation_reference(x, kind).to(y.device), out_dtype, f"{kind} -> {out_dtype}")
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_dact_dbias_in_bf16_rounds_dx_once_and_sums_the_rounded_values(kind):
+    x = (torch.randn(67, 96) * 2).to(torch.bfloat16).to(DEVICE)
+    dy = torch.randn(67, 48 if kind == "swiglu" else 96).to(torch.bfloat16).to(DEVICE)
+    dx, dbias = tk.dact_dbias(dy, x, kind)
+    assert dx.dtype == torch.bfloat16 and dbias.dtype == torch.float32
+    dx_ref, _ = ref.dact_dbias_reference(dy, x, kind)
+    assert_close(dx, dx_ref.to(dx.device), torch.bfloat16, f"dact_dbias dx {kind}")
+    # dbias is exactly the fp32 sum of the dx the kernel wrote (up to summation order)
+    assert_close(dbias, dx.float().sum(dim=0), torch.float32, f"dact_dbias dbias {kind}", scaled=True)

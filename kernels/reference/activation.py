@@ -68,10 +68,13 @@ def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> t
     raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")
 
 
-def dact_dbias_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def dact_dbias_reference(
+    dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of ``Bias -> activation``: ``dx = dact(dy, x)`` rounded to
-    ``x.dtype``, and ``dbias`` = the fp32 sum over rows of that rounded ``dx`` — the
-    same numbers the unfused activation and bias backwards produce."""
-    dx = activation_grad_reference(dy, x, kind).to(x.dtype)
+    ``out_dtype`` (default ``x.dtype``), and ``dbias`` = the fp32 sum over rows of
+    that rounded ``dx`` — the same numbers the unfused activation and bias
+    backwards produce."""
+    dx = activation_grad_reference(dy, x, kind).to(x.dtype if out_dtype is None else out_dtype)
     dbias = dx.reshape(-1, dx.shape[-1]).float().sum(dim=0)
     return dx, dbias

@@ -129,9 +129,11 @@ def _store_dx(dx_ptrs, dx, mask, scale, FP8_OUT: tl.constexpr, PATCH_NAN: tl.con
 
 @triton.jit
 def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr,
-               COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr):
+               COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND: tl.constexpr):
     """Write the input gradient of one tile; return its column sums (two halves,
-    gate then up, for SwiGLU; the second is zeros otherwise) and its amax bits."""
+    gate then up, for SwiGLU; the second is zeros otherwise) and its amax bits.
+    With ROUND, dx is first rounded to dx_ptr's (narrower) dtype, and the sums are
+    of the rounded values: what an unfused bias backward would add up."""
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_dy)
     dy = tl.load(dy_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
     if KIND == 4:
@@ -140,6 +142,9 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND
         up = tl.load(x_row + cols_dy, mask=mask, other=0.0).to(COMPUTE)
         d_gate = dy * up * silu_grad(gate)
         d_up = dy * silu(gate)
+        if ROUND:
+            d_gate = d_gate.to(dx_ptr.dtype.element_ty).to(COMPUTE)
+            d_up = d_up.to(dx_ptr.dtype.element_ty).to(COMPUTE)
         dx_row = dx_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
         amax_gate = _store_dx(dx_row, d_gate, mask, scale, FP8_OUT, PATCH_NAN)
         amax_up = _store_dx(dx_row + cols_dy, d_up, mask, scale, FP8_OUT, PATCH_NAN)
@@ -148,6 +153,8 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND
     else:
         x = tl.load(x_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
         dx = apply_activation_grad(dy, x, KIND)
+        if ROUND:
+            dx = dx.to(dx_ptr.dtype.element_ty).to(COMPUTE)
         amax = _store_dx(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask, scale, FP8_OUT, PATCH_NAN)
         col_sum = tl.sum(tl.where(mask, dx, 0.0), axis=0)
         return col_sum, tl.zeros_like(col_sum), amax
@@ -158,13 +165,13 @@ def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.const
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _dact_tile(dy_ptr, x_ptr, dx_ptr, 1.0, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, None, False)
+    _dact_tile(dy_ptr, x_ptr, dx_ptr, 1.0, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, None, False, False)
 
 
 @triton.jit
 def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, fp8_state_ptr, rows, cols_dy, rows_per_split,
                        KIND: tl.constexpr, COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
     and the column sums of that slab into partial[s] (a row of cols_dx). With an
     FP8 FP8_OUT, dx is written as FP8 with the scale in ``fp8_state[0]`` (fp32
@@ -182,7 +189,7 @@ def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, fp8_state_ptr, rows, 
         offs_r = r0 + tl.arange(0, BLOCK_R)
         offs_r = tl.where(offs_r < first + rows_per_split, offs_r, rows)  # stay inside this split
         part_a, part_b, part_amax = _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND,
-                                               COMPUTE, FP8_OUT, PATCH_NAN)
+                                               COMPUTE, FP8_OUT, PATCH_NAN, ROUND)
         sum_a += part_a
         sum_b += part_b
         amax = tl.maximum(amax, part_amax)
@@ -275,7 +282,7 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tenso
 
 
 def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_state: torch.Tensor | None,
-                       compute) -> torch.Tensor:
+                       compute, round_dx: bool = False) -> torch.Tensor:
     """Run the fused kernel into ``dx`` (FP8 when ``fp8_state`` is given); return dbias."""
     tl_compute, torch_compute = compute
     rows, cols_dx = x2d.shape
@@ -289,21 +296,31 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_st
     _dact_dbias_kernel[(col_blocks, splits)](
         dy2d, x2d, dx.view(torch.uint8) if fp8_out is not None else dx, partial,
         fp8_state if fp8_state is not None else partial, rows, cols, rows_per_split, KIND=activation_code(kind),
-        COMPUTE=tl_compute, FP8_OUT=fp8_out, PATCH_NAN=is_interpreted(x2d), BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=4)
+        COMPUTE=tl_compute, FP8_OUT=fp8_out, PATCH_NAN=is_interpreted(x2d), ROUND=round_dx, BLOCK_R=block_r,
+        BLOCK_C=block_c, num_warps=4)
     return partial.sum(dim=0)
 
 
-def dact_dbias(dy: torch.Tensor, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dbias)``: the activation gradient and its sum over all leading
-    dimensions (the gradient of a bias added before the activation), in one pass
-    over ``dy`` and ``x``. Both in fp32 (fp64 for fp64 inputs)."""
+def dact_dbias(
+    dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dbias)``: the activation gradient, rounded once to ``out_dtype``
+    (default ``x.dtype``), and the fp32 sum over all leading dimensions of that
+    rounded dx (the gradient of a bias added before the activation, as the unfused
+    ops compute it), in one pass over ``dy`` and ``x``."""
     dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "dact_dbias")
     compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
-    dx = torch.empty(x2d.shape, dtype=compute[1], device=x.device)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    # The interpreter's own narrowing conversion is not trusted: there the kernel
+    # writes the compute dtype and torch rounds.
+    in_kernel = out_dtype == compute[1] or not is_interpreted(x)
+    dx = torch.empty(x2d.shape, dtype=out_dtype if in_kernel else compute[1], device=x.device)
     if not dx.numel():
-        return dx.reshape(x.shape), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device)
-    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, None, compute)
+        return dx.reshape(x.shape).to(out_dtype), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device)
+    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, None, compute, round_dx=dx.dtype != compute[1])
+    if not in_kernel:
+        dx = dx.to(out_dtype)
+        dbias = dx.to(compute[1]).sum(dim=0)
     return dx.reshape(x.shape), dbias
 
 
