@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, GPU tests, then the benchmarks; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [tests|bench|all]   (torchao wheels, if any, in .whl/)
+#   bash benchmarks/run_gpu.sh [tests|bench|layers|all]   (layers: tests + bench_layers only)   (torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/te_fuser_out}; mkdir -p "$OUT"
@@ -12,11 +12,12 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 if [ "$what" != bench ]; then
-  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_ops_gpu.py tests/test_fuser.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
+    tests/test_fuser.py tests/test_cuda_gemm.py \
     2>&1 | tee "$OUT/tests.log" | tail -15
 fi
 if [ "$what" != tests ]; then
-  timeout 120 python3 benchmarks/bench_refusion.py --cold-cache --json "$OUT/refusion.json" --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -8
+  [ "$what" = layers ] || timeout 120 python3 benchmarks/bench_refusion.py --cold-cache --json "$OUT/refusion.json" --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -8
   timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -22
   cp benchmarks/results.csv "$OUT/" 2>/dev/null || true
 fi
