@@ -41,6 +41,7 @@ class Sequential(nn.Module):
     # -- list semantics --------------------------------------------------------
     def _changed(self) -> None:
         self._groups: list | None = None
+        self._fast_fuser: OperationFuser | None = None
 
     def _check(self, module) -> nn.Module:
         if not isinstance(module, nn.Module):
@@ -105,17 +106,19 @@ class Sequential(nn.Module):
             if run:
                 groups.append(OperationFuser(run, fuse=self.fuse))
             self._groups = groups
-            self._single_plain_fuser = (
+            single = (
                 len(groups) == 1 and isinstance(groups[0], OperationFuser) and groups[0].num_extra_inputs == 0
                 and all(op.num_extra_outputs == 0 for op in groups[0].ops)
             )
+            self._fast_fuser = groups[0] if single else None
         return self._groups
 
     # -- running -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        fast = self._fast_fuser
+        if fast is not None and not extra_inputs:  # one group, no branches: the common case, kept short
+            return fast.run(x, self.training)
         groups = self._groups if self._groups is not None else self.groups()
-        if len(groups) == 1 and not extra_inputs and self._single_plain_fuser:  # the common case, kept short
-            return groups[0].run(x, self.training)
         extra_in = list(extra_inputs)
         extra_out: list[torch.Tensor] = []
         for group in groups:
