@@ -138,3 +138,27 @@ def test_parameters_live_on_the_given_device_and_dtype_and_init_like_torch():
     bound = 1 / 64**0.5
     assert lin.weight.abs().max() <= bound + 1e-3 and lin.bias.abs().max() <= bound + 1e-3
     assert torch.equal(te.ops.RMSNorm(8).weight, torch.ones(8))
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "mxfp8", "block", "delayed"])
+def test_backward_override_runs_the_backward_gemms_in_high_precision(recipe_name):
+    """'high_precision': dgrad/wgrad use the saved high-precision x and w with the
+    unquantized dy; 'dequantized': they use the forward's FP8 x and w, dequantized."""
+    from te_fuser.quantization import QuantizerRole, quantizer_for
+
+    base = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    lin = te.ops.BasicLinear(64, 32)
+    x = torch.randn(32, 64) * 3
+    dy = torch.randn(32, 32)
+    for override in ("high_precision", "dequantized"):
+        recipe = base.replace(backward_override=override)
+        _, grads = run(lin, x, recipe=recipe, dy=dy)
+        w, xx = lin.weight.detach(), x
+        if override == "dequantized":
+            w_role, x_role = QuantizerRole("linear", "weight"), QuantizerRole("linear", "input")
+            w = quantizer_for(recipe, w_role)(w).dequantize()
+            xx = quantizer_for(recipe, x_role)(x).dequantize()
+        assert torch.equal(grads["x"], torch.nn.functional.linear(dy, w.t())), (recipe_name, override)
+        assert torch.equal(grads["weight"], torch.nn.functional.linear(dy.t(), xx.t())), (recipe_name, override)
+        lin.weight.grad = None
