@@ -8,13 +8,20 @@ the recipe string shows it.
 |---|---|---|
 | ``TE_FUSER_FP8_BLOCK_SCALING_FP32_SCALES`` | ``Float8BlockScaling()`` with ``power_2_scales`` left unset | ``1``: fp32 block scales; otherwise power-of-2 |
 | ``TE_FUSER_BACKEND`` | the first kernel dispatch of the process | default backend (``reference``, ``triton``, ``cuda``, ``auto``) |
+| ``TORCH_EXTENSIONS_DIR`` | the first build of the CUDA kernels | where they are built (default ``~/.cache/te_fuser/torch_extensions``) |
+| ``TRITON_INTERPRET`` | each kernel resolution for CPU tensors | ``1``: Triton kernels may run on CPU tensors (Triton's interpreter) |
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["block_scaling_power_2_scales_default", "backend_default"]
+__all__ = [
+    "block_scaling_power_2_scales_default",
+    "backend_default",
+    "extensions_dir",
+    "triton_interpreted",
+]
 
 
 def _flag(name: str) -> bool:
@@ -33,3 +40,11 @@ def block_scaling_power_2_scales_default() -> bool:
 def backend_default() -> str | None:
     value = os.environ.get("TE_FUSER_BACKEND", "").strip().lower()
     return value or None
+
+
+def extensions_dir() -> str | None:
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or None
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -106,7 +105,7 @@ def _module(backend: str):
 
 def _unavailable_reason(backend: str, device: torch.device) -> str | None:
     if backend == "triton":
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type == "cpu" and not _env.triton_interpreted():
             return "the triton backend runs on CPU tensors only under TRITON_INTERPRET=1 (set before import)"
         if device.type not in ("cpu", "cuda"):
             return f"the triton backend does not run on {device.type} tensors"

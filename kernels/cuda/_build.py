@@ -17,12 +17,13 @@ first load took (compile included, if any) is logged once at INFO level.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
 
 import torch
+
+from ... import _env
 
 __all__ = ["SOURCES", "NVCC_FLAGS", "unavailable_reason", "extension", "is_loaded", "raw_stream"]
 
@@ -75,7 +76,7 @@ def is_loaded() -> bool:
 
 
 def _build_directory(name: str) -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = _env.extensions_dir()
     base = Path(root) if root else Path.home() / ".cache" / "te_fuser" / "torch_extensions"
     path = base / name
     path.mkdir(parents=True, exist_ok=True)
