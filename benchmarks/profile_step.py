@@ -1,0 +1,70 @@
+"""Where the host time of one small fwd+bwd step goes (Linear 1024^3, GPU).
+
+Prints the Python functions with the most own time (cProfile) and the torch ops
+with the most CPU time (torch.profiler) for te_fuser under a recipe and for bf16
+eager, so the CPU-bound case can be worked on from data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import te_fuser as te
+
+RECIPES = {"current": te.recipe.Float8CurrentScaling(), "delayed": te.recipe.DelayedScaling(amax_history_len=16)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="current", choices=list(RECIPES))
+    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=200)
+    args = p.parse_args(argv)
+    n = args.size
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = te.ops.Sequential(te.ops.Linear(n, n)).to(device, torch.bfloat16)
+    base = torch.nn.Linear(n, n).to(device, torch.bfloat16)
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    recipe = RECIPES[args.recipe]
+
+    def te_step():
+        with te.autocast(recipe=recipe):
+            y = model(x)
+        y.backward(dy)
+
+    def bf16_step():
+        base(x).backward(dy)
+
+    for name, step in (("bf16 eager", bf16_step), (f"te_fuser {args.recipe}", te_step)):
+        for _ in range(20):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        host = (time.perf_counter() - t0) / args.steps
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps
+        print(f"{name}: host {host * 1e6:.1f} us/step, wall {wall * 1e6:.1f} us/step")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        te_step()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        for _ in range(20):
+            te_step()
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+if __name__ == "__main__":
+    main()
