@@ -153,12 +153,14 @@ def resolve(kernel: str, device: torch.device | str, backend: str | None = None)
     Raises ``RuntimeError`` naming the backend and the missing requirement when an
     explicitly chosen backend cannot run there.
     """
-    device = torch.device(device)
-    requested = _check_name(backend or get_backend())
-    cache_key = (kernel, requested, device.type)
-    hit = _resolved.get(cache_key)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    requested = backend or (_override[-1] if _override else _state["backend"]) or get_backend()
+    hit = _resolved.get((kernel, requested, device.type))
     if hit is not None:
         return hit
+    requested = _check_name(requested)
+    cache_key = (kernel, requested, device.type)
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {list(KERNELS)}, got {kernel!r}")
     chosen = _auto_backend(kernel, device) if requested == "auto" else requested

@@ -12,7 +12,7 @@ __all__ = ["Bias", "bias_grad"]
 
 def bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Sum of ``dy`` over every dim but the last, accumulated in fp32."""
-    return dy.reshape(-1, dy.shape[-1]).float().sum(dim=0).to(dtype)
+    return dy.reshape(-1, dy.shape[-1]).sum(dim=0, dtype=torch.float32).to(dtype)  # no fp32 copy of dy
 
 
 class Bias(BasicOperation):
