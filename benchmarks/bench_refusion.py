@@ -128,9 +128,10 @@ def warm_switch(model, x, switches) -> dict:
     return result
 
 
-def weight_requant(model, device) -> dict:
+def weight_requant(model, device, weights=None) -> dict:
     """Quantize every weight as a switch to RECIPE_A does, vs copying the same bytes."""
-    weights = [op.weight for op in model.modules() if isinstance(op, te.ops.BasicLinear)]
+    if weights is None:
+        weights = [op.weight for op in model.modules() if isinstance(op, te.ops.BasicLinear)]
     quantizers = [te.quantization.quantizer_for(RECIPE_A, te.quantization.QuantizerRole("linear", "weight"))
                   for _ in weights]
 
@@ -213,6 +214,8 @@ def main(argv=None) -> dict:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", default=str(Path(__file__).with_name("refusion.png")))
     p.add_argument("--no-csv", action="store_true")
+    p.add_argument("--mlp-weights", action="store_true",
+                   help="also time the re-quantization of the MLP block's weights (4096x28672, 14336x4096; GPU)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     hidden = args.hidden or (1024 if device.type == "cuda" else 64)
@@ -242,6 +245,16 @@ def main(argv=None) -> dict:
                                  0.0, "ms"),
                      harness.Row("refusion", "switch after te.warmup", "-", shape, results[n]["after_warmup_ms"],
                                  0.0, "ms")]
+    mlp_requant = None
+    if args.mlp_weights:
+        weights = [torch.randn(2 * 14336, 4096, device=device, dtype=torch.bfloat16),
+                   torch.randn(4096, 14336, device=device, dtype=torch.bfloat16)]
+        mlp = weight_requant(None, device, weights)
+        mlp_requant = mlp
+        rows.append(harness.Row("refusion", "weight re-quantization, MLP block weights", "-",
+                                "4096x28672 + 14336x4096 bf16", mlp["ms"], 0.0, "ms", of_ceiling=1 / mlp["ratio"],
+                                note=f"floor {mlp['floor_ms']:.4f} ms"))
+        print(f"MLP weights re-quantization: {mlp['ms']:.3f} ms, {mlp['ratio']:.2f}x its floor")
     print(f"te_fuser re-fusion cost on {device} (torch {torch.__version__})")
     print(f"{'ops':>5} {'hot same µs':>11} {'hot equal µs':>12} {'switch µs':>10} "
           f"{'key/quant/fuse/valid/publish µs':>34} {'requant x floor':>15} {'cold ms':>8} {'warmed ms':>9}")
@@ -265,6 +278,7 @@ def main(argv=None) -> dict:
         "weight_requant": {n: results[n]["requant"] for n in OP_COUNTS},
         "cold_switch_ms": {n: results[n].get("cold_ms") for n in OP_COUNTS},
         "switch_after_warmup_ms": {n: results[n].get("after_warmup_ms") for n in OP_COUNTS},
+        "mlp_weights_requant": mlp_requant,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

@@ -17,7 +17,7 @@ if [ "$what" != bench ]; then
     2>&1 | tee "$OUT/tests.log" | tail -15
 fi
 if [ "$what" != tests ]; then
-  [ "$what" = layers ] || timeout 120 python3 benchmarks/bench_refusion.py --cold-cache --json "$OUT/refusion.json" --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -8
+  [ "$what" = layers ] || timeout 120 python3 benchmarks/bench_refusion.py --cold-cache --mlp-weights --json "$OUT/refusion.json" --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -8
   timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -22
   cp benchmarks/results.csv "$OUT/" 2>/dev/null || true
 fi
