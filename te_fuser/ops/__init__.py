@@ -1,6 +1,6 @@
 """Fusible operations, the op fuser and Sequential (the names follow TransformerEngine's te.ops)."""
 
-from . import fused  # registers the default fusion rules
+from . import fused  # noqa: F401  (registers the default fusion rules)
 from .basic import *  # noqa: F401,F403
 from .basic import __all__ as _basic_all
 from .fuser import FusionPlan, FusionStats, OperationFuser
