@@ -237,7 +237,8 @@ class DelayedScalingQuantizer(Quantizer):
         if previous is self:
             return
         if not isinstance(previous, DelayedScalingQuantizer):
-            self._reset(self.scale.device)
+            if self.seeded:  # a fresh quantizer is already in that state
+                self._reset(self.scale.device)
             return
         device = previous.amax_history.device
         self._reset(device)
