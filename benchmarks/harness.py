@@ -187,7 +187,8 @@ def print_table(rows: Sequence[Row], title: str = "") -> None:
 
 
 def default_backends(kernel: str) -> list[str]:
-    """triton, plus cuda when that backend module exposes ``kernel``."""
+    """triton, plus cuda when that backend module exposes ``kernel``, plus auto
+    (which must never be slower than the best of them beyond noise)."""
     backends = ["triton"]
     try:
         import te_fuser.kernels.cuda as cuda_backend
@@ -196,10 +197,25 @@ def default_backends(kernel: str) -> list[str]:
             backends.append("cuda")
     except Exception:  # a cuda backend that cannot even be imported is not benchmarked
         pass
-    return backends
+    return backends + ["auto"]
+
+
+class _AutoBackend:
+    """The kernels ``auto`` picks on this GPU (``kernels/auto_table.json``, with the
+    per-call fallbacks), under their usual names, so ``auto`` benchmarks side by side
+    with the single backends."""
+
+    def __getattr__(self, name: str):
+        from te_fuser import backend
+
+        if name not in backend.KERNELS:
+            raise AttributeError(name)
+        return backend.resolve(name, "cuda", backend="auto").fn
 
 
 def backend_module(name: str):
     import importlib
 
+    if name == "auto":
+        return _AutoBackend()
     return importlib.import_module(f"te_fuser.kernels.{name}")

@@ -19,5 +19,9 @@ fi
 if [ "$what" != tests ]; then
   [ "$what" = layers ] || timeout 120 python3 benchmarks/bench_refusion.py --cold-cache --mlp-weights --json "$OUT/refusion.json" --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -8
   timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -22
+  if [ "$what" = all ]; then  # the kernels, with auto side by side with triton and cuda
+    timeout 200 python3 benchmarks/bench_cast.py 2>&1 | tee "$OUT/cast.log" | tail -20
+    timeout 200 python3 benchmarks/bench_gemm.py 2>&1 | tee "$OUT/gemm.log" | tail -20
+  fi
   cp benchmarks/results.csv "$OUT/" 2>/dev/null || true
 fi
