@@ -155,12 +155,12 @@ def resolve(kernel: str, device: torch.device | str, backend: str | None = None)
     """
     if not isinstance(device, torch.device):
         device = torch.device(device)
-    requested = backend or (_override[-1] if _override else _state["backend"]) or get_backend()
-    hit = _resolved.get((kernel, requested, device.type))
+    requested = backend or get_backend()
+    cache_key = (kernel, requested, device.type)
+    hit = _resolved.get(cache_key)
     if hit is not None:
         return hit
-    requested = _check_name(requested)
-    cache_key = (kernel, requested, device.type)
+    _check_name(requested)
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {list(KERNELS)}, got {kernel!r}")
     chosen = _auto_backend(kernel, device) if requested == "auto" else requested
