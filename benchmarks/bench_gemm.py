@@ -84,9 +84,7 @@ def bench_size(n: int, backends: list[str]) -> list[Row]:
             rows.append(harness.progress(Row("gemm", f"{scheme} fast-accum", "cuBLASLt", label, fast_ms,
                                              _tflops(n, fast_ms), "TFLOP/s", vs_peer=bf16_ms / fast_ms, peer="bf16")))
             if scheme == "tensor":
-                fp8_gemm.TENSORWISE_FAST_ACCUM = True
-                ours_ms = harness.time_ms(lambda a, b: tk.gemm(a, b), sets)
-                fp8_gemm.TENSORWISE_FAST_ACCUM = False
+                ours_ms = harness.time_ms(lambda a, b: tk.gemm(a, b, fast_accum=True), sets)
                 rows.append(harness.progress(Row("gemm", f"{scheme} fast-accum", "triton", label, ours_ms,
                                                  _tflops(n, ours_ms), "TFLOP/s", vs_peer=fast_ms / ours_ms,
                                                  peer="cuBLASLt fast-accum")))
@@ -132,26 +130,21 @@ SWEEP = {
 def sweep(sizes: list[int]) -> list[Row]:
     """Time the Triton kernels under a few tile shapes (and MX / accumulation modes)."""
     rows = []
-    variants = [("tensor", "tensor", {}), ("tensor", "tensor", {"TENSORWISE_FAST_ACCUM": True}),
+    variants = [("tensor", "tensor", {}), ("tensor", "tensor", {"fast_accum": True}),
                 ("block_1x128_128x128", "block", {}), ("block_1x128_1x128", "block", {}), ("mx", "mx", {})]
     for n in sizes:
         for scheme, family, knobs in variants:
             sets = _operand_sets(scheme, n)
             for tiles in SWEEP[family]:
-                saved = {k: getattr(fp8_gemm, k) for k in knobs}
-                for k, v in knobs.items():
-                    setattr(fp8_gemm, k, v)
                 fp8_gemm.TILE_OVERRIDES[family] = tiles
                 try:
-                    tk.gemm(*sets[0])
-                    ms = harness.time_ms(lambda a, b: tk.gemm(a, b), sets)
+                    tk.gemm(*sets[0], **knobs)
+                    ms = harness.time_ms(lambda a, b: tk.gemm(a, b, **knobs), sets)
                     note = ""
                 except Exception as err:
                     ms, note = float("nan"), f"{type(err).__name__}: {str(err)[:60]}"
                 finally:
                     fp8_gemm.TILE_OVERRIDES.clear()
-                    for k, v in saved.items():
-                        setattr(fp8_gemm, k, v)
                 t = tiles
                 case = (f"{scheme} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
                         f"{'' if t.use_tma else ' ptr'}{''.join(f' {k}={v}' for k, v in knobs.items())}")

@@ -8,6 +8,16 @@ any process; the string is computed once, at construction.
 Recipes cannot be changed: ``recipe.replace(field=value)`` returns a new one.
 Invalid values raise ``ValueError`` naming the field, at construction.
 
+Per-tensor recipes (``DelayedScaling``, ``Float8CurrentScaling``) choose the
+accumulation of each FP8 GEMM of a linear layer: ``fprop_fast_accum``,
+``dgrad_fast_accum``, ``wgrad_fast_accum``. Hopper's FP8 tensor cores add products
+in a narrower-than-fp32 format; by default the partial sums are promoted to the
+fp32 accumulator every 128 products. Fast accumulation promotes only at the end,
+which is faster and a little less precise. As in common FP8 training practice the
+default is fast for fprop and exact for the two backward GEMMs (whose sums are
+longer and whose gradients are smaller). The reference backend always accumulates
+exactly.
+
 Every recipe has ``backward_override``:
 
 - ``None``: the backward GEMMs run in FP8 like the forward ones;
@@ -40,9 +50,11 @@ __all__ = [
     "CustomRecipe",
     "keyed",
     "BACKWARD_OVERRIDES",
+    "FAST_ACCUM_GEMMS",
 ]
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+FAST_ACCUM_GEMMS = ("fprop", "dgrad", "wgrad")
 
 
 class Format(enum.Enum):
@@ -191,6 +203,14 @@ class Recipe:
         if not isinstance(getattr(self, name), bool):
             self._fail(name, "must be True or False")
 
+    def _validate_fast_accum(self) -> None:
+        for name in FAST_ACCUM_GEMMS:
+            self._require_bool(f"{name}_fast_accum")
+
+    def fast_accum(self, gemm: str) -> bool:
+        """Whether ``gemm`` ('fprop', 'dgrad' or 'wgrad') accumulates fast (see the module doc)."""
+        return getattr(self, f"{gemm}_fast_accum", False)
+
     def _require_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -252,6 +272,9 @@ class DelayedScaling(Recipe):
     scaling_factor_compute_algo: Callable | None = None
     scaling_factor_compute_algo_key: str | None = None
     reduce_amax: bool = True
+    fprop_fast_accum: bool = field(default=True, kw_only=True)
+    dgrad_fast_accum: bool = field(default=False, kw_only=True)
+    wgrad_fast_accum: bool = field(default=False, kw_only=True)
     backward_override: str | None = field(default=None, kw_only=True)
 
     _callable_fields: ClassVar[dict[str, str]] = {
@@ -268,6 +291,7 @@ class DelayedScaling(Recipe):
         if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
             self._fail("scaling_factor_compute_algo", "must be a callable or None")
         self._require_bool("reduce_amax")
+        self._validate_fast_accum()
 
     def derived(self) -> dict[str, Any]:
         return {**self._fp8_derived(), "scaling": "tensor"}
@@ -286,12 +310,16 @@ class Float8CurrentScaling(Recipe):
     input_amax_epsilon: float = 0.0
     weight_amax_epsilon: float = 0.0
     grad_amax_epsilon: float = 0.0
+    fprop_fast_accum: bool = field(default=True, kw_only=True)
+    dgrad_fast_accum: bool = field(default=False, kw_only=True)
+    wgrad_fast_accum: bool = field(default=False, kw_only=True)
     backward_override: str | None = field(default=None, kw_only=True)
 
     def _validate(self) -> None:
         self._require_bool("power_2_scales")
         for name in ("input_amax_epsilon", "weight_amax_epsilon", "grad_amax_epsilon"):
             self._require_epsilon(name)
+        self._validate_fast_accum()
 
     def derived(self) -> dict[str, Any]:
         return {**self._fp8_derived(), "scaling": "tensor"}

@@ -99,6 +99,16 @@ def test_realistic_operands_bf16_out(pair):
     assert_close(out.cpu(), expected_f64(a, b), torch.bfloat16, f"gemm {pair} realistic")
 
 
+@pytest.mark.parametrize("pair", TENSOR_ROW_PAIRS + BLOCK_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+def test_fast_accumulation_stays_within_tolerance(pair):
+    """cuBLASLt's fast accumulation (tensor / row pairs; ignored by block pairs)."""
+    m, k, n = (256, 4096, 512)
+    a = realistic_operand(pair[0], m, k, E4M3, seed=8)
+    b = realistic_operand(pair[1], n, k, E4M3, seed=9)
+    out = cuda.gemm(a, b, fast_accum=True)
+    assert_close(out.cpu(), expected_f64(a, b), torch.bfloat16, f"gemm {pair} fast_accum")
+
+
 @pytest.mark.parametrize("activation", [None, "gelu", "relu", "silu", "swiglu"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=str)

@@ -162,3 +162,23 @@ def test_backward_override_runs_the_backward_gemms_in_high_precision(recipe_name
         assert torch.equal(grads["x"], torch.nn.functional.linear(dy, w.t())), (recipe_name, override)
         assert torch.equal(grads["weight"], torch.nn.functional.linear(dy.t(), xx.t())), (recipe_name, override)
         lin.weight.grad = None
+
+
+@pytest.mark.parametrize("flags", [(True, False, False), (False, True, True)])
+def test_each_linear_gemm_gets_its_recipes_accumulation_mode(monkeypatch, flags):
+    """fprop / dgrad / wgrad each pass their recipe field to the FP8 GEMM kernel."""
+    import te_fuser.ops.basic.linear as linear_module
+
+    calls = []
+    real_gemm = linear_module.gemm
+
+    def recording_gemm(a, b, out_dtype, **kwargs):
+        calls.append(kwargs["fast_accum"])
+        return real_gemm(a, b, out_dtype, **kwargs)
+
+    monkeypatch.setattr(linear_module, "gemm", recording_gemm)
+    recipe = te.recipe.Float8CurrentScaling(
+        fprop_fast_accum=flags[0], dgrad_fast_accum=flags[1], wgrad_fast_accum=flags[2])
+    x = torch.randn(16, 32, requires_grad=True)
+    run(te.ops.BasicLinear(32, 48), x, recipe=recipe, dy=torch.randn(16, 48))
+    assert calls == list(flags)  # fprop, then dgrad, then wgrad

@@ -34,6 +34,9 @@ def identity_factory(role):
 ALTERNATIVES = {
     R.DelayedScaling: {
         "margin": 2,
+        "fprop_fast_accum": False,
+        "dgrad_fast_accum": True,
+        "wgrad_fast_accum": True,
         "fp8_format": R.Format.E4M3,
         "amax_history_len": 16,
         "amax_compute_algo": "most_recent",
@@ -43,6 +46,9 @@ ALTERNATIVES = {
     },
     R.Float8CurrentScaling: {
         "fp8_format": R.Format.E4M3,
+        "fprop_fast_accum": False,
+        "dgrad_fast_accum": True,
+        "wgrad_fast_accum": True,
         "power_2_scales": True,
         "input_amax_epsilon": 1e-12,
         "weight_amax_epsilon": 1e-12,
@@ -165,8 +171,8 @@ class TestDefaultStrings(expecttest.TestCase):
         self.assertExpectedInline(
             "\n".join(str(cls()) for cls in (R.DelayedScaling, R.Float8CurrentScaling, R.MXFP8BlockScaling)),
             """\
-te_fuser.recipe.DelayedScaling(margin=0, fp8_format=HYBRID, amax_history_len=1024, amax_compute_algo='max', scaling_factor_compute_algo=None, reduce_amax=True, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e5m2, fwd_max=448.0, bwd_max=57344.0, scaling='tensor')
-te_fuser.recipe.Float8CurrentScaling(fp8_format=HYBRID, power_2_scales=False, input_amax_epsilon=0.0, weight_amax_epsilon=0.0, grad_amax_epsilon=0.0, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e5m2, fwd_max=448.0, bwd_max=57344.0, scaling='tensor')
+te_fuser.recipe.DelayedScaling(margin=0, fp8_format=HYBRID, amax_history_len=1024, amax_compute_algo='max', scaling_factor_compute_algo=None, reduce_amax=True, fprop_fast_accum=True, dgrad_fast_accum=False, wgrad_fast_accum=False, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e5m2, fwd_max=448.0, bwd_max=57344.0, scaling='tensor')
+te_fuser.recipe.Float8CurrentScaling(fp8_format=HYBRID, power_2_scales=False, input_amax_epsilon=0.0, weight_amax_epsilon=0.0, grad_amax_epsilon=0.0, fprop_fast_accum=True, dgrad_fast_accum=False, wgrad_fast_accum=False, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e5m2, fwd_max=448.0, bwd_max=57344.0, scaling='tensor')
 te_fuser.recipe.MXFP8BlockScaling(fp8_format=E4M3, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e4m3, fwd_max=448.0, bwd_max=448.0, scaling='mx', block=32, scale_dtype='e8m0')""",
         )
         self.assertExpectedInline(str(R.Float8BlockScaling(power_2_scales=True)), """te_fuser.recipe.Float8BlockScaling(fp8_format=E4M3, x_block_scaling_dim=1, w_block_scaling_dim=2, grad_block_scaling_dim=1, power_2_scales=True, input_amax_epsilon=0.0, weight_amax_epsilon=0.0, grad_amax_epsilon=0.0, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e4m3, fwd_max=448.0, bwd_max=448.0, scaling='block', tile=128)""")
@@ -204,6 +210,8 @@ BAD_VALUES = [
     (R.Float8CurrentScaling, "input_amax_epsilon", -1e-3),
     (R.Float8CurrentScaling, "weight_amax_epsilon", float("nan")),
     (R.Float8CurrentScaling, "grad_amax_epsilon", float("inf")),
+    (R.Float8CurrentScaling, "fprop_fast_accum", 1),
+    (R.DelayedScaling, "wgrad_fast_accum", None),
     (R.MXFP8BlockScaling, "fp8_format", R.Format.E5M2),
     (R.MXFP8BlockScaling, "backward_override", "bf16"),
     (R.Float8BlockScaling, "x_block_scaling_dim", 3),
@@ -246,3 +254,12 @@ def test_role_validation():
     assert str(QuantizerRole.make("linear", "weight", "fc1")) == "linear:fc1.weight"
     with pytest.raises(ValueError, match="tensor_type"):
         QuantizerRole.make("linear", "bias")
+
+
+def test_fast_accumulation_defaults_per_gemm():
+    for recipe in (R.DelayedScaling(), R.Float8CurrentScaling()):
+        assert [recipe.fast_accum(g) for g in R.FAST_ACCUM_GEMMS] == [True, False, False]
+    # recipes without the fields never accumulate fast
+    for recipe in (R.MXFP8BlockScaling(), R.Float8BlockScaling(), R.CustomRecipe(qfactory=identity_factory)):
+        assert not any(recipe.fast_accum(g) for g in R.FAST_ACCUM_GEMMS)
+    assert R.Float8CurrentScaling(wgrad_fast_accum=True).fast_accum("wgrad")

@@ -69,8 +69,8 @@ def gemm_tolerance(a, b, out_dtype) -> tuple[object, bool]:
     return ("fp8_gemm_fp32_out" if out_dtype == torch.float32 else out_dtype), False
 
 
-def _check(a, b, out_dtype, context, **epilogue):
-    got = tk.gemm(a, b, out_dtype, **epilogue)
+def _check(a, b, out_dtype, context, fast_accum=False, **epilogue):
+    got = tk.gemm(a, b, out_dtype, fast_accum=fast_accum, **epilogue)
     want = ref.gemm_reference(a, b, out_dtype, **epilogue)
     assert got.dtype == out_dtype and got.shape == want.shape
     key, scaled = gemm_tolerance(a, b, out_dtype)
@@ -83,6 +83,14 @@ def test_gemm_every_scheme(scheme, out_dtype):
     x, w, _ = _inputs(67, 96, 160)
     qa, qb = SCHEMES[scheme]
     _check(qa(x), qb(w), out_dtype, f"{scheme} (67x96x160)")
+
+
+@pytest.mark.parametrize("scheme", ["tensor_x_tensor", "row_x_row", "tensor_x_row_e5m2"])
+def test_gemm_fast_accumulation_stays_within_tolerance(scheme):
+    """One promotion to fp32 at the end of a long K loop instead of one per 128."""
+    x, w, bias = _inputs(40, 48, 1024 if DEVICE == "cuda" else 384, seed=3)
+    qa, qb = SCHEMES[scheme]
+    _check(qa(x), qb(w), torch.bfloat16, f"{scheme} fast_accum", fast_accum=True, bias=bias)
 
 
 @pytest.mark.parametrize("scheme", ["tensor_x_tensor", "row_x_row", "block_1x128_x_128x128",

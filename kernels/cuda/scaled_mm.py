@@ -168,16 +168,20 @@ def gemm(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     residual: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``activation(a (P, R) @ b (Q, R).T + bias (Q,)) + residual (P, Q')`` as ``out_dtype``.
 
     cuBLASLt FP8 GEMM where it applies (see the module docstring), else the
-    reference GEMM; same contract as ``gemm_reference``.
+    reference GEMM; same contract as ``gemm_reference``. ``fast_accum`` is
+    cuBLASLt's fast-accumulation mode for tensor- and row-scaled pairs (block-scaled
+    GEMMs promote per 128-wide block whatever it says).
     """
     for name, op in (("a", a), ("b", b)):
         check_cuda_tensor(op.data if isinstance(op, ScaledOperand) else op, "gemm", name)
     if gemm_unsupported_reason(a, b) is not None:
         return gemm_reference(a, b, out_dtype, bias, activation, residual)
+    fast_accum = fast_accum and (a.scaling, b.scaling) in _TENSOR_ROW_PAIRS
     m, n, _ = _check_args(a, b, out_dtype, bias, activation, residual)
     for name, t in (("bias", bias), ("residual", residual)):
         if t is not None:
@@ -196,7 +200,7 @@ def gemm(
             scale_b=scale_b,
             bias=bias if bias_in_gemm else None,
             out_dtype=torch.float32 if needs_epilogue else out_dtype,
-            use_fast_accum=False,
+            use_fast_accum=fast_accum,
         )  # (M, N)
         if not needs_epilogue:
             return y

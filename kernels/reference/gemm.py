@@ -31,12 +31,16 @@ def gemm_reference(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     residual: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``activation(a (P, R) @ b (Q, R).T + bias (Q,)) + residual (P, Q')`` in fp32.
 
     The epilogue of a fused Linear: bias, then the activation (``swiglu`` halves
     the columns), then the residual add; the result is cast to ``out_dtype``.
+    ``fast_accum`` (a tensor-core accumulation mode of the fast backends) does not
+    apply here: the reference always accumulates in fp32.
     """
+    del fast_accum
     a32, b32 = _as_fp32(a), _as_fp32(b)
     if a32.shape[1] != b32.shape[1]:
         raise ValueError(f"gemm: reduction dims differ: a is {tuple(a32.shape)}, b is {tuple(b32.shape)}")

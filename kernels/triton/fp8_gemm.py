@@ -21,8 +21,8 @@ reducing the amax). Other scaling pairs are dequantized to fp32 and multiplied b
 the tensorwise kernel.
 
 On Hopper the FP8 tensor cores accumulate in a narrower format; the tensorwise
-kernel promotes to fp32 every 128 products (``TENSORWISE_FAST_ACCUM`` switches that
-off), the block kernels every 128-deep block.
+kernel promotes to fp32 every 128 products (``gemm(..., fast_accum=True)`` promotes
+once, at the end), the block kernels every 128-deep block.
 """
 
 from __future__ import annotations
@@ -421,20 +421,15 @@ def _grid(m: int, epi: _Epilogue, t: Tiles) -> tuple[int]:
     return (triton.cdiv(m, t.block_m) * triton.cdiv(epi.n_out, t.block_n),)
 
 
-# Hopper's FP8 tensor cores accumulate in reduced precision; by default the sum is
-# promoted to the fp32 accumulator every BLOCK_K (128) products. True: promote
-# only at the end of the K loop (cuBLASLt's "fast accumulation"), for comparison.
-TENSORWISE_FAST_ACCUM = False
-
-
-def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tuple[str, str]) -> None:
+def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tuple[str, str],
+                     fast_accum: bool = False) -> None:
     """tensor/row scaled FP8 operands, or plain ones (``sa``/``sb`` None)."""
     m, k = a.shape
     t = _tiles(a.device, "tensor" if sa is not None else "plain", m, epi.n_out, k, epi.activation == 4)
     args, meta = _launch_common(epi, out, a)
     upcast = a.dtype == torch.bfloat16 and is_interpreted(a)
     precision = "ieee" if (a.dtype == torch.float32 or upcast) else None
-    promote = t.block_k if (a.dtype.itemsize == 1 and k >= t.block_k and not TENSORWISE_FAST_ACCUM) else None
+    promote = t.block_k if (a.dtype.itemsize == 1 and k >= t.block_k and not fast_accum) else None
     a_src, b_src, use_tma = _sources(a, b, t)
     _fp8_gemm_tensorwise_kernel[_grid(m, epi, t)](
         a_src, b_src, sa if sa is not None else out, sb if sb is not None else out, *args, m, epi.n_out, k,
@@ -515,7 +510,8 @@ def _checked_operands(a, b) -> tuple[torch.Tensor, torch.Tensor]:
     return a_mat, b_mat
 
 
-def _run(a, b, a_mat: torch.Tensor, b_mat: torch.Tensor, epi: _Epilogue, out: torch.Tensor) -> None:
+def _run(a, b, a_mat: torch.Tensor, b_mat: torch.Tensor, epi: _Epilogue, out: torch.Tensor,
+         fast_accum: bool = False) -> None:
     """Launch the kernel for this pair of operands into ``out``."""
     if out.numel() == 0:
         return
@@ -524,7 +520,7 @@ def _run(a, b, a_mat: torch.Tensor, b_mat: torch.Tensor, epi: _Epilogue, out: to
     pair = _pair(a, b)
     if pair == "tensorwise":
         _gemm_tensorwise(_k_major(a.data), _k_major(b.data), a.scale_inv.reshape(-1), b.scale_inv.reshape(-1),
-                         epi, out, (a.scaling, b.scaling))
+                         epi, out, (a.scaling, b.scaling), fast_accum)
     elif pair == "blockwise":
         _gemm_blockwise(a, b, epi, out)
     elif pair == "mxfp8":
@@ -541,14 +537,17 @@ def gemm(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     residual: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``activation(a (P, R) @ b (Q, R).T + bias (Q,)) + residual (P, Q')``, fp32
-    accumulation, cast to ``out_dtype``; ``swiglu`` halves the columns (Q' = Q/2)."""
+    accumulation, cast to ``out_dtype``; ``swiglu`` halves the columns (Q' = Q/2).
+    ``fast_accum``: tensor- and row-scaled products are promoted to fp32 once, at
+    the end of the K loop, instead of every BLOCK_K products."""
     a_mat, b_mat = _checked_operands(a, b)
     m, n = a_mat.shape[0], b_mat.shape[0]
     epi = _check_epilogue(bias, residual, activation, out_dtype, m, n, a_mat.device)
     out = torch.empty((m, epi.n_out), dtype=out_dtype, device=a_mat.device)
-    _run(a, b, a_mat, b_mat, epi, out)
+    _run(a, b, a_mat, b_mat, epi, out, fast_accum)
     return out
 
 

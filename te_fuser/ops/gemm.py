@@ -56,11 +56,13 @@ def gemm(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     residual: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``activation(a (P, R) @ b (Q, R).T + bias) + residual`` as ``out_dtype``."""
+    """``activation(a (P, R) @ b (Q, R).T + bias) + residual`` as ``out_dtype``;
+    ``fast_accum`` lets an FP8 GEMM promote its partial sums to fp32 only at the end."""
     if isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand):
         fn = backend.resolve("gemm", a.data.device).fn
-        return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual)
+        return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual, fast_accum=fast_accum)
     a_hp, b_hp = _high_precision(a, out_dtype), _high_precision(b, out_dtype)
     out = torch.nn.functional.linear(a_hp, b_hp)
     if bias is not None:

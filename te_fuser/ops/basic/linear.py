@@ -110,7 +110,8 @@ def linear_forward(
             ctx.quantizer("weight").observe(w_hp)
         x_q, w_q = x2d, w_hp
     res2d = None if residual is None else residual.reshape(-1, op.out_features)
-    y2d = gemm(rowwise(x_q), rowwise(w_q), dtype, bias=bias, activation=activation, residual=res2d)
+    fast = run.recipe is not None and run.recipe.fast_accum("fprop")
+    y2d = gemm(rowwise(x_q), rowwise(w_q), dtype, bias=bias, activation=activation, residual=res2d, fast_accum=fast)
     if run.needs_backward:
         ctx.saved["x"] = x_q if keep_fp8 else x2d
         ctx.saved["w"] = w_q if keep_fp8 else w_hp
@@ -137,7 +138,8 @@ def linear_backward(
     ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dgrad (plus ``grad_residual``, a gradient to add to dx) and wgrad."""
-    dtype = ctx.run.compute_dtype
+    run = ctx.run
+    dtype = run.compute_dtype
     dy2d = dy.reshape(-1, op.out_features).to(dtype)  # (M, N)
     need_dx = ctx.needs_input_grad
     need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else op.weight.requires_grad
@@ -145,8 +147,10 @@ def linear_backward(
     dx = dw = None
     if need_dx:
         res = None if grad_residual is None else grad_residual.reshape(-1, op.in_features)
-        dx2d = gemm(rowwise(dy_q), columnwise(w_s), dtype, residual=res)  # (M, K)
+        fast = run.recipe is not None and run.recipe.fast_accum("dgrad")
+        dx2d = gemm(rowwise(dy_q), columnwise(w_s), dtype, residual=res, fast_accum=fast)  # (M, K)
         dx = dx2d.reshape(ctx.saved["x_shape"])
     if need_dw:
-        dw = gemm(columnwise(dy_q), columnwise(x_s), op.weight.dtype)  # (N, K)
+        fast = run.recipe is not None and run.recipe.fast_accum("wgrad")
+        dw = gemm(columnwise(dy_q), columnwise(x_s), op.weight.dtype, fast_accum=fast)  # (N, K)
     return dx, dw
