@@ -11,7 +11,9 @@ scaling. Each time is the median of a full forward + backward (parameter grads
 included). It also times a recipe switch: torchao must re-convert and recompile
 (measured: the first step of a freshly converted and compiled copy, minus a
 steady step); te_fuser's first step after a switch minus a steady step, with the
-kernels warmed by ``te.warmup``.
+kernels warmed by ``te.warmup``. For the small Linear it also times te_fuser
+through ``te.make_graphed`` (forward and backward replayed from CUDA graphs) and
+what a recipe switch costs there (one eager step plus a capture).
 """
 
 from __future__ import annotations
@@ -138,12 +140,33 @@ def bench_case(case: str, rows: list, switch_rows: list) -> None:
         rows.append(harness.Row("layers", case, f"te_fuser {name}", shape, ms, total / ms / 1e9, "TFLOP/s",
                                 vs_peer=bf16_ms / ms, peer="bf16 eager",
                                 note="" if ao_ms is None else f"vs torchao {ao_ms / ms:.2f}x"))
+    if case == "small":
+        bench_graphed(model, x, dy, shape, total, bf16_ms, ao_ms, rows, switch_rows)
     steady = statistics.median(wall_ms(fwd_bwd(model, x, dy, RECIPES["block"])) for _ in range(3))
     first = wall_ms(fwd_bwd(model, x, dy, RECIPES["current"]))
     steady_current = statistics.median(wall_ms(fwd_bwd(model, x, dy, RECIPES["current"])) for _ in range(3))
     switch_rows.append(harness.Row("layers", f"{case}: switch block->current", "te_fuser", shape,
                                    first - steady_current, 0.0, "ms",
                                    note=f"first step - steady (steady block {steady:.3f} ms)"))
+
+
+def bench_graphed(model, x, dy, shape, total, bf16_ms, ao_ms, rows, switch_rows) -> None:
+    """te_fuser replayed from CUDA graphs: steady steps, and a switch between recipes."""
+    graphed = te.make_graphed(model)
+    for name in ("current", "delayed"):
+        run = fwd_bwd(graphed, x, dy, RECIPES[name])
+        run()  # the first step under a recipe runs eagerly; the second captures
+        run()
+        ms = harness.time_ms(run)
+        rows.append(harness.Row("layers", "small", f"te_fuser {name} graphed", shape, ms, total / ms / 1e9,
+                                "TFLOP/s", vs_peer=bf16_ms / ms, peer="bf16 eager",
+                                note="" if ao_ms is None else f"vs torchao {ao_ms / ms:.2f}x"))
+    steady = statistics.median(wall_ms(fwd_bwd(graphed, x, dy, RECIPES["delayed"])) for _ in range(3))
+    run = fwd_bwd(graphed, x, dy, RECIPES["current"])
+    switch = wall_ms(run) + wall_ms(run) - 2 * steady  # the eager step, then the capture
+    switch_rows.append(harness.Row("layers", "small: switch delayed->current, graphed", "te_fuser", shape,
+                                   switch, 0.0, "ms",
+                                   note=f"eager step + capture - 2 steady (capture {graphed.stats.capture_seconds * 1e3:.1f} ms)"))
 
 
 def main(argv=None):

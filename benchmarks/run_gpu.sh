@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: install, GPU tests, then the benchmarks; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [tests|bench|layers|all]   (layers: tests + bench_layers only)   (torchao wheels, if any, in .whl/)
+# One call on a GPU machine: install, then the named parts; logs under $OUT.
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests layers profile refusion kernels checks host
+#   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/te_fuser_out}; mkdir -p "$OUT"
-what=${1:-all}
+parts=${*:-tests layers refusion kernels}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >>"$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
-if [ "$what" != bench ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
-    tests/test_fuser.py tests/test_cuda_gemm.py \
-    2>&1 | tee "$OUT/tests.log" | tail -15
-fi
-if [ "$what" != tests ]; then
-  [ "$what" = layers ] || timeout 120 python3 benchmarks/bench_refusion.py --cold-cache --mlp-weights --json "$OUT/refusion.json" --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -8
-  timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -22
-  if [ "$what" = all ]; then  # the kernels, with auto side by side with triton and cuda
-    timeout 200 python3 benchmarks/bench_cast.py 2>&1 | tee "$OUT/cast.log" | tail -20
-    timeout 200 python3 benchmarks/bench_gemm.py 2>&1 | tee "$OUT/gemm.log" | tail -20
-  fi
-  cp benchmarks/results.csv "$OUT/" 2>/dev/null || true
-fi
+for part in $parts; do
+  case $part in
+    tests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
+        tests/test_fuser.py tests/test_cuda_gemm.py tests/test_graphs.py tests/test_triton_gpu_shapes.py \
+        2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+    layers) timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -24 ;;
+    profile) timeout 200 python3 benchmarks/profile_kernels.py --case mlp 2>&1 | tee "$OUT/profile.log" | tail -60 ;;
+    refusion)
+      timeout 150 python3 benchmarks/bench_refusion.py --cold-cache --mlp-weights --json "$OUT/refusion.json" \
+        --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -12 ;;
+    kernels)  # the kernels, with auto side by side with triton and cuda
+      timeout 200 python3 benchmarks/bench_cast.py 2>&1 | tee "$OUT/cast.log" | tail -20
+      timeout 200 python3 benchmarks/bench_gemm.py 2>&1 | tee "$OUT/gemm.log" | tail -24 ;;
+    checks) [ -f benchmarks/check_gpu_defects.py ] && timeout 120 python3 benchmarks/check_gpu_defects.py 2>&1 | tee "$OUT/checks.log" | tail -20 ;;
+    host) [ -f benchmarks/host_overhead.py ] && timeout 120 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host.log" | tail -20 ;;
+    *) echo "unknown part: $part" ;;
+  esac
+done
+cp benchmarks/results.csv "$OUT/" 2>/dev/null || true

@@ -9,7 +9,9 @@
 from . import ops, quantization, recipe
 from .autocast import DEFAULT_RECIPE, autocast
 from .backend import get_backend, set_backend
+from .graphs import make_graphed
 from .warmup import warmup
 
-__all__ = ["ops", "quantization", "recipe", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend", "warmup"]
+__all__ = ["ops", "quantization", "recipe", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend", "warmup",
+           "make_graphed"]
 __version__ = "0.1.0"
