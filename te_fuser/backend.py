@@ -155,10 +155,10 @@ def resolve(kernel: str, device: torch.device | str, backend: str | None = None)
     """
     if not isinstance(device, torch.device):
         device = torch.device(device)
-    requested = backend or get_backend()
+    requested = backend or (_override[-1] if _override else _state["backend"]) or get_backend()
     cache_key = (kernel, requested, device.type)
     hit = _resolved.get(cache_key)
-    if hit is not None:
+    if hit is not None:  # the hot path: one dict look-up
         return hit
     _check_name(requested)
     if kernel not in KERNELS:

@@ -89,6 +89,11 @@ class OperationFuser:
         self._flat_params = [p for ps in self._params for p in ps]
         self._n_extra_in = [op.num_extra_inputs for op in self.ops]
         self._num_extra_inputs = sum(self._n_extra_in)
+        self._n_extra_out = [op.num_extra_outputs for op in self.ops]
+        self._branches = self._num_extra_inputs > 0 or sum(self._n_extra_out) > 0
+        # Per op: its slice of the autograd inputs (x, fuser and plan, *params, *extra inputs)
+        # and of the flat parameter gradients, computed once for every backward.
+        self._grad_slices = _grad_slices([len(ps) for ps in self._params], self._n_extra_in)
         self._plan: FusionPlan | None = None
         self._last_recipe = None
         self.stats = FusionStats()
@@ -257,10 +262,28 @@ def _split(items: Sequence, counts: Sequence[int]) -> list[list]:
     return out
 
 
+def _grad_slices(param_counts: Sequence[int], extra_counts: Sequence[int]) -> list[tuple[slice, slice, int]]:
+    """Per op: (its parameters' slice of ``needs_input_grad``, its extra inputs' slice
+    of it, the offset of its first parameter among the flat parameters)."""
+    out, p, e = [], 2, 2 + sum(param_counts)
+    for n_p, n_e in zip(param_counts, extra_counts):
+        out.append((slice(p, p + n_p), slice(e, e + n_e), p - 2))
+        p, e = p + n_p, e + n_e
+    return out
+
+
 def _run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
+    run = plan.run
+    ctxs = [OpContext(op, qs, run) for op, qs in zip(fuser.ops, plan.quantizers)]
+    if not fuser._branches:  # no extra inputs or outputs: the common case, kept short
+        if extra_inputs:
+            raise ValueError(f"op fuser: expected 0 extra input(s), got {len(extra_inputs)}")
+        for step in plan.forward:
+            idx = step.indices
+            x, _ = step.executor.fuser_forward(ctxs[idx[0] : idx[-1] + 1], x, _NO_EXTRAS[len(idx)])
+        return ctxs, x, []
     if len(extra_inputs) != fuser.num_extra_inputs:
         raise ValueError(f"op fuser: expected {fuser.num_extra_inputs} extra input(s), got {len(extra_inputs)}")
-    ctxs = [OpContext(op, qs, plan.run) for op, qs in zip(fuser.ops, plan.quantizers)]
     extras_in = _split(extra_inputs, fuser._n_extra_in)
     extras_out: list[list] = [[] for _ in fuser.ops]
     for step in plan.forward:
@@ -271,49 +294,66 @@ def _run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
     return ctxs, x, [t for o in extras_out for t in o]
 
 
+class _NoExtras(dict):
+    """``_NO_EXTRAS[n]``: a tuple of ``n`` empty tuples, the extra inputs (or their
+    gradients) of a step of ``n`` ops without branches; built once per ``n``."""
+
+    def __missing__(self, n: int) -> tuple:
+        value = self[n] = ((),) * n
+        return value
+
+
+_NO_EXTRAS = _NoExtras()
+
+
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, fuser_and_plan, *tensors):
         fuser, plan = fuser_and_plan
         extra_inputs = tensors[len(fuser._flat_params):]
         ctxs, y, extra_outputs = _run_forward(fuser, plan, x, extra_inputs)
+        fctx.fuser, fctx.plan, fctx.ctxs = fuser, plan, ctxs
+        fctx.x_dtype = x.dtype
+        if not extra_outputs:
+            return y
         seen = {id(x), id(y), *(id(t) for t in tensors)}
         fixed = []
         for t in extra_outputs:  # an output must not alias an input or another output
             fixed.append(t.clone() if id(t) in seen else t)
             seen.add(id(fixed[-1]))
-        fctx.fuser, fctx.plan, fctx.ctxs = fuser, plan, ctxs
-        fctx.x_dtype = x.dtype
-        return (y, *fixed) if fixed else y
+        return (y, *fixed)
 
     @staticmethod
     def backward(fctx, dy, *grad_extra_outputs):
         fuser, plan, ctxs = fctx.fuser, fctx.plan, fctx.ctxs
         needs = fctx.needs_input_grad
-        n_params = len(fuser._flat_params)
-        param_needs = _split(needs[2 : 2 + n_params], [len(p) for p in fuser._params])
-        extra_needs = _split(needs[2 + n_params :], fuser._n_extra_in)
         upstream = needs[0]
-        for ctx, p_need, e_need in zip(ctxs, param_needs, extra_needs):
+        for ctx, (p_slice, e_slice, _) in zip(ctxs, fuser._grad_slices):
+            p_need = needs[p_slice]
             ctx.needs_input_grad = upstream
-            ctx.param_needs_grad = tuple(p_need)
-            upstream = upstream or any(p_need) or any(e_need)
-        n_out = [op.num_extra_outputs for op in fuser.ops]
-        d_extra_out = _split(grad_extra_outputs, n_out)
-        pgrads: list[list] = [[None] * len(p) for p in fuser._params]
+            ctx.param_needs_grad = p_need
+            upstream = upstream or any(p_need) or any(needs[e_slice])
+        branches = fuser._branches
+        d_extra_out = _split(grad_extra_outputs, fuser._n_extra_out) if branches else None
         d_extra_in: list[list] = [[None] * n for n in fuser._n_extra_in]
+        pgrads: list = [None] * len(fuser._flat_params)
+        slices = fuser._grad_slices
         dx = dy
         for step in reversed(plan.backward):
             idx = step.indices
-            dx, step_pgrads, step_dextra = step.executor.fuser_backward(
-                [ctxs[i] for i in idx], dx, [d_extra_out[i] for i in idx]
-            )
+            step_ctxs = ctxs[idx[0] : idx[-1] + 1]
+            step_d_extra = [d_extra_out[i] for i in idx] if branches else _NO_EXTRAS[len(idx)]
+            dx, step_pgrads, step_dextra = step.executor.fuser_backward(step_ctxs, dx, step_d_extra)
             for i, g, d in zip(idx, step_pgrads, step_dextra):
-                pgrads[i] = list(g) if g else pgrads[i]
-                d_extra_in[i] = list(d) if d else d_extra_in[i]
+                if g:
+                    p_slice, _, first = slices[i]
+                    for j, (need, grad) in enumerate(zip(needs[p_slice], g), first):
+                        pgrads[j] = grad if need else None
+                if d:
+                    d_extra_in[i] = list(d)
         if dx is not None and needs[0]:
-            dx = dx.to(fctx.x_dtype)
+            if dx.dtype is not fctx.x_dtype:
+                dx = dx.to(fctx.x_dtype)
         else:
             dx = None
-        flat_p = [g if need else None for gs, ns in zip(pgrads, param_needs) for g, need in zip(gs, ns)]
-        return (dx, None, *flat_p, *[g for gs in d_extra_in for g in gs])
+        return (dx, None, *pgrads, *[g for gs in d_extra_in for g in gs])

@@ -27,9 +27,18 @@ __all__ = ["RunConfig", "OpContext", "BasicOperation", "FusedOperation"]
 
 
 class RunConfig:
-    """What a plan was built for: shared by every op context of one forward."""
+    """What a plan was built for: shared by every op context of one forward.
 
-    __slots__ = ("recipe", "calibrating", "compute_dtype", "needs_backward", "training", "key")
+    Besides the plan's conditions it holds values derived once from the
+    (immutable) recipe, which the ops read on every call: whether tensors are
+    quantized, the ``backward_override``, and each GEMM's fast-accumulation flag.
+    """
+
+    __slots__ = (
+        "recipe", "calibrating", "compute_dtype", "needs_backward", "training", "key",
+        "quantizing", "backward_override", "fp8_backward", "fast_accum_fprop", "fast_accum_dgrad",
+        "fast_accum_wgrad",
+    )
 
     def __init__(self, recipe, calibrating, compute_dtype, needs_backward, training, key):
         self.recipe: Recipe | None = recipe
@@ -38,14 +47,13 @@ class RunConfig:
         self.needs_backward: bool = needs_backward
         self.training: bool = training
         self.key: str = key
-
-    @property
-    def backward_override(self) -> str | None:
-        return None if self.recipe is None else self.recipe.backward_override
-
-    @property
-    def quantizing(self) -> bool:
-        return self.recipe is not None and not self.calibrating
+        self.quantizing: bool = recipe is not None and not calibrating
+        self.backward_override: str | None = None if recipe is None else recipe.backward_override
+        # FP8 backward GEMMs: quantizing, with no backward_override
+        self.fp8_backward: bool = self.quantizing and self.backward_override is None
+        self.fast_accum_fprop: bool = recipe is not None and recipe.fast_accum("fprop")
+        self.fast_accum_dgrad: bool = recipe is not None and recipe.fast_accum("dgrad")
+        self.fast_accum_wgrad: bool = recipe is not None and recipe.fast_accum("wgrad")
 
 
 class OpContext:

@@ -62,13 +62,23 @@ class Quantizer:
         self.fp8_dtype = fp8_dtype if fp8_dtype is None else self._checked_fp8_dtype(fp8_dtype)
 
     # -- quantization --------------------------------------------------------
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # Whether calls must run check_shape: the base one only rejects 0-d
+        # shapes, which _check_input already does.
+        cls._constrains_shape = cls.check_shape is not Quantizer.check_shape
+
+    _constrains_shape = False
+
     def __call__(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> QuantizedTensor:
         """Quantize ``x`` (any shape ``(..., K)``) as its 2-D flattening ``(M, K)``."""
         self._check_input(x, rowwise, columnwise)
-        self.check_shape(tuple(x.shape), rowwise=rowwise, columnwise=columnwise)
-        x_hp = x.reshape(-1, x.shape[-1])  # (M, K)
+        shape = x.shape
+        if self._constrains_shape:
+            self.check_shape(tuple(shape), rowwise=rowwise, columnwise=columnwise)
+        x_hp = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
         rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise)
-        return QuantizedTensor(rowwise_op, columnwise_op, x.shape, x.dtype)
+        return QuantizedTensor(rowwise_op, columnwise_op, shape, x.dtype)
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
@@ -169,7 +179,7 @@ class Quantizer:
                 f"{self._who()}: input dtype must be one of "
                 f"{[short_name(d) for d in _HIGH_PRECISION]}, got {x.dtype}"
             )
-        if x.dim() == 0:
+        if not x.shape:
             raise ValueError(f"{self._who()}: cannot quantize a 0-d tensor; give it at least one dimension")
         if not (rowwise or columnwise):
             raise ValueError(f"{self._who()}: rowwise and columnwise are both False; ask for at least one copy")

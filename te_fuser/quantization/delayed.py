@@ -105,7 +105,7 @@ class DelayedScalingQuantizer(Quantizer):
         self.seeded = False
 
     def _move_state(self, device: torch.device) -> None:
-        if self.scale.device != device:
+        if self.scale.device != device:  # once, on first use on a device
             # host -> device copies need no wait; a device -> host copy must complete
             non_blocking = device.type == "cuda" and self.scale.device.type == "cpu"
             for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count", "_fmax"):
@@ -115,8 +115,9 @@ class DelayedScalingQuantizer(Quantizer):
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
     ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
-        self._move_state(x_hp.device)
-        cast = backend.resolve("quantize_tensorwise", x_hp.device).fn
+        device = x_hp.device
+        self._move_state(device)
+        cast = backend.resolve("quantize_tensorwise", device).fn
         if not self.seeded:
             self._seed(x_hp, cast)
         scale_inv = self.scale_inv  # the state is rebound, never written in place
@@ -151,7 +152,8 @@ class DelayedScalingQuantizer(Quantizer):
 
     def _record(self, history: torch.Tensor) -> None:
         """Adopt ``history`` (its newest amax in slot 0) and update the scale from it."""
-        self._reduce_amax(history[0:1])
+        if self.amax_reduction_group is not None:
+            self._reduce_amax(history[0:1])
         self.amax_history = history
         scale, finite = self._next_scale(self._history_amax(history), self.scale)
         self._set_scale(scale)

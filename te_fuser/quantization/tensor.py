@@ -15,7 +15,6 @@ kernels and call :meth:`QuantizedTensor.dequantize` where high precision is need
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -33,32 +32,33 @@ def flat_2d_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
-@dataclass(eq=False)
 class QuantizedTensor:
     """The row-wise and/or column-wise FP8 copies of a tensor of ``shape``.
 
     ``dtype`` is the high-precision dtype :meth:`dequantize` returns by default.
     """
 
-    rowwise: ScaledOperand | None
-    columnwise: ScaledOperand | None
-    shape: torch.Size
-    dtype: torch.dtype
+    __slots__ = ("rowwise", "columnwise", "shape", "dtype")
 
-    def __post_init__(self) -> None:
-        self.shape = torch.Size(self.shape)
-        if self.rowwise is None and self.columnwise is None:
+    def __init__(
+        self, rowwise: ScaledOperand | None, columnwise: ScaledOperand | None, shape: torch.Size, dtype: torch.dtype
+    ) -> None:
+        self.rowwise = rowwise
+        self.columnwise = columnwise
+        self.shape = shape = shape if type(shape) is torch.Size else torch.Size(shape)
+        self.dtype = dtype
+        if rowwise is None and columnwise is None:
             raise ValueError("QuantizedTensor: needs a rowwise or a columnwise copy, got neither")
-        rows, cols = flat_2d_shape(tuple(self.shape))
-        self._check_copy("rowwise", self.rowwise, (rows, cols))
-        self._check_copy("columnwise", self.columnwise, (cols, rows))
+        rows, cols = shape if len(shape) == 2 else flat_2d_shape(shape)
+        if rowwise is not None:
+            self._check_copy("rowwise", rowwise, (rows, cols))
+        if columnwise is not None:
+            self._check_copy("columnwise", columnwise, (cols, rows))
 
-    def _check_copy(self, name: str, op: ScaledOperand | None, expected: tuple[int, int]) -> None:
-        if op is None:
-            return
+    def _check_copy(self, name: str, op: ScaledOperand, expected: tuple[int, int]) -> None:
         if not isinstance(op, ScaledOperand):
             raise TypeError(f"QuantizedTensor.{name}: must be a ScaledOperand or None, got {type(op).__name__}")
-        if tuple(op.data.shape) != expected:
+        if op.data.shape != expected:
             raise ValueError(
                 f"QuantizedTensor.{name}: a tensor of shape {tuple(self.shape)} needs {name} data of "
                 f"shape {expected}, got {tuple(op.data.shape)}"

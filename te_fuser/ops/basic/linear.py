@@ -96,36 +96,42 @@ def linear_forward(
     """fprop with an optional epilogue; saves the backward's operands in ``ctx``."""
     run = ctx.run
     dtype = run.compute_dtype
-    x2d = x.reshape(-1, op.in_features).to(dtype)  # (M, K)
-    w_hp = op.weight.to(dtype)  # (N, K)
-    keep_fp8 = run.quantizing and run.backward_override != "high_precision"
-    fp8_backward = run.quantizing and run.backward_override is None
-    need_wgrad = run.needs_backward and op.weight.requires_grad
+    weight = op.weight
+    x_shape = x.shape
+    x2d = x if (len(x_shape) == 2 and x_shape[1] == op.in_features) else x.reshape(-1, op.in_features)  # (M, K)
+    if x2d.dtype is not dtype:
+        x2d = x2d.to(dtype)
+    w_hp = weight if weight.dtype is dtype else weight.to(dtype)  # (N, K)
+    needs_backward = run.needs_backward
     if run.quantizing:
-        x_q = ctx.quantizer("input")(x2d, rowwise=True, columnwise=need_wgrad and fp8_backward)
-        w_q = op.quantized_weight(ctx.quantizer("weight"), w_hp, run.needs_backward and fp8_backward)
+        fp8_backward = run.fp8_backward
+        need_wgrad = needs_backward and fp8_backward and weight.requires_grad
+        x_q = ctx.quantizers.get("input")(x2d, rowwise=True, columnwise=need_wgrad)
+        w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, needs_backward and fp8_backward)
+        keep_fp8 = run.backward_override != "high_precision"
     else:
         if run.calibrating:
             ctx.quantizer("input").observe(x2d)
             ctx.quantizer("weight").observe(w_hp)
         x_q, w_q = x2d, w_hp
+        keep_fp8 = False
     res2d = None if residual is None else residual.reshape(-1, op.out_features)
-    fast = run.recipe is not None and run.recipe.fast_accum("fprop")
-    y2d = gemm(rowwise(x_q), rowwise(w_q), dtype, bias=bias, activation=activation, residual=res2d, fast_accum=fast)
-    if run.needs_backward:
-        ctx.saved["x"] = x_q if keep_fp8 else x2d
-        ctx.saved["w"] = w_q if keep_fp8 else w_hp
-        ctx.saved["x_shape"] = x.shape
-    out_features = y2d.shape[-1]
-    return y2d.reshape(*x.shape[:-1], out_features)
+    y2d = gemm(rowwise(x_q), rowwise(w_q), dtype, bias=bias, activation=activation, residual=res2d,
+               fast_accum=run.fast_accum_fprop)
+    if needs_backward:
+        saved = ctx.saved
+        saved["x"] = x_q if keep_fp8 else x2d
+        saved["w"] = w_q if keep_fp8 else w_hp
+        saved["x_shape"] = x_shape
+    return y2d if len(x_shape) == 2 else y2d.reshape(*x_shape[:-1], y2d.shape[-1])
 
 
 def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool):
     """dy, x and w in the form the backward GEMMs take, per ``backward_override``."""
     run, saved = ctx.run, ctx.saved
     x_s, w_s = saved["x"], saved["w"]
-    if run.quantizing and run.backward_override is None:
-        dy_q = ctx.quantizer("grad_output")(dy2d, rowwise=need_dx, columnwise=need_dw)
+    if run.fp8_backward:
+        dy_q = ctx.quantizers.get("grad_output")(dy2d, rowwise=need_dx, columnwise=need_dw)
         return dy_q, x_s, w_s
     if isinstance(x_s, QuantizedTensor):  # 'dequantized'
         x_s = x_s.dequantize(run.compute_dtype)
@@ -140,17 +146,19 @@ def linear_backward(
     """dgrad (plus ``grad_residual``, a gradient to add to dx) and wgrad."""
     run = ctx.run
     dtype = run.compute_dtype
-    dy2d = dy.reshape(-1, op.out_features).to(dtype)  # (M, N)
+    dy_shape = dy.shape
+    dy2d = dy if (len(dy_shape) == 2 and dy_shape[1] == op.out_features) else dy.reshape(-1, op.out_features)  # (M, N)
+    if dy2d.dtype is not dtype:
+        dy2d = dy2d.to(dtype)
     need_dx = ctx.needs_input_grad
     need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else op.weight.requires_grad
     dy_q, x_s, w_s = _backward_operands(ctx, dy2d, need_dx, need_dw)
     dx = dw = None
     if need_dx:
         res = None if grad_residual is None else grad_residual.reshape(-1, op.in_features)
-        fast = run.recipe is not None and run.recipe.fast_accum("dgrad")
-        dx2d = gemm(rowwise(dy_q), columnwise(w_s), dtype, residual=res, fast_accum=fast)  # (M, K)
-        dx = dx2d.reshape(ctx.saved["x_shape"])
+        dx2d = gemm(rowwise(dy_q), columnwise(w_s), dtype, residual=res, fast_accum=run.fast_accum_dgrad)  # (M, K)
+        x_shape = ctx.saved["x_shape"]
+        dx = dx2d if dx2d.shape == x_shape else dx2d.reshape(x_shape)
     if need_dw:
-        fast = run.recipe is not None and run.recipe.fast_accum("wgrad")
-        dw = gemm(columnwise(dy_q), columnwise(x_s), op.weight.dtype, fast_accum=fast)  # (N, K)
+        dw = gemm(columnwise(dy_q), columnwise(x_s), op.weight.dtype, fast_accum=run.fast_accum_wgrad)  # (N, K)
     return dx, dw
