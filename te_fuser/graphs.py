@@ -33,7 +33,9 @@ replayed steps can alternate.
 
 A replayed step keeps its activations in the graphs' memory: run the backward
 of one forward before the next forward (a second forward while the first one's
-backward is still pending raises). The returned output is a fresh tensor.
+backward is still pending raises). A forward whose output is dropped without a
+backward commits its scaling-state updates when its autograd graph is freed, as
+an eager forward would have at once. The returned output is a fresh tensor.
 """
 
 from __future__ import annotations
@@ -111,7 +113,24 @@ class _Graphs:
         self.static_dy: torch.Tensor | None = None
         self.static_grads: tuple = ()
         self.pending = None  # weakref to the autograd node of a replayed forward awaiting its backward
+        self.commit_due = False  # a replayed forward's node died without its backward while capturing
         self.forward_updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (home, forward's new value)
+
+    def node_freed(self, ref) -> None:
+        """A replayed forward's autograd node died without its backward: commit the
+        forward's own state updates now, as the eager forward would have done."""
+        if self.pending is not ref:
+            return
+        self.pending = None
+        if torch.cuda.is_current_stream_capturing():
+            self.commit_due = True  # not inside someone's capture: at the next replay
+        else:
+            self.commit_forward()
+
+    def commit_forward(self) -> None:
+        for home, updated in self.forward_updates:
+            home.copy_(updated)
+        self.commit_due = False
 
     def still_valid(self, model: Sequential) -> bool:
         if self.epoch != _EPOCH[0]:
@@ -129,7 +148,7 @@ class _Replay(torch.autograd.Function):
             graphs.static_x.copy_(x)
         graphs.fwd.replay()
         ctx.graphs = graphs
-        graphs.pending = weakref.ref(ctx)
+        graphs.pending = weakref.ref(ctx, graphs.node_freed)
         return graphs.static_y.clone()
 
     @staticmethod
@@ -201,15 +220,13 @@ class GraphedSequential(nn.Module):
         return self.model(x)
 
     def _replay(self, graphs: _Graphs, x: torch.Tensor) -> torch.Tensor:
-        if graphs.pending is not None:
-            if graphs.pending() is not None:
-                raise RuntimeError(
-                    "make_graphed: forward called again before the previous forward's backward; a replayed step "
-                    "keeps its activations in the graphs' memory, so run the backward of each forward first"
-                )
-            for home, updated in graphs.forward_updates:  # that forward's backward never ran: commit its state
-                home.copy_(updated)
-            graphs.pending = None
+        if graphs.pending is not None and graphs.pending() is not None:
+            raise RuntimeError(
+                "make_graphed: forward called again before the previous forward's backward; a replayed step "
+                "keeps its activations in the graphs' memory, so run the backward of each forward first"
+            )
+        if graphs.commit_due:
+            graphs.commit_forward()
         for slot in graphs.slots:
             if not slot.bound():  # an eager step ran in between: adopt its state
                 slot.adopt()

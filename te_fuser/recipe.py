@@ -13,10 +13,12 @@ accumulation of each FP8 GEMM of a linear layer: ``fprop_fast_accum``,
 ``dgrad_fast_accum``, ``wgrad_fast_accum``. Hopper's FP8 tensor cores add products
 in a narrower-than-fp32 format; by default the partial sums are promoted to the
 fp32 accumulator every 128 products. Fast accumulation promotes only at the end,
-which is faster and a little less precise. As in common FP8 training practice the
-default is fast for fprop and exact for the two backward GEMMs (whose sums are
-longer and whose gradients are smaller). The reference backend always accumulates
-exactly.
+which is faster and less precise: on zero-mean operands the error stays near 1e-3
+of the largest output at K=4096, but the narrow accumulator truncates, so long
+sums of same-sign products come out low (8% at K=4096 on an H200). As in common
+FP8 training practice the default is fast for fprop and exact for the two
+backward GEMMs (whose sums are longer and whose gradients are smaller). The
+reference backend always accumulates exactly.
 
 Every recipe has ``backward_override``:
 

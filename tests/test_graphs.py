@@ -67,8 +67,8 @@ class _Pair:
     def __init__(self, device="cuda"):
         self.eager = _mlp(device)
         self.graphed = te.make_graphed(copy.deepcopy(self.eager))
-        self.opt_e = torch.optim.SGD(self.eager.parameters(), lr=0.5)
-        self.opt_g = torch.optim.SGD(self.graphed.parameters(), lr=0.5)
+        self.opt_e = torch.optim.SGD(self.eager.parameters(), lr=0.01)
+        self.opt_g = torch.optim.SGD(self.graphed.parameters(), lr=0.01)
         self.gen = torch.Generator(device=device).manual_seed(1)
         self.device = device
 

@@ -22,6 +22,12 @@ TOLERANCES = {
     # each promotion to fp32: measured up to 3.5e-4 on outputs of size 5 at K=160.
     # Used with scaled=True (the bound is relative to the largest output).
     "fp8_gemm_tensor_core": dict(rtol=2e-3, atol=1e-5),
+    # Fast accumulation: one promotion at the end of the K loop. On zero-mean
+    # operands the narrow accumulator's error stays near 1e-3 of the largest output
+    # at K=4096; on same-sign products it truncates without bound (an H200 gave
+    # sums 8% low at K=4096, off-centre data), which is why only fprop defaults to
+    # it. Used with scaled=True, on zero-mean operands.
+    "fp8_gemm_fast_accum": dict(rtol=1e-2, atol=1e-5),
 }
 
 
