@@ -40,6 +40,7 @@ an eager forward would have at once. The returned output is a fresh tensor.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from .autocast import current_state
 from .ops.fuser import _EPOCH
 from .ops.op import BasicOperation
 from .ops.sequential import Sequential
+from .warmup import _fusers_of
 
 __all__ = ["make_graphed", "GraphedSequential", "GraphStats"]
 
@@ -246,54 +248,85 @@ class GraphedSequential(nn.Module):
         params = tuple(p for p in model.parameters() if p.requires_grad)
         graphs = _Graphs(key, params, slots, quantizers)
         static_x = x.detach().clone().requires_grad_(x.requires_grad)
-        inputs = ((static_x,) if x.requires_grad else ()) + params
-
-        def step(dy=None):
-            y = model(static_x)
-            if not isinstance(y, torch.Tensor):
-                raise TypeError("make_graphed: the model must return one tensor")
-            grads = torch.autograd.grad(y, inputs, grad_outputs=torch.ones_like(y) if dy is None else dy,
-                                        allow_unused=True)
-            return y, grads
 
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):  # compile and tune every kernel outside the capture
+        with torch.cuda.stream(side), _parameter_aliases(model) as aliases:  # compile and tune every kernel
+            warm_x = static_x.detach().clone().requires_grad_(x.requires_grad)
+            warm_inputs = ((warm_x,) if x.requires_grad else ()) + tuple(map(aliases, params))
             for _ in range(self.warmup_steps):
                 _drop_weight_caches(ops)
-                step()
+                y = model(warm_x)
+                if not isinstance(y, torch.Tensor):
+                    raise TypeError("make_graphed: the model must return one tensor")
+                torch.autograd.grad(y, warm_inputs, grad_outputs=torch.ones_like(y), allow_unused=True)
+                del y
         torch.cuda.current_stream(x.device).wait_stream(side)
         for slot in slots:  # the warm-up runs rebound the state; their updates are discarded
             setattr(slot.quantizer, slot.name, slot.home)
 
         _drop_weight_caches(ops)  # the captured forward must quantize the weight itself
         pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graphs.fwd, pool=pool):
-            static_y = model(static_x)
-        if not isinstance(static_y, torch.Tensor):
-            raise TypeError("make_graphed: the model must return one tensor")
-        for slot in slots:
-            live = getattr(slot.quantizer, slot.name)
-            slot.updated = None if live is slot.home else live
-        graphs.forward_updates = [(s.home, s.updated) for s in slots if s.updated is not None]
-        static_dy = torch.empty_like(static_y)
-        with torch.cuda.graph(graphs.bwd, pool=pool):
-            static_grads = torch.autograd.grad(static_y, inputs, grad_outputs=static_dy, allow_unused=True)
-            for slot in slots:  # commit this step's state updates, forward and backward, in place
+        with _parameter_aliases(model) as aliases:
+            inputs = ((static_x,) if x.requires_grad else ()) + tuple(map(aliases, params))
+            with torch.cuda.graph(graphs.fwd, pool=pool):
+                static_y = model(static_x)
+            for slot in slots:
                 live = getattr(slot.quantizer, slot.name)
-                if live is not slot.home:
-                    slot.home.copy_(live)
+                slot.updated = None if live is slot.home else live
+            graphs.forward_updates = [(s.home, s.updated) for s in slots if s.updated is not None]
+            static_dy = torch.empty_like(static_y)
+            with torch.cuda.graph(graphs.bwd, pool=pool):
+                static_grads = torch.autograd.grad(static_y, inputs, grad_outputs=static_dy, allow_unused=True)
+                for slot in slots:  # commit this step's state updates, forward and backward, in place
+                    live = getattr(slot.quantizer, slot.name)
+                    if live is not slot.home:
+                        slot.home.copy_(live)
         for slot in slots:
             setattr(slot.quantizer, slot.name, slot.home)
         _drop_weight_caches(ops)
 
-        grads_by_input = dict(zip(map(id, inputs), static_grads))
+        grads = list(static_grads)
         graphs.static_x, graphs.static_y, graphs.static_dy = static_x, static_y.detach(), static_dy
-        graphs.static_grads = ((grads_by_input[id(static_x)] if x.requires_grad else None,)
-                               + tuple(grads_by_input[id(p)] for p in params))
+        graphs.static_grads = (grads.pop(0) if x.requires_grad else None, *grads)
         self.stats.captures += 1
         self.stats.capture_seconds = time.perf_counter() - start
         return graphs
+
+
+@contextlib.contextmanager
+def _parameter_aliases(model: Sequential):
+    """Replace every parameter of ``model`` by a fresh leaf sharing its storage.
+
+    Autograd accumulates a leaf's gradient through a node that remembers the
+    stream it was created on; a node created by an earlier eager step and still
+    held by its graph (a live ``loss``) would make the captured backward wait on
+    the default stream, which invalidates the capture. Fresh leaves get fresh
+    nodes on the capture stream; reading the same storage, the graphs see every
+    in-place optimizer update of the real parameters. Yields ``alias(parameter)``.
+    """
+    by_id: dict[int, nn.Parameter] = {}
+    swapped = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in by_id:
+                by_id[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            module._parameters[name] = by_id[id(p)]
+            swapped.append((module, name, p))
+    fusers = _fusers_of(model)
+    saved = [(f, f._params, f._flat_params) for f in fusers]
+    for f in fusers:
+        f._params = [[by_id[id(p)] for p in ps] for ps in f._params]
+        f._flat_params = [by_id[id(p)] for p in f._flat_params]
+    try:
+        yield lambda p: by_id[id(p)]
+    finally:
+        for f, params, flat in saved:
+            f._params, f._flat_params = params, flat
+        for module, name, p in swapped:
+            module._parameters[name] = p
 
 
 def _drop_weight_caches(ops) -> None:

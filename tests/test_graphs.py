@@ -144,9 +144,32 @@ def test_a_second_forward_before_the_backward_raises():
     recipe = RECIPES["current"]
     for i in range(2):
         pair.step(recipe, context=f"step {i}")
-    x = torch.randn(64, 256, device="cuda").bfloat16()
+    x = torch.randn(64, 256, device="cuda").bfloat16().requires_grad_()
     with te.autocast(recipe=recipe):
         y = pair.graphed(x)
         with pytest.raises(RuntimeError, match="before the previous forward's backward"):
             pair.graphed(x)
     y.float().sum().backward()  # the first forward's backward still runs
+    assert pair.graphed.stats.replays == 2
+
+
+@needs_gpu
+def test_capture_while_the_previous_steps_graph_is_alive():
+    """A training loop keeps the last step's output (and its autograd graph) alive
+    into the next call, where the capture happens."""
+    eager = _mlp("cuda")
+    graphed = te.make_graphed(copy.deepcopy(eager))
+    recipe = RECIPES["delayed"]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kept = []
+    for i in range(4):
+        x = torch.randn(64, 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+        for model in (eager, graphed):
+            with te.autocast(recipe=recipe):
+                y = model(x)
+            y.backward(torch.ones_like(y))
+            kept.append(y)  # every step's graph stays alive
+        assert torch.equal(kept[-2], kept[-1]), f"step {i}: output differs"
+    for p, q in zip(eager.parameters(), graphed.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert (graphed.stats.captures, graphed.stats.replays) == (1, 3)
