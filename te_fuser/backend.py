@@ -13,7 +13,9 @@ A backend that lacks a kernel falls back to ``triton`` where it runs, else to
 ``reference``, and says so in :class:`KernelChoice` (``fusion_plan()`` shows it). A
 backend module may also expose ``<kernel>_unsupported_reason(a, b)``: operands it
 names a reason for go to the fallback per call (cuBLASLt has no MXFP8 path on
-Hopper, for example).
+Hopper, for example); the others go to ``<kernel>.when_supported`` when the
+kernel has that attribute (the kernel without its own second check), else to
+``<kernel>``.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ _MODULES = {
 
 _state: dict[str, Any] = {"backend": None}  # None: not yet resolved from the environment
 _override: list[str] = []
-_resolved: dict[tuple[str, str, str], "KernelChoice"] = {}
+_resolved: dict[tuple[str, str, torch.device], "KernelChoice"] = {}
 _auto_table: dict[str, str] | None = None
 
 
@@ -156,8 +158,8 @@ def resolve(kernel: str, device: torch.device | str, backend: str | None = None)
     if not isinstance(device, torch.device):
         device = torch.device(device)
     requested = backend or (_override[-1] if _override else _state["backend"]) or get_backend()
-    cache_key = (kernel, requested, device.type)
-    hit = _resolved.get(cache_key)
+    cache_key = (kernel, requested, device)  # the choice depends on device.type only; hashing
+    hit = _resolved.get(cache_key)  # the device is cheaper than reading its type
     if hit is not None:  # the hot path: one dict look-up
         return hit
     _check_name(requested)
@@ -182,7 +184,11 @@ def resolve(kernel: str, device: torch.device | str, backend: str | None = None)
             chosen, fn = fallback.backend, fallback.fn
         elif hasattr(module, f"{kernel}_unsupported_reason"):
             fallback = _fallback(kernel, chosen, device)
-            fn = _per_call_fallback(fn, getattr(module, f"{kernel}_unsupported_reason"), fallback.fn)
+            dispatch = _per_call_fallback(
+                getattr(fn, "when_supported", fn), getattr(module, f"{kernel}_unsupported_reason"), fallback.fn
+            )
+            dispatch.__name__ = getattr(fn, "__name__", "dispatch")
+            fn = dispatch
             note = f"operand pairs {chosen} cannot run go to {fallback.backend}"
     choice = KernelChoice(kernel, chosen, fn, note)
     _resolved[cache_key] = choice

@@ -19,6 +19,7 @@ __all__ = ["quantize_tensorwise", "quantize_current", "quantize_rowwise", "quant
 HP_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 _ALIGNMENT = 16  # bytes: the kernels use 16-byte vector accesses
+_current_device = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device() without its checks
 
 
 def _fp8_code(fp8_dtype: torch.dtype, op: str) -> int:
@@ -31,13 +32,14 @@ def _fp8_code(fp8_dtype: torch.dtype, op: str) -> int:
 def check_cuda_tensor(t: torch.Tensor, op: str, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda":
+    if not t.is_cuda:
         raise RuntimeError(f"{op}: the cuda backend needs {name} on a CUDA device, got a {t.device.type} tensor")
 
 
 def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous tensor whose data starts on a 16-byte boundary."""
-    t = t.contiguous()
+    if not t.is_contiguous():
+        t = t.contiguous()
     if t.data_ptr() % _ALIGNMENT:
         t = t.clone()
     return t
@@ -50,11 +52,21 @@ def _hp_input(x: torch.Tensor, op: str) -> torch.Tensor:
     return aligned_contiguous(x)
 
 
+_NO_SWITCH = contextlib.nullcontext()  # reusable: a nullcontext holds no state
+
+
 def on_device(device: torch.device):
     """Make ``device`` current for the launch (a no-op when it already is)."""
-    if device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+    index = device.index
+    current = _current_device() if _current_device is not None else torch.cuda.current_device()
+    if index is None or index == current:
+        return _NO_SWITCH
     return torch.cuda.device(device)
+
+
+def _same_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is on the CUDA ``device`` (which has an index), without building a device object."""
+    return t.is_cuda and t.get_device() == device.index
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -73,7 +85,7 @@ def _matrix_shape(x: torch.Tensor, columnwise: bool, op: str) -> tuple[int, int]
 def _scale_tensor(scale: torch.Tensor, device: torch.device, op: str) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         raise ValueError(f"{op}: scale must be a one-element tensor")
-    if scale.device != device:
+    if not _same_device(scale, device):
         raise RuntimeError(f"{op}: scale is on {scale.device} but x is on {device}")
     return scale if scale.dtype == torch.float32 else scale.float()
 
@@ -83,7 +95,7 @@ def _amax_target(amax_out: torch.Tensor | None, device: torch.device, op: str) -
         return torch.empty((), dtype=torch.float32, device=device)
     if not isinstance(amax_out, torch.Tensor) or amax_out.numel() != 1:
         raise ValueError(f"{op}: amax_out must be a one-element tensor (e.g. a slot of the amax history)")
-    if amax_out.device != device:
+    if not _same_device(amax_out, device):
         raise RuntimeError(f"{op}: amax_out is on {amax_out.device} but x is on {device}")
     if amax_out.dtype != torch.float32:
         return torch.empty((), dtype=torch.float32, device=device)  # copied into amax_out afterwards
@@ -114,15 +126,16 @@ def quantize_tensorwise(
     op = "quantize_tensorwise"
     code = _fp8_code(fp8_dtype, op)
     x = _hp_input(x, op)
+    device = x.device
     rows, cols = _matrix_shape(x, columnwise, op)
-    scale = _scale_tensor(scale, x.device, op)
-    amax = _amax_target(amax_out, x.device, op)
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
-    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device) if columnwise else None
-    with on_device(x.device):
+    scale = _scale_tensor(scale, device, op)
+    amax = _amax_target(amax_out, device, op)
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=device) if rowwise else None
+    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=device) if columnwise else None
+    with on_device(device):
         extension().cast(
             x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),
-            scale.data_ptr(), amax.data_ptr(), 0, 0, 0, 0.0, False, raw_stream(x.device),
+            scale.data_ptr(), amax.data_ptr(), 0, 0, 0, 0.0, False, raw_stream(device),
         )  # fmt: skip
     if amax_out is not None and amax is not amax_out:
         amax = amax_out.copy_(amax.reshape(amax_out.shape))
@@ -145,16 +158,17 @@ def quantize_current(
     code = _fp8_code(fp8_dtype, op)
     epsilon = _check_epsilon(epsilon, op)
     x = _hp_input(x, op)
+    device = x.device
     rows, cols = _matrix_shape(x, columnwise, op)
     # amax, scale, scale_inv in one allocation, each 16-byte aligned: cuBLASLt
     # refuses (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not.
-    stats = torch.empty((3, 4), dtype=torch.float32, device=x.device)
+    stats = torch.empty((3, 4), dtype=torch.float32, device=device)
     amax, scale, scale_inv = stats[:, 0].unbind()
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
-    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device) if columnwise else None
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=device) if rowwise else None
+    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=device) if columnwise else None
     ext = extension()
-    stream = raw_stream(x.device)
-    with on_device(x.device):
+    stream = raw_stream(device)
+    with on_device(device):
         ext.amax(x.data_ptr(), HP_CODES[x.dtype], x.numel(), amax.data_ptr(), stream)
         ext.cast(
             x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),

@@ -90,10 +90,9 @@ def gemm_unsupported_reason(
     reason = _structural_reason(a, b)
     if reason is not None:
         return reason
-    device = a.data.device
-    if device.type != "cuda":
-        return f"the operands are on {device.type}, not on a CUDA device"
-    if (a.scaling, b.scaling) in _BLOCK_PAIRS and not block_scaled_mm_available(device):
+    if not a.data.is_cuda:
+        return f"the operands are on {a.data.device.type}, not on a CUDA device"
+    if (a.scaling, b.scaling) in _BLOCK_PAIRS and not block_scaled_mm_available(a.data.device):
         return (
             f"torch {torch.__version__} on this GPU has no block-scaled torch._scaled_mm "
             f"(needs torch >= {'.'.join(map(str, _MIN_BLOCK_TORCH))}, sm_90, cuBLASLt >= 12.9)"
@@ -110,14 +109,18 @@ def _check_args(a, b, out_dtype, bias, activation, residual) -> tuple[int, int, 
     n, k_b = b.shape
     if k != k_b:
         raise ValueError(f"gemm: reduction dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
-    if bias is not None and tuple(bias.shape) != (n,):
+    if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
     if activation == "swiglu" and n % 2:
         raise ValueError(f"gemm: swiglu halves the output columns, which must be even, got N={n}")
     out_cols = n // 2 if activation == "swiglu" else n
-    if residual is not None and tuple(residual.shape) != (m, out_cols):
+    if residual is not None and residual.shape != (m, out_cols):
         raise ValueError(f"gemm: residual must have shape ({m}, {out_cols}), got {tuple(residual.shape)}")
     return m, n, out_cols
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.float32 else t.float()
 
 
 def _rows_scale(op: ScaledOperand, rows: int) -> torch.Tensor:
@@ -131,7 +134,7 @@ def _scaled_mm_scales(a: ScaledOperand, b: ScaledOperand) -> tuple[torch.Tensor,
     m, n = a.shape[0], b.shape[0]
     pair = (a.scaling, b.scaling)
     if pair == ("tensor", "tensor"):
-        return a.scale_inv.float(), b.scale_inv.float()
+        return _fp32(a.scale_inv), _fp32(b.scale_inv)
     if pair in _TENSOR_ROW_PAIRS:
         return _rows_scale(a, m), _rows_scale(b, n).reshape(1, n)  # (M, 1), (1, N)
     # 1x128 scales of a: (M, K/128) with stride (1, M) ("outer-dim-major").
@@ -181,6 +184,29 @@ def gemm(
         check_cuda_tensor(op.data if isinstance(op, ScaledOperand) else op, "gemm", name)
     if gemm_unsupported_reason(a, b) is not None:
         return gemm_reference(a, b, out_dtype, bias, activation, residual)
+    return _gemm_cublaslt(a, b, out_dtype, bias, activation, residual, fast_accum)
+
+
+def _gemm_supported(
+    a: ScaledOperand,
+    b: ScaledOperand,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """:func:`gemm` for operands :func:`gemm_unsupported_reason` has already
+    accepted (``te_fuser.backend`` asks it before every call): no second check."""
+    check_cuda_tensor(b.data, "gemm", "b")  # the reason looked at a's device only
+    return _gemm_cublaslt(a, b, out_dtype, bias, activation, residual, fast_accum)
+
+
+gemm.when_supported = _gemm_supported
+
+
+def _gemm_cublaslt(a, b, out_dtype, bias, activation, residual, fast_accum) -> torch.Tensor:
+    """The cuBLASLt path of :func:`gemm` (operands already found supported)."""
     fast_accum = fast_accum and (a.scaling, b.scaling) in _TENSOR_ROW_PAIRS
     m, n, _ = _check_args(a, b, out_dtype, bias, activation, residual)
     for name, t in (("bias", bias), ("residual", residual)):

@@ -46,7 +46,8 @@ def apply_activation(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def activation_backward(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
-    return backend.resolve("activation_grad", x.device).fn(dy, x, kind).to(x.dtype)
+    dx = backend.resolve("activation_grad", x.device).fn(dy, x, kind)
+    return dx if dx.dtype is x.dtype else dx.to(x.dtype)
 
 
 def gemm(

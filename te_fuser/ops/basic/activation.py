@@ -22,8 +22,10 @@ class Activation(BasicOperation):
         return in_shape
 
     def op_forward(self, ctx, x, extra_inputs):
-        x = x.to(ctx.run.compute_dtype)
-        if ctx.run.needs_backward:
+        run = ctx.run
+        if x.dtype is not run.compute_dtype:
+            x = x.to(run.compute_dtype)
+        if run.needs_backward:
             ctx.saved["x"] = x
         return apply_activation(x, self.kind), []
 

@@ -12,7 +12,9 @@ __all__ = ["Bias", "bias_grad"]
 
 def bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Sum of ``dy`` over every dim but the last, accumulated in fp32."""
-    return dy.reshape(-1, dy.shape[-1]).sum(dim=0, dtype=torch.float32).to(dtype)  # no fp32 copy of dy
+    dy2d = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
+    db = dy2d.sum(dim=0, dtype=torch.float32)  # no fp32 copy of dy
+    return db if db.dtype is dtype else db.to(dtype)
 
 
 class Bias(BasicOperation):
@@ -31,7 +33,8 @@ class Bias(BasicOperation):
 
     def op_forward(self, ctx, x, extra_inputs):
         dtype = ctx.run.compute_dtype
-        return x.to(dtype) + self.bias.to(dtype), []
+        bias = self.bias
+        return (x if x.dtype is dtype else x.to(dtype)) + (bias if bias.dtype is dtype else bias.to(dtype)), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         db = bias_grad(dy, self.bias.dtype) if (not ctx.param_needs_grad or ctx.param_needs_grad[0]) else None

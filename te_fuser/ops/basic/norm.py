@@ -38,22 +38,29 @@ class _Norm(BasicOperation):
     def _normalize(self, x32: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+    def _params(self) -> list[nn.Parameter]:
+        """The parameters in ``parameters()`` order, without walking the module tree."""
+        bias = self.bias
+        return [self.weight] if bias is None else [self.weight, bias]
+
     def op_forward(self, ctx, x, extra_inputs):
         dtype = ctx.run.compute_dtype
         if ctx.run.needs_backward:
             ctx.saved["x"] = x
-        params = [p.float() for p in self.parameters()]
-        return self._normalize(x.float(), params).to(dtype), []
+        params = [p.float() for p in self._params()]
+        y = self._normalize(x.float(), params)
+        return (y if y.dtype is dtype else y.to(dtype)), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         x = ctx.saved["x"]
         with torch.enable_grad():
             x32 = x.detach().float().requires_grad_(True)
-            params = [p.detach().float().requires_grad_(True) for p in self.parameters()]
+            own = self._params()
+            params = [p.detach().float().requires_grad_(True) for p in own]
             y = self._normalize(x32, params)
             grads = torch.autograd.grad(y, [x32, *params], dy.float())
         dx = grads[0].to(x.dtype)
-        pgrads = [g.to(p.dtype) for g, p in zip(grads[1:], self.parameters())]
+        pgrads = [g.to(p.dtype) for g, p in zip(grads[1:], own)]
         return dx, pgrads, []
 
 

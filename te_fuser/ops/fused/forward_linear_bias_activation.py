@@ -17,7 +17,9 @@ class ForwardLinearBiasActivation(FusedOperation):
         linear, bias = self.basic_ops[0], self.basic_ops[1]
         act = self.basic_ops[2] if len(self.basic_ops) > 2 else None
         run = ctxs[0].run
-        b = bias.bias.to(run.compute_dtype)
+        b = bias.bias
+        if b.dtype is not run.compute_dtype:
+            b = b.to(run.compute_dtype)
         if act is None:
             return linear_forward(ctxs[0], linear, x, bias=b), [[] for _ in ctxs]
         if not run.needs_backward:
