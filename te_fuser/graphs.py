@@ -10,7 +10,7 @@
 A small model's FP8 step is bound by the host: every op pays Python, quantizer
 bookkeeping and several kernel launches, while the GPU work takes microseconds.
 ``make_graphed`` captures the forward and the backward of the whole model into
-two CUDA graphs and replays them, so a step costs two graph launches.
+CUDA graphs and replays them, so a step costs two graph launches.
 
 When it captures, and when it runs the model as it is:
 
@@ -23,8 +23,14 @@ When it captures, and when it runs the model as it is:
   previous key are freed.
 - Calls that are not CUDA training steps (CPU tensors, ``torch.no_grad()``,
   ``te.autocast(calibrating=True)``, an amax reduction group) run eagerly.
-- Replays read the parameters in place, so optimizer steps are seen; the weight
-  is re-quantized inside the graph every step (no cached FP8 weight).
+- Replays read the parameters in place, so optimizer steps are seen. The eager
+  model quantizes a weight once per change (its FP8 copy is cached while the
+  weight's version stays the same); the graphs do the same with two pairs: one
+  that quantizes the trainable weights, replayed when any of them changed since
+  the last forward, and one that reads the FP8 weights of the previous forward
+  (a second micro-batch before the optimizer step, or a loop without one). A
+  frozen weight's cached FP8 copy is captured as it is; a change to it means a
+  new capture.
 
 Numerics are those of the eager model, step for step. Delayed scaling keeps its
 amax history and scales in tensors that the graphs update in place (eager steps
@@ -51,8 +57,10 @@ from torch import nn
 from . import backend
 from .autocast import current_state
 from .ops.fuser import _EPOCH
+from .kernels.operand import ScaledOperand
 from .ops.op import BasicOperation
 from .ops.sequential import Sequential
+from .quantization.tensor import QuantizedTensor
 from .warmup import _fusers_of
 
 __all__ = ["make_graphed", "GraphedSequential", "GraphStats"]
@@ -80,12 +88,11 @@ class _StateSlot:
     whenever it updates (it never writes in place), and the captured graphs copy
     the rebound tensor back into ``home``."""
 
-    __slots__ = ("quantizer", "name", "home", "updated")
+    __slots__ = ("quantizer", "name", "home")
 
     def __init__(self, quantizer, name: str) -> None:
         self.quantizer, self.name = quantizer, name
         self.home: torch.Tensor = getattr(quantizer, name)
-        self.updated: torch.Tensor | None = None  # the tensor the forward graph writes, if any
 
     def adopt(self) -> None:
         """Make ``home`` hold the quantizer's current value and bind the quantizer to it."""
@@ -98,8 +105,21 @@ class _StateSlot:
         return getattr(self.quantizer, self.name) is self.home
 
 
+class _Pair:
+    """One captured forward graph and its backward graph, with their outputs."""
+
+    def __init__(self) -> None:
+        self.fwd = torch.cuda.CUDAGraph()
+        self.bwd = torch.cuda.CUDAGraph()
+        self.static_y: torch.Tensor | None = None
+        self.static_dy: torch.Tensor | None = None
+        self.static_grads: tuple = ()
+        self.forward_updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (home, forward's new value)
+
+
 class _Graphs:
-    """The forward and backward graphs of one key, with their static tensors."""
+    """The graphs of one key: a pair that quantizes the trainable weights, one that
+    reuses the FP8 weights of the previous forward, and what they share."""
 
     def __init__(self, key, params: tuple[torch.Tensor, ...], slots: list[_StateSlot], quantizers) -> None:
         self.key = key
@@ -108,63 +128,89 @@ class _Graphs:
         self.slots = slots
         self.quantizers = quantizers  # (op, its quantizer dict) at capture time
         self.epoch = _EPOCH[0]
-        self.fwd = torch.cuda.CUDAGraph()
-        self.bwd = torch.cuda.CUDAGraph()
         self.static_x: torch.Tensor | None = None
-        self.static_y: torch.Tensor | None = None
-        self.static_dy: torch.Tensor | None = None
-        self.static_grads: tuple = ()
+        self.cast = _Pair()
+        self.cached = _Pair()
+        self.frozen: list[tuple] = []  # (op, its weight cache, weight version) read by the graphs as they are
+        self.cast_weights: list[tuple] = []  # (op, the weight cache the cast pair writes and the cached pair reads)
         self.pending = None  # weakref to the autograd node of a replayed forward awaiting its backward
-        self.commit_due = False  # a replayed forward's node died without its backward while capturing
-        self.forward_updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (home, forward's new value)
+        self.pending_pair: _Pair | None = None
+        self.commit_due: _Pair | None = None  # a forward to commit at the next replay (node freed while capturing)
 
     def node_freed(self, ref) -> None:
         """A replayed forward's autograd node died without its backward: commit the
         forward's own state updates now, as the eager forward would have done."""
         if self.pending is not ref:
             return
-        self.pending = None
+        pair, self.pending, self.pending_pair = self.pending_pair, None, None
         if torch.cuda.is_current_stream_capturing():
-            self.commit_due = True  # not inside someone's capture: at the next replay
+            self.commit_due = pair  # not inside someone's capture: at the next replay
         else:
-            self.commit_forward()
+            _commit_forward(pair)
 
-    def commit_forward(self) -> None:
-        for home, updated in self.forward_updates:
-            home.copy_(updated)
-        self.commit_due = False
-
-    def still_valid(self, model: Sequential) -> bool:
+    def still_valid(self) -> bool:
         if self.epoch != _EPOCH[0]:
             for op, qs in self.quantizers:
                 if op._quantizers is not qs:
                     return False
             self.epoch = _EPOCH[0]
+        for op, _, version in self.frozen:
+            if op.weight._version != version:
+                return False
         return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.param_ptrs))
+
+    def load_eager_weights(self) -> bool:
+        """Copy each op's eager FP8 weight cache into the tensors the cached pair reads;
+        False when a cache does not hold the current weight."""
+        for op, (stamp, columnwise, w_q) in self.cast_weights:
+            cache, w = op._weight_cache, op.weight
+            if cache is None or cache[0] != (stamp[0], w._version, w.data_ptr(), stamp[3]):
+                return False
+            if columnwise and not cache[1]:
+                return False
+        for op, (_, _, w_q) in self.cast_weights:
+            src = op._weight_cache[2]
+            for dst_op, src_op in ((w_q.rowwise, src.rowwise), (w_q.columnwise, src.columnwise)):
+                if dst_op is not None:
+                    dst_op.data.copy_(src_op.data)
+                    dst_op.scale_inv.copy_(src_op.scale_inv)
+        return True
+
+    def give_weights_to_eager(self) -> None:
+        """Put a copy of the FP8 weights of the last replay into each op's cache, for
+        an eager forward under the same weights (the graphs overwrite their own)."""
+        for op, (stamp, columnwise, w_q) in self.cast_weights:
+            w = op.weight
+            op._weight_cache = ((stamp[0], w._version, w.data_ptr(), stamp[3]), columnwise, _copy_quantized(w_q))
+
+
+def _commit_forward(pair: _Pair) -> None:
+    for home, updated in pair.forward_updates:
+        home.copy_(updated)
 
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graphs: _Graphs, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, graphs: _Graphs, pair: _Pair, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         if x.data_ptr() != graphs.static_x.data_ptr():
             graphs.static_x.copy_(x)
-        graphs.fwd.replay()
-        ctx.graphs = graphs
-        graphs.pending = weakref.ref(ctx, graphs.node_freed)
-        return graphs.static_y.clone()
+        pair.fwd.replay()
+        ctx.graphs, ctx.pair = graphs, pair
+        graphs.pending, graphs.pending_pair = weakref.ref(ctx, graphs.node_freed), pair
+        return pair.static_y.clone()
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        graphs: _Graphs = ctx.graphs
+        graphs, pair = ctx.graphs, ctx.pair
         if graphs.pending is None or graphs.pending() is not ctx:
             raise RuntimeError(
                 "make_graphed: this backward belongs to a forward whose activations were overwritten by a "
                 "later forward; run each forward's backward before the next forward"
             )
-        graphs.static_dy.copy_(dy)
-        graphs.bwd.replay()
-        graphs.pending = None
-        return (None, *(g.detach() if g is not None else None for g in graphs.static_grads))
+        pair.static_dy.copy_(dy)
+        pair.bwd.replay()
+        graphs.pending = graphs.pending_pair = None
+        return (None, None, *(g.detach() if g is not None else None for g in pair.static_grads))
 
 
 class GraphedSequential(nn.Module):
@@ -181,20 +227,31 @@ class GraphedSequential(nn.Module):
         self.stats = GraphStats()
         self._graphs: _Graphs | None = None
         self._eager_key = None  # the key of the last eager training step (captured on its next call)
+        self._trainable: list | None = None  # the ops whose weights are trainable (found once per capture)
+        self._last_replayed: _Graphs | None = None  # the graphs of the last forward, if it was replayed
+        self._replayed_versions: tuple = ()  # the trainable weights' versions at that replay
 
     # -- the call -------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         key = self._key(x)
-        graphs = self._graphs
+        if self._trainable is None:
+            self._trainable = _trainable_linears(self.model)
+        versions = tuple(op.weight._version for op in self._trainable)
+        since_replay = self._last_replayed is not None and versions == self._replayed_versions
         if key is None:  # not a capturable CUDA training step
-            return self._eager(x, None)
-        if graphs is not None and graphs.key == key and graphs.still_valid(self.model):
-            return self._replay(graphs, x)
-        if self._eager_key != key or not self._ready_to_capture():
-            return self._eager(x, key)
-        self._graphs = None  # free the previous key's graphs before capturing new ones
-        self._graphs = self._capture(x, key)
-        return self._replay(self._graphs, x)
+            return self._eager(x, None, since_replay)
+        graphs = self._graphs
+        if graphs is None or graphs.key != key or not graphs.still_valid():
+            if self._eager_key != key or not self._ready_to_capture():
+                return self._eager(x, key, since_replay)
+            self._graphs = None  # free the previous key's graphs before capturing new ones
+            graphs = self._graphs = self._capture(x, key)
+        # The eager model would reuse its cached FP8 weights when they hold the
+        # current weights: after our own replay under the same weights, or after an
+        # eager forward that quantized them.
+        if (since_replay and self._last_replayed is graphs) or graphs.load_eager_weights():
+            return self._replay(graphs, graphs.cached, x, versions)
+        return self._replay(graphs, graphs.cast, x, versions)
 
     def _ready_to_capture(self) -> bool:
         """Every quantizer has seeded its state (a first step under a recipe seeds
@@ -216,24 +273,29 @@ class GraphedSequential(nn.Module):
         return (None if recipe is None else str(recipe), x.shape, x.dtype, x.device, x.requires_grad,
                 backend.get_backend())
 
-    def _eager(self, x: torch.Tensor, key) -> torch.Tensor:
+    def _eager(self, x: torch.Tensor, key, since_replay: bool) -> torch.Tensor:
+        if since_replay:  # the weights are those of the last replay: so are their FP8 copies
+            self._last_replayed.give_weights_to_eager()
         self._eager_key = key
+        self._last_replayed = None
         self.stats.eager_steps += 1
         return self.model(x)
 
-    def _replay(self, graphs: _Graphs, x: torch.Tensor) -> torch.Tensor:
+    def _replay(self, graphs: _Graphs, pair: _Pair, x: torch.Tensor, versions: tuple) -> torch.Tensor:
         if graphs.pending is not None and graphs.pending() is not None:
             raise RuntimeError(
                 "make_graphed: forward called again before the previous forward's backward; a replayed step "
                 "keeps its activations in the graphs' memory, so run the backward of each forward first"
             )
-        if graphs.commit_due:
-            graphs.commit_forward()
+        if graphs.commit_due is not None:
+            _commit_forward(graphs.commit_due)
+            graphs.commit_due = None
         for slot in graphs.slots:
             if not slot.bound():  # an eager step ran in between: adopt its state
                 slot.adopt()
         self.stats.replays += 1
-        return _Replay.apply(graphs, x, *graphs.params)
+        self._last_replayed, self._replayed_versions = graphs, versions
+        return _Replay.apply(graphs, pair, x, *graphs.params)
 
     # -- capture ----------------------------------------------------------------------
     def _capture(self, x: torch.Tensor, key) -> _Graphs:
@@ -247,51 +309,70 @@ class GraphedSequential(nn.Module):
             slot.adopt()
         params = tuple(p for p in model.parameters() if p.requires_grad)
         graphs = _Graphs(key, params, slots, quantizers)
-        static_x = x.detach().clone().requires_grad_(x.requires_grad)
+        graphs.static_x = x.detach().clone().requires_grad_(x.requires_grad)
+        self._trainable = trainable = _trainable_linears(model)
+        eager_caches = [(op, op._weight_cache) for op in trainable]  # put back once captured
 
-        side = torch.cuda.Stream(device=x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side), _parameter_aliases(model) as aliases:  # compile and tune every kernel
-            warm_x = static_x.detach().clone().requires_grad_(x.requires_grad)
-            warm_inputs = ((warm_x,) if x.requires_grad else ()) + tuple(map(aliases, params))
-            for _ in range(self.warmup_steps):
-                _drop_weight_caches(ops)
-                y = model(warm_x)
-                if not isinstance(y, torch.Tensor):
-                    raise TypeError("make_graphed: the model must return one tensor")
-                torch.autograd.grad(y, warm_inputs, grad_outputs=torch.ones_like(y), allow_unused=True)
-                del y
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        for slot in slots:  # the warm-up runs rebound the state; their updates are discarded
-            setattr(slot.quantizer, slot.name, slot.home)
-
-        _drop_weight_caches(ops)  # the captured forward must quantize the weight itself
+        self._warm_up(graphs, trainable)
+        _drop_weight_caches(trainable)  # the cast pair quantizes these weights itself
+        graphs.frozen = [(op, op._weight_cache, op.weight._version) for op in _linears(model)
+                         if op not in trainable and op._weight_cache is not None]
         pool = torch.cuda.graph_pool_handle()
-        with _parameter_aliases(model) as aliases:
-            inputs = ((static_x,) if x.requires_grad else ()) + tuple(map(aliases, params))
-            with torch.cuda.graph(graphs.fwd, pool=pool):
-                static_y = model(static_x)
-            for slot in slots:
-                live = getattr(slot.quantizer, slot.name)
-                slot.updated = None if live is slot.home else live
-            graphs.forward_updates = [(s.home, s.updated) for s in slots if s.updated is not None]
-            static_dy = torch.empty_like(static_y)
-            with torch.cuda.graph(graphs.bwd, pool=pool):
-                static_grads = torch.autograd.grad(static_y, inputs, grad_outputs=static_dy, allow_unused=True)
-                for slot in slots:  # commit this step's state updates, forward and backward, in place
-                    live = getattr(slot.quantizer, slot.name)
-                    if live is not slot.home:
-                        slot.home.copy_(live)
-        for slot in slots:
-            setattr(slot.quantizer, slot.name, slot.home)
-        _drop_weight_caches(ops)
+        self._capture_pair(graphs, graphs.cast, pool)
+        graphs.cast_weights = [(op, op._weight_cache) for op in trainable if op._weight_cache is not None]
+        graphs.give_weights_to_eager()  # the cached pair reads the cast pair's FP8 weights ...
+        for op, (_, columnwise, w_q) in graphs.cast_weights:  # ... in place, not copies
+            op._weight_cache = (op._weight_cache[0], columnwise, w_q)
+        self._capture_pair(graphs, graphs.cached, pool)
+        for op, cache in eager_caches:
+            op._weight_cache = cache
 
-        grads = list(static_grads)
-        graphs.static_x, graphs.static_y, graphs.static_dy = static_x, static_y.detach(), static_dy
-        graphs.static_grads = (grads.pop(0) if x.requires_grad else None, *grads)
         self.stats.captures += 1
         self.stats.capture_seconds = time.perf_counter() - start
         return graphs
+
+    def _warm_up(self, graphs: _Graphs, trainable: list) -> None:
+        """Run the step a few times on a side stream, outside any capture, so every
+        kernel is compiled and tuned; the scaling state is put back afterwards."""
+        model, x = self.model, graphs.static_x
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side), _parameter_aliases(model) as aliases:
+            warm_x = x.detach().clone().requires_grad_(x.requires_grad)
+            inputs = ((warm_x,) if x.requires_grad else ()) + tuple(map(aliases, graphs.params))
+            for _ in range(self.warmup_steps):
+                _drop_weight_caches(trainable)
+                y = model(warm_x)
+                if not isinstance(y, torch.Tensor):
+                    raise TypeError("make_graphed: the model must return one tensor")
+                torch.autograd.grad(y, inputs, grad_outputs=torch.ones_like(y), allow_unused=True)
+                del y
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        for slot in graphs.slots:  # the warm-up runs rebound the state; their updates are discarded
+            setattr(slot.quantizer, slot.name, slot.home)
+
+    def _capture_pair(self, graphs: _Graphs, pair: _Pair, pool) -> None:
+        """Capture one forward and its backward; the backward graph also copies every
+        scaling-state update of the step into the tensors the next replay reads."""
+        model, static_x, slots = self.model, graphs.static_x, graphs.slots
+        with _parameter_aliases(model) as aliases:
+            inputs = ((static_x,) if static_x.requires_grad else ()) + tuple(map(aliases, graphs.params))
+            with torch.cuda.graph(pair.fwd, pool=pool):
+                static_y = model(static_x)
+            if not isinstance(static_y, torch.Tensor):
+                raise TypeError("make_graphed: the model must return one tensor")
+            pair.forward_updates = [(s.home, getattr(s.quantizer, s.name)) for s in slots if not s.bound()]
+            static_dy = torch.empty_like(static_y)
+            with torch.cuda.graph(pair.bwd, pool=pool):
+                static_grads = torch.autograd.grad(static_y, inputs, grad_outputs=static_dy, allow_unused=True)
+                for slot in slots:  # commit this step's state updates, forward and backward, in place
+                    if not slot.bound():
+                        slot.home.copy_(getattr(slot.quantizer, slot.name))
+        for slot in slots:
+            setattr(slot.quantizer, slot.name, slot.home)
+        grads = list(static_grads)
+        pair.static_y, pair.static_dy = static_y.detach(), static_dy
+        pair.static_grads = (grads.pop(0) if static_x.requires_grad else None, *grads)
 
 
 @contextlib.contextmanager
@@ -329,6 +410,22 @@ def _parameter_aliases(model: Sequential):
             module._parameters[name] = p
 
 
+def _linears(model: nn.Module) -> list:
+    """The ops that cache a quantized weight."""
+    return [op for op in model.modules() if isinstance(op, BasicOperation) and hasattr(op, "_weight_cache")]
+
+
+def _trainable_linears(model: nn.Module) -> list:
+    return [op for op in _linears(model) if op.weight.requires_grad]
+
+
 def _drop_weight_caches(ops) -> None:
     for op in ops:
         op.drop_caches()
+
+
+def _copy_quantized(q: QuantizedTensor) -> QuantizedTensor:
+    def copy(op: ScaledOperand | None) -> ScaledOperand | None:
+        return None if op is None else ScaledOperand(op.data.clone(), op.scale_inv.clone(), op.scaling)
+
+    return QuantizedTensor(copy(q.rowwise), copy(q.columnwise), q.shape, q.dtype)
