@@ -24,10 +24,13 @@ def main(argv=None):
     p.add_argument("--recipe", default="current", choices=list(RECIPES))
     p.add_argument("--size", type=int, default=1024)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--graphed", action="store_true", help="run te_fuser through te.make_graphed")
     args = p.parse_args(argv)
     n = args.size
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = te.ops.Sequential(te.ops.Linear(n, n)).to(device, torch.bfloat16)
+    if args.graphed:
+        model = te.make_graphed(model)
     base = torch.nn.Linear(n, n).to(device, torch.bfloat16)
     x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -41,7 +44,8 @@ def main(argv=None):
     def bf16_step():
         base(x).backward(dy)
 
-    for name, step in (("bf16 eager", bf16_step), (f"te_fuser {args.recipe}", te_step)):
+    te_name = f"te_fuser {args.recipe}" + (" graphed" if args.graphed else "")
+    for name, step in (("bf16 eager", bf16_step), (te_name, te_step)):
         for _ in range(20):
             step()
         if device == "cuda":
@@ -59,11 +63,11 @@ def main(argv=None):
     for _ in range(args.steps):
         te_step()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
         for _ in range(20):
             te_step()
-    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
 
 
 if __name__ == "__main__":
