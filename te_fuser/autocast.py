@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from . import backend as _backend
 from .recipe import DelayedScaling, Recipe
@@ -48,27 +48,55 @@ def current_state() -> AutocastState:
     return _stack[-1]
 
 
-@contextlib.contextmanager
-def autocast(
-    enabled: bool = True,
-    recipe: Recipe | None = None,
-    calibrating: bool = False,
-    amax_reduction_group: Any = None,
-    backend: str | None = None,
-) -> Iterator[AutocastState]:
-    if not isinstance(enabled, bool):
-        raise TypeError(f"autocast(enabled=...): must be True or False, got {enabled!r}")
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"autocast(recipe=...): must be a te_fuser.recipe recipe or None, got {type(recipe).__name__}")
-    if not isinstance(calibrating, bool):
-        raise TypeError(f"autocast(calibrating=...): must be True or False, got {calibrating!r}")
-    if enabled or calibrating:
-        recipe = recipe if recipe is not None else DEFAULT_RECIPE
-    state = AutocastState(enabled, recipe if (enabled or calibrating) else None, calibrating, amax_reduction_group)
-    depth = len(_stack)
-    _stack.append(state)
-    try:
-        with _backend.use_backend(backend):
-            yield state
-    finally:
+class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function, as torch.autocast)
+    """Enter a te_fuser autocast region (see the module doc); yields its :class:`AutocastState`.
+
+    A class rather than a generator: entering and leaving costs well under a
+    microsecond, which matters when it wraps every step of a small model. An
+    instance may be entered again, also while it is active."""
+
+    __slots__ = ("state", "backend", "_depths")
+
+    _last: AutocastState = _OFF  # the last state built: reused for equal arguments (same recipe object)
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        recipe: Recipe | None = None,
+        calibrating: bool = False,
+        amax_reduction_group: Any = None,
+        backend: str | None = None,
+    ) -> None:
+        if enabled is not True and enabled is not False:
+            raise TypeError(f"autocast(enabled=...): must be True or False, got {enabled!r}")
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(f"autocast(recipe=...): must be a te_fuser.recipe recipe or None, got {type(recipe).__name__}")
+        if calibrating is not True and calibrating is not False:
+            raise TypeError(f"autocast(calibrating=...): must be True or False, got {calibrating!r}")
+        if backend is not None:
+            _backend._check_name(backend)
+        if enabled or calibrating:
+            recipe = recipe if recipe is not None else DEFAULT_RECIPE
+        else:
+            recipe = None
+        last = autocast._last
+        if (last.recipe is recipe and last.enabled is enabled and last.calibrating is calibrating
+                and last.amax_reduction_group is amax_reduction_group):
+            self.state = last
+        else:
+            self.state = autocast._last = AutocastState(enabled, recipe, calibrating, amax_reduction_group)
+        self.backend = backend
+        self._depths: list[int] = []
+
+    def __enter__(self) -> AutocastState:
+        self._depths.append(len(_stack))
+        _stack.append(self.state)
+        if self.backend is not None:
+            _backend._override.append(self.backend)
+        return self.state
+
+    def __exit__(self, *exc) -> None:
+        depth = self._depths.pop()
+        if self.backend is not None:
+            _backend._override.pop()
         del _stack[depth:]
