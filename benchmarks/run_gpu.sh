@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests layers profile refusion kernels checks host
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests layers profile refusion kernels checks graphed host
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -16,7 +16,8 @@ for part in $parts; do
   case $part in
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
-        tests/test_fuser.py tests/test_cuda_gemm.py tests/test_graphs.py tests/test_triton_gpu_shapes.py \
+        tests/test_fuser.py tests/test_cuda_gemm.py tests/test_cuda_cast.py tests/test_cuda_backend.py \
+        tests/test_graphs.py tests/test_triton_gpu_shapes.py \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
     layers) timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -24 ;;
     profile) timeout 200 python3 benchmarks/profile_kernels.py --case mlp 2>&1 | tee "$OUT/profile.log" | tail -60 ;;
@@ -27,6 +28,7 @@ for part in $parts; do
       timeout 200 python3 benchmarks/bench_cast.py 2>&1 | tee "$OUT/cast.log" | tail -20
       timeout 200 python3 benchmarks/bench_gemm.py 2>&1 | tee "$OUT/gemm.log" | tail -24 ;;
     checks) [ -f benchmarks/check_gpu_defects.py ] && timeout 120 python3 benchmarks/check_gpu_defects.py 2>&1 | tee "$OUT/checks.log" | tail -20 ;;
+    graphed) timeout 100 python3 benchmarks/profile_step.py --graphed 2>&1 | tee "$OUT/graphed.log" | grep "us/step" ;;
     host) [ -f benchmarks/host_overhead.py ] && timeout 120 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host.log" | tail -20 ;;
     *) echo "unknown part: $part" ;;
   esac
