@@ -199,6 +199,67 @@ def test_block_bitwise_with_partial_tiles(fp8_dtype, tile_rows, shape):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("tile_rows", [1, 128])
+@pytest.mark.parametrize("shape,dtype", [((67, 160), torch.bfloat16), ((133, 300), torch.float32),
+                                         ((128, 256), torch.bfloat16)])
+def test_block_reads_transposed_and_strided_views_in_place(fp8_dtype, tile_rows, shape, dtype):
+    """A transposed view (column-major) and a view strided in both dimensions are
+    read as they lie: the same bytes and scales as their row-major copies."""
+    rows, cols = shape
+    base = adversarial(cols, rows, fp8_dtype, dtype, seed=19)
+    base[:, :3] = 0.0  # x's first three rows all zero: a 1x128 tile with amax 0
+    views = {"transposed": base.t(),  # (rows, cols), strides (1, rows)
+             "strided": adversarial(2 * rows, 3 * cols, fp8_dtype, dtype, seed=23)[::2, ::3]}
+    for name, x in views.items():
+        assert not x.is_contiguous()
+        got = tk.quantize_block(x, fp8_dtype, tile_rows)
+        want = ref.quantize_block_reference(x.contiguous(), fp8_dtype, tile_rows)
+        assert_bitwise(got.data, want.data, f"block {tile_rows} {name} {tuple(x.stride())} data")
+        assert_bitwise(got.scale_inv, want.scale_inv, f"block {tile_rows} {name} scale_inv")
+
+
+def test_block_launch_passes_the_view_not_a_copy(monkeypatch):
+    """The launcher hands the kernel the caller's storage and strides."""
+    from te_fuser.kernels.triton import cast
+
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(x, *args, **kwargs):
+                seen.append((x.data_ptr(), x.stride(), args[4:6]))  # stride_xm, stride_xn
+                return kernel[grid](x, *args, **kwargs)
+            return launch
+
+    kernel = cast._quantize_block_kernel
+    monkeypatch.setattr(cast, "_quantize_block_kernel", Spy())
+    x = adversarial(96, 40).t()  # (40, 96), strides (1, 40)
+    got = tk.quantize_block(x, E4M3, 1)
+    assert seen == [(x.data_ptr(), (1, 40), (1, 40))]
+    assert_bitwise(got.data, ref.quantize_block_reference(x, E4M3, 1).data, "transposed view")
+
+
+def test_every_fp8_value_and_nan_encodes_to_its_own_byte():
+    """The integer FP8 encoding, exhaustively: each finite value (subnormals, -0.0
+    and the largest included) casts with scale 1 to the byte it came from; NaN to
+    0x7F (plus its sign bit, which a GPU's ``x * scale`` may drop); inf saturates."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    for fp8_dtype in FP8:
+        values = codes.view(fp8_dtype).float()
+        finite = torch.isfinite(values)
+        x = torch.cat([values[finite], torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")])])
+        x = x.reshape(-1, 1).expand(-1, 3).contiguous().to(DEVICE)  # odd width: masked tiles
+        data, _, _ = tk.quantize_tensorwise(x, torch.tensor(1.0, device=DEVICE), fp8_dtype)
+        want = ref.quantize_tensorwise_reference(x, torch.tensor(1.0, device=DEVICE), fp8_dtype)[0]
+        assert_bitwise(data, want, f"every {fp8_dtype} value")
+        assert torch.equal(data[: int(finite.sum()), 0].view(torch.uint8).cpu(), codes[finite])
+        nan_bytes, inf_bytes = data[-4:-2, 0].view(torch.uint8).tolist(), data[-2:, 0].view(torch.uint8).tolist()
+        assert [b & 0x7F for b in nan_bytes] == [0x7F, 0x7F]
+        fmax = values[finite].max()
+        assert inf_bytes == [int(codes[finite][values[finite] == m]) for m in (fmax, -fmax)]
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("shape,dtype", [((67, 160), torch.bfloat16), ((13, 96), torch.float32),
                                          ((64, 256), torch.bfloat16)])
 def test_mxfp8_bitwise(fp8_dtype, shape, dtype):

@@ -1,7 +1,9 @@
 """The Triton kernels at real sizes on a GPU (skipped without one).
 
-Casts of 4096x4096 bit for bit, GEMMs of 2048^3 for every scheme and epilogue
-against the reference on the same quantized operands, activations of 4M elements.
+Casts of 4096x4096 bit for bit (block casts also of transposed views, read in
+place), GEMMs of 2048^3 for every scheme and epilogue against the reference on
+the same quantized operands, activations of 4M elements and dact_dbias_fp8 bit for
+bit against the cast of dact_dbias's dx.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from te_fuser.kernels import reference as ref
 from te_fuser.kernels import triton as tk
 from te_fuser.kernels.operand import ScaledOperand
+from test_triton_activation import assert_dact_dbias_fp8_is_the_cast
 from test_triton_gemm import gemm_tolerance
 from tolerances import assert_bitwise, assert_close
 
@@ -101,3 +104,30 @@ def test_activations_4m(kind):
     dx_ref = ref.activation_grad_reference(dy.double(), x.double(), kind)
     assert_close(dx, dx_ref, torch.float32, f"{kind} dx")
     assert_close(dbias, dx_ref.sum(0), torch.float32, f"{kind} dbias", scaled=True)
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("tile_rows", [1, 128])
+@pytest.mark.parametrize("shape,dtype", [((4096, 4096), torch.bfloat16), ((8192, 1001), torch.bfloat16),
+                                         ((1001, 8192), torch.float32)])
+def test_block_cast_of_transposed_views_bitwise(fp8_dtype, tile_rows, shape, dtype):
+    """Transposed views read in place: bytes and scales equal to the cast of the
+    row-major copy (these gave wrong bytes on the H200 with the packed FP8 conversion)."""
+    rows, cols = shape
+    x = _big(cols, rows, seed=3).to(dtype).t()  # (rows, cols), strides (1, rows)
+    got = tk.quantize_block(x, fp8_dtype, tile_rows)
+    want = ref.quantize_block_reference(x, fp8_dtype, tile_rows)
+    assert_bitwise(got.data, want.data, f"block {tile_rows} transposed {shape} {dtype} data")
+    assert_bitwise(got.scale_inv, want.scale_inv, f"block {tile_rows} transposed {shape} {dtype} scales")
+
+
+@pytest.mark.parametrize("kind,fp8_dtype", [("swiglu", E5M2), ("swiglu", E4M3), ("gelu", E4M3), ("gelu", E5M2)])
+@pytest.mark.parametrize("shape,dtype", [((4096, 4096), torch.float32), ((8192, 1002), torch.bfloat16)])
+def test_dact_dbias_fp8_bitwise(kind, fp8_dtype, shape, dtype):
+    rows, cols = shape
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = (-0.3 + 2.5 * torch.randn(rows, cols, device="cuda", generator=gen)).to(dtype)
+    dy = (-0.3 + 2.5 * torch.randn(rows, cols // 2 if kind == "swiglu" else cols, device="cuda",
+                                   generator=gen)).to(dtype)
+    scale = torch.tensor(1024.0 if fp8_dtype == E5M2 else 4.0, device="cuda")  # some values saturate
+    assert_dact_dbias_fp8_is_the_cast(dy, x, kind, fp8_dtype, scale)

@@ -1,9 +1,10 @@
 """Shared pieces of the Triton kernels: FP8 rounding, scales, and launcher checks.
 
-Every FP8 cast here rounds onto the FP8 grid in fp32 arithmetic before the final
-``.to(fp8)``, so that conversion only re-encodes a value the format holds exactly.
-That makes the kernels bit-exact against :mod:`te_fuser.kernels.reference` both on
-a GPU and under ``TRITON_INTERPRET=1`` (whose own FP8 conversion rounds wrongly).
+Every FP8 cast here rounds onto the FP8 grid in fp32 arithmetic and builds the
+FP8 byte in int32 arithmetic (:func:`fp8_bytes`): no float-to-FP8 conversion, whose
+interpreted form rounds wrongly and whose compiled form Triton 3.6 miscompiled on
+the H200 in some layouts. That makes the kernels bit-exact against
+:mod:`te_fuser.kernels.reference` both on a GPU and under ``TRITON_INTERPRET=1``.
 The FP8 bytes are written through a ``uint8`` view; NaN gets the encoding torch
 uses (``0x7F`` plus the sign bit). Divisions are IEEE (``tl.math.div_rn``), amaxes
 are integer maxima of the bits of |x| (ordered like the values, NaN above inf, so
@@ -52,18 +53,30 @@ def round_to_fp8_grid(v, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_E
 @triton.jit
 def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
               PATCH_NAN: tl.constexpr):
-    """The FP8 encoding (uint8) of the saturating cast of fp32 ``v``; NaN becomes
-    0x7F with the sign bit of ``v``, as torch encodes it. The GPU's conversion
-    gives 0x7F for NaN and the sign is ORed in (a no-op for numbers, which carry
-    it already); under the interpreter, whose conversion mangles NaN, NaN bytes
-    are selected explicitly (PATCH_NAN)."""
-    on_grid = round_to_fp8_grid(v, FMAX, MANT_BITS, MIN_STEP_EXP)
-    q = on_grid.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
-    sign_byte = (v.to(tl.int32, bitcast=True) >> 24).to(tl.uint8)
-    if PATCH_NAN:
-        return tl.where(v != v, sign_byte | 0x7F, q).to(tl.uint8)
-    else:
-        return q | (sign_byte & 0x80)
+    """The FP8 encoding (uint8) of the saturating cast of fp32 ``v`` (nearest, ties
+    to even); NaN becomes 0x7F with the sign bit of ``v``, as torch encodes it.
+
+    The rounding is :func:`round_to_fp8_grid`'s ``|v| + c`` (exact but for the one
+    rounding to a multiple of the quantum q = c / 2**23), and the byte is read off
+    its bits in int32 arithmetic: ``bits(|v| + c) - bits(c)`` counts the quanta in
+    the rounded |v| (its leading 1 included, for a normal value), and
+    ``(bits(c) - bits(c_min)) >> (23 - MANT_BITS)`` adds the exponent above the
+    subnormal binade; a carry into the next binade comes out right by itself.
+    Only the final narrowing touches 8 bits: there is no float-to-FP8 conversion
+    and no arithmetic on 8-bit vectors. (Triton 3.6 on the H200 miscompiled the
+    packed ``cvt.rn.satfinite.e*m*x2.f32`` conversion followed by byte arithmetic
+    and a layout change before the store, losing or swapping bytes; exact under
+    the interpreter.) OUT_DTYPE and PATCH_NAN are kept for the callers: the
+    encoding needs neither."""
+    C_MIN: tl.constexpr = (MIN_STEP_EXP + 23) << 23  # bits of c for the subnormal step
+    mag = tl.minimum(tl.abs(v), FMAX, propagate_nan=tl.PropagateNan.ALL)
+    exp_bits = mag.to(tl.int32, bitcast=True) & 0x7F800000
+    c_bits = tl.maximum(exp_bits + ((23 - MANT_BITS) << 23), C_MIN)
+    quanta = (mag + c_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c_bits
+    code = quanta + ((c_bits - C_MIN) >> (23 - MANT_BITS))
+    code = tl.where(mag != mag, 0x7F, code)
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return (code | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -94,12 +107,30 @@ def fp8_to_float(q, IS_E4M3: tl.constexpr):
 
 
 @triton.jit
+def bf16_grid(v):
+    """fp32 ``v`` rounded to the nearest bf16 value (ties to even; past the largest
+    bf16 to inf), still in fp32: integer arithmetic on the bits, NaN kept."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return tl.where(v != v, v, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def round_to_bf16(v):
     """fp32 ``v`` rounded to the nearest bf16 (ties to even) in integer arithmetic
     and converted; the final conversion is then exact in any rounding mode."""
-    bits = v.to(tl.int32, bitcast=True)
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return tl.where(v != v, v, rounded.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    return bf16_grid(v).to(tl.bfloat16)
+
+
+@triton.jit
+def round_through(v, DTYPE: tl.constexpr):
+    """``v`` rounded once to the narrower ``DTYPE`` (nearest, ties to even) and
+    widened back exactly; fp32 to bf16 in integer arithmetic (exact under the
+    interpreter too)."""
+    if DTYPE == tl.bfloat16 and v.dtype == tl.float32:
+        return bf16_grid(v)
+    else:
+        return v.to(DTYPE).to(v.dtype)
 
 
 @triton.jit

@@ -12,13 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import abs_bits, check_input, fp8_bytes_as, is_interpreted, sm_count
+from ._common import abs_bits, check_input, fp8_bytes_as, is_interpreted, round_through, sm_count
 
 __all__ = ["activation", "activation_grad", "dact_dbias", "dact_dbias_fp8", "ACTIVATION_CODES"]
 
 # Activation kind -> the constexpr code the kernels branch on (0: none).
 ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4}
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+_TL_FLOAT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def activation_code(kind: str | None) -> int:
@@ -129,11 +130,13 @@ def _store_dx(dx_ptrs, dx, mask, scale, FP8_OUT: tl.constexpr, PATCH_NAN: tl.con
 
 @triton.jit
 def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr,
-               COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND: tl.constexpr):
+               COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr):
     """Write the input gradient of one tile; return its column sums (two halves,
     gate then up, for SwiGLU; the second is zeros otherwise) and its amax bits.
-    With ROUND, dx is first rounded to dx_ptr's (narrower) dtype, and the sums are
-    of the rounded values: what an unfused bias backward would add up."""
+    With a ROUND_TO dtype (narrower than COMPUTE: the op's dtype), dx is first
+    rounded once to it, and the sums, the amax and the FP8 cast are of the
+    rounded values: what the unfused backward (dx in the op's dtype, then a bias
+    gradient and a cast of that dx) computes."""
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_dy)
     dy = tl.load(dy_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
     if KIND == 4:
@@ -142,9 +145,9 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND
         up = tl.load(x_row + cols_dy, mask=mask, other=0.0).to(COMPUTE)
         d_gate = dy * up * silu_grad(gate)
         d_up = dy * silu(gate)
-        if ROUND:
-            d_gate = d_gate.to(dx_ptr.dtype.element_ty).to(COMPUTE)
-            d_up = d_up.to(dx_ptr.dtype.element_ty).to(COMPUTE)
+        if ROUND_TO is not None:
+            d_gate = round_through(d_gate, ROUND_TO)
+            d_up = round_through(d_up, ROUND_TO)
         dx_row = dx_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
         amax_gate = _store_dx(dx_row, d_gate, mask, scale, FP8_OUT, PATCH_NAN)
         amax_up = _store_dx(dx_row + cols_dy, d_up, mask, scale, FP8_OUT, PATCH_NAN)
@@ -153,8 +156,8 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND
     else:
         x = tl.load(x_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
         dx = apply_activation_grad(dy, x, KIND)
-        if ROUND:
-            dx = dx.to(dx_ptr.dtype.element_ty).to(COMPUTE)
+        if ROUND_TO is not None:
+            dx = round_through(dx, ROUND_TO)
         amax = _store_dx(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask, scale, FP8_OUT, PATCH_NAN)
         col_sum = tl.sum(tl.where(mask, dx, 0.0), axis=0)
         return col_sum, tl.zeros_like(col_sum), amax
@@ -165,13 +168,13 @@ def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.const
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _dact_tile(dy_ptr, x_ptr, dx_ptr, 1.0, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, None, False, False)
+    _dact_tile(dy_ptr, x_ptr, dx_ptr, 1.0, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, None, False, None)
 
 
 @triton.jit
 def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, fp8_state_ptr, rows, cols_dy, rows_per_split,
                        KIND: tl.constexpr, COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr,
-                       ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
     and the column sums of that slab into partial[s] (a row of cols_dx). With an
     FP8 FP8_OUT, dx is written as FP8 with the scale in ``fp8_state[0]`` (fp32
@@ -189,7 +192,7 @@ def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, fp8_state_ptr, rows, 
         offs_r = r0 + tl.arange(0, BLOCK_R)
         offs_r = tl.where(offs_r < first + rows_per_split, offs_r, rows)  # stay inside this split
         part_a, part_b, part_amax = _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND,
-                                               COMPUTE, FP8_OUT, PATCH_NAN, ROUND)
+                                               COMPUTE, FP8_OUT, PATCH_NAN, ROUND_TO)
         sum_a += part_a
         sum_b += part_b
         amax = tl.maximum(amax, part_amax)
@@ -282,8 +285,9 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tenso
 
 
 def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_state: torch.Tensor | None,
-                       compute, round_dx: bool = False) -> torch.Tensor:
-    """Run the fused kernel into ``dx`` (FP8 when ``fp8_state`` is given); return dbias."""
+                       compute, round_to: torch.dtype | None = None) -> torch.Tensor:
+    """Run the fused kernel into ``dx`` (FP8 when ``fp8_state`` is given), dx first
+    rounded to the narrower ``round_to`` when given; return dbias."""
     tl_compute, torch_compute = compute
     rows, cols_dx = x2d.shape
     block_r, block_c = _blocks(x2d)
@@ -296,7 +300,8 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_st
     _dact_dbias_kernel[(col_blocks, splits)](
         dy2d, x2d, dx.view(torch.uint8) if fp8_out is not None else dx, partial,
         fp8_state if fp8_state is not None else partial, rows, cols, rows_per_split, KIND=activation_code(kind),
-        COMPUTE=tl_compute, FP8_OUT=fp8_out, PATCH_NAN=is_interpreted(x2d), ROUND=round_dx, BLOCK_R=block_r,
+        COMPUTE=tl_compute, FP8_OUT=fp8_out, PATCH_NAN=is_interpreted(x2d),
+        ROUND_TO=None if round_to is None else _TL_FLOAT[round_to], BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=4)
     return partial.sum(dim=0)
 
@@ -317,7 +322,8 @@ def dact_dbias(
     dx = torch.empty(x2d.shape, dtype=out_dtype if in_kernel else compute[1], device=x.device)
     if not dx.numel():
         return dx.reshape(x.shape).to(out_dtype), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device)
-    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, None, compute, round_dx=dx.dtype != compute[1])
+    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, None, compute,
+                               round_to=dx.dtype if dx.dtype != compute[1] else None)
     if not in_kernel:
         dx = dx.to(out_dtype)
         dbias = dx.to(compute[1]).sum(dim=0)
@@ -329,8 +335,9 @@ def dact_dbias_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`dact_dbias` with dx written once, in FP8: ``(dx_fp8, dbias, amax)``,
     where ``dx_fp8`` is the delayed-scaling cast of dx with the 0-d fp32 ``scale``
-    (``quantize_tensorwise`` of ``dact_dbias``'s dx, bit for bit) and ``amax`` the
-    max of |dx| (0-d fp32)."""
+    (``quantize_tensorwise`` of ``dact_dbias``'s dx, bit for bit: for bf16 or fp16
+    x, dx is rounded to x's dtype first, and dbias sums the rounded values, as in
+    :func:`dact_dbias`) and ``amax`` the max of |dx| (0-d fp32)."""
     dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "dact_dbias_fp8")
     if fp8_dtype not in _TL_FP8:
         raise ValueError(f"dact_dbias_fp8: fp8_dtype must be one of {list(_TL_FP8)}, got {fp8_dtype}")
@@ -345,5 +352,6 @@ def dact_dbias_fp8(
     amax = state[1:].view(torch.float32).reshape(())
     if not dx.numel():
         return dx.reshape(x.shape), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device), amax
-    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, state, compute)
+    round_to = x.dtype if x.dtype != compute[1] else None  # dact_dbias's dx is in x's dtype
+    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, state, compute, round_to=round_to)
     return dx.reshape(x.shape), dbias, amax

@@ -420,11 +420,6 @@ def quantize_block(
         raise ValueError(f"tile_rows: must be 1 (1x128) or 128 (128x128), got {tile_rows}")
     epsilon = check_epsilon(epsilon, kernel)
     meta = _fp8_meta(fp8_dtype, x)
-    if x.stride(-1) != 1:
-        # A transposed view gave wrong FP8 bytes on the H200 (scales right, data
-        # not; exact under the interpreter): read a row-major copy until the
-        # kernel's strided path is fixed.
-        x = x.contiguous()
     M, N = x.shape
     scaling = "block_1x128" if tile_rows == 1 else "block_128x128"
     q = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
