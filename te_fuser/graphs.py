@@ -318,11 +318,10 @@ class GraphedSequential(nn.Module):
         graphs.frozen = [(op, op._weight_cache, op.weight._version) for op in _linears(model)
                          if op not in trainable and op._weight_cache is not None]
         pool = torch.cuda.graph_pool_handle()
-        self._capture_pair(graphs, graphs.cast, pool)
-        graphs.cast_weights = [(op, op._weight_cache) for op in trainable if op._weight_cache is not None]
-        graphs.give_weights_to_eager()  # the cached pair reads the cast pair's FP8 weights ...
-        for op, (_, columnwise, w_q) in graphs.cast_weights:  # ... in place, not copies
-            op._weight_cache = (op._weight_cache[0], columnwise, w_q)
+        self._capture_pair(graphs, graphs.cast, pool, after_forward=lambda: _keep_weights(graphs, trainable))
+        for op, (stamp, columnwise, w_q) in graphs.cast_weights:  # the cached pair reads them in place
+            w = op.weight
+            op._weight_cache = ((stamp[0], w._version, w.data_ptr(), stamp[3]), columnwise, w_q)
         self._capture_pair(graphs, graphs.cached, pool)
         for op, cache in eager_caches:
             op._weight_cache = cache
@@ -351,7 +350,7 @@ class GraphedSequential(nn.Module):
         for slot in graphs.slots:  # the warm-up runs rebound the state; their updates are discarded
             setattr(slot.quantizer, slot.name, slot.home)
 
-    def _capture_pair(self, graphs: _Graphs, pair: _Pair, pool) -> None:
+    def _capture_pair(self, graphs: _Graphs, pair: _Pair, pool, after_forward=None) -> None:
         """Capture one forward and its backward; the backward graph also copies every
         scaling-state update of the step into the tensors the next replay reads."""
         model, static_x, slots = self.model, graphs.static_x, graphs.slots
@@ -359,6 +358,8 @@ class GraphedSequential(nn.Module):
             inputs = ((static_x,) if static_x.requires_grad else ()) + tuple(map(aliases, graphs.params))
             with torch.cuda.graph(pair.fwd, pool=pool):
                 static_y = model(static_x)
+                if after_forward is not None:
+                    after_forward()
             if not isinstance(static_y, torch.Tensor):
                 raise TypeError("make_graphed: the model must return one tensor")
             pair.forward_updates = [(s.home, getattr(s.quantizer, s.name)) for s in slots if not s.bound()]
@@ -373,6 +374,26 @@ class GraphedSequential(nn.Module):
         grads = list(static_grads)
         pair.static_y, pair.static_dy = static_y.detach(), static_dy
         pair.static_grads = (grads.pop(0) if static_x.requires_grad else None, *grads)
+
+
+def _keep_weights(graphs: _Graphs, trainable: list) -> None:
+    """Inside the cast pair's forward capture: keep each FP8 weight it wrote, for the
+    cached pair, with its scales copied at this point. A delayed-scaling weight's
+    FP8 copy shares the quantizer's ``scale_inv`` tensor, which the backward graph
+    overwrites with the next scale; the eager cache keeps the old tensor instead."""
+    kept = []
+    for op in trainable:
+        cache = op._weight_cache
+        if cache is None:
+            continue
+        stamp, columnwise, w_q = cache
+
+        def frozen(o: ScaledOperand | None) -> ScaledOperand | None:
+            return None if o is None else ScaledOperand(o.data, o.scale_inv.clone(), o.scaling)
+
+        kept.append((op, (stamp, columnwise, QuantizedTensor(frozen(w_q.rowwise), frozen(w_q.columnwise),
+                                                              w_q.shape, w_q.dtype))))
+    graphs.cast_weights = kept
 
 
 @contextlib.contextmanager
