@@ -149,7 +149,10 @@ def weight_requant(model, device, weights=None) -> dict:
         dst = torch.empty_like(src)
         ceiling = 2 * src.numel() / (per_call_us(lambda: dst.copy_(src), 3, 3) * 1e-6) / 1e12
     floor_ms = moved / (ceiling * 1e12) * 1e3
-    return {"ms": ms, "floor_ms": floor_ms, "ratio": ms / floor_ms, "bytes": moved}
+    # Current scaling cannot cast before it knows the amax: it reads each weight twice.
+    two_pass_ms = (moved + sum(w.numel() * w.element_size() for w in weights)) / (ceiling * 1e12) * 1e3
+    return {"ms": ms, "floor_ms": floor_ms, "ratio": ms / floor_ms, "bytes": moved,
+            "two_pass_floor_ms": two_pass_ms, "ratio_two_pass": ms / two_pass_ms}
 
 
 def first_step_cost(model, x, recipe, steady_recipe) -> float:
@@ -254,7 +257,8 @@ def main(argv=None) -> dict:
         rows.append(harness.Row("refusion", "weight re-quantization, MLP block weights", "-",
                                 "4096x28672 + 14336x4096 bf16", mlp["ms"], 0.0, "ms", of_ceiling=1 / mlp["ratio"],
                                 note=f"floor {mlp['floor_ms']:.4f} ms"))
-        print(f"MLP weights re-quantization: {mlp['ms']:.3f} ms, {mlp['ratio']:.2f}x its floor")
+        print(f"MLP weights re-quantization: {mlp['ms']:.3f} ms, {mlp['ratio']:.2f}x the one-pass floor, "
+              f"{mlp['ratio_two_pass']:.2f}x the two-pass floor of current scaling")
     print(f"te_fuser re-fusion cost on {device} (torch {torch.__version__})")
     print(f"{'ops':>5} {'hot same µs':>11} {'hot equal µs':>12} {'switch µs':>10} "
           f"{'key/quant/fuse/valid/publish µs':>34} {'requant x floor':>15} {'cold ms':>8} {'warmed ms':>9}")
