@@ -15,8 +15,7 @@ order: ops compute in the torch-autocast dtype when one is active.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import backend as _backend
 from .recipe import DelayedScaling, Recipe
@@ -26,8 +25,9 @@ __all__ = ["autocast", "AutocastState", "current_state", "DEFAULT_RECIPE"]
 DEFAULT_RECIPE = DelayedScaling()
 
 
-@dataclass(frozen=True)
-class AutocastState:
+class AutocastState(NamedTuple):
+    """One te.autocast region's settings (immutable; a tuple, cheap to build)."""
+
     enabled: bool = False
     recipe: Recipe | None = None
     calibrating: bool = False
