@@ -4,7 +4,8 @@ Every backend implements the same kernels under the same names and signatures
 (those of :mod:`te_fuser.kernels.reference`, without the ``_reference`` suffix):
 
     quantize_tensorwise, quantize_current, quantize_rowwise, quantize_block,
-    quantize_mxfp8, dequantize, gemm, activation, activation_grad, dact_dbias
+    quantize_mxfp8, dequantize, gemm, activation, activation_grad, dact_dbias,
+    rms_norm, rms_norm_grad
 
 ``set_backend(name)`` chooses globally; ``te.autocast(backend=...)`` overrides it
 inside a region. ``auto`` (the default) uses ``reference`` on CPU tensors and, on
@@ -45,6 +46,8 @@ KERNELS = (
     "activation",
     "activation_grad",
     "dact_dbias",
+    "rms_norm",
+    "rms_norm_grad",
 )
 _MODULES = {
     "reference": "te_fuser.kernels.reference",

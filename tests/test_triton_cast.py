@@ -58,7 +58,8 @@ def with_specials(x: torch.Tensor, values) -> torch.Tensor:
 def test_backend_dispatches_every_kernel_to_triton():
     for kernel in backend.KERNELS:
         choice = backend.resolve(kernel, DEVICE, backend="triton")
-        assert choice.backend == "triton" and choice.fn is getattr(tk, kernel), (kernel, choice)
+        per_call = hasattr(tk, f"{kernel}_unsupported_reason")  # wrapped: operands it cannot run fall back
+        assert choice.backend == "triton" and (per_call or choice.fn is getattr(tk, kernel)), (kernel, choice)
 
 
 def test_midpoints_are_ties():

@@ -6,5 +6,7 @@ from .cast import *  # noqa: F401,F403
 from .cast import __all__ as _cast_all
 from .gemm import *  # noqa: F401,F403
 from .gemm import __all__ as _gemm_all
+from .norm import *  # noqa: F401,F403
+from .norm import __all__ as _norm_all
 
-__all__ = _act_all + _cast_all + _gemm_all
+__all__ = _act_all + _cast_all + _gemm_all + _norm_all

@@ -6,12 +6,14 @@ and on CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported).
 Extra fused kernels: :func:`gemm_fp8_out` (the GEMM epilogue also casts its result
 to FP8 with a given scale and reduces its amax) and :func:`dact_dbias` (activation
 gradient and bias gradient in one pass; :func:`dact_dbias_fp8` also writes the
-gradient as FP8 with a given scale, with its amax).
+gradient as FP8 with a given scale, with its amax). :func:`rms_norm` and
+:func:`rms_norm_grad` make one pass each over the data.
 """
 
 from .activations import activation, activation_grad, dact_dbias, dact_dbias_fp8
 from .cast import dequantize, quantize_block, quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
 from .fp8_gemm import gemm, gemm_fp8_out
+from .norm import rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason
 
 __all__ = [
     "quantize_tensorwise",
@@ -26,4 +28,8 @@ __all__ = [
     "activation_grad",
     "dact_dbias",
     "dact_dbias_fp8",
+    "rms_norm",
+    "rms_norm_grad",
+    "rms_norm_unsupported_reason",
+    "rms_norm_grad_unsupported_reason",
 ]

@@ -1,7 +1,10 @@
 """LayerNorm and RMSNorm over the last dim, computed in fp32.
 
-The backward recomputes the normalisation in fp32 from the saved input and
-differentiates it, which keeps forward and backward numerics in one place.
+RMSNorm runs the backend's ``rms_norm`` / ``rms_norm_grad`` kernels (on the GPU
+one Triton pass each, forward and backward; the reference recomputes torch's
+``rms_norm`` in fp32 and differentiates it). LayerNorm's backward recomputes the
+normalisation in fp32 from the saved input and differentiates it, which keeps
+forward and backward numerics in one place.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ... import backend
 from ..op import BasicOperation
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -83,4 +87,18 @@ class RMSNorm(_Norm):
 
     def _normalize(self, x32, params):
         (weight,) = params
-        return torch.nn.functional.rms_norm(x32, (self.size,), weight, self.eps)  # one fused kernel on GPU
+        return torch.nn.functional.rms_norm(x32, (self.size,), weight, self.eps)
+
+    def op_forward(self, ctx, x, extra_inputs):
+        x2d = x.reshape(-1, self.size)  # (M, N)
+        y2d, rstd = backend.resolve("rms_norm", x.device).fn(x2d, self.weight, self.eps, ctx.run.compute_dtype)
+        if ctx.run.needs_backward:
+            ctx.saved["x"], ctx.saved["rstd"] = x, rstd
+        return y2d.reshape(x.shape), []
+
+    def op_backward(self, ctx, dy, grad_extra_outputs):
+        x, rstd = ctx.saved["x"], ctx.saved["rstd"]
+        x2d = x.reshape(-1, self.size)  # (M, N)
+        dy2d = dy.reshape(-1, self.size)
+        dx2d, dw = backend.resolve("rms_norm_grad", x.device).fn(dy2d, x2d, self.weight, rstd, self.eps)
+        return dx2d.reshape(x.shape), [dw.to(self.weight.dtype)], []

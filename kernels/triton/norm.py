@@ -1,0 +1,148 @@
+"""RMSNorm forward and backward in Triton: one pass over the data each.
+
+Forward, one program per row: ``rstd = 1 / sqrt(mean(x**2) + eps)``, ``y = x *
+rstd * weight`` in fp32, one rounding to the output dtype; ``rstd`` is kept for
+the backward. Backward, a block of rows per program, with ``x̂ = x * rstd`` and
+``g = dy * weight``:
+
+    dx = rstd * (g - x̂ * mean(g * x̂))        dweight = sum over rows of dy * x̂
+
+each program adds its rows' ``dy * x̂`` into one fp32 partial row; the partial
+rows are summed by torch. Rows up to :data:`MAX_N` wide (a row is held in
+registers); wider rows go to the reference (:func:`rms_norm_unsupported_reason`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_input, sm_count, to_output
+
+__all__ = ["rms_norm", "rms_norm_grad", "rms_norm_unsupported_reason", "rms_norm_grad_unsupported_reason",
+           "MAX_N"]
+
+MAX_N = 8192
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps,
+                     OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=0) / N
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = x * rstd * w
+    tl.store(y_ptr + row * stride_y + cols, to_output(y, OUT_DTYPE), mask=ok)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_grad_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M, N, stride_dy, stride_x,
+                          stride_dx, ROWS, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < N
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(ROWS):
+        row = pid.to(tl.int64) * ROWS + i
+        row_ok = ok & (row + 0 * cols < M)  # a vector mask (the interpreter rejects a scalar one)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=row_ok, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=row_ok, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + tl.minimum(row, M - 1))  # rows past M load zeros: no effect
+        x_hat = x * rstd
+        g = dy * w
+        c = tl.sum(g * x_hat, axis=0) / N
+        dx = rstd * (g - x_hat * c)
+        tl.store(dx_ptr + row * stride_dx + cols, to_output(dx, OUT_DTYPE), mask=row_ok)
+        dw += dy * x_hat
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=ok)
+
+
+def _reason(x: torch.Tensor) -> str | None:
+    if x.dim() == 2 and x.shape[1] > MAX_N:
+        return f"the triton RMSNorm holds a row in registers: rows up to {MAX_N} wide, got {x.shape[1]}"
+    return None
+
+
+def rms_norm_unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why :func:`rms_norm` would not run these operands here (``None``: it runs)."""
+    return _reason(x)
+
+
+def rms_norm_grad_unsupported_reason(dy: torch.Tensor, x: torch.Tensor) -> str | None:
+    return _reason(x)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> None:
+    check_input(x, kernel)
+    check_input(weight, kernel, "weight", dims=1)
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"{kernel}: weight must have shape ({x.shape[1]},), got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"{kernel}: weight is on {weight.device} but x is on {x.device}")
+    reason = _reason(x)
+    if reason is not None:
+        raise ValueError(f"{kernel}: {reason}")
+
+
+def _warps(block_n: int) -> int:
+    return 4 if block_n <= 1024 else (8 if block_n <= 4096 else 16)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y (rows, N) in out_dtype (default x.dtype), rstd (rows,) fp32)`` for x (rows, N)."""
+    _check(x, weight, "rms_norm")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in _TL:
+        raise ValueError(f"rms_norm: out_dtype must be one of {[str(d) for d in _TL]}, got {out_dtype}")
+    x = _row_major(x)
+    rows, n = x.shape
+    y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows and n:
+        block_n = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](x, weight, y, rstd, n, x.stride(0), y.stride(0), float(eps),
+                                  OUT_DTYPE=_TL[out_dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
+    return y, rstd
+
+
+def rms_norm_grad(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx (rows, N) in x.dtype, dweight (N,) fp32)`` from the forward's ``rstd``."""
+    _check(x, weight, "rms_norm_grad")
+    check_input(dy, "rms_norm_grad", "dy")
+    if dy.shape != x.shape:
+        raise ValueError(f"rms_norm_grad: dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    if rstd.shape != (x.shape[0],) or rstd.dtype != torch.float32:
+        raise ValueError(f"rms_norm_grad: rstd must be float32 of shape ({x.shape[0]},), "
+                         f"got {rstd.dtype} {tuple(rstd.shape)}")
+    if x.dtype not in _TL:
+        raise ValueError(f"rms_norm_grad: x must be bf16, fp16 or fp32, got {x.dtype}")
+    x, dy = _row_major(x), _row_major(dy)
+    rows, n = x.shape
+    dx = torch.empty_like(x)
+    if rows == 0 or n == 0:
+        return dx, torch.zeros(n, dtype=torch.float32, device=x.device)
+    programs = min(rows, 4 * sm_count(x))
+    per_program = triton.cdiv(rows, programs)
+    programs = triton.cdiv(rows, per_program)
+    partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    block_n = triton.next_power_of_2(n)
+    _rms_norm_grad_kernel[(programs,)](dy, x, weight, rstd, dx, partial, rows, n, dy.stride(0), x.stride(0),
+                                       dx.stride(0), ROWS=per_program, OUT_DTYPE=_TL[x.dtype], BLOCK_N=block_n,
+                                       num_warps=_warps(block_n))
+    return dx, partial.sum(0)
