@@ -51,9 +51,11 @@ def current_state() -> AutocastState:
 class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function, as torch.autocast)
     """Enter a te_fuser autocast region (see the module doc); yields its :class:`AutocastState`.
 
-    A class rather than a generator: entering and leaving costs well under a
-    microsecond, which matters when it wraps every step of a small model. An
-    instance may be entered again, also while it is active."""
+    A class rather than a generator: entering and leaving costs about a
+    microsecond, which matters when it wraps every step of a small model. A new
+    recipe object equal to the last one (same string) reuses the last state, so
+    its ``recipe`` is that earlier, equal object. An instance may be entered
+    again, also while it is active."""
 
     __slots__ = ("state", "backend", "_depths")
 
@@ -80,9 +82,13 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
         else:
             recipe = None
         last = autocast._last
-        if (last.recipe is recipe and last.enabled is enabled and last.calibrating is calibrating
-                and last.amax_reduction_group is amax_reduction_group):
-            self.state = last
+        if (
+            last.enabled is enabled and last.calibrating is calibrating
+            and last.amax_reduction_group is amax_reduction_group
+            and (last.recipe is recipe or (recipe is not None and last.recipe is not None
+                                           and type(last.recipe) is type(recipe) and last.recipe._key == recipe._key))
+        ):
+            self.state = last  # an equal recipe is the same configuration: its string is the key
         else:
             self.state = autocast._last = AutocastState(enabled, recipe, calibrating, amax_reduction_group)
         self.backend = backend

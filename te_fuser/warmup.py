@@ -75,7 +75,7 @@ class _Snapshot:
             if hasattr(op, "_weight_cache"):
                 op._weight_cache = wcache
         for f, plan, last, builds, hits, key, secs, phases, churn in self.fusers:
-            f._plan, f._last_recipe = plan, last
+            f._plan, f._last_recipe, f._last_state = plan, last, None
             f.stats.builds, f.stats.hits, f.stats.key, f.stats.build_seconds = builds, hits, key, secs
             f.stats.last_build_phases = phases
             f._churn.__dict__.update(churn)

@@ -96,6 +96,7 @@ class OperationFuser:
         self._grad_slices = _grad_slices([len(ps) for ps in self._params], self._n_extra_in)
         self._plan: FusionPlan | None = None
         self._last_recipe = None
+        self._last_state = None  # the autocast state last matched to the published plan
         self.stats = FusionStats()
         self._churn = FallbackChurnDetector(f"te_fuser ({', '.join(op.describe() for op in self.ops[:3])}...)")
 
@@ -115,7 +116,6 @@ class OperationFuser:
         """Run the ops on ``x``; the hot path (positional arguments only: keyword
         arguments cost more than the whole check)."""
         state = _AUTOCAST_STACK[-1]  # te.autocast's state (see autocast.current_state)
-        recipe = state.recipe
         needs_backward = _grad_enabled() and (
             x.requires_grad or self._params_require_grad() or any(t.requires_grad for t in extra_inputs)
         )
@@ -123,21 +123,32 @@ class OperationFuser:
         plan = self._plan
         if (
             plan is not None
-            and (recipe is self._last_recipe or (recipe is not None and plan.recipe_key == recipe._key))
             and plan.needs_backward is needs_backward
             and plan.dtype is dtype
             and plan.training is training
-            and plan.calibrating is state.calibrating
             and plan.is_cuda is x.is_cuda
-            and plan.amax_reduction_group is state.amax_reduction_group
+            and (state is self._last_state or self._same_config(plan, state))
             and (plan.epoch == _EPOCH[0] or self._still_installed(plan))
         ):
             self.stats.hits += 1
-            self._last_recipe = recipe
         else:
-            plan = self.build(recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training,
+            plan = self.build(state.recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training,
                               state.amax_reduction_group)
+            self._last_state = state
         return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
+
+    def _same_config(self, plan: FusionPlan, state) -> bool:
+        """Whether ``state`` (an autocast state other than the last one seen) selects
+        ``plan``: the same recipe object or string, calibration flag and group."""
+        recipe = state.recipe
+        if not (
+            (recipe is self._last_recipe or (recipe is not None and plan.recipe_key == recipe._key))
+            and plan.calibrating is state.calibrating
+            and plan.amax_reduction_group is state.amax_reduction_group
+        ):
+            return False
+        self._last_recipe, self._last_state = recipe, state
+        return True
 
     def _params_require_grad(self) -> bool:
         for p in self._flat_params:
@@ -188,6 +199,7 @@ class OperationFuser:
         self.stats.last_build_phases = phases
         self._churn.observe(recipe_key)
         self._last_recipe = recipe
+        self._last_state = None  # the state that selected the published plan (set by run)
         return plan
 
     def _build_quantizers(self, recipe, recipe_key: str) -> list[dict]:
