@@ -4,7 +4,7 @@ Every backend implements the same kernels under the same names and signatures
 (those of :mod:`te_fuser.kernels.reference`, without the ``_reference`` suffix):
 
     quantize_tensorwise, quantize_current, quantize_rowwise, quantize_block,
-    quantize_mxfp8, dequantize, gemm, activation, activation_grad, dact_dbias,
+    quantize_mxfp8, dequantize, gemm, gemm_fp8_out, activation, activation_grad, dact_dbias,
     rms_norm, rms_norm_grad
 
 ``set_backend(name)`` chooses globally; ``te.autocast(backend=...)`` overrides it
@@ -43,6 +43,7 @@ KERNELS = (
     "quantize_mxfp8",
     "dequantize",
     "gemm",
+    "gemm_fp8_out",
     "activation",
     "activation_grad",
     "dact_dbias",

@@ -216,3 +216,26 @@ def test_gemm_fp8_out_amax_slot_and_errors():
         tk.gemm_fp8_out(a, b, torch.ones(2, device=DEVICE), E4M3)
     with pytest.raises(ValueError, match="fp8_dtype"):
         tk.gemm_fp8_out(a, b, torch.tensor(1.0, device=DEVICE), torch.bfloat16)
+
+
+@pytest.mark.parametrize("round_to", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme,activation", [("tensor_x_tensor", "gelu"), ("mx_x_mx", "swiglu")])
+def test_gemm_fp8_out_rounds_to_the_compute_dtype_first(scheme, activation, round_to):
+    """``round_to``: the cast and amax of ``gemm(..., round_to)``, bit for bit, and
+    the reference kernel agrees."""
+    x, w, bias = _inputs(67, 96, 160, seed=10)
+    qa, qb = SCHEMES[scheme]
+    a, b = qa(x), qb(w)
+    out_scale = torch.tensor(3.0, device=DEVICE)
+    got, amax = tk.gemm_fp8_out(a, b, out_scale, E4M3, bias=bias, activation=activation, round_to=round_to)
+    y = tk.gemm(a, b, round_to, bias=bias, activation=activation)
+    want, _, want_amax = ref.quantize_tensorwise_reference(y, out_scale, E4M3)
+    assert_bitwise(got, want, f"{scheme} {activation} FP8 output rounded to {round_to}")
+    assert_bitwise(amax, want_amax, f"{scheme} {activation} amax rounded to {round_to}")
+    slot = torch.zeros(1, device=DEVICE)
+    ref_got, ref_amax = ref.gemm_fp8_out_reference(a, b, out_scale, E4M3, bias=bias, activation=activation,
+                                                   round_to=round_to, amax_out=slot)
+    y_ref = ref.gemm_reference(a, b, round_to, bias=bias, activation=activation)
+    want_ref, _, want_ref_amax = ref.quantize_tensorwise_reference(y_ref, out_scale, E4M3)
+    assert_bitwise(ref_got, want_ref, "reference FP8 output")
+    assert ref_amax.data_ptr() == slot.data_ptr() and torch.equal(slot.reshape(()), want_ref_amax)

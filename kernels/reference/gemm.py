@@ -13,9 +13,9 @@ import torch
 
 from ..operand import ScaledOperand
 from .activation import activation_reference
-from .cast import dequantize_reference
+from .cast import dequantize_reference, quantize_tensorwise_reference
 
-__all__ = ["gemm_reference"]
+__all__ = ["gemm_reference", "gemm_fp8_out_reference"]
 
 
 def _as_fp32(op: ScaledOperand | torch.Tensor) -> torch.Tensor:
@@ -52,3 +52,23 @@ def gemm_reference(
     if residual is not None:
         out = out + residual.float()
     return out.to(out_dtype)
+
+
+def gemm_fp8_out_reference(
+    a: ScaledOperand | torch.Tensor,
+    b: ScaledOperand | torch.Tensor,
+    out_scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None,
+    round_to: torch.dtype | None = None,
+    fast_accum: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM result (rounded to ``round_to`` when given, else fp32) cast to
+    ``fp8_dtype`` with ``out_scale`` as the delayed-scaling cast does; returns
+    ``(out (P, Q'), amax)`` (``amax_out`` filled when given)."""
+    out = gemm_reference(a, b, round_to or torch.float32, bias, activation, residual, fast_accum)
+    data, _, amax = quantize_tensorwise_reference(out, out_scale, fp8_dtype, amax_out=amax_out)
+    return data, amax

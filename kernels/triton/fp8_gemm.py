@@ -36,7 +36,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..operand import ScaledOperand
-from ._common import abs_bits, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, is_interpreted, to_output
+from ._common import (abs_bits, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, is_interpreted, round_through,
+                      to_output)
 from .activations import activation_code, apply_activation, silu
 from .cast import dequantize
 
@@ -80,10 +81,12 @@ def _load_k_tile(src, row0, rows, k0, K, stride, offs_k, USE_TMA: tl.constexpr):
 @triton.jit
 def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
               stride_om, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr):
+              OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr):
     """bias -> activation (SwiGLU from the gate/up pair) -> residual -> store.
     An FP8 OUT_DTYPE casts with the scale in ``fp8_state[0]`` (fp32 bits) and
-    reduces the amax of the fp32 result into ``fp8_state[1]`` (int32 bits of |out|)."""
+    reduces the amax of the fp32 result into ``fp8_state[1]`` (int32 bits of |out|);
+    with a ROUND_TO dtype the result is first rounded to it (still in fp32), so the
+    cast and the amax are those of the rounded tensor."""
     n_ok = offs_n < N_OUT
     mask = (offs_m[:, None] < M) & n_ok[None, :]
     if HAS_BIAS:
@@ -98,6 +101,8 @@ def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, ou
         out += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if OUT_DTYPE == tl.float8e4nv or OUT_DTYPE == tl.float8e5:
+        if ROUND_TO is not None:
+            out = round_through(out, ROUND_TO)
         scale = tl.load(fp8_state_ptr).to(tl.float32, bitcast=True)
         tl.store(out_ptrs, fp8_bytes_as(out * scale, OUT_DTYPE, PATCH_NAN), mask=mask)
         tile_amax = tl.max(tl.max(tl.where(mask, abs_bits(out), 0), axis=1), axis=0)
@@ -115,8 +120,8 @@ def _fp8_gemm_tensorwise_kernel(
         stride_am, stride_bn, stride_rm, stride_om,
         SCALED: tl.constexpr, A_ROW_SCALES: tl.constexpr, B_ROW_SCALES: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        PATCH_NAN: tl.constexpr, INPUT_PRECISION: tl.constexpr, PROMOTE_EVERY: tl.constexpr, UPCAST: tl.constexpr,
-        USE_TMA: tl.constexpr,
+        PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr, INPUT_PRECISION: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
+        UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """a (M, K) @ b (N, K).T with one scale per tensor or per row, applied after
     the fp32 accumulation (they are constant along K)."""
@@ -150,7 +155,7 @@ def _fp8_gemm_tensorwise_kernel(
             sb_up = tl.load(sb_ptr + HALF + rows_b)[None, :] if B_ROW_SCALES else tl.load(sb_ptr)
             acc_up = acc_up * sa * sb_up
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
-              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN)
+              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO)
 
 
 # ------------------------------------------------------------ block scaling
@@ -175,8 +180,8 @@ def _fp8_gemm_blockwise_body(
         a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, B_TILE_ROWS: tl.constexpr,
         B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr, USE_TMA: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """a: 1x128 scales (M, K/128); b: 1x128 (N, K/128) or 128x128 (N/128, K/128).
     B_SCALAR: 128x128 B tiles and output tiles inside one of them (one B scale)."""
     BLOCK_K: tl.constexpr = 128
@@ -204,7 +209,7 @@ def _fp8_gemm_blockwise_body(
             acc_up += _blockwise_partial(a, b_src, HALF + n0, HALF + rows_b, sa, sb_up_ptrs, k0, K, stride_bn,
                                          offs_k, B_SCALAR, USE_TMA)
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
-              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN)
+              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO)
 
 
 @triton.jit
@@ -212,12 +217,12 @@ def _fp8_gemm_blockwise_1x128_128x128_kernel(
         a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr, USE_TMA: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K,
                              HALF, stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 128, B_SCALAR,
-                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, USE_TMA, BLOCK_M, BLOCK_N,
-                             GROUP_M)
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO, USE_TMA, BLOCK_M,
+                             BLOCK_N, GROUP_M)
 
 
 @triton.jit
@@ -225,12 +230,12 @@ def _fp8_gemm_blockwise_1x128_1x128_kernel(
         a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        PATCH_NAN: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        GROUP_M: tl.constexpr):
+        PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K,
                              HALF, stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 1, False,
-                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, USE_TMA, BLOCK_M, BLOCK_N,
-                             GROUP_M)
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO, USE_TMA, BLOCK_M,
+                             BLOCK_N, GROUP_M)
 
 
 # ------------------------------------------------------------------ MXFP8
@@ -273,7 +278,7 @@ def _mxfp8_gemm_kernel(
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, DOT_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
         DECODE_SPECIALS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr,
         USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr):
     """MXFP8 x MXFP8: E8M0 scales (uint8) per 32 along K on both sides."""
@@ -301,7 +306,7 @@ def _mxfp8_gemm_kernel(
                                   stride_bn, offs_k, s_ok, A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE,
                                   DECODE_SPECIALS, USE_TMA)
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
-              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN)
+              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO)
 
 
 # --------------------------------------------------------------- launcher
@@ -318,6 +323,7 @@ class _Epilogue:
     half: int
     out_dtype: torch.dtype
     fp8_state: torch.Tensor | None = None  # FP8 output: int32 [scale bits, amax bits]
+    round_to: torch.dtype | None = None  # FP8 output: the dtype the result is rounded to before the cast
 
 
 @dataclass(frozen=True)
@@ -355,7 +361,7 @@ def _tiles(device: torch.device, family: str, m: int, n_out: int, k: int, gated:
     return Tiles(128, 128, 128, 8, 8, 3 if (gated or family == "mx") else 4, use_tma)
 
 
-def _check_epilogue(bias, residual, activation, out_dtype, m, n, device, fp8_state=None) -> _Epilogue:
+def _check_epilogue(bias, residual, activation, out_dtype, m, n, device, fp8_state=None, round_to=None) -> _Epilogue:
     if out_dtype not in (_TL_FP8_OUT if fp8_state is not None else _TL_OUT):
         raise ValueError(f"gemm: out_dtype must be one of {list(_TL_OUT)}, got {out_dtype}")
     code = activation_code(activation)
@@ -375,7 +381,10 @@ def _check_epilogue(bias, residual, activation, out_dtype, m, n, device, fp8_sta
             raise ValueError(f"gemm: residual must be a ({m}, {n_out}) tensor on {device}, got {got}")
         if residual.stride(1) != 1:
             residual = residual.contiguous()
-    return _Epilogue(bias, residual, code, n_out, n // 2 if code == 4 else 0, out_dtype, fp8_state)
+    if round_to is not None and round_to not in _TL_OUT:
+        raise ValueError(f"gemm_fp8_out: round_to must be None or one of {list(_TL_OUT)}, got {round_to}")
+    round_to = None if round_to is torch.float32 else round_to
+    return _Epilogue(bias, residual, code, n_out, n // 2 if code == 4 else 0, out_dtype, fp8_state, round_to)
 
 
 def _operand_matrix(op, name: str) -> torch.Tensor:
@@ -413,7 +422,8 @@ def _launch_common(epi: _Epilogue, out: torch.Tensor, dummy: torch.Tensor) -> tu
     args = [epi.bias if epi.bias is not None else dummy, res if res is not None else dummy,
             out.view(torch.uint8) if fp8 else out, epi.fp8_state if fp8 else dummy]
     meta = dict(HAS_BIAS=epi.bias is not None, ACTIVATION=epi.activation, HAS_RESIDUAL=res is not None,
-                OUT_DTYPE=(_TL_FP8_OUT if fp8 else _TL_OUT)[epi.out_dtype], PATCH_NAN=is_interpreted(out))
+                OUT_DTYPE=(_TL_FP8_OUT if fp8 else _TL_OUT)[epi.out_dtype], PATCH_NAN=is_interpreted(out),
+                ROUND_TO=None if epi.round_to is None else _TL_OUT[epi.round_to])
     return args, dict(stride_rm=res.stride(0) if res is not None else 0, stride_om=out.stride(0), **meta)
 
 
@@ -560,12 +570,15 @@ def gemm_fp8_out(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
     amax_out: torch.Tensor | None = None,
+    round_to: torch.dtype | None = None,
+    fast_accum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gemm` whose epilogue also casts: returns ``(out (P, Q') in fp8_dtype,
     amax)``, where ``out`` is the saturating cast of the fp32 result times the 0-d
     fp32 ``out_scale`` and ``amax`` the max of |fp32 result| (a 0-d tensor, or
     ``amax_out`` filled), as ``quantize_tensorwise`` of ``gemm(..., torch.float32)``
-    would give in a second pass."""
+    would give in a second pass. With ``round_to`` (bf16, fp16), the result is
+    rounded to that dtype first: the cast and amax of ``gemm(..., round_to)``."""
     a_mat, b_mat = _checked_operands(a, b)
     fp8_format(fp8_dtype)
     if not isinstance(out_scale, torch.Tensor) or out_scale.numel() != 1 or out_scale.dtype != torch.float32:
@@ -575,9 +588,9 @@ def gemm_fp8_out(
     state = torch.zeros(2, dtype=torch.int32, device=a_mat.device)  # scale bits, amax bits
     state[0] = out_scale.reshape(()).view(torch.int32)
     m, n = a_mat.shape[0], b_mat.shape[0]
-    epi = _check_epilogue(bias, residual, activation, fp8_dtype, m, n, a_mat.device, state)
+    epi = _check_epilogue(bias, residual, activation, fp8_dtype, m, n, a_mat.device, state, round_to)
     out = torch.empty((m, epi.n_out), dtype=fp8_dtype, device=a_mat.device)
-    _run(a, b, a_mat, b_mat, epi, out)
+    _run(a, b, a_mat, b_mat, epi, out, fast_accum)
     amax = state[1:].view(torch.float32).reshape(())
     if amax_out is not None:
         return out, amax_out.copy_(amax.reshape(amax_out.shape))

@@ -9,6 +9,11 @@ When either operand is high precision (no recipe, an identity quantizer, a
 ``out_dtype`` through torch, with the epilogue applied op by op exactly as the
 unfused ops would — so a model under an identity-only recipe matches a plain
 high-precision model bit for bit.
+
+``gemm_fp8_out(a, b, cast, round_to, ...)`` is the same GEMM whose epilogue also
+casts the result, rounded to ``round_to`` first, as a quantizer's
+:class:`~te_fuser.quantization.EpilogueCast` prescribes: the FP8 data equal
+``quantizer(gemm(a, b, round_to, ...))``'s bit for bit.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import torch
 
 from .. import backend
 from ..kernels.operand import ScaledOperand
+from ..quantization.base import EpilogueCast
 from ..quantization.tensor import QuantizedTensor
 
-__all__ = ["gemm", "rowwise", "columnwise", "apply_activation", "activation_backward"]
+__all__ = ["gemm", "gemm_fp8_out", "rowwise", "columnwise", "apply_activation", "activation_backward"]
 
 Operand = "ScaledOperand | torch.Tensor"
 
@@ -73,3 +79,26 @@ def gemm(
     if residual is not None:
         out = out + residual.to(out_dtype)
     return out
+
+
+def gemm_fp8_out(
+    a: Operand,
+    b: Operand,
+    cast: EpilogueCast,
+    round_to: torch.dtype,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """The FP8 data (P, Q') of :func:`gemm`'s result in ``round_to``, cast as ``cast``
+    prescribes (its amax written into ``cast.amax``): in the epilogue of one FP8
+    kernel when both operands are FP8, else a high-precision GEMM and a cast."""
+    if isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand):
+        fn = backend.resolve("gemm_fp8_out", a.data.device).fn
+        data, _ = fn(a, b, cast.scale, cast.fp8_dtype, bias=bias, activation=activation, amax_out=cast.amax,
+                     round_to=round_to, fast_accum=fast_accum)
+        return data
+    y = gemm(a, b, round_to, bias=bias, activation=activation, fast_accum=fast_accum)
+    quantize = backend.resolve("quantize_tensorwise", y.device).fn
+    data, _, _ = quantize(y, cast.scale, cast.fp8_dtype, rowwise=True, columnwise=False, amax_out=cast.amax)
+    return data

@@ -3,7 +3,10 @@
 A rule names a pass (``forward`` or ``backward``), a pattern of basic-op types
 (in forward order, also for backward rules), a predicate on the matched ops and
 the recipe that returns ``None`` to accept or a reason to decline, and the fused
-op class to build. The matcher walks the op list left to right; at each position
+op class to build. A rule written for one kind of recipe names it in
+``applies_to``: under other recipes it is not tried, and not listed as declined
+(an FP8 hand-off that needs delayed scaling would otherwise crowd every other
+plan with the same reason). The matcher walks the op list left to right; at each position
 it tries the rules of the pass in table order (longest patterns first) and takes
 the first that accepts. It records which rule fired where, and why others that
 matched the pattern declined; ``Sequential.fusion_plan()`` shows both.
@@ -30,6 +33,7 @@ class FusionRule:
     pattern: tuple[tuple[type, ...], ...]  # each position: the accepted op types
     build: Callable[[Sequence[BasicOperation]], FusedOperation]
     predicate: Predicate = field(default=lambda ops, recipe: None)
+    applies_to: Callable[[object], bool] | None = None  # recipe -> whether the rule is tried at all
 
     def __post_init__(self) -> None:
         if self.pass_ not in ("forward", "backward"):
@@ -93,7 +97,7 @@ def match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool = Tru
     i = 0
     while i < len(ops):
         for rule in rules:
-            if not rule.matches_types(ops, i):
+            if not rule.matches_types(ops, i) or (rule.applies_to is not None and not rule.applies_to(recipe)):
                 continue
             window = ops[i : i + len(rule.pattern)]
             reason = rule.predicate(window, recipe)

@@ -5,7 +5,7 @@ tensor role; ``quantizer(x, rowwise=..., columnwise=...)`` returns a
 :class:`QuantizedTensor` (or ``x`` itself for :class:`IdentityQuantizer`).
 """
 
-from .base import Quantizer
+from .base import EpilogueCast, Quantizer
 from .block import Float8BlockQuantizer
 from .current import Float8CurrentScalingQuantizer
 from .delayed import DelayedScalingQuantizer
@@ -19,6 +19,7 @@ __all__ = [
     "QuantizerRole",
     "QuantizedTensor",
     "Quantizer",
+    "EpilogueCast",
     "IdentityQuantizer",
     "Float8CurrentScalingQuantizer",
     "DelayedScalingQuantizer",

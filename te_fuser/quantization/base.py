@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,7 +27,7 @@ from ..kernels.operand import ScaledOperand
 from .role import QuantizerRole
 from .tensor import QuantizedTensor, flat_2d_shape
 
-__all__ = ["Quantizer", "FP8_MIN_COMPUTE_CAPABILITY"]
+__all__ = ["Quantizer", "EpilogueCast", "FP8_MIN_COMPUTE_CAPABILITY"]
 
 # FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
@@ -38,6 +38,18 @@ _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 def _capability(index: int) -> tuple[int, int]:
     """A device's compute capability (asked once: the query costs microseconds)."""
     return torch.cuda.get_device_capability(index)
+
+
+class EpilogueCast(NamedTuple):
+    """How a GEMM epilogue casts its result as a quantizer would (see
+    :meth:`Quantizer.epilogue_cast`): the saturating cast of ``result * scale`` to
+    ``fp8_dtype``, with the amax of |result| written into the one-element fp32
+    ``amax`` slot. ``pending`` is the quantizer's own, opaque to the caller."""
+
+    scale: torch.Tensor
+    fp8_dtype: torch.dtype
+    amax: torch.Tensor
+    pending: Any
 
 
 class Quantizer:
@@ -88,6 +100,24 @@ class Quantizer:
 
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record what the scaling state needs from ``x`` without casting."""
+
+    # -- a cast done by the producing GEMM's epilogue ---------------------------
+    def epilogue_cast(self, device: torch.device) -> EpilogueCast | None:
+        """The scale, FP8 format and amax slot with which a GEMM epilogue may cast
+        this role's next tensor, when they are known before the tensor exists
+        (one per-tensor scale); else ``None``, and the tensor goes through
+        ``quantizer(x)``. A non-None answer must be followed by
+        :meth:`adopt_epilogue_cast` once the epilogue has run."""
+        return None
+
+    def adopt_epilogue_cast(
+        self, cast: EpilogueCast, data: torch.Tensor, shape: torch.Size, dtype: torch.dtype, columnwise: bool = False
+    ) -> QuantizedTensor:
+        """Take the amax the epilogue wrote into ``cast.amax`` into the scaling state,
+        exactly as ``quantizer(x)`` would have, and return the row-wise ``data`` (M, K)
+        (plus, when ``columnwise``, its column-wise copy) as the quantized tensor of
+        ``shape``; ``dtype`` is the high-precision dtype it stands for."""
+        raise RuntimeError(f"{self._who()}: epilogue_cast() gave no cast to adopt")
 
     # -- validation before a plan is published -------------------------------
     def check_shape(self, shape: tuple[int, ...], *, rowwise: bool = True, columnwise: bool = False) -> None:

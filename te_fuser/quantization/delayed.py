@@ -17,6 +17,11 @@ Guards, applied with ``torch.where`` on the device (no host sync):
 A fresh quantizer (new model, or delayed scaling entered from another recipe)
 first *seeds* its scale from the amax of the first tensor it sees, so that tensor
 is cast with a fitting scale instead of 1.
+
+Since the scale is known before the tensor is, the GEMM that produces the tensor
+can cast it in its epilogue (:meth:`DelayedScalingQuantizer.epilogue_cast`, then
+``adopt_epilogue_cast``: the same cast, amax and state update as a call); a fresh
+quantizer declines that until it has seeded its scale.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import torch
 from .. import backend
 from ..fp8 import FP8_MAX, short_name
 from ..kernels.operand import ScaledOperand
-from .base import Quantizer
+from .base import EpilogueCast, Quantizer
 from .role import QuantizerRole
+from .tensor import QuantizedTensor
 
 __all__ = ["DelayedScalingQuantizer"]
 
@@ -129,6 +135,30 @@ class DelayedScalingQuantizer(Quantizer):
         rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None  # (M, K)
         columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None  # (K, M)
         return rowwise_op, columnwise_op
+
+    def epilogue_cast(self, device: torch.device) -> EpilogueCast | None:
+        """The current scale, the FP8 format and this call's history slot; ``None``
+        while unseeded (the first tensor must seed the scale from its own amax)."""
+        self._move_state(device)
+        if not self.seeded:
+            return None
+        history = torch.roll(self.amax_history, 1)  # slot 0 receives the tensor's amax
+        return EpilogueCast(self.scale, self.fp8_dtype, history[0:1], (history, self.scale_inv))
+
+    def adopt_epilogue_cast(
+        self, cast: EpilogueCast, data: torch.Tensor, shape: torch.Size, dtype: torch.dtype, columnwise: bool = False
+    ) -> QuantizedTensor:
+        """Record the epilogue's amax and update the scale as :meth:`_quantize` does; the
+        column-wise copy is the transpose of the FP8 bytes (one per-tensor scale: the
+        same bytes a cast of the transpose gives)."""
+        history, scale_inv = cast.pending
+        self._record(history)
+        rowwise_op = ScaledOperand(data, scale_inv, "tensor")  # (M, K)
+        columnwise_op = None
+        if columnwise:
+            data_t = data.view(torch.uint8).t().contiguous().view(data.dtype)  # (K, M)
+            columnwise_op = ScaledOperand(data_t, scale_inv, "tensor")
+        return QuantizedTensor(rowwise_op, columnwise_op, shape, dtype)
 
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record ``amax(x)`` in the history and update the scale; no cast."""

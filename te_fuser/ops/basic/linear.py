@@ -14,6 +14,11 @@ the contiguous dim of both operands (see ``te_fuser.kernels.operand``).
 backward GEMMs; ``'dequantized'`` saves their FP8 copies and dequantizes them.
 The quantized weight is cached and reused while the weight's version, storage and
 the plan's quantizer are unchanged (once per optimizer step across micro-batches).
+
+A fused op may hand ``linear_forward`` an input already quantized by this linear's
+input quantizer (the previous GEMM's epilogue cast it), and may ask it for its
+own result as FP8 data cast in its epilogue (``out_cast``); see
+``ops/fused/forward_linear_bias_linear.py``.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import torch
 from torch import nn
 
 from ...quantization.tensor import QuantizedTensor
-from ..gemm import columnwise, gemm, rowwise
+from ...quantization.base import EpilogueCast
+from ..gemm import columnwise, gemm, gemm_fp8_out, rowwise
 from ..op import BasicOperation, OpContext
 
-__all__ = ["BasicLinear", "linear_forward", "linear_backward"]
+__all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_columnwise"]
 
 
 class BasicLinear(BasicOperation):
@@ -85,45 +91,70 @@ class BasicLinear(BasicOperation):
         return dx, [dw], []
 
 
+def input_needs_columnwise(ctx: OpContext, op: BasicLinear) -> bool:
+    """Whether the backward's wgrad GEMM reads a column-wise FP8 copy of the input."""
+    run = ctx.run
+    return run.needs_backward and run.fp8_backward and op.weight.requires_grad
+
+
 def linear_forward(
     ctx: OpContext,
     op: BasicLinear,
-    x: torch.Tensor,
+    x: "torch.Tensor | QuantizedTensor",
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     residual: torch.Tensor | None = None,
+    out_cast: EpilogueCast | None = None,
 ) -> torch.Tensor:
-    """fprop with an optional epilogue; saves the backward's operands in ``ctx``."""
+    """fprop with an optional epilogue; saves the backward's operands in ``ctx``.
+
+    ``x``: a high-precision (..., K) tensor, or a :class:`QuantizedTensor` already
+    cast by this op's input quantizer (with the column-wise copy when the backward
+    needs it). With ``out_cast`` the result is returned as its FP8 data (M, N),
+    cast in the epilogue after rounding to the compute dtype."""
     run = ctx.run
     dtype = run.compute_dtype
     weight = op.weight
     x_shape = x.shape
-    x2d = x if (len(x_shape) == 2 and x_shape[1] == op.in_features) else x.reshape(-1, op.in_features)  # (M, K)
-    if x2d.dtype is not dtype:
-        x2d = x2d.to(dtype)
     w_hp = weight if weight.dtype is dtype else weight.to(dtype)  # (N, K)
     needs_backward = run.needs_backward
-    if run.quantizing:
-        fp8_backward = run.fp8_backward
-        need_wgrad = needs_backward and fp8_backward and weight.requires_grad
-        x_q = ctx.quantizers.get("input")(x2d, rowwise=True, columnwise=need_wgrad)
-        w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, needs_backward and fp8_backward)
+    if isinstance(x, QuantizedTensor):  # cast by the previous GEMM's epilogue (never for a high-precision backward)
+        x2d = x_q = x
+        w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, needs_backward and run.fp8_backward)
         keep_fp8 = run.backward_override != "high_precision"
     else:
-        if run.calibrating:
-            ctx.quantizer("input").observe(x2d)
-            ctx.quantizer("weight").observe(w_hp)
-        x_q, w_q = x2d, w_hp
-        keep_fp8 = False
-    res2d = None if residual is None else residual.reshape(-1, op.out_features)
-    y2d = gemm(rowwise(x_q), rowwise(w_q), dtype, bias=bias, activation=activation, residual=res2d,
-               fast_accum=run.fast_accum_fprop)
+        x2d = x if (len(x_shape) == 2 and x_shape[1] == op.in_features) else x.reshape(-1, op.in_features)  # (M, K)
+        if x2d.dtype is not dtype:
+            x2d = x2d.to(dtype)
+        x_q, w_q, keep_fp8 = _fprop_operands(ctx, op, x2d, w_hp)
+    if out_cast is not None:
+        y2d = gemm_fp8_out(rowwise(x_q), rowwise(w_q), out_cast, dtype, bias=bias, activation=activation,
+                           fast_accum=run.fast_accum_fprop)  # (M, N) FP8
+    else:
+        res2d = None if residual is None else residual.reshape(-1, op.out_features)
+        y2d = gemm(rowwise(x_q), rowwise(w_q), dtype, bias=bias, activation=activation, residual=res2d,
+                   fast_accum=run.fast_accum_fprop)
     if needs_backward:
         saved = ctx.saved
         saved["x"] = x_q if keep_fp8 else x2d
         saved["w"] = w_q if keep_fp8 else w_hp
         saved["x_shape"] = x_shape
-    return y2d if len(x_shape) == 2 else y2d.reshape(*x_shape[:-1], y2d.shape[-1])
+    if out_cast is not None or len(x_shape) == 2:
+        return y2d
+    return y2d.reshape(*x_shape[:-1], y2d.shape[-1])
+
+
+def _fprop_operands(ctx: OpContext, op: BasicLinear, x2d: torch.Tensor, w_hp: torch.Tensor):
+    """``(x operand, w operand, whether the backward keeps their FP8 copies)``."""
+    run = ctx.run
+    if run.quantizing:
+        x_q = ctx.quantizers.get("input")(x2d, rowwise=True, columnwise=input_needs_columnwise(ctx, op))
+        w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, run.needs_backward and run.fp8_backward)
+        return x_q, w_q, run.backward_override != "high_precision"
+    if run.calibrating:
+        ctx.quantizer("input").observe(x2d)
+        ctx.quantizer("weight").observe(w_hp)
+    return x2d, w_hp, False
 
 
 def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool):

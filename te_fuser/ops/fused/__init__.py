@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..basic.activation import Activation
 from ..basic.bias import Bias
 from ..basic.extra import AddExtraInput, MakeExtraOutput
@@ -12,10 +14,12 @@ from .backward_linear_add import BackwardLinearAdd
 from .backward_linear_bias_activation import BackwardLinearBiasActivation
 from .forward_linear_bias_activation import ForwardLinearBiasActivation
 from .forward_linear_bias_add import ForwardLinearBiasAdd
+from .forward_linear_bias_linear import ForwardLinearBiasLinear
 
 __all__ = [
     "ForwardLinearBiasActivation",
     "ForwardLinearBiasAdd",
+    "ForwardLinearBiasLinear",
     "BackwardActivationBias",
     "BackwardLinearBiasActivation",
     "BackwardLinearAdd",
@@ -31,7 +35,39 @@ def _needs_grad_output_quantizer(ops, recipe):
     return None
 
 
-DEFAULT_RULES = (
+def _delayed_scaling(recipe):
+    """The FP8 hand-off needs the next input's scale before the GEMM runs: delayed
+    scaling has it; current, block and MXFP8 scaling need the tensor's amax first."""
+    return recipe is not None and recipe.delayed()
+
+
+def _hand_off_possible(ops, recipe):
+    """Declines what the epilogue cannot serve in training; plans are built in the
+    grad mode they run in (whether a backward is needed is part of the fuser's key)."""
+    if not torch.is_grad_enabled():
+        return None
+    if isinstance(ops[2], Activation):
+        return ("the activation's backward needs the pre-activation, which the FP8 epilogue does not write "
+                "(the rule fires without a backward, e.g. under torch.no_grad)")
+    if recipe.backward_override == "high_precision":
+        return "backward_override='high_precision': the second linear's backward needs its input in high precision"
+    return None
+
+
+def _hand_off_rules():
+    """Linear -> Bias [-> activation] -> Linear [-> Bias [-> activation | AddExtraInput]]: one rule per shape."""
+    rules = []
+    for head_name, head in (("linear_bias", ((BasicLinear,), (Bias,))),
+                            ("linear_bias_activation", ((BasicLinear,), (Bias,), (Activation,)))):
+        for tail_name, tail in (("linear", ((BasicLinear,),)), ("linear_bias", ((BasicLinear,), (Bias,))),
+                                ("linear_bias_activation", ((BasicLinear,), (Bias,), (Activation,))),
+                                ("linear_bias_add", ((BasicLinear,), (Bias,), (AddExtraInput,)))):
+            rules.append(FusionRule(f"forward_{head_name}_{tail_name}", "forward", head + tail,
+                                    ForwardLinearBiasLinear, _hand_off_possible, applies_to=_delayed_scaling))
+    return tuple(rules)
+
+
+DEFAULT_RULES = _hand_off_rules() + (
     FusionRule("forward_linear_bias_activation", "forward", ((BasicLinear,), (Bias,), (Activation,)),
                ForwardLinearBiasActivation),
     FusionRule("forward_linear_bias_add", "forward", ((BasicLinear,), (Bias,), (AddExtraInput,)), ForwardLinearBiasAdd),

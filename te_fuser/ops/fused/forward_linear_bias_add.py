@@ -5,7 +5,18 @@ from __future__ import annotations
 from ..basic.linear import linear_forward
 from ..op import FusedOperation
 
-__all__ = ["ForwardLinearBiasAdd"]
+__all__ = ["ForwardLinearBiasAdd", "linear_bias_add_forward"]
+
+
+def linear_bias_add_forward(ctxs, ops, x, residual):
+    """``x · wᵀ + b + residual`` for ``ops`` = [linear, bias, add]; ``x`` may be a
+    QuantizedTensor (see ``linear_forward``)."""
+    linear, bias, add = ops
+    out_shape = (*x.shape[:-1], linear.out_features)
+    if tuple(residual.shape) != out_shape:
+        raise ValueError(f"{add.describe()}: extra input shape {tuple(residual.shape)} != {out_shape}")
+    b = bias.bias.to(ctxs[0].run.compute_dtype)
+    return linear_forward(ctxs[0], linear, x, bias=b, residual=residual)
 
 
 class ForwardLinearBiasAdd(FusedOperation):
@@ -13,13 +24,5 @@ class ForwardLinearBiasAdd(FusedOperation):
     one rounding to the compute dtype."""
 
     def fuser_forward(self, ctxs, x, extra_inputs):
-        linear, bias, _add = self.basic_ops
         (residual,) = extra_inputs[2]
-        out_shape = (*x.shape[:-1], linear.out_features)
-        if tuple(residual.shape) != out_shape:
-            raise ValueError(
-                f"{self.basic_ops[2].describe()}: extra input shape {tuple(residual.shape)} != {out_shape}"
-            )
-        b = bias.bias.to(ctxs[0].run.compute_dtype)
-        y = linear_forward(ctxs[0], linear, x, bias=b, residual=residual)
-        return y, [[] for _ in ctxs]
+        return linear_bias_add_forward(ctxs, self.basic_ops, x, residual), [[] for _ in ctxs]

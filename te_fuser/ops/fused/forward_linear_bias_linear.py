@@ -1,0 +1,79 @@
+"""Forward ``BasicLinear -> Bias [-> activation] -> BasicLinear [-> Bias [-> activation | AddExtraInput]]``:
+the first GEMM's epilogue writes the second linear's FP8 input.
+
+The first GEMM adds the bias (and applies the activation), rounds the fp32 result
+to the compute dtype and casts it to FP8 with the scale of the second linear's
+input quantizer, reducing its amax in the same pass; the second linear runs its
+GEMM on that FP8 input (its own bias and activation or residual add in its
+epilogue, as :class:`ForwardLinearBiasActivation` and :class:`ForwardLinearBiasAdd` do). The high-precision hidden tensor is
+never written, nor read back by a separate cast.
+
+Numerics: the rounding to the compute dtype before the cast makes the FP8 bytes,
+the amax and hence the scaling state exactly those of the separate cast of the
+rounded GEMM output: the fused op equals ``ForwardLinearBiasActivation`` followed
+by the second linear, bit for bit.
+
+It applies where the input quantizer knows its scale before the tensor exists
+(:meth:`~te_fuser.quantization.Quantizer.epilogue_cast`: delayed scaling, once
+seeded). A call that cannot hand FP8 over runs the unfused equivalent: a fresh
+delayed-scaling quantizer (its first tensor seeds the scale), an activation
+whose backward needs the pre-activation, a second linear whose backward wants
+its input in high precision (``backward_override='high_precision'``). The
+column-wise copy the second linear's wgrad needs is the transpose of the FP8
+bytes (one per-tensor scale), not a second cast.
+"""
+
+from __future__ import annotations
+
+from ..basic.extra import AddExtraInput
+from ..basic.linear import BasicLinear, input_needs_columnwise, linear_forward
+from ..op import FusedOperation
+from .forward_linear_bias_activation import linear_bias_activation_forward
+from .forward_linear_bias_add import linear_bias_add_forward
+
+__all__ = ["ForwardLinearBiasLinear"]
+
+
+class ForwardLinearBiasLinear(FusedOperation):
+    """``y = tail(head(x))``: ``head`` = [linear, bias, activation?] hands its output
+    to ``tail`` = [linear, bias?, activation? | add?] as FP8 cast in its GEMM's epilogue."""
+
+    def __init__(self, basic_ops) -> None:
+        super().__init__(basic_ops)
+        self._split = next(i for i in range(1, len(basic_ops)) if isinstance(basic_ops[i], BasicLinear))
+
+    def fuser_forward(self, ctxs, x, extra_inputs):
+        n = self._split
+        head, tail = self.basic_ops[:n], self.basic_ops[n:]
+        hidden = _hand_off(ctxs[:n], head, ctxs[n], tail[0], x)
+        if hidden is None:  # this call cannot cast in the epilogue: the unfused equivalent
+            hidden = linear_bias_activation_forward(ctxs[:n], head, x)
+        if isinstance(tail[-1], AddExtraInput):
+            (residual,) = extra_inputs[-1]
+            y = linear_bias_add_forward(ctxs[n:], tail, hidden, residual)
+        else:
+            y = linear_bias_activation_forward(ctxs[n:], tail, hidden)
+        return y, [[] for _ in ctxs]
+
+
+def _hand_off(ctxs, head, ctx_next, linear_next, x):
+    """The head's output as the next linear's quantized input, cast in the head
+    GEMM's epilogue; ``None`` when this call cannot do so."""
+    run = ctx_next.run
+    act = head[2] if len(head) > 2 else None
+    if not run.quantizing:
+        return None
+    if run.needs_backward and (act is not None or run.backward_override == "high_precision"):
+        return None  # the backward needs the pre-activation, or the input in high precision
+    quantizer = ctx_next.quantizers.get("input")
+    cast = quantizer.epilogue_cast(x.device)
+    if cast is None:
+        return None
+    b = head[1].bias
+    if b.dtype is not run.compute_dtype:
+        b = b.to(run.compute_dtype)
+    data = linear_forward(ctxs[0], head[0], x, bias=b, activation=None if act is None else act.kind,
+                          out_cast=cast)  # (M, N) FP8
+    shape = (*x.shape[:-1], data.shape[-1])
+    return quantizer.adopt_epilogue_cast(cast, data, shape, run.compute_dtype,
+                                         columnwise=input_needs_columnwise(ctx_next, linear_next))

@@ -1,0 +1,221 @@
+"""ForwardLinearBiasLinear: the first GEMM's epilogue casts the second linear's FP8 input.
+
+The hand-off equals the separate cast bit for bit (the epilogue rounds to the
+compute dtype before the cast): outputs, gradients and the delayed-scaling state
+after several steps match the plan without the hand-off rules, on the reference
+backend and under the Triton interpreter. See test_fusion_rules.py for fused
+against unfused within tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import te_fuser as te
+import te_fuser.ops.basic.linear as linear_module
+from op_testing import representable
+from te_fuser import backend
+from te_fuser.kernels import reference as ref
+from te_fuser.ops import rules
+from te_fuser.ops.fused import DEFAULT_RULES, ForwardLinearBiasLinear
+from te_fuser.quantization import DelayedScalingQuantizer, Float8CurrentScalingQuantizer
+from tolerances import assert_bitwise
+
+H, F = 64, 128
+HAND_OFF = [r.name for r in DEFAULT_RULES if r.build is ForwardLinearBiasLinear]
+E4M3 = torch.float8_e4m3fn
+
+
+@contextlib.contextmanager
+def _without_hand_off():
+    saved = list(rules._RULES)
+    for name in HAND_OFF:
+        rules.unregister_fusion_rule(name)
+    try:
+        yield
+    finally:
+        rules._RULES[:] = saved
+
+
+def _count_epilogue_casts(monkeypatch) -> list:
+    calls = []
+    inner = linear_module.gemm_fp8_out
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(linear_module, "gemm_fp8_out", counting)
+    return calls
+
+
+def _model(kind: str, dtype: torch.dtype, gen: torch.Generator):
+    mods = {
+        "bias": [te.ops.Linear(H, F), te.ops.Linear(F, H)],
+        "bias_basic": [te.ops.Linear(H, F), te.ops.BasicLinear(F, H)],
+        "gelu": [te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H)],
+        "swiglu_gelu": [te.ops.Linear(H, F), te.ops.SwiGLU(), te.ops.Linear(F // 2, H), te.ops.GELU()],
+        "add": [te.ops.Linear(H, F), te.ops.Linear(F, H), te.ops.AddExtraInput()],
+    }[kind]
+    model = te.ops.Sequential(*mods).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(representable(*p.shape, generator=gen, scale_exp=-2 if p.dim() == 1 else -3))
+    return model
+
+
+def _steps(model, xs, recipe, backward: bool, extras=()):
+    """Outputs, gradients and every quantizer's state after each step."""
+    results = []
+    for i, x in enumerate(xs):
+        model.zero_grad(set_to_none=True)
+        x = x.clone().requires_grad_(backward)
+        with contextlib.ExitStack() as stack:
+            if not backward:
+                stack.enter_context(torch.no_grad())
+            stack.enter_context(te.autocast(enabled=recipe is not None, recipe=recipe))
+            y = model(x, *extras[i : i + 1])
+        if backward:
+            y.backward(torch.ones_like(y) * 0.25)
+        grads = {"x": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+        results.append((y.detach(), grads, copy.deepcopy(model.state_dict())))
+    return results
+
+
+def _assert_identical(got, want, context):
+    for step, ((y_a, g_a, s_a), (y_b, g_b, s_b)) in enumerate(zip(got, want)):
+        assert_bitwise(y_a, y_b, f"{context} step {step} output")
+        for name in g_b:
+            if g_b[name] is None:
+                assert g_a[name] is None, name
+            else:
+                assert_bitwise(g_a[name], g_b[name], f"{context} step {step} grad {name}")
+        assert s_a.keys() == s_b.keys()
+        for key in s_b:
+            if isinstance(s_b[key], torch.Tensor):
+                assert_bitwise(s_a[key], s_b[key], f"{context} step {step} {key}")
+            else:  # extra state: the quantizers' scaling state
+                for role, entry in s_b[key]["quantizers"].items():
+                    for name, value in entry["state"].items():
+                        other = s_a[key]["quantizers"][role]["state"][name]
+                        if isinstance(value, torch.Tensor):
+                            assert_bitwise(other, value, f"{context} step {step} {key} {role} {name}")
+                        else:
+                            assert other == value, (context, step, key, role, name)
+
+
+CASES = [  # (model, backward, rule expected to fire)
+    ("bias", True, "forward_linear_bias_linear_bias"),
+    ("bias_basic", True, "forward_linear_bias_linear"),
+    ("gelu", False, "forward_linear_bias_activation_linear_bias"),
+    ("swiglu_gelu", False, "forward_linear_bias_activation_linear_bias_activation"),
+    ("add", True, "forward_linear_bias_linear_bias_add"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind,backward,rule", CASES)
+def test_hand_off_is_bit_identical_to_the_separate_cast(monkeypatch, kind, backward, rule, dtype):
+    _check_bit_identical(monkeypatch, kind, backward, rule, dtype, "reference", steps=4)
+
+
+@pytest.mark.parametrize("kind,backward,rule", [CASES[0], CASES[3]])
+def test_hand_off_is_bit_identical_under_the_triton_interpreter(monkeypatch, kind, backward, rule):
+    _check_bit_identical(monkeypatch, kind, backward, rule, torch.bfloat16, "triton", steps=3)
+
+
+def _check_bit_identical(monkeypatch, kind, backward, rule, dtype, backend_name, steps):
+    gen = torch.Generator().manual_seed(11)
+    fused = _model(kind, dtype, gen)
+    plain = copy.deepcopy(fused)
+    # growing, off-centre inputs: the delayed scale lags and some values saturate
+    xs = [((-2.3 + 0.5 * torch.randn(3, 7, H, generator=gen)) * 2.0**i / 8).to(dtype) for i in range(steps)]
+    extras = [torch.randn(3, 7, H, generator=gen).to(dtype) for _ in range(steps)] if kind == "add" else []
+    recipe = te.recipe.DelayedScaling(amax_history_len=3)
+    calls = _count_epilogue_casts(monkeypatch)
+    with te.autocast(enabled=False, backend=backend_name):
+        got = _steps(fused, xs, recipe, backward, extras)
+        assert len(calls) == steps - 1, "the first call seeds the fresh quantizer; every later one hands FP8 over"
+        with _without_hand_off():
+            want = _steps(plain, xs, recipe, backward, extras)
+    assert f"[rule {rule}]" in fused.fusion_plan(), fused.fusion_plan()
+    assert "ForwardLinearBiasLinear" not in plain.fusion_plan()
+    _assert_identical(got, want, f"{kind} {dtype} {backend_name}")
+
+
+def test_dequantized_backward_hands_off_and_high_precision_declines(monkeypatch):
+    gen = torch.Generator().manual_seed(12)
+    xs = [representable(5, H, generator=gen, scale_exp=-3) for _ in range(3)]
+    recipe = te.recipe.DelayedScaling(backward_override="dequantized")
+    fused = _model("bias", torch.float32, gen)
+    plain = copy.deepcopy(fused)
+    calls = _count_epilogue_casts(monkeypatch)
+    got = _steps(fused, xs, recipe, True)
+    assert len(calls) == 2 and "[rule forward_linear_bias_linear_bias]" in fused.fusion_plan()
+    with _without_hand_off():
+        want = _steps(plain, xs, recipe, True)
+    _assert_identical(got, want, "dequantized")
+    _steps(fused, xs, recipe.replace(backward_override="high_precision"), True)
+    plan = fused.fusion_plan()
+    assert "ForwardLinearBiasLinear" not in plan
+    assert "declined: forward_linear_bias_linear_bias at ops 0..3: backward_override='high_precision'" in plan
+
+
+def test_activation_declines_with_a_backward_and_fires_without():
+    gen = torch.Generator().manual_seed(13)
+    model = _model("gelu", torch.float32, gen)
+    x = representable(4, H, generator=gen, scale_exp=-3)
+    recipe = te.recipe.DelayedScaling()
+    _steps(model, [x], recipe, True)
+    plan = model.fusion_plan()
+    assert "declined: forward_linear_bias_activation_linear_bias at ops 0..4: the activation's backward" in plan
+    assert "[rule forward_linear_bias_activation]" in plan and "ForwardLinearBiasLinear" not in plan
+    _steps(model, [x], recipe, False)
+    assert "[rule forward_linear_bias_activation_linear_bias]" in model.fusion_plan()
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "mxfp8", "block", "none"])
+def test_other_recipes_do_not_try_the_hand_off(recipe_name):
+    """The next input's scale is not known before the GEMM: no rule fires, and the
+    plan is not crowded with the same decline (see the rules' ``applies_to``)."""
+    from op_testing import RECIPES
+
+    model = _model("bias", torch.float32, torch.Generator().manual_seed(14))
+    _steps(model, [representable(32, H, scale_exp=-3)] * 2, RECIPES[recipe_name], False)
+    plan = model.fusion_plan()
+    assert "[rule forward_linear_bias]" in plan
+    assert "forward_linear_bias_linear" not in plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizer_epilogue_cast_equals_a_call(dtype):
+    gen = torch.Generator().manual_seed(15)
+    q = DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    assert q.epilogue_cast(torch.device("cpu")) is None, "a fresh quantizer seeds its scale from the tensor first"
+    q(torch.randn(6, 10, generator=gen).to(dtype))
+    q_call, q_epi = copy.deepcopy(q), copy.deepcopy(q)
+    x = (torch.randn(2, 3, 10, generator=gen) * 40).to(dtype)  # beyond the lagging scale: saturates
+    want = q_call(x, rowwise=True, columnwise=True)
+    cast = q_epi.epilogue_cast(x.device)
+    data, _, _ = ref.quantize_tensorwise_reference(x.reshape(6, 10), cast.scale, cast.fp8_dtype, amax_out=cast.amax)
+    got = q_epi.adopt_epilogue_cast(cast, data, x.shape, dtype, columnwise=True)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert_bitwise(got.rowwise.data, want.rowwise.data, "rowwise")
+    assert_bitwise(got.columnwise.data, want.columnwise.data, "columnwise (transposed bytes)")
+    assert_bitwise(got.rowwise.scale_inv, want.rowwise.scale_inv, "scale_inv")
+    for name, value in q_call.state_dict().items():
+        other = q_epi.state_dict()[name]
+        assert (torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value), name
+    assert Float8CurrentScalingQuantizer(E4M3).epilogue_cast(torch.device("cpu")) is None
+
+
+def test_backends_know_the_kernel():
+    assert "gemm_fp8_out" in backend.KERNELS
+    assert backend.resolve("gemm_fp8_out", "cpu", backend="auto").backend == "reference"
+    assert backend.resolve("gemm_fp8_out", "cpu", backend="triton").backend == "triton"
+    # the cuda backend has no such kernel: it falls back to triton where triton runs
+    assert backend._fallback("gemm_fp8_out", "cuda", torch.device("cpu")).backend == "triton"
