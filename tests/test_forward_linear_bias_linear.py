@@ -178,6 +178,26 @@ def test_activation_declines_with_a_backward_and_fires_without():
     assert "[rule forward_linear_bias_activation_linear_bias]" in model.fusion_plan()
 
 
+def test_declines_where_the_gemm_and_the_epilogue_run_on_different_backends(monkeypatch):
+    """Under auto on a GPU the GEMM is cuBLASLt's and the fused cast epilogue Triton's
+    (slower than cuBLASLt plus a separate cast): the hand-off declines, saying so."""
+    real_resolve = backend.resolve
+
+    def resolve(kernel, device, backend_name=None):
+        choice = real_resolve(kernel, device, backend_name)
+        if kernel == "gemm":
+            return backend.KernelChoice(kernel, "cuda", choice.fn)
+        return choice
+
+    monkeypatch.setattr(backend, "resolve", resolve)
+    gen = torch.Generator().manual_seed(15)
+    model = _model("bias", torch.float32, gen)
+    _steps(model, [representable(4, H, generator=gen, scale_exp=-3)] * 2, te.recipe.DelayedScaling(), True)
+    plan = model.fusion_plan()
+    assert "the GEMM runs on the cuda backend and the fused cast epilogue only on reference" in plan
+    assert "ForwardLinearBiasLinear" not in plan
+
+
 @pytest.mark.parametrize("recipe_name", ["current", "mxfp8", "block", "none"])
 def test_other_recipes_do_not_try_the_hand_off(recipe_name):
     """The next input's scale is not known before the GEMM: no rule fires, and the

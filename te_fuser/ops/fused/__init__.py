@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import backend
 from ..basic.activation import Activation
 from ..basic.bias import Bias
 from ..basic.extra import AddExtraInput, MakeExtraOutput
@@ -43,7 +44,17 @@ def _delayed_scaling(recipe):
 
 def _hand_off_possible(ops, recipe):
     """Declines what the epilogue cannot serve in training; plans are built in the
-    grad mode they run in (whether a backward is needed is part of the fuser's key)."""
+    grad mode they run in (whether a backward is needed is part of the fuser's key).
+    Also declines where the plain GEMM runs on another backend than the fused cast
+    epilogue: under ``auto`` on a GPU the GEMM is cuBLASLt's and the epilogue is a
+    Triton GEMM, which is slower than cuBLASLt plus a separate cast (H200: Triton
+    FP8 GEMM 0.81x cuBLASLt at 8192^3, the cast under a tenth of the GEMM)."""
+    device = ops[0].weight.device
+    gemm_backend = backend.resolve("gemm", device).backend
+    epilogue_backend = backend.resolve("gemm_fp8_out", device).backend
+    if gemm_backend != epilogue_backend:
+        return (f"the GEMM runs on the {gemm_backend} backend and the fused cast epilogue only on "
+                f"{epilogue_backend}: the {gemm_backend} GEMM plus a separate cast is faster")
     if not torch.is_grad_enabled():
         return None
     if isinstance(ops[2], Activation):
