@@ -121,10 +121,12 @@ class _Graphs:
     """The graphs of one key: a pair that quantizes the trainable weights, one that
     reuses the FP8 weights of the previous forward, and what they share."""
 
-    def __init__(self, key, params: tuple[torch.Tensor, ...], slots: list[_StateSlot], quantizers) -> None:
+    def __init__(self, key, all_params: tuple[torch.Tensor, ...], slots: list[_StateSlot], quantizers) -> None:
         self.key = key
-        self.params = params
-        self.param_ptrs = tuple(p.data_ptr() for p in params)
+        self.all_params = all_params
+        self.trainable_flags = tuple(p.requires_grad for p in all_params)  # freezing a parameter means a new capture
+        self.params = tuple(p for p in all_params if p.requires_grad)  # the ones the graphs compute gradients for
+        self.param_ptrs = tuple(p.data_ptr() for p in all_params)
         self.slots = slots
         self.quantizers = quantizers  # (op, its quantizer dict) at capture time
         self.epoch = _EPOCH[0]
@@ -157,7 +159,10 @@ class _Graphs:
         for op, _, version in self.frozen:
             if op.weight._version != version:
                 return False
-        return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.param_ptrs))
+        for p, ptr, flag in zip(self.all_params, self.param_ptrs, self.trainable_flags):
+            if p.data_ptr() != ptr or p.requires_grad is not flag:
+                return False
+        return True
 
     def load_eager_weights(self) -> bool:
         """Copy each op's eager FP8 weight cache into the tensors the cached pair reads;
@@ -255,12 +260,20 @@ class GraphedSequential(nn.Module):
 
     def _ready_to_capture(self) -> bool:
         """Every quantizer has seeded its state (a first step under a recipe seeds
-        delayed scaling from the tensor itself; that step must not be replayed)."""
+        delayed scaling from the tensor itself; that step must not be replayed), and
+        every frozen weight's FP8 copy is cached for its current value (the graphs
+        read it as it is; the eager step that refreshes it runs first)."""
         for op in self.model.modules():
             if isinstance(op, BasicOperation):
                 for q in op._quantizers.values():
                     if getattr(q, "seeded", True) is False:
                         return False
+        for op in _linears(self.model):
+            w, cache = op.weight, op._weight_cache
+            if not w.requires_grad and op._quantizers and (
+                cache is None or cache[0][:3] != (op._quantizers.get("weight"), w._version, w.data_ptr())
+            ):
+                return False
         return True
 
     def _key(self, x: torch.Tensor):
@@ -307,8 +320,7 @@ class GraphedSequential(nn.Module):
                  for name, value in vars(q).items() if isinstance(value, torch.Tensor)]
         for slot in slots:
             slot.adopt()
-        params = tuple(p for p in model.parameters() if p.requires_grad)
-        graphs = _Graphs(key, params, slots, quantizers)
+        graphs = _Graphs(key, tuple(model.parameters()), slots, quantizers)
         graphs.static_x = x.detach().clone().requires_grad_(x.requires_grad)
         self._trainable = trainable = _trainable_linears(model)
         eager_caches = [(op, op._weight_cache) for op in trainable]  # put back once captured

@@ -186,3 +186,16 @@ def test_capture_while_the_previous_steps_graph_is_alive():
     for p, q in zip(eager.parameters(), graphed.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert (graphed.stats.captures, graphed.stats.replays) == (1, 3)
+
+
+@needs_gpu
+def test_freezing_a_weight_recaptures_and_stays_bit_identical():
+    pair = _Pair()
+    recipe = RECIPES["delayed"]
+    for i in range(3):
+        pair.step(recipe, context=f"step {i}")
+    for model in (pair.eager, pair.graphed.model):
+        model[1].linear.weight.requires_grad_(False)  # fc1's weight: its cached FP8 copy is now captured as is
+    for i in range(3):
+        pair.step(recipe, context=f"frozen step {i}")
+    assert pair.graphed.stats.captures == 2
