@@ -178,6 +178,19 @@ def test_activation_declines_with_a_backward_and_fires_without():
     assert "[rule forward_linear_bias_activation_linear_bias]" in model.fusion_plan()
 
 
+def test_rules_see_whether_the_plan_needs_a_backward():
+    """The predicate reads the plan's needs_backward (the build context), not the
+    grad mode the plan happens to be built in."""
+    model = _model("gelu", torch.float32, torch.Generator().manual_seed(16))
+    x = representable(4, H, scale_exp=-3)
+    recipe = te.recipe.DelayedScaling()
+    model.prepare(x, recipe=recipe, needs_backward=False)  # grad mode is on here
+    assert "[rule forward_linear_bias_activation_linear_bias]" in model.fusion_plan()
+    model.prepare(x.requires_grad_(), recipe=recipe, needs_backward=True)
+    assert "the activation's backward needs the pre-activation" in model.fusion_plan()
+    assert rules.build_context() is None  # only set while matching
+
+
 def test_declines_where_the_gemm_and_the_epilogue_run_on_different_backends(monkeypatch):
     """Under auto on a GPU the GEMM is cuBLASLt's and the fused cast epilogue Triton's
     (slower than cuBLASLt plus a separate cast): the hand-off declines, saying so."""

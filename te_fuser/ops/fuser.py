@@ -29,7 +29,7 @@ from ..autocast import _stack as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from .op import BasicOperation, OpContext, RunConfig
-from .rules import PlanStep, match
+from .rules import BuildContext, PlanStep, match
 
 __all__ = ["OperationFuser", "FusionPlan", "FusionStats"]
 
@@ -178,8 +178,9 @@ class OperationFuser:
         t1 = time.perf_counter()
         phases["quantizers"] = t1 - t0
         plan_recipe = recipe if (recipe is not None and not calibrating) else None
-        fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse)
-        bwd = match(self.ops if needs_backward else [], "backward", plan_recipe, enabled=self.fuse)
+        context = BuildContext(needs_backward, device)
+        fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse, context=context)
+        bwd = match(self.ops if needs_backward else [], "backward", plan_recipe, enabled=self.fuse, context=context)
         t2 = time.perf_counter()
         phases["fusion"] = t2 - t1
         out_shape = self._validate(shape, device, quantizers, bwd.steps if needs_backward else None)

@@ -11,6 +11,9 @@ it tries the rules of the pass in table order (longest patterns first) and takes
 the first that accepts. It records which rule fired where, and why others that
 matched the pattern declined; ``Sequential.fusion_plan()`` shows both.
 
+A predicate that depends on how the plan will run (whether a backward pass
+follows, the device) reads :func:`build_context` while the matcher calls it.
+
 Users add rules with :func:`register_fusion_rule`.
 """
 
@@ -21,9 +24,27 @@ from typing import Callable, Sequence
 
 from .op import BasicOperation, FusedOperation
 
-__all__ = ["FusionRule", "PlanStep", "MatchResult", "register_fusion_rule", "unregister_fusion_rule", "fusion_rules", "match"]
+__all__ = ["FusionRule", "PlanStep", "MatchResult", "BuildContext", "build_context", "register_fusion_rule",
+           "unregister_fusion_rule", "fusion_rules", "match"]
 
 Predicate = Callable[[Sequence[BasicOperation], object], "str | None"]
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """How the plan being built will run: what a predicate may need beyond the ops
+    and the recipe."""
+
+    needs_backward: bool
+    device: object  # torch.device
+
+
+_CONTEXT: list[BuildContext] = []
+
+
+def build_context() -> BuildContext | None:
+    """The context of the plan being matched (``None`` outside :func:`match`)."""
+    return _CONTEXT[-1] if _CONTEXT else None
 
 
 @dataclass(frozen=True)
@@ -88,9 +109,20 @@ def fusion_rules(pass_: str | None = None) -> list[FusionRule]:
     return [r for r in _RULES if pass_ is None or r.pass_ == pass_]
 
 
-def match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool = True) -> MatchResult:
+def match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool = True,
+          context: BuildContext | None = None) -> MatchResult:
     """Cover ``ops`` with fused and basic steps for one pass (basic steps only when
-    not ``enabled``)."""
+    not ``enabled``); predicates see ``context`` through :func:`build_context`."""
+    if context is None:
+        return _match(ops, pass_, recipe, enabled)
+    _CONTEXT.append(context)
+    try:
+        return _match(ops, pass_, recipe, enabled)
+    finally:
+        _CONTEXT.pop()
+
+
+def _match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool) -> MatchResult:
     rules = fusion_rules(pass_) if enabled else []
     steps: list[PlanStep] = []
     declined: list[str] = []

@@ -9,7 +9,7 @@ from ..basic.activation import Activation
 from ..basic.bias import Bias
 from ..basic.extra import AddExtraInput, MakeExtraOutput
 from ..basic.linear import BasicLinear
-from ..rules import FusionRule, register_fusion_rule
+from ..rules import FusionRule, build_context, register_fusion_rule
 from .backward_activation_bias import BackwardActivationBias
 from .backward_linear_add import BackwardLinearAdd
 from .backward_linear_bias_activation import BackwardLinearBiasActivation
@@ -43,19 +43,21 @@ def _delayed_scaling(recipe):
 
 
 def _hand_off_possible(ops, recipe):
-    """Declines what the epilogue cannot serve in training; plans are built in the
-    grad mode they run in (whether a backward is needed is part of the fuser's key).
+    """Declines what the epilogue cannot serve when a backward pass follows (see
+    :func:`~te_fuser.ops.rules.build_context`; outside a build, the grad mode).
     Also declines where the plain GEMM runs on another backend than the fused cast
     epilogue: under ``auto`` on a GPU the GEMM is cuBLASLt's and the epilogue is a
     Triton GEMM, which is slower than cuBLASLt plus a separate cast (H200: Triton
     FP8 GEMM 0.81x cuBLASLt at 8192^3, the cast under a tenth of the GEMM)."""
-    device = ops[0].weight.device
+    context = build_context()
+    device = ops[0].weight.device if context is None else context.device
+    needs_backward = torch.is_grad_enabled() if context is None else context.needs_backward
     gemm_backend = backend.resolve("gemm", device).backend
     epilogue_backend = backend.resolve("gemm_fp8_out", device).backend
     if gemm_backend != epilogue_backend:
         return (f"the GEMM runs on the {gemm_backend} backend and the fused cast epilogue only on "
                 f"{epilogue_backend}: the {gemm_backend} GEMM plus a separate cast is faster")
-    if not torch.is_grad_enabled():
+    if not needs_backward:
         return None
     if isinstance(ops[2], Activation):
         return ("the activation's backward needs the pre-activation, which the FP8 epilogue does not write "
