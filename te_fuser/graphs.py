@@ -56,7 +56,7 @@ from torch import nn
 
 from . import backend
 from .autocast import current_state
-from .ops.fuser import _EPOCH
+from .ops.fuser import _EPOCH, _compute_dtype
 from .kernels.operand import ScaledOperand
 from .ops.op import BasicOperation
 from .ops.sequential import Sequential
@@ -133,8 +133,8 @@ class _Graphs:
         self.static_x: torch.Tensor | None = None
         self.cast = _Pair()
         self.cached = _Pair()
-        self.frozen: list[tuple] = []  # (op, its weight cache, weight version) read by the graphs as they are
-        self.cast_weights: list[tuple] = []  # (op, the weight cache the cast pair writes and the cached pair reads)
+        self.frozen: list[tuple] = []  # (op, weight version) of the frozen weights read from their caches
+        self.cast_weights: list[tuple] = []  # (op, dtype, columnwise, FP8 weight the cast pair writes)
         self.pending = None  # weakref to the autograd node of a replayed forward awaiting its backward
         self.pending_pair: _Pair | None = None
         self.commit_due: _Pair | None = None  # a forward to commit at the next replay (node freed while capturing)
@@ -156,7 +156,7 @@ class _Graphs:
                 if op._quantizers is not qs:
                     return False
             self.epoch = _EPOCH[0]
-        for op, _, version in self.frozen:
+        for op, version in self.frozen:
             if op.weight._version != version:
                 return False
         for p, ptr, flag in zip(self.all_params, self.param_ptrs, self.trainable_flags):
@@ -167,14 +167,13 @@ class _Graphs:
     def load_eager_weights(self) -> bool:
         """Copy each op's eager FP8 weight cache into the tensors the cached pair reads;
         False when a cache does not hold the current weight."""
-        for op, (stamp, columnwise, w_q) in self.cast_weights:
-            cache, w = op._weight_cache, op.weight
-            if cache is None or cache[0] != (stamp[0], w._version, w.data_ptr(), stamp[3]):
+        sources = []
+        for op, dtype, columnwise, _ in self.cast_weights:
+            cached = op.cached_weight(dtype)
+            if cached is None or (columnwise and not cached[0]):
                 return False
-            if columnwise and not cache[1]:
-                return False
-        for op, (_, _, w_q) in self.cast_weights:
-            src = op._weight_cache[2]
+            sources.append(cached[1])
+        for (_, _, _, w_q), src in zip(self.cast_weights, sources):
             for dst_op, src_op in ((w_q.rowwise, src.rowwise), (w_q.columnwise, src.columnwise)):
                 if dst_op is not None:
                     dst_op.data.copy_(src_op.data)
@@ -184,9 +183,8 @@ class _Graphs:
     def give_weights_to_eager(self) -> None:
         """Put a copy of the FP8 weights of the last replay into each op's cache, for
         an eager forward under the same weights (the graphs overwrite their own)."""
-        for op, (stamp, columnwise, w_q) in self.cast_weights:
-            w = op.weight
-            op._weight_cache = ((stamp[0], w._version, w.data_ptr(), stamp[3]), columnwise, _copy_quantized(w_q))
+        for op, dtype, columnwise, w_q in self.cast_weights:
+            op.cache_weight(_copy_quantized(w_q), columnwise, dtype)
 
 
 def _commit_forward(pair: _Pair) -> None:
@@ -247,7 +245,7 @@ class GraphedSequential(nn.Module):
             return self._eager(x, None, since_replay)
         graphs = self._graphs
         if graphs is None or graphs.key != key or not graphs.still_valid():
-            if self._eager_key != key or not self._ready_to_capture():
+            if self._eager_key != key or not self._ready_to_capture(_compute_dtype(x)):
                 return self._eager(x, key, since_replay)
             self._graphs = None  # free the previous key's graphs before capturing new ones
             graphs = self._graphs = self._capture(x, key)
@@ -258,7 +256,7 @@ class GraphedSequential(nn.Module):
             return self._replay(graphs, graphs.cached, x, versions)
         return self._replay(graphs, graphs.cast, x, versions)
 
-    def _ready_to_capture(self) -> bool:
+    def _ready_to_capture(self, dtype: torch.dtype) -> bool:
         """Every quantizer has seeded its state (a first step under a recipe seeds
         delayed scaling from the tensor itself; that step must not be replayed), and
         every frozen weight's FP8 copy is cached for its current value (the graphs
@@ -269,10 +267,7 @@ class GraphedSequential(nn.Module):
                     if getattr(q, "seeded", True) is False:
                         return False
         for op in _linears(self.model):
-            w, cache = op.weight, op._weight_cache
-            if not w.requires_grad and op._quantizers and (
-                cache is None or cache[0][:3] != (op._quantizers.get("weight"), w._version, w.data_ptr())
-            ):
+            if not op.weight.requires_grad and op._quantizers and op.cached_weight(dtype) is None:
                 return False
         return True
 
@@ -327,13 +322,12 @@ class GraphedSequential(nn.Module):
 
         self._warm_up(graphs, trainable)
         _drop_weight_caches(trainable)  # the cast pair quantizes these weights itself
-        graphs.frozen = [(op, op._weight_cache, op.weight._version) for op in _linears(model)
+        graphs.frozen = [(op, op.weight._version) for op in _linears(model)
                          if op not in trainable and op._weight_cache is not None]
         pool = torch.cuda.graph_pool_handle()
-        self._capture_pair(graphs, graphs.cast, pool, after_forward=lambda: _keep_weights(graphs, trainable))
-        for op, (stamp, columnwise, w_q) in graphs.cast_weights:  # the cached pair reads them in place
-            w = op.weight
-            op._weight_cache = ((stamp[0], w._version, w.data_ptr(), stamp[3]), columnwise, w_q)
+        self._capture_pair(graphs, graphs.cast, pool, after_forward=lambda: _keep_weights(graphs, trainable, _compute_dtype(x)))
+        for op, dtype, columnwise, w_q in graphs.cast_weights:  # the cached pair reads them in place
+            op.cache_weight(w_q, columnwise, dtype)
         self._capture_pair(graphs, graphs.cached, pool)
         for op, cache in eager_caches:
             op._weight_cache = cache
@@ -388,23 +382,22 @@ class GraphedSequential(nn.Module):
         pair.static_grads = (grads.pop(0) if static_x.requires_grad else None, *grads)
 
 
-def _keep_weights(graphs: _Graphs, trainable: list) -> None:
+def _keep_weights(graphs: _Graphs, trainable: list, dtype: torch.dtype) -> None:
     """Inside the cast pair's forward capture: keep each FP8 weight it wrote, for the
     cached pair, with its scales copied at this point. A delayed-scaling weight's
     FP8 copy shares the quantizer's ``scale_inv`` tensor, which the backward graph
     overwrites with the next scale; the eager cache keeps the old tensor instead."""
+
+    def frozen(o: ScaledOperand | None) -> ScaledOperand | None:
+        return None if o is None else ScaledOperand(o.data, o.scale_inv.clone(), o.scaling)
+
     kept = []
     for op in trainable:
-        cache = op._weight_cache
-        if cache is None:
-            continue
-        stamp, columnwise, w_q = cache
-
-        def frozen(o: ScaledOperand | None) -> ScaledOperand | None:
-            return None if o is None else ScaledOperand(o.data, o.scale_inv.clone(), o.scaling)
-
-        kept.append((op, (stamp, columnwise, QuantizedTensor(frozen(w_q.rowwise), frozen(w_q.columnwise),
-                                                              w_q.shape, w_q.dtype))))
+        cached = op.cached_weight(dtype)
+        if cached is not None:
+            columnwise, w_q = cached
+            kept.append((op, dtype, columnwise,
+                         QuantizedTensor(frozen(w_q.rowwise), frozen(w_q.columnwise), w_q.shape, w_q.dtype)))
     graphs.cast_weights = kept
 
 

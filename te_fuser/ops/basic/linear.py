@@ -58,16 +58,33 @@ class BasicLinear(BasicOperation):
     def drop_caches(self) -> None:
         self._weight_cache = None
 
+    def _weight_stamp(self, quantizer, dtype: torch.dtype) -> tuple:
+        """What a cached FP8 weight was made from: the quantizer, the weight's
+        version and storage, and the high-precision dtype it was cast from."""
+        w = self.weight
+        return (quantizer, w._version, w.data_ptr(), dtype)
+
     def quantized_weight(self, quantizer, w_hp: torch.Tensor, need_columnwise: bool):
         """The weight quantized by ``quantizer``, reused while nothing changed."""
-        w = self.weight
-        stamp = (quantizer, w._version, w.data_ptr(), w_hp.dtype)
+        stamp = self._weight_stamp(quantizer, w_hp.dtype)
         cache = self._weight_cache
         if cache is not None and cache[0] == stamp and (cache[1] or not need_columnwise):
             return cache[2]
         w_q = quantizer(w_hp, rowwise=True, columnwise=need_columnwise)
         self._weight_cache = (stamp, need_columnwise, w_q)
         return w_q
+
+    def cached_weight(self, dtype: torch.dtype) -> "tuple[bool, QuantizedTensor] | None":
+        """``(has a column-wise copy, the FP8 weight)`` when the cache holds the
+        current weight cast by the installed weight quantizer from ``dtype``."""
+        cache = self._weight_cache
+        if cache is None or cache[0] != self._weight_stamp(self._quantizers.get("weight"), dtype):
+            return None
+        return cache[1], cache[2]
+
+    def cache_weight(self, w_q: QuantizedTensor, columnwise: bool, dtype: torch.dtype) -> None:
+        """Adopt ``w_q`` as the installed weight quantizer's cast of the current weight."""
+        self._weight_cache = (self._weight_stamp(self._quantizers.get("weight"), dtype), columnwise, w_q)
 
     def check_shapes(self, in_shape, quantizers):
         if in_shape[-1] != self.in_features:
