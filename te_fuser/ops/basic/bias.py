@@ -31,10 +31,14 @@ class Bias(BasicOperation):
             raise ValueError(f"{self.describe()}: input's last dim is {in_shape[-1]}, expected {self.bias.shape[0]}")
         return in_shape
 
+    def bias_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The bias in ``dtype`` (itself when it already is)."""
+        bias = self.bias
+        return bias if bias.dtype is dtype else bias.to(dtype)
+
     def op_forward(self, ctx, x, extra_inputs):
         dtype = ctx.run.compute_dtype
-        bias = self.bias
-        return (x if x.dtype is dtype else x.to(dtype)) + (bias if bias.dtype is dtype else bias.to(dtype)), []
+        return (x if x.dtype is dtype else x.to(dtype)) + self.bias_as(dtype), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         db = bias_grad(dy, self.bias.dtype) if (not ctx.param_needs_grad or ctx.param_needs_grad[0]) else None

@@ -17,9 +17,7 @@ def linear_bias_activation_forward(ctxs, ops, x):
     if len(ops) == 1:
         return linear_forward(ctxs[0], linear, x)
     run = ctxs[0].run
-    b = ops[1].bias
-    if b.dtype is not run.compute_dtype:
-        b = b.to(run.compute_dtype)
+    b = ops[1].bias_as(run.compute_dtype)
     act = ops[2] if len(ops) > 2 else None
     if act is None:
         return linear_forward(ctxs[0], linear, x, bias=b)

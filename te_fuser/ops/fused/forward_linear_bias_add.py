@@ -15,8 +15,7 @@ def linear_bias_add_forward(ctxs, ops, x, residual):
     out_shape = (*x.shape[:-1], linear.out_features)
     if tuple(residual.shape) != out_shape:
         raise ValueError(f"{add.describe()}: extra input shape {tuple(residual.shape)} != {out_shape}")
-    b = bias.bias.to(ctxs[0].run.compute_dtype)
-    return linear_forward(ctxs[0], linear, x, bias=b, residual=residual)
+    return linear_forward(ctxs[0], linear, x, bias=bias.bias_as(ctxs[0].run.compute_dtype), residual=residual)
 
 
 class ForwardLinearBiasAdd(FusedOperation):

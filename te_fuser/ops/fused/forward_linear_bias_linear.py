@@ -69,11 +69,8 @@ def _hand_off(ctxs, head, ctx_next, linear_next, x):
     cast = quantizer.epilogue_cast(x.device)
     if cast is None:
         return None
-    b = head[1].bias
-    if b.dtype is not run.compute_dtype:
-        b = b.to(run.compute_dtype)
-    data = linear_forward(ctxs[0], head[0], x, bias=b, activation=None if act is None else act.kind,
-                          out_cast=cast)  # (M, N) FP8
+    data = linear_forward(ctxs[0], head[0], x, bias=head[1].bias_as(run.compute_dtype),
+                          activation=None if act is None else act.kind, out_cast=cast)  # (M, N) FP8
     shape = (*x.shape[:-1], data.shape[-1])
     return quantizer.adopt_epilogue_cast(cast, data, shape, run.compute_dtype,
                                          columnwise=input_needs_columnwise(ctx_next, linear_next))
