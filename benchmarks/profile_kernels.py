@@ -52,6 +52,7 @@ def main(argv=None):
     p.add_argument("--recipe", default="current", choices=list(bl.RECIPES))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--graphed", action="store_true", help="run te_fuser through te.make_graphed")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_kernels needs a GPU")
@@ -69,8 +70,10 @@ def main(argv=None):
     except Exception as err:  # torchao absent or failing: report and go on
         print(f"torchao unavailable: {type(err).__name__}: {err}")
     model = bl.te_model(args.case, d).cuda().bfloat16()
+    if args.graphed:
+        model = te.make_graphed(model)
     recipe = bl.RECIPES[args.recipe]
-    report(f"te_fuser {args.recipe}", kernel_times(bl.fwd_bwd(model, x, dy, recipe), args.steps), args.top)
+    report(f"te_fuser {args.recipe}" + (" graphed" if args.graphed else ""), kernel_times(bl.fwd_bwd(model, x, dy, recipe), args.steps), args.top)
 
 
 if __name__ == "__main__":

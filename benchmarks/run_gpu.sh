@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests layers profile refusion kernels checks graphed host
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests layers profile profsmall refusion kernels checks graphed host
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -22,6 +22,12 @@ for part in $parts; do
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
     layers) timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -24 ;;
     profile) timeout 200 python3 benchmarks/profile_kernels.py --case mlp 2>&1 | tee "$OUT/profile.log" | tail -60 ;;
+    profsmall)  # the small Linear's kernels, eager and graphed
+      for r in current delayed; do
+        timeout 100 python3 benchmarks/profile_kernels.py --case small --recipe $r --top 16 2>&1 | tee -a "$OUT/profsmall.log" | tail -20
+        timeout 100 python3 benchmarks/profile_kernels.py --case small --recipe $r --top 16 --graphed 2>&1 \
+          | tee -a "$OUT/profsmall.log" | grep -A17 "te_fuser"
+      done ;;
     refusion)
       timeout 150 python3 benchmarks/bench_refusion.py --cold-cache --mlp-weights --json "$OUT/refusion.json" \
         --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -12 ;;
