@@ -41,7 +41,8 @@ A replayed step keeps its activations in the graphs' memory: run the backward
 of one forward before the next forward (a second forward while the first one's
 backward is still pending raises). A forward whose output is dropped without a
 backward commits its scaling-state updates when its autograd graph is freed, as
-an eager forward would have at once. The returned output is a fresh tensor.
+an eager forward would have at once. The returned output and the gradients handed
+to autograd are fresh tensors (the gradients: views of one buffer per dtype).
 """
 
 from __future__ import annotations
@@ -113,7 +114,11 @@ class _Pair:
         self.bwd = torch.cuda.CUDAGraph()
         self.static_y: torch.Tensor | None = None
         self.static_dy: torch.Tensor | None = None
-        self.static_grads: tuple = ()
+        # the gradients packed by dtype into flat buffers the backward graph fills:
+        # (flat, sizes, ((input index, shape), ...)); each replay hands autograd views
+        # of one fresh copy per buffer, never the graph's own memory
+        self.grad_packs: list[tuple[torch.Tensor, list[int], tuple]] = []
+        self.n_grads = 0
         self.forward_updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (home, forward's new value)
 
 
@@ -213,7 +218,14 @@ class _Replay(torch.autograd.Function):
         pair.static_dy.copy_(dy)
         pair.bwd.replay()
         graphs.pending = graphs.pending_pair = None
-        return (None, None, *(g.detach() if g is not None else None for g in pair.static_grads))
+        # Autograd keeps a returned gradient as ``.grad`` without copying it when no one
+        # else holds it: a gradient in the graphs' memory would be overwritten by the
+        # next replay (and doubled by accumulation). One copy per dtype, then views.
+        grads = [None] * pair.n_grads
+        for flat, sizes, places in pair.grad_packs:
+            for (index, shape), part in zip(places, flat.clone().split(sizes)):
+                grads[index] = part.view(shape)
+        return (None, None, *grads)
 
 
 class GraphedSequential(nn.Module):
@@ -372,14 +384,30 @@ class GraphedSequential(nn.Module):
             static_dy = torch.empty_like(static_y)
             with torch.cuda.graph(pair.bwd, pool=pool):
                 static_grads = torch.autograd.grad(static_y, inputs, grad_outputs=static_dy, allow_unused=True)
+                packs = self._pack_grads(static_grads, static_x.requires_grad)
                 for slot in slots:  # commit this step's state updates, forward and backward, in place
                     if not slot.bound():
                         slot.home.copy_(getattr(slot.quantizer, slot.name))
         for slot in slots:
             setattr(slot.quantizer, slot.name, slot.home)
-        grads = list(static_grads)
         pair.static_y, pair.static_dy = static_y.detach(), static_dy
-        pair.static_grads = (grads.pop(0) if static_x.requires_grad else None, *grads)
+        pair.n_grads = 1 + len(graphs.params)  # the input's, then the trainable parameters'
+        pair.grad_packs = packs
+
+    @staticmethod
+    def _pack_grads(static_grads, x_requires_grad: bool) -> list:
+        """Inside the backward capture: the gradients copied into one flat buffer per dtype."""
+        grads = list(static_grads)
+        ordered = [grads.pop(0) if x_requires_grad else None, *grads]
+        by_dtype: dict[torch.dtype, list] = {}
+        for index, g in enumerate(ordered):
+            if g is not None:
+                by_dtype.setdefault(g.dtype, []).append((index, g))
+        packs = []
+        for group in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for _, g in group])
+            packs.append((flat, [g.numel() for _, g in group], tuple((i, g.shape) for i, g in group)))
+        return packs
 
 
 def _keep_weights(graphs: _Graphs, trainable: list, dtype: torch.dtype) -> None:

@@ -199,3 +199,19 @@ def test_freezing_a_weight_recaptures_and_stays_bit_identical():
     for i in range(3):
         pair.step(recipe, context=f"frozen step {i}")
     assert pair.graphed.stats.captures == 2
+
+
+@needs_gpu
+def test_accumulated_gradients_are_not_overwritten_by_the_next_replay():
+    """Only biases and norm weights train: every replay runs the same pair. Autograd
+    keeps a returned gradient as ``.grad`` when nobody else holds it, so gradients in
+    the graphs' own memory would be overwritten by the next micro-batch's replay."""
+    pair = _Pair()
+    for model in (pair.eager, pair.graphed.model):
+        for op in (model[1], model[3]):
+            op.linear.weight.requires_grad_(False)
+    recipe = RECIPES["current"]
+    for i in range(3):
+        for mb in range(3):
+            pair.step(recipe, optimize=mb == 2, context=f"step {i} micro-batch {mb}")
+    assert pair.graphed.stats.replays >= 6
