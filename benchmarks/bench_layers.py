@@ -142,6 +142,7 @@ def bench_case(case: str, rows: list, switch_rows: list) -> None:
                                 note="" if ao_ms is None else f"vs torchao {ao_ms / ms:.2f}x"))
     if case == "small":
         bench_graphed(model, x, dy, shape, total, bf16_ms, ao_ms, rows, switch_rows)
+        bench_loops(base, model, x, dy, shape, total, rows)
     steady = statistics.median(wall_ms(fwd_bwd(model, x, dy, RECIPES["block"])) for _ in range(3))
     first = wall_ms(fwd_bwd(model, x, dy, RECIPES["current"]))
     steady_current = statistics.median(wall_ms(fwd_bwd(model, x, dy, RECIPES["current"])) for _ in range(3))
@@ -167,6 +168,38 @@ def bench_graphed(model, x, dy, shape, total, bf16_ms, ao_ms, rows, switch_rows)
     switch_rows.append(harness.Row("layers", "small: switch delayed->current, graphed", "te_fuser", shape,
                                    switch, 0.0, "ms",
                                    note=f"eager step + capture - 2 steady (capture {graphed.stats.capture_seconds * 1e3:.1f} ms)"))
+
+
+def loop_ms(run, steps: int) -> float:
+    """Milliseconds per step of ``steps`` back-to-back steps (host and GPU overlap, as in training)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def bench_loops(base, model, x, dy, shape, total, rows, steps: int = 100, rounds: int = 7) -> None:
+    """Training-loop throughput of the host-bound small case: bf16 eager and te_fuser
+    through ``make_graphed``, in interleaved rounds (the host's speed drifts), median."""
+    runs = {"bf16 eager": fwd_bwd(base, x, dy)}
+    for name in ("current", "delayed"):
+        run = fwd_bwd(te.make_graphed(copy.deepcopy(model)), x, dy, RECIPES[name])
+        for _ in range(3):  # eager, capture, first replay
+            run()
+        runs[f"te_fuser {name} graphed"] = run
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(loop_ms(run, steps))
+    bf16 = statistics.median(times["bf16 eager"])
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        rows.append(harness.Row("layers", "small, loop", name, shape, ms, total / ms / 1e9, "TFLOP/s",
+                                vs_peer=None if name == "bf16 eager" else bf16 / ms,
+                                peer="" if name == "bf16 eager" else "bf16 eager",
+                                note=f"{steps} steps x {rounds} rounds, min..max {min(ts):.3f}..{max(ts):.3f} ms"))
 
 
 def main(argv=None):
