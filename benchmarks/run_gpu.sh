@@ -18,7 +18,7 @@ for part in $parts; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
         tests/test_fuser.py tests/test_cuda_gemm.py tests/test_cuda_cast.py tests/test_cuda_backend.py \
         tests/test_graphs.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
-        tests/test_forward_linear_bias_linear.py \
+        tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
     layers) timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -24 ;;
     profile) timeout 200 python3 benchmarks/profile_kernels.py --case mlp 2>&1 | tee "$OUT/profile.log" | tail -60 ;;

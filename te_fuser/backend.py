@@ -5,7 +5,7 @@ Every backend implements the same kernels under the same names and signatures
 
     quantize_tensorwise, quantize_current, quantize_rowwise, quantize_block,
     quantize_mxfp8, dequantize, gemm, gemm_fp8_out, activation, activation_grad, dact_dbias,
-    rms_norm, rms_norm_grad
+    rms_norm, rms_norm_grad, delayed_scale_update
 
 ``set_backend(name)`` chooses globally; ``te.autocast(backend=...)`` overrides it
 inside a region. ``auto`` (the default) uses ``reference`` on CPU tensors and, on
@@ -49,6 +49,7 @@ KERNELS = (
     "dact_dbias",
     "rms_norm",
     "rms_norm_grad",
+    "delayed_scale_update",
 )
 _MODULES = {
     "reference": "te_fuser.kernels.reference",

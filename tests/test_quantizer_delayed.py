@@ -312,3 +312,62 @@ def test_amax_reduction_group_takes_the_max_over_ranks(tmp_path):
         state = torch.load(tmp_path / f"rank{rank}.pt")
         assert_bitwise(state["amax_history"], torch.tensor([16.0, 4.0, 0.0]), f"rank {rank} history")
         assert_bitwise(state["scale"], torch.tensor(28.0), f"rank {rank} scale 448/16")
+
+
+def _resolved_kernels(monkeypatch) -> list:
+    from te_fuser import backend
+
+    names, resolve = [], backend.resolve
+    monkeypatch.setattr(backend, "resolve", lambda kernel, *a, **k: names.append(kernel) or resolve(kernel, *a, **k))
+    return names
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent", second_newest])
+def test_a_call_updates_the_state_in_one_kernel(monkeypatch, algo):
+    """``"max"`` and ``"most_recent"`` update the state with one delayed_scale_update call
+    (one launch on a GPU); a callable algorithm runs torch ops instead."""
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3, amax_compute_algo=algo)
+    quantizer(with_amax(2.0))
+    names = _resolved_kernels(monkeypatch)
+    quantizer(with_amax(4.0))
+    fused = isinstance(algo, str)
+    assert names == ["quantize_tensorwise"] + (["delayed_scale_update"] if fused else []), names
+
+
+def _drive(backend_name: str, algo, margin: int, fp8_dtype) -> list:
+    """A quantizer through seeding, casts (zero, tiny, inf, NaN amaxes), an epilogue
+    cast and calibration on one backend: per step the FP8 bytes and the state.
+    CUDA tensors where there is a GPU (Triton runs on CPU tensors only interpreted)."""
+    import te_fuser as te
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    previous = te.get_backend()
+    te.set_backend(backend_name)
+    try:
+        q = DelayedScalingQuantizer(fp8_dtype, margin=margin, amax_history_len=4, amax_compute_algo=algo)
+        steps = []
+        for amax in [3.0, 0.0, f32(1e-40), INF, 7.0, NAN, 0.1, 448.0, 2.5, 1e4]:
+            t = q(with_amax(amax).to(device), rowwise=True, columnwise=True)
+            steps.append([t.rowwise.data, t.columnwise.data, t.rowwise.scale_inv])
+            steps[-1] += [q.amax_history, q.scale, q.scale_inv, q.nonfinite_amax_count]
+        x = with_amax(96.0).to(device)
+        cast = q.epilogue_cast(x.device)
+        quantize = te.backend.resolve("quantize_tensorwise", x.device).fn
+        data, _, _ = quantize(x, cast.scale, cast.fp8_dtype, amax_out=cast.amax)
+        t = q.adopt_epilogue_cast(cast, data, x.shape, x.dtype)
+        steps.append([t.rowwise.data, t.rowwise.scale_inv, q.amax_history, q.scale, q.scale_inv])
+        q.observe(with_amax(5.0).to(device))
+        steps.append([q.amax_history, q.scale, q.scale_inv, q.nonfinite_amax_count])
+        return steps
+    finally:
+        te.set_backend(previous)
+
+
+@pytest.mark.parametrize("algo, margin, fp8_dtype", [("max", 0, E4M3), ("most_recent", 1, E5M2), ("max", 200, E4M3)])
+def test_triton_backend_equals_reference_bit_for_bit(algo, margin, fp8_dtype):
+    """The Triton update (and cast) against the reference through seeding, casts,
+    an epilogue cast and calibration: FP8 bytes, history, scale, scale_inv, count."""
+    got, want = _drive("triton", algo, margin, fp8_dtype), _drive("reference", algo, margin, fp8_dtype)
+    for step, (g_step, w_step) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(g_step, w_step)):
+            assert_bitwise(g, w, f"{algo} margin={margin} {fp8_dtype}: step {step}, item {i}")

@@ -7,13 +7,16 @@ Extra fused kernels: :func:`gemm_fp8_out` (the GEMM epilogue also casts its resu
 to FP8 with a given scale and reduces its amax) and :func:`dact_dbias` (activation
 gradient and bias gradient in one pass; :func:`dact_dbias_fp8` also writes the
 gradient as FP8 with a given scale, with its amax). :func:`rms_norm` and
-:func:`rms_norm_grad` make one pass each over the data.
+:func:`rms_norm_grad` make one pass each over the data. :func:`delayed_scale_update`
+is the whole delayed-scaling state update (history, scale, scale_inv, count) in one
+launch.
 """
 
 from .activations import activation, activation_grad, dact_dbias, dact_dbias_fp8
 from .cast import dequantize, quantize_block, quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
 from .fp8_gemm import gemm, gemm_fp8_out
 from .norm import rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason
+from .scaling import delayed_scale_update
 
 __all__ = [
     "quantize_tensorwise",
@@ -32,4 +35,5 @@ __all__ = [
     "rms_norm_grad",
     "rms_norm_unsupported_reason",
     "rms_norm_grad_unsupported_reason",
+    "delayed_scale_update",
 ]

@@ -237,7 +237,7 @@ class OperationFuser:
             return []
         names = ["gemm", "dequantize"]
         if recipe.delayed():
-            names.append("quantize_tensorwise")
+            names += ["quantize_tensorwise", "delayed_scale_update"]
         elif recipe.float8_current_scaling():
             names.append("quantize_current")
         elif recipe.float8_block_scaling():

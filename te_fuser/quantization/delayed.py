@@ -5,14 +5,20 @@ records this tensor's amax as the newest history entry, then computes the scale
 for the next call:
 
     amax  = max(history) | history[0] | amax_compute_algo(history)
-    scale = (fmax / amax) / 2**margin          (fp32 division; the margin is exact)
+    scale = (fmax / amax) / 2**margin          (IEEE fp32 divisions; the margin 2**64 at a time)
           | scaling_factor_compute_algo(amax, scale, fmax, recipe)
 
-Guards, applied with ``torch.where`` on the device (no host sync):
+Guards, applied on the device (no host sync):
 
 - amax == 0 keeps the previous scale;
 - amax inf or NaN keeps the previous scale and adds one to ``nonfinite_amax_count``;
 - a quotient that overflows (tiny amax) gives the largest finite fp32.
+
+With ``"max"`` or ``"most_recent"`` and no ``scaling_factor_compute_algo``, the
+whole update (history, scale, scale_inv, count) is one backend kernel,
+``delayed_scale_update`` (:mod:`te_fuser.kernels.reference.scaling` states its
+rules); the cast writes its amax into a fresh one-element buffer that the kernel
+reads. A callable algorithm runs the same steps as torch ops.
 
 A fresh quantizer (new model, or delayed scaling entered from another recipe)
 first *seeds* its scale from the amax of the first tensor it sees, so that tensor
@@ -26,7 +32,6 @@ quantizer declines that until it has seeded its scale.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -34,24 +39,14 @@ import torch
 from .. import backend
 from ..fp8 import FP8_MAX, short_name
 from ..kernels.operand import ScaledOperand
+from ..kernels.reference.scaling import AMAX_ALGOS, divide_by_power_of_2, guarded_scale
 from .base import EpilogueCast, Quantizer
 from .role import QuantizerRole
 from .tensor import QuantizedTensor
 
 __all__ = ["DelayedScalingQuantizer"]
 
-FLT_MAX = torch.finfo(torch.float32).max
-_AMAX_ALGOS = ("max", "most_recent")
 _STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_count")
-
-
-def _divide_by_power_of_2(t: torch.Tensor, exponent: int) -> torch.Tensor:
-    """``t / 2**exponent`` in fp32, in steps whose divisor fp32 holds exactly."""
-    while exponent > 0:
-        step = min(exponent, 64)
-        t = t / float(2**step)
-        exponent -= step
-    return t
 
 
 class DelayedScalingQuantizer(Quantizer):
@@ -80,9 +75,9 @@ class DelayedScalingQuantizer(Quantizer):
         super().__init__(fp8_dtype, role)
         self.margin = self._checked_int("margin", margin, 0)
         self.amax_history_len = self._checked_int("amax_history_len", amax_history_len, 1)
-        if not callable(amax_compute_algo) and amax_compute_algo not in _AMAX_ALGOS:
+        if not callable(amax_compute_algo) and amax_compute_algo not in AMAX_ALGOS:
             raise ValueError(
-                f"DelayedScalingQuantizer.amax_compute_algo: must be one of {list(_AMAX_ALGOS)} or a callable, "
+                f"DelayedScalingQuantizer.amax_compute_algo: must be one of {list(AMAX_ALGOS)} or a callable, "
                 f"got {amax_compute_algo!r}"
             )
         if scaling_factor_compute_algo is not None and not callable(scaling_factor_compute_algo):
@@ -107,14 +102,13 @@ class DelayedScalingQuantizer(Quantizer):
         self.scale_inv = torch.ones((), dtype=torch.float32, device=device)
         self.amax_history = torch.zeros(self.amax_history_len, dtype=torch.float32, device=device)
         self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
-        self._fmax = torch.full((), self.fmax, dtype=torch.float32, device=device)
         self.seeded = False
 
     def _move_state(self, device: torch.device) -> None:
         if self.scale.device != device:  # once, on first use on a device
             # host -> device copies need no wait; a device -> host copy must complete
             non_blocking = device.type == "cuda" and self.scale.device.type == "cpu"
-            for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count", "_fmax"):
+            for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count"):
                 setattr(self, name, getattr(self, name).to(device, non_blocking=non_blocking))
 
     # -- quantization ----------------------------------------------------------
@@ -127,23 +121,23 @@ class DelayedScalingQuantizer(Quantizer):
         if not self.seeded:
             self._seed(x_hp, cast)
         scale_inv = self.scale_inv  # the state is rebound, never written in place
-        history = torch.roll(self.amax_history, 1)  # slot 0 receives this tensor's amax
+        amax = torch.empty(1, dtype=torch.float32, device=device)  # the cast writes (not accumulates) it
         x_fp8, x_fp8_t, _ = cast(
-            x_hp, self.scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=history[0:1]
+            x_hp, self.scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax
         )
-        self._record(history)
+        self._record(amax)
         rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None  # (M, K)
         columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None  # (K, M)
         return rowwise_op, columnwise_op
 
     def epilogue_cast(self, device: torch.device) -> EpilogueCast | None:
-        """The current scale, the FP8 format and this call's history slot; ``None``
+        """The current scale, the FP8 format and a buffer for the tensor's amax; ``None``
         while unseeded (the first tensor must seed the scale from its own amax)."""
         self._move_state(device)
         if not self.seeded:
             return None
-        history = torch.roll(self.amax_history, 1)  # slot 0 receives the tensor's amax
-        return EpilogueCast(self.scale, self.fp8_dtype, history[0:1], (history, self.scale_inv))
+        amax = torch.empty(1, dtype=torch.float32, device=device)  # the epilogue writes (not accumulates) it
+        return EpilogueCast(self.scale, self.fp8_dtype, amax, self.scale_inv)
 
     def adopt_epilogue_cast(
         self, cast: EpilogueCast, data: torch.Tensor, shape: torch.Size, dtype: torch.dtype, columnwise: bool = False
@@ -151,8 +145,8 @@ class DelayedScalingQuantizer(Quantizer):
         """Record the epilogue's amax and update the scale as :meth:`_quantize` does; the
         column-wise copy is the transpose of the FP8 bytes (one per-tensor scale: the
         same bytes a cast of the transpose gives)."""
-        history, scale_inv = cast.pending
-        self._record(history)
+        scale_inv = cast.pending  # the one the epilogue's scale goes with
+        self._record(cast.amax)
         rowwise_op = ScaledOperand(data, scale_inv, "tensor")  # (M, K)
         columnwise_op = None
         if columnwise:
@@ -166,24 +160,39 @@ class DelayedScalingQuantizer(Quantizer):
         x_hp = x.reshape(-1, x.shape[-1])  # (M, K)
         self._move_state(x_hp.device)
         cast = backend.resolve("quantize_tensorwise", x_hp.device).fn
-        history = torch.roll(self.amax_history, 1)
-        cast(x_hp, self.scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=history[0:1])
+        amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
+        cast(x_hp, self.scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
         self.seeded = True
-        self._record(history)
+        self._record(amax)
 
     def _seed(self, x_hp: torch.Tensor, cast: Callable) -> None:
         """First scale of a fresh quantizer, from the amax of ``x_hp`` itself."""
-        amax = torch.zeros(1, dtype=torch.float32, device=x_hp.device)
+        amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
         cast(x_hp, self.scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
         self._reduce_amax(amax)
-        scale, _ = self._next_scale(amax.reshape(()), self.scale)
-        self._set_scale(scale)
+        if self.scaling_factor_compute_algo is None:
+            # "most_recent": the scale from this amax alone; seeding records no history and counts nothing
+            update = backend.resolve("delayed_scale_update", amax.device).fn
+            _, self.scale, self.scale_inv, _ = update(
+                self.amax_history, amax, self.scale, self.nonfinite_amax_count, self.fp8_dtype, self.margin,
+                "most_recent")  # fmt: skip
+        else:
+            scale, _ = self._next_scale(amax.reshape(()), self.scale)
+            self._set_scale(scale)
         self.seeded = True
 
-    def _record(self, history: torch.Tensor) -> None:
-        """Adopt ``history`` (its newest amax in slot 0) and update the scale from it."""
+    def _record(self, amax: torch.Tensor) -> None:
+        """Record ``amax`` (one element, fp32) as the newest history entry and update
+        the scale: one ``delayed_scale_update`` kernel, or torch ops for a callable."""
         if self.amax_reduction_group is not None:
-            self._reduce_amax(history[0:1])
+            self._reduce_amax(amax)
+        if self.scaling_factor_compute_algo is None and isinstance(self.amax_compute_algo, str):
+            update = backend.resolve("delayed_scale_update", amax.device).fn
+            self.amax_history, self.scale, self.scale_inv, self.nonfinite_amax_count = update(
+                self.amax_history, amax, self.scale, self.nonfinite_amax_count, self.fp8_dtype, self.margin,
+                self.amax_compute_algo)  # fmt: skip
+            return
+        history = torch.cat((amax.reshape(1), self.amax_history[:-1]))
         self.amax_history = history
         scale, finite = self._next_scale(self._history_amax(history), self.scale)
         self._set_scale(scale)
@@ -204,20 +213,15 @@ class DelayedScalingQuantizer(Quantizer):
         return torch.as_tensor(amax, dtype=torch.float32, device=history.device).reshape(())
 
     def _next_scale(self, amax: torch.Tensor, prev_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale, amax is finite)`` for an fp32 0-d ``amax``.
-
-        A handful of tiny device ops, no host sync; each one counts on the hot path.
-        """
+        """``(scale, amax is finite)`` for an fp32 0-d ``amax``, in torch ops (the
+        paths the ``delayed_scale_update`` kernel does not take), no host sync."""
         if self.scaling_factor_compute_algo is None:
-            scale = torch.div(self._fmax, amax)  # IEEE fp32 division; a tiny amax gives inf
-            scale = _divide_by_power_of_2(scale, self.margin)
+            scale = torch.div(self.fmax, amax)  # IEEE fp32 division; a tiny amax gives inf
+            scale = divide_by_power_of_2(scale, self.margin)
         else:
             scale = self.scaling_factor_compute_algo(amax, prev_scale, self.fmax, self.recipe)
             scale = torch.as_tensor(scale, dtype=torch.float32, device=amax.device).reshape(())
-        scale = torch.nan_to_num(scale, nan=math.nan, posinf=FLT_MAX)  # inf -> largest finite fp32
-        finite = amax < math.inf  # False for inf and NaN; one op, where torch.isfinite takes four
-        usable = torch.logical_and(amax > 0, finite)  # amax 0, inf or NaN keep the previous scale
-        return torch.where(usable, scale, prev_scale), finite
+        return guarded_scale(scale, amax, prev_scale)
 
     def _set_scale(self, scale: torch.Tensor) -> None:
         self.scale = scale

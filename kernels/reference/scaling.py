@@ -1,0 +1,70 @@
+"""Reference delayed-scaling state update in plain torch: the numerics oracle.
+
+After a delayed-scaling cast has written its tensor's amax, the quantizer's state
+moves on (``L`` = history length, newest entry first):
+
+    history   = [amax, history[0 : L-1]]
+    a         = max(history) (NaN if any entry is NaN) | history[0]   ("max" | "most_recent")
+    q         = fmax / a, then / 2**64 ... / 2**rest                  (the margin; every division
+                                                                       an IEEE fp32 one)
+    q         = largest finite fp32 for +inf (lowest for -inf)
+    scale     = q if 0 < a < inf else the previous scale             (amax 0, inf or NaN keep it)
+    scale_inv = 1 / scale                                             (IEEE fp32 division)
+    count     = count + (1 if a is inf or NaN else 0)
+
+The margin divides in steps of at most 2**64, each exact unless its result is
+subnormal. Every result is a new tensor; the inputs are not written (FP8 tensors
+keep the ``scale_inv`` they were cast with).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .cast import FLT_MAX, _fmax
+
+__all__ = ["delayed_scale_update_reference"]
+
+AMAX_ALGOS = ("max", "most_recent")
+
+
+def divide_by_power_of_2(t: torch.Tensor, exponent: int) -> torch.Tensor:
+    """``t / 2**exponent`` in fp32, in steps whose divisor fp32 holds exactly."""
+    while exponent > 0:
+        step = min(exponent, 64)
+        t = t / float(2**step)
+        exponent -= step
+    return t
+
+
+def guarded_scale(quotient: torch.Tensor, amax: torch.Tensor, prev_scale: torch.Tensor):
+    """``(scale, amax is finite)``: ``quotient`` with inf capped at the largest finite
+    fp32, or ``prev_scale`` where the 0-d ``amax`` is 0, negative, inf or NaN."""
+    scale = torch.nan_to_num(quotient, nan=math.nan, posinf=FLT_MAX)  # inf -> largest finite fp32
+    finite = amax < math.inf  # False for inf and NaN; one op, where torch.isfinite takes four
+    usable = torch.logical_and(amax > 0, finite)  # amax 0, inf or NaN keep the previous scale
+    return torch.where(usable, scale, prev_scale), finite
+
+
+def delayed_scale_update_reference(
+    amax_history: torch.Tensor,
+    amax: torch.Tensor,
+    scale: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    algo: str = "max",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state after recording ``amax`` (one-element fp32) into ``amax_history``
+    ((L,) fp32, newest first), from the previous 0-d fp32 ``scale`` and 0-d int64
+    ``nonfinite_count``: ``(history (L,), scale, scale_inv, nonfinite_count)``, new
+    tensors (see the module docstring)."""
+    if algo not in AMAX_ALGOS:
+        raise ValueError(f"delayed_scale_update: algo must be one of {list(AMAX_ALGOS)}, got {algo!r}")
+    history = torch.cat((amax.reshape(1), amax_history[:-1]))
+    history_amax = history.amax() if algo == "max" else history[0]
+    quotient = divide_by_power_of_2(torch.div(_fmax(fp8_dtype), history_amax), margin)  # IEEE fp32 division
+    new_scale, finite = guarded_scale(quotient, history_amax, scale)
+    return history, new_scale, torch.reciprocal(new_scale), nonfinite_count + finite.logical_not()

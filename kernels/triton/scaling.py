@@ -1,0 +1,128 @@
+"""The delayed-scaling state update in one Triton program.
+
+The rules are those of :mod:`te_fuser.kernels.reference.scaling`. One program
+walks the amax history in blocks: it writes the shifted history (slot 0 = this
+call's amax) and, for ``algo="max"``, reduces its maximum (NaN when any entry is
+NaN, as ``torch.amax``); then it writes the next scale, its reciprocal and the
+non-finite count. One launch instead of about a dozen tiny torch ops per
+delayed-scaling cast.
+
+Every division is ``tl.math.div_rn`` (IEEE round to nearest, interpreted and
+compiled alike; a plain fp32 ``/`` may compile to an approximate division), so
+the state equals the reference's bit for bit. The margin divides in the
+reference's steps of 2**64 and a remainder; after :data:`_MARGIN_STEPS` such
+steps any fp32 value is 0, inf or NaN, so more steps change nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import fp8_format
+
+__all__ = ["delayed_scale_update"]
+
+_MAX_BLOCK = 1024
+_MARGIN_STEPS = 6  # a finite fp32 is below 2**128: 2**128 / 2**(64 * 5) rounds to 0
+_ALGOS = ("max", "most_recent")
+
+
+@triton.jit
+def _delayed_scale_update_kernel(history_ptr, amax_ptr, scale_ptr, count_ptr, new_history_ptr, new_scale_ptr,
+                                 new_scale_inv_ptr, new_count_ptr, L, margin_steps, margin_rest,
+                                 FMAX: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    amax = tl.load(amax_ptr)
+    running = tl.full([BLOCK], float("-inf"), tl.float32)
+    nan_seen = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, L, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < L
+        older = tl.load(history_ptr + tl.maximum(offs - 1, 0), mask=inside & (offs > 0), other=0.0)
+        entry = tl.where(offs == 0, amax, older)  # the history shifted by one, this amax in front
+        tl.store(new_history_ptr + offs, entry, mask=inside)
+        if ALGO_MAX:
+            running = tl.maximum(running, tl.where(inside, entry, float("-inf")))
+            nan_seen = tl.maximum(nan_seen, (entry != entry).to(tl.int32))
+    if ALGO_MAX:
+        history_amax = tl.where(tl.max(nan_seen, axis=0) > 0, float("nan"), tl.max(running, axis=0))
+    else:
+        history_amax = amax
+    quotient = tl.math.div_rn(tl.full([], FMAX, tl.float32), history_amax)
+    for _ in range(margin_steps):
+        quotient = tl.math.div_rn(quotient, tl.full([], 18446744073709551616.0, tl.float32))  # 2**64
+    quotient = tl.where(margin_rest == 1.0, quotient, tl.math.div_rn(quotient, margin_rest))
+    quotient = tl.where(quotient == float("inf"), 3.4028234663852886e38, quotient)  # the largest finite fp32
+    quotient = tl.where(quotient == float("-inf"), -3.4028234663852886e38, quotient)
+    finite = history_amax < float("inf")  # False for inf and NaN
+    usable = (history_amax > 0.0) & finite  # amax 0, inf or NaN keep the previous scale
+    scale = tl.where(usable, quotient, tl.load(scale_ptr))
+    tl.store(new_scale_ptr, scale)
+    tl.store(new_scale_inv_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), scale))
+    tl.store(new_count_ptr, tl.load(count_ptr) + tl.where(finite, 0, 1).to(tl.int64))
+
+
+def _check(amax_history, amax, scale, nonfinite_count, margin, algo) -> None:
+    kernel = "delayed_scale_update"
+    tensors = {"amax_history": amax_history, "amax": amax, "scale": scale, "nonfinite_count": nonfinite_count}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{kernel}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in tensors.items():
+        dtype = torch.int64 if name == "nonfinite_count" else torch.float32
+        if t.dtype != dtype:
+            raise ValueError(f"{kernel}: {name} must be {dtype}, got {t.dtype}")
+        if t.device != amax_history.device:
+            raise ValueError(f"{kernel}: {name} is on {t.device} but amax_history is on {amax_history.device}")
+    if amax_history.dim() != 1 or amax_history.numel() == 0:
+        raise ValueError(f"{kernel}: amax_history must be 1-D and not empty, got shape {tuple(amax_history.shape)}")
+    for name in ("amax", "scale", "nonfinite_count"):
+        if tensors[name].numel() != 1:
+            raise ValueError(f"{kernel}: {name} must have one element, got shape {tuple(tensors[name].shape)}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"{kernel}: margin must be an integer >= 0, got {margin!r}")
+    if algo not in _ALGOS:
+        raise ValueError(f"{kernel}: algo must be one of {list(_ALGOS)}, got {algo!r}")
+
+
+def delayed_scale_update(
+    amax_history: torch.Tensor,
+    amax: torch.Tensor,
+    scale: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    algo: str = "max",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(history (L,), scale, scale_inv, nonfinite_count)`` after recording ``amax``
+    (one-element fp32) into ``amax_history`` ((L,) fp32, newest first), as new
+    tensors; see :func:`~te_fuser.kernels.reference.delayed_scale_update_reference`."""
+    try:  # the hot path: one test of what every call passes; the details only on failure
+        device = amax_history.device  # cuda, or cpu under the interpreter (the backend resolves no other)
+        fits = (
+            amax.dtype == torch.float32 and scale.dtype == torch.float32 and amax_history.dtype == torch.float32
+            and nonfinite_count.dtype == torch.int64 and amax.device == device and scale.device == device
+            and nonfinite_count.device == device and amax_history.dim() == 1 and amax_history.numel() > 0
+            and amax.numel() == 1 and scale.numel() == 1 and nonfinite_count.numel() == 1
+            and type(margin) is int and margin >= 0 and algo in _ALGOS
+        )  # fmt: skip
+    except AttributeError:  # not a tensor
+        fits = False
+    if not fits:
+        _check(amax_history, amax, scale, nonfinite_count, margin, algo)
+    fmax = fp8_format(fp8_dtype)[0]
+    if not amax_history.is_contiguous():
+        amax_history = amax_history.contiguous()
+    length = amax_history.numel()
+    history = torch.empty(length, dtype=torch.float32, device=device)
+    new_scale = torch.empty((), dtype=torch.float32, device=device)
+    new_scale_inv = torch.empty((), dtype=torch.float32, device=device)
+    count = torch.empty((), dtype=torch.int64, device=device)
+    steps, rest = divmod(margin, 64)
+    _delayed_scale_update_kernel[(1,)](
+        amax_history, amax, scale, nonfinite_count, history, new_scale, new_scale_inv, count, length,
+        min(steps, _MARGIN_STEPS), float(2**rest), FMAX=fmax, ALGO_MAX=algo == "max",
+        BLOCK=max(32, min(triton.next_power_of_2(length), _MAX_BLOCK)), num_warps=4,
+    )  # fmt: skip
+    return history, new_scale, new_scale_inv, count
