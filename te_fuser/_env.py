@@ -1,13 +1,16 @@
 """The one place te_fuser reads environment variables.
 
-Each variable is read when the object that needs it is *constructed* (never at
-import, never on the hot path) and its value is stored in an explicit field, so
-the recipe string shows it.
+Each variable is read when the object that needs it is *constructed* (never on
+the hot path) and its value is stored in an explicit field, so the recipe string
+shows it. The one exception, ``TE_FUSER_EXACT_FP8``, selects no numerics (both FP8
+encodings give the same bytes): it is read once, when the Triton kernels are
+imported, into ``te_fuser.kernels.triton._common.EXACT_FP8``.
 
 | variable | read by | meaning |
 |---|---|---|
 | ``TE_FUSER_FP8_BLOCK_SCALING_FP32_SCALES`` | ``Float8BlockScaling()`` with ``power_2_scales`` left unset | ``1``: fp32 block scales; otherwise power-of-2 |
 | ``TE_FUSER_BACKEND`` | the first kernel dispatch of the process | default backend (``reference``, ``triton``, ``cuda``, ``auto``) |
+| ``TE_FUSER_EXACT_FP8`` | the import of ``te_fuser.kernels.triton`` | ``1``: compiled Triton kernels also write FP8 with the exact integer encoding, not the GPU's conversion instruction (same bytes, slower; a fallback) |
 | ``TORCH_EXTENSIONS_DIR`` | the first build of the CUDA kernels | where they are built (default ``~/.cache/te_fuser/torch_extensions``) |
 | ``TRITON_INTERPRET`` | each kernel resolution for CPU tensors | ``1``: Triton kernels may run on CPU tensors (Triton's interpreter) |
 """
@@ -21,6 +24,7 @@ __all__ = [
     "backend_default",
     "extensions_dir",
     "triton_interpreted",
+    "triton_exact_fp8",
 ]
 
 
@@ -48,3 +52,7 @@ def extensions_dir() -> str | None:
 
 def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_exact_fp8() -> bool:
+    return _flag("TE_FUSER_EXACT_FP8")

@@ -1,14 +1,29 @@
-"""Shared pieces of the Triton kernels: FP8 rounding, scales, and launcher checks.
+"""Shared pieces of the Triton kernels: FP8 encodings, scales, and launcher checks.
 
-Every FP8 cast here rounds onto the FP8 grid in fp32 arithmetic and builds the
-FP8 byte in int32 arithmetic (:func:`fp8_bytes`): no float-to-FP8 conversion, whose
-interpreted form rounds wrongly and whose compiled form Triton 3.6 miscompiled on
-the H200 in some layouts. That makes the kernels bit-exact against
-:mod:`te_fuser.kernels.reference` both on a GPU and under ``TRITON_INTERPRET=1``.
-The FP8 bytes are written through a ``uint8`` view; NaN gets the encoding torch
-uses (``0x7F`` plus the sign bit). Divisions are IEEE (``tl.math.div_rn``), amaxes
-are integer maxima of the bits of |x| (ordered like the values, NaN above inf, so
-NaN propagates as in ``torch.amax``).
+FP8 bytes are written through ``uint8`` views, in one of two encodings of the same
+saturating round-to-nearest-even cast (NaN gets the encoding torch uses: ``0x7F``
+plus the sign bit), chosen by each launcher through a ``HW_FP8`` constexpr
+(:func:`hw_fp8`):
+
+- with HW_FP8, the GPU's conversion instruction (``cvt.rn.satfinite``, two values
+  per instruction) in inline PTX: compiled kernels on CUDA GPUs with FP8
+  conversions (sm_89 and later). Either the four bytes of four values stay in one
+  register up to the store (:func:`fp8_bytes_hw`, 1.5 SASS instructions per value
+  for E4M3, about 2.8 for E5M2), or, where the bytes change layout before the
+  store, each byte gets an int32 lane and Triton narrows it
+  (:func:`fp8_bytes_hw_lanes`, about one more): then nothing after the asm
+  differs from what the exact encoding hands Triton;
+- :func:`fp8_bytes_exact`: the byte built in fp32 and int32 arithmetic, about 12
+  SASS instructions per value, exact everywhere: under ``TRITON_INTERPRET=1``
+  (whose own FP8 conversion rounds wrongly), and on a GPU with
+  ``TE_FUSER_EXACT_FP8=1`` (the fallback should a compiler mangle the hardware
+  path: Triton 3.6 on the H200 miscompiled its own packed conversion followed by
+  byte arithmetic and a layout change before the store).
+
+Either way the kernels are bit-exact against :mod:`te_fuser.kernels.reference`
+(``benchmarks/check_gpu_defects.py`` checks both encodings on a GPU). Divisions are
+IEEE (``tl.math.div_rn``), amaxes are integer maxima of the bits of |x| (ordered
+like the values, NaN above inf, so NaN propagates as in ``torch.amax``).
 """
 
 from __future__ import annotations
@@ -18,6 +33,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from ... import _env
 
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -29,6 +46,11 @@ FP8_FORMAT = {
     torch.float8_e5m2: (57344.0, 2, 127 - 16, 15),
 }
 FLT_MAX = 3.4028234663852886e38
+
+# True: compiled kernels write FP8 with the exact integer encoding too, not the
+# GPU's conversion instruction. From TE_FUSER_EXACT_FP8, read once, when this module
+# is imported; the benchmarks and checks flip it to run both encodings in one process.
+EXACT_FP8 = _env.triton_exact_fp8()
 
 
 # --------------------------------------------------------------------------- jit
@@ -51,8 +73,7 @@ def round_to_fp8_grid(v, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_E
 
 
 @triton.jit
-def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
-              PATCH_NAN: tl.constexpr):
+def fp8_bytes_exact(v, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
     """The FP8 encoding (uint8) of the saturating cast of fp32 ``v`` (nearest, ties
     to even); NaN becomes 0x7F with the sign bit of ``v``, as torch encodes it.
 
@@ -63,11 +84,8 @@ def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.cons
     ``(bits(c) - bits(c_min)) >> (23 - MANT_BITS)`` adds the exponent above the
     subnormal binade; a carry into the next binade comes out right by itself.
     Only the final narrowing touches 8 bits: there is no float-to-FP8 conversion
-    and no arithmetic on 8-bit vectors. (Triton 3.6 on the H200 miscompiled the
-    packed ``cvt.rn.satfinite.e*m*x2.f32`` conversion followed by byte arithmetic
-    and a layout change before the store, losing or swapping bytes; exact under
-    the interpreter.) OUT_DTYPE and PATCH_NAN are kept for the callers: the
-    encoding needs neither."""
+    and no arithmetic on 8-bit vectors, so it is exact under the interpreter and
+    on any GPU."""
     C_MIN: tl.constexpr = (MIN_STEP_EXP + 23) << 23  # bits of c for the subnormal step
     mag = tl.minimum(tl.abs(v), FMAX, propagate_nan=tl.PropagateNan.ALL)
     exp_bits = mag.to(tl.int32, bitcast=True) & 0x7F800000
@@ -79,13 +97,107 @@ def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.cons
     return (code | sign).to(tl.uint8)
 
 
+def _cvt_asm(fmt: str, lanes: bool) -> str:
+    """PTX for four fp32 inputs to four FP8 bytes (``fmt`` e4m3 or e5m2): in one
+    register, value i in byte i (``lanes=False``: ``$0``, inputs ``$1..$4``), or one
+    byte per 32-bit output, zero-extended (``lanes=True``: ``$0..$3``, inputs
+    ``$4..$7``). ``cvt`` with ``.satfinite`` rounds to nearest even and saturates
+    (infinities too) to +-fmax. The sign bits are then taken from the inputs, not
+    from the instruction, so that NaN and zero carry their sign as torch gives it;
+    for E5M2 the lanes whose exponent bits are all ones (NaN: satfinite makes no
+    inf) get 0x7F, whatever NaN pattern the instruction chose (E4M3 has only 0x7F)."""
+    a = [f"${i + (4 if lanes else 1)}" for i in range(4)]
+    lines = [
+        ".reg .b16 lo, hi;",
+        ".reg .b32 q, s01, s23, s, n;",
+        f"cvt.rn.satfinite.{fmt}x2.f32 lo, {a[1]}, {a[0]};",
+        f"cvt.rn.satfinite.{fmt}x2.f32 hi, {a[3]}, {a[2]};",
+        "mov.b32 q, {lo, hi};",
+        f"prmt.b32 s01, {a[0]}, {a[1]}, 0x0073;",  # byte 0: top byte of a0, byte 1: of a1
+        f"prmt.b32 s23, {a[2]}, {a[3]}, 0x0073;",
+        "prmt.b32 s, s01, s23, 0x5410;",
+        "and.b32 q, q, 0x7F7F7F7F;",
+        "and.b32 s, s, 0x80808080;",
+        "or.b32 q, q, s;",
+    ]
+    if fmt == "e5m2":
+        lines += [
+            "and.b32 n, q, 0x7C7C7C7C;",
+            "add.u32 n, n, 0x04040404;",  # 0x80 in the lanes with exponent 31, no carry out of a lane
+            "and.b32 n, n, 0x80808080;",
+            "shr.u32 n, n, 7;",
+            "mul.lo.u32 n, n, 0x7F;",
+            "or.b32 q, q, n;",
+        ]
+    if lanes:
+        lines += ["and.b32 $0, q, 0xFF;", "bfe.u32 $1, q, 8, 8;", "bfe.u32 $2, q, 16, 8;", "shr.u32 $3, q, 24;"]
+    else:
+        lines += ["mov.b32 $0, q;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_CVT_E4M3 = tl.constexpr(_cvt_asm("e4m3", lanes=False))
+_CVT_E5M2 = tl.constexpr(_cvt_asm("e5m2", lanes=False))
+_CVT_E4M3_LANES = tl.constexpr(_cvt_asm("e4m3", lanes=True))
+_CVT_E5M2_LANES = tl.constexpr(_cvt_asm("e5m2", lanes=True))
+
+
 @triton.jit
-def fp8_bytes_as(v, OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr):
+def fp8_bytes_hw(v, OUT_DTYPE: tl.constexpr):
+    """:func:`fp8_bytes_exact`'s bytes through the GPU's conversion instruction
+    (sm_89 and later; never under the interpreter), for bytes stored in the layout
+    they are computed in: per four values two ``cvt.rn.satfinite.e4m3x2.f32`` (or
+    ``e5m2x2``), three byte permutes and one logic op for the signs (E5M2: about
+    five more for NaN). The asm returns the four bytes in one register; a store of
+    whole words writes it as it is, a narrower one (rows not a multiple of 16
+    bytes, masked edges) takes each byte out with one permute. No byte arithmetic
+    and no layout change follow the conversion."""
+    if OUT_DTYPE == tl.float8e4nv:
+        return tl.inline_asm_elementwise(_CVT_E4M3, "=r,r,r,r,r", [v], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_CVT_E5M2, "=r,r,r,r,r", [v], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def fp8_bytes_hw_lanes(v, OUT_DTYPE: tl.constexpr):
+    """:func:`fp8_bytes_hw` for bytes that change layout before the store (a
+    transposed copy, an input with strided rows, a GEMM accumulator's MMA layout):
+    the asm returns one byte per int32 lane and Triton narrows it to uint8, so
+    everything after the asm is what :func:`fp8_bytes_exact` hands Triton (about
+    one SASS instruction per value more than :func:`fp8_bytes_hw`)."""
+    if OUT_DTYPE == tl.float8e4nv:
+        codes = tl.inline_asm_elementwise(_CVT_E4M3_LANES, "=r,=r,=r,=r,r,r,r,r", [v], dtype=tl.int32,
+                                          is_pure=True, pack=4)
+    else:
+        codes = tl.inline_asm_elementwise(_CVT_E5M2_LANES, "=r,=r,=r,=r,r,r,r,r", [v], dtype=tl.int32,
+                                          is_pure=True, pack=4)
+    return codes.to(tl.uint8)
+
+
+@triton.jit
+def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
+              HW_FP8: tl.constexpr, MOVED: tl.constexpr = False):
+    """The FP8 encoding (uint8) of the saturating cast of fp32 ``v`` (nearest, ties
+    to even; NaN becomes 0x7F with the sign bit of ``v``), the same bytes either
+    way: :func:`fp8_bytes_exact`, or with HW_FP8 the GPU's conversion,
+    :func:`fp8_bytes_hw_lanes` when the bytes change layout before they are stored
+    (MOVED), else :func:`fp8_bytes_hw`."""
+    if HW_FP8:
+        if MOVED:
+            return fp8_bytes_hw_lanes(v, OUT_DTYPE)
+        else:
+            return fp8_bytes_hw(v, OUT_DTYPE)
+    else:
+        return fp8_bytes_exact(v, FMAX, MANT_BITS, MIN_STEP_EXP)
+
+
+@triton.jit
+def fp8_bytes_as(v, OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr, MOVED: tl.constexpr = False):
     """:func:`fp8_bytes` with the format constants taken from ``OUT_DTYPE``."""
     if OUT_DTYPE == tl.float8e4nv:
-        return fp8_bytes(v, OUT_DTYPE, 448.0, 3, 127 - 9, PATCH_NAN)
+        return fp8_bytes(v, OUT_DTYPE, 448.0, 3, 127 - 9, HW_FP8, MOVED)
     else:
-        return fp8_bytes(v, OUT_DTYPE, 57344.0, 2, 127 - 16, PATCH_NAN)
+        return fp8_bytes(v, OUT_DTYPE, 57344.0, 2, 127 - 16, HW_FP8, MOVED)
 
 
 @triton.jit
@@ -234,6 +346,25 @@ def check_epsilon(epsilon: float, kernel: str) -> float:
 def is_interpreted(t: torch.Tensor) -> bool:
     """Tensors on the CPU only run under ``TRITON_INTERPRET=1``."""
     return t.device.type == "cpu"
+
+
+# Triton's interpreter runs CUDA tensors too (through host copies); read once, like EXACT_FP8.
+_INTERPRETER = _env.triton_interpreted()
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_conversion(index: int) -> bool:
+    """sm_89 and later convert fp32 pairs to FP8 in one instruction."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def hw_fp8(t: torch.Tensor) -> bool:
+    """The ``HW_FP8`` constexpr of a kernel writing FP8 for data on ``t``'s device:
+    True for compiled kernels on a CUDA GPU with FP8 conversions, unless
+    ``EXACT_FP8``; False under the interpreter (CPU tensors)."""
+    if t.device.type != "cuda" or EXACT_FP8 or _INTERPRETER:
+        return False
+    return _has_fp8_conversion(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import abs_bits, check_input, fp8_bytes_as, is_interpreted, round_through, sm_count
+from ._common import abs_bits, check_input, fp8_bytes_as, hw_fp8, is_interpreted, round_through, sm_count
 
 __all__ = ["activation", "activation_grad", "dact_dbias", "dact_dbias_fp8", "ACTIVATION_CODES"]
 
@@ -116,21 +116,23 @@ def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, COMPUTE
 
 
 @triton.jit
-def _store_dx(dx_ptrs, dx, mask, scale, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr):
+def _store_dx(dx_ptrs, dx, mask, scale, FP8_OUT: tl.constexpr, HW_FP8: tl.constexpr):
     """Store a dx tile (in its compute dtype, or FP8 bytes of ``dx * scale`` when
-    FP8_OUT is an FP8 dtype); return the tile's amax bits (0 without FP8_OUT)."""
+    FP8_OUT is an FP8 dtype); return the tile's amax bits (0 without FP8_OUT).
+    dx, dy and x tiles share one row-major layout, so with HW_FP8 the bytes come
+    from the hardware conversion packed four to a register (``fp8_bytes_hw``)."""
     if FP8_OUT is None:
         tl.store(dx_ptrs, dx, mask=mask)
         return tl.zeros([], dtype=tl.int32)
     else:
         dx32 = dx.to(tl.float32)
-        tl.store(dx_ptrs, fp8_bytes_as(dx32 * scale, FP8_OUT, PATCH_NAN), mask=mask)
+        tl.store(dx_ptrs, fp8_bytes_as(dx32 * scale, FP8_OUT, HW_FP8), mask=mask)
         return tl.max(tl.max(tl.where(mask, abs_bits(dx32), 0), axis=1), axis=0)
 
 
 @triton.jit
 def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr,
-               COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr):
+               COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, HW_FP8: tl.constexpr, ROUND_TO: tl.constexpr):
     """Write the input gradient of one tile; return its column sums (two halves,
     gate then up, for SwiGLU; the second is zeros otherwise) and its amax bits.
     With a ROUND_TO dtype (narrower than COMPUTE: the op's dtype), dx is first
@@ -149,8 +151,8 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND
             d_gate = round_through(d_gate, ROUND_TO)
             d_up = round_through(d_up, ROUND_TO)
         dx_row = dx_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
-        amax_gate = _store_dx(dx_row, d_gate, mask, scale, FP8_OUT, PATCH_NAN)
-        amax_up = _store_dx(dx_row + cols_dy, d_up, mask, scale, FP8_OUT, PATCH_NAN)
+        amax_gate = _store_dx(dx_row, d_gate, mask, scale, FP8_OUT, HW_FP8)
+        amax_up = _store_dx(dx_row + cols_dy, d_up, mask, scale, FP8_OUT, HW_FP8)
         sum_gate = tl.sum(tl.where(mask, d_gate, 0.0), axis=0)
         return sum_gate, tl.sum(tl.where(mask, d_up, 0.0), axis=0), tl.maximum(amax_gate, amax_up)
     else:
@@ -158,7 +160,7 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND
         dx = apply_activation_grad(dy, x, KIND)
         if ROUND_TO is not None:
             dx = round_through(dx, ROUND_TO)
-        amax = _store_dx(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask, scale, FP8_OUT, PATCH_NAN)
+        amax = _store_dx(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask, scale, FP8_OUT, HW_FP8)
         col_sum = tl.sum(tl.where(mask, dx, 0.0), axis=0)
         return col_sum, tl.zeros_like(col_sum), amax
 
@@ -173,7 +175,7 @@ def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.const
 
 @triton.jit
 def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, fp8_state_ptr, rows, cols_dy, rows_per_split,
-                       KIND: tl.constexpr, COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, PATCH_NAN: tl.constexpr,
+                       KIND: tl.constexpr, COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, HW_FP8: tl.constexpr,
                        ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
     and the column sums of that slab into partial[s] (a row of cols_dx). With an
@@ -192,7 +194,7 @@ def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, fp8_state_ptr, rows, 
         offs_r = r0 + tl.arange(0, BLOCK_R)
         offs_r = tl.where(offs_r < first + rows_per_split, offs_r, rows)  # stay inside this split
         part_a, part_b, part_amax = _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND,
-                                               COMPUTE, FP8_OUT, PATCH_NAN, ROUND_TO)
+                                               COMPUTE, FP8_OUT, HW_FP8, ROUND_TO)
         sum_a += part_a
         sum_b += part_b
         amax = tl.maximum(amax, part_amax)
@@ -300,7 +302,7 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_st
     _dact_dbias_kernel[(col_blocks, splits)](
         dy2d, x2d, dx.view(torch.uint8) if fp8_out is not None else dx, partial,
         fp8_state if fp8_state is not None else partial, rows, cols, rows_per_split, KIND=activation_code(kind),
-        COMPUTE=tl_compute, FP8_OUT=fp8_out, PATCH_NAN=is_interpreted(x2d),
+        COMPUTE=tl_compute, FP8_OUT=fp8_out, HW_FP8=fp8_out is not None and hw_fp8(x2d),
         ROUND_TO=None if round_to is None else _TL_FLOAT[round_to], BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=4)
     return partial.sum(dim=0)

@@ -1,7 +1,23 @@
 """FP8 casts in Triton, bit-exact against :mod:`te_fuser.kernels.reference.cast`.
 
 Each kernel reads the high-precision input once per pass, converts it to fp32 at
-once, and writes FP8 bytes through ``uint8`` views (see :mod:`._common`).
+once, and writes FP8 bytes through ``uint8`` views (see :mod:`._common`). Compiled
+on a GPU, the bytes come from the hardware conversion (``HW_FP8``; the exact integer
+encoding under the interpreter or with ``TE_FUSER_EXACT_FP8=1``), in the form each
+store allows:
+
+- stored in the layout they are computed in (the row-wise output of an input
+  with contiguous rows, ``ROW_MAJOR``, in every cast; MXFP8 brings its scaled
+  values back to the tile's 2-D shape before the encoding): packed four to a
+  register by the conversion and stored as they are (``fp8_bytes_hw``);
+- moved to another layout before the store: the transposed copies (``tl.trans``)
+  and the outputs of inputs with strided rows (a transposed view read in place is
+  loaded column-major, then its bytes move to the row-major store layout): one
+  byte per int32 lane, narrowed by Triton (``fp8_bytes_hw_lanes``). A layout
+  change after packed conversion results is the pattern Triton 3.6 miscompiled
+  with its own conversion, while the lanes leave Triton exactly what the exact
+  encoding does (on triton 3.6 the transposed copy's layout change even moves to
+  the bf16 input, and each copy is converted in its own layout).
 
 - ``quantize_tensorwise``: delayed scaling, one pass: cast with the given scale,
   the amax of the input and, optionally, the transposed (column-wise) copy, all
@@ -32,6 +48,7 @@ from ._common import (
     fp8_bytes,
     fp8_format,
     fp8_to_float,
+    hw_fp8,
     is_interpreted,
     reciprocal,
     scale_from_amax,
@@ -52,11 +69,13 @@ _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 _TL_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _fp8_meta(fp8_dtype: torch.dtype, x: torch.Tensor) -> dict:
-    """The constexprs of the FP8 format; the interpreter's FP8 conversion needs NaN patched."""
+def _fp8_meta(fp8_dtype: torch.dtype, xk: torch.Tensor) -> dict:
+    """The FP8 constexprs of a kernel reading ``xk``: the format, the encoding
+    (HW_FP8) and whether xk's rows are contiguous (ROW_MAJOR: then the kernels
+    load and store in one layout)."""
     fmax, mant_bits, min_step_exp, _ = fp8_format(fp8_dtype)
     return dict(OUT_DTYPE=_TL_FP8[fp8_dtype], FMAX=fmax, MANT_BITS=mant_bits, MIN_STEP_EXP=min_step_exp,
-                PATCH_NAN=is_interpreted(x))
+                HW_FP8=hw_fp8(xk), ROW_MAJOR=xk.stride(1) == 1)
 
 
 @dataclass(frozen=True)
@@ -110,9 +129,13 @@ def _launch_meta(xk: torch.Tensor, plan: CastPlan) -> tuple[int, dict]:
 def _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn,
                ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
-               MIN_STEP_EXP: tl.constexpr, PATCH_NAN: tl.constexpr):
+               MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Cast one (BLOCK_M, BLOCK_N) tile of x; return the tile's amax as int32 bits.
-    EVEN: the tiles cover x exactly (no masks)."""
+    EVEN: the tiles cover x exactly (no masks). ROW_MAJOR: x's rows are contiguous,
+    so the row-wise copy is stored in the layout it is computed in (packed bytes
+    with HW_FP8); the transposed copy's bytes change layout (``tl.trans``), so with
+    HW_FP8 they are encoded apart, in int32 lanes (the exact encodings of the two
+    copies are one computation)."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,14 +147,15 @@ def _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn,
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         x = tl.load(x_ptrs, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    q = fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
     if ROWWISE:
+        q = fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
         tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
     if COLUMNWISE:
+        qt = tl.trans(fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=True))
         if EVEN:
-            tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(q))
+            tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt)
         else:
-            tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(q), mask=tl.trans(mask))
+            tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt, mask=tl.trans(mask))
     return tl.max(tl.max(abs_bits(x), axis=1), axis=0)
 
 
@@ -140,7 +164,7 @@ def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_
                                 ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr,
                                 FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
-                                PATCH_NAN: tl.constexpr):
+                                HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Cast with a given scale; program p casts tiles p, p + P, ... The amax is
     reduced with integer atomics on the bits of |x| in ``work[0]``, and the last
     program to finish writes it out."""
@@ -151,7 +175,8 @@ def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_
     amax_bits = tl.zeros([], dtype=tl.int32)
     for tile in range(pid, n_tiles, n_programs):
         tile_bits = _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
-                               BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
+                               BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8,
+                               ROW_MAJOR)
         amax_bits = tl.maximum(amax_bits, tile_bits)
     tl.atomic_max(work_ptr, amax_bits)
     finished = tl.atomic_add(work_ptr + 1, 1)
@@ -187,7 +212,7 @@ def _quantize_current_kernel(x_ptr, partials_ptr, n_partials, q_ptr, qt_ptr, sca
                              ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PARTIALS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
                              OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
-                             MIN_STEP_EXP: tl.constexpr, PATCH_NAN: tl.constexpr):
+                             MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Pass 2 of current scaling: reduce the amax partials, derive the scale, and
     cast tiles p, p + P, ..."""
     pid = tl.program_id(0)
@@ -199,7 +224,7 @@ def _quantize_current_kernel(x_ptr, partials_ptr, n_partials, q_ptr, qt_ptr, sca
     scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
     for tile in range(pid, n_tiles, n_programs):
         _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
-                   BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
+                   BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, ROW_MAJOR)
     if pid == 0:
         tl.store(scale_ptr, scale)
         tl.store(scale_inv_ptr, reciprocal(scale))
@@ -245,7 +270,7 @@ def quantize_tensorwise(
     kernel = "quantize_tensorwise"
     check_input(x, kernel, dims=None)
     check_scale(scale, kernel, x.device)
-    meta = _fp8_meta(fp8_dtype, x)
+    fp8_format(fp8_dtype)
     if amax_out is not None and (amax_out.numel() != 1 or amax_out.dtype != torch.float32):
         raise ValueError(f"{kernel}: amax_out must be a one-element float32 tensor, got {amax_out.dtype} "
                          f"of shape {tuple(amax_out.shape)}")
@@ -260,7 +285,7 @@ def quantize_tensorwise(
         work = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
         _quantize_tensorwise_kernel[(programs,)](
             xk, scale, _u8(q, work), _u8(qt, work), amax, work, *xk.shape, xk.stride(0), xk.stride(1),
-            ROWWISE=rowwise, COLUMNWISE=columnwise, **launch, **meta)
+            ROWWISE=rowwise, COLUMNWISE=columnwise, **launch, **_fp8_meta(fp8_dtype, xk))
     if q is not None and x.dim() != 2:
         q = q.reshape(x.shape)
     return q, qt, amax
@@ -281,7 +306,7 @@ def quantize_current(
     kernel = "quantize_current"
     check_input(x, kernel, dims=None)
     epsilon = check_epsilon(epsilon, kernel)
-    meta = _fp8_meta(fp8_dtype, x)
+    fp8_format(fp8_dtype)
     x2d = _as_matrix(x, columnwise, kernel)
     q, qt = _outputs(x2d, fp8_dtype, rowwise, columnwise)
     # separate allocations: cuBLASLt wants each scale pointer 16-byte aligned
@@ -296,7 +321,7 @@ def quantize_current(
         _quantize_current_kernel[(programs,)](
             xk, partials, programs, _u8(q, partials), _u8(qt, partials), scale, scale_inv, amax,
             *xk.shape, xk.stride(0), xk.stride(1), POWER_2=bool(power_2), EPSILON=epsilon, ROWWISE=rowwise,
-            COLUMNWISE=columnwise, PARTIALS=triton.next_power_of_2(programs), **launch, **meta)
+            COLUMNWISE=columnwise, PARTIALS=triton.next_power_of_2(programs), **launch, **_fp8_meta(fp8_dtype, xk))
     if q is not None and x.dim() != 2:
         q = q.reshape(x.shape)
     return q, qt, scale, scale_inv, amax
@@ -310,7 +335,7 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, strid
                              POWER_2: tl.constexpr, EPSILON: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr, OUT_DTYPE: tl.constexpr,
                              FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
-                             PATCH_NAN: tl.constexpr):
+                             HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """BLOCK_M rows per program. SINGLE_PASS (BLOCK_N >= N): the rows stay in
     registers between the amax and the cast; else one sweep for the row amaxes
     and one to cast (the second mostly from L2)."""
@@ -323,7 +348,7 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, strid
         x = x.to(tl.float32)
         amax = tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True)  # (BLOCK_M,)
         scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
-        q = fp8_bytes(x * scale[:, None], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
+        q = fp8_bytes(x * scale[:, None], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
         tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
     else:
         running = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
@@ -338,7 +363,8 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, strid
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask = row_ok[:, None] & (offs_n[None, :] < N)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
-            q = fp8_bytes(x.to(tl.float32) * scale[:, None], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
+            q = fp8_bytes(x.to(tl.float32) * scale[:, None], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8,
+                          MOVED=not ROW_MAJOR)
             tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
     tl.store(scale_inv_ptr + offs_m, reciprocal(scale), mask=row_ok)
 
@@ -379,7 +405,8 @@ def quantize_rowwise(
 def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_xn, stride_sm,
                            TILE_ROWS: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, POWER_2: tl.constexpr,
                            EPSILON: tl.constexpr, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
-                           MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr, PATCH_NAN: tl.constexpr):
+                           MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr,
+                           ROW_MAJOR: tl.constexpr):
     """ROWS_PER_PROGRAM x 128 elements per program: 1x128 tiles (one scale per row)
     or one 128x128 tile (one scale). Padding outside x does not count in amax."""
     offs_m = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
@@ -401,7 +428,7 @@ def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_
         scale = scale_from_amax(tile_amax, FMAX, POWER_2, EPSILON)
         tl.store(scale_inv_ptr + tl.program_id(0) * stride_sm + tl.program_id(1), reciprocal(scale))
         x_scaled = x * scale
-    q = fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN)
+    q = fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
     tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
 
 
@@ -439,8 +466,10 @@ def quantize_block(
 def _quantize_mxfp8_kernel(x_ptr, q_ptr, scale_ptr, M, N, stride_xm, stride_xn,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
                            FP8_EMAX: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
-                           MIN_STEP_EXP: tl.constexpr, PATCH_NAN: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) elements per program, one E8M0 byte per 32 of a row."""
+                           MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) elements per program, one E8M0 byte per 32 of a row. The
+    scaled values return to (BLOCK_M, BLOCK_N) before the encoding, so the bytes
+    are stored in the layout they are computed in."""
     GROUPS: tl.constexpr = BLOCK_N // 32
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -454,8 +483,8 @@ def _quantize_mxfp8_kernel(x_ptr, q_ptr, scale_ptr, M, N, stride_xm, stride_xn,
     x3 = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, 32))  # (BLOCK_M, GROUPS, 32)
     amax = tl.max(abs_bits(x3), axis=2).to(tl.float32, bitcast=True)  # (BLOCK_M, GROUPS)
     byte = e8m0_from_amax(amax, FP8_EMAX)
-    x_scaled = x3 * e8m0_reciprocal(byte)[:, :, None]
-    q = tl.reshape(fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, PATCH_NAN), (BLOCK_M, BLOCK_N))
+    x_scaled = tl.reshape(x3 * e8m0_reciprocal(byte)[:, :, None], (BLOCK_M, BLOCK_N))
+    q = fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
     tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
     offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     s_ptrs = scale_ptr + offs_m[:, None] * (N // 32) + offs_g[None, :]

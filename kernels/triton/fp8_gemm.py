@@ -36,8 +36,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..operand import ScaledOperand
-from ._common import (abs_bits, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, is_interpreted, round_through,
-                      to_output)
+from ._common import (abs_bits, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, hw_fp8, is_interpreted,
+                      round_through, to_output)
 from .activations import activation_code, apply_activation, silu
 from .cast import dequantize
 
@@ -81,12 +81,14 @@ def _load_k_tile(src, row0, rows, k0, K, stride, offs_k, USE_TMA: tl.constexpr):
 @triton.jit
 def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
               stride_om, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr):
+              OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr, ROUND_TO: tl.constexpr):
     """bias -> activation (SwiGLU from the gate/up pair) -> residual -> store.
     An FP8 OUT_DTYPE casts with the scale in ``fp8_state[0]`` (fp32 bits) and
     reduces the amax of the fp32 result into ``fp8_state[1]`` (int32 bits of |out|);
     with a ROUND_TO dtype the result is first rounded to it (still in fp32), so the
-    cast and the amax are those of the rounded tensor."""
+    cast and the amax are those of the rounded tensor. The accumulator's MMA layout
+    is not the store's, so the FP8 bytes change layout before the store: with HW_FP8
+    they come from the hardware conversion one per int32 lane (MOVED)."""
     n_ok = offs_n < N_OUT
     mask = (offs_m[:, None] < M) & n_ok[None, :]
     if HAS_BIAS:
@@ -104,7 +106,7 @@ def _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, ou
         if ROUND_TO is not None:
             out = round_through(out, ROUND_TO)
         scale = tl.load(fp8_state_ptr).to(tl.float32, bitcast=True)
-        tl.store(out_ptrs, fp8_bytes_as(out * scale, OUT_DTYPE, PATCH_NAN), mask=mask)
+        tl.store(out_ptrs, fp8_bytes_as(out * scale, OUT_DTYPE, HW_FP8, MOVED=True), mask=mask)
         tile_amax = tl.max(tl.max(tl.where(mask, abs_bits(out), 0), axis=1), axis=0)
         tl.atomic_max(fp8_state_ptr + 1, tile_amax)
     else:
@@ -120,7 +122,7 @@ def _fp8_gemm_tensorwise_kernel(
         stride_am, stride_bn, stride_rm, stride_om,
         SCALED: tl.constexpr, A_ROW_SCALES: tl.constexpr, B_ROW_SCALES: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr, INPUT_PRECISION: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
+        HW_FP8: tl.constexpr, ROUND_TO: tl.constexpr, INPUT_PRECISION: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
         UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """a (M, K) @ b (N, K).T with one scale per tensor or per row, applied after
@@ -155,7 +157,7 @@ def _fp8_gemm_tensorwise_kernel(
             sb_up = tl.load(sb_ptr + HALF + rows_b)[None, :] if B_ROW_SCALES else tl.load(sb_ptr)
             acc_up = acc_up * sa * sb_up
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
-              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO)
+              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, HW_FP8, ROUND_TO)
 
 
 # ------------------------------------------------------------ block scaling
@@ -180,7 +182,7 @@ def _fp8_gemm_blockwise_body(
         a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, B_TILE_ROWS: tl.constexpr,
         B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr, USE_TMA: tl.constexpr,
+        OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr, ROUND_TO: tl.constexpr, USE_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """a: 1x128 scales (M, K/128); b: 1x128 (N, K/128) or 128x128 (N/128, K/128).
     B_SCALAR: 128x128 B tiles and output tiles inside one of them (one B scale)."""
@@ -209,7 +211,7 @@ def _fp8_gemm_blockwise_body(
             acc_up += _blockwise_partial(a, b_src, HALF + n0, HALF + rows_b, sa, sb_up_ptrs, k0, K, stride_bn,
                                          offs_k, B_SCALAR, USE_TMA)
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
-              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO)
+              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, HW_FP8, ROUND_TO)
 
 
 @triton.jit
@@ -217,11 +219,11 @@ def _fp8_gemm_blockwise_1x128_128x128_kernel(
         a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr, USE_TMA: tl.constexpr,
+        OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr, ROUND_TO: tl.constexpr, USE_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K,
                              HALF, stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 128, B_SCALAR,
-                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO, USE_TMA, BLOCK_M,
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, HW_FP8, ROUND_TO, USE_TMA, BLOCK_M,
                              BLOCK_N, GROUP_M)
 
 
@@ -230,11 +232,11 @@ def _fp8_gemm_blockwise_1x128_1x128_kernel(
         a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K, HALF,
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+        HW_FP8: tl.constexpr, ROUND_TO: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     _fp8_gemm_blockwise_body(a_src, b_src, sa_ptr, sb_ptr, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, M, N_OUT, K,
                              HALF, stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om, 1, False,
-                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO, USE_TMA, BLOCK_M,
+                             HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, HW_FP8, ROUND_TO, USE_TMA, BLOCK_M,
                              BLOCK_N, GROUP_M)
 
 
@@ -278,7 +280,7 @@ def _mxfp8_gemm_kernel(
         stride_am, stride_bn, stride_sam, stride_sbn, stride_rm, stride_om,
         A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, DOT_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
         DECODE_SPECIALS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, PATCH_NAN: tl.constexpr, ROUND_TO: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr, ROUND_TO: tl.constexpr,
         USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr):
     """MXFP8 x MXFP8: E8M0 scales (uint8) per 32 along K on both sides."""
@@ -306,7 +308,7 @@ def _mxfp8_gemm_kernel(
                                   stride_bn, offs_k, s_ok, A_FORMAT, B_FORMAT, DOT_SCALED, DOT_DTYPE,
                                   DECODE_SPECIALS, USE_TMA)
     _epilogue(acc, acc_up, offs_m, offs_n, M, N_OUT, HALF, bias_ptr, res_ptr, out_ptr, fp8_state_ptr, stride_rm,
-              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, PATCH_NAN, ROUND_TO)
+              stride_om, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, OUT_DTYPE, HW_FP8, ROUND_TO)
 
 
 # --------------------------------------------------------------- launcher
@@ -422,7 +424,7 @@ def _launch_common(epi: _Epilogue, out: torch.Tensor, dummy: torch.Tensor) -> tu
     args = [epi.bias if epi.bias is not None else dummy, res if res is not None else dummy,
             out.view(torch.uint8) if fp8 else out, epi.fp8_state if fp8 else dummy]
     meta = dict(HAS_BIAS=epi.bias is not None, ACTIVATION=epi.activation, HAS_RESIDUAL=res is not None,
-                OUT_DTYPE=(_TL_FP8_OUT if fp8 else _TL_OUT)[epi.out_dtype], PATCH_NAN=is_interpreted(out),
+                OUT_DTYPE=(_TL_FP8_OUT if fp8 else _TL_OUT)[epi.out_dtype], HW_FP8=fp8 and hw_fp8(out),
                 ROUND_TO=None if epi.round_to is None else _TL_OUT[epi.round_to])
     return args, dict(stride_rm=res.stride(0) if res is not None else 0, stride_om=out.stride(0), **meta)
 
