@@ -3,9 +3,12 @@
 Logical IO counts each input read once and each output written once (bf16 in,
 FP8 out, plus the transposed copy where asked). Current scaling also reports the
 fraction of its two-pass floor (read x for the amax, then read x and write FP8),
-side by side with the same cast in torch eager and torch.compile.
+side by side with the same cast in torch eager and torch.compile. The Triton casts
+run twice, with the hardware FP8 conversion (``triton``) and with the exact integer
+encoding (``triton-exact``, what ``TE_FUSER_EXACT_FP8=1`` gives): the ``triton`` rows
+note the speed-up, and a last table lists both side by side.
 
-    python benchmarks/bench_cast.py [--backends triton cuda] [--shapes 8192x8192 16384x8192 256x1024]
+    python benchmarks/bench_cast.py [--backends triton triton-exact cuda] [--shapes 8192x8192 256x1024]
 """
 
 from __future__ import annotations
@@ -87,7 +90,35 @@ def bench_shape(shape: tuple[int, int], backends: list[str], copy_tbs: float) ->
                 if name == "current":
                     row.vs_peer, row.peer = peer_ms["torch.compile"] / ms, "torch.compile"
                 out.append(harness.progress(row))
+    _note_encoding_speedup(out)
     return out
+
+
+def _note_encoding_speedup(rows: list[Row]) -> None:
+    """On each ``triton`` row: the time of the same cast with the exact FP8 encoding
+    over its time (``x_vs_triton_exact``, and in the note)."""
+    exact = {(r.bench, r.case, r.shape): r.ms for r in rows if r.backend == "triton-exact"}
+    for row in rows:
+        key = (row.bench, row.case, row.shape)
+        if row.backend == "triton" and key in exact and row.ms == row.ms:
+            row.extra["vs_triton_exact"] = exact[key] / row.ms
+            row.note = "; ".join(filter(None, [row.note, f"{exact[key] / row.ms:.2f}x vs triton-exact"]))
+
+
+def print_encoding_table(rows: list[Row]) -> None:
+    """The Triton casts with the hardware FP8 conversion against the exact encoding."""
+    pairs = [r for r in rows if r.backend == "triton" and "vs_triton_exact" in r.extra]
+    if not pairs:
+        return
+    exact = {(r.bench, r.case, r.shape): r for r in rows if r.backend == "triton-exact"}
+    print("\n== FP8 encoding: hardware conversion (triton) vs exact integer encoding (triton-exact)")
+    print(f"{'timing':10s} {'case':14s} {'shape':16s} {'exact ms':>9s} {'hw ms':>9s} {'speed-up':>8s} "
+          f"{'exact TB/s':>10s} {'hw TB/s':>8s}")
+    for r in pairs:
+        e = exact[(r.bench, r.case, r.shape)]
+        timing = "graph" if r.bench == "cast-graph" else "eager"
+        print(f"{timing:10s} {r.case:14s} {r.shape:16s} {e.ms:9.4f} {r.ms:9.4f} {e.ms / r.ms:7.2f}x "
+              f"{e.rate:10.2f} {r.rate:8.2f}")
 
 
 FLAT_PLANS = [(8, 1024, 8, 8), (8, 1024, 8, 4), (8, 1024, 8, 16), (4, 1024, 4, 16), (16, 512, 8, 8),
@@ -143,7 +174,7 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/results.csv)")
     parser.add_argument("--sweep", action="store_true", help="also time the Triton casts under several launch plans")
     args = parser.parse_args(argv)
-    backends = args.backends or harness.default_backends("quantize_current")
+    backends = args.backends or _default_backends()
     copy_tbs = harness.copy_ceiling_tbs()
     rows = [harness.progress(Row("cast", "device copy", "torch", "1 GiB", float("nan"), copy_tbs, "TB/s", 1.0))]
     for text in args.shapes:
@@ -152,7 +183,14 @@ def main(argv=None) -> list[Row]:
         rows += sweep(copy_tbs)
     harness.append_csv(rows, args.csv)
     harness.print_table(rows, "FP8 casts")
+    print_encoding_table(rows)
     return rows
+
+
+def _default_backends() -> list[str]:
+    """triton, triton-exact (the exact FP8 encoding), then cuda and auto when available."""
+    backends = harness.default_backends("quantize_current")
+    return backends[:1] + ["triton-exact"] + backends[1:]
 
 
 if __name__ == "__main__":

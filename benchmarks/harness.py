@@ -213,9 +213,33 @@ class _AutoBackend:
         return backend.resolve(name, "cuda", backend="auto").fn
 
 
+class _ExactFP8Triton:
+    """The triton backend with the exact FP8 encoding (what ``TE_FUSER_EXACT_FP8=1``
+    gives), so that one run times both encodings side by side."""
+
+    def __getattr__(self, name: str):
+        from te_fuser.kernels import triton as tk
+        from te_fuser.kernels.triton import _common
+
+        fn = getattr(tk, name)
+
+        def exact(*args, **kwargs):
+            saved, _common.EXACT_FP8 = _common.EXACT_FP8, True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _common.EXACT_FP8 = saved
+
+        return exact
+
+
 def backend_module(name: str):
+    """The kernels of a backend: ``reference``, ``triton``, ``cuda``, ``auto``, or
+    ``triton-exact`` (triton with the exact FP8 encoding)."""
     import importlib
 
     if name == "auto":
         return _AutoBackend()
+    if name == "triton-exact":
+        return _ExactFP8Triton()
     return importlib.import_module(f"te_fuser.kernels.{name}")

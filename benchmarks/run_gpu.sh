@@ -32,10 +32,12 @@ for part in $parts; do
       timeout 150 python3 benchmarks/bench_refusion.py --cold-cache --mlp-weights --json "$OUT/refusion.json" \
         --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -12 ;;
     hot) timeout 60 python3 benchmarks/bench_refusion.py --quick --json "$OUT/hot.json" 2>&1 | tee "$OUT/hot.log" | tail -6 ;;
-    kernels)  # the kernels, with auto side by side with triton and cuda
-      timeout 200 python3 benchmarks/bench_cast.py 2>&1 | tee "$OUT/cast.log" | tail -20
+    kernels)  # the kernels, with auto side by side with triton and cuda; the casts also with the exact FP8 encoding
+      timeout 300 python3 benchmarks/bench_cast.py 2>&1 | tee "$OUT/cast.log" | tail -40
       timeout 200 python3 benchmarks/bench_gemm.py 2>&1 | tee "$OUT/gemm.log" | tail -24 ;;
-    checks) [ -f benchmarks/check_gpu_defects.py ] && timeout 120 python3 benchmarks/check_gpu_defects.py 2>&1 | tee "$OUT/checks.log" | tail -20 ;;
+    checks)  # every FP8-writing Triton kernel bit for bit, with the hardware and the exact FP8 encoding
+      [ -f benchmarks/check_gpu_defects.py ] && timeout 300 python3 benchmarks/check_gpu_defects.py 2>&1 \
+        | tee "$OUT/checks.log" | tail -30 ;;
     graphed) timeout 100 python3 benchmarks/profile_step.py --graphed 2>&1 | tee "$OUT/graphed.log" | grep "us/step" ;;
     host) [ -f benchmarks/host_overhead.py ] && timeout 120 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host.log" | tail -20 ;;
     *) echo "unknown part: $part" ;;
