@@ -25,7 +25,8 @@ and compares bytes, scales and amaxes bit for bit with the reference
 
 Prints one PASS/FAIL row per comparison (the number of differing elements and
 the first one: index, got and expected bits), then the PASS/FAIL counts of each
-encoding; exits 1 on any failure. About a minute on an H200, most of it compiling.
+encoding; exits 1 on any failure. Estimated at one to two minutes on an H200, most
+of it compiling each encoding's kernels (not yet timed there).
 
     python benchmarks/check_gpu_defects.py [--quick] [--encodings hardware exact]
     TRITON_INTERPRET=1 python benchmarks/check_gpu_defects.py --device cpu --quick   # the script itself
