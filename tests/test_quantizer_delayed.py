@@ -370,4 +370,14 @@ def test_triton_backend_equals_reference_bit_for_bit(algo, margin, fp8_dtype):
     got, want = _drive("triton", algo, margin, fp8_dtype), _drive("reference", algo, margin, fp8_dtype)
     for step, (g_step, w_step) in enumerate(zip(got, want)):
         for i, (g, w) in enumerate(zip(g_step, w_step)):
-            assert_bitwise(g, w, f"{algo} margin={margin} {fp8_dtype}: step {step}, item {i}")
+            assert_bitwise(_one_nan(g), _one_nan(w), f"{algo} margin={margin} {fp8_dtype}: step {step}, item {i}")
+
+
+def _one_nan(t: torch.Tensor) -> torch.Tensor:
+    """fp32 NaNs as one pattern. The amax of a tensor holding a NaN is a NaN whose
+    payload depends on how the reduction is computed: on the H200, torch's reduction
+    in the reference cast and the Triton cast's integer maximum give different NaN
+    bits (on CPU they agree). Only that payload may differ; every other bit must match."""
+    if t.dtype != torch.float32:
+        return t
+    return torch.where(t.isnan(), torch.full_like(t, float("nan")), t)
