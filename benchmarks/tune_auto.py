@@ -201,9 +201,14 @@ def bench_epilogue(bench: Bench, modules) -> None:
         bench.add("gemm", "gemm tensor + bias+gelu+residual", backend, f"{size}^3", ms, flops / ms / 1e9, "TFLOP/s")
 
 
-def choose(totals: dict, kernels) -> dict:
+def choose(totals: dict, kernels, previous: dict | None = None) -> dict:
+    """The fastest backend per kernel; entries of ``previous`` that split by size
+    (measured at a small and a large shape, see te_fuser/backend.py) are kept."""
     table = {}
     for kernel in kernels:
+        if isinstance((previous or {}).get(kernel), dict):
+            table[kernel] = previous[kernel]
+            continue
         measured = totals.get(kernel, {})
         table[kernel] = min(measured, key=measured.get) if measured else "triton"
     return table
@@ -249,7 +254,8 @@ def main(argv=None) -> int:
     totals = bench_casts(bench, modules)
     totals.update(bench_gemms(bench, modules))
     bench_epilogue(bench, modules)
-    table = choose(totals, KERNELS)
+    previous = json.loads(args.table.read_text()) if args.table.exists() else {}
+    table = choose(totals, KERNELS, previous)
     if args.csv:
         write_csv(args.csv, bench)
     if not args.dry_run:

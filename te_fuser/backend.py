@@ -11,7 +11,11 @@ Every backend implements the same kernels under the same names and signatures
 inside a region. ``auto`` (the default) uses ``reference`` on CPU tensors and, on
 a GPU, the backend measured fastest for each kernel (``kernels/auto_table.json``).
 A backend that lacks a kernel falls back to ``triton`` where it runs, else to
-``reference``, and says so in :class:`KernelChoice` (``fusion_plan()`` shows it). A
+``reference``, and says so in :class:`KernelChoice` (``fusion_plan()`` shows it). An
+``auto`` entry may also split by size, ``{"small": "cuda", "large": "triton",
+"min_elements": N}``: calls whose first tensor has N elements or more go to the
+``large`` backend (a cast measured faster there once bandwidth dominates), smaller
+ones to ``small`` (cheaper to launch). A
 backend module may also expose ``<kernel>_unsupported_reason(a, b)``: operands it
 names a reason for go to the fallback per call (cuBLASLt has no MXFP8 path on
 Hopper, for example); the others go to ``<kernel>.when_supported`` when the
@@ -60,7 +64,7 @@ _MODULES = {
 _state: dict[str, Any] = {"backend": None}  # None: not yet resolved from the environment
 _override: list[str] = []
 _resolved: dict[tuple[str, str, torch.device], "KernelChoice"] = {}
-_auto_table: dict[str, str] | None = None
+_auto_table: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,8 @@ def _unavailable_reason(backend: str, device: torch.device) -> str | None:
     return None
 
 
-def _auto_backend(kernel: str, device: torch.device) -> str:
+def _auto_entry(kernel: str, device: torch.device) -> str | dict:
+    """The auto table's entry: a backend name, or a split by size (see the module doc)."""
     global _auto_table
     if device.type != "cuda":
         return "reference"
@@ -132,6 +137,21 @@ def _auto_backend(kernel: str, device: torch.device) -> str:
         path = Path(_module("reference").__file__).parent.parent / "auto_table.json"
         _auto_table = json.loads(path.read_text()) if path.exists() else {}
     return _auto_table.get(kernel, "triton")
+
+
+def _by_size(kernel: str, device: torch.device, split: dict) -> "KernelChoice":
+    """One function that sends each call to the small or the large backend's kernel."""
+    small = resolve(kernel, device, backend=split["small"])
+    large = resolve(kernel, device, backend=split["large"])
+    limit = int(split["min_elements"])
+    small_fn, large_fn = small.fn, large.fn
+
+    def dispatch(x, *args, **kwargs):
+        return (large_fn if x.numel() >= limit else small_fn)(x, *args, **kwargs)
+
+    dispatch.__name__ = getattr(large_fn, "__name__", "dispatch")
+    note = f"tensors of {limit} elements or more go to {large.backend}, smaller ones to {small.backend}"
+    return KernelChoice(kernel, large.backend, dispatch, note)
 
 
 def _fallback(kernel: str, failed: str, device: torch.device) -> "KernelChoice":
@@ -170,7 +190,11 @@ def resolve(kernel: str, device: torch.device | str, backend: str | None = None)
     _check_name(requested)
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {list(KERNELS)}, got {kernel!r}")
-    chosen = _auto_backend(kernel, device) if requested == "auto" else requested
+    chosen = _auto_entry(kernel, device) if requested == "auto" else requested
+    if isinstance(chosen, dict):
+        choice = _by_size(kernel, device, chosen)
+        _resolved[cache_key] = choice
+        return choice
     reason = _unavailable_reason(chosen, device)
     if reason is not None:
         if requested == "auto":

@@ -96,10 +96,34 @@ def test_gemm_unsupported_reasons(a, b, expected):
 def test_auto_table_is_valid():
     table = json.loads((REPO / "kernels" / "auto_table.json").read_text())
     assert set(table) == set(backend.KERNELS)
-    for kernel, name in table.items():
-        assert name in ("reference", "triton", "cuda"), (kernel, name)
-        if name == "cuda":
-            assert hasattr(cuda, kernel), f"auto table picks cuda for {kernel}, which it does not provide"
+    for kernel, entry in table.items():
+        if isinstance(entry, dict):  # split by size
+            assert set(entry) == {"small", "large", "min_elements"}, (kernel, entry)
+            assert isinstance(entry["min_elements"], int) and entry["min_elements"] > 0, (kernel, entry)
+            names = [entry["small"], entry["large"]]
+        else:
+            names = [entry]
+        for name in names:
+            assert name in ("reference", "triton", "cuda"), (kernel, name)
+            if name == "cuda":
+                assert hasattr(cuda, kernel), f"auto table picks cuda for {kernel}, which it does not provide"
+
+
+def test_auto_split_by_size_sends_each_call_by_its_element_count(monkeypatch):
+    from te_fuser.kernels import reference, triton as tk
+
+    calls = []
+    monkeypatch.setattr(reference, "quantize_rowwise_reference", lambda x, *a, **k: calls.append(("small", x.numel())))
+    monkeypatch.setattr(tk, "quantize_rowwise", lambda x, *a, **k: calls.append(("large", x.numel())))
+    monkeypatch.setattr(backend, "_resolved", {})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # triton runs there
+    choice = backend._by_size("quantize_rowwise", device,
+                              {"small": "reference", "large": "triton", "min_elements": 64})
+    choice.fn(torch.zeros(7, 9), torch.float8_e4m3fn)
+    choice.fn(torch.zeros(8, 8), torch.float8_e4m3fn)
+    choice.fn(torch.zeros(4, 32), torch.float8_e4m3fn)
+    assert calls == [("small", 63), ("large", 64), ("large", 128)]
+    assert choice.backend == "triton" and "64 elements or more go to triton" in choice.note
 
 
 def test_tune_auto_script_runs_its_help():
