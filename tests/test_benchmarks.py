@@ -8,6 +8,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+import torch
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -27,3 +30,11 @@ def test_bench_refusion_quick_runs_and_reports(tmp_path):
         assert all(v >= 0 for v in figures[key].values())
     phases = figures["warm_switch_phases_us"]["8"]
     assert {"key", "quantizers", "fusion", "validation", "publish", "total"} <= set(phases)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is a full benchmark: run_gpu.sh handoff")
+def test_bench_handoff_imports_and_asks_for_a_gpu_on_cpu():
+    run = subprocess.run([sys.executable, "benchmarks/bench_handoff.py"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "needs a GPU" in run.stdout
