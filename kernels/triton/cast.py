@@ -130,7 +130,8 @@ def _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn,
                ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
                MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
-    """Cast one (BLOCK_M, BLOCK_N) tile of x; return the tile's amax as int32 bits.
+    """Cast one (BLOCK_M, BLOCK_N) tile of x; return |x| of the tile as int32 bits
+    (zero where masked), for the caller's running maximum.
     EVEN: the tiles cover x exactly (no masks). ROW_MAJOR: x's rows are contiguous,
     so the row-wise copy is stored in the layout it is computed in (packed bytes
     with HW_FP8); the transposed copy's bytes change layout (``tl.trans``), so with
@@ -156,7 +157,7 @@ def _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn,
             tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt)
         else:
             tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt, mask=tl.trans(mask))
-    return tl.max(tl.max(abs_bits(x), axis=1), axis=0)
+    return abs_bits(x)
 
 
 @triton.jit
@@ -167,17 +168,19 @@ def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_
                                 HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Cast with a given scale; program p casts tiles p, p + P, ... The amax is
     reduced with integer atomics on the bits of |x| in ``work[0]``, and the last
-    program to finish writes it out."""
+    program to finish writes it out. Each program keeps an elementwise running
+    maximum over its tiles and reduces it across threads once, after the loop."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     scale = tl.load(scale_ptr)
-    amax_bits = tl.zeros([], dtype=tl.int32)
+    running = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for tile in range(pid, n_tiles, n_programs):
         tile_bits = _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
                                BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8,
                                ROW_MAJOR)
-        amax_bits = tl.maximum(amax_bits, tile_bits)
+        running = tl.maximum(running, tile_bits)
+    amax_bits = tl.max(tl.max(running, axis=1), axis=0)
     tl.atomic_max(work_ptr, amax_bits)
     finished = tl.atomic_add(work_ptr + 1, 1)
     if finished == n_programs - 1:
