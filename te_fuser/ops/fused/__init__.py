@@ -44,7 +44,10 @@ def _delayed_scaling(recipe):
 
 def _hand_off_possible(ops, recipe):
     """Declines what the epilogue cannot serve when a backward pass follows (see
-    :func:`~te_fuser.ops.rules.build_context`; outside a build, the grad mode).
+    :func:`~te_fuser.ops.rules.build_context`; outside a build, the grad mode), and
+    on a GPU any step with a backward, where the hand-off measured slower than the
+    separate cast (benchmarks/bench_handoff.py); CPU plans keep it, so the fused
+    backward stays tested against the reference.
     Also declines where the plain GEMM runs on another backend than the fused cast
     epilogue: under ``auto`` on a GPU the GEMM is cuBLASLt's and the epilogue is a
     Triton GEMM, which is slower than cuBLASLt plus a separate cast (H200: Triton
@@ -59,6 +62,10 @@ def _hand_off_possible(ops, recipe):
                 f"{epilogue_backend}: the {gemm_backend} GEMM plus a separate cast is faster")
     if not needs_backward:
         return None
+    if device.type == "cuda":
+        return ("a backward follows: its wgrad needs the FP8 input transposed, a separate byte transpose after the "
+                "epilogue, which costs more than the cast it saves (H200, 8192x4096->14336->4096 under Triton: "
+                "6.47 ms with the hand-off, 6.01 ms with a separate cast+transpose)")
     if isinstance(ops[2], Activation):
         return ("the activation's backward needs the pre-activation, which the FP8 epilogue does not write "
                 "(the rule fires without a backward, e.g. under torch.no_grad)")
