@@ -123,7 +123,8 @@ def print_encoding_table(rows: list[Row]) -> None:
 
 FLAT_PLANS = [(8, 1024, 8, 8), (8, 1024, 8, 4), (8, 1024, 8, 16), (4, 1024, 4, 16), (16, 512, 8, 8),
               (16, 1024, 8, 4), (8, 2048, 8, 4), (2, 1024, 4, 32)]
-TRANSPOSE_PLANS = [(64, 128, 8, 8), (64, 64, 4, 16), (128, 64, 8, 8), (32, 128, 4, 16), (128, 128, 8, 4)]
+TRANSPOSE_PLANS = [(64, 128, 8, 8), (64, 64, 4, 16), (128, 64, 8, 8), (32, 128, 4, 16), (128, 128, 8, 4),
+                   (64, 128, 4, 8), (64, 256, 8, 4), (32, 256, 8, 8), (128, 128, 8, 8)]
 
 
 def _amax_pass(x: torch.Tensor):
@@ -161,6 +162,10 @@ def sweep(copy_tbs: float, rows_n: int = 8192, cols_n: int = 8192) -> list[Row]:
             ms = harness.time_ms(lambda t: tk.quantize_tensorwise(t, scale, E4M3, True, True), [(x,)])
             tbs = 4 * n / (ms * 1e-3) / 1e12
             out.append(harness.progress(Row("cast-sweep", f"tensorwise+T {plan}", "triton", label, ms, tbs, "TB/s",
+                                            tbs / copy_tbs)))
+            ms = harness.time_ms(lambda t: tk.quantize_current(t, E4M3, rowwise=True, columnwise=True), [(x,)])
+            tbs = 4 * n / (ms * 1e-3) / 1e12
+            out.append(harness.progress(Row("cast-sweep", f"current+T {plan}", "triton", label, ms, tbs, "TB/s",
                                             tbs / copy_tbs)))
     finally:
         cast.CAST_PLANS.update(saved)

@@ -121,8 +121,12 @@ def _epilogue_rows(n: int, bf16_ms: float) -> list[Row]:
 
 
 SWEEP = {
-    "tensor": [fp8_gemm.Tiles(256, 128, 128, 8, 8, 3), fp8_gemm.Tiles(256, 128, 128, 8, 8, 4)],
-    "block": [fp8_gemm.Tiles(128, 128, 128, 8, 8, 4), fp8_gemm.Tiles(256, 128, 128, 8, 8, 3)],
+    "tensor": [fp8_gemm.Tiles(256, 128, 128, 8, 8, 3), fp8_gemm.Tiles(256, 128, 128, 8, 8, 4),
+               fp8_gemm.Tiles(128, 256, 128, 8, 8, 3), fp8_gemm.Tiles(128, 256, 128, 16, 8, 3),
+               fp8_gemm.Tiles(256, 128, 128, 16, 8, 3), fp8_gemm.Tiles(128, 128, 128, 8, 4, 4)],
+    "block": [fp8_gemm.Tiles(128, 128, 128, 8, 8, 4), fp8_gemm.Tiles(256, 128, 128, 8, 8, 3),
+              fp8_gemm.Tiles(128, 128, 128, 8, 8, 3), fp8_gemm.Tiles(128, 128, 128, 16, 8, 5),
+              fp8_gemm.Tiles(128, 128, 128, 8, 4, 4), fp8_gemm.Tiles(64, 128, 128, 8, 4, 5)],
     "mx": [fp8_gemm.Tiles(128, 128, 128, 8, 8, 3), fp8_gemm.Tiles(128, 256, 128, 8, 8, 3)],
 }
 
