@@ -95,6 +95,22 @@ def test_gemm_2048_every_scheme(scheme):
     assert_close(got, want, key, f"{scheme} gelu epilogue", scaled=scaled)
 
 
+@pytest.mark.parametrize("scheme", ["tensor", "mx"])
+@pytest.mark.parametrize("m,n,k", [(1000, 1100, 1024), (3000, 2304, 992)])
+def test_gemm_odd_shapes_at_the_large_tiles(scheme, m, n, k):
+    """Output tiles cut by the matrix edge under the large-problem tiles (tensor
+    256x128, MXFP8 128x256)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(m, k, device="cuda", generator=gen) * k**-0.25
+    w = torch.randn(n, k, device="cuda", generator=gen) * k**-0.25
+    a, b = _operands(scheme, x, w)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = tk.gemm(a, b, out_dtype)
+        want = ref.gemm_reference(a, b, out_dtype)
+        key, scaled = gemm_tolerance(a, b, out_dtype)
+        assert_close(got, want, key, f"{scheme} {m}x{n}x{k}", scaled=scaled)
+
+
 @pytest.mark.parametrize("kind", ["gelu", "relu", "silu", "swiglu"])
 def test_activations_4m(kind):
     x = torch.randn(2048, 2048, device="cuda") * 3

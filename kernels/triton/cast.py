@@ -94,7 +94,7 @@ class CastPlan:
 # The benchmarks may replace entries to compare launch shapes.
 CAST_PLANS = {
     "flat": CastPlan(8, 1024, 8, 8),
-    "transpose": CastPlan(64, 128, 8, 8),
+    "transpose": CastPlan(128, 128, 8, 4),  # H200 sweep: 5% faster than (64, 128, 8, 8) with the hardware encoding
 }
 _INTERPRETED_PLAN = CastPlan(32, 64, 4, 8)
 
