@@ -123,7 +123,10 @@ def _epilogue_rows(n: int, bf16_ms: float) -> list[Row]:
 SWEEP = {
     "tensor": [fp8_gemm.Tiles(256, 128, 128, 8, 8, 3), fp8_gemm.Tiles(256, 128, 128, 8, 8, 4),
                fp8_gemm.Tiles(128, 256, 128, 8, 8, 3), fp8_gemm.Tiles(128, 256, 128, 16, 8, 3),
-               fp8_gemm.Tiles(256, 128, 128, 16, 8, 3), fp8_gemm.Tiles(128, 128, 128, 8, 4, 4)],
+               fp8_gemm.Tiles(256, 128, 128, 16, 8, 3), fp8_gemm.Tiles(128, 128, 128, 8, 4, 4),
+               # 256-deep tiles: half the loop iterations, still promoted every 128 products
+               fp8_gemm.Tiles(128, 256, 256, 8, 8, 2), fp8_gemm.Tiles(256, 128, 256, 8, 8, 2),
+               fp8_gemm.Tiles(128, 128, 256, 8, 8, 3)],
     "block": [fp8_gemm.Tiles(128, 128, 128, 8, 8, 4), fp8_gemm.Tiles(256, 128, 128, 8, 8, 3),
               fp8_gemm.Tiles(128, 128, 128, 8, 8, 3), fp8_gemm.Tiles(128, 128, 128, 16, 8, 5),
               fp8_gemm.Tiles(128, 128, 128, 8, 4, 4), fp8_gemm.Tiles(64, 128, 128, 8, 4, 5)],

@@ -21,8 +21,9 @@ reducing the amax). Other scaling pairs are dequantized to fp32 and multiplied b
 the tensorwise kernel.
 
 On Hopper the FP8 tensor cores accumulate in a narrower format; the tensorwise
-kernel promotes to fp32 every 128 products (``gemm(..., fast_accum=True)`` promotes
-once, at the end), the block kernels every 128-deep block.
+kernel promotes to fp32 every 128 products, also with 256-deep tiles
+(``gemm(..., fast_accum=True)`` promotes once, at the end), the block kernels every
+128-deep block.
 """
 
 from __future__ import annotations
@@ -443,7 +444,9 @@ def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tupl
     args, meta = _launch_common(epi, out, a)
     upcast = a.dtype == torch.bfloat16 and is_interpreted(a)
     precision = "ieee" if (a.dtype == torch.float32 or upcast) else None
-    promote = t.block_k if (a.dtype.itemsize == 1 and k >= t.block_k and not fast_accum) else None
+    # FP8 products reach the fp32 accumulator every 128 of them (or every block, if
+    # shorter), whatever the tile's depth: a 256-deep tile promotes twice per block
+    promote = min(t.block_k, 128) if (a.dtype.itemsize == 1 and k >= t.block_k and not fast_accum) else None
     a_src, b_src, use_tma = _sources(a, b, t)
     _fp8_gemm_tensorwise_kernel[_grid(m, epi, t)](
         a_src, b_src, sa if sa is not None else out, sb if sb is not None else out, *args, m, epi.n_out, k,
