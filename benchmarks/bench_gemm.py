@@ -8,6 +8,7 @@ its ``gemm_unsupported_reason`` is None). ``--sweep`` also times a few tile
 configurations of the Triton kernels and prints them.
 
     python benchmarks/bench_gemm.py [--backends triton cuda] [--sizes 1024 4096 8192] [--sweep]
+                                    [--sweep-families tensor block mx]
 """
 
 from __future__ import annotations
@@ -134,11 +135,13 @@ SWEEP = {
 }
 
 
-def sweep(sizes: list[int]) -> list[Row]:
-    """Time the Triton kernels under a few tile shapes (and MX / accumulation modes)."""
+def sweep(sizes: list[int], families: list[str] | None = None) -> list[Row]:
+    """Time the Triton kernels under a few tile shapes (and MX / accumulation modes);
+    ``families`` limits it to some of "tensor", "block", "mx"."""
     rows = []
     variants = [("tensor", "tensor", {}), ("tensor", "tensor", {"fast_accum": True}),
                 ("block_1x128_128x128", "block", {}), ("block_1x128_1x128", "block", {}), ("mx", "mx", {})]
+    variants = [v for v in variants if families is None or v[1] in families]
     for n in sizes:
         for scheme, family, knobs in variants:
             sets = _operand_sets(scheme, n)
@@ -165,6 +168,8 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--backends", nargs="+", default=None)
     parser.add_argument("--sizes", nargs="+", type=int, default=[1024, 4096, 8192])
     parser.add_argument("--sweep", action="store_true", help="also time a few tile shapes")
+    parser.add_argument("--sweep-families", nargs="+", choices=["tensor", "block", "mx"], default=None,
+                        help="sweep only these kernel families")
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/results.csv)")
     args = parser.parse_args(argv)
     backends = args.backends or harness.default_backends("gemm")
@@ -172,7 +177,7 @@ def main(argv=None) -> list[Row]:
     for n in args.sizes:
         rows += bench_size(n, backends)
     if args.sweep:
-        sweep_rows = sweep([n for n in args.sizes if n >= 8192])
+        sweep_rows = sweep([n for n in args.sizes if n >= 8192], args.sweep_families)
         harness.print_table(sweep_rows, "Triton GEMM tile sweep")
         rows += sweep_rows
     harness.append_csv(rows, args.csv)

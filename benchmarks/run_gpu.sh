@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests layers profile profsmall refusion hot handoff kernels checks graphed host
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests layers profile profsmall refusion hot handoff tiles kernels checks graphed host
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -31,6 +31,9 @@ for part in $parts; do
     refusion)
       timeout 150 python3 benchmarks/bench_refusion.py --cold-cache --mlp-weights --json "$OUT/refusion.json" \
         --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -12 ;;
+    tiles)  # the Triton tensorwise GEMM's tile sweep (256-deep tiles included) beside cuBLASLt, 8192^3
+      timeout 300 python3 benchmarks/bench_gemm.py --sizes 8192 --backends triton cuda --sweep --sweep-families tensor \
+        2>&1 | tee "$OUT/tiles.log" | tail -30 ;;
     handoff) timeout 200 python3 benchmarks/bench_handoff.py 2>&1 | tee "$OUT/handoff.log" | tail -12 ;;
     hot) timeout 60 python3 benchmarks/bench_refusion.py --quick --json "$OUT/hot.json" 2>&1 | tee "$OUT/hot.log" | tail -6 ;;
     kernels)  # the kernels, with auto side by side with triton and cuda; the casts also with the exact FP8 encoding
