@@ -36,19 +36,9 @@ HAND_OFF = [r.name for r in DEFAULT_RULES if r.build is ForwardLinearBiasLinear]
 RECIPE = te.recipe.DelayedScaling(amax_history_len=16)
 
 
-@contextlib.contextmanager
 def hand_off(enabled: bool):
     """The hand-off rules registered (as by default) or not, inside the block."""
-    if enabled:
-        yield
-        return
-    saved = list(rules._RULES)
-    for name in HAND_OFF:
-        rules.unregister_fusion_rule(name)
-    try:
-        yield
-    finally:
-        rules._RULES[:] = saved
+    return contextlib.nullcontext() if enabled else rules.without_fusion_rules(*HAND_OFF)
 
 
 def model(hidden: int, ffn: int, gelu: bool) -> te.ops.Sequential:

@@ -30,15 +30,8 @@ HAND_OFF = [r.name for r in DEFAULT_RULES if r.build is ForwardLinearBiasLinear]
 E4M3 = torch.float8_e4m3fn
 
 
-@contextlib.contextmanager
 def _without_hand_off():
-    saved = list(rules._RULES)
-    for name in HAND_OFF:
-        rules.unregister_fusion_rule(name)
-    try:
-        yield
-    finally:
-        rules._RULES[:] = saved
+    return rules.without_fusion_rules(*HAND_OFF)
 
 
 def _count_epilogue_casts(monkeypatch) -> list:

@@ -176,3 +176,19 @@ def test_user_registered_rule_fires():
     torch.testing.assert_close(grads["x"], torch.full((3, 4), 0.5))
     with pytest.raises(ValueError, match="already exists"):
         register_fusion_rule(DEFAULT_RULES[0])
+
+
+def test_without_fusion_rules_leaves_rules_out_for_a_block_and_puts_them_back():
+    before = [r.name for r in fusion_rules()]
+    with te.ops.without_fusion_rules("forward_linear_bias", "backward_activation_bias"):
+        inside = [r.name for r in fusion_rules()]
+        model = te.ops.Sequential(te.ops.Linear(H, H))
+        with torch.no_grad():
+            model(torch.randn(3, H))
+        assert "rule forward_linear_bias]" not in model.fusion_plan()
+    assert inside == [n for n in before if n not in ("forward_linear_bias", "backward_activation_bias")]
+    assert [r.name for r in fusion_rules()] == before
+    with pytest.raises(KeyError, match="no rule named 'no_such_rule'"):
+        with te.ops.without_fusion_rules("forward_linear_bias", "no_such_rule"):
+            pass
+    assert [r.name for r in fusion_rules()] == before  # nothing removed by the rejected call

@@ -5,10 +5,11 @@ from .basic import *  # noqa: F401,F403
 from .basic import __all__ as _basic_all
 from .fuser import FusionPlan, FusionStats, OperationFuser
 from .op import BasicOperation, FusedOperation, OpContext
-from .rules import FusionRule, fusion_rules, register_fusion_rule, unregister_fusion_rule
+from .rules import FusionRule, fusion_rules, register_fusion_rule, unregister_fusion_rule, without_fusion_rules
 from .sequential import Sequential
 
 __all__ = _basic_all + [
     "Sequential", "BasicOperation", "FusedOperation", "OpContext", "OperationFuser", "FusionPlan",
-    "FusionStats", "FusionRule", "register_fusion_rule", "unregister_fusion_rule", "fusion_rules",
+    "FusionStats", "FusionRule", "register_fusion_rule", "unregister_fusion_rule", "without_fusion_rules",
+    "fusion_rules",
 ]

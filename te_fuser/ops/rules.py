@@ -14,13 +14,15 @@ matched the pattern declined; ``Sequential.fusion_plan()`` shows both.
 A predicate that depends on how the plan will run (whether a backward pass
 follows, the device) reads :func:`build_context` while the matcher calls it.
 
-Users add rules with :func:`register_fusion_rule`.
+Users add rules with :func:`register_fusion_rule`; :func:`without_fusion_rules`
+leaves some out for a block.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .op import BasicOperation, FusedOperation
 
@@ -103,6 +105,22 @@ def unregister_fusion_rule(name: str) -> FusionRule:
         if rule.name == name:
             return _RULES.pop(i)
     raise KeyError(f"unregister_fusion_rule: no rule named {name!r}")
+
+
+@contextlib.contextmanager
+def without_fusion_rules(*names: str) -> Iterator[None]:
+    """Take the rules called ``names`` out of the table inside the block (plans built
+    there do without them: to measure or test what a rule changes), then put the
+    table back as it was."""
+    missing = [n for n in names if not any(r.name == n for r in _RULES)]
+    if missing:
+        raise KeyError(f"without_fusion_rules: no rule named {missing[0]!r}")
+    saved = list(_RULES)
+    _RULES[:] = [r for r in _RULES if r.name not in names]
+    try:
+        yield
+    finally:
+        _RULES[:] = saved
 
 
 def fusion_rules(pass_: str | None = None) -> list[FusionRule]:
