@@ -118,7 +118,6 @@ class _Pair:
         # (flat, sizes, ((input index, shape), ...)); each replay hands autograd views
         # of one fresh copy per buffer, never the graph's own memory
         self.grad_packs: list[tuple[torch.Tensor, list[int], tuple]] = []
-        self.n_grads = 0
         self.forward_updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (home, forward's new value)
 
 
@@ -221,7 +220,7 @@ class _Replay(torch.autograd.Function):
         # Autograd keeps a returned gradient as ``.grad`` without copying it when no one
         # else holds it: a gradient in the graphs' memory would be overwritten by the
         # next replay (and doubled by accumulation). One copy per dtype, then views.
-        grads = [None] * pair.n_grads
+        grads = [None] * (1 + len(graphs.params))  # the input's, then the trainable parameters'
         for flat, sizes, places in pair.grad_packs:
             for (index, shape), part in zip(places, flat.clone().split(sizes)):
                 grads[index] = part.view(shape)
@@ -391,14 +390,12 @@ class GraphedSequential(nn.Module):
         for slot in slots:
             setattr(slot.quantizer, slot.name, slot.home)
         pair.static_y, pair.static_dy = static_y.detach(), static_dy
-        pair.n_grads = 1 + len(graphs.params)  # the input's, then the trainable parameters'
         pair.grad_packs = packs
 
     @staticmethod
     def _pack_grads(static_grads, x_requires_grad: bool) -> list:
         """Inside the backward capture: the gradients copied into one flat buffer per dtype."""
-        grads = list(static_grads)
-        ordered = [grads.pop(0) if x_requires_grad else None, *grads]
+        ordered = list(static_grads) if x_requires_grad else [None, *static_grads]  # input first, then parameters
         by_dtype: dict[torch.dtype, list] = {}
         for index, g in enumerate(ordered):
             if g is not None:

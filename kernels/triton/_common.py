@@ -362,9 +362,10 @@ def hw_fp8(t: torch.Tensor) -> bool:
     """The ``HW_FP8`` constexpr of a kernel writing FP8 for data on ``t``'s device:
     True for compiled kernels on a CUDA GPU with FP8 conversions, unless
     ``EXACT_FP8``; False under the interpreter (CPU tensors)."""
-    if t.device.type != "cuda" or EXACT_FP8 or _INTERPRETER:
+    device = t.device
+    if device.type != "cuda" or EXACT_FP8 or _INTERPRETER:
         return False
-    return _has_fp8_conversion(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _has_fp8_conversion(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
