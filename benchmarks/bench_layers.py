@@ -13,7 +13,10 @@ included). It also times a recipe switch: torchao must re-convert and recompile
 steady step); te_fuser's first step after a switch minus a steady step, with the
 kernels warmed by ``te.warmup``. For the small Linear it also times te_fuser
 through ``te.make_graphed`` (forward and backward replayed from CUDA graphs) and
-what a recipe switch costs there (one eager step plus a capture).
+what a recipe switch costs there (one eager step plus a capture), and as a
+training loop: bf16 eager against te_fuser through ``make_graphed`` and through
+``te.make_graphed_step`` (the whole fwd+bwd step as one graph; bf16 the same way
+for reference).
 """
 
 from __future__ import annotations
@@ -180,15 +183,32 @@ def loop_ms(run, steps: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
+def graphed_step(model, x, dy, recipe=None):
+    """fwd+bwd as one step replayed from a CUDA graph (``te.make_graphed_step``)."""
+
+    def fwd_bwd_step(x, dy):
+        model(x).backward(dy)
+
+    step = te.make_graphed_step(fwd_bwd_step, model)
+
+    def run():
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            step(x, dy)
+
+    return run
+
+
 def bench_loops(base, model, x, dy, shape, total, rows, steps: int = 100, rounds: int = 7) -> None:
-    """Training-loop throughput of the host-bound small case: bf16 eager and te_fuser
-    through ``make_graphed``, in interleaved rounds (the host's speed drifts), median."""
-    runs = {"bf16 eager": fwd_bwd(base, x, dy)}
+    """Training-loop throughput of the host-bound small case: bf16 eager, te_fuser
+    through ``make_graphed`` and through ``make_graphed_step`` (bf16 too, for
+    reference), in interleaved rounds (the host's speed drifts), median."""
+    runs = {"bf16 eager": fwd_bwd(base, x, dy), "bf16 graphed step": graphed_step(copy.deepcopy(base), x, dy)}
     for name in ("current", "delayed"):
-        run = fwd_bwd(te.make_graphed(copy.deepcopy(model)), x, dy, RECIPES[name])
-        for _ in range(3):  # eager, capture, first replay
+        runs[f"te_fuser {name} graphed"] = fwd_bwd(te.make_graphed(copy.deepcopy(model)), x, dy, RECIPES[name])
+        runs[f"te_fuser {name} graphed step"] = graphed_step(copy.deepcopy(model), x, dy, RECIPES[name])
+    for run in runs.values():
+        for _ in range(4):  # eager steps, capture, first replay
             run()
-        runs[f"te_fuser {name} graphed"] = run
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():

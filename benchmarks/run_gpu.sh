@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests layers profile profsmall refusion hot handoff tiles kernels checks graphed host
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests step small layers profile profsmall refusion hot handoff tiles kernels checks graphed host
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -17,9 +17,14 @@ for part in $parts; do
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
         tests/test_fuser.py tests/test_cuda_gemm.py tests/test_cuda_cast.py tests/test_cuda_backend.py \
-        tests/test_graphs.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
+        tests/test_graphs.py tests/test_graphed_step.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
         tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+    step)  # the graphed whole step: its tests, its example, the small Linear's loop
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_graphed_step.py tests/test_graphs.py 2>&1 \
+        | tee "$OUT/step.log" | tail -8
+      timeout 60 python3 examples/graphed_step.py 2>&1 | tee -a "$OUT/step.log" | tail -4 ;;
+    small) timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24 ;;
     layers) timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -24 ;;
     profile) timeout 200 python3 benchmarks/profile_kernels.py --case mlp 2>&1 | tee "$OUT/profile.log" | tail -60 ;;
     profsmall)  # the small Linear's kernels, eager and graphed

@@ -9,9 +9,10 @@
 from . import ops, quantization, recipe
 from .autocast import DEFAULT_RECIPE, autocast
 from .backend import get_backend, set_backend
+from .graphed_step import make_graphed_step
 from .graphs import make_graphed
 from .warmup import warmup
 
 __all__ = ["ops", "quantization", "recipe", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend", "warmup",
-           "make_graphed"]
+           "make_graphed", "make_graphed_step"]
 __version__ = "0.1.0"

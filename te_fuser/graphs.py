@@ -121,9 +121,10 @@ class _Pair:
         self.forward_updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (home, forward's new value)
 
 
-class _Graphs:
-    """The graphs of one key: a pair that quantizes the trainable weights, one that
-    reuses the FP8 weights of the previous forward, and what they share."""
+class _CaptureGuard:
+    """What a capture read from the model: the parameters' storage and trainable
+    flags, the installed quantizers and the frozen weights' versions. A change to
+    any of them means the graphs would replay stale reads, so they are recaptured."""
 
     def __init__(self, key, all_params: tuple[torch.Tensor, ...], slots: list[_StateSlot], quantizers) -> None:
         self.key = key
@@ -134,10 +135,54 @@ class _Graphs:
         self.slots = slots
         self.quantizers = quantizers  # (op, its quantizer dict) at capture time
         self.epoch = _EPOCH[0]
+        self.frozen: list[tuple] = []  # (op, weight version) of the frozen weights read from their caches
+
+    def still_valid(self) -> bool:
+        if self.epoch != _EPOCH[0]:
+            for op, qs in self.quantizers:
+                if op._quantizers is not qs:
+                    return False
+            self.epoch = _EPOCH[0]
+        for op, version in self.frozen:
+            if op.weight._version != version:
+                return False
+        for p, ptr, flag in zip(self.all_params, self.param_ptrs, self.trainable_flags):
+            if p.data_ptr() != ptr or p.requires_grad is not flag:
+                return False
+        return True
+
+
+def _state_slots(model: nn.Module) -> tuple[list, list[_StateSlot]]:
+    """``(op, quantizer dict)`` of every op, and a slot for every tensor of their
+    quantizers' scaling state, each bound to its home."""
+    quantizers = [(op, op._quantizers) for op in model.modules() if isinstance(op, BasicOperation)]
+    slots = [_StateSlot(q, name) for _, qs in quantizers for q in qs.values()
+             for name, value in vars(q).items() if isinstance(value, torch.Tensor)]
+    for slot in slots:
+        slot.adopt()
+    return quantizers, slots
+
+
+def _quantizers_seeded(model: nn.Module) -> bool:
+    """Whether every quantizer has seeded its state: a first step under a recipe
+    seeds delayed scaling from the tensor itself, and that step must not be replayed."""
+    for op in model.modules():
+        if isinstance(op, BasicOperation):
+            for q in op._quantizers.values():
+                if getattr(q, "seeded", True) is False:
+                    return False
+    return True
+
+
+class _Graphs(_CaptureGuard):
+    """The graphs of one key: a pair that quantizes the trainable weights, one that
+    reuses the FP8 weights of the previous forward, and what they share."""
+
+    def __init__(self, key, all_params: tuple[torch.Tensor, ...], slots: list[_StateSlot], quantizers) -> None:
+        super().__init__(key, all_params, slots, quantizers)
         self.static_x: torch.Tensor | None = None
         self.cast = _Pair()
         self.cached = _Pair()
-        self.frozen: list[tuple] = []  # (op, weight version) of the frozen weights read from their caches
         self.cast_weights: list[tuple] = []  # (op, dtype, columnwise, FP8 weight the cast pair writes)
         self.pending = None  # weakref to the autograd node of a replayed forward awaiting its backward
         self.pending_pair: _Pair | None = None
@@ -153,20 +198,6 @@ class _Graphs:
             self.commit_due = pair  # not inside someone's capture: at the next replay
         else:
             _commit_forward(pair)
-
-    def still_valid(self) -> bool:
-        if self.epoch != _EPOCH[0]:
-            for op, qs in self.quantizers:
-                if op._quantizers is not qs:
-                    return False
-            self.epoch = _EPOCH[0]
-        for op, version in self.frozen:
-            if op.weight._version != version:
-                return False
-        for p, ptr, flag in zip(self.all_params, self.param_ptrs, self.trainable_flags):
-            if p.data_ptr() != ptr or p.requires_grad is not flag:
-                return False
-        return True
 
     def load_eager_weights(self) -> bool:
         """Copy each op's eager FP8 weight cache into the tensors the cached pair reads;
@@ -272,11 +303,8 @@ class GraphedSequential(nn.Module):
         delayed scaling from the tensor itself; that step must not be replayed), and
         every frozen weight's FP8 copy is cached for its current value (the graphs
         read it as it is; the eager step that refreshes it runs first)."""
-        for op in self.model.modules():
-            if isinstance(op, BasicOperation):
-                for q in op._quantizers.values():
-                    if getattr(q, "seeded", True) is False:
-                        return False
+        if not _quantizers_seeded(self.model):
+            return False
         for op in _linears(self.model):
             if not op.weight.requires_grad and op._quantizers and op.cached_weight(dtype) is None:
                 return False
@@ -320,12 +348,7 @@ class GraphedSequential(nn.Module):
     def _capture(self, x: torch.Tensor, key) -> _Graphs:
         start = time.perf_counter()
         model = self.model
-        ops = [m for m in model.modules() if isinstance(m, BasicOperation)]
-        quantizers = [(op, op._quantizers) for op in ops]
-        slots = [_StateSlot(q, name) for _, qs in quantizers for q in qs.values()
-                 for name, value in vars(q).items() if isinstance(value, torch.Tensor)]
-        for slot in slots:
-            slot.adopt()
+        quantizers, slots = _state_slots(model)
         graphs = _Graphs(key, tuple(model.parameters()), slots, quantizers)
         graphs.static_x = x.detach().clone().requires_grad_(x.requires_grad)
         self._trainable = trainable = _trainable_linears(model)

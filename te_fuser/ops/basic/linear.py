@@ -82,6 +82,12 @@ class BasicLinear(BasicOperation):
             return None
         return cache[1], cache[2]
 
+    def cache_is_current(self) -> bool:
+        """Whether the cache holds the current weight cast by the installed weight
+        quantizer (from whichever dtype)."""
+        cache = self._weight_cache
+        return cache is not None and cache[0][:3] == self._weight_stamp(self._quantizers.get("weight"), None)[:3]
+
     def cache_weight(self, w_q: QuantizedTensor, columnwise: bool, dtype: torch.dtype) -> None:
         """Adopt ``w_q`` as the installed weight quantizer's cast of the current weight."""
         self._weight_cache = (self._weight_stamp(self._quantizers.get("weight"), dtype), columnwise, w_q)
