@@ -90,6 +90,7 @@ class _StepGraph(_CaptureGuard):
         super().__init__(key, all_params, slots, quantizers)
         self.graph = torch.cuda.CUDAGraph()
         self.static_args: list[torch.Tensor] = []  # the tensor arguments, in order
+        self.inputs: list[torch.Tensor] = []  # the same storage without autograd, for the copies in
         self.static_out: Any = None
         self.grads: tuple = ()  # each parameter's ``.grad`` as the captured step left it
         self.kept_caches: list = []  # the frozen weights' FP8 caches the graph reads in place
@@ -196,6 +197,7 @@ class GraphedStep:
         graph.kept_caches = [op._weight_cache for op, _ in graph.frozen]
         graph.static_args = [a.detach().clone().requires_grad_(a.requires_grad)
                              for a in args if isinstance(a, torch.Tensor)]
+        graph.inputs = [t.detach() for t in graph.static_args]
         inputs = iter(graph.static_args)
         call_args = [next(inputs) if isinstance(a, torch.Tensor) else a for a in args]
         saved_grads = [p.grad for p in self._params]
@@ -238,7 +240,7 @@ class GraphedStep:
         for slot in graph.slots:
             if not slot.bound():  # an eager step ran in between: adopt its state
                 slot.adopt()
-        inputs = iter(graph.static_args)
+        inputs = iter(graph.inputs)
         for a in args:
             if isinstance(a, torch.Tensor):
                 static = next(inputs)

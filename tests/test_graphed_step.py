@@ -168,7 +168,7 @@ def test_an_uncapturable_step_is_refused_and_leaves_the_model_as_it_was():
     state = _state(pair.graphed.model)
     x = torch.randn(64, 256, device="cuda").bfloat16()
     with te.autocast(recipe=recipe), pytest.raises(RuntimeError, match="could not be captured.*capturable=True"):
-        pair.step(x, torch.randn(64, 256, device="cuda"))
+        pair.step(x, torch.randn(64, 256, device="cuda"), 1.0)  # the key of the eager steps
     for n, p in pair.graphed.model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert all(p.grad is g for p, g in zip(pair.graphed.model.parameters(), grads))
