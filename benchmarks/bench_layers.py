@@ -143,6 +143,11 @@ def bench_case(case: str, rows: list, switch_rows: list) -> None:
         rows.append(harness.Row("layers", case, f"te_fuser {name}", shape, ms, total / ms / 1e9, "TFLOP/s",
                                 vs_peer=bf16_ms / ms, peer="bf16 eager",
                                 note="" if ao_ms is None else f"vs torchao {ao_ms / ms:.2f}x"))
+    if case == "linear":
+        floor = gemm_floor_ms(d)
+        rows.append(harness.Row("layers", case, "floor: its 3 FP8 GEMMs alone (cuBLASLt)", shape, floor,
+                                total / floor / 1e9, "TFLOP/s", vs_peer=bf16_ms / floor, peer="bf16 eager",
+                                note="no cast, amax or bias gradient"))
     if case == "small":
         bench_graphed(model, x, dy, shape, total, bf16_ms, ao_ms, rows, switch_rows)
         bench_loops(base, model, x, dy, shape, total, rows)
@@ -152,6 +157,28 @@ def bench_case(case: str, rows: list, switch_rows: list) -> None:
     switch_rows.append(harness.Row("layers", f"{case}: switch block->current", "te_fuser", shape,
                                    first - steady_current, 0.0, "ms",
                                    note=f"first step - steady (steady block {steady:.3f} ms)"))
+
+
+def gemm_floor_ms(d) -> float:
+    """The Linear's three FP8 GEMMs alone, through cuBLASLt (``torch._scaled_mm``),
+    on operands already quantized in the layouts the layer uses: fprop x·wᵀ
+    (E4M3 x E4M3, fast accumulation as the recipes' default), dgrad dy·w and wgrad
+    dyᵀ·x (E5M2 x E4M3, exact). No cast, amax or bias gradient: what the layer
+    would take if every other kernel were free."""
+    m, k, n = d["m"], d["k"], d["n"]
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    x = torch.randn(m, k, device="cuda").to(e4)  # (M, K)
+    w = torch.randn(n, k, device="cuda").to(e4)  # (N, K)
+    dy = torch.randn(m, n, device="cuda").to(e5)  # (M, N)
+    x_t, w_t, dy_t = x.t().contiguous(), w.t().contiguous(), dy.t().contiguous()  # column-wise copies
+    one = torch.ones((), device="cuda")
+
+    def gemms():
+        torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+        torch._scaled_mm(dy, w_t.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(dy_t, x_t.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    return harness.time_ms(gemms)
 
 
 def bench_graphed(model, x, dy, shape, total, bf16_ms, ao_ms, rows, switch_rows) -> None:

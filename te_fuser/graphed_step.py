@@ -53,7 +53,9 @@ Numerics are those of the eager step, step for step: the graph runs the same
 kernels on the same addresses. The graph quantizes the trainable weights on every
 call (a whole step changes them; an eager step would reuse a cached FP8 weight
 only when no update happened since) and reads the frozen weights' cached FP8
-copies, as eager steps do. Delayed scaling's state is captured reading fixed
+copies, as eager steps do. A replay bumps the trainable parameters' version
+counters (its optimizer writes them where autograd cannot see), so the model called
+directly afterwards, for evaluation say, re-quantizes its weights. Delayed scaling's state is captured reading fixed
 tensors and ends by copying the step's updates into them, so eager calls (after
 a key change, or interleaved by the caller) and replays can alternate.
 """
@@ -65,6 +67,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from . import backend
 from .autocast import current_state
@@ -115,7 +118,6 @@ class GraphedStep:
         self._params = tuple(model.parameters())
         self._eager_key = None  # the key of the last eager steps, and how many ran under it
         self._eager_count = 0
-        self._replayed = False  # whether the graph ran since the last eager step
 
     def __call__(self, *args):
         key = self._key(args)
@@ -165,9 +167,6 @@ class GraphedStep:
     def _eager(self, args: tuple, key):
         """One step as the caller wrote it; before a capture, on a side stream, so the
         lazy set-up of libraries and autograd happens off the stream being captured."""
-        if self._replayed:  # replays update weights without bumping their versions: the FP8 caches are stale
-            _drop_weight_caches(_trainable_linears(self.model))
-            self._replayed = False
         if key != self._eager_key:
             self._eager_key, self._eager_count = key, 0
         for p in self._params:
@@ -247,10 +246,12 @@ class GraphedStep:
                 if a.data_ptr() != static.data_ptr():
                     static.copy_(a)
         graph.graph.replay()
+        # The graph writes the weights (the optimizer) behind autograd's back: bump
+        # their version counters, so cached FP8 weights and autograd's checks see it.
+        increment_version(graph.params)
         for p, g in zip(self._params, graph.grads):
             if p.grad is not g:
                 p.grad = g
-        self._replayed = True
         self.stats.replays += 1
         return _fresh(graph.static_out)
 

@@ -206,3 +206,20 @@ def test_frozen_weight_written_in_place_recaptures():
     for i in range(2):
         pair.run(recipe, context=f"after the frozen weight changed, step {i}")
     assert pair.step.stats.captures == 2
+
+
+@needs_gpu
+def test_the_model_called_directly_between_steps_sees_the_replayed_updates():
+    """Replays write the weights without autograd: an evaluation forward through the
+    model itself must not reuse an FP8 weight cached before them."""
+    pair = _Pair(warmup_steps=1)
+    recipe = RECIPES["delayed"]
+    x = torch.randn(64, 256, device="cuda").bfloat16()
+    for i in range(6):
+        pair.run(recipe, context=f"step {i}")
+        if i % 2:
+            with te.autocast(recipe=recipe), torch.no_grad():
+                ye, yg = pair.eager.model(x), pair.graphed.model(x)
+            assert torch.equal(ye, yg), f"evaluation after step {i} differs"
+            _assert_same(pair.eager, pair.graphed, f"after the evaluation at step {i}")
+    assert pair.step.stats.captures == 1 and pair.step.stats.replays == 5
