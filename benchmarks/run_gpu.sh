@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests step small layers profile profsmall refusion hot handoff tiles kernels checks graphed host
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests step small layers profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -27,6 +27,10 @@ for part in $parts; do
     small) timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24 ;;
     layers) timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -24 ;;
     profile) timeout 200 python3 benchmarks/profile_kernels.py --case mlp 2>&1 | tee "$OUT/profile.log" | tail -60 ;;
+    proflinear)  # the big Linear's kernels under current and delayed scaling
+      for r in current delayed; do
+        timeout 150 python3 benchmarks/profile_kernels.py --case linear --recipe $r --top 18 2>&1 | tee -a "$OUT/proflinear.log" | grep -A19 "te_fuser"
+      done ;;
     profsmall)  # the small Linear's kernels, eager and graphed
       for r in current delayed; do
         timeout 100 python3 benchmarks/profile_kernels.py --case small --recipe $r --top 16 2>&1 | tee -a "$OUT/profsmall.log" | tail -20
