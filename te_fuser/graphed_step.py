@@ -30,6 +30,8 @@ The contract, which is stricter than an eager step's:
   that keep their state on the GPU (``capturable=True`` for Adam and AdamW; SGD
   needs nothing). Python in the step runs at eager steps and at the capture, not
   at replays: a learning rate given as a Python float is frozen into the graph.
+- **``model`` holds every te_fuser op the step runs**: the graph carries their
+  scaling state from replay to replay; a capture that ran other ops is refused.
 - **The recipe comes from the ``te.autocast`` around the call.** A ``te.autocast``
   inside the step must not change its recipe between calls: replays do not run
   Python, so they would not see it.
@@ -71,6 +73,7 @@ from torch.autograd.graph import increment_version
 
 from . import backend
 from .autocast import current_state
+from .ops.fuser import _RUN_WATCH
 from .graphs import (GraphStats, _CaptureGuard, _drop_weight_caches, _linears, _quantizers_seeded, _state_slots,
                      _trainable_linears)
 
@@ -202,6 +205,8 @@ class GraphedStep:
         saved_grads = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
+        ran: set = set()
+        _RUN_WATCH.append(ran)
         try:
             with torch.cuda.graph(graph.graph):
                 out = self.step(*call_args)
@@ -215,6 +220,16 @@ class GraphedStep:
                 "A graphed step must be capturable: CUDA tensors only, no host synchronisation, optimizers with "
                 "their state on the GPU (capturable=True for Adam and AdamW); the model is as it was before this call"
             ) from err
+        finally:
+            _RUN_WATCH.pop()
+        mine = {id(m) for m in self._modules}
+        strangers = [op.describe() for fuser in ran for op in fuser.ops if id(op) not in mine]
+        if strangers:  # their scaling state would be read at its capture-time value by every replay
+            self._undo_capture(slots, saved_grads)
+            raise RuntimeError(
+                f"make_graphed_step: the step ran te_fuser ops that are not in its model ({', '.join(strangers[:4])}); "
+                "pass make_graphed_step a module that holds every model the step trains"
+            )
         for slot in slots:
             setattr(slot.quantizer, slot.name, slot.home)
         graph.static_out = _detached(out)

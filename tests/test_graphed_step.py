@@ -223,3 +223,27 @@ def test_the_model_called_directly_between_steps_sees_the_replayed_updates():
             assert torch.equal(ye, yg), f"evaluation after step {i} differs"
             _assert_same(pair.eager, pair.graphed, f"after the evaluation at step {i}")
     assert pair.step.stats.captures == 1 and pair.step.stats.replays == 5
+
+
+@needs_gpu
+def test_a_step_that_runs_ops_outside_its_model_is_refused():
+    """Their scaling state would not be carried from replay to replay."""
+    pair = _Pair(warmup_steps=1)
+    other = te.ops.Sequential(te.ops.Linear(256, 256, name="outsider")).to("cuda", torch.bfloat16)
+
+    def step(x, target, scale):
+        loss = F.mse_loss(other(pair.graphed.model(x)).float(), target) * scale
+        loss.backward()
+        return loss
+
+    graphed = te.make_graphed_step(step, pair.graphed.model, warmup_steps=1)
+    x, target = torch.randn(64, 256, device="cuda").bfloat16(), torch.randn(64, 256, device="cuda")
+    with te.autocast(recipe=RECIPES["delayed"]):
+        graphed(x, target, 1.0)
+        with pytest.raises(RuntimeError, match="not in its model.*outsider"):
+            graphed(x, target, 1.0)
+    graphed = te.make_graphed_step(step, torch.nn.ModuleList([pair.graphed.model, other]), warmup_steps=1)
+    with te.autocast(recipe=RECIPES["delayed"]):
+        for _ in range(3):
+            graphed(x, target, 1.0)
+    assert graphed.stats.replays == 2

@@ -37,6 +37,10 @@ __all__ = ["OperationFuser", "FusionPlan", "FusionStats"]
 # so an op used by another fuser (or on its own) in between is noticed cheaply.
 _EPOCH = [0]
 
+# Sets that a caller pushes to learn which fusers ran (``te.make_graphed_step``
+# checks that a captured step ran only ops of the model it was given).
+_RUN_WATCH: list[set] = []
+
 
 @dataclass
 class FusionStats:
@@ -323,6 +327,8 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, fuser_and_plan, *tensors):
         fuser, plan = fuser_and_plan
+        if _RUN_WATCH:
+            _RUN_WATCH[-1].add(fuser)
         extra_inputs = tensors[len(fuser._flat_params):]
         ctxs, y, extra_outputs = _run_forward(fuser, plan, x, extra_inputs)
         fctx.fuser, fctx.plan, fctx.ctxs = fuser, plan, ctxs
