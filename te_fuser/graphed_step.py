@@ -42,7 +42,8 @@ The contract, which is stricter than an eager step's:
 
 When it captures: the *key* is the recipe's string, the kernel backend, the
 arguments (shape, dtype, device and ``requires_grad`` of the tensors, the values
-of the others) and every module's training flag. The first ``warmup_steps`` calls
+of the others), every module's training flag, the grad mode and ``torch.autocast``'s
+CUDA state. The first ``warmup_steps`` calls
 under a new key run eagerly (the fuser builds its plan, delayed scaling seeds its
 state, kernels compile, the optimizer creates its state); the next call captures
 and replays, and later ones replay. The previous key's graph is freed. A change
@@ -163,8 +164,9 @@ class GraphedStep:
         if not on_gpu:
             return None
         recipe = state.active_recipe
+        amp = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
         return (None if recipe is None else str(recipe), backend.get_backend(), tuple(parts),
-                tuple(m.training for m in self._modules))
+                tuple(m.training for m in self._modules), torch.is_grad_enabled(), amp)
 
     # -- eager steps ----------------------------------------------------------------
     def _eager(self, args: tuple, key):

@@ -247,3 +247,26 @@ def test_a_step_that_runs_ops_outside_its_model_is_refused():
         for _ in range(3):
             graphed(x, target, 1.0)
     assert graphed.stats.replays == 2
+
+
+@needs_gpu
+def test_torch_autocast_and_grad_mode_are_part_of_the_key():
+    model = te.ops.Sequential(te.ops.Linear(64, 64)).cuda()  # fp32 parameters
+    seen = []
+
+    def step(x):
+        y = model(x)
+        seen.append(y.dtype)  # runs at eager steps and the capture only
+        y.float().sum().backward()
+        return y
+
+    graphed = te.make_graphed_step(step, model, warmup_steps=1)
+    x = torch.randn(32, 64, device="cuda")
+    with te.autocast(recipe=RECIPES["current"]):
+        for _ in range(3):
+            assert graphed(x).dtype == torch.float32
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            for _ in range(3):
+                assert graphed(x).dtype == torch.bfloat16
+    assert seen == [torch.float32] * 2 + [torch.bfloat16] * 2
+    assert graphed.stats.captures == 2 and graphed.stats.replays == 4
