@@ -172,13 +172,62 @@ def sweep(copy_tbs: float, rows_n: int = 8192, cols_n: int = 8192) -> list[Row]:
     return out
 
 
+def bench_bias_grad(copy_tbs: float, rows_n: int = 16384, cols_n: int = 7168) -> list[Row]:
+    """A linear's output gradient under current scaling, as its backward needs it: the
+    bias gradient (column sums) and the cast with the transposed copy. Separate:
+    torch's column sum, then the two-pass cast (three reads of dy). Fused: one
+    ``amax_column_sums`` read, then the cast pass with that amax (two reads)."""
+    from te_fuser import backend
+
+    x = (torch.randn(rows_n, cols_n, device="cuda") - 0.3).bfloat16()
+    e5m2 = torch.float8_e5m2
+    cast = backend.resolve("quantize_current", x.device).fn
+    fused_sums = backend.resolve("amax_column_sums", x.device).fn
+    label = f"{rows_n}x{cols_n} bf16"
+    n = x.numel()
+
+    def column_sums():
+        x.sum(dim=0, dtype=torch.float32)
+
+    def separate():
+        x.sum(dim=0, dtype=torch.float32)
+        cast(x, e5m2, False, 0.0, True, True)
+
+    def fused():
+        amax, _ = fused_sums(x)
+        cast(x, e5m2, False, 0.0, True, True, amax)
+
+    times = {name: harness.time_ms(fn) for name, fn in
+             (("sums", column_sums), ("amax_sums", lambda: fused_sums(x)), ("separate", separate), ("fused", fused))}
+    out = []
+    for case, key, logical in (("bias grad: torch column sum", "sums", 2 * n),
+                               (f"bias grad + amax: amax_column_sums ({backend.resolve('amax_column_sums', x.device).backend})",
+                                "amax_sums", 2 * n),
+                               ("dy cast+T + bias grad, separate (3 reads)", "separate", 4 * n),
+                               ("dy cast+T + bias grad, fused (2 reads)", "fused", 4 * n)):
+        tbs = logical / (times[key] * 1e-3) / 1e12
+        row = Row("cast", case, "auto", label, times[key], tbs, "TB/s", tbs / copy_tbs)
+        if key == "fused":
+            row.vs_peer, row.peer = times["separate"] / times["fused"], "separate"
+        out.append(harness.progress(row))
+    return out
+
+
 def main(argv=None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=None)
     parser.add_argument("--shapes", nargs="+", default=["8192x8192", "16384x8192", "256x1024"])
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/results.csv)")
     parser.add_argument("--sweep", action="store_true", help="also time the Triton casts under several launch plans")
+    parser.add_argument("--bias-grad", action="store_true",
+                        help="only the output gradient's cast with its bias gradient, separate and fused")
     args = parser.parse_args(argv)
+    if args.bias_grad:
+        copy_tbs = harness.copy_ceiling_tbs()
+        rows = bench_bias_grad(copy_tbs)
+        harness.append_csv(rows, args.csv)
+        harness.print_table(rows, "bias gradient with the gradient's cast")
+        return rows
     backends = args.backends or _default_backends()
     copy_tbs = harness.copy_ceiling_tbs()
     rows = [harness.progress(Row("cast", "device copy", "torch", "1 GiB", float("nan"), copy_tbs, "TB/s", 1.0))]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests step small layers profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -17,9 +17,12 @@ for part in $parts; do
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
         tests/test_fuser.py tests/test_cuda_gemm.py tests/test_cuda_cast.py tests/test_cuda_backend.py \
-        tests/test_graphs.py tests/test_graphed_step.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
+        tests/test_graphs.py tests/test_graphed_step.py tests/test_amax_column_sums.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
         tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+    dbias)  # the output gradient's cast with its bias gradient, separate and fused (16384x7168)
+      timeout 120 python3 benchmarks/bench_cast.py --bias-grad 2>&1 | tee "$OUT/dbias.log" | tail -8 ;;
+    linear) timeout 200 python3 benchmarks/bench_layers.py --cases linear 2>&1 | tee "$OUT/linear.log" | tail -12 ;;
     step)  # the graphed whole step: its tests, its example, the small Linear's loop
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_graphed_step.py tests/test_graphs.py 2>&1 \
         | tee "$OUT/step.log" | tail -8

@@ -3,7 +3,7 @@
 Every backend implements the same kernels under the same names and signatures
 (those of :mod:`te_fuser.kernels.reference`, without the ``_reference`` suffix):
 
-    quantize_tensorwise, quantize_current, quantize_rowwise, quantize_block,
+    quantize_tensorwise, quantize_current, amax_column_sums, quantize_rowwise, quantize_block,
     quantize_mxfp8, dequantize, gemm, gemm_fp8_out, activation, activation_grad, dact_dbias,
     rms_norm, rms_norm_grad, delayed_scale_update
 
@@ -42,6 +42,7 @@ BACKENDS = ("reference", "triton", "cuda", "auto")
 KERNELS = (
     "quantize_tensorwise",
     "quantize_current",
+    "amax_column_sums",
     "quantize_rowwise",
     "quantize_block",
     "quantize_mxfp8",

@@ -314,12 +314,12 @@ group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bi
     LayerNorm(0:LayerNorm('ln'))
     BackwardLinearAdd(1:MakeExtraOutput, 2:BasicLinear('fc1'))  [rule backward_linear_add]
     BackwardActivationBias(3:Bias, 4:SwiGLU)  [rule backward_activation_bias]
-    BasicLinear(5:BasicLinear('fc2'))
-    Bias(6:Bias('fc2'))
+    BackwardLinearBias(5:BasicLinear('fc2'), 6:Bias('fc2'))  [rule backward_linear_bias]
     AddExtraInput(7:AddExtraInput)
   kernel: gemm: reference
   kernel: dequantize: reference
   kernel: quantize_current: reference
+  kernel: amax_column_sums: reference
 group 1: plain module Tanh (runs as is)
 group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
   recipe: <Float8CurrentScaling>
@@ -327,11 +327,11 @@ group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
   forward:
     ForwardLinearBiasActivation(0:BasicLinear('fc3'), 1:Bias('fc3'))  [rule forward_linear_bias]
   backward:
-    BasicLinear(0:BasicLinear('fc3'))
-    Bias(1:Bias('fc3'))
+    BackwardLinearBias(0:BasicLinear('fc3'), 1:Bias('fc3'))  [rule backward_linear_bias]
   kernel: gemm: reference
   kernel: dequantize: reference
-  kernel: quantize_current: reference""")
+  kernel: quantize_current: reference
+  kernel: amax_column_sums: reference""")
         with torch.no_grad():
             model(x, torch.randn(4, H))
         self.assertExpectedInline(model.fusion_plan(), """\

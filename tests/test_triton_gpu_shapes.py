@@ -147,3 +147,23 @@ def test_dact_dbias_fp8_bitwise(kind, fp8_dtype, shape, dtype):
                                    generator=gen)).to(dtype)
     scale = torch.tensor(1024.0 if fp8_dtype == E5M2 else 4.0, device="cuda")  # some values saturate
     assert_dact_dbias_fp8_is_the_cast(dy, x, kind, fp8_dtype, scale)
+
+
+def test_amax_column_sums_at_the_linear_gradient_size():
+    """16384 x 7168 bf16 (the big Linear's output gradient): the amax bit for bit,
+    the sums against float64; the cast with that amax is the cast, on cuda too."""
+    from te_fuser.kernels import cuda as ck
+
+    x = _big(16384, 7168, seed=5)
+    x_finite = torch.nan_to_num(x)
+    amax, sums = tk.amax_column_sums(x_finite)
+    amax_ref, _ = ref.amax_column_sums_reference(x_finite)
+    assert_bitwise(amax, amax_ref, "amax")
+    assert_close(sums, x_finite.double().sum(dim=0), "column_sums_fp32", "sums", scaled=True)
+    amax_nan, _ = tk.amax_column_sums(x)
+    assert torch.isnan(amax_nan)
+    for cast in (tk.quantize_current, ck.quantize_current):
+        given = cast(x_finite, E5M2, False, 0.0, True, True, amax)
+        computed = cast(x_finite, E5M2, False, 0.0, True, True)
+        for i, (g, c) in enumerate(zip(given, computed)):
+            assert_bitwise(g, c, f"{cast.__module__} output {i}")

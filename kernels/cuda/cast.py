@@ -12,6 +12,7 @@ import contextlib
 import torch
 
 from ..operand import ScaledOperand
+from ..reference.cast import check_given_amax
 from ._build import extension, raw_stream
 
 __all__ = ["quantize_tensorwise", "quantize_current", "quantize_rowwise", "quantize_mxfp8"]
@@ -149,8 +150,10 @@ def quantize_current(
     epsilon: float = 0.0,
     rowwise: bool = True,
     columnwise: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling: amax of ``x`` (pass 1), then scale and cast (pass 2).
+    """Current scaling: amax of ``x`` (pass 1), then scale and cast (pass 2); with
+    ``amax`` given (0-d fp32, e.g. from ``amax_column_sums``), pass 2 only.
 
     Returns ``(data, data_t, scale, scale_inv, amax)``, all 0-d fp32 but the data.
     """
@@ -160,16 +163,22 @@ def quantize_current(
     x = _hp_input(x, op)
     device = x.device
     rows, cols = _matrix_shape(x, columnwise, op)
+    given = amax
+    if given is not None:
+        check_given_amax(given, x, op)
     # amax, scale, scale_inv in one allocation, each 16-byte aligned: cuBLASLt
     # refuses (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not.
     stats = torch.empty((3, 4), dtype=torch.float32, device=device)
     amax, scale, scale_inv = stats[:, 0].unbind()
+    if given is not None:
+        amax = given.reshape(())
     data = torch.empty(x.shape, dtype=fp8_dtype, device=device) if rowwise else None
     data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=device) if columnwise else None
     ext = extension()
     stream = raw_stream(device)
     with on_device(device):
-        ext.amax(x.data_ptr(), HP_CODES[x.dtype], x.numel(), amax.data_ptr(), stream)
+        if given is None:
+            ext.amax(x.data_ptr(), HP_CODES[x.dtype], x.numel(), amax.data_ptr(), stream)
         ext.cast(
             x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),
             0, 0, amax.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), epsilon, bool(power_2), stream,

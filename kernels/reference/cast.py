@@ -27,6 +27,7 @@ __all__ = [
     "scale_from_amax_reference",
     "quantize_tensorwise_reference",
     "quantize_current_reference",
+    "amax_column_sums_reference",
     "quantize_rowwise_reference",
     "quantize_block_reference",
     "quantize_mxfp8_reference",
@@ -103,16 +104,45 @@ def quantize_current_reference(
     epsilon: float = 0.0,
     rowwise: bool = True,
     columnwise: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling: amax of ``x``, its scale, then the cast.
+    """Current scaling: amax of ``x``, its scale, then the cast. ``amax`` (0-d fp32,
+    e.g. from :func:`amax_column_sums_reference`) skips computing it again.
 
     Returns ``(data, data_t, scale, scale_inv, amax)``.
     """
     xf = x.float()
-    amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+    if amax is None:
+        amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+    else:
+        check_given_amax(amax, x, "quantize_current")
+        amax = amax.reshape(())
     scale = scale_from_amax_reference(amax, _fmax(fp8_dtype), power_2, epsilon)
     q = saturating_cast_reference(xf * scale, fp8_dtype)
     return (q if rowwise else None), (q.t().contiguous() if columnwise else None), scale, _reciprocal(scale), amax
+
+
+def amax_column_sums_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax(|x|), x summed over its rows)`` of 2-D ``x`` (M, N), 0-d and (N,) fp32.
+
+    What a bias and a current-scaling cast of a gradient both read: the amax of
+    current scaling and the bias gradient (the sum accumulated in fp32), from one
+    read of ``x`` in the kernels."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"amax_column_sums: x must be a 2-D tensor (M, N), got {got}")
+    xf = x.float()
+    amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+    return amax, x.sum(dim=0, dtype=torch.float32)
+
+
+def check_given_amax(amax, x: torch.Tensor, kernel: str) -> None:
+    """A precomputed amax must be a one-element fp32 tensor beside ``x``."""
+    if not isinstance(amax, torch.Tensor) or amax.numel() != 1 or amax.dtype != torch.float32:
+        what = f"{amax.dtype} tensor of {amax.numel()} elements" if isinstance(amax, torch.Tensor) else type(amax).__name__
+        raise ValueError(f"{kernel}: amax must be None or a one-element float32 tensor, got {what}")
+    if amax.device != x.device:
+        raise ValueError(f"{kernel}: amax is on {amax.device} but x is on {x.device}")
 
 
 def quantize_rowwise_reference(

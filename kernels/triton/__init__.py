@@ -9,11 +9,13 @@ gradient and bias gradient in one pass; :func:`dact_dbias_fp8` also writes the
 gradient as FP8 with a given scale, with its amax). :func:`rms_norm` and
 :func:`rms_norm_grad` make one pass each over the data. :func:`delayed_scale_update`
 is the whole delayed-scaling state update (history, scale, scale_inv, count) in one
-launch.
+launch. :func:`amax_column_sums` reads a gradient once for its current-scaling amax
+and its bias gradient.
 """
 
 from .activations import activation, activation_grad, dact_dbias, dact_dbias_fp8
-from .cast import dequantize, quantize_block, quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
+from .cast import (amax_column_sums, dequantize, quantize_block, quantize_current, quantize_mxfp8, quantize_rowwise,
+                   quantize_tensorwise)
 from .fp8_gemm import gemm, gemm_fp8_out
 from .norm import rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason
 from .scaling import delayed_scale_update
@@ -21,6 +23,7 @@ from .scaling import delayed_scale_update
 __all__ = [
     "quantize_tensorwise",
     "quantize_current",
+    "amax_column_sums",
     "quantize_rowwise",
     "quantize_block",
     "quantize_mxfp8",

@@ -24,6 +24,8 @@ store allows:
   from one read of each tile.
 - ``quantize_current``: two passes: per-program amax partials, then a cast pass
   whose programs reduce the partials, derive the scale and cast.
+- ``amax_column_sums``: the amax of current scaling and the column sums (a bias
+  gradient) from one read, for a cast that takes the amax given.
 - ``quantize_rowwise``, ``quantize_block`` (1x128, 128x128), ``quantize_mxfp8``.
 - ``dequantize`` of any :class:`ScaledOperand`.
 """
@@ -37,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ..operand import ScaledOperand, scale_grid_shape
+from ..reference.cast import check_given_amax
 from ._common import (
     abs_bits,
     check_epsilon,
@@ -59,6 +62,7 @@ from ._common import (
 __all__ = [
     "quantize_tensorwise",
     "quantize_current",
+    "amax_column_sums",
     "quantize_rowwise",
     "quantize_block",
     "quantize_mxfp8",
@@ -301,8 +305,10 @@ def quantize_current(
     epsilon: float = 0.0,
     rowwise: bool = True,
     columnwise: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling in two passes (amax, then cast).
+    """Current scaling in two passes (amax, then cast); with ``amax`` given (0-d
+    fp32, e.g. from :func:`amax_column_sums`), the cast pass only.
 
     Returns ``(data, data_t, scale, scale_inv, amax)``, the last three 0-d fp32.
     """
@@ -310,24 +316,82 @@ def quantize_current(
     check_input(x, kernel, dims=None)
     epsilon = check_epsilon(epsilon, kernel)
     fp8_format(fp8_dtype)
+    if amax is not None:
+        check_given_amax(amax, x, kernel)
     x2d = _as_matrix(x, columnwise, kernel)
     q, qt = _outputs(x2d, fp8_dtype, rowwise, columnwise)
     # separate allocations: cuBLASLt wants each scale pointer 16-byte aligned
-    scale, scale_inv, amax = (torch.empty((), dtype=torch.float32, device=x.device) for _ in range(3))
+    scale, scale_inv, amax_out = (torch.empty((), dtype=torch.float32, device=x.device) for _ in range(3))
     if x2d.numel() == 0:
-        scale.fill_(1.0), scale_inv.fill_(1.0), amax.fill_(0.0)
+        scale.fill_(1.0), scale_inv.fill_(1.0), amax_out.fill_(0.0)
     else:
         xk, plan = _cast_plan(x2d, columnwise)
         programs, launch = _launch_meta(xk, plan)
-        partials = torch.empty(programs, dtype=torch.int32, device=x.device)
-        _amax_partials_kernel[(programs,)](xk, partials, *xk.shape, xk.stride(0), xk.stride(1), **launch)
+        if amax is None:
+            partials = torch.empty(programs, dtype=torch.int32, device=x.device)
+            _amax_partials_kernel[(programs,)](xk, partials, *xk.shape, xk.stride(0), xk.stride(1), **launch)
+        else:  # one partial: the given amax's bits, with the sign cleared as |x|'s are
+            partials = amax.reshape(1).view(torch.int32) & 0x7FFFFFFF
         _quantize_current_kernel[(programs,)](
-            xk, partials, programs, _u8(q, partials), _u8(qt, partials), scale, scale_inv, amax,
+            xk, partials, partials.numel(), _u8(q, partials), _u8(qt, partials), scale, scale_inv, amax_out,
             *xk.shape, xk.stride(0), xk.stride(1), POWER_2=bool(power_2), EPSILON=epsilon, ROWWISE=rowwise,
-            COLUMNWISE=columnwise, PARTIALS=triton.next_power_of_2(programs), **launch, **_fp8_meta(fp8_dtype, xk))
+            COLUMNWISE=columnwise, PARTIALS=max(2, triton.next_power_of_2(partials.numel())), **launch,
+            **_fp8_meta(fp8_dtype, xk))
+    amax = amax_out
     if q is not None and x.dim() != 2:
         q = q.reshape(x.shape)
     return q, qt, scale, scale_inv, amax
+
+
+@triton.jit
+def _amax_column_sums_kernel(x_ptr, amax_partials_ptr, sums_ptr, M, N, stride_xm, stride_xn, rows_per_program,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (j, i) reads rows [i * R, (i + 1) * R) of columns [j * BLOCK_N, ...):
+    their amax, as int32 bits of |x|, and their fp32 column sums, one partial row
+    of sums per i. Both are kept elementwise over (BLOCK_M, BLOCK_N) while the
+    program walks its rows (each lane adds its rows in order) and reduced across
+    lanes once, after the loop."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    running = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    row0 = pid_m * rows_per_program
+    for r in range(0, rows_per_program, BLOCK_M):
+        offs_m = row0 + r + tl.arange(0, BLOCK_M)
+        mask = (offs_m[:, None] < M) & col_ok[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        running = tl.maximum(running, abs_bits(x))
+        acc += x
+    tl.store(sums_ptr + pid_m * N + offs_n, tl.sum(acc, axis=0), mask=col_ok)
+    tl.store(amax_partials_ptr + pid_m * tl.num_programs(0) + pid_n, tl.max(tl.max(running, axis=1), axis=0))
+
+
+def amax_column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax(|x|), x summed over its rows)`` of 2-D ``x`` (M, N), 0-d and (N,) fp32,
+    from one read of x: the amax of current scaling and a bias gradient together.
+    The partial sums of each program's rows are added in a second, small pass."""
+    kernel = "amax_column_sums"
+    check_input(x, kernel, dims=2)
+    M, N = x.shape
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device), torch.zeros(N, dtype=torch.float32,
+                                                                                  device=x.device)
+    block_m, block_n, num_warps = (16, 32, 4) if is_interpreted(x) else (32, 128, 4)
+    col_blocks = triton.cdiv(N, block_n)
+    target = 4 if is_interpreted(x) else 4 * sm_count(x)  # programs in flight
+    row_blocks = max(1, min(triton.cdiv(M, block_m), target // col_blocks))
+    rows_per_program = triton.cdiv(triton.cdiv(M, row_blocks), block_m) * block_m
+    row_blocks = triton.cdiv(M, rows_per_program)
+    amax_partials = torch.empty(row_blocks * col_blocks, dtype=torch.int32, device=x.device)
+    sums = torch.empty((row_blocks, N), dtype=torch.float32, device=x.device)
+    _amax_column_sums_kernel[(col_blocks, row_blocks)](
+        x, amax_partials, sums, M, N, x.stride(0), x.stride(1), rows_per_program,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    amax = amax_partials.max().view(torch.float32)
+    return amax, (sums[0] if row_blocks == 1 else sums.sum(dim=0))
 
 
 # ------------------------------------------------------------ per row / tile

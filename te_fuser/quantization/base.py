@@ -98,6 +98,24 @@ class Quantizer:
         """The row-wise (M, K) and column-wise (K, M) copies of ``x_hp`` (M, K)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement _quantize")
 
+    def quantize_with_column_sums(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> tuple[QuantizedTensor, torch.Tensor]:
+        """``self(x)`` and ``x``'s 2-D flattening summed over its rows, in fp32 (a
+        bias gradient). A scheme whose cast reads ``x`` anyway may compute the sums
+        from the same read; by default they take a pass of their own."""
+        self._check_input(x, rowwise, columnwise)
+        shape = x.shape
+        if self._constrains_shape:
+            self.check_shape(tuple(shape), rowwise=rowwise, columnwise=columnwise)
+        x_hp = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
+        rowwise_op, columnwise_op, sums = self._quantize_with_column_sums(x_hp, rowwise, columnwise)
+        return QuantizedTensor(rowwise_op, columnwise_op, shape, x.dtype), sums
+
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
+        rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise)
+        return rowwise_op, columnwise_op, x_hp.sum(dim=0, dtype=torch.float32)  # (K,)
+
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record what the scaling state needs from ``x`` without casting."""
 

@@ -34,15 +34,20 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.amax_epsilon = self._checked_epsilon("amax_epsilon", amax_epsilon)
 
     def _quantize(
-        self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
+        self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, amax: torch.Tensor | None = None
     ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
         cast = backend.resolve("quantize_current", x_hp.device).fn
         x_fp8, x_fp8_t, _scale, scale_inv, _amax = cast(
-            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise
+            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise, amax
         )
         rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None  # (M, K)
         columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None  # (K, M)
         return rowwise_op, columnwise_op
+
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
+        """The amax pass also sums the columns; the cast then takes that amax."""
+        amax, sums = backend.resolve("amax_column_sums", x_hp.device).fn(x_hp)
+        return (*self._quantize(x_hp, rowwise, columnwise, amax), sums)
 
     def describe(self) -> str:
         extras = (", pow2" if self.power_2_scales else "") + (

@@ -26,6 +26,10 @@ class IdentityQuantizer(Quantizer):
     def __call__(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> torch.Tensor:
         return x
 
+    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False):
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+        return x, x2d.sum(dim=0, dtype=torch.float32)
+
     def check_shape(self, shape: tuple[int, ...], *, rowwise: bool = True, columnwise: bool = False) -> None:
         return None
 

@@ -180,24 +180,39 @@ def _fprop_operands(ctx: OpContext, op: BasicLinear, x2d: torch.Tensor, w_hp: to
     return x2d, w_hp, False
 
 
-def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool):
-    """dy, x and w in the form the backward GEMMs take, per ``backward_override``."""
+def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool, column_sums: bool = False):
+    """dy, x and w in the form the backward GEMMs take, per ``backward_override``;
+    with ``column_sums``, also dy's column sums in fp32, from the dy cast's own read
+    where its scheme allows (else None)."""
     run, saved = ctx.run, ctx.saved
     x_s, w_s = saved["x"], saved["w"]
     if run.fp8_backward:
-        dy_q = ctx.quantizers.get("grad_output")(dy2d, rowwise=need_dx, columnwise=need_dw)
-        return dy_q, x_s, w_s
+        quantizer = ctx.quantizers.get("grad_output")
+        if column_sums:
+            dy_q, sums = quantizer.quantize_with_column_sums(dy2d, rowwise=need_dx, columnwise=need_dw)
+            return dy_q, x_s, w_s, sums
+        return quantizer(dy2d, rowwise=need_dx, columnwise=need_dw), x_s, w_s, None
     if isinstance(x_s, QuantizedTensor):  # 'dequantized'
         x_s = x_s.dequantize(run.compute_dtype)
     if isinstance(w_s, QuantizedTensor):
         w_s = w_s.dequantize(run.compute_dtype)
-    return dy2d, x_s, w_s
+    return dy2d, x_s, w_s, (dy2d.sum(dim=0, dtype=torch.float32) if column_sums else None)
 
 
 def linear_backward(
     ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dgrad (plus ``grad_residual``, a gradient to add to dx) and wgrad."""
+    dx, dw, _ = linear_backward_with_column_sums(ctx, op, dy, grad_residual, column_sums=False)
+    return dx, dw
+
+
+def linear_backward_with_column_sums(
+    ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None,
+    column_sums: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """dgrad, wgrad and (with ``column_sums``) dy's column sums in fp32, the gradient
+    of a bias on this linear's output, read from dy by its cast where it can."""
     run = ctx.run
     dtype = run.compute_dtype
     dy_shape = dy.shape
@@ -206,7 +221,7 @@ def linear_backward(
         dy2d = dy2d.to(dtype)
     need_dx = ctx.needs_input_grad
     need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else op.weight.requires_grad
-    dy_q, x_s, w_s = _backward_operands(ctx, dy2d, need_dx, need_dw)
+    dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums)
     dx = dw = None
     if need_dx:
         res = None if grad_residual is None else grad_residual.reshape(-1, op.in_features)
@@ -215,4 +230,4 @@ def linear_backward(
         dx = dx2d if dx2d.shape == x_shape else dx2d.reshape(x_shape)
     if need_dw:
         dw = gemm(columnwise(dy_q), columnwise(x_s), op.weight.dtype, fast_accum=run.fast_accum_wgrad)  # (N, K)
-    return dx, dw
+    return dx, dw, sums

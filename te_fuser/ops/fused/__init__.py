@@ -12,6 +12,7 @@ from ..basic.linear import BasicLinear
 from ..rules import FusionRule, build_context, register_fusion_rule
 from .backward_activation_bias import BackwardActivationBias
 from .backward_linear_add import BackwardLinearAdd
+from .backward_linear_bias import BackwardLinearBias
 from .backward_linear_bias_activation import BackwardLinearBiasActivation
 from .forward_linear_bias_activation import ForwardLinearBiasActivation
 from .forward_linear_bias_add import ForwardLinearBiasAdd
@@ -23,6 +24,7 @@ __all__ = [
     "ForwardLinearBiasLinear",
     "BackwardActivationBias",
     "BackwardLinearBiasActivation",
+    "BackwardLinearBias",
     "BackwardLinearAdd",
     "DEFAULT_RULES",
 ]
@@ -94,6 +96,8 @@ DEFAULT_RULES = _hand_off_rules() + (
     FusionRule("forward_linear_bias", "forward", ((BasicLinear,), (Bias,)), ForwardLinearBiasActivation),
     FusionRule("backward_linear_bias_activation", "backward", ((BasicLinear,), (Bias,), (Activation,)),
                BackwardLinearBiasActivation, _needs_grad_output_quantizer),
+    FusionRule("backward_linear_bias", "backward", ((BasicLinear,), (Bias,)), BackwardLinearBias,
+               _needs_grad_output_quantizer),
     FusionRule("backward_activation_bias", "backward", ((Bias,), (Activation,)), BackwardActivationBias),
     FusionRule("backward_linear_add", "backward", ((MakeExtraOutput,), (BasicLinear,)), BackwardLinearAdd),
 )

@@ -1,0 +1,32 @@
+"""Backward ``BasicLinear -> Bias``: the bias gradient from the read of the output
+gradient that its FP8 cast makes anyway, then the dgrad and wgrad GEMMs.
+
+Unfused, the bias sums the gradient in one pass and the linear's grad-output
+quantizer reads it again (under current scaling, twice: amax, then cast). A
+quantizer whose cast reads the tensor anyway returns the column sums with it
+(``Quantizer.quantize_with_column_sums``); the others sum in a pass of their own,
+which is the unfused computation.
+"""
+
+from __future__ import annotations
+
+from ..basic.bias import bias_grad
+from ..basic.linear import linear_backward, linear_backward_with_column_sums
+from ..op import FusedOperation
+
+__all__ = ["BackwardLinearBias"]
+
+
+class BackwardLinearBias(FusedOperation):
+    def fuser_backward(self, ctxs, dy, grad_extra_outputs):
+        linear, bias = self.basic_ops
+        needs = ctxs[1].param_needs_grad
+        need_db = not needs or needs[0]
+        if not need_db or dy.dtype is not ctxs[0].run.compute_dtype:
+            # the unfused bias sums dy as it arrives, before the cast to the compute dtype
+            db = bias_grad(dy, bias.bias.dtype) if need_db else None
+            dx, dw = linear_backward(ctxs[0], linear, dy)
+        else:
+            dx, dw, sums = linear_backward_with_column_sums(ctxs[0], linear, dy)
+            db = sums if sums.dtype is bias.bias.dtype else sums.to(bias.bias.dtype)
+        return dx, [[dw], [db]], [[] for _ in ctxs]
