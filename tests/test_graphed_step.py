@@ -14,32 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import te_fuser as te
-
-CUDA = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
-
-RECIPES = {
-    "bf16": None,
-    "current": te.recipe.Float8CurrentScaling(),
-    "delayed": te.recipe.DelayedScaling(amax_history_len=4),
-    "block": te.recipe.Float8BlockScaling(),
-}
-
-
-def _mlp(device: str) -> te.ops.Sequential:
-    torch.manual_seed(0)
-    return te.ops.Sequential(
-        te.ops.RMSNorm(256), te.ops.Linear(256, 512), te.ops.GELU(), te.ops.Linear(512, 256)
-    ).to(device, torch.bfloat16)
-
-
-def _state(model) -> dict:
-    out = {}
-    for name, op in model.named_modules():
-        for role, q in getattr(op, "_quantizers", {}).items():
-            for k, v in q.state_dict().items():
-                out[f"{name}.{role}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
-    return out
+from graph_testing import CUDA, RECIPES, mlp, needs_gpu, quantizer_state
 
 
 class _Trainer:
@@ -70,7 +45,7 @@ def _assert_same(eager: _Trainer, graphed: _Trainer, context: str) -> None:
     for pe, pg in zip(eager.opt.state.values(), graphed.opt.state.values()):
         for k in pe:
             assert torch.equal(torch.as_tensor(pe[k]).cpu(), torch.as_tensor(pg[k]).cpu()), f"{context}: optimizer {k}"
-    se, sg = _state(eager.model), _state(graphed.model)
+    se, sg = quantizer_state(eager.model), quantizer_state(graphed.model)
     assert se.keys() == sg.keys(), context
     for k in se:
         assert (torch.equal(se[k], sg[k]) if isinstance(se[k], torch.Tensor) else se[k] == sg[k]), f"{context}: {k}"
@@ -78,7 +53,7 @@ def _assert_same(eager: _Trainer, graphed: _Trainer, context: str) -> None:
 
 class _Pair:
     def __init__(self, device="cuda", optimizer="sgd", warmup_steps=2):
-        model = _mlp(device)
+        model = mlp(device)
         self.eager = _Trainer(model, optimizer)
         self.graphed = _Trainer(copy.deepcopy(model), optimizer)
         self.step = te.make_graphed_step(self.graphed.step, self.graphed.model, warmup_steps=warmup_steps)
@@ -105,7 +80,7 @@ class _Pair:
 
 
 def test_bad_arguments_are_named():
-    model = _mlp("cpu")
+    model = mlp("cpu")
     with pytest.raises(TypeError, match="make_graphed_step\\(step\\)"):
         te.make_graphed_step(3, model)
     with pytest.raises(TypeError, match="make_graphed_step\\(model\\)"):
@@ -165,14 +140,14 @@ def test_an_uncapturable_step_is_refused_and_leaves_the_model_as_it_was():
         pair.run(recipe, context=f"eager step {i}")
     before = {n: p.detach().clone() for n, p in pair.graphed.model.named_parameters()}
     grads = [p.grad for p in pair.graphed.model.parameters()]
-    state = _state(pair.graphed.model)
+    state = quantizer_state(pair.graphed.model)
     x = torch.randn(64, 256, device="cuda").bfloat16()
     with te.autocast(recipe=recipe), pytest.raises(RuntimeError, match="could not be captured.*capturable=True"):
         pair.step(x, torch.randn(64, 256, device="cuda"), 1.0)  # the key of the eager steps
     for n, p in pair.graphed.model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert all(p.grad is g for p, g in zip(pair.graphed.model.parameters(), grads))
-    after = _state(pair.graphed.model)
+    after = quantizer_state(pair.graphed.model)
     assert all(torch.equal(state[k], after[k]) if isinstance(state[k], torch.Tensor) else state[k] == after[k]
                for k in state)
 

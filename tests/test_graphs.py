@@ -13,23 +13,7 @@ import pytest
 import torch
 
 import te_fuser as te
-
-CUDA = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
-
-RECIPES = {
-    "bf16": None,
-    "current": te.recipe.Float8CurrentScaling(),
-    "delayed": te.recipe.DelayedScaling(amax_history_len=4),
-    "block": te.recipe.Float8BlockScaling(),
-}
-
-
-def _mlp(device: str) -> te.ops.Sequential:
-    torch.manual_seed(0)
-    return te.ops.Sequential(
-        te.ops.RMSNorm(256), te.ops.Linear(256, 512), te.ops.GELU(), te.ops.Linear(512, 256)
-    ).to(device, torch.bfloat16)
+from graph_testing import RECIPES, mlp, needs_gpu, quantizer_state
 
 
 def _step(model, recipe, x, dy, opt=None, backward=True):
@@ -43,19 +27,12 @@ def _step(model, recipe, x, dy, opt=None, backward=True):
     return y.detach()
 
 
-def _state(model) -> dict:
-    out = {}
-    for name, op in model.named_modules():
-        for role, q in getattr(op, "_quantizers", {}).items():
-            for k, v in q.state_dict().items():
-                out[f"{name}.{role}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
-    return out
 
 
 def _assert_same(eager, graphed, context):
     for (name, p), (_, q) in zip(eager.named_parameters(), graphed.model.named_parameters()):
         assert torch.equal(p, q), f"{context}: parameter {name} differs"
-    se, sg = _state(eager), _state(graphed.model)
+    se, sg = quantizer_state(eager), quantizer_state(graphed.model)
     assert se.keys() == sg.keys(), context
     for k in se:
         assert (torch.equal(se[k], sg[k]) if isinstance(se[k], torch.Tensor) else se[k] == sg[k]), f"{context}: {k}"
@@ -65,7 +42,7 @@ class _Pair:
     """An eager model and a graphed copy, each with its own SGD."""
 
     def __init__(self, device="cuda"):
-        self.eager = _mlp(device)
+        self.eager = mlp(device)
         self.graphed = te.make_graphed(copy.deepcopy(self.eager))
         self.opt_e = torch.optim.SGD(self.eager.parameters(), lr=0.01)
         self.opt_g = torch.optim.SGD(self.graphed.parameters(), lr=0.01)
@@ -131,7 +108,7 @@ def test_gradient_accumulation_reuses_the_fp8_weights_like_eager(recipe_name):
 
 
 @needs_gpu
-def test_eager_steps_in_between_and_dropped_outputs_keep_the_state():
+def test_eager_steps_in_between_and_dropped_outputs_keep_thequantizer_state():
     pair = _Pair()
     recipe = RECIPES["delayed"]
     for i in range(3):
@@ -170,7 +147,7 @@ def test_a_second_forward_before_the_backward_raises():
 def test_capture_while_the_previous_steps_graph_is_alive():
     """A training loop keeps the last step's output (and its autograd graph) alive
     into the next call, where the capture happens."""
-    eager = _mlp("cuda")
+    eager = mlp("cuda")
     graphed = te.make_graphed(copy.deepcopy(eager))
     recipe = RECIPES["delayed"]
     gen = torch.Generator(device="cuda").manual_seed(3)
