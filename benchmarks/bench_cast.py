@@ -213,6 +213,33 @@ def bench_bias_grad(copy_tbs: float, rows_n: int = 16384, cols_n: int = 7168) ->
     return out
 
 
+def sweep_column_sums(copy_tbs: float, rows_n: int = 16384, cols_n: int = 7168) -> list[Row]:
+    """``amax_column_sums`` under several launch plans, each checked against torch
+    (the amax bit for bit, the sums within 1e-5 of the largest) before it is timed."""
+    from te_fuser.kernels.triton import cast as tcast
+
+    x = (torch.randn(rows_n, cols_n, device="cuda") - 0.3).bfloat16()
+    amax_ref, sums_ref = x.float().abs().amax(), x.double().sum(dim=0)
+    label = f"{rows_n}x{cols_n} bf16"
+    default = tcast.CAST_PLANS["column_sums"]
+    out = []
+    try:
+        for bm, bn, warps, per_sm in ((32, 128, 4, 4), (64, 128, 8, 4), (32, 256, 8, 4), (16, 256, 4, 8),
+                                      (64, 64, 4, 8), (32, 128, 4, 8), (128, 128, 8, 2), (32, 512, 8, 2)):
+            tcast.CAST_PLANS["column_sums"] = tcast.CastPlan(bm, bn, warps, per_sm)
+            amax, sums = tcast.amax_column_sums(x)
+            worst = ((sums.double() - sums_ref).abs().max() / sums_ref.abs().max()).item()
+            ok = torch.equal(amax, amax_ref) and worst < 1e-5
+            ms = harness.time_ms(lambda: tcast.amax_column_sums(x))
+            tbs = 2 * x.numel() / (ms * 1e-3) / 1e12
+            out.append(harness.progress(Row("cast-sweep", f"amax_column_sums {bm}x{bn} w{warps} {per_sm}/SM", "triton",
+                                            label, ms, tbs, "TB/s", tbs / copy_tbs,
+                                            note=("ok" if ok else "WRONG") + f", sums off by {worst:.1e}")))
+    finally:
+        tcast.CAST_PLANS["column_sums"] = default
+    return out
+
+
 def main(argv=None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=None)
@@ -225,6 +252,8 @@ def main(argv=None) -> list[Row]:
     if args.bias_grad:
         copy_tbs = harness.copy_ceiling_tbs()
         rows = bench_bias_grad(copy_tbs)
+        if args.sweep:
+            rows += sweep_column_sums(copy_tbs)
         harness.append_csv(rows, args.csv)
         harness.print_table(rows, "bias gradient with the gradient's cast")
         return rows

@@ -21,7 +21,7 @@ for part in $parts; do
         tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
     dbias)  # the output gradient's cast with its bias gradient, separate and fused (16384x7168)
-      timeout 120 python3 benchmarks/bench_cast.py --bias-grad 2>&1 | tee "$OUT/dbias.log" | tail -8 ;;
+      timeout 150 python3 benchmarks/bench_cast.py --bias-grad --sweep 2>&1 | tee "$OUT/dbias.log" | tail -16 ;;
     linear) timeout 200 python3 benchmarks/bench_layers.py --cases linear 2>&1 | tee "$OUT/linear.log" | tail -12 ;;
     step)  # the graphed whole step: its tests, its example, the small Linear's loop
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_graphed_step.py tests/test_graphs.py 2>&1 \

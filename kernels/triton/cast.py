@@ -101,6 +101,10 @@ CAST_PLANS = {
     "transpose": CastPlan(128, 128, 8, 4),  # H200 sweep: 5% faster than (64, 128, 8, 8) with the hardware encoding
 }
 _INTERPRETED_PLAN = CastPlan(32, 64, 4, 8)
+# ``amax_column_sums``: (block_m, block_n) slices, programs_per_sm programs per
+# multiprocessor, each walking a band of rows of one column block.
+CAST_PLANS["column_sums"] = CastPlan(32, 128, 4, 4)
+_INTERPRETED_COLUMN_SUMS = CastPlan(16, 32, 4, 4)
 
 
 def _cast_plan(x2d: torch.Tensor, columnwise: bool) -> tuple[torch.Tensor, CastPlan]:
@@ -379,9 +383,10 @@ def amax_column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device), torch.zeros(N, dtype=torch.float32,
                                                                                   device=x.device)
-    block_m, block_n, num_warps = (16, 32, 4) if is_interpreted(x) else (32, 128, 4)
+    plan = _INTERPRETED_COLUMN_SUMS if is_interpreted(x) else CAST_PLANS["column_sums"]
+    block_m, block_n, num_warps = plan.block_m, plan.block_n, plan.num_warps
     col_blocks = triton.cdiv(N, block_n)
-    target = 4 if is_interpreted(x) else 4 * sm_count(x)  # programs in flight
+    target = plan.programs_per_sm * (1 if is_interpreted(x) else sm_count(x))  # programs in flight
     row_blocks = max(1, min(triton.cdiv(M, block_m), target // col_blocks))
     rows_per_program = triton.cdiv(triton.cdiv(M, row_blocks), block_m) * block_m
     row_blocks = triton.cdiv(M, rows_per_program)
