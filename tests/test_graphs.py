@@ -108,7 +108,7 @@ def test_gradient_accumulation_reuses_the_fp8_weights_like_eager(recipe_name):
 
 
 @needs_gpu
-def test_eager_steps_in_between_and_dropped_outputs_keep_thequantizer_state():
+def test_eager_steps_in_between_and_dropped_outputs_keep_the_state():
     pair = _Pair()
     recipe = RECIPES["delayed"]
     for i in range(3):
