@@ -12,6 +12,8 @@ imported, into ``te_fuser.kernels.triton._common.EXACT_FP8``.
 | ``TE_FUSER_BACKEND`` | the first kernel dispatch of the process | default backend (``reference``, ``triton``, ``cuda``, ``auto``) |
 | ``TE_FUSER_EXACT_FP8`` | the import of ``te_fuser.kernels.triton`` | ``1``: compiled Triton kernels also write FP8 with the exact integer encoding, not the GPU's conversion instruction (same bytes, slower; a fallback) |
 | ``TORCH_EXTENSIONS_DIR`` | the first build of the CUDA kernels | where they are built (default ``~/.cache/te_fuser/torch_extensions``) |
+| ``TE_FUSER_HOT_GUARD`` | the first op fuser made in the process | ``0``: fusers check their plan in Python instead of the compiled hot path (same decisions, slower) |
+| ``TE_FUSER_CACHE_DIR`` | the first build of the compiled hot path | where it is built (default ``~/.cache/te_fuser``) |
 | ``TRITON_INTERPRET`` | each kernel resolution for CPU tensors | ``1``: Triton kernels may run on CPU tensors (Triton's interpreter) |
 """
 
@@ -23,6 +25,8 @@ __all__ = [
     "block_scaling_power_2_scales_default",
     "backend_default",
     "extensions_dir",
+    "hot_guard_enabled",
+    "cache_dir",
     "triton_interpreted",
     "triton_exact_fp8",
 ]
@@ -48,6 +52,14 @@ def backend_default() -> str | None:
 
 def extensions_dir() -> str | None:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or None
+
+
+def hot_guard_enabled() -> bool:
+    return os.environ.get("TE_FUSER_HOT_GUARD") is None or _flag("TE_FUSER_HOT_GUARD")
+
+
+def cache_dir() -> str:
+    return os.environ.get("TE_FUSER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "te_fuser")
 
 
 def triton_interpreted() -> bool:

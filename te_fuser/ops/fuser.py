@@ -28,6 +28,7 @@ from .. import backend
 from ..autocast import _stack as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
+from . import hot_guard
 from .op import BasicOperation, OpContext, RunConfig
 from .rules import BuildContext, PlanStep, match
 
@@ -40,6 +41,9 @@ _EPOCH = [0]
 # Sets that a caller pushes to learn which fusers ran (``te.make_graphed_step``
 # checks that a captured step ran only ops of the model it was given).
 _RUN_WATCH: list[set] = []
+
+# Attributes whose assignment disarms a fuser's compiled guard.
+_DISARMING = frozenset({"_plan", "_params", "_flat_params"})
 
 
 @dataclass
@@ -103,6 +107,32 @@ class OperationFuser:
         self._last_state = None  # the autocast state last matched to the published plan
         self.stats = FusionStats()
         self._churn = FallbackChurnDetector(f"te_fuser ({', '.join(op.describe() for op in self.ops[:3])}...)")
+        self._make_entry()
+
+    def _make_entry(self) -> None:
+        """``self.entry(x, training)``: the hot path for calls without extra inputs,
+        the compiled guard when it loads (see ``hot_guard.c``), else :meth:`run`."""
+        module = hot_guard.guard_module()
+        if module is None:
+            self._guard, self.entry = None, self.run
+            return
+        self._guard = module.Guard(self._run_and_arm, _AUTOCAST_STACK, _EPOCH, _grad_enabled, _any_autocast,
+                                   _compute_dtype, torch.Tensor, self.stats)
+        self.entry = self._guard
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _DISARMING:  # the armed decision read these: it no longer holds
+            guard = self.__dict__.get("_guard")
+            if guard is not None:
+                guard.disarm()
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict:  # copies and pickles get a guard of their own
+        return {k: v for k, v in self.__dict__.items() if k not in ("_guard", "entry")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._make_entry()
 
     @property
     def plan(self) -> FusionPlan | None:
@@ -114,7 +144,8 @@ class OperationFuser:
 
     # -- the hot path ---------------------------------------------------------
     def __call__(self, x: torch.Tensor, *extra_inputs: torch.Tensor, training: bool | None = None):
-        return self.run(x, self.ops[0].training if training is None else training, extra_inputs)
+        training = self.ops[0].training if training is None else training
+        return self.run(x, training, extra_inputs) if extra_inputs else self.entry(x, training)
 
     def run(self, x: torch.Tensor, training: bool, extra_inputs: tuple = ()):
         """Run the ops on ``x``; the hot path (positional arguments only: keyword
@@ -140,6 +171,16 @@ class OperationFuser:
                               state.amax_reduction_group)
             self._last_state = state
         return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
+
+    def _run_and_arm(self, x: torch.Tensor, training: bool):
+        """The compiled guard's miss: :meth:`run` decides (building if needed) and
+        runs; the guard is then armed with its decision, for the calls that repeat it."""
+        out = self.run(x, training)
+        plan, state, guard = self._plan, self._last_state, self._guard
+        if plan is not None and state is not None and guard is not None:
+            guard.arm(state, _FuserFunction.apply, (self, plan), tuple(self._flat_params), plan.needs_backward,
+                            plan.dtype, plan.training, plan.is_cuda, plan.epoch)
+        return out
 
     def _same_config(self, plan: FusionPlan, state) -> bool:
         """Whether ``state`` (an autocast state other than the last one seen) selects

@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from . import hot_guard
 from .fuser import FusionStats, OperationFuser, _compute_dtype
 from .op import BasicOperation
 
@@ -42,6 +43,7 @@ class Sequential(nn.Module):
     def _changed(self) -> None:
         self._groups: list | None = None
         self._fast_fuser: OperationFuser | None = None
+        self.__dict__.pop("forward", None)
 
     def _check(self, module) -> nn.Module:
         if not isinstance(module, nn.Module):
@@ -111,13 +113,39 @@ class Sequential(nn.Module):
                 and all(op.num_extra_outputs == 0 for op in groups[0].ops)
             )
             self._fast_fuser = groups[0] if single else None
+            self._install_entry()
         return self._groups
+
+    def _install_entry(self) -> None:
+        """A model that is one group of ops (the common case) gets, as its
+        instance's ``forward``, the group's compiled entry: ``forward(x)`` then
+        reaches the fuser's guard without a Python frame, and any other call
+        (extra inputs) goes to :meth:`_forward_groups`. Without the compiled
+        guard, the class's ``forward`` runs."""
+        fast = self._fast_fuser
+        if fast is not None and fast._guard is not None:
+            self.__dict__["forward"] = hot_guard.guard_module().Entry(fast._guard, self, self._forward_groups)
+        else:
+            self.__dict__.pop("forward", None)
+
+    def __getstate__(self) -> dict:  # copies and pickles install an entry of their own
+        state = dict(super().__getstate__())
+        state.pop("forward", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self._groups is not None:
+            self._install_entry()
 
     # -- running -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
         fast = self._fast_fuser
         if fast is not None and not extra_inputs:  # one group, no branches: the common case, kept short
-            return fast.run(x, self.training)
+            return fast.entry(x, self.training)
+        return self._forward_groups(x, *extra_inputs)
+
+    def _forward_groups(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
         groups = self._groups if self._groups is not None else self.groups()
         extra_in = list(extra_inputs)
         extra_out: list[torch.Tensor] = []
@@ -132,7 +160,7 @@ class Sequential(nn.Module):
                     f"got {len(extra_inputs)}"
                 )
             taken, extra_in = extra_in[:n], extra_in[n:]
-            out = group.run(x, self.training, tuple(taken))
+            out = group.run(x, self.training, tuple(taken)) if n else group.entry(x, self.training)
             if isinstance(out, tuple):
                 x, extra_out = out[0], extra_out + list(out[1:])
             else:

@@ -1,0 +1,291 @@
+"""The compiled hot path (``te_fuser/ops/hot_guard.c``): it loads, it takes the
+hits without entering Python, and under every condition that selects a plan it
+decides exactly as the Python path does."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import io
+import os
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+
+import te_fuser as te
+from te_fuser.ops import hot_guard
+from te_fuser.ops.fuser import OperationFuser
+from te_fuser.warmup import _fusers_of
+
+H = 32
+CURRENT = te.recipe.Float8CurrentScaling()
+DELAYED = te.recipe.DelayedScaling(amax_history_len=4)
+
+
+def model(seed: int = 0) -> te.ops.Sequential:
+    torch.manual_seed(seed)
+    return te.ops.Sequential(te.ops.RMSNorm(H), te.ops.Linear(H, H), te.ops.GELU(), te.ops.Linear(H, H))
+
+
+def python_path_only(m: te.ops.Sequential) -> te.ops.Sequential:
+    """``m`` with every fuser on the Python path (the reference the guard must agree with)."""
+    m.groups()
+    for f in _fusers_of(m):
+        f._guard, f.entry = None, f.run
+    for module in m.modules():
+        if isinstance(module, te.ops.Sequential):
+            module._install_entry()
+    return m
+
+
+def test_the_compiled_guard_loads_here():
+    assert hot_guard.unavailable_reason() is None, hot_guard.unavailable_reason()
+    m = model()
+    with te.autocast(recipe=CURRENT):
+        m(torch.randn(4, H))
+    (f,) = _fusers_of(m)
+    assert f.entry is f._guard and f._guard.armed
+
+
+def test_hits_do_not_enter_the_python_path(monkeypatch):
+    m, x = model(), torch.randn(4, H)
+    with te.autocast(recipe=CURRENT):
+        y0 = m(x)
+    calls = []
+    python_run = OperationFuser.run
+
+    def counted(self, *args):
+        calls.append(args)
+        return python_run(self, *args)
+
+    monkeypatch.setattr(OperationFuser, "run", counted)
+    hits = m.fusion_stats().hits
+    for _ in range(5):
+        with te.autocast(recipe=te.recipe.Float8CurrentScaling()):  # new but equal: the same state
+            y = m(x)
+        assert torch.equal(y, y0)
+    assert calls == [] and m.fusion_stats().hits == hits + 5
+    with torch.no_grad(), te.autocast(recipe=CURRENT):  # a miss: once through Python, then armed again
+        m(x)
+        m(x)
+    assert len(calls) == 1
+
+
+@contextlib.contextmanager
+def frozen(m):
+    for p in m.parameters():
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in m.parameters():
+            p.requires_grad_(True)
+
+
+@contextlib.contextmanager
+def evaluating(m):
+    m.eval()
+    try:
+        yield
+    finally:
+        m.train()
+
+
+def conditions(m):
+    """(name, context factory, input maker): each selects a plan, or repeats one."""
+    return [
+        ("current", lambda: te.autocast(recipe=CURRENT), lambda x: x),
+        ("current again", lambda: te.autocast(recipe=CURRENT), lambda x: x),
+        ("an equal recipe", lambda: te.autocast(recipe=te.recipe.Float8CurrentScaling()), lambda x: x),
+        ("no grad", lambda: _both(torch.no_grad(), te.autocast(recipe=CURRENT)), lambda x: x),
+        ("grad again", lambda: te.autocast(recipe=CURRENT), lambda x: x),
+        ("input requires grad", lambda: te.autocast(recipe=CURRENT), lambda x: x.clone().requires_grad_(True)),
+        ("frozen parameters", lambda: _both(frozen(m), te.autocast(recipe=CURRENT)), lambda x: x),
+        ("frozen, input requires grad", lambda: _both(frozen(m), te.autocast(recipe=CURRENT)),
+         lambda x: x.clone().requires_grad_(True)),
+        ("eval", lambda: _both(evaluating(m), te.autocast(recipe=CURRENT)), lambda x: x),
+        ("train again", lambda: te.autocast(recipe=CURRENT), lambda x: x),
+        ("torch.autocast bf16", lambda: _both(torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(recipe=CURRENT)),
+         lambda x: x),
+        ("torch.autocast off", lambda: te.autocast(recipe=CURRENT), lambda x: x),
+        ("a bf16 input", lambda: te.autocast(recipe=CURRENT), lambda x: x.bfloat16()),
+        ("delayed", lambda: te.autocast(recipe=DELAYED), lambda x: x),
+        ("delayed again", lambda: te.autocast(recipe=DELAYED), lambda x: x),
+        ("calibrating", lambda: te.autocast(enabled=False, calibrating=True, recipe=DELAYED), lambda x: x),
+        ("high precision", lambda: te.autocast(enabled=False), lambda x: x),
+        ("no te.autocast", contextlib.nullcontext, lambda x: x),
+    ]
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
+def test_the_guard_decides_as_the_python_path_under_every_condition():
+    guarded, reference = model(), python_path_only(model())
+    torch.manual_seed(1)
+    x = torch.randn(6, H)
+    for (name, ctx_g, make_x), (_, ctx_r, _) in zip(conditions(guarded), conditions(reference)):
+        outs = []
+        for m, ctx in ((guarded, ctx_g), (reference, ctx_r)):
+            xx = make_x(x)
+            with ctx():
+                y = m(xx)
+                y2 = m(xx)  # the repeat: a hit on both paths
+            outs.append((y.detach(), y2.detach()))
+        sg, sr = guarded.fusion_stats(), reference.fusion_stats()
+        assert (sg.builds, sg.hits, sg.key) == (sr.builds, sr.hits, sr.key), f"{name}: {sg} vs {sr}"
+        for a, b in zip(outs[0], outs[1]):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: outputs differ"
+    assert guarded.fusion_stats().builds >= 10
+
+
+def test_an_op_run_by_another_model_in_between_is_noticed():
+    """The model's autocast state is the same object before and after: only the
+    quantizer-install epoch tells that its plan's quantizers are gone."""
+    torch.manual_seed(1)
+    x = torch.randn(6, H)
+    results = []
+    for m in (model(), python_path_only(model())):
+        other = python_path_only(te.ops.Sequential(m[1]))  # shares the model's first Linear
+        with te.autocast(recipe=DELAYED):
+            m(x)
+            m(x)
+            with te.autocast(recipe=CURRENT):
+                other(x)  # installs its own quantizers on the shared op
+            y = m(x)
+        stats = m.fusion_stats()
+        results.append((stats.builds, stats.hits, y.detach()))
+    assert results[0][:2] == results[1][:2] == (2, 1)
+    assert torch.equal(results[0][2], results[1][2])
+
+
+def test_replacing_the_parameters_disarms():
+    m, x = model(), torch.randn(4, H)
+    with te.autocast(recipe=CURRENT):
+        m(x)
+        (f,) = _fusers_of(m)
+        assert f._guard.armed
+        f._flat_params = list(f._flat_params)
+        assert not f._guard.armed
+        m(x)
+        assert f._guard.armed
+
+
+def test_copies_and_pickles_get_a_guard_of_their_own():
+    m, x = model(), torch.randn(4, H)
+    with te.autocast(recipe=CURRENT):
+        y = m(x)
+        buffer = io.BytesIO()
+        torch.save(m, buffer)
+        buffer.seek(0)
+        for twin in (copy.deepcopy(m), torch.load(buffer, weights_only=False)):
+            (f,) = _fusers_of(twin)
+            assert f._guard is not None and f._guard is not _fusers_of(m)[0]._guard
+            assert torch.equal(twin(x), y) and torch.equal(twin(x), y)
+            assert f._guard.armed and twin.fusion_stats().hits >= 1
+
+
+def test_a_non_tensor_input_gets_the_python_paths_error():
+    errors = []
+    for m in (model(), python_path_only(model())):
+        with te.autocast(recipe=CURRENT):
+            m(torch.randn(4, H))
+            with pytest.raises(Exception) as info:
+                m([1.0] * H)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]
+
+
+def test_a_fuser_and_its_guard_are_collected():
+    m = model()
+    with te.autocast(recipe=CURRENT):
+        m(torch.randn(4, H))
+    ref = weakref.ref(_fusers_of(m)[0])
+    del m
+    gc.collect()
+    assert ref() is None
+
+
+def test_null_plan_returns_its_first_argument():
+    null_plan = hot_guard.guard_module().null_plan
+    x = torch.randn(2)
+    assert null_plan(x, 1, 2, 3) is x
+    with pytest.raises(TypeError, match="at least one"):
+        null_plan()
+
+
+def test_te_fuser_hot_guard_0_runs_the_python_path():
+    code = (
+        "import torch, te_fuser as te\n"
+        "from te_fuser.ops import hot_guard\n"
+        "m = te.ops.Sequential(te.ops.Linear(8, 8))\n"
+        "with te.autocast(recipe=te.recipe.Float8CurrentScaling()):\n"
+        "    m(torch.randn(2, 8)); m(torch.randn(2, 8))\n"
+        "f = m.groups()[0]\n"
+        "print(hot_guard.unavailable_reason(), f._guard is None, f.entry == f.run, m.fusion_stats().hits)\n"
+    )
+    env = dict(os.environ, TE_FUSER_HOT_GUARD="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["disabled", "by", "TE_FUSER_HOT_GUARD=0", "True", "True", "1"]
+
+
+def test_a_bad_te_fuser_hot_guard_value_names_the_variable():
+    code = "import te_fuser as te\nte.ops.Sequential(te.ops.Linear(8, 8)).groups()\n"
+    env = dict(os.environ, TE_FUSER_HOT_GUARD="maybe")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "TE_FUSER_HOT_GUARD" in out.stderr
+
+
+def test_a_one_group_model_forwards_through_the_compiled_entry(monkeypatch):
+    m, x = model(), torch.randn(4, H)
+    with te.autocast(recipe=CURRENT):
+        y = m(x)
+        assert type(m.__dict__["forward"]).__name__ == "Entry"
+        monkeypatch.setattr(te.ops.Sequential, "forward", lambda *a, **k: pytest.fail("the Python forward ran"))
+        assert torch.equal(m(x), y)
+        monkeypatch.undo()
+        assert torch.equal(m(x=x), y)  # keywords take the Python forward
+        seen = []
+        handle = m.register_forward_hook(lambda module, args, out: seen.append(out))
+        m(x)
+        handle.remove()
+        assert len(seen) == 1 and torch.equal(seen[0], y)
+
+
+def test_an_extra_input_to_a_one_group_model_gets_the_python_paths_error():
+    errors = []
+    for m in (model(), python_path_only(model())):
+        with te.autocast(recipe=CURRENT):
+            m(torch.randn(4, H))
+            with pytest.raises(ValueError) as info:
+                m(torch.randn(4, H), torch.randn(4, H))
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and "extra input" in errors[0]
+
+
+def test_changing_the_model_drops_the_entry_and_the_next_call_installs_one():
+    m, x = model(), torch.randn(4, H)
+    with te.autocast(recipe=CURRENT):
+        m(x)
+        m.append(te.ops.GELU())
+        assert "forward" not in m.__dict__
+        expected = python_path_only(model().append(te.ops.GELU()))(x)
+        y = m(x)
+        assert "forward" in m.__dict__
+    assert torch.equal(y, expected)
+
+
+def test_a_model_with_a_plain_module_between_groups_keeps_the_python_forward():
+    m = te.ops.Sequential(te.ops.Linear(H, H), torch.nn.Tanh(), te.ops.Linear(H, H))
+    with te.autocast(recipe=CURRENT):
+        m(torch.randn(4, H))
+        m(torch.randn(4, H))
+    assert "forward" not in m.__dict__ and all(f._guard.armed for f in _fusers_of(m))
