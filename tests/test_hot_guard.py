@@ -95,7 +95,7 @@ def evaluating(m):
         m.train()
 
 
-def conditions(m):
+def conditions(m, device="cpu"):
     """(name, context factory, input maker): each selects a plan, or repeats one."""
     return [
         ("current", lambda: te.autocast(recipe=CURRENT), lambda x: x),
@@ -109,8 +109,8 @@ def conditions(m):
          lambda x: x.clone().requires_grad_(True)),
         ("eval", lambda: _both(evaluating(m), te.autocast(recipe=CURRENT)), lambda x: x),
         ("train again", lambda: te.autocast(recipe=CURRENT), lambda x: x),
-        ("torch.autocast bf16", lambda: _both(torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(recipe=CURRENT)),
-         lambda x: x),
+        ("torch.autocast bf16",
+         lambda: _both(torch.autocast(device, dtype=torch.bfloat16), te.autocast(recipe=CURRENT)), lambda x: x),
         ("torch.autocast off", lambda: te.autocast(recipe=CURRENT), lambda x: x),
         ("a bf16 input", lambda: te.autocast(recipe=CURRENT), lambda x: x.bfloat16()),
         ("delayed", lambda: te.autocast(recipe=DELAYED), lambda x: x),
@@ -127,11 +127,15 @@ def _both(a, b):
         yield
 
 
-def test_the_guard_decides_as_the_python_path_under_every_condition():
-    guarded, reference = model(), python_path_only(model())
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_guard_decides_as_the_python_path_under_every_condition(device):
+    guarded, reference = model().to(device), python_path_only(model()).to(device)
     torch.manual_seed(1)
-    x = torch.randn(6, H)
-    for (name, ctx_g, make_x), (_, ctx_r, _) in zip(conditions(guarded), conditions(reference)):
+    x = torch.randn(6, H, device=device)
+    for (name, ctx_g, make_x), (_, ctx_r, _) in zip(conditions(guarded, device), conditions(reference, device)):
         outs = []
         for m, ctx in ((guarded, ctx_g), (reference, ctx_r)):
             xx = make_x(x)
@@ -289,3 +293,20 @@ def test_a_model_with_a_plain_module_between_groups_keeps_the_python_forward():
         m(torch.randn(4, H))
         m(torch.randn(4, H))
     assert "forward" not in m.__dict__ and all(f._guard.armed for f in _fusers_of(m))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_moving_the_model_to_the_gpu_is_noticed():
+    results = []
+    for m in (model(), python_path_only(model())):
+        x = torch.randn(4, H)
+        with te.autocast(recipe=CURRENT):
+            m(x)
+            m(x)
+            m.cuda()
+            y = m(x.cuda())
+            m(x.cuda())
+        stats = m.fusion_stats()
+        results.append((stats.builds, stats.hits, y.cpu()))
+    assert results[0][:2] == results[1][:2] == (2, 2)
+    assert torch.equal(results[0][2], results[1][2])
