@@ -47,7 +47,11 @@ for part in $parts; do
       timeout 300 python3 benchmarks/bench_gemm.py --sizes 8192 --backends triton cuda --sweep --sweep-families tensor \
         2>&1 | tee "$OUT/tiles.log" | tail -30 ;;
     handoff) timeout 200 python3 benchmarks/bench_handoff.py 2>&1 | tee "$OUT/handoff.log" | tail -12 ;;
-    hot) timeout 60 python3 benchmarks/bench_refusion.py --quick --json "$OUT/hot.json" 2>&1 | tee "$OUT/hot.log" | tail -6 ;;
+    hot)  # the hot path, compiled and Python side by side, twice each
+      for i in 1 2; do
+        timeout 100 python3 benchmarks/bench_refusion.py --hot-only --json "$OUT/hot$i.json" 2>&1 | tee -a "$OUT/hot.log" | tail -6
+        TE_FUSER_HOT_GUARD=0 timeout 100 python3 benchmarks/bench_refusion.py --hot-only 2>&1 | tee -a "$OUT/hot.log" | tail -6
+      done ;;
     kernels)  # the kernels, with auto side by side with triton and cuda; the casts also with the exact FP8 encoding
       timeout 300 python3 benchmarks/bench_cast.py 2>&1 | tee "$OUT/cast.log" | tail -40
       timeout 200 python3 benchmarks/bench_gemm.py 2>&1 | tee "$OUT/gemm.log" | tail -24 ;;

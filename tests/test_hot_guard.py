@@ -298,8 +298,8 @@ def test_a_model_with_a_plain_module_between_groups_keeps_the_python_forward():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_moving_the_model_to_the_gpu_is_noticed():
     results = []
+    x = torch.randn(4, H)
     for m in (model(), python_path_only(model())):
-        x = torch.randn(4, H)
         with te.autocast(recipe=CURRENT):
             m(x)
             m(x)
