@@ -25,6 +25,9 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=1024)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--graphed", action="store_true", help="run te_fuser through te.make_graphed")
+    p.add_argument("--main-thread", action="store_true",
+                   help="profile with the backward on the calling thread (autograd's device threads off), so that "
+                        "cProfile sees the backward's Python too; also splits the host time into forward and backward")
     args = p.parse_args(argv)
     n = args.size
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,16 +63,43 @@ def main(argv=None):
         print(f"{name}: host {host * 1e6:.1f} us/step, wall {wall * 1e6:.1f} us/step")
     if args.graphed and device == "cuda":
         replay_components(model, x, dy, base)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.steps):
-        te_step()
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    if args.main_thread:
+        split_forward_backward(model, x, dy, recipe, args.steps)
+    with torch.autograd.set_multithreading_enabled(not args.main_thread):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            te_step()
+        prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(30 if args.main_thread else 14)
+    if args.main_thread:
+        stats.sort_stats("cumulative").print_stats("te_fuser|kernels", 40)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
         for _ in range(20):
             te_step()
     print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+
+
+def split_forward_backward(model, x, dy, recipe, steps: int) -> None:
+    """Host microseconds of the forward and of the backward, each timed alone
+    (median over ``steps``; the backward on the calling thread)."""
+    fwd, bwd = [], []
+    with torch.autograd.set_multithreading_enabled(False):
+        for i in range(steps + 20):
+            t0 = time.perf_counter()
+            with te.autocast(recipe=recipe):
+                y = model(x)
+            t1 = time.perf_counter()
+            y.backward(dy)
+            t2 = time.perf_counter()
+            if i >= 20:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+    fwd.sort()
+    bwd.sort()
+    print(f"host per step, backward on the calling thread: forward {fwd[len(fwd) // 2] * 1e6:.1f} us, "
+          f"backward {bwd[len(bwd) // 2] * 1e6:.1f} us (medians)")
 
 
 def replay_components(graphed, x, dy, base, calls: int = 2000) -> None:
