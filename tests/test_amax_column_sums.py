@@ -124,11 +124,11 @@ def test_the_rule_under_the_triton_backend_equals_unfused(recipe_name):
             out_u, g_u = run(unfused, x, recipe=recipe, dy=dy)
     assert "[rule backward_linear_bias]" in fused.fusion_plan()
     assert "backward_linear_bias]" not in unfused.fusion_plan()
-    if recipe_name == "current":
-        assert backend.resolve("amax_column_sums", DEVICE, backend="triton").backend == "triton"
+    kernel = "amax_column_sums" if recipe_name == "current" else "quantize_tensorwise_column_sums"
+    assert backend.resolve(kernel, DEVICE, backend="triton").backend == "triton"
     assert_bitwise(out_f[0], out_u[0], "output")
     for name in g_u:  # the bias sums in another order; everything else is the same computation
-        if name.endswith("bias") and recipe_name == "current":
+        if name.endswith("bias"):
             assert_close(g_f[name], g_u[name], torch.bfloat16, f"{recipe_name} grad {name}", scaled=True)
         else:
             assert_bitwise(g_f[name], g_u[name], f"{recipe_name} grad {name}")

@@ -26,6 +26,7 @@ __all__ = [
     "saturating_cast_reference",
     "scale_from_amax_reference",
     "quantize_tensorwise_reference",
+    "quantize_tensorwise_column_sums_reference",
     "quantize_current_reference",
     "amax_column_sums_reference",
     "quantize_rowwise_reference",
@@ -95,6 +96,27 @@ def quantize_tensorwise_reference(
     if amax_out is not None:
         amax = amax_out.copy_(amax.reshape(amax_out.shape))
     return (q if rowwise else None), (q.t().contiguous() if columnwise else None), amax
+
+
+def quantize_tensorwise_column_sums_reference(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_tensorwise_reference` of 2-D ``x`` (M, N), and ``x`` summed over
+    its rows in fp32 (N,): the delayed-scaling cast of a gradient and the bias
+    gradient, which the kernels take from one read of ``x``.
+
+    Returns ``(data or None, data_t or None, amax, sums)``.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"quantize_tensorwise_column_sums: x must be a 2-D tensor (M, N), got {got}")
+    q, qt, amax = quantize_tensorwise_reference(x, scale, fp8_dtype, rowwise, columnwise, amax_out)
+    return q, qt, amax, x.sum(dim=0, dtype=torch.float32)
 
 
 def quantize_current_reference(

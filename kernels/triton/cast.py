@@ -134,12 +134,13 @@ def _launch_meta(xk: torch.Tensor, plan: CastPlan) -> tuple[int, dict]:
 
 
 @triton.jit
-def _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn,
-               ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
-               MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
+def _cast_tile(x_ptr, q_ptr, qt_ptr, sums_ptr, scale, tile, M, N, stride_xm, stride_xn,
+               ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SUMS: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
+               MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Cast one (BLOCK_M, BLOCK_N) tile of x; return |x| of the tile as int32 bits
-    (zero where masked), for the caller's running maximum.
+    (zero where masked), for the caller's running maximum. SUMS: also store the
+    tile's column sums in fp32 as row ``tile // tiles_n`` of the (tiles_m, N) partials.
     EVEN: the tiles cover x exactly (no masks). ROW_MAJOR: x's rows are contiguous,
     so the row-wise copy is stored in the layout it is computed in (packed bytes
     with HW_FP8); the transposed copy's bytes change layout (``tl.trans``), so with
@@ -165,28 +166,31 @@ def _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn,
             tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt)
         else:
             tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt, mask=tl.trans(mask))
+    if SUMS:  # masked elements were loaded as zeros
+        tl.store(sums_ptr + (tile // tiles_n) * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
     return abs_bits(x)
 
 
 @triton.jit
-def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_ptr, M, N, stride_xm, stride_xn,
-                                ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                                FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
-                                HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
+def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_ptr, sums_ptr, M, N, stride_xm,
+                                stride_xn, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SUMS: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                                OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                                MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Cast with a given scale; program p casts tiles p, p + P, ... The amax is
     reduced with integer atomics on the bits of |x| in ``work[0]``, and the last
     program to finish writes it out. Each program keeps an elementwise running
-    maximum over its tiles and reduces it across threads once, after the loop."""
+    maximum over its tiles and reduces it across threads once, after the loop.
+    SUMS: each tile also stores its column sums (see ``_cast_tile``)."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     scale = tl.load(scale_ptr)
     running = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for tile in range(pid, n_tiles, n_programs):
-        tile_bits = _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
-                               BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8,
-                               ROW_MAJOR)
+        tile_bits = _cast_tile(x_ptr, q_ptr, qt_ptr, sums_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE,
+                               COLUMNWISE, SUMS, BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP,
+                               HW_FP8, ROW_MAJOR)
         running = tl.maximum(running, tile_bits)
     amax_bits = tl.max(tl.max(running, axis=1), axis=0)
     tl.atomic_max(work_ptr, amax_bits)
@@ -234,7 +238,7 @@ def _quantize_current_kernel(x_ptr, partials_ptr, n_partials, q_ptr, qt_ptr, sca
     amax = amax_bits.to(tl.float32, bitcast=True)
     scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
     for tile in range(pid, n_tiles, n_programs):
-        _cast_tile(x_ptr, q_ptr, qt_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE,
+        _cast_tile(x_ptr, q_ptr, qt_ptr, x_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE, False,
                    BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, ROW_MAJOR)
     if pid == 0:
         tl.store(scale_ptr, scale)
@@ -278,7 +282,33 @@ def quantize_tensorwise(
     Returns ``(data (M, K) or None, data_t (K, M) or None, amax)``; with ``amax_out``
     (a one-element fp32 tensor) the amax is written there and that tensor returned.
     """
-    kernel = "quantize_tensorwise"
+    q, qt, amax, _ = _tensorwise("quantize_tensorwise", x, scale, fp8_dtype, rowwise, columnwise, amax_out, False)
+    return q, qt, amax
+
+
+def quantize_tensorwise_column_sums(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_tensorwise` of 2-D ``x`` (M, N), and ``x`` summed over its rows
+    in fp32 (N,), a bias gradient, from the cast's one read: each tile stores its
+    column sums, and a small second pass adds the tiles' rows in order.
+
+    Returns ``(data or None, data_t or None, amax, sums)``.
+    """
+    kernel = "quantize_tensorwise_column_sums"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{kernel}: x must be a 2-D tensor (M, N), got {got}")
+    return _tensorwise(kernel, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True)
+
+
+def _tensorwise(kernel: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool):
+    """The one-pass delayed-scaling cast, with the column sums when ``sums`` (x 2-D)."""
     check_input(x, kernel, dims=None)
     check_scale(scale, kernel, x.device)
     fp8_format(fp8_dtype)
@@ -288,18 +318,28 @@ def quantize_tensorwise(
     x2d = _as_matrix(x, columnwise, kernel)
     q, qt = _outputs(x2d, fp8_dtype, rowwise, columnwise)
     amax = torch.empty((), dtype=torch.float32, device=x.device) if amax_out is None else amax_out
+    column_sums = None
     if x2d.numel() == 0:
         amax.fill_(0.0)
+        if sums:
+            column_sums = torch.zeros(x2d.shape[1], dtype=torch.float32, device=x.device)
     else:
-        xk, plan = _cast_plan(x2d, columnwise)
+        if sums:  # the column sums need x's own columns: no flat view
+            xk, plan = x2d, (_INTERPRETED_PLAN if is_interpreted(x2d) else CAST_PLANS["transpose"])
+        else:
+            xk, plan = _cast_plan(x2d, columnwise)
         programs, launch = _launch_meta(xk, plan)
         work = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
+        partials = (torch.empty((triton.cdiv(xk.shape[0], plan.block_m), xk.shape[1]), dtype=torch.float32,
+                                device=x.device) if sums else work)  # (tiles_m, N)
         _quantize_tensorwise_kernel[(programs,)](
-            xk, scale, _u8(q, work), _u8(qt, work), amax, work, *xk.shape, xk.stride(0), xk.stride(1),
-            ROWWISE=rowwise, COLUMNWISE=columnwise, **launch, **_fp8_meta(fp8_dtype, xk))
+            xk, scale, _u8(q, work), _u8(qt, work), amax, work, partials, *xk.shape, xk.stride(0), xk.stride(1),
+            ROWWISE=rowwise, COLUMNWISE=columnwise, SUMS=sums, **launch, **_fp8_meta(fp8_dtype, xk))
+        if sums:
+            column_sums = partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
     if q is not None and x.dim() != 2:
         q = q.reshape(x.shape)
-    return q, qt, amax
+    return q, qt, amax, column_sums
 
 
 def quantize_current(

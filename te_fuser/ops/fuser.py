@@ -282,7 +282,7 @@ class OperationFuser:
             return []
         names = ["gemm", "dequantize"]
         if recipe.delayed():
-            names += ["quantize_tensorwise", "delayed_scale_update"]
+            names += ["quantize_tensorwise", "quantize_tensorwise_column_sums", "delayed_scale_update"]
         elif recipe.float8_current_scaling():
             names += ["quantize_current", "amax_column_sums"]  # the latter for a bias gradient with the cast
         elif recipe.float8_block_scaling():

@@ -115,20 +115,31 @@ class DelayedScalingQuantizer(Quantizer):
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
     ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
+        rowwise_op, columnwise_op, _ = self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise")
+        return rowwise_op, columnwise_op
+
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
+        """The one-pass cast also sums the columns (the same state update as a plain cast)."""
+        return self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise_column_sums")
+
+    def _cast(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str):
+        """Cast with the current scale through ``kernel`` (returning the data, the
+        transposed data, the amax and, for the column-sums kernel, the sums), then
+        record the amax: (row-wise operand, column-wise operand, sums or None)."""
         device = x_hp.device
         self._move_state(device)
-        cast = backend.resolve("quantize_tensorwise", device).fn
         if not self.seeded:
-            self._seed(x_hp, cast)
+            self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn)
+        cast = backend.resolve(kernel, device).fn
         scale_inv = self.scale_inv  # the state is rebound, never written in place
         amax = torch.empty(1, dtype=torch.float32, device=device)  # the cast writes (not accumulates) it
-        x_fp8, x_fp8_t, _ = cast(
+        x_fp8, x_fp8_t, _, *sums = cast(
             x_hp, self.scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax
         )
         self._record(amax)
         rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None  # (M, K)
         columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None  # (K, M)
-        return rowwise_op, columnwise_op
+        return rowwise_op, columnwise_op, (sums[0] if sums else None)
 
     def epilogue_cast(self, device: torch.device) -> EpilogueCast | None:
         """The current scale, the FP8 format and a buffer for the tensor's amax; ``None``
