@@ -210,6 +210,38 @@ def bench_bias_grad(copy_tbs: float, rows_n: int = 16384, cols_n: int = 7168) ->
         if key == "fused":
             row.vs_peer, row.peer = times["separate"] / times["fused"], "separate"
         out.append(harness.progress(row))
+    return out + bench_bias_grad_delayed(x, copy_tbs, label)
+
+
+def bench_bias_grad_delayed(x: torch.Tensor, copy_tbs: float, label: str) -> list[Row]:
+    """The same under delayed scaling: separate, torch's column sum then the one-pass
+    cast (two reads of dy); fused, ``quantize_tensorwise_column_sums`` (one read)."""
+    from te_fuser import backend
+
+    e5m2 = torch.float8_e5m2
+    scale = torch.tensor(0.5, device=x.device)
+    cast = backend.resolve("quantize_tensorwise", x.device)
+    fused_cast = backend.resolve("quantize_tensorwise_column_sums", x.device)
+    n = x.numel()
+
+    def separate():
+        x.sum(dim=0, dtype=torch.float32)
+        cast.fn(x, scale, e5m2, True, True)
+
+    times = {"cast": harness.time_ms(lambda: cast.fn(x, scale, e5m2, True, True)),
+             "separate": harness.time_ms(separate),
+             "fused": harness.time_ms(lambda: fused_cast.fn(x, scale, e5m2, True, True))}
+    out = []
+    for case, key, logical in ((f"delayed: dy cast+T alone ({cast.backend})", "cast", 2 * n),
+                               (f"delayed: dy cast+T + bias grad, separate ({cast.backend} + torch, 2 reads)",
+                                "separate", 3 * n),
+                               (f"delayed: dy cast+T + bias grad, fused ({fused_cast.backend}, 1 read)", "fused",
+                                2 * n)):
+        tbs = logical / (times[key] * 1e-3) / 1e12
+        row = Row("cast", case, "auto", label, times[key], tbs, "TB/s", tbs / copy_tbs)
+        if key == "fused":
+            row.vs_peer, row.peer = times["separate"] / times["fused"], "separate"
+        out.append(harness.progress(row))
     return out
 
 

@@ -17,7 +17,7 @@ for part in $parts; do
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
         tests/test_fuser.py tests/test_cuda_gemm.py tests/test_cuda_cast.py tests/test_cuda_backend.py \
-        tests/test_graphs.py tests/test_graphed_step.py tests/test_hot_guard.py tests/test_amax_column_sums.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
+        tests/test_graphs.py tests/test_graphed_step.py tests/test_hot_guard.py tests/test_amax_column_sums.py tests/test_quantize_tensorwise_column_sums.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
         tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
     dbias)  # the output gradient's cast with its bias gradient, separate and fused (16384x7168)

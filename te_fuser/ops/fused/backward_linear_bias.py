@@ -4,7 +4,8 @@ gradient that its FP8 cast makes anyway, then the dgrad and wgrad GEMMs.
 Unfused, the bias sums the gradient in one pass and the linear's grad-output
 quantizer reads it again (under current scaling, twice: amax, then cast). A
 quantizer whose cast reads the tensor anyway returns the column sums with it
-(``Quantizer.quantize_with_column_sums``); the others sum in a pass of their own,
+(``Quantizer.quantize_with_column_sums``: current scaling from its amax pass,
+delayed scaling from its one-pass cast); the others sum in a pass of their own,
 which is the unfused computation.
 """
 
