@@ -228,19 +228,22 @@ def bench_bias_grad_delayed(x: torch.Tensor, copy_tbs: float, label: str) -> lis
         x.sum(dim=0, dtype=torch.float32)
         cast.fn(x, scale, e5m2, True, True)
 
+    fused_triton = backend.resolve("quantize_tensorwise_column_sums", x.device, backend="triton")
     times = {"cast": harness.time_ms(lambda: cast.fn(x, scale, e5m2, True, True)),
              "separate": harness.time_ms(separate),
-             "fused": harness.time_ms(lambda: fused_cast.fn(x, scale, e5m2, True, True))}
+             "fused": harness.time_ms(lambda: fused_cast.fn(x, scale, e5m2, True, True)),
+             "fused_triton": harness.time_ms(lambda: fused_triton.fn(x, scale, e5m2, True, True))}
     out = []
     for case, key, logical in ((f"delayed: dy cast+T alone ({cast.backend})", "cast", 2 * n),
                                (f"delayed: dy cast+T + bias grad, separate ({cast.backend} + torch, 2 reads)",
                                 "separate", 3 * n),
                                (f"delayed: dy cast+T + bias grad, fused ({fused_cast.backend}, 1 read)", "fused",
-                                2 * n)):
+                                2 * n),
+                               ("delayed: dy cast+T + bias grad, fused (triton, 1 read)", "fused_triton", 2 * n)):
         tbs = logical / (times[key] * 1e-3) / 1e12
         row = Row("cast", case, "auto", label, times[key], tbs, "TB/s", tbs / copy_tbs)
-        if key == "fused":
-            row.vs_peer, row.peer = times["separate"] / times["fused"], "separate"
+        if key.startswith("fused"):
+            row.vs_peer, row.peer = times["separate"] / times[key], "separate"
         out.append(harness.progress(row))
     return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import assert_bitwise
+from tolerances import assert_bitwise, assert_close
 
 from te_fuser.kernels import cuda
 from te_fuser.kernels import reference as ref
@@ -79,6 +79,25 @@ def test_quantize_tensorwise_layouts_and_amax_slot(rowwise, columnwise):
         assert_bitwise(data, want[0], "data")
     if columnwise:
         assert_bitwise(data_t, want[1], "data_t")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("hp", HP, ids=str)
+@pytest.mark.parametrize("columnwise", [True, False])
+def test_quantize_tensorwise_column_sums(shape, hp, columnwise):
+    """Bit for bit the plain cast (the copies and the amax); the column sums, from
+    the tiles of the transposing kernel, against float64."""
+    x = _data(shape, hp, seed=shape[1])
+    scale = torch.tensor(0.37, device="cuda")
+    *got, sums = cuda.quantize_tensorwise_column_sums(x, scale, E5M2, True, columnwise)
+    plain = cuda.quantize_tensorwise(x, scale, E5M2, True, columnwise)
+    ctx = _ctx("quantize_tensorwise_column_sums", x, E5M2)
+    for name, g, p in zip(("data", "data_t", "amax"), got, plain):
+        assert (g is None) == (p is None), f"{ctx} {name}"
+        if p is not None:
+            assert_bitwise(g, p, f"{ctx} {name}")
+    assert sums.shape == (shape[1],) and sums.dtype == torch.float32, ctx
+    assert_close(sums, x.double().sum(dim=0), "column_sums_fp32", f"{ctx} sums", scaled=True)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -171,14 +171,16 @@ def test_amax_column_sums_at_the_linear_gradient_size():
 
 def test_quantize_tensorwise_column_sums_at_the_linear_gradient_size():
     """16384 x 7168 bf16 (the big Linear's output gradient) under delayed scaling:
-    both copies and the amax bit for bit the plain Triton and CUDA casts, the sums
-    against float64."""
+    the Triton and the CUDA kernel's copies and amax bit for bit both plain casts,
+    their sums against float64."""
     from te_fuser.kernels import cuda as ck
 
     x = torch.nan_to_num(_big(16384, 7168, seed=6))
     scale = torch.tensor(0.37, device="cuda")
-    q, qt, amax, sums = tk.quantize_tensorwise_column_sums(x, scale, E5M2, True, True)
-    for cast in (tk.quantize_tensorwise, ck.quantize_tensorwise):
-        for name, got, want in zip(("data", "data_t", "amax"), (q, qt, amax), cast(x, scale, E5M2, True, True)):
-            assert_bitwise(got, want, f"{cast.__module__} {name}")
-    assert_close(sums, x.double().sum(dim=0), "column_sums_fp32", "sums", scaled=True)
+    exact = x.double().sum(dim=0)
+    for fused in (tk.quantize_tensorwise_column_sums, ck.quantize_tensorwise_column_sums):
+        q, qt, amax, sums = fused(x, scale, E5M2, True, True)
+        for cast in (tk.quantize_tensorwise, ck.quantize_tensorwise):
+            for name, got, want in zip(("data", "data_t", "amax"), (q, qt, amax), cast(x, scale, E5M2, True, True)):
+                assert_bitwise(got, want, f"{fused.__module__} vs {cast.__module__} {name}")
+        assert_close(sums, exact, "column_sums_fp32", f"{fused.__module__} sums", scaled=True)

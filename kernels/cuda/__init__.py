@@ -5,6 +5,8 @@ for bit):
 
 - ``quantize_tensorwise``: delayed-scaling cast; amax, row-wise and transposed
   (column-wise) FP8 copies in one pass;
+- ``quantize_tensorwise_column_sums``: the same, and the column sums (a bias
+  gradient) from the same read;
 - ``quantize_current``: current scaling, two passes (amax, then scale and cast,
   optionally with the transposed copy);
 - ``quantize_rowwise``: one scale per row (for row-wise scaled GEMMs);
@@ -24,11 +26,13 @@ what is missing (:func:`unavailable_reason`).
 
 from ._build import extension as load_extension
 from ._build import is_loaded, unavailable_reason
-from .cast import quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise
+from .cast import (quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise,
+                   quantize_tensorwise_column_sums)
 from .scaled_mm import block_scaled_mm_available, gemm, gemm_unsupported_reason
 
 __all__ = [
     "quantize_tensorwise",
+    "quantize_tensorwise_column_sums",
     "quantize_current",
     "quantize_rowwise",
     "quantize_mxfp8",

@@ -22,7 +22,7 @@ void amax(int64_t x, int hp_type, int64_t numel, int64_t amax_out, int64_t strea
 
 void cast(int64_t x, int hp_type, int fp8_type, int64_t rows, int64_t cols, int64_t out, int64_t out_t,
           int64_t scale, int64_t amax_out, int64_t amax_in, int64_t scale_out, int64_t scale_inv_out, double epsilon,
-          bool power_2, int64_t stream) {
+          bool power_2, int64_t column_partials, int64_t stream) {
   te_fuser::CastScaling scaling;
   scaling.scale = as_ptr<const float>(scale);
   scaling.amax_out = as_ptr<float>(amax_out);
@@ -31,6 +31,7 @@ void cast(int64_t x, int hp_type, int fp8_type, int64_t rows, int64_t cols, int6
   scaling.scale_inv_out = as_ptr<float>(scale_inv_out);
   scaling.epsilon = static_cast<float>(epsilon);  // rounds as torch.tensor(epsilon, dtype=float32)
   scaling.power_2 = power_2;
+  scaling.column_partials = as_ptr<float>(column_partials);
   te_fuser::launch_cast(as_ptr<const void>(x), hp_type, fp8_type, rows, cols, as_ptr<uint8_t>(out),
                         as_ptr<uint8_t>(out_t), scaling, as_stream(stream));
 }

@@ -124,7 +124,41 @@ def quantize_tensorwise(
     amax)``; the amax is written into ``amax_out`` when given (and that tensor
     returned), as the reference does.
     """
-    op = "quantize_tensorwise"
+    data, data_t, amax, _ = _tensorwise("quantize_tensorwise", x, scale, fp8_dtype, rowwise, columnwise, amax_out,
+                                        False)
+    return data, data_t, amax
+
+
+def quantize_tensorwise_column_sums(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_tensorwise` of 2-D ``x`` (M, N), and ``x`` summed over its rows
+    in fp32 (N,), a bias gradient. With the transposed copy, from the cast's one
+    read: each 128x128 tile's column sums, then their sum over the row tiles;
+    without it (no tile kernel runs), torch sums apart.
+
+    Returns ``(data or None, data_t or None, amax, sums)``.
+    """
+    op = "quantize_tensorwise_column_sums"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{op}: x must be a 2-D tensor (M, N), got {got}")
+    if not columnwise or x.numel() == 0:
+        data, data_t, amax, _ = _tensorwise(op, x, scale, fp8_dtype, rowwise, columnwise, amax_out, False)
+        return data, data_t, amax, x.sum(dim=0, dtype=torch.float32)
+    return _tensorwise(op, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True)
+
+
+_TILE = 128  # kTile of cast_kernels.cu: the rows of one tile of the transposing cast
+
+
+def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool):
+    """The delayed-scaling cast; with ``sums`` (x 2-D, ``columnwise``), also the column sums."""
     code = _fp8_code(fp8_dtype, op)
     x = _hp_input(x, op)
     device = x.device
@@ -133,14 +167,18 @@ def quantize_tensorwise(
     amax = _amax_target(amax_out, device, op)
     data = torch.empty(x.shape, dtype=fp8_dtype, device=device) if rowwise else None
     data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=device) if columnwise else None
+    partials = torch.empty(((rows + _TILE - 1) // _TILE, cols), dtype=torch.float32, device=device) if sums else None
     with on_device(device):
         extension().cast(
             x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),
-            scale.data_ptr(), amax.data_ptr(), 0, 0, 0, 0.0, False, raw_stream(device),
+            scale.data_ptr(), amax.data_ptr(), 0, 0, 0, 0.0, False, _ptr(partials), raw_stream(device),
         )  # fmt: skip
     if amax_out is not None and amax is not amax_out:
         amax = amax_out.copy_(amax.reshape(amax_out.shape))
-    return data, data_t, amax
+    column_sums = None
+    if sums:
+        column_sums = partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
+    return data, data_t, amax, column_sums
 
 
 def quantize_current(
@@ -181,7 +219,7 @@ def quantize_current(
             ext.amax(x.data_ptr(), HP_CODES[x.dtype], x.numel(), amax.data_ptr(), stream)
         ext.cast(
             x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),
-            0, 0, amax.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), epsilon, bool(power_2), stream,
+            0, 0, amax.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), epsilon, bool(power_2), 0, stream,
         )  # fmt: skip
     return data, data_t, scale, scale_inv, amax
 

@@ -183,7 +183,10 @@ __device__ __forceinline__ void cast_tile_piece(const float (&v)[8], float scale
 // null, out_t (cols, rows) is not. One kTile x kTile tile per block. Whole
 // tiles issue kGroup 16-byte loads per thread before using any of them; edge
 // tiles go element by element.
-template <typename T, int FP8, bool CURRENT>
+// SUMS: each thread also adds up its 8 columns over its rows, the block adds the
+// threads of each column in a fixed order, and the tile's column sums go to row
+// blockIdx.y of s.column_partials.
+template <typename T, int FP8, bool CURRENT, bool SUMS>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t rows,
                           int64_t cols, CastScaling s) {
@@ -191,6 +194,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kGroup = 4;
   __shared__ uint32_t tile[kTile * kTileWords];
   __shared__ uint32_t scratch[33];
+  __shared__ float column_sums[SUMS ? kTileRowsPerPass * kTile : 1];
+  float sums[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   const float scale = cast_scale<FP8, CURRENT>(s);
   publish_scale<CURRENT>(s, scale, blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0);
   const int64_t row0 = int64_t(blockIdx.y) * kTile;
@@ -212,6 +217,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int p = 0; p < kGroup; ++p) {
         const int r = (g + p) * kTileRowsPerPass + r_first;
         if (!CURRENT) amax = amax_bits8(v[p], amax);
+        if (SUMS) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) sums[j] += v[p][j];
+        }
         cast_tile_piece<FP8>(v[p], scale, 8, true, out, (row0 + r) * cols + col0 + c, tile, r, c);
       }
     }
@@ -230,10 +239,24 @@ __global__ void __launch_bounds__(kThreads)
         load8_partial(x + offset, count, v);
       }
       if (!CURRENT) amax = amax_bits8(v, amax);
+      if (SUMS) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sums[j] += v[j];  // zeros past the edge
+      }
       cast_tile_piece<FP8>(v, scale, count, vector_ok, out, offset, tile, r, c);
     }
   }
+  if (SUMS) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) column_sums[r_first * kTile + c + j] = sums[j];
+  }
   __syncthreads();
+  if (SUMS && threadIdx.x < kTile && col0 + threadIdx.x < cols) {
+    float total = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kTileRowsPerPass; ++r) total += column_sums[r * kTile + threadIdx.x];
+    s.column_partials[int64_t(blockIdx.y) * cols + col0 + threadIdx.x] = total;
+  }
   write_transposed_tile(tile, out_t, rows, cols, row0, col0);
   if (!CURRENT) commit_amax(amax, s.amax_out, scratch);
 }
@@ -327,9 +350,12 @@ void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t
                  const CastScaling& scaling, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const bool current = scaling.amax_in != nullptr;
-  if (!current) check_cuda(cudaMemsetAsync(scaling.amax_out, 0, sizeof(float), stream), "cast (zeroing amax)");
   const int64_t numel = rows * cols;
   const bool transpose = out_t != nullptr && numel > 0;
+  if (scaling.column_partials != nullptr && (current || !transpose)) {
+    throw std::invalid_argument("cast: column sums come with a delayed-scaling cast that writes the transposed copy");
+  }
+  if (!current) check_cuda(cudaMemsetAsync(scaling.amax_out, 0, sizeof(float), stream), "cast (zeroing amax)");
   dispatch_hp(hp_type, "cast", [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_fp8(fp8_type, "cast", [&](auto fp8) {
@@ -340,9 +366,14 @@ void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t
         if (row_tiles > 65535) throw std::invalid_argument("cast: a transposed copy supports at most 8388480 rows");
         const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned(row_tiles));
         if (current) {
-          cast_transpose_kernel<T, FP8, true><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols, scaling);
+          cast_transpose_kernel<T, FP8, true, false><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols,
+                                                                                   scaling);
+        } else if (scaling.column_partials != nullptr) {
+          cast_transpose_kernel<T, FP8, false, true><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols,
+                                                                                   scaling);
         } else {
-          cast_transpose_kernel<T, FP8, false><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols, scaling);
+          cast_transpose_kernel<T, FP8, false, false><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols,
+                                                                                    scaling);
         }
       } else {
         const unsigned grid = grid_for((numel / kChunk + kUnroll - 1) / kUnroll, kThreads);

@@ -27,6 +27,10 @@ struct CastScaling {
   float* scale_inv_out = nullptr;
   float epsilon = 0.0f;
   bool power_2 = false;
+  // Delayed scaling with a transposed copy: also the column sums of each tile
+  // (fp32, (row tiles, cols), row tile i holding rows [128 i, 128 i + 128)),
+  // which the caller adds up over the row tiles (a bias gradient).
+  float* column_partials = nullptr;
 };
 
 // amax(|x|) of `numel` elements into amax_out (fp32, one element).
@@ -34,7 +38,7 @@ void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, voi
 
 // Tensor-scaled cast of x (rows, cols), row-major. `out` (rows, cols) and / or
 // `out_t` (cols, rows) may be null. Current scaling when scaling.amax_in is set,
-// delayed scaling otherwise.
+// delayed scaling otherwise; scaling.column_partials needs delayed scaling and out_t.
 void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols, uint8_t* out,
                  uint8_t* out_t, const CastScaling& scaling, void* stream);
 
