@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from ..operand import ScaledOperand
-from ..reference.cast import check_given_amax
+from ..reference.cast import check_given_amax, check_matrix
 from ._build import extension, raw_stream
 
 __all__ = ["quantize_tensorwise", "quantize_current", "quantize_rowwise", "quantize_mxfp8"]
@@ -145,9 +145,7 @@ def quantize_tensorwise_column_sums(
     Returns ``(data or None, data_t or None, amax, sums)``.
     """
     op = "quantize_tensorwise_column_sums"
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{op}: x must be a 2-D tensor (M, N), got {got}")
+    check_matrix(x, op)
     if not columnwise or x.numel() == 0:
         data, data_t, amax, _ = _tensorwise(op, x, scale, fp8_dtype, rowwise, columnwise, amax_out, False)
         return data, data_t, amax, x.sum(dim=0, dtype=torch.float32)

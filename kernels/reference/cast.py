@@ -112,9 +112,7 @@ def quantize_tensorwise_column_sums_reference(
 
     Returns ``(data or None, data_t or None, amax, sums)``.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"quantize_tensorwise_column_sums: x must be a 2-D tensor (M, N), got {got}")
+    check_matrix(x, "quantize_tensorwise_column_sums")
     q, qt, amax = quantize_tensorwise_reference(x, scale, fp8_dtype, rowwise, columnwise, amax_out)
     return q, qt, amax, x.sum(dim=0, dtype=torch.float32)
 
@@ -150,12 +148,17 @@ def amax_column_sums_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     What a bias and a current-scaling cast of a gradient both read: the amax of
     current scaling and the bias gradient (the sum accumulated in fp32), from one
     read of ``x`` in the kernels."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"amax_column_sums: x must be a 2-D tensor (M, N), got {got}")
+    check_matrix(x, "amax_column_sums")
     xf = x.float()
     amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
     return amax, x.sum(dim=0, dtype=torch.float32)
+
+
+def check_matrix(x, kernel: str) -> None:
+    """The kernels that sum columns take a 2-D ``x`` (M, N)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{kernel}: x must be a 2-D tensor (M, N), got {got}")
 
 
 def check_given_amax(amax, x: torch.Tensor, kernel: str) -> None:

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..operand import ScaledOperand, scale_grid_shape
-from ..reference.cast import check_given_amax
+from ..reference.cast import check_given_amax, check_matrix
 from ._common import (
     abs_bits,
     check_epsilon,
@@ -301,9 +301,7 @@ def quantize_tensorwise_column_sums(
     Returns ``(data or None, data_t or None, amax, sums)``.
     """
     kernel = "quantize_tensorwise_column_sums"
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{kernel}: x must be a 2-D tensor (M, N), got {got}")
+    check_matrix(x, kernel)
     return _tensorwise(kernel, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True)
 
 
