@@ -310,3 +310,17 @@ def test_moving_the_model_to_the_gpu_is_noticed():
         results.append((stats.builds, stats.hits, y.cpu()))
     assert results[0][:2] == results[1][:2] == (2, 2)
     assert torch.equal(results[0][2], results[1][2])
+
+
+def test_a_subclass_with_its_own_forward_keeps_it():
+    class Doubled(te.ops.Sequential):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    m = Doubled(te.ops.RMSNorm(H), te.ops.Linear(H, H), te.ops.GELU(), te.ops.Linear(H, H))
+    reference, x = python_path_only(model()), torch.randn(4, H)
+    with te.autocast(recipe=CURRENT):
+        for _ in range(3):
+            assert torch.equal(m(x), 2 * reference(x))
+    assert "forward" not in m.__dict__ and _fusers_of(m)[0]._guard.armed

@@ -121,9 +121,10 @@ class Sequential(nn.Module):
         instance's ``forward``, the group's compiled entry: ``forward(x)`` then
         reaches the fuser's guard without a Python frame, and any other call
         (extra inputs) goes to :meth:`_forward_groups`. Without the compiled
-        guard, the class's ``forward`` runs."""
+        guard, or in a subclass with a ``forward`` of its own, the class's
+        ``forward`` runs."""
         fast = self._fast_fuser
-        if fast is not None and fast._guard is not None:
+        if fast is not None and fast._guard is not None and type(self).forward is Sequential.forward:
             self.__dict__["forward"] = hot_guard.guard_module().Entry(fast._guard, self, self._forward_groups)
         else:
             self.__dict__.pop("forward", None)
