@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import io
 import os
 import subprocess
@@ -257,6 +258,7 @@ def test_a_one_group_model_forwards_through_the_compiled_entry(monkeypatch):
         assert torch.equal(m(x), y)
         monkeypatch.undo()
         assert torch.equal(m(x=x), y)  # keywords take the Python forward
+        assert list(inspect.signature(m.forward).parameters) == ["x", "extra_inputs"]
         seen = []
         handle = m.register_forward_hook(lambda module, args, out: seen.append(out))
         m(x)

@@ -317,6 +317,17 @@ static void entry_dealloc(Entry *e) {
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
+/* entry.__wrapped__: the Python forward, so inspect.signature(model.forward) is its signature. */
+static PyObject *entry_wrapped(Entry *e, void *closure) {
+    Py_INCREF(e->general);
+    return e->general;
+}
+
+static PyGetSetDef entry_getset[] = {
+    {"__wrapped__", (getter)entry_wrapped, NULL, "the Python forward (its signature is the entry's)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject EntryType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "te_fuser.ops._hot_guard.Entry",
@@ -329,6 +340,7 @@ static PyTypeObject EntryType = {
     .tp_clear = (inquiry)entry_clear,
     .tp_vectorcall_offset = offsetof(Entry, vectorcall),
     .tp_call = PyVectorcall_Call,
+    .tp_getset = entry_getset,
 };
 
 /* null_plan(x, *anything) -> x: a plan that does nothing, at the cost of a C call.
