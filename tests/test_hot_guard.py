@@ -12,6 +12,7 @@ import io
 import os
 import subprocess
 import sys
+import tempfile
 import weakref
 
 import pytest
@@ -326,3 +327,15 @@ def test_a_subclass_with_its_own_forward_keeps_it():
         for _ in range(3):
             assert torch.equal(m(x), 2 * reference(x))
     assert "forward" not in m.__dict__ and _fusers_of(m)[0]._guard.armed
+
+
+def test_an_unwritable_cache_builds_in_a_temporary_folder(tmp_path):
+    blocked = tmp_path / "not_a_folder"
+    blocked.write_text("a file where the cache folder would go")
+    code = ("from te_fuser.ops import hot_guard\n"
+            "print(hot_guard.unavailable_reason(), hot_guard.guard_module().__file__)\n")
+    env = dict(os.environ, TE_FUSER_CACHE_DIR=str(blocked))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    reason, path = out.stdout.split()
+    assert reason == "None" and path.startswith(tempfile.gettempdir()) and "te_fuser_hot_guard" in path

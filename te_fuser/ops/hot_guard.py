@@ -13,7 +13,8 @@ with the first time a fuser is made in a process (about a second), into
 - ``~/.cache/te_fuser/hot_guard`` otherwise,
 
 under a name that carries a digest of the source and the Python ABI, so later
-processes only load it. Without a compiler or Python's headers, or with
+processes only load it (a per-user temporary folder when the cache cannot be
+written). Without a compiler or Python's headers, or with
 ``TE_FUSER_HOT_GUARD=0``, fusers run the Python path: the same decisions,
 about twice the overhead per call. :func:`unavailable_reason` says which.
 """
@@ -45,10 +46,15 @@ _MODULE_NAME = "te_fuser.ops._hot_guard"  # the C file's PyInit__hot_guard
 _state: dict = {"tried": False, "module": None, "reason": None}
 
 
-def _library_path() -> Path:
+def _library_paths() -> list[Path]:
+    """Where the built module is looked for and built: the cache, then (when the
+    cache cannot be written) a per-user temporary folder."""
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     digest = hashlib.sha256(SOURCE.read_bytes() + sys.version.encode()).hexdigest()[:16]
-    return Path(_env.cache_dir()) / "hot_guard" / f"_hot_guard_{digest}{suffix}"
+    name = f"_hot_guard_{digest}{suffix}"
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return [Path(_env.cache_dir()) / "hot_guard" / name,
+            Path(tempfile.gettempdir()) / f"te_fuser_hot_guard_{user}" / name]
 
 
 def _compile(target: Path) -> None:
@@ -93,11 +99,18 @@ def guard_module():
         return None
     t0 = time.perf_counter()
     try:
-        path = _library_path()
-        if not path.exists():
-            _compile(path)
+        paths = _library_paths()
+        path = next((p for p in paths if p.exists()), None)
+        if path is None:
+            for path in paths:
+                try:
+                    _compile(path)
+                    break
+                except OSError:  # an unwritable folder: the next one
+                    if path == paths[-1]:
+                        raise
         _state["module"] = _load(path)
-    except Exception as err:  # no compiler, no headers, unwritable cache: the Python path runs
+    except Exception as err:  # no compiler, no headers, nowhere to write: the Python path runs
         _state["reason"] = f"{type(err).__name__}: {err}"
         _log.info("te_fuser: the compiled hot path is unavailable (%s); fusers use the Python path", _state["reason"])
         return None
