@@ -55,7 +55,11 @@ def main(argv=None) -> list[dict]:
     ).to(device)
     model = build_model(args.hidden, args.ffn, device)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    print(f"te_fuser {te.__version__} on {device} (torch {torch.__version__}); compute dtype bfloat16")
+    from .ops import hot_guard
+
+    reason = hot_guard.unavailable_reason()
+    print(f"te_fuser {te.__version__} on {device} (torch {torch.__version__}); compute dtype bfloat16; "
+          f"hot path: {'compiled' if reason is None else f'Python ({reason})'}")
     print(f"{'phase':<8} {'recipe':<22} {'loss first->last':>18} {'re-fusions':>10} {'build ms':>9} {'step ms':>8}")
     rows = []
     for phase, recipe in SCHEDULE:
