@@ -179,7 +179,7 @@ class OperationFuser:
         plan, state, guard = self._plan, self._last_state, self._guard
         if plan is not None and state is not None and guard is not None:
             guard.arm(state, _FuserFunction.apply, (self, plan), tuple(self._flat_params), plan.needs_backward,
-                            plan.dtype, plan.training, plan.is_cuda, plan.epoch)
+                      plan.dtype, plan.training, plan.is_cuda, plan.epoch)
         return out
 
     def _same_config(self, plan: FusionPlan, state) -> bool:
