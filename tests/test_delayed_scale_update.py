@@ -45,15 +45,17 @@ def div(a: float, b: float) -> float:
 
 
 def oracle(history: list[float], amax: float, prev_scale: float, count: int, fmax: float, margin: int, algo: str):
-    """``(history, scale, scale_inv, count)`` after recording ``amax``, in float64."""
+    """``(history, scale, scale_inv, count)`` after recording ``amax``, in float64.
+    An inf or NaN ``amax`` is skipped: history and scale unchanged, counted."""
+    if not amax < INF:  # inf or NaN
+        return list(history), prev_scale, f32(div(1.0, prev_scale)), count + 1
     history = [amax] + history[:-1]
     if algo == "max":
         a = NAN if any(math.isnan(h) for h in history) else max(history)
     else:
         a = history[0]
-    finite = a < INF  # False for inf and NaN
-    scale = prev_scale
-    if finite and a > 0:
+    scale = prev_scale  # also for an inf or NaN already in the history: kept, not counted
+    if a < INF and a > 0:
         scale = f32(div(fmax, a))
         exponent = margin
         while exponent > 0:
@@ -61,7 +63,7 @@ def oracle(history: list[float], amax: float, prev_scale: float, count: int, fma
             scale = f32(scale / 2.0**step)
             exponent -= step
         scale = FLT_MAX if scale == INF else scale
-    return history, scale, f32(div(1.0, scale)), count + (not finite)
+    return history, scale, f32(div(1.0, scale)), count
 
 
 def _history(length: int, variant: int, gen: torch.Generator) -> list[float]:
@@ -114,7 +116,10 @@ def test_oracle_anchors():
     assert oracle([2.0, 1.0], 4.0, 0.5, 0, 448.0, 0, "max")[1:] == (112.0, f32(1 / 112), 0)
     assert oracle([8.0, 1.0], 4.0, 0.5, 0, 448.0, 1, "most_recent")[1] == 56.0  # 448 / 4 / 2
     assert oracle([0.0], 1e-40, 0.5, 0, 448.0, 1, "max")[1] == FLT_MAX  # inf / 2 stays inf: capped after
-    assert oracle([NAN, 0.0], 3.0, 0.5, 2, 448.0, 0, "max")[1:] == (0.5, 2.0, 3)
+    assert oracle([NAN, 0.0], 3.0, 0.5, 2, 448.0, 0, "max")[1:] == (0.5, 2.0, 2)  # an old NaN: kept, uncounted
+    assert oracle([2.0, NAN], 3.0, 0.5, 2, 448.0, 0, "max")[1:] == (f32(448 / 3), f32(3 / 448), 2)  # it left
+    assert oracle([2.0, 1.0], INF, 0.5, 4, 448.0, 0, "max") == ([2.0, 1.0], 0.5, 2.0, 5)  # skipped, counted
+    assert oracle([2.0, 1.0], NAN, 0.5, 4, 448.0, 0, "most_recent") == ([2.0, 1.0], 0.5, 2.0, 5)
     assert oracle([2.0], 0.0, 0.5, 0, 448.0, 0, "most_recent")[1] == 0.5  # amax 0 keeps the scale
     assert oracle([2.0], 4.0, 0.5, 0, 448.0, 200, "max")[1:] == (0.0, INF, 0)  # underflows to 0
     steps = oracle([0.0], 1.3266624398437094e-13, 1.0, 0, 448.0, 200, "max")[1]
@@ -153,6 +158,76 @@ def test_update_edge_cases(impl):
     _check(impl, fn, long, 3.0, E5M2, 0, "max")
     long[2300] = NAN
     _check(impl, fn, long, 3.0, E5M2, 0, "max")
+
+
+def _chain(fn, amaxes, length, fp8_dtype, margin, algo, device=DEVICE) -> list:
+    """The state after each of ``amaxes``, every update fed the previous one's
+    outputs, from a fresh state (zeros, scale 1, count 0)."""
+    state = (torch.zeros(length, device=device), torch.ones((), device=device), None,
+             torch.zeros((), dtype=torch.int64, device=device))  # fmt: skip
+    states = []
+    for amax in amaxes:
+        history, scale, _, count = state
+        state = fn(history, torch.tensor([amax], device=device), scale, count, fp8_dtype, margin, algo)
+        states.append(state)
+    return states
+
+
+def _oracle_chain(amaxes, length, fp8_dtype, margin, algo) -> list:
+    state, states = ([0.0] * length, 1.0, 1.0, 0), []
+    for amax in amaxes:
+        state = oracle(state[0], f32(amax), state[1], state[3], FMAX[fp8_dtype], margin, algo)
+        states.append(state)
+    return states
+
+
+# finite amaxes (a zero, a tiny one, a 5 and a 6 that must leave a window of 4) with
+# inf and NaN amaxes between them: first, alone, in a run, and last
+FINITE = [2.0, 6.0, 0.5, 0.0, 3.0, 1e-40, 1.0, 0.25, 5.0, 0.125, 0.75, 1.5]
+MIXED = [INF, 2.0, 6.0, INF, 0.5, 0.0, NAN, INF, NAN, 3.0, 1e-40, 1.0, NAN, 0.25, 5.0, 0.125, 0.75, INF, 1.5, NAN]
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 3])
+def test_nonfinite_amax_is_skipped_as_if_never_seen(impl, algo, margin):
+    """An inf or NaN amax leaves history, scale and scale_inv exactly as before it and
+    only counts; the next finite amax continues as if the call had not happened. So
+    the mixed run's states are the finite run's (which are the oracle's), repeated
+    over each skipped call, with the count of skipped calls so far."""
+    assert [a for a in MIXED if a < INF] == FINITE
+    length, fn = 4, IMPLEMENTATIONS[impl]
+    mixed = _chain(fn, MIXED, length, E4M3, margin, algo)
+    finite = _chain(fn, FINITE, length, E4M3, margin, algo)
+    for step, (got, want) in enumerate(zip(finite, _oracle_chain(FINITE, length, E4M3, margin, algo))):
+        for field, g, w in zip(("history", "scale", "scale_inv", "count"), got, want):
+            w = torch.tensor(w, dtype=g.dtype, device=g.device)
+            assert_bitwise(g, w, f"{impl} {algo} margin={margin} finite step {step}: {field}")
+    fresh = (torch.zeros(length), torch.tensor(1.0), torch.tensor(1.0))
+    recorded, skipped = 0, 0
+    for step, (amax, state) in enumerate(zip(MIXED, mixed)):
+        if amax < INF:
+            recorded += 1
+        else:
+            skipped += 1
+        want = finite[recorded - 1][:3] if recorded else fresh
+        context = f"{impl} {algo} margin={margin} step {step} (amax {amax}, {skipped} skipped so far)"
+        for field, g, w in zip(("history", "scale", "scale_inv"), state[:3], want):
+            assert_bitwise(g, w.to(g.device), f"{context}: {field}")
+        assert state[3].item() == skipped, f"{context}: count {state[3].item()}"
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_nonfinite_in_the_history_keeps_the_scale_uncounted(impl):
+    """State from before the skip rule may hold an inf or NaN: under "max" it keeps the
+    scale until it leaves the window, and a finite amax is still not counted."""
+    fn = IMPLEMENTATIONS[impl]
+    for old in (INF, NAN):
+        history, scale, count = [old, 2.0, 1.0], 0.5, 3
+        for amax in (4.0, 8.0, 1.0):  # inf/NaN in slots 1, 2, then dropped
+            _check(impl, fn, history, amax, E4M3, 0, "max", prev_scale=scale, count=count)
+            history, scale, _, count = oracle(history, amax, scale, count, 448.0, 0, "max")
+        assert scale == 56.0 and count == 3  # 448 / 8 once the old value left; nothing counted
 
 
 def test_old_state_is_not_written():

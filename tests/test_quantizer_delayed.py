@@ -23,6 +23,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: 448.0, E5M2: 57344.0}
 FLT_MAX = torch.finfo(torch.float32).max
 INF, NAN = math.inf, math.nan
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CPU tensors only interpreted
 
 
 def f32(value: float) -> float:
@@ -42,7 +43,8 @@ def with_amax(amax: float, shape=(4, 32)) -> torch.Tensor:
 
 
 def expected_update(amax: float, prev_scale: float, fmax: float, margin: int) -> tuple[float, bool]:
-    """Next scale and whether the amax was non-finite, in float64 arithmetic."""
+    """Next scale from the history amax ``amax`` and whether it was non-finite, in
+    float64 arithmetic (inf, NaN and 0 keep the previous scale)."""
     if math.isnan(amax) or math.isinf(amax):
         return prev_scale, True
     if amax == 0:
@@ -56,16 +58,22 @@ def history_max(history: list[float]) -> float:
 
 
 def simulate(amaxes, fmax, margin, history_len, algo=history_max):
-    """Per call: (scale used by the cast, history after it, next scale, non-finite count)."""
+    """Per call: (scale used by the cast, history after it, next scale, non-finite count).
+
+    An inf or NaN amax is skipped (history and scale kept) and counted; it cannot
+    seed either: a first such tensor leaves the scale 1, yet the quantizer counts
+    as seeded, so the next tensor is cast with 1 too."""
     history, scale, seeded, count, steps = [0.0] * history_len, 1.0, False, 0, []
     for amax in amaxes:
         if not seeded:
             scale, _ = expected_update(amax, scale, fmax, margin)
             seeded = True
         used = scale
-        history = [amax] + history[:-1]
-        scale, nonfinite = expected_update(algo(history), scale, fmax, margin)
-        count += nonfinite
+        if amax < INF:
+            history = [amax] + history[:-1]
+            scale, _ = expected_update(algo(history), scale, fmax, margin)
+        else:
+            count += 1
         steps.append((used, list(history), scale, count))
     return steps
 
@@ -117,25 +125,114 @@ def test_most_recent_with_margin_zero_tiny_inf_nan():
     check_steps(quantizer, amaxes, expected)
 
 
-def test_max_algo_keeps_scale_while_inf_is_in_the_window():
+def test_max_algo_skips_an_inf_amax():
     amaxes = [1.0, INF, 2.0, 3.0, 4.0]
     quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=2)
     expected = simulate(amaxes, 448.0, 0, 2)
-    assert [step[3] for step in expected] == [0, 1, 2, 2, 2]
-    assert expected[3][2] == f32(448 / 3)
+    assert [step[3] for step in expected] == [0, 1, 1, 1, 1]  # the inf counted once
+    assert expected[1][1:3] == ([1.0, 0.0], 448.0)  # not recorded: history and scale as before it
+    assert expected[2][1:3] == ([2.0, 1.0], 224.0)  # the next finite amax sets the scale at once
     check_steps(quantizer, amaxes, expected)
 
 
 def test_nonfinite_first_tensor_keeps_scale_one():
+    """A NaN first tensor cannot seed: scale 1, counted once, not recorded; the
+    quantizer still counts as seeded (no host sync decides), so the next tensor is
+    cast with 1 and its amax sets the scale."""
     quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=2)
-    expected = simulate([NAN, 8.0], 448.0, 0, 2)
-    assert expected[0][0] == 1.0 and expected[0][3] == 1  # counted at the update, not at the seed
-    assert expected[1][3] == 2  # NaN is still in the window of two
-    check_steps(quantizer, [NAN, 8.0], expected)
+    expected = simulate([NAN, 8.0, 4.0], 448.0, 0, 2)
+    assert expected[0] == (1.0, [0.0, 0.0], 1.0, 1)  # counted by the update, once
+    assert expected[1] == (1.0, [8.0, 0.0], 56.0, 1)
+    check_steps(quantizer, [NAN, 8.0, 4.0], expected)
+    assert quantizer.seeded
 
 
 def second_newest(history: torch.Tensor) -> torch.Tensor:
     return history[1]
+
+
+def newest_max(history: torch.Tensor) -> torch.Tensor:
+    """``"max"`` as a callable: the torch-ops path of the update."""
+    return history.amax()
+
+
+def fmax_over_amax(amax, scale, fmax, recipe):
+    """The default scale as a ``scaling_factor_compute_algo``: the torch-ops path."""
+    return fmax / amax
+
+
+# the update's paths: the delayed_scale_update kernel ("max", "most_recent") and torch ops (a callable)
+UPDATE_PATHS = {
+    "max": ("max", None),
+    "most_recent": ("most_recent", None),
+    "callable_amax": (newest_max, None),
+    "callable_scale": ("max", fmax_over_amax),
+}
+
+
+def _state(quantizer: DelayedScalingQuantizer) -> dict:
+    return {name: getattr(quantizer, name) for name in ("amax_history", "scale", "scale_inv")}
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "triton"])
+@pytest.mark.parametrize("path", list(UPDATE_PATHS))
+def test_scale_recovers_on_the_next_finite_tensor(path, backend_name):
+    """Tensors holding an inf or a NaN are counted and otherwise not seen: the state
+    after each equals that of a twin quantizer fed only the finite tensors, so the
+    scale follows the very next finite tensor (not amax_history_len calls later)."""
+    import te_fuser as te
+
+    algo, scale_algo = UPDATE_PATHS[path]
+    mixed = [4.0, 2.0, INF, NAN, 8.0, INF, 1.0, 0.5]
+
+    def make() -> DelayedScalingQuantizer:  # a window longer than the run: a recorded inf would hold "max"
+        return DelayedScalingQuantizer(
+            E4M3, amax_history_len=16, amax_compute_algo=algo, scaling_factor_compute_algo=scale_algo
+        )
+
+    quantizer, twin = make(), make()
+    with te.backend.use_backend(backend_name):
+        skipped = 0
+        for step, amax in enumerate(mixed):
+            where = f"{path} on {backend_name}, step {step} (amax {amax})"
+            before = _state(quantizer)
+            t = quantizer(with_amax(amax).to(DEVICE))
+            if amax < INF:
+                t_twin = twin(with_amax(amax).to(DEVICE))
+                assert_bitwise(t.rowwise.scale_inv, t_twin.rowwise.scale_inv, f"{where}: scale_inv of the cast")
+                assert_bitwise(t.rowwise.data, t_twin.rowwise.data, f"{where}: FP8 data")
+                want = _state(twin)
+            else:
+                skipped += 1
+                want = before
+            for name, value in _state(quantizer).items():
+                assert_bitwise(value, want[name], f"{where}: {name}")
+            assert quantizer.nonfinite_amax_events == skipped, where
+            if step == 4:  # the first finite tensor after the inf and the NaN: 448 / 8
+                assert quantizer.scale.item() == 56.0, where
+    assert skipped == 3 and twin.nonfinite_amax_events == 0
+    assert not quantizer.amax_history.isnan().any() and quantizer.amax_history.max().item() == 8.0
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "triton"])
+@pytest.mark.parametrize("path", list(UPDATE_PATHS))
+def test_nonfinite_history_from_older_state_is_not_counted(path, backend_name):
+    """A history holding an inf (state from before the skip rule) keeps the scale
+    while the inf is in the window under "max"; finite tensors are not counted."""
+    import te_fuser as te
+
+    algo, scale_algo = UPDATE_PATHS[path]
+    quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3, amax_compute_algo=algo,
+                                        scaling_factor_compute_algo=scale_algo)  # fmt: skip
+    # amax -> next scale; "most_recent" reads only the newest entry, the others the window's max
+    steps = {4.0: 112.0, 8.0: 56.0, 1.0: 448.0} if path == "most_recent" else {4.0: 224.0, 8.0: 224.0, 1.0: 56.0}
+    with te.backend.use_backend(backend_name):
+        quantizer(with_amax(2.0).to(DEVICE))  # seeded: scale 224
+        quantizer.amax_history = torch.tensor([INF, 2.0, 0.0], device=DEVICE)
+        for amax, scale in steps.items():  # the inf in slots 1, 2, then out of the window
+            quantizer(with_amax(amax).to(DEVICE))
+            assert quantizer.scale.item() == scale, f"{path} on {backend_name}, after amax {amax}"
+    assert quantizer.nonfinite_amax_events == 0
 
 
 def test_callable_amax_algo():
@@ -160,9 +257,11 @@ def test_scaling_factor_compute_algo():
     scales_used = []
     for amax in [3.0, 5.0, 0.0, INF, 6.0]:
         scales_used.append(1.0 / quantizer(with_amax(amax)).rowwise.scale_inv.item())
-    # seed 2 (doubles 1); then 4, 8; amax 0 is not zero in a 'max' window: 16; inf keeps 16; ...
+    # seed 2 (doubles 1); then 4, 8; amax 0 is not zero in a 'max' window: 16; inf is skipped,
+    # keeping 16 (the callable runs, its result unused); 6 doubles again: 32
     assert scales_used == [2.0, 4.0, 8.0, 16.0, 16.0]
-    assert quantizer.scale.item() == 16.0 and quantizer.nonfinite_amax_events == 2
+    assert quantizer.scale.item() == 32.0 and quantizer.nonfinite_amax_events == 1
+    assert_bitwise(quantizer.amax_history, torch.tensor([6.0, 0.0]), "the inf was not recorded")
     assert seen[0] == (3.0, 57344.0, recipe)
 
 
@@ -219,8 +318,12 @@ def test_carry_state_keeps_nonfinite_count_and_previous_scale():
     previous = run_steps(DelayedScalingQuantizer(E4M3, amax_history_len=2), [2.0, INF])
     quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3)
     quantizer.carry_state_from(previous)
-    assert quantizer.scale.item() == previous.scale.item() == 224.0  # inf in the window: kept
+    assert_bitwise(quantizer.amax_history, torch.tensor([2.0, 0.0, 0.0]), "the inf was never recorded")
+    assert quantizer.scale.item() == previous.scale.item() == 224.0
     assert quantizer.nonfinite_amax_events == 1
+    previous.amax_history = torch.tensor([INF, 2.0])  # a history holding inf: older state
+    quantizer.carry_state_from(previous)
+    assert quantizer.scale.item() == 224.0  # inf in the window: the previous scale kept
 
 
 @pytest.mark.parametrize("previous", [None, "current", "unseeded"])
@@ -247,7 +350,7 @@ def test_state_dict_roundtrip_continues_identically():
     state = source.state_dict()
     target = DelayedScalingQuantizer(E4M3, amax_history_len=4)
     target.load_state_dict(state)
-    assert target.seeded and target.nonfinite_amax_events == 2  # inf stayed in the window
+    assert target.seeded and target.nonfinite_amax_events == 1  # the inf, once
     a, b = source(with_amax(3.0)), target(with_amax(3.0))
     assert_bitwise(a.rowwise.data, b.rowwise.data, "same cast")
     for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count"):

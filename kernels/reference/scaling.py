@@ -1,16 +1,28 @@
 """Reference delayed-scaling state update in plain torch: the numerics oracle.
 
 After a delayed-scaling cast has written its tensor's amax, the quantizer's state
-moves on (``L`` = history length, newest entry first):
+moves on (``L`` = history length, newest entry first). A call whose own amax is
+inf or NaN (``not amax < inf``) is *skipped*; any other call is *recorded*:
 
-    history   = [amax, history[0 : L-1]]
-    a         = max(history) (NaN if any entry is NaN) | history[0]   ("max" | "most_recent")
-    q         = fmax / a, then / 2**64 ... / 2**rest                  (the margin; every division
-                                                                       an IEEE fp32 one)
-    q         = largest finite fp32 for +inf (lowest for -inf)
-    scale     = q if 0 < a < inf else the previous scale             (amax 0, inf or NaN keep it)
-    scale_inv = 1 / scale                                             (IEEE fp32 division)
-    count     = count + (1 if a is inf or NaN else 0)
+    skipped:   history   = history                                        (unchanged, not shifted)
+               scale     = the previous scale
+               count     = count + 1
+    recorded:  history   = [amax, history[0 : L-1]]
+               a         = max(history) (NaN if any entry is NaN) | history[0]   ("max" | "most_recent")
+               q         = fmax / a, then / 2**64 ... / 2**rest           (the margin; every division
+                                                                           an IEEE fp32 one)
+               q         = largest finite fp32 for +inf (lowest for -inf)
+               scale     = q if 0 < a < inf else the previous scale      (amax 0, or an inf or NaN
+                                                                           already in the history)
+               count     = count
+    both:      scale_inv = 1 / scale                                      (IEEE fp32 division)
+
+So ``count`` is the number of calls whose own amax was inf or NaN, and such an
+amax never enters the history: it cannot freeze a "max" window, and the next
+finite amax continues exactly as if the skipped call had not happened. An inf or
+NaN is in the history only when older state put it there (a checkpoint written
+before this rule): it keeps the scale until it leaves the window and is not
+counted again. An amax is an absolute value; a hand-made -inf is recorded.
 
 The margin divides in steps of at most 2**64, each exact unless its result is
 subnormal. Every result is a new tensor; the inputs are not written (FP8 tensors
@@ -63,8 +75,10 @@ def delayed_scale_update_reference(
     tensors (see the module docstring)."""
     if algo not in AMAX_ALGOS:
         raise ValueError(f"delayed_scale_update: algo must be one of {list(AMAX_ALGOS)}, got {algo!r}")
-    history = torch.cat((amax.reshape(1), amax_history[:-1]))
+    recorded = amax.reshape(()) < math.inf  # False for inf and NaN: the call is skipped
+    history = torch.where(recorded, torch.cat((amax.reshape(1), amax_history[:-1])), amax_history)
     history_amax = history.amax() if algo == "max" else history[0]
     quotient = divide_by_power_of_2(torch.div(_fmax(fp8_dtype), history_amax), margin)  # IEEE fp32 division
-    new_scale, finite = guarded_scale(quotient, history_amax, scale)
-    return history, new_scale, torch.reciprocal(new_scale), nonfinite_count + finite.logical_not()
+    new_scale, _ = guarded_scale(quotient, history_amax, scale)
+    new_scale = torch.where(recorded, new_scale, scale)  # a skipped call keeps the scale
+    return history, new_scale, torch.reciprocal(new_scale), nonfinite_count + recorded.logical_not()

@@ -1,11 +1,13 @@
 """The delayed-scaling state update in one Triton program.
 
 The rules are those of :mod:`te_fuser.kernels.reference.scaling`. One program
-walks the amax history in blocks: it writes the shifted history (slot 0 = this
-call's amax) and, for ``algo="max"``, reduces its maximum (NaN when any entry is
-NaN, as ``torch.amax``); then it writes the next scale, its reciprocal and the
-non-finite count. One launch instead of about a dozen tiny torch ops per
-delayed-scaling cast.
+walks the amax history in blocks: it writes the new history and, for
+``algo="max"``, reduces its maximum (NaN when any entry is NaN, as ``torch.amax``);
+then it writes the next scale, its reciprocal and the non-finite count. The new
+history is the old one read at an offset of one (slot 0 = this call's amax) when
+the amax is recorded, of zero (a copy) when an inf or NaN amax skips the call: one
+select on the offset, no branch on data. One launch instead of about a dozen tiny
+torch ops per delayed-scaling cast.
 
 Every division is ``tl.math.div_rn`` (IEEE round to nearest, interpreted and
 compiled alike; a plain fp32 ``/`` may compile to an approximate division), so
@@ -34,13 +36,15 @@ def _delayed_scale_update_kernel(history_ptr, amax_ptr, scale_ptr, count_ptr, ne
                                  new_scale_inv_ptr, new_count_ptr, L, margin_steps, margin_rest,
                                  FMAX: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr):
     amax = tl.load(amax_ptr)
+    recorded = amax < float("inf")  # False for inf and NaN: the call is skipped
+    shift = tl.where(recorded, 1, 0)  # recorded: the history moves up one slot; skipped: a copy
     running = tl.full([BLOCK], float("-inf"), tl.float32)
     nan_seen = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, L, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < L
-        older = tl.load(history_ptr + tl.maximum(offs - 1, 0), mask=inside & (offs > 0), other=0.0)
-        entry = tl.where(offs == 0, amax, older)  # the history shifted by one, this amax in front
+        older = tl.load(history_ptr + tl.maximum(offs - shift, 0), mask=inside & (offs >= shift), other=0.0)
+        entry = tl.where(offs < shift, amax, older)  # this amax in slot 0 only when recorded
         tl.store(new_history_ptr + offs, entry, mask=inside)
         if ALGO_MAX:
             running = tl.maximum(running, tl.where(inside, entry, float("-inf")))
@@ -55,12 +59,12 @@ def _delayed_scale_update_kernel(history_ptr, amax_ptr, scale_ptr, count_ptr, ne
     quotient = tl.where(margin_rest == 1.0, quotient, tl.math.div_rn(quotient, margin_rest))
     quotient = tl.where(quotient == float("inf"), 3.4028234663852886e38, quotient)  # the largest finite fp32
     quotient = tl.where(quotient == float("-inf"), -3.4028234663852886e38, quotient)
-    finite = history_amax < float("inf")  # False for inf and NaN
-    usable = (history_amax > 0.0) & finite  # amax 0, inf or NaN keep the previous scale
+    # a skipped call, a history amax of 0, or an inf or NaN already in the history keep the previous scale
+    usable = recorded & (history_amax > 0.0) & (history_amax < float("inf"))
     scale = tl.where(usable, quotient, tl.load(scale_ptr))
     tl.store(new_scale_ptr, scale)
     tl.store(new_scale_inv_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), scale))
-    tl.store(new_count_ptr, tl.load(count_ptr) + tl.where(finite, 0, 1).to(tl.int64))
+    tl.store(new_count_ptr, tl.load(count_ptr) + tl.where(recorded, 0, 1).to(tl.int64))  # counts skipped calls
 
 
 def _check(amax_history, amax, scale, nonfinite_count, margin, algo) -> None:

@@ -10,8 +10,12 @@ for the next call:
 
 Guards, applied on the device (no host sync):
 
-- amax == 0 keeps the previous scale;
-- amax inf or NaN keeps the previous scale and adds one to ``nonfinite_amax_count``;
+- a tensor whose amax is inf or NaN is skipped: its amax is not recorded (the
+  history is not shifted), the scale stays, and ``nonfinite_amax_count`` goes up
+  by one; so the count is the number of such tensors, and the next finite amax
+  continues as if the skipped tensor had not been seen;
+- a history amax of 0 keeps the previous scale; so does an inf or NaN already in
+  the history (only older state, such as a checkpoint, can hold one), uncounted;
 - a quotient that overflows (tiny amax) gives the largest finite fp32.
 
 With ``"max"`` or ``"most_recent"`` and no ``scaling_factor_compute_algo``, the
@@ -22,7 +26,10 @@ reads. A callable algorithm runs the same steps as torch ops.
 
 A fresh quantizer (new model, or delayed scaling entered from another recipe)
 first *seeds* its scale from the amax of the first tensor it sees, so that tensor
-is cast with a fitting scale instead of 1.
+is cast with a fitting scale instead of 1. A first tensor with an inf or NaN amax
+leaves the scale 1 (skipped and counted as above) yet marks the quantizer seeded:
+deciding otherwise would read the device. The next tensor is then cast with
+scale 1, and its amax sets the scale from there on.
 
 Since the scale is known before the tensor is, the GEMM that produces the tensor
 can cast it in its epilogue (:meth:`DelayedScalingQuantizer.epilogue_cast`, then
@@ -54,10 +61,11 @@ class DelayedScalingQuantizer(Quantizer):
 
     State (fp32 device tensors, moved to the input's device on first use):
     ``scale`` and ``scale_inv`` (0-d), ``amax_history`` (``amax_history_len``,),
-    newest first; ``nonfinite_amax_count`` (0-d int64) counts the scale updates
-    skipped because the amax was inf or NaN; ``seeded`` is False until an amax
-    was recorded. Set ``amax_reduction_group`` to a ``torch.distributed`` group
-    to take the maximum amax over its ranks before each scale update.
+    newest first; ``nonfinite_amax_count`` (0-d int64) counts the tensors whose
+    amax was inf or NaN (skipped: not recorded, scale kept); ``seeded`` is False
+    until a tensor was seen. Set ``amax_reduction_group`` to a
+    ``torch.distributed`` group to take the maximum amax over its ranks before
+    each scale update.
     """
 
     scaling = "tensor"
@@ -177,12 +185,18 @@ class DelayedScalingQuantizer(Quantizer):
         self._record(amax)
 
     def _seed(self, x_hp: torch.Tensor, cast: Callable) -> None:
-        """First scale of a fresh quantizer, from the amax of ``x_hp`` itself."""
+        """First scale of a fresh quantizer, from the amax of ``x_hp`` itself.
+
+        An inf or NaN amax cannot seed: the scale stays 1. The quantizer is marked
+        seeded all the same, since telling the two apart would read the device (a
+        host sync); the same call's :meth:`_record` skips that amax and counts it
+        once, and the next finite tensor (cast with scale 1) sets the scale."""
         amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
         cast(x_hp, self.scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
         self._reduce_amax(amax)
         if self.scaling_factor_compute_algo is None:
-            # "most_recent": the scale from this amax alone; seeding records no history and counts nothing
+            # "most_recent": the scale from this amax alone (kept at 1 for inf or NaN); seeding records
+            # no history and counts nothing (the record that follows counts)
             update = backend.resolve("delayed_scale_update", amax.device).fn
             _, self.scale, self.scale_inv, _ = update(
                 self.amax_history, amax, self.scale, self.nonfinite_amax_count, self.fp8_dtype, self.margin,
@@ -203,11 +217,15 @@ class DelayedScalingQuantizer(Quantizer):
                 self.amax_history, amax, self.scale, self.nonfinite_amax_count, self.fp8_dtype, self.margin,
                 self.amax_compute_algo)  # fmt: skip
             return
-        history = torch.cat((amax.reshape(1), self.amax_history[:-1]))
+        # the kernel's rules in torch ops: an inf or NaN amax is skipped (history and scale
+        # kept, counted), selected on the device; the callables still run, their result unused
+        recorded = amax.reshape(()) < torch.inf  # False for inf and NaN
+        shifted = torch.cat((amax.reshape(1), self.amax_history[:-1]))
+        history = torch.where(recorded, shifted, self.amax_history)
+        scale, _ = self._next_scale(self._history_amax(history), self.scale)
         self.amax_history = history
-        scale, finite = self._next_scale(self._history_amax(history), self.scale)
-        self._set_scale(scale)
-        self.nonfinite_amax_count = self.nonfinite_amax_count + finite.logical_not()
+        self._set_scale(torch.where(recorded, scale, self.scale))
+        self.nonfinite_amax_count = self.nonfinite_amax_count + recorded.logical_not()
 
     def _reduce_amax(self, amax: torch.Tensor) -> None:
         if self.amax_reduction_group is not None:
