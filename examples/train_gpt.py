@@ -1,0 +1,616 @@
+"""Train the te_fuser GPT on the Python standard library's source, beside plain torch.
+
+Arms, each from the same initial weights and on the same batches:
+
+- ``te``: ``te_fuser.models.GPT`` through a schedule of recipes, one per phase
+  (default ``bf16,delayed,current,block,mxfp8,bf16``; ``name:steps`` sets a
+  phase's length);
+- ``torch``: its plain-torch twin, ``TorchGPT``, in bf16 autocast throughout;
+- ``torchao``: the twin converted by ``torchao.float8.convert_to_float8_training``
+  (tensorwise scaling), each block ``torch.compile``d; only on a GPU with torchao.
+
+Weights are fp32, compute runs under ``torch.autocast(dtype=torch.bfloat16)``,
+the optimizer is AdamW (fused where torch has it for the device, or
+``--adamw foreach|for-loop``) and losses are in bits per byte. At the end of each
+phase (and every ``--eval-every`` steps) the validation loss is measured on a
+fixed set of batches, under the phase's recipe and in plain bf16.
+
+    python examples/train_gpt.py --size smoke --steps 20 --json gpt.json --png gpt.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import triton
+from torch import nn
+
+import te_fuser as te
+from te_fuser.models import (
+    GPT, VALIDATION_FRACTION, GPTConfig, TorchGPT, copy_weights, load_stdlib_corpus, sample_windows, split_corpus,
+)
+
+RECIPES = {
+    "bf16": None,
+    "delayed": te.recipe.DelayedScaling(),
+    "current": te.recipe.Float8CurrentScaling(),
+    "block": te.recipe.Float8BlockScaling(),
+    "mxfp8": te.recipe.MXFP8BlockScaling(),
+}
+DEFAULT_SCHEDULE = "bf16,delayed,current,block,mxfp8,bf16"
+ARMS = ("te", "torch", "torchao")
+FIXED_NUMERICS = {"torch": "bf16", "torchao": "float8"}  # the arms that ignore the schedule's recipes
+ADAMW_KINDS = ("auto", "fused", "foreach", "for-loop")
+
+
+@dataclass(frozen=True)
+class SizeDefaults:
+    config: GPTConfig
+    steps: int  # per phase
+    lr: float
+    corpus_bytes: int
+    eval_batches: int
+
+
+SIZES = {
+    "smoke": SizeDefaults(GPTConfig.smoke(), steps=10, lr=2e-3, corpus_bytes=1_000_000, eval_batches=4),
+    "gpu": SizeDefaults(GPTConfig.gpu(), steps=200, lr=6e-4, corpus_bytes=8_000_000, eval_batches=16),
+}
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    steps: int
+    recipe: te.recipe.Recipe | None
+
+
+# -- arguments -----------------------------------------------------------------------
+
+
+def parse_schedule(text: str, default_steps: int) -> list[Phase]:
+    """``"bf16,delayed:30"`` -> phases; an entry without ``:steps`` runs ``default_steps``."""
+    phases = []
+    for entry in text.split(","):
+        name, _, steps = entry.strip().partition(":")
+        if name not in RECIPES:
+            raise ValueError(f"--schedule: unknown phase {name!r} in {entry!r} (choose from {', '.join(RECIPES)})")
+        if steps and not (steps.isdigit() and int(steps) > 0):
+            raise ValueError(f"--schedule: the step count of {entry!r} must be a positive integer")
+        phases.append(Phase(name, int(steps) if steps else default_steps, RECIPES[name]))
+    return phases
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    if _number(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return float(text)
+
+
+def _non_negative_float(text: str) -> float:
+    if _number(text) < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or positive, got {text!r}")
+    return float(text)
+
+
+def _arm_list(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",")]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or len(set(arms)) != len(arms):
+        raise argparse.ArgumentTypeError(f"must be distinct names from {', '.join(ARMS)}, got {text!r}")
+    return arms
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="train_gpt.py", description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=SIZES, help="model and batch preset (default: gpu on CUDA, else smoke)")
+    p.add_argument("--device", help="default: cuda when available, else cpu")
+    p.add_argument("--steps", type=_positive_int, help="steps of a phase without its own count (default: per size)")
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="te arm's phases: name[:steps],... "
+                   f"with names from {', '.join(RECIPES)} (default: {DEFAULT_SCHEDULE})")
+    p.add_argument("--arms", type=_arm_list, default=list(ARMS), help="comma-separated (default: te,torch,torchao)")
+    p.add_argument("--batch", type=_positive_int, help="batch size (default: per size)")
+    p.add_argument("--seq-len", type=_positive_int, help="sequence length (default: per size)")
+    p.add_argument("--lr", type=_positive_float, help="peak learning rate (default: per size)")
+    p.add_argument("--warmup-steps", type=_non_negative_int, help="linear warm-up (default: a tenth of all steps)")
+    p.add_argument("--weight-decay", type=_non_negative_float, default=0.1, help="AdamW's, on matrices only")
+    p.add_argument("--clip", type=_non_negative_float, default=1.0, help="gradient norm clipping (0: off)")
+    p.add_argument("--adamw", choices=ADAMW_KINDS, default="auto", help="implementation (auto: fused when supported)")
+    p.add_argument("--corpus-bytes", type=_positive_int, help="stdlib bytes to read (default: per size)")
+    p.add_argument("--eval-every", type=_non_negative_int, default=0,
+                   help="also evaluate every N steps (0: at phase ends only)")
+    p.add_argument("--eval-batches", type=_positive_int, help="validation batches (default: per size)")
+    p.add_argument("--log-every", type=_positive_int, default=10, help="print a line every N steps")
+    p.add_argument("--backend", choices=te.backend.BACKENDS, help="te_fuser kernel backend (default: the library's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write the run's figures here")
+    p.add_argument("--png", metavar="PATH", help="plot the loss curves here (needs matplotlib)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check ``argv``, filling the size's defaults; errors exit with one line."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError as err:
+        parser.error(f"--device: {err}")
+    if args.device.type == "cuda" and not cuda:
+        parser.error(f"--device {args.device}: CUDA is not available here")
+    args.size = args.size or ("gpu" if args.device.type == "cuda" else "smoke")
+    defaults = SIZES[args.size]
+    for name in ("steps", "lr", "corpus_bytes", "eval_batches"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
+    try:
+        args.config = defaults.config.replace(batch_size=args.batch or defaults.config.batch_size,
+                                              seq_len=args.seq_len or defaults.config.seq_len)
+        args.phases = parse_schedule(args.schedule, args.steps)
+    except ValueError as err:
+        parser.error(str(err))
+    _check_windows_fit(parser, args)
+    args.adamw = _resolve_adamw(parser, args.adamw, args.device)
+    total = sum(p.steps for p in args.phases)
+    args.warmup_steps = total // 10 if args.warmup_steps is None else args.warmup_steps
+    return args
+
+
+def _check_windows_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    val_bytes = max(1, int(args.corpus_bytes * VALIDATION_FRACTION))
+    window = args.config.seq_len + 1
+    if window > val_bytes:
+        parser.error(f"--seq-len {args.config.seq_len}: a window of {window} bytes does not fit the validation "
+                     f"split ({val_bytes} bytes of --corpus-bytes {args.corpus_bytes}); raise --corpus-bytes")
+
+
+def _resolve_adamw(parser: argparse.ArgumentParser, kind: str, device: torch.device) -> str:
+    if kind not in ("auto", "fused"):
+        return kind
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)], fused=True)
+    except RuntimeError as err:
+        if kind == "fused":
+            parser.error(f"--adamw fused: not supported on {device}: {err}")
+        return "foreach"
+    return "fused"
+
+
+# -- one arm's training ------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _compute(recipe, device: torch.device):
+    """bf16 autocast, plus te's FP8 autocast when ``recipe`` is given."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+    stack.enter_context(te.autocast(enabled=recipe is not None, recipe=recipe))
+    return stack
+
+
+def loss_bits_per_byte(model: nn.Module, windows: torch.Tensor, recipe, device: torch.device) -> torch.Tensor:
+    """Next-byte cross-entropy of (B, T+1) windows, in bits per byte."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]  # (B, T) each
+    with _compute(recipe, device):
+        logits = model(inputs)  # (B, T, V)
+    nats = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return nats / math.log(2)
+
+
+def make_adamw(model: nn.Module, kind: str, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}]
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kind]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **flags)
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up to ``peak``, then a cosine decay to a tenth of it."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class Arm:
+    """One model under training, with its optimizer, data stream and records."""
+
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    generator: torch.Generator
+    losses: list[float] = field(default_factory=list)
+    pending: list[torch.Tensor] = field(default_factory=list)  # losses not yet read back (no sync per step)
+    phases: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+
+    def recipe(self, phase: Phase):
+        """The te recipe of ``phase``: the schedule's for the te arm, None for the others."""
+        return phase.recipe if self.name == "te" else None
+
+    def numerics(self, phase: Phase) -> str:
+        return FIXED_NUMERICS.get(self.name, phase.name)
+
+    def refusions(self) -> int | None:
+        return self.model.refusions() if isinstance(self.model, GPT) else None
+
+    def read_losses(self) -> None:
+        if self.pending:
+            self.losses += torch.stack(self.pending).tolist()
+            self.pending.clear()
+
+
+@dataclass
+class Run:
+    """What every arm shares: arguments, data, the fixed validation batches."""
+
+    args: argparse.Namespace
+    train: torch.Tensor
+    val_batches: list[torch.Tensor]
+    total_steps: int
+
+
+def train_step(arm: Arm, run: Run, recipe, step: int) -> None:
+    args, config = run.args, run.args.config
+    for group in arm.opt.param_groups:
+        group["lr"] = learning_rate(step, run.total_steps, args.lr, args.warmup_steps)
+    windows = sample_windows(run.train, config.batch_size, config.seq_len, arm.generator)  # (B, T+1)
+    loss = loss_bits_per_byte(arm.model, windows, recipe, args.device)
+    arm.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if args.clip > 0:
+        nn.utils.clip_grad_norm_(arm.model.parameters(), args.clip)
+    arm.opt.step()
+    arm.pending.append(loss.detach())
+
+
+@torch.no_grad()
+def validation_loss(arm: Arm, run: Run, recipe) -> float:
+    arm.model.eval()
+    total = sum(loss_bits_per_byte(arm.model, w, recipe, run.args.device) for w in run.val_batches)
+    arm.model.train()
+    return float(total) / len(run.val_batches)
+
+
+def evaluate(arm: Arm, run: Run, phase: Phase, step: int) -> dict:
+    """Validation bits/byte under the arm's numerics for ``phase`` and in plain bf16."""
+    recipe = arm.recipe(phase)
+    under_recipe = validation_loss(arm, run, recipe)
+    if arm.name == "torchao":
+        bf16 = None  # the converted model has no plain bf16 forward
+    else:
+        bf16 = under_recipe if recipe is None else validation_loss(arm, run, None)
+    record = {"step": step, "phase": phase.name, "numerics": arm.numerics(phase), "val_bpb": under_recipe,
+              "val_bpb_bf16": bf16}
+    arm.evals.append(record)
+    return record
+
+
+def _log(arm: Arm, step: int, total: int, phase: Phase, tokens_per_s: float) -> None:
+    refusions = arm.refusions()
+    tail = "" if refusions is None else f"  re-fusions {refusions}"
+    print(f"[{arm.name:<7}] step {step:>5}/{total} {arm.numerics(phase):<7} loss {arm.losses[-1]:.4f} bpb  "
+          f"{tokens_per_s / 1e3:8.1f}k tok/s{tail}", flush=True)
+
+
+@dataclass
+class PhaseClock:
+    """Training time of one phase, read at sync points: its first step (the
+    recipe switch) alone, then the other steps; evaluation is left out."""
+
+    device: torch.device
+    first_step_ms: float | None = None
+    timed_s: float = 0.0
+    timed_steps: int = 0
+    _t0: float = 0.0
+    _steps: int = 0
+
+    def restart(self) -> None:
+        _sync(self.device)
+        self._t0, self._steps = time.perf_counter(), 0
+
+    def stepped(self) -> None:
+        self._steps += 1
+
+    def read(self) -> tuple[float, int]:
+        """Seconds and steps since the last restart (synchronising the device)."""
+        _sync(self.device)
+        elapsed = time.perf_counter() - self._t0
+        if self.first_step_ms is None:
+            self.first_step_ms = 1e3 * elapsed
+        else:
+            self.timed_s, self.timed_steps = self.timed_s + elapsed, self.timed_steps + self._steps
+        return elapsed, self._steps
+
+    def tokens_per_s(self, tokens_per_step: int) -> float | None:
+        return self.timed_steps * tokens_per_step / self.timed_s if self.timed_steps else None
+
+
+def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
+    """Run ``phase``'s steps, logging at its first and last step and every
+    ``--log-every``; evaluate every ``--eval-every`` steps and at its end."""
+    args = run.args
+    tokens_per_step = args.config.batch_size * args.config.seq_len
+    recipe, refusions_before = arm.recipe(phase), arm.refusions()
+    clock = PhaseClock(args.device)
+    clock.restart()
+    for i in range(phase.steps):
+        train_step(arm, run, recipe, first_step + i)
+        clock.stepped()
+        done = first_step + i + 1
+        eval_due = i == phase.steps - 1 or (args.eval_every and done % args.eval_every == 0)
+        if i == 0 or eval_due or done % args.log_every == 0:
+            elapsed, steps = clock.read()
+            arm.read_losses()
+            _log(arm, done, run.total_steps, phase, steps * tokens_per_step / elapsed)
+            if eval_due:
+                evaluate(arm, run, phase, done)
+            clock.restart()
+    _finish_phase(arm, phase, first_step, clock.first_step_ms, clock.tokens_per_s(tokens_per_step), refusions_before)
+
+
+def _finish_phase(arm: Arm, phase: Phase, first_step: int, first_step_ms: float, tokens_per_s: float | None,
+                  refusions_before: int | None) -> None:
+    recipe, last_eval = arm.recipe(phase), arm.evals[-1]
+    record = {
+        "phase": phase.name, "numerics": arm.numerics(phase), "recipe": None if recipe is None else str(recipe),
+        "steps": phase.steps, "first_step_ms": first_step_ms, "tokens_per_s": tokens_per_s,
+        "val_bpb": last_eval["val_bpb"], "val_bpb_bf16": last_eval["val_bpb_bf16"],
+    }
+    if refusions_before is not None:
+        record["refusions"] = arm.refusions() - refusions_before
+    arm.phases.append(record)
+    bf16 = "" if record["val_bpb_bf16"] is None else f", {record['val_bpb_bf16']:.4f} in bf16"
+    speed = "" if tokens_per_s is None else f"; {tokens_per_s / 1e3:.1f}k tok/s"
+    print(f"[{arm.name:<7}] steps {first_step + 1}-{first_step + phase.steps} {arm.numerics(phase)}: "
+          f"validation {record['val_bpb']:.4f} bpb{bf16}{speed}; first step {first_step_ms:.1f} ms", flush=True)
+
+
+def train_arm(arm: Arm, run: Run) -> None:
+    step = 0
+    for phase in run.args.phases:
+        train_phase(arm, run, phase, step)
+        step += phase.steps
+
+
+# -- the arms ----------------------------------------------------------------------
+
+
+def _twin(te_model: GPT, args: argparse.Namespace) -> TorchGPT:
+    twin = TorchGPT(args.config, args.device)
+    copy_weights(te_model, twin)
+    return twin
+
+
+def _torchao_model(te_model: GPT, args: argparse.Namespace) -> tuple[nn.Module | None, str | None]:
+    """The twin in torchao float8 (tensorwise), blocks compiled; or why not."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as err:
+        return None, f"torchao.float8.convert_to_float8_training is not importable ({err})"
+    if args.device.type != "cuda":
+        return None, "torchao float8 training needs a CUDA device"
+    model = convert_to_float8_training(_twin(te_model, args))
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block)
+    return model, None
+
+
+def _warm_up_kernels(model: GPT, run: Run) -> None:
+    """Compile the te model's kernels for every recipe of the schedule in advance,
+    so that no phase's first step pays for compilation (its state is left as it was)."""
+    recipes = list({p.name: p.recipe for p in run.args.phases}.values())
+    sample = run.val_batches[0][:, :-1]  # (B, T)
+    with torch.autocast(run.args.device.type, dtype=torch.bfloat16):
+        te.warmup(model, recipes, sample)
+
+
+def build_arms(run: Run) -> tuple[list[Arm], dict[str, str]]:
+    """The requested arms, all starting from one set of weights; and the skipped ones, with why."""
+    args = run.args
+    torch.manual_seed(args.seed)
+    te_model = GPT(args.config, args.device)
+    models, skipped = {}, {}
+    for name in args.arms:
+        if name == "te":
+            models[name] = te_model
+        elif name == "torch":
+            models[name] = _twin(te_model, args)
+        else:
+            models[name], skipped_why = _torchao_model(te_model, args)
+            if skipped_why is not None:
+                skipped[name] = skipped_why
+                del models[name]
+                print(f"torchao arm skipped: {skipped_why}")
+    if "te" in models:
+        _warm_up_kernels(te_model, run)
+    arms = [
+        Arm(name, model, make_adamw(model, args.adamw, args.lr, args.weight_decay),
+            torch.Generator().manual_seed(args.seed))
+        for name, model in models.items()
+    ]
+    return arms, skipped
+
+
+# -- report ------------------------------------------------------------------------
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _versions() -> dict:
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                "te_fuser": te.__version__}
+    revision = _source_revision()
+    if revision:
+        versions["te_fuser_git"] = revision
+    if torch.version.cuda:
+        versions["cuda"] = torch.version.cuda
+    torchao = sys.modules.get("torchao")
+    if torchao is not None:
+        versions["torchao"] = getattr(torchao, "__version__", "unknown")
+    return versions
+
+
+def _source_revision() -> str | None:
+    """``git describe --always --dirty`` of the checkout this script is in, if it is one."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def make_report(run: Run, arms: list[Arm], skipped: dict[str, str], corpus: dict) -> dict:
+    args = run.args
+    settings = {k: getattr(args, k) for k in ("size", "schedule", "lr", "warmup_steps", "weight_decay", "clip",
+                                               "adamw", "eval_every", "eval_batches", "seed", "backend")}
+    return {
+        "config": {**asdict(args.config), **settings, "phases": [_phase_entry(p) for p in args.phases]},
+        "device": _device_name(args.device),
+        "versions": _versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "corpus": corpus,
+        "arms": {
+            arm.name: {
+                "losses": arm.losses, "phases": arm.phases, "evals": arm.evals,
+                "tokens_per_s": _overall_tokens_per_s(arm.phases),
+            }
+            for arm in arms
+        },
+        "skipped": skipped,
+    }
+
+
+def _phase_entry(phase: Phase) -> dict:
+    return {"name": phase.name, "steps": phase.steps, "recipe": None if phase.recipe is None else str(phase.recipe)}
+
+
+def _overall_tokens_per_s(phases: list[dict]) -> float | None:
+    """Over the timed steps of every phase (each phase's first step excluded)."""
+    rates = [(p["steps"] - 1, p["tokens_per_s"]) for p in phases if p["tokens_per_s"]]
+    if not rates:
+        return None
+    steps = sum(n for n, _ in rates)
+    return steps / sum(n / r for n, r in rates)
+
+
+def print_summary(arms: list[Arm]) -> None:
+    print(f"\n{'arm':<8} {'phase':<8} {'numerics':<8} {'val bpb':>8} {'in bf16':>8} {'k tok/s':>8} {'1st step ms':>11}")
+    for arm in arms:
+        for p in arm.phases:
+            bf16 = "-" if p["val_bpb_bf16"] is None else f"{p['val_bpb_bf16']:.4f}"
+            speed = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s'] / 1e3:.1f}"
+            print(f"{arm.name:<8} {p['phase']:<8} {p['numerics']:<8} {p['val_bpb']:>8.4f} {bf16:>8} {speed:>8} "
+                  f"{p['first_step_ms']:>11.1f}")
+
+
+def write_png(path: str, report: dict) -> None:
+    """The loss curves of every arm, with the te arm's phase boundaries; or one line saying why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        print(f"PNG not written to {path}: matplotlib is not importable ({err})")
+        return
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, arm in report["arms"].items():
+        ax.plot(range(1, len(arm["losses"]) + 1), arm["losses"], label=name, linewidth=1)
+    step = 0
+    for phase in report["config"]["phases"]:
+        ax.axvline(step, color="grey", linewidth=0.5)
+        ax.text(step, 1.0, f" {phase['name']}", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
+        step += phase["steps"]
+    ax.set(xlabel="step", ylabel="training loss (bits per byte)", title="te_fuser GPT on the stdlib's source")
+    ax.legend()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"PNG written to {path}")
+
+
+# -- main --------------------------------------------------------------------------
+
+
+def load_data(args: argparse.Namespace) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+    """The training split (on the device), the fixed validation batches, and a note on the corpus."""
+    data = load_stdlib_corpus(args.corpus_bytes)
+    train, val = split_corpus(data.to(args.device))
+    val_gen = torch.Generator().manual_seed(args.seed + 1)
+    batch, seq = args.config.batch_size, args.config.seq_len
+    val_batches = [sample_windows(val, batch, seq, val_gen) for _ in range(args.eval_batches)]  # each (B, T+1)
+    corpus = {"source": f"the .py files under {os.path.dirname(os.__file__)}", "bytes": len(data),
+              "train_bytes": len(train), "val_bytes": len(val)}
+    return train, val_batches, corpus
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.backend is not None:
+        te.set_backend(args.backend)
+    train, val_batches, corpus = load_data(args)
+    run = Run(args, train, val_batches, total_steps=sum(p.steps for p in args.phases))
+    print(f"GPT {args.size} on {_device_name(args.device)}: {args.config}; AdamW {args.adamw}; "
+          f"corpus {corpus['bytes']} bytes; schedule {', '.join(f'{p.name}:{p.steps}' for p in args.phases)}")
+    arms, skipped = build_arms(run)
+    for arm in arms:
+        train_arm(arm, run)
+    print_summary(arms)
+    report = make_report(run, arms, skipped, corpus)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"JSON written to {args.json}")
+    if args.png:
+        write_png(args.png, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""A small byte-level GPT built from te_fuser ops: the project's yardstick model.
+
+- :func:`load_stdlib_corpus` reads real text that every machine has, the Python
+  standard library's own ``.py`` sources, in sorted path order; :func:`split_corpus`
+  keeps the last 5% as the validation split; :func:`sample_windows` draws (B, T+1)
+  byte windows with a seeded generator.
+- :class:`GPT` is a pre-norm decoder. Each block is two ``te.ops.Sequential``
+  sub-layers, each called as ``sub(x, x)`` so that its last op, ``AddExtraInput``,
+  adds the residual:
+
+      attention: LayerNorm -> Linear(d, 3d) -> CausalSelfAttention -> Linear(d, d) -> + x
+      MLP:       LayerNorm -> Linear(d, 4d) -> GELU (tanh) -> Linear(4d, d) -> + x
+
+  The attention core is a plain ``nn.Module`` (torch's SDPA), run as it is between
+  the fused groups.
+- :class:`TorchGPT` is the same network in plain torch (``nn.Linear``,
+  ``nn.LayerNorm``, ``nn.GELU(approximate="tanh")``, te's GELU), module for
+  module; :func:`copy_weights` makes it start from a te model's weights and
+  :func:`parameter_name_map` / :func:`rename_state_dict` convert state dicts
+  between the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import ops
+
+__all__ = [
+    "GPTConfig", "GPT", "TorchGPT", "CausalSelfAttention", "copy_weights", "parameter_name_map",
+    "rename_state_dict", "stdlib_source_files", "load_stdlib_corpus", "split_corpus", "sample_windows",
+    "VOCAB_SIZE", "VALIDATION_FRACTION",
+]
+
+VOCAB_SIZE = 256  # bytes
+VALIDATION_FRACTION = 0.05
+# Folders of the standard library left out of the corpus: installed packages, the
+# test suites, and the IDE and the 2to3 tool with their fixtures.
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the model and of one training batch."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    d_ffn: int
+    seq_len: int
+    batch_size: int
+    vocab_size: int = VOCAB_SIZE
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{f.name}: must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPTConfig.n_head: {self.n_head} must divide d_model ({self.d_model})")
+
+    @classmethod
+    def smoke(cls) -> "GPTConfig":
+        """A few seconds of training on a CPU."""
+        return cls(n_layer=2, d_model=64, n_head=4, d_ffn=256, seq_len=64, batch_size=8)
+
+    @classmethod
+    def gpu(cls) -> "GPTConfig":
+        """The yardstick of DESIGN.md: 8 layers, d 1024, seq 1024, batch 16."""
+        return cls(n_layer=8, d_model=1024, n_head=16, d_ffn=4096, seq_len=1024, batch_size=16)
+
+    def replace(self, **changes) -> "GPTConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# -- the corpus --------------------------------------------------------------------
+
+
+def stdlib_source_files(root: str | None = None) -> list[str]:
+    """The standard library's ``.py`` files (outside the skipped folders), sorted by
+    their path relative to ``root`` (default: the folder of ``os``)."""
+    root = root or os.path.dirname(os.__file__)
+    found = []
+    for folder, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS]
+        found += [os.path.relpath(os.path.join(folder, f), root) for f in files if f.endswith(".py")]
+    return [os.path.join(root, rel) for rel in sorted(found)]
+
+
+def load_stdlib_corpus(max_bytes: int, root: str | None = None) -> torch.Tensor:
+    """The first ``max_bytes`` bytes of the concatenated sources, as a uint8 tensor."""
+    if max_bytes <= 0:
+        raise ValueError(f"load_stdlib_corpus: max_bytes must be positive, got {max_bytes}")
+    chunks, total = [], 0
+    for path in stdlib_source_files(root):
+        with open(path, "rb") as f:
+            chunks.append(f.read(max_bytes - total))
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+def split_corpus(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(train, validation)``: the validation split is the last 5% by position."""
+    n_val = max(1, int(len(data) * VALIDATION_FRACTION))
+    return data[:-n_val], data[-n_val:]
+
+
+def sample_windows(data: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """``batch`` windows of ``seq_len + 1`` consecutive bytes at random offsets, as
+    int64 (B, T+1): inputs are ``[:, :-1]``, next-byte targets ``[:, 1:]``."""
+    if len(data) < seq_len + 1:
+        raise ValueError(f"sample_windows: a window of {seq_len + 1} bytes does not fit {len(data)} bytes of data")
+    starts = torch.randint(0, len(data) - seq_len, (batch,), generator=generator)  # (B,)
+    offsets = torch.arange(seq_len + 1)  # (T+1,)
+    return data[(starts[:, None] + offsets).to(data.device)].long()  # (B, T+1)
+
+
+# -- the models --------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention on packed ``q, k, v``: (B, T, 3d) -> (B, T, d)."""
+
+    def __init__(self, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        batch, seq, three_d = qkv.shape
+        d = three_d // 3
+        heads = qkv.view(batch, seq, 3, self.n_head, d // self.n_head)  # (B, T, 3, H, D)
+        q, k, v = heads.permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        return y.transpose(1, 2).reshape(batch, seq, d)  # (B, T, d)
+
+
+class _Embeddings(nn.Module):
+    """Token plus learned position embeddings: (B, T) bytes -> (B, T, d)."""
+
+    def __init__(self, config: GPTConfig, device) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(config.vocab_size, config.d_model, device=device)
+        self.positions = nn.Embedding(config.seq_len, config.d_model, device=device)
+        for table in (self.tokens, self.positions):
+            nn.init.normal_(table.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
+        return self.tokens(idx) + self.positions(pos)  # (B, T, d)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder block of te ops: two residual sub-layers."""
+
+    def __init__(self, config: GPTConfig, device) -> None:
+        super().__init__()
+        d = config.d_model
+        self.attn = ops.Sequential(
+            ops.LayerNorm(d, device=device),
+            ops.Linear(d, 3 * d, device=device, name="qkv"),
+            CausalSelfAttention(config.n_head),
+            ops.Linear(d, d, device=device, name="proj"),
+            ops.AddExtraInput(),
+        )
+        self.mlp = ops.Sequential(
+            ops.LayerNorm(d, device=device),
+            ops.Linear(d, config.d_ffn, device=device, name="fc1"),
+            ops.GELU(),
+            ops.Linear(config.d_ffn, d, device=device, name="fc2"),
+            ops.AddExtraInput(),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, d)
+        x = self.attn(x, x)
+        return self.mlp(x, x)
+
+
+class GPT(nn.Module):
+    """The te_fuser GPT: (B, T) bytes -> (B, T, 256) logits."""
+
+    def __init__(self, config: GPTConfig, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = _Embeddings(config, device)
+        self.blocks = nn.ModuleList(Block(config, device) for _ in range(config.n_layer))
+        self.head = ops.Sequential(
+            ops.LayerNorm(config.d_model, device=device),
+            ops.Linear(config.d_model, config.vocab_size, bias=False, device=device, name="lm_head"),
+        )
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)  # (B, T, d)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # (B, T, V)
+
+    def sequentials(self) -> list[ops.Sequential]:
+        return [m for m in self.modules() if isinstance(m, ops.Sequential)]
+
+    def refusions(self) -> int:
+        """Plans built so far, summed over the model's Sequentials."""
+        return sum(seq.fusion_stats().builds for seq in self.sequentials())
+
+
+class TorchBlock(nn.Module):
+    """:class:`Block` in plain torch, module for module."""
+
+    def __init__(self, config: GPTConfig, device) -> None:
+        super().__init__()
+        d = config.d_model
+        self.attn = nn.Sequential(
+            nn.LayerNorm(d, device=device),
+            nn.Linear(d, 3 * d, device=device),
+            CausalSelfAttention(config.n_head),
+            nn.Linear(d, d, device=device),
+        )
+        self.mlp = nn.Sequential(
+            nn.LayerNorm(d, device=device),
+            nn.Linear(d, config.d_ffn, device=device),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(config.d_ffn, d, device=device),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, d)
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class TorchGPT(nn.Module):
+    """:class:`GPT` in plain torch: the baseline, with the same parameters in the same order."""
+
+    def __init__(self, config: GPTConfig, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = _Embeddings(config, device)
+        self.blocks = nn.ModuleList(TorchBlock(config, device) for _ in range(config.n_layer))
+        self.head = nn.Sequential(
+            nn.LayerNorm(config.d_model, device=device),
+            nn.Linear(config.d_model, config.vocab_size, bias=False, device=device),
+        )
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)  # (B, T, d)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # (B, T, V)
+
+
+# -- between the two ---------------------------------------------------------------
+
+_TE_WEIGHTED = (nn.Embedding, ops.LayerNorm, ops.Linear)
+_TORCH_WEIGHTED = (nn.Embedding, nn.LayerNorm, nn.Linear)
+
+
+def _weighted_modules(model: nn.Module, kinds: tuple) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
+
+
+def parameter_name_map(te_model: GPT, torch_model: TorchGPT) -> dict[str, str]:
+    """Each te parameter's name mapped to the name of its twin in the torch model."""
+    te_mods = _weighted_modules(te_model, _TE_WEIGHTED)
+    torch_mods = _weighted_modules(torch_model, _TORCH_WEIGHTED)
+    if len(te_mods) != len(torch_mods):
+        raise ValueError(f"parameter_name_map: {len(te_mods)} te modules with weights, {len(torch_mods)} in torch")
+    names = {}
+    for (te_name, te_mod), (torch_name, torch_mod) in zip(te_mods, torch_mods):
+        te_params, torch_params = list(te_mod.named_parameters()), list(torch_mod.named_parameters())
+        for (te_p, te_w), (torch_p, torch_w) in zip(te_params, torch_params, strict=True):
+            if te_w.shape != torch_w.shape:
+                raise ValueError(f"parameter_name_map: {te_name}.{te_p} is {tuple(te_w.shape)} but "
+                                 f"{torch_name}.{torch_p} is {tuple(torch_w.shape)}")
+            names[f"{te_name}.{te_p}"] = f"{torch_name}.{torch_p}"
+    return names
+
+
+def rename_state_dict(state: dict, names: dict[str, str]) -> dict:
+    """``state``'s parameters under their names in the other model: pass
+    :func:`parameter_name_map` for te -> torch, its inverse for torch -> te. Entries
+    without a twin (te's quantizer state) are left out."""
+    return {names[k]: v for k, v in state.items() if k in names}
+
+
+@torch.no_grad()
+def copy_weights(te_model: GPT, torch_model: TorchGPT) -> None:
+    """Make ``torch_model``'s parameters equal to ``te_model``'s."""
+    names = parameter_name_map(te_model, torch_model)
+    torch_params = dict(torch_model.named_parameters())
+    for te_name, te_param in te_model.named_parameters():
+        torch_params[names[te_name]].copy_(te_param)
