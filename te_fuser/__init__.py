@@ -11,8 +11,9 @@ from .autocast import DEFAULT_RECIPE, autocast
 from .backend import get_backend, set_backend
 from .graphed_step import make_graphed_step
 from .graphs import make_graphed
+from .ops.weight_cache import reuse_quantized_weights
 from .warmup import warmup
 
 __all__ = ["ops", "quantization", "recipe", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend", "warmup",
-           "make_graphed", "make_graphed_step"]
+           "make_graphed", "make_graphed_step", "reuse_quantized_weights"]
 __version__ = "0.1.0"

@@ -53,12 +53,11 @@ Calls with CPU tensors, ``te.autocast(calibrating=True)`` or an amax reduction
 group always run eagerly.
 
 Numerics are those of the eager step, step for step: the graph runs the same
-kernels on the same addresses. The graph quantizes the trainable weights on every
-call (a whole step changes them; an eager step would reuse a cached FP8 weight
-only when no update happened since) and reads the frozen weights' cached FP8
-copies, as eager steps do. A replay bumps the trainable parameters' version
-counters (its optimizer writes them where autograd cannot see), so the model called
-directly afterwards, for evaluation say, re-quantizes its weights. Delayed scaling's state is captured reading fixed
+kernels on the same addresses. The graph casts every weight on every call, as
+eager steps do outside ``te.reuse_quantized_weights()`` (a step inside that scope
+runs its micro-batches' reuse within the graph). A replay bumps the trainable
+parameters' version counters (its optimizer writes them where autograd cannot
+see), so a cast kept by the model called directly is not reused after it. Delayed scaling's state is captured reading fixed
 tensors and ends by copying the step's updates into them, so eager calls (after
 a key change, or interleaved by the caller) and replays can alternate.
 """
@@ -75,8 +74,7 @@ from torch.autograd.graph import increment_version
 from . import backend
 from .autocast import current_state
 from .ops.fuser import _RUN_WATCH
-from .graphs import (GraphStats, _CaptureGuard, _drop_weight_caches, _linears, _quantizers_seeded, _state_slots,
-                     _trainable_linears)
+from .graphs import GraphStats, _CaptureGuard, _drop_weight_caches, _linears, _quantizers_seeded, _state_slots
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
@@ -100,7 +98,6 @@ class _StepGraph(_CaptureGuard):
         self.inputs: list[torch.Tensor] = []  # the same storage without autograd, for the copies in
         self.static_out: Any = None
         self.grads: tuple = ()  # each parameter's ``.grad`` as the captured step left it
-        self.kept_caches: list = []  # the frozen weights' FP8 caches the graph reads in place
 
 
 class GraphedStep:
@@ -128,20 +125,11 @@ class GraphedStep:
         graph = self._graph
         if key is None or graph is None or graph.key != key or not graph.still_valid():
             if key is None or self._eager_key != key or self._eager_count < self.warmup_steps \
-                    or not self._ready_to_capture():
+                    or not _quantizers_seeded(self.model):
                 return self._eager(args, key)
             self._graph = None  # free the previous key's graph before capturing
             graph = self._graph = self._capture(args, key)
         return self._replay(graph, args)
-
-    def _ready_to_capture(self) -> bool:
-        """Every quantizer has seeded its state, and every frozen weight's FP8 copy is
-        cached for its current value: the graph reads it as it is, as the eager step
-        would; the eager step that refreshes it runs first."""
-        if not _quantizers_seeded(self.model):
-            return False
-        return all(op.weight.requires_grad or not op._quantizers or op.cache_is_current()
-                   for op in _linears(self.model))
 
     def _key(self, args: tuple):
         state = current_state()
@@ -191,14 +179,11 @@ class GraphedStep:
     # -- capture and replay --------------------------------------------------------------
     def _capture(self, args: tuple, key) -> _StepGraph:
         start = time.perf_counter()
-        # The graph quantizes every trainable weight on every replay: it cannot see
-        # whether a weight changed, and a whole step changes them.
-        _drop_weight_caches(_trainable_linears(self.model))
+        # The graph casts every weight on every replay, as an eager step outside
+        # te.reuse_quantized_weights() does: it cannot see whether a weight changed.
+        _drop_weight_caches(_linears(self.model))
         quantizers, slots = _state_slots(self.model)
         graph = _StepGraph(key, self._params, slots, quantizers)
-        graph.frozen = [(op, op.weight._version) for op in _linears(self.model)
-                        if not op.weight.requires_grad and op._weight_cache is not None]
-        graph.kept_caches = [op._weight_cache for op, _ in graph.frozen]
         graph.static_args = [a.detach().clone().requires_grad_(a.requires_grad)
                              for a in args if isinstance(a, torch.Tensor)]
         graph.inputs = [t.detach() for t in graph.static_args]
@@ -236,9 +221,9 @@ class GraphedStep:
             setattr(slot.quantizer, slot.name, slot.home)
         graph.static_out = _detached(out)
         graph.grads = tuple(p.grad for p in self._params)
-        # The trainable weights' FP8 copies made in the capture live in the graph's
-        # memory, which every replay rewrites: an eager step must not find them.
-        _drop_weight_caches(_trainable_linears(self.model))
+        # FP8 weights kept in the capture live in the graph's memory, which every
+        # replay rewrites: an eager step must not find them.
+        _drop_weight_caches(_linears(self.model))
         self.stats.captures += 1
         self.stats.capture_seconds = time.perf_counter() - start
         return graph
@@ -249,7 +234,7 @@ class GraphedStep:
             setattr(slot.quantizer, slot.name, slot.home)
         for p, g in zip(self._params, saved_grads):
             p.grad = g
-        _drop_weight_caches(_trainable_linears(self.model))
+        _drop_weight_caches(_linears(self.model))
         self._eager_key, self._eager_count = None, 0
 
     def _replay(self, graph: _StepGraph, args: tuple):

@@ -24,13 +24,12 @@ When it captures, and when it runs the model as it is:
 - Calls that are not CUDA training steps (CPU tensors, ``torch.no_grad()``,
   ``te.autocast(calibrating=True)``, an amax reduction group) run eagerly.
 - Replays read the parameters in place, so optimizer steps are seen. The eager
-  model quantizes a weight once per change (its FP8 copy is cached while the
-  weight's version stays the same); the graphs do the same with two pairs: one
-  that quantizes the trainable weights, replayed when any of them changed since
-  the last forward, and one that reads the FP8 weights of the previous forward
-  (a second micro-batch before the optimizer step, or a loop without one). A
-  frozen weight's cached FP8 copy is captured as it is; a change to it means a
-  new capture.
+  model casts its weights in every forward, and reuses a cast only inside
+  ``te.reuse_quantized_weights()`` while nothing changed (see
+  ``ops/weight_cache.py``); the graphs do the same with two pairs: one that casts
+  the weights, and one that reads the FP8 weights of the previous forward,
+  replayed only where the eager model would reuse them (inside that scope, no
+  optimizer step and no weight write since).
 
 Numerics are those of the eager model, step for step. Delayed scaling keeps its
 amax history and scales in tensors that the graphs update in place (eager steps
@@ -61,8 +60,8 @@ from .ops.fuser import _EPOCH, _compute_dtype
 from .kernels.operand import ScaledOperand
 from .ops.op import BasicOperation
 from .ops.sequential import Sequential
+from .ops.weight_cache import _Scope, optimizer_steps, reuse_quantized_weights
 from .quantization.tensor import QuantizedTensor
-from .warmup import _fusers_of
 
 __all__ = ["make_graphed", "GraphedSequential", "GraphStats"]
 
@@ -123,8 +122,8 @@ class _Pair:
 
 class _CaptureGuard:
     """What a capture read from the model: the parameters' storage and trainable
-    flags, the installed quantizers and the frozen weights' versions. A change to
-    any of them means the graphs would replay stale reads, so they are recaptured."""
+    flags and the installed quantizers. A change to any of them means the graphs
+    would replay stale reads, so they are recaptured."""
 
     def __init__(self, key, all_params: tuple[torch.Tensor, ...], slots: list[_StateSlot], quantizers) -> None:
         self.key = key
@@ -135,7 +134,6 @@ class _CaptureGuard:
         self.slots = slots
         self.quantizers = quantizers  # (op, its quantizer dict) at capture time
         self.epoch = _EPOCH[0]
-        self.frozen: list[tuple] = []  # (op, weight version) of the frozen weights read from their caches
 
     def still_valid(self) -> bool:
         if self.epoch != _EPOCH[0]:
@@ -143,9 +141,6 @@ class _CaptureGuard:
                 if op._quantizers is not qs:
                     return False
             self.epoch = _EPOCH[0]
-        for op, version in self.frozen:
-            if op.weight._version != version:
-                return False
         for p, ptr, flag in zip(self.all_params, self.param_ptrs, self.trainable_flags):
             if p.data_ptr() != ptr or p.requires_grad is not flag:
                 return False
@@ -175,8 +170,8 @@ def _quantizers_seeded(model: nn.Module) -> bool:
 
 
 class _Graphs(_CaptureGuard):
-    """The graphs of one key: a pair that quantizes the trainable weights, one that
-    reuses the FP8 weights of the previous forward, and what they share."""
+    """The graphs of one key: a pair that casts the weights, one that reuses the
+    FP8 weights of the previous forward, and what they share."""
 
     def __init__(self, key, all_params: tuple[torch.Tensor, ...], slots: list[_StateSlot], quantizers) -> None:
         super().__init__(key, all_params, slots, quantizers)
@@ -272,43 +267,38 @@ class GraphedSequential(nn.Module):
         self.stats = GraphStats()
         self._graphs: _Graphs | None = None
         self._eager_key = None  # the key of the last eager training step (captured on its next call)
-        self._trainable: list | None = None  # the ops whose weights are trainable (found once per capture)
+        self._linears: list | None = None  # the ops that cast a weight (found once per capture)
         self._last_replayed: _Graphs | None = None  # the graphs of the last forward, if it was replayed
-        self._replayed_versions: tuple = ()  # the trainable weights' versions at that replay
+        self._replayed_stamp = None  # the reuse stamp at that replay (see _reuse_stamp)
 
     # -- the call -------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         key = self._key(x)
-        if self._trainable is None:
-            self._trainable = _trainable_linears(self.model)
-        versions = tuple(op.weight._version for op in self._trainable)
-        since_replay = self._last_replayed is not None and versions == self._replayed_versions
+        if self._linears is None:
+            self._linears = _linears(self.model)
+        stamp = self._reuse_stamp()
+        since_replay = self._last_replayed is not None and stamp is not None and stamp == self._replayed_stamp
         if key is None:  # not a capturable CUDA training step
             return self._eager(x, None, since_replay)
         graphs = self._graphs
         if graphs is None or graphs.key != key or not graphs.still_valid():
-            if self._eager_key != key or not self._ready_to_capture(_compute_dtype(x)):
+            if self._eager_key != key or not _quantizers_seeded(self.model):
                 return self._eager(x, key, since_replay)
             self._graphs = None  # free the previous key's graphs before capturing new ones
             graphs = self._graphs = self._capture(x, key)
-        # The eager model would reuse its cached FP8 weights when they hold the
-        # current weights: after our own replay under the same weights, or after an
-        # eager forward that quantized them.
+        # The eager model would reuse its FP8 weights where they hold the current
+        # weights inside te.reuse_quantized_weights(): after our own replay with
+        # nothing changed since, or after an eager forward that cast and kept them.
         if (since_replay and self._last_replayed is graphs) or graphs.load_eager_weights():
-            return self._replay(graphs, graphs.cached, x, versions)
-        return self._replay(graphs, graphs.cast, x, versions)
+            return self._replay(graphs, graphs.cached, x, stamp)
+        return self._replay(graphs, graphs.cast, x, stamp)
 
-    def _ready_to_capture(self, dtype: torch.dtype) -> bool:
-        """Every quantizer has seeded its state (a first step under a recipe seeds
-        delayed scaling from the tensor itself; that step must not be replayed), and
-        every frozen weight's FP8 copy is cached for its current value (the graphs
-        read it as it is; the eager step that refreshes it runs first)."""
-        if not _quantizers_seeded(self.model):
-            return False
-        for op in _linears(self.model):
-            if not op.weight.requires_grad and op._quantizers and op.cached_weight(dtype) is None:
-                return False
-        return True
+    def _reuse_stamp(self):
+        """What must not change between two forwards for the second to reuse the
+        first one's FP8 weights (None outside ``te.reuse_quantized_weights()``)."""
+        if _Scope.token == 0:
+            return None
+        return (_Scope.token, optimizer_steps(), tuple(op.weight._version for op in self._linears))
 
     def _key(self, x: torch.Tensor):
         state = current_state()
@@ -328,7 +318,7 @@ class GraphedSequential(nn.Module):
         self.stats.eager_steps += 1
         return self.model(x)
 
-    def _replay(self, graphs: _Graphs, pair: _Pair, x: torch.Tensor, versions: tuple) -> torch.Tensor:
+    def _replay(self, graphs: _Graphs, pair: _Pair, x: torch.Tensor, stamp) -> torch.Tensor:
         if graphs.pending is not None and graphs.pending() is not None:
             raise RuntimeError(
                 "make_graphed: forward called again before the previous forward's backward; a replayed step "
@@ -341,7 +331,7 @@ class GraphedSequential(nn.Module):
             if not slot.bound():  # an eager step ran in between: adopt its state
                 slot.adopt()
         self.stats.replays += 1
-        self._last_replayed, self._replayed_versions = graphs, versions
+        self._last_replayed, self._replayed_stamp = graphs, stamp
         return _Replay.apply(graphs, pair, x, *graphs.params)
 
     # -- capture ----------------------------------------------------------------------
@@ -351,26 +341,25 @@ class GraphedSequential(nn.Module):
         quantizers, slots = _state_slots(model)
         graphs = _Graphs(key, tuple(model.parameters()), slots, quantizers)
         graphs.static_x = x.detach().clone().requires_grad_(x.requires_grad)
-        self._trainable = trainable = _trainable_linears(model)
-        eager_caches = [(op, op._weight_cache) for op in trainable]  # put back once captured
-
-        self._warm_up(graphs, trainable)
-        _drop_weight_caches(trainable)  # the cast pair quantizes these weights itself
-        graphs.frozen = [(op, op.weight._version) for op in _linears(model)
-                         if op not in trainable and op._weight_cache is not None]
-        pool = torch.cuda.graph_pool_handle()
-        self._capture_pair(graphs, graphs.cast, pool, after_forward=lambda: _keep_weights(graphs, trainable, _compute_dtype(x)))
-        for op, dtype, columnwise, w_q in graphs.cast_weights:  # the cached pair reads them in place
-            op.cache_weight(w_q, columnwise, dtype)
-        self._capture_pair(graphs, graphs.cached, pool)
-        for op, cache in eager_caches:
-            op._weight_cache = cache
+        self._linears = linears = _linears(model)
+        # Captured inside a reuse scope: the cast pair's forward keeps the FP8 weights
+        # it writes, which the cached pair then reads in place.
+        with reuse_quantized_weights():
+            self._warm_up(graphs, linears)
+            _drop_weight_caches(linears)  # the cast pair casts the weights itself
+            pool = torch.cuda.graph_pool_handle()
+            self._capture_pair(graphs, graphs.cast, pool,
+                               after_forward=lambda: _keep_weights(graphs, linears, _compute_dtype(x)))
+            for op, dtype, columnwise, w_q in graphs.cast_weights:
+                op.cache_weight(w_q, columnwise, dtype)
+            self._capture_pair(graphs, graphs.cached, pool)
+            _drop_weight_caches(linears)  # the graphs' memory is rewritten by every replay: eager must not read it
 
         self.stats.captures += 1
         self.stats.capture_seconds = time.perf_counter() - start
         return graphs
 
-    def _warm_up(self, graphs: _Graphs, trainable: list) -> None:
+    def _warm_up(self, graphs: _Graphs, linears: list) -> None:
         """Run the step a few times on a side stream, outside any capture, so every
         kernel is compiled and tuned; the scaling state is put back afterwards."""
         model, x = self.model, graphs.static_x
@@ -380,7 +369,7 @@ class GraphedSequential(nn.Module):
             warm_x = x.detach().clone().requires_grad_(x.requires_grad)
             inputs = ((warm_x,) if x.requires_grad else ()) + tuple(map(aliases, graphs.params))
             for _ in range(self.warmup_steps):
-                _drop_weight_caches(trainable)
+                _drop_weight_caches(linears)
                 y = model(warm_x)
                 if not isinstance(y, torch.Tensor):
                     raise TypeError("make_graphed: the model must return one tensor")
@@ -430,7 +419,7 @@ class GraphedSequential(nn.Module):
         return packs
 
 
-def _keep_weights(graphs: _Graphs, trainable: list, dtype: torch.dtype) -> None:
+def _keep_weights(graphs: _Graphs, linears: list, dtype: torch.dtype) -> None:
     """Inside the cast pair's forward capture: keep each FP8 weight it wrote, for the
     cached pair, with its scales copied at this point. A delayed-scaling weight's
     FP8 copy shares the quantizer's ``scale_inv`` tensor, which the backward graph
@@ -440,7 +429,7 @@ def _keep_weights(graphs: _Graphs, trainable: list, dtype: torch.dtype) -> None:
         return None if o is None else ScaledOperand(o.data, o.scale_inv.clone(), o.scaling)
 
     kept = []
-    for op in trainable:
+    for op in linears:
         cached = op.cached_weight(dtype)
         if cached is not None:
             columnwise, w_q = cached
@@ -470,27 +459,18 @@ def _parameter_aliases(model: Sequential):
                 by_id[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
             module._parameters[name] = by_id[id(p)]
             swapped.append((module, name, p))
-    fusers = _fusers_of(model)
-    saved = [(f, f._params, f._flat_params) for f in fusers]
-    for f in fusers:
-        f._params = [[by_id[id(p)] for p in ps] for ps in f._params]
-        f._flat_params = [by_id[id(p)] for p in f._flat_params]
+    _EPOCH[0] += 1  # written into the dicts directly: the fusers' guards must look again
     try:
-        yield lambda p: by_id[id(p)]
+        yield lambda p: by_id[id(p)]  # the fusers read the parameters live: they run with the aliases
     finally:
-        for f, params, flat in saved:
-            f._params, f._flat_params = params, flat
         for module, name, p in swapped:
             module._parameters[name] = p
+        _EPOCH[0] += 1
 
 
 def _linears(model: nn.Module) -> list:
-    """The ops that cache a quantized weight."""
+    """The ops that cast a weight (and may keep the cast)."""
     return [op for op in model.modules() if isinstance(op, BasicOperation) and hasattr(op, "_weight_cache")]
-
-
-def _trainable_linears(model: nn.Module) -> list:
-    return [op for op in _linears(model) if op.weight.requires_grad]
 
 
 def _drop_weight_caches(ops) -> None:

@@ -6,8 +6,9 @@ Runs one forward and backward of ``model`` on ``sample_input`` under each recipe
 so that Triton and CUDA kernels for those recipes, shapes and dtypes are compiled
 and cached; then puts everything back as it was: parameters (never written),
 gradients, buffers, the RNG state, every op's installed quantizers, their scaling
-state (amax histories included), cached quantized weights, published plans and
-fusion statistics. A later switch to one of these recipes pays only the plan
+state (amax histories included), published plans and fusion statistics (a weight
+cast kept by ``te.reuse_quantized_weights()`` is dropped: the next forward casts
+again). A later switch to one of these recipes pays only the plan
 build, not compilation.
 """
 
@@ -49,7 +50,7 @@ class _Snapshot:
             p.grad = None  # the warm-up's gradients go to fresh tensors, dropped afterwards
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.ops = [
-            (op, op._quantizers, op._quantizer_key, op._loaded_state, getattr(op, "_weight_cache", None),
+            (op, op._quantizers, op._quantizer_key, op._loaded_state,
              {t: q.state_dict() for t, q in op._quantizers.items()})
             for op in model.modules() if isinstance(op, BasicOperation)
         ]
@@ -68,12 +69,11 @@ class _Snapshot:
                 b.copy_(saved)
         for p, g in self.grads:
             p.grad = g
-        for op, quantizers, key, loaded, wcache, states in self.ops:
+        for op, quantizers, key, loaded, states in self.ops:
             op._quantizers, op._quantizer_key, op._loaded_state = quantizers, key, loaded
             for t, q in quantizers.items():
                 q.load_state_dict(states[t])
-            if hasattr(op, "_weight_cache"):
-                op._weight_cache = wcache
+            op.drop_caches()  # a cast kept by te.reuse_quantized_weights(): the next forward casts again
         for f, plan, last, builds, hits, key, secs, phases, churn in self.fusers:
             f._plan, f._last_recipe, f._last_state = plan, last, None
             f.stats.builds, f.stats.hits, f.stats.key, f.stats.build_seconds = builds, hits, key, secs

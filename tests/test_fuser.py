@@ -162,46 +162,6 @@ def test_rejected_switch_raises_and_leaves_the_old_plan_untouched():
         assert_identical(step(model, x[i], recipe, opt), step(twin, x[i], recipe, twin_opt), f"step {i}")
 
 
-def test_weights_changed_in_place_are_never_used_stale():
-    torch.manual_seed(0)
-    model = te.ops.Sequential(te.ops.Linear(H, H))
-    x = torch.randn(16, H)
-    recipe = R.Float8CurrentScaling()
-    with torch.no_grad(), te.autocast(recipe=recipe):
-        model(x)
-        cached = model[0].linear._weight_cache[2]
-        model(x)
-        assert model[0].linear._weight_cache[2] is cached, "micro-batches must reuse the quantized weight"
-        for _ in range(3):
-            model[0].weight.copy_(torch.randn(H, H))  # an in-place overwrite, as by a train/infer loop
-            y = model(x)
-            fresh = copy.deepcopy(model)
-            fresh[0].linear.drop_caches()
-            assert torch.equal(y, fresh(x))
-            assert model[0].linear._weight_cache[2] is not cached
-            cached = model[0].linear._weight_cache[2]
-
-
-def test_cached_weight_holds_only_the_current_weight_and_quantizer():
-    torch.manual_seed(0)
-    model = te.ops.Sequential(te.ops.Linear(H, H))
-    linear = model[0].linear
-    x = torch.randn(16, H)
-    with torch.no_grad(), te.autocast(recipe=R.Float8CurrentScaling()):
-        model(x)
-    columnwise, w_q = linear.cached_weight(torch.float32)
-    assert w_q is linear._weight_cache[2] and columnwise is False
-    assert linear.cached_weight(torch.bfloat16) is None  # cast from another dtype
-    with torch.no_grad():
-        model[0].weight.add_(1.0)
-    assert linear.cached_weight(torch.float32) is None  # the weight changed since
-    linear.cache_weight(w_q, True, torch.float32)  # adopted as the cast of the current weight
-    assert linear.cached_weight(torch.float32) == (True, w_q)
-    with torch.no_grad(), te.autocast(recipe=R.DelayedScaling()):
-        model(x)  # new quantizers: the adopted copy no longer applies
-    assert linear._weight_cache[2] is not w_q
-
-
 def test_backward_uses_the_quantizers_of_its_forward():
     x = torch.randn(16, H, generator=torch.Generator().manual_seed(3))
     model = mlp()

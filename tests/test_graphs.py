@@ -97,14 +97,18 @@ def test_recipe_switches_recapture_and_stay_bit_identical():
 @needs_gpu
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 def test_gradient_accumulation_reuses_the_fp8_weights_like_eager(recipe_name):
-    """Three micro-batches per optimizer step: the eager model quantizes each weight
-    once per step (its cache), the graphs too (the cached pair for micro-batches 2, 3)."""
+    """Three micro-batches per optimizer step inside te.reuse_quantized_weights():
+    the eager model casts each weight once per step, the graphs too (the cached
+    pair for micro-batches 2, 3); outside the scope both cast every micro-batch."""
     pair = _Pair()
     for i in range(4):
-        for mb in range(3):
-            pair.step(RECIPES[recipe_name], optimize=mb == 2, context=f"step {i} micro-batch {mb}")
+        with te.reuse_quantized_weights():
+            for mb in range(3):
+                pair.step(RECIPES[recipe_name], optimize=mb == 2, context=f"step {i} micro-batch {mb}")
+    for mb in range(3):
+        pair.step(RECIPES[recipe_name], optimize=mb == 2, context=f"outside the scope, micro-batch {mb}")
     stats = pair.graphed.stats
-    assert stats.captures == 1 and stats.replays == 11  # all but the first call
+    assert stats.captures == 1 and stats.replays == 14  # all but the first call
 
 
 @needs_gpu
@@ -172,7 +176,7 @@ def test_freezing_a_weight_recaptures_and_stays_bit_identical():
     for i in range(3):
         pair.step(recipe, context=f"step {i}")
     for model in (pair.eager, pair.graphed.model):
-        model[1].linear.weight.requires_grad_(False)  # fc1's weight: its cached FP8 copy is now captured as is
+        model[1].linear.weight.requires_grad_(False)  # fc1's weight: no gradient is captured for it
     for i in range(3):
         pair.step(recipe, context=f"frozen step {i}")
     assert pair.graphed.stats.captures == 2

@@ -12,8 +12,9 @@ the contiguous dim of both operands (see ``te_fuser.kernels.operand``).
 
 ``backward_override='high_precision'`` saves x and w in high precision for the
 backward GEMMs; ``'dequantized'`` saves their FP8 copies and dequantizes them.
-The quantized weight is cached and reused while the weight's version, storage and
-the plan's quantizer are unchanged (once per optimizer step across micro-batches).
+The weight is cast once per forward, for that forward's GEMM and its backward's;
+a cast is reused across forwards only inside ``te.reuse_quantized_weights()``
+(gradient accumulation, repeated inference), while the weight is unchanged.
 
 A fused op may hand ``linear_forward`` an input already quantized by this linear's
 input quantizer (the previous GEMM's epilogue cast it), and may ask it for its
@@ -33,6 +34,7 @@ from ...quantization.tensor import QuantizedTensor
 from ...quantization.base import EpilogueCast
 from ..gemm import columnwise, gemm, gemm_fp8_out, rowwise
 from ..op import BasicOperation, OpContext
+from ..weight_cache import WeightCache
 
 __all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_columnwise"]
 
@@ -50,47 +52,34 @@ class BasicLinear(BasicOperation):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as torch.nn.Linear
-        self._weight_cache: tuple | None = None
+        self._weight_cache = WeightCache()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
     def drop_caches(self) -> None:
-        self._weight_cache = None
-
-    def _weight_stamp(self, quantizer, dtype: torch.dtype) -> tuple:
-        """What a cached FP8 weight was made from: the quantizer, the weight's
-        version and storage, and the high-precision dtype it was cast from."""
-        w = self.weight
-        return (quantizer, w._version, w.data_ptr(), dtype)
+        self._weight_cache.clear()
 
     def quantized_weight(self, quantizer, w_hp: torch.Tensor, need_columnwise: bool):
-        """The weight quantized by ``quantizer``, reused while nothing changed."""
-        stamp = self._weight_stamp(quantizer, w_hp.dtype)
-        cache = self._weight_cache
-        if cache is not None and cache[0] == stamp and (cache[1] or not need_columnwise):
-            return cache[2]
-        w_q = quantizer(w_hp, rowwise=True, columnwise=need_columnwise)
-        self._weight_cache = (stamp, need_columnwise, w_q)
+        """The weight cast by ``quantizer``: cast now, or a cast kept inside
+        ``te.reuse_quantized_weights()`` while the weight is unchanged (see
+        ``ops/weight_cache.py``)."""
+        weight, cache = self.weight, self._weight_cache
+        w_q = cache.lookup(quantizer, weight, w_hp.dtype, need_columnwise)
+        if w_q is None:
+            w_q = quantizer(w_hp, rowwise=True, columnwise=need_columnwise)
+            cache.store(quantizer, weight, w_hp.dtype, need_columnwise, w_q)
         return w_q
 
     def cached_weight(self, dtype: torch.dtype) -> "tuple[bool, QuantizedTensor] | None":
-        """``(has a column-wise copy, the FP8 weight)`` when the cache holds the
-        current weight cast by the installed weight quantizer from ``dtype``."""
-        cache = self._weight_cache
-        if cache is None or cache[0] != self._weight_stamp(self._quantizers.get("weight"), dtype):
-            return None
-        return cache[1], cache[2]
-
-    def cache_is_current(self) -> bool:
-        """Whether the cache holds the current weight cast by the installed weight
-        quantizer (from whichever dtype)."""
-        cache = self._weight_cache
-        return cache is not None and cache[0][:3] == self._weight_stamp(self._quantizers.get("weight"), None)[:3]
+        """``(has a column-wise copy, the FP8 weight)`` when a kept cast of the current
+        weight by the installed weight quantizer from ``dtype`` may be reused now."""
+        return self._weight_cache.holds(self._quantizers.get("weight"), self.weight, dtype)
 
     def cache_weight(self, w_q: QuantizedTensor, columnwise: bool, dtype: torch.dtype) -> None:
-        """Adopt ``w_q`` as the installed weight quantizer's cast of the current weight."""
-        self._weight_cache = (self._weight_stamp(self._quantizers.get("weight"), dtype), columnwise, w_q)
+        """Keep ``w_q`` as the installed weight quantizer's cast of the current weight
+        (inside ``te.reuse_quantized_weights()``; elsewhere nothing is kept)."""
+        self._weight_cache.store(self._quantizers.get("weight"), self.weight, dtype, columnwise, w_q)
 
     def check_shapes(self, in_shape, quantizers):
         if in_shape[-1] != self.in_features:
