@@ -97,6 +97,22 @@ def evaluating(m):
         m.train()
 
 
+@contextlib.contextmanager
+def replaced_weight(m):
+    """The second linear's weight replaced by an equal new Parameter (it stays)."""
+    m[3].linear.weight = torch.nn.Parameter(m[3].linear.weight.detach().clone())
+    yield
+
+
+@contextlib.contextmanager
+def hooked(m):
+    handle = m[2].register_forward_hook(lambda module, args, out: out * 1.0)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def conditions(m, device="cpu"):
     """(name, context factory, input maker): each selects a plan, or repeats one."""
     return [
@@ -115,6 +131,11 @@ def conditions(m, device="cpu"):
          lambda: _both(torch.autocast(device, dtype=torch.bfloat16), te.autocast(recipe=CURRENT)), lambda x: x),
         ("torch.autocast off", lambda: te.autocast(recipe=CURRENT), lambda x: x),
         ("a bf16 input", lambda: te.autocast(recipe=CURRENT), lambda x: x.bfloat16()),
+        ("fewer rows", lambda: te.autocast(recipe=CURRENT), lambda x: x[:3]),
+        ("the rows again", lambda: te.autocast(recipe=CURRENT), lambda x: x),
+        ("a replaced parameter", lambda: _both(replaced_weight(m), te.autocast(recipe=CURRENT)), lambda x: x),
+        ("a forward hook", lambda: _both(hooked(m), te.autocast(recipe=CURRENT)), lambda x: x),
+        ("the hook removed", lambda: te.autocast(recipe=CURRENT), lambda x: x),
         ("delayed", lambda: te.autocast(recipe=DELAYED), lambda x: x),
         ("delayed again", lambda: te.autocast(recipe=DELAYED), lambda x: x),
         ("calibrating", lambda: te.autocast(enabled=False, calibrating=True, recipe=DELAYED), lambda x: x),
@@ -170,6 +191,26 @@ def test_an_op_run_by_another_model_in_between_is_noticed():
         results.append((stats.builds, stats.hits, y.detach()))
     assert results[0][:2] == results[1][:2] == (2, 1)
     assert torch.equal(results[0][2], results[1][2])
+
+
+def test_a_replaced_parameter_and_a_new_hook_are_seen_on_the_compiled_path():
+    m, x = model(), torch.randn(4, H)
+    with te.autocast(recipe=CURRENT):
+        m(x)
+        m(x)
+        new = torch.nn.Parameter(torch.zeros(H, H))
+        m[3].linear.weight = new
+        y = m(x)
+        torch.testing.assert_close(y, m[3].bias.expand(4, H))
+        calls = []
+        handle = m[0].register_forward_pre_hook(lambda module, args: calls.append(1))
+        m(x)
+        m(x)
+        handle.remove()
+        m(x)
+    assert calls == [1, 1]
+    (f,) = _fusers_of(m)
+    assert f._guard.armed and f._flat_params[-2] is new
 
 
 def test_replacing_the_parameters_disarms():

@@ -360,7 +360,7 @@ def test_state_dict_roundtrip_continues_identically():
 def test_load_state_dict_rejects_bad_state():
     quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=4)
     state = DelayedScalingQuantizer(E4M3, amax_history_len=8).state_dict()
-    with pytest.raises(ValueError, match=r"amax_history.*\(8,\).*\(4,\).*carry_state_from"):
+    with pytest.raises(ValueError, match=r"amax_history.*\(8,\).*\(4,\).*continue_from_state"):
         quantizer.load_state_dict(state)
     with pytest.raises(ValueError, match=r"missing \['seeded'\]"):
         quantizer.load_state_dict({k: v for k, v in quantizer.state_dict().items() if k != "seeded"})

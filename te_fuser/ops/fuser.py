@@ -23,20 +23,21 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from torch.nn.modules import module as _module_hooks
 
 from .. import backend
 from ..autocast import _stack as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from . import hot_guard
-from .op import BasicOperation, OpContext, RunConfig
+from .op import _EPOCH, BasicOperation, OpContext, RunConfig
 from .rules import BuildContext, PlanStep, match
 
 __all__ = ["OperationFuser", "FusionPlan", "FusionStats"]
 
-# Bumped whenever any op installs quantizers; a plan remembers the value it saw,
-# so an op used by another fuser (or on its own) in between is noticed cheaply.
-_EPOCH = [0]
+# _EPOCH (ops/op.py) is bumped whenever any op installs quantizers or has a
+# Parameter or hook registered; a plan remembers the value it saw, so an op used
+# by another fuser (or on its own) in between is noticed cheaply.
 
 # Sets that a caller pushes to learn which fusers ran (``te.make_graphed_step``
 # checks that a captured step ran only ops of the model it was given).
@@ -44,6 +45,14 @@ _RUN_WATCH: list[set] = []
 
 # Attributes whose assignment disarms a fuser's compiled guard.
 _DISARMING = frozenset({"_plan", "_params", "_flat_params"})
+
+HIGH_PRECISION_KEY = "high_precision"  # the recipe part of a plan's key without a recipe
+_FLOATING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_SHAPES = 64  # input shapes a plan remembers as validated
+
+# torch's global forward hooks, which run for the ops as for any module's call.
+_GLOBAL_HOOK_DICTS = (_module_hooks._global_forward_pre_hooks, _module_hooks._global_forward_hooks)
 
 
 @dataclass
@@ -70,6 +79,9 @@ class FusionPlan:
     out_shape: torch.Size | None = None
     amax_reduction_group: object = None  # te.autocast's group: delayed-scaling amaxes are all-reduced over it
     epoch: int = -1
+    installs: bool = True  # whether the plan's quantizers are the ops' own (False: high precision)
+    in_shape: torch.Size | None = None  # the input shape of the last call (validated)
+    shapes: dict = field(default_factory=dict)  # validated input shape -> output shape (bounded)
 
     def __post_init__(self) -> None:  # the key's fields, unpacked for the hot path
         _, self.needs_backward, self.dtype, self.training, self.calibrating, self.device_type = self.key
@@ -90,18 +102,25 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 class OperationFuser:
     """Runs a list of basic ops through a fused plan."""
 
-    def __init__(self, ops: Sequence[BasicOperation], fuse: bool = True) -> None:
+    def __init__(self, ops: Sequence[BasicOperation], fuse: bool = True,
+                 hook_modules: Sequence[torch.nn.Module] = ()) -> None:
         self.ops = list(ops)
         self.fuse = fuse
-        self._params = [list(op.parameters()) for op in self.ops]
-        self._flat_params = [p for ps in self._params for p in ps]
+        # Parameters are read live from these dicts (each op's and its submodules'),
+        # so a replaced Parameter (tying, assign-loads, FSDP2) is what runs and trains.
+        self._param_dicts = tuple(m._parameters for op in self.ops for m in op.modules())
+        self._dicts_per_op = [sum(1 for _ in op.modules()) for op in self.ops]
+        # The modules whose forward hooks this fuser runs around its ops (those not
+        # called through their own ``__call__``), and the hook dicts that must be
+        # empty for a call to skip them.
+        self.hook_modules = tuple(hook_modules)
+        self._hook_dicts = tuple(d for m in self.hook_modules for d in (
+            m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks))
         self._n_extra_in = [op.num_extra_inputs for op in self.ops]
         self._num_extra_inputs = sum(self._n_extra_in)
         self._n_extra_out = [op.num_extra_outputs for op in self.ops]
         self._branches = self._num_extra_inputs > 0 or sum(self._n_extra_out) > 0
-        # Per op: its slice of the autograd inputs (x, fuser and plan, *params, *extra inputs)
-        # and of the flat parameter gradients, computed once for every backward.
-        self._grad_slices = _grad_slices([len(ps) for ps in self._params], self._n_extra_in)
+        self._refresh_params()
         self._plan: FusionPlan | None = None
         self._last_recipe = None
         self._last_state = None  # the autocast state last matched to the published plan
@@ -117,7 +136,7 @@ class OperationFuser:
             self._guard, self.entry = None, self.run
             return
         self._guard = module.Guard(self._run_and_arm, _AUTOCAST_STACK, _EPOCH, _grad_enabled, _any_autocast,
-                                   _compute_dtype, torch.Tensor, self.stats)
+                                   _compute_dtype, torch.Tensor, self.stats, _GLOBAL_HOOK_DICTS)
         self.entry = self._guard
 
     def __setattr__(self, name: str, value) -> None:
@@ -148,8 +167,18 @@ class OperationFuser:
         return self.run(x, training, extra_inputs) if extra_inputs else self.entry(x, training)
 
     def run(self, x: torch.Tensor, training: bool, extra_inputs: tuple = ()):
-        """Run the ops on ``x``; the hot path (positional arguments only: keyword
-        arguments cost more than the whole check)."""
+        """Run the ops on ``x``: the fuser's reference path (the compiled guard
+        makes the same decisions); positional arguments only, for speed."""
+        if self.hook_modules and self._hooks_present():
+            return self._run_hooked(x, training, extra_inputs)
+        return self._run(x, training, extra_inputs)
+
+    def _run(self, x: torch.Tensor, training: bool, extra_inputs: tuple):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"op fuser ({self.ops[0].describe()}...): input must be a torch.Tensor, "
+                            f"got {type(x).__name__}")
+        if not self._params_current():
+            self._refresh_params()
         state = _AUTOCAST_STACK[-1]  # te.autocast's state (see autocast.current_state)
         needs_backward = _grad_enabled() and (
             x.requires_grad or self._params_require_grad() or any(t.requires_grad for t in extra_inputs)
@@ -165,6 +194,8 @@ class OperationFuser:
             and (state is self._last_state or self._same_config(plan, state))
             and (plan.epoch == _EPOCH[0] or self._still_installed(plan))
         ):
+            if x.shape != plan.in_shape:
+                self._accept_shape(plan, x.shape)
             self.stats.hits += 1
         else:
             plan = self.build(state.recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training,
@@ -177,10 +208,72 @@ class OperationFuser:
         runs; the guard is then armed with its decision, for the calls that repeat it."""
         out = self.run(x, training)
         plan, state, guard = self._plan, self._last_state, self._guard
-        if plan is not None and state is not None and guard is not None:
+        if plan is not None and state is not None and guard is not None and not (
+                self.hook_modules and self._hooks_present()):  # hooks: every call takes the Python path
             guard.arm(state, _FuserFunction.apply, (self, plan), tuple(self._flat_params), plan.needs_backward,
-                      plan.dtype, plan.training, plan.is_cuda, plan.epoch)
+                      plan.dtype, plan.training, plan.is_cuda, plan.epoch, plan.in_shape)
         return out
+
+    # -- parameters, read live -------------------------------------------------------
+    def _params_current(self) -> bool:
+        """Whether the ops' parameters are still the objects of ``_flat_params``."""
+        flat, i = self._flat_params, 0
+        for params in self._param_dicts:
+            for p in params.values():
+                if p is not None:
+                    if i == len(flat) or flat[i] is not p:
+                        return False
+                    i += 1
+        return i == len(flat)
+
+    def _refresh_params(self) -> None:
+        """Read the parameters the ops hold now (``op.parameters()`` order)."""
+        dicts, params = iter(self._param_dicts), []
+        for n in self._dicts_per_op:
+            params.append([p for _ in range(n) for p in next(dicts).values() if p is not None])
+        self._params = params
+        self._flat_params = [p for ps in params for p in ps]
+        # Per op: its slice of the autograd inputs (x, fuser and plan, *params, *extra inputs)
+        # and of the flat parameter gradients, computed once for every backward.
+        self._grad_slices = _grad_slices([len(ps) for ps in params], self._n_extra_in)
+
+    # -- forward hooks of the ops ------------------------------------------------------
+    def _hooks_present(self) -> bool:
+        if _GLOBAL_HOOK_DICTS[0] or _GLOBAL_HOOK_DICTS[1]:
+            return True
+        for hooks in self._hook_dicts:
+            if hooks:
+                return True
+        return False
+
+    def _run_hooked(self, x: torch.Tensor, training: bool, extra_inputs: tuple):
+        """Run the ops' forward hooks around the fused ops, as one module's: every
+        pre-hook (module order) sees the fuser's input and may replace it, then the
+        ops run, then every post-hook sees that input and the output and may
+        replace the output (see ``Sequential``'s doc)."""
+        for module in self.hook_modules:
+            if module._backward_hooks or module._backward_pre_hooks:
+                raise RuntimeError(
+                    f"op fuser: {type(module).__name__} has module backward hooks, which cannot run inside a fused "
+                    "group (its own input and output gradients are never formed); register them on the Sequential "
+                    "or on the tensors instead"
+                )
+            x = _pre_hooks(module, x)
+        out = self._run(x, training, extra_inputs)
+        for module in self.hook_modules:
+            out = _post_hooks(module, x, out)
+        return out
+
+    def _accept_shape(self, plan: FusionPlan, shape: torch.Size) -> None:
+        """Validate an input of another shape against the plan (the ops' own checks
+        and their quantizers' block sizes), then let the plan take it."""
+        out_shape = plan.shapes.get(shape)
+        if out_shape is None:
+            out_shape = self._check_shapes(shape, plan.quantizers)
+            if len(plan.shapes) >= _MAX_SHAPES:
+                plan.shapes.clear()
+            plan.shapes[shape] = out_shape
+        plan.in_shape = shape
 
     def _same_config(self, plan: FusionPlan, state) -> bool:
         """Whether ``state`` (an autocast state other than the last one seen) selects
@@ -202,7 +295,9 @@ class OperationFuser:
         return False
 
     def _still_installed(self, plan: FusionPlan) -> bool:
-        for op, qs in zip(self.ops, plan.quantizers):
+        """Whether the ops still hold the plan's quantizers (a high-precision plan
+        holds none and depends on none)."""
+        for op, qs in zip(self.ops, plan.quantizers if plan.installs else ()):
             if op._quantizers is not qs or op._quantizer_key != plan.recipe_key:
                 return False
         plan.epoch = _EPOCH[0]
@@ -215,11 +310,16 @@ class OperationFuser:
         device = torch.device(device)
         t0 = time.perf_counter()
         phases = {}
-        recipe_key = str(recipe) if recipe is not None else "high_precision"
-        # Quantizers are rebuilt iff the recipe key changed: a plan for another grad
-        # mode or dtype under the same recipe shares the installed ones.
-        reuse = all(op._quantizer_key == recipe_key for op in self.ops)
-        quantizers = [op._quantizers for op in self.ops] if reuse else self._build_quantizers(recipe, recipe_key)
+        self._check_dtype(dtype, recipe is not None and not calibrating)
+        recipe_key = str(recipe) if recipe is not None else HIGH_PRECISION_KEY
+        if recipe is None:  # high precision reads no quantizer and leaves the installed ones (their state) alone
+            quantizers = [{} for _ in self.ops]
+        elif all(op._quantizer_key == recipe_key for op in self.ops):
+            # Quantizers are rebuilt iff the recipe key changed: a plan for another grad
+            # mode or dtype under the same recipe shares the installed ones.
+            quantizers = [op._quantizers for op in self.ops]
+        else:
+            quantizers = self._build_quantizers(recipe, recipe_key)
         t1 = time.perf_counter()
         phases["quantizers"] = t1 - t0
         plan_recipe = recipe if (recipe is not None and not calibrating) else None
@@ -229,13 +329,15 @@ class OperationFuser:
         t2 = time.perf_counter()
         phases["fusion"] = t2 - t1
         out_shape = self._validate(shape, device, quantizers, bwd.steps if needs_backward else None)
+        shape = torch.Size(shape)
         notes = self._kernel_notes(plan_recipe, device)
         t3 = time.perf_counter()
         phases["validation"] = t3 - t2
         key = (recipe_key, needs_backward, dtype, training, calibrating, device.type)
         run = RunConfig(recipe, calibrating, dtype, needs_backward, training, recipe_key)
         plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes,
-                          out_shape=out_shape, amax_reduction_group=amax_reduction_group)
+                          out_shape=out_shape, amax_reduction_group=amax_reduction_group,
+                          installs=recipe is not None, in_shape=shape, shapes={shape: out_shape})
         self._publish(plan)
         t4 = time.perf_counter()
         phases["publish"] = t4 - t3
@@ -264,16 +366,32 @@ class OperationFuser:
         return out
 
     def _validate(self, shape, device, quantizers: list[dict], backward_steps: list[PlanStep] | None) -> torch.Size:
-        for op, qs in zip(self.ops, quantizers):
-            shape = op.check_shapes(torch.Size(shape), qs)
+        out_shape = self._check_shapes(shape, quantizers)
+        for qs in quantizers:
             for q in qs.values():
                 q.check_device(device)
-        if backward_steps is None:
-            return torch.Size(shape)
-        covered = sorted(i for step in backward_steps for i in step.indices)
-        if covered != list(range(len(self.ops))):
-            raise RuntimeError(f"op fuser: the backward plan covers ops {covered}, expected all of 0..{len(self.ops) - 1}")
-        return torch.Size(shape)
+        if backward_steps is not None:
+            covered = sorted(i for step in backward_steps for i in step.indices)
+            if covered != list(range(len(self.ops))):
+                raise RuntimeError(
+                    f"op fuser: the backward plan covers ops {covered}, expected all of 0..{len(self.ops) - 1}")
+        return out_shape
+
+    def _check_shapes(self, shape, quantizers: list[dict]) -> torch.Size:
+        """Each op's checks of its input shape (and its quantizers' block sizes); the output shape."""
+        shape = torch.Size(shape)
+        for op, qs in zip(self.ops, quantizers):
+            shape = torch.Size(op.check_shapes(shape, qs))
+        return shape
+
+    def _check_dtype(self, dtype: torch.dtype, quantizing: bool) -> None:
+        allowed = _QUANTIZABLE_DTYPES if quantizing else _FLOATING_DTYPES
+        if dtype not in allowed:
+            names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+            raise TypeError(
+                f"op fuser ({', '.join(op.describe() for op in self.ops[:3])}): input dtype must be one of "
+                f"{names}{' under an FP8 recipe' if quantizing else ''}, got {str(dtype).replace('torch.', '')}"
+            )
 
     @staticmethod
     def _kernel_notes(recipe, device: torch.device) -> list[str]:
@@ -296,6 +414,10 @@ class OperationFuser:
         return notes
 
     def _publish(self, plan: FusionPlan) -> None:
+        self._plan = plan
+        if not plan.installs:
+            plan.epoch = _EPOCH[0]
+            return
         reduce = plan.run.recipe is not None and getattr(plan.run.recipe, "reduce_amax", False)
         for qs in plan.quantizers:
             for q in qs.values():
@@ -309,7 +431,40 @@ class OperationFuser:
         if changed:
             _EPOCH[0] += 1
         plan.epoch = _EPOCH[0]
-        self._plan = plan
+
+
+def _pre_hooks(module: torch.nn.Module, x):
+    """``module``'s forward pre-hooks (torch's global ones first) on ``(x,)``, as
+    ``nn.Module.__call__`` runs them; the input they leave."""
+    args, kwargs = (x,), {}
+    with_kwargs = module._forward_pre_hooks_with_kwargs
+    for hook_id, hook in (*_GLOBAL_HOOK_DICTS[0].items(), *module._forward_pre_hooks.items()):
+        if hook_id in with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"forward pre-hook must return None or a tuple of (new_args, new_kwargs), "
+                                       f"but got {result}.")
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args[0]
+
+
+def _post_hooks(module: torch.nn.Module, x, out):
+    """``module``'s forward hooks (torch's global ones first) on ``((x,), out)``; the output they leave."""
+    args = (x,)
+    with_kwargs = module._forward_hooks_with_kwargs
+    for hook_id, hook in (*_GLOBAL_HOOK_DICTS[1].items(), *module._forward_hooks.items()):
+        if hook_id in with_kwargs or hook_id in _module_hooks._global_forward_hooks_with_kwargs:
+            result = hook(module, args, {}, out)
+        else:
+            result = hook(module, args, out)
+        if result is not None:
+            out = result
+    return out
 
 
 def _split(items: Sequence, counts: Sequence[int]) -> list[list]:
@@ -364,6 +519,15 @@ class _NoExtras(dict):
 _NO_EXTRAS = _NoExtras()
 
 
+_GRAPH_TOKEN = torch.empty(0)
+
+
+def _keep_graph() -> bool:
+    """Whether the backward running now keeps its graph (``retain_graph=True``)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else keep()
+
+
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, fuser_and_plan, *tensors):
@@ -372,6 +536,7 @@ class _FuserFunction(torch.autograd.Function):
             _RUN_WATCH[-1].add(fuser)
         extra_inputs = tensors[len(fuser._flat_params):]
         ctxs, y, extra_outputs = _run_forward(fuser, plan, x, extra_inputs)
+        fctx.save_for_backward(_GRAPH_TOKEN)  # autograd frees it with the graph: a second backward then raises
         fctx.fuser, fctx.plan, fctx.ctxs = fuser, plan, ctxs
         fctx.x_dtype = x.dtype
         if not extra_outputs:
@@ -385,7 +550,10 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dy, *grad_extra_outputs):
+        fctx.saved_tensors  # noqa: B018 (raises, as torch does, when the graph was freed by an earlier backward)
         fuser, plan, ctxs = fctx.fuser, fctx.plan, fctx.ctxs
+        if not _keep_graph():
+            fctx.ctxs = None  # the saved tensors go with this backward, as autograd's own do
         needs = fctx.needs_input_grad
         upstream = needs[0]
         for ctx, (p_slice, e_slice, _) in zip(ctxs, fuser._grad_slices):

@@ -8,13 +8,17 @@
  * epoch it saw, and the call that runs it. guard(x, training) checks exactly the
  * conditions that the Python path checks, reading the same state in the same way
  * (grad mode, x.requires_grad and the parameters', torch.autocast, x.dtype,
- * x.is_cuda), and on a match counts a hit and calls the plan. Anything else, and
- * any input it does not handle (not a tensor), goes to the Python path (`miss`),
- * which decides afresh and re-arms. A hit is therefore always a case the Python
- * path would also have called a hit with the same plan.
+ * x.is_cuda, x.shape), and on a match counts a hit and calls the plan. Anything
+ * else, and any input it does not handle (not a tensor), goes to the Python path
+ * (`miss`), which decides afresh and re-arms. A hit is therefore always a case the
+ * Python path would also have called a hit with the same plan.
  *
- * The fuser disarms the guard whenever it publishes another plan or its
- * parameters change; the epoch catches quantizers installed from elsewhere.
+ * The epoch is bumped whenever any op installs quantizers or has a Parameter or
+ * module hook registered or removed (ops/op.py), so one comparison catches
+ * quantizers installed from elsewhere, a replaced Parameter and a new hook; the
+ * Python path then reads the parameter and hook dicts themselves (it never arms
+ * the guard while an op has hooks). torch's global forward hook dicts must be
+ * empty. The fuser disarms the guard whenever it publishes another plan.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,6 +36,7 @@ typedef struct {
     PyObject *compute_dtype; /* x -> the dtype torch.autocast computes x's ops in */
     PyObject *tensor_type;   /* torch.Tensor */
     PyObject *stats;         /* the fuser's FusionStats: hits are counted in it */
+    PyObject *hook_dicts;    /* tuple of dicts that must be empty: torch's global forward hooks */
     /* the armed decision; state == NULL: disarmed */
     PyObject *state;
     PyObject *apply;         /* the autograd Function's apply */
@@ -41,12 +46,13 @@ typedef struct {
     PyObject *epoch_value;
     PyObject *training;      /* Py_True or Py_False */
     PyObject *is_cuda;       /* Py_True or Py_False */
+    PyObject *in_shape;      /* the validated input shape (a torch.Size) */
     int needs_backward;
 } Guard;
 
-static PyObject *str_requires_grad, *str_dtype, *str_is_cuda, *str_hits, *int_one;
+static PyObject *str_requires_grad, *str_dtype, *str_is_cuda, *str_shape, *str_hits, *int_one;
 
-#define ARMED_FIELDS(X) X(state) X(apply) X(plan_arg) X(params) X(dtype) X(epoch_value) X(training) X(is_cuda)
+#define ARMED_FIELDS(X) X(state) X(apply) X(plan_arg) X(params) X(dtype) X(epoch_value) X(training) X(is_cuda) X(in_shape)
 
 static void disarm(Guard *g) {
 #define CLEAR(f) Py_CLEAR(g->f);
@@ -63,12 +69,21 @@ static int requires_grad(PyObject *obj) {
     return r;
 }
 
+/* 1 if every hook dict is empty. */
+static int no_hooks(Guard *g) {
+    Py_ssize_t n = PyTuple_GET_SIZE(g->hook_dicts);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyDict_GET_SIZE(PyTuple_GET_ITEM(g->hook_dicts, i)) != 0) return 0;
+    return 1;
+}
+
 /* 1: the armed plan applies to this call; 0: it does not; -1: error. */
 static int matches(Guard *g, PyObject *x, PyObject *training) {
     if (g->state == NULL || training != g->training || !PyObject_TypeCheck(x, (PyTypeObject *)g->tensor_type))
         return 0;
     Py_ssize_t depth = PyList_GET_SIZE(g->stack);
     if (depth == 0 || PyList_GET_ITEM(g->stack, depth - 1) != g->state) return 0;
+    if (!no_hooks(g)) return 0;
 
     PyObject *grad = PyObject_CallNoArgs(g->grad_enabled);
     if (grad == NULL) return -1;
@@ -100,6 +115,12 @@ static int matches(Guard *g, PyObject *x, PyObject *training) {
     same = (is_cuda == g->is_cuda);
     Py_DECREF(is_cuda);
     if (!same) return 0;
+
+    PyObject *shape = PyObject_GetAttr(x, str_shape);
+    if (shape == NULL) return -1;
+    same = PyObject_RichCompareBool(shape, g->in_shape, Py_EQ);
+    Py_DECREF(shape);
+    if (same <= 0) return same;
 
     PyObject *epoch = PyList_GET_ITEM(g->epoch, 0);
     return epoch == g->epoch_value ? 1 : PyObject_RichCompareBool(epoch, g->epoch_value, Py_EQ);
@@ -159,10 +180,10 @@ static PyObject *guard_vectorcall(PyObject *self, PyObject *const *args, size_t 
 }
 
 static PyObject *guard_arm(Guard *g, PyObject *args) {
-    PyObject *state, *apply, *plan_arg, *params, *dtype, *epoch_value, *training, *is_cuda;
+    PyObject *state, *apply, *plan_arg, *params, *dtype, *epoch_value, *training, *is_cuda, *in_shape;
     int needs_backward;
-    if (!PyArg_ParseTuple(args, "OOOO!pOOOO:arm", &state, &apply, &plan_arg, &PyTuple_Type, &params, &needs_backward,
-                          &dtype, &training, &is_cuda, &epoch_value))
+    if (!PyArg_ParseTuple(args, "OOOO!pOOOOO:arm", &state, &apply, &plan_arg, &PyTuple_Type, &params, &needs_backward,
+                          &dtype, &training, &is_cuda, &epoch_value, &in_shape))
         return NULL;
     if ((training != Py_True && training != Py_False) || (is_cuda != Py_True && is_cuda != Py_False)) {
         PyErr_SetString(PyExc_TypeError, "hot guard: arm(training=, is_cuda=) must be True or False");
@@ -183,20 +204,35 @@ static PyObject *guard_disarm(Guard *g, PyObject *unused) {
 
 static PyObject *guard_armed(Guard *g, void *closure) { return PyBool_FromLong(g->state != NULL); }
 
-#define FIXED_FIELDS(X) X(miss) X(stack) X(epoch) X(grad_enabled) X(any_autocast) X(compute_dtype) X(tensor_type) X(stats)
+#define FIXED_FIELDS(X) X(miss) X(stack) X(epoch) X(grad_enabled) X(any_autocast) X(compute_dtype) X(tensor_type) \
+    X(stats) X(hook_dicts)
+
+/* 1 if `t` is a tuple of dicts, else 0 with a TypeError naming `what`. */
+static int tuple_of_dicts(PyObject *t, const char *what) {
+    Py_ssize_t n = PyTuple_GET_SIZE(t);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyDict_Check(PyTuple_GET_ITEM(t, i))) {
+            PyErr_Format(PyExc_TypeError, "hot guard: %s must be a tuple of dicts", what);
+            return 0;
+        }
+    }
+    return 1;
+}
 
 static PyObject *guard_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"miss", "stack", "epoch", "grad_enabled", "any_autocast", "compute_dtype",
-                            "tensor_type", "stats", NULL};
+                            "tensor_type", "stats", "hook_dicts", NULL};
     PyObject *miss, *stack, *epoch, *grad_enabled, *any_autocast, *compute_dtype, *tensor_type, *stats;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!OOOO!O:Guard", names, &miss, &PyList_Type, &stack,
+    PyObject *hook_dicts;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!OOOO!OO!:Guard", names, &miss, &PyList_Type, &stack,
                                      &PyList_Type, &epoch, &grad_enabled, &any_autocast, &compute_dtype,
-                                     &PyType_Type, &tensor_type, &stats))
+                                     &PyType_Type, &tensor_type, &stats, &PyTuple_Type, &hook_dicts))
         return NULL;
     if (PyList_GET_SIZE(epoch) != 1) {
         PyErr_SetString(PyExc_ValueError, "hot guard: epoch must be a list of one int");
         return NULL;
     }
+    if (!tuple_of_dicts(hook_dicts, "hook_dicts")) return NULL;
     Guard *g = (Guard *)type->tp_alloc(type, 0);
     if (g == NULL) return NULL;
     g->vectorcall = guard_vectorcall;
@@ -230,7 +266,7 @@ static void guard_dealloc(Guard *g) {
 
 static PyMethodDef guard_methods[] = {
     {"arm", (PyCFunction)guard_arm, METH_VARARGS,
-     "arm(state, apply, plan_arg, params, needs_backward, dtype, training, is_cuda, epoch): the decision to reuse"},
+     "arm(state, apply, plan_arg, params, needs_backward, dtype, training, is_cuda, epoch, in_shape): the decision to reuse"},
     {"disarm", (PyCFunction)guard_disarm, METH_NOARGS, "forget the armed decision: the next call takes the Python path"},
     {NULL, NULL, 0, NULL},
 };
@@ -369,10 +405,11 @@ PyMODINIT_FUNC PyInit__hot_guard(void) {
     str_requires_grad = PyUnicode_InternFromString("requires_grad");
     str_dtype = PyUnicode_InternFromString("dtype");
     str_is_cuda = PyUnicode_InternFromString("is_cuda");
+    str_shape = PyUnicode_InternFromString("shape");
     str_hits = PyUnicode_InternFromString("hits");
     str_training = PyUnicode_InternFromString("training");
     int_one = PyLong_FromLong(1);
-    if (!str_requires_grad || !str_dtype || !str_is_cuda || !str_hits || !str_training || !int_one) return NULL;
+    if (!str_requires_grad || !str_dtype || !str_is_cuda || !str_shape || !str_hits || !str_training || !int_one) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Guard", (PyObject *)&GuardType) < 0 ||

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..quantization import Quantizer
     from ..recipe import Recipe
 
-__all__ = ["RunConfig", "OpContext", "BasicOperation", "FusedOperation"]
+__all__ = ["RunConfig", "OpContext", "BasicOperation", "FusedOperation", "WatchedModule"]
 
 
 class RunConfig:
@@ -74,12 +74,62 @@ class OpContext:
         return self.quantizers.get(tensor_type)
 
 
+# Bumped whenever an op installs quantizers, or an op (or a composite of ops) gets
+# a Parameter or a module hook registered or removed through nn.Module's methods:
+# a fuser's compiled guard compares it in O(1) and hands any change to the Python
+# path, which reads the parameter and hook dicts themselves.
+_EPOCH = [0]
+
+
+class WatchedModule(nn.Module):
+    """An ``nn.Module`` whose parameter and hook registrations bump :data:`_EPOCH`."""
+
+    def register_parameter(self, name, param) -> None:
+        super().register_parameter(name, param)
+        _EPOCH[0] += 1
+
+    def __delattr__(self, name) -> None:
+        super().__delattr__(name)
+        _EPOCH[0] += 1
+
+    def _apply(self, fn, recurse=True):  # .to() may replace Parameters (overwrite_module_params_on_conversion)
+        out = super()._apply(fn, recurse)
+        _EPOCH[0] += 1
+        return out
+
+    def _hook_registered(self, handle):
+        _EPOCH[0] += 1
+        return handle
+
+    def register_forward_pre_hook(self, *args, **kwargs):
+        return self._hook_registered(super().register_forward_pre_hook(*args, **kwargs))
+
+    def register_forward_hook(self, *args, **kwargs):
+        return self._hook_registered(super().register_forward_hook(*args, **kwargs))
+
+    def register_full_backward_pre_hook(self, *args, **kwargs):
+        return self._hook_registered(super().register_full_backward_pre_hook(*args, **kwargs))
+
+    def register_full_backward_hook(self, *args, **kwargs):
+        return self._hook_registered(super().register_full_backward_hook(*args, **kwargs))
+
+    def register_backward_hook(self, *args, **kwargs):
+        return self._hook_registered(super().register_backward_hook(*args, **kwargs))
+
+
 # Plain per-op state that is neither a parameter, a buffer nor a module: set
 # without nn.Module.__setattr__'s bookkeeping (it runs on every recipe switch).
 _PLAIN_STATE = frozenset({"_quantizers", "_quantizer_key", "_loaded_state", "_weight_cache", "_own_fuser"})
 
 
-class BasicOperation(nn.Module):
+def _take_state(quantizer: "Quantizer", entry: dict, recipe_key: str | None) -> None:
+    if entry["recipe_key"] == recipe_key:
+        quantizer.load_state_dict(entry["state"])
+    else:
+        quantizer.continue_from_state(entry["state"])
+
+
+class BasicOperation(WatchedModule):
     """An op the fuser can plan with.
 
     Subclasses set ``module_type`` (the first field of their quantizer roles),
@@ -125,42 +175,59 @@ class BasicOperation(nn.Module):
         return self._quantizers.get(tensor_type)
 
     def install_quantizers(self, quantizers: dict[str, "Quantizer"], key: str) -> None:
-        """Make ``quantizers`` this op's own, built for ``key`` (called on publish)."""
+        """Make ``quantizers`` this op's own, built for ``key`` (called on publish).
+        A checkpointed state they took over (see :meth:`restore_loaded_state`) is
+        no longer pending."""
         self._quantizers = quantizers
         self._quantizer_key = key
-        self._loaded_state = None
+        if self._loaded_state:  # a new dict: a snapshot (te.warmup) may hold the old one
+            pending = {t: e for t, e in self._loaded_state.items()
+                       if t not in quantizers or e["class"] != type(quantizers[t]).__qualname__}
+            self._loaded_state = pending or None
         self.drop_caches()
 
     def drop_caches(self) -> None:
         """Forget cached quantized tensors (the weight cache of a linear)."""
 
     # -- checkpoints: the scaling state travels in the module's state_dict -----
+    # The extra state maps each role to {"class", "state", "recipe_key"}: the state
+    # of the installed quantizer when it holds one, else a checkpointed state not
+    # yet taken over by a quantizer of its class (it waits for a recipe that builds
+    # one, and is saved again meanwhile). So a forward in high precision, or under
+    # a recipe whose quantizers keep no state, never drops scaling state.
     def get_extra_state(self) -> dict:
-        return {
-            "recipe_key": self._quantizer_key,
-            "quantizers": {
-                t: {"class": type(q).__qualname__, "state": q.state_dict()} for t, q in self._quantizers.items()
-            },
-        }
+        entries = dict(self._loaded_state or {})
+        for t, q in self._quantizers.items():
+            state = q.state_dict()
+            if state or t not in entries:
+                entries[t] = {"class": type(q).__qualname__, "state": state, "recipe_key": self._quantizer_key}
+        return {"recipe_key": self._quantizer_key, "quantizers": entries}
 
     def set_extra_state(self, state: dict) -> None:
+        """Take a checkpoint's scaling state: into the installed quantizers of the
+        same class now (exactly when saved under the installed recipe, else
+        continued as on a recipe switch: a delayed-scaling history is resized),
+        and for the other roles when a recipe builds a quantizer of their class."""
         if not state or not state.get("quantizers"):
             return
-        self._loaded_state = state
-        if state["recipe_key"] == self._quantizer_key:  # the plan in use is the checkpoint's: apply now
-            for tensor_type, q in self._quantizers.items():
-                self.restore_loaded_state(q, tensor_type, self._quantizer_key)
-            self._loaded_state = None
+        pending = dict(self._loaded_state or {})
+        for t, entry in state["quantizers"].items():
+            entry = {"recipe_key": state.get("recipe_key"), **entry}
+            q = self._quantizers.get(t)
+            if q is not None and entry["class"] == type(q).__qualname__:
+                _take_state(q, entry, self._quantizer_key)
+                pending.pop(t, None)
+            else:
+                pending[t] = entry
+        self._loaded_state = pending or None
 
     def restore_loaded_state(self, quantizer: "Quantizer", tensor_type: str, recipe_key: str) -> None:
-        """Load the checkpointed state of ``tensor_type`` into ``quantizer`` when it was
-        saved under the same recipe by the same kind of quantizer."""
-        loaded = self._loaded_state
-        if loaded is None or loaded["recipe_key"] != recipe_key:
-            return
-        entry = loaded["quantizers"].get(tensor_type)
+        """Give ``quantizer`` (built for ``recipe_key``, not yet installed) the pending
+        checkpointed state of ``tensor_type`` when it was saved by a quantizer of the
+        same class: exactly under the same recipe, else continued."""
+        entry = (self._loaded_state or {}).get(tensor_type)
         if entry is not None and entry["class"] == type(quantizer).__qualname__:
-            quantizer.load_state_dict(entry["state"])
+            _take_state(quantizer, entry, recipe_key)
 
     # -- planning -------------------------------------------------------------
     def check_shapes(self, in_shape: torch.Size, quantizers: dict[str, "Quantizer"]) -> torch.Size:

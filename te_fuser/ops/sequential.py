@@ -5,6 +5,20 @@ ops) that stand next to each other form a group run by one
 :class:`~te_fuser.ops.fuser.OperationFuser`; any other ``nn.Module`` runs as it
 is between groups. ``model(x, *extra_inputs)`` returns ``y``, or
 ``(y, *extra_outputs)`` when ops such as ``MakeExtraOutput`` emit branches.
+
+Module hooks of the ops in a group. A group runs as one unit, so its ops'
+forward hooks run around the unit, as if it were one module: every forward
+pre-hook of the group's modules (a composite such as ``Linear`` first, then its
+basic ops; torch's global hooks too, as for any call) runs before the group,
+in order, sees the group's input and may replace it; every forward hook runs
+after the group, in order, sees that input and the group's output and may
+replace the output. This is what FSDP2's ``fully_shard`` on single ops needs
+(gather before, free after, its backward hooks on the group's input and
+output), and what profilers and module trackers see. A module *backward* hook
+(``register_full_backward_hook``) on an op inside a group cannot run (the op's
+own gradients are never formed) and is refused with an error at the call;
+register it on the ``Sequential`` instead. Hooks on the ``Sequential`` itself,
+and on plain modules between groups, run as usual.
 """
 
 from __future__ import annotations
@@ -96,17 +110,19 @@ class Sequential(nn.Module):
         if self._groups is None:
             groups: list = []
             run: list[BasicOperation] = []
+            hooked: list[nn.Module] = []  # the modules of the run whose forward hooks the fuser runs
             for module in self._items:
                 ops = _basic_ops_of(module)
                 if ops is not None:
                     run.extend(ops)
+                    hooked.extend([module] if isinstance(module, BasicOperation) else [module, *ops])
                     continue
                 if run:
-                    groups.append(OperationFuser(run, fuse=self.fuse))
-                    run = []
+                    groups.append(OperationFuser(run, fuse=self.fuse, hook_modules=hooked))
+                    run, hooked = [], []
                 groups.append(module)
             if run:
-                groups.append(OperationFuser(run, fuse=self.fuse))
+                groups.append(OperationFuser(run, fuse=self.fuse, hook_modules=hooked))
             self._groups = groups
             single = (
                 len(groups) == 1 and isinstance(groups[0], OperationFuser) and groups[0].num_extra_inputs == 0

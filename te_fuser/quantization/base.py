@@ -182,6 +182,12 @@ class Quantizer:
     def carry_state_from(self, previous: "Quantizer | None") -> None:
         """Take over what stays valid from the quantizer of the previous recipe (default: nothing)."""
 
+    def continue_from_state(self, state: dict[str, Any]) -> None:
+        """Take over a checkpointed state that a quantizer of this class saved under
+        another recipe, as :meth:`carry_state_from` would from that quantizer
+        (default: load it as it is)."""
+        self.load_state_dict(state)
+
     # -- text --------------------------------------------------------------------
     def describe(self) -> str:
         return type(self).__name__

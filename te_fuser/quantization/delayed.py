@@ -280,7 +280,7 @@ class DelayedScalingQuantizer(Quantizer):
         if tuple(history.shape) != (self.amax_history_len,):
             raise ValueError(
                 f"{self._who()}: state_dict amax_history has shape {tuple(history.shape)}, this quantizer "
-                f"keeps ({self.amax_history_len},); use carry_state_from to resize a history"
+                f"keeps ({self.amax_history_len},); use continue_from_state to resize a history"
             )
         device = self.scale.device
         self.amax_history = history.to(device=device, dtype=torch.float32, copy=True)
@@ -305,15 +305,33 @@ class DelayedScalingQuantizer(Quantizer):
             if self.seeded:  # a fresh quantizer is already in that state
                 self._reset(self.scale.device)
             return
-        device = previous.amax_history.device
-        self._reset(device)
-        kept = min(previous.amax_history_len, self.amax_history_len)
-        self.amax_history[:kept] = previous.amax_history[:kept]
-        self.nonfinite_amax_count = previous.nonfinite_amax_count.clone()
-        self.seeded = previous.seeded
-        if self.seeded:
-            scale, _ = self._next_scale(self._history_amax(self.amax_history), previous.scale)
-            self._set_scale(scale)
+        self._continue(previous.amax_history, previous.scale, previous.nonfinite_amax_count, previous.seeded)
+
+    def continue_from_state(self, state: dict[str, Any]) -> None:
+        """Continue a checkpointed state saved under another delayed-scaling recipe,
+        as :meth:`carry_state_from` continues a quantizer: the history resized, the
+        scale recomputed under this quantizer's configuration."""
+        missing = sorted(set(_STATE_KEYS) - set(state))
+        if missing:
+            raise ValueError(f"{self._who()}: state_dict keys: missing {missing}")
+        device = self.scale.device
+        history = torch.as_tensor(state["amax_history"]).to(device=device, dtype=torch.float32).reshape(-1)
+        scale = torch.as_tensor(state["scale"]).to(device=device, dtype=torch.float32).reshape(())
+        count = torch.as_tensor(state["nonfinite_amax_count"]).to(device=device, dtype=torch.int64).reshape(())
+        self._continue(history, scale, count, bool(state["seeded"]))
+
+    def _continue(self, history: torch.Tensor, scale: torch.Tensor, count: torch.Tensor, seeded: bool) -> None:
+        """Take over ``history`` (newest first, any length), resized to this
+        quantizer's length, and recompute the scale from it (``scale``: the previous
+        one, kept where the history gives none)."""
+        self._reset(history.device)
+        kept = min(history.numel(), self.amax_history_len)
+        self.amax_history[:kept] = history[:kept]
+        self.nonfinite_amax_count = count.clone()
+        self.seeded = seeded
+        if seeded:
+            new_scale, _ = self._next_scale(self._history_amax(self.amax_history), scale)
+            self._set_scale(new_scale)
 
     # -- text --------------------------------------------------------------------
     def describe(self) -> str:

@@ -7,13 +7,14 @@ import math
 import torch
 from torch import nn
 
+from ..op import WatchedModule
 from .bias import Bias
 from .linear import BasicLinear
 
 __all__ = ["Linear"]
 
 
-class Linear(nn.Module):
+class Linear(WatchedModule):
     """``y = x @ weight.T + bias``, initialised like ``torch.nn.Linear``.
 
     In a ``Sequential`` it contributes its basic ops (BasicLinear, then Bias when
@@ -49,5 +50,6 @@ class Linear(nn.Module):
         if self._own_fuser is None:
             from ..fuser import OperationFuser
 
-            self._own_fuser = OperationFuser(self.basic_ops)
+            # the basic ops are not called through their own __call__: the fuser runs their hooks
+            self._own_fuser = OperationFuser(self.basic_ops, hook_modules=self.basic_ops)
         return self._own_fuser.entry(x, self.training)

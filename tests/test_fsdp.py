@@ -1,0 +1,107 @@
+"""FSDP2 over te_fuser models, two CPU processes on gloo: ``fully_shard`` on the
+root alone, and on every op then the root, before or after a first forward,
+trains exactly as one process training on the whole batch.
+
+Sharding replaces the ops' Parameters (sharded ones, then gathered ones around
+every forward and backward): the ops read their parameters live and run the
+module hooks FSDP2 registers on them."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+CONFIGS = [  # (recipe name, shard every op too, one forward before sharding)
+    ("none", False, False), ("none", True, False), ("current", False, True), ("current", True, False),
+    ("current", True, True), ("block", True, True), ("mxfp8", True, False),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build():
+    import te_fuser as te
+
+    torch.manual_seed(0)
+    return te.ops.Sequential(te.ops.LayerNorm(64), te.ops.Linear(64, 128), te.ops.GELU(), te.ops.Linear(128, 64))
+
+
+def _run(rank: int, recipe_name: str, per_op: bool, warm: bool) -> float:
+    """Train a sharded model and a one-process twin; the largest weight difference."""
+    import te_fuser as te
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    recipe = {"none": None, "current": te.recipe.Float8CurrentScaling(), "block": te.recipe.Float8BlockScaling(),
+              "mxfp8": te.recipe.MXFP8BlockScaling()}[recipe_name]
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model, twin = _build(), _build()
+    x = torch.randn(3, 64, 64, generator=torch.Generator().manual_seed(1))
+    if warm:
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            model(x[0, :32])
+    if per_op:
+        for module in model:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for step in range(3):
+        half = x[step].chunk(WORLD)
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            loss = model(half[rank]).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            twin_loss = sum(twin(h).square().mean() for h in half) / WORLD
+        twin_loss.backward()
+        twin_opt.step()
+        twin_opt.zero_grad()
+    start = _build().state_dict()
+    worst = 0.0
+    for key, value in twin.state_dict().items():
+        if key.endswith("_extra_state"):
+            continue
+        full = model.state_dict()[key].full_tensor()
+        assert not torch.equal(value, start[key]), f"{key} did not train"
+        worst = max(worst, (full - value).abs().max().item())
+    return worst
+
+
+def _worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for config in CONFIGS:
+            worst = _run(rank, *config)
+            if rank == 0:
+                results[config] = worst
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(_worker, args=(_free_port(), shared), nprocs=WORLD)
+        return dict(shared)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{'per_op' if c[1] else 'root'}"
+                         f"{'-after_a_forward' if c[2] else ''}")
+def test_fully_shard_trains_as_one_process(results, config):
+    assert results[config] == 0.0, f"{config}: weights differ from one process by {results[config]}"

@@ -1,0 +1,120 @@
+"""Training as users train: fused AdamW, fp32 master weights under
+``torch.autocast(bfloat16)``, validation between phases, recipe switches.
+
+FP8 runs end within the tolerance table's band of the bf16 run, evaluated in
+bf16 and under their own recipe; a mid-training switch moves the loss no more
+than the step-to-step noise of a run that never switched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_fuser as te
+from te_fuser import recipe as R
+from tolerances import tolerance
+
+H, F, BATCH, STEPS = 64, 128, 64, 100
+FP8 = {
+    "delayed": R.DelayedScaling(amax_history_len=16),
+    "current": R.Float8CurrentScaling(),
+    "block": R.Float8BlockScaling(),
+    "mxfp8": R.MXFP8BlockScaling(),
+}
+
+
+def teacher():
+    torch.manual_seed(123)
+    return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh(), torch.nn.Linear(H, H))
+
+
+TEACHER = teacher()
+
+
+def data(step: int, rows: int = BATCH):
+    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(step))
+    with torch.no_grad():
+        return x, TEACHER(x)
+
+
+VALIDATION = [data(10_000 + i, 128) for i in range(4)]
+
+
+def student():
+    torch.manual_seed(0)
+    return te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H))
+
+
+def loss_of(model, x, y, recipe):
+    with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+        out = model(x)
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
+def validate(model, recipe) -> float:
+    model.eval()
+    with torch.no_grad():
+        total = sum(loss_of(model, x, y, recipe).item() for x, y in VALIDATION) / len(VALIDATION)
+    model.train()
+    return total
+
+
+def train(schedule: list[tuple[str, int]]):
+    """Train through ``schedule`` ([(recipe name or 'bf16', steps)]); returns the
+    per-step losses and the model. Validates in bf16 after every phase."""
+    model = student()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    losses, step = [], 0
+    for name, steps in schedule:
+        recipe = FP8.get(name)
+        for _ in range(steps):
+            loss = loss_of(model, *data(step), recipe)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            step += 1
+        validate(model, None)  # an evaluation pass between phases, as a user's loop does
+    return losses, model
+
+
+BF16_LOSSES, BF16_MODEL = None, None
+
+
+def _bf16_run():
+    global BF16_LOSSES, BF16_MODEL
+    if BF16_LOSSES is None:
+        BF16_LOSSES, BF16_MODEL = train([("bf16", STEPS)])
+    return BF16_LOSSES, BF16_MODEL
+
+
+@pytest.mark.parametrize("name", list(FP8))
+def test_fp8_training_ends_within_the_band_of_bf16_evaluated_in_bf16_and_in_fp8(name):
+    _, reference = _bf16_run()
+    target = validate(reference, None)
+    losses, model = train([(name, STEPS)])
+    assert losses[-1] < 0.5 * losses[0], f"{name}: did not train ({losses[0]:.4f} -> {losses[-1]:.4f})"
+    rtol = tolerance(torch.float8_e4m3fn)["rtol"]
+    for evaluated_in, recipe in (("bf16", None), (name, FP8[name])):
+        got = validate(model, recipe)
+        assert abs(got - target) <= rtol * target, (
+            f"{name} evaluated in {evaluated_in}: validation loss {got:.5f} against bf16's {target:.5f} "
+            f"(band {rtol:.3f} relative)"
+        )
+
+
+def test_a_switch_schedule_has_no_loss_spike():
+    plain, _ = _bf16_run()
+    schedule = [("bf16", 20), ("delayed", 20), ("current", 20), ("block", 15), ("mxfp8", 15), ("bf16", 10)]
+    switched, model = train(schedule)
+    noise = max(abs(b - a) for a, b in zip(plain[10:], plain[11:]))
+    step = 0
+    for name, steps in schedule[:-1]:
+        step += steps
+        jump = switched[step] - switched[step - 1]
+        assert jump <= noise, (
+            f"switch after {name} at step {step}: the loss rose by {jump:.5f}, the unswitched run's largest "
+            f"step-to-step change is {noise:.5f} ({switched[step - 1]:.5f} -> {switched[step]:.5f})"
+        )
+    final, target = validate(model, None), validate(BF16_MODEL, None)
+    assert abs(final - target) <= tolerance(torch.float8_e4m3fn)["rtol"] * target
