@@ -109,3 +109,45 @@ def test_varying_row_counts_hit_the_published_plan():
         call(model, torch.randn(rows, H), recipe)
     stats = model.fusion_stats()
     assert stats.builds == 1 and stats.hits == 4
+
+
+class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the input dtypes of every matrix product torch runs."""
+
+    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.PRODUCTS:
+            self.seen.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def test_high_precision_under_bf16_autocast_runs_every_gemm_in_bf16():
+    """fp32 master weights, bf16 compute: forward, dgrad and wgrad all multiply bf16
+    (an fp32 product of bf16 data would leave the tensor cores idle)."""
+    model = build()
+    x = torch.randn(32, H, requires_grad=True)
+    with _MatmulDtypes() as mode:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().sum().backward()
+    assert mode.seen == {torch.bfloat16}
+    assert model[1].weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_an_fp32_residual_stream_stays_fp32_under_bf16_autocast(fuse):
+    """``bf16 sub-layer output + fp32 residual`` is fp32, as in plain torch."""
+    torch.manual_seed(0)
+    block = te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, H), te.ops.AddExtraInput(), fuse=fuse)
+    x = torch.randn(8, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x, x)
+        expected = torch.nn.functional.linear(torch.nn.functional.layer_norm(x, (H,), block[0].weight, block[0].bias),
+                                              block[1].weight, block[1].bias) + x
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, expected, rtol=1.6e-2, atol=1e-2)

@@ -64,21 +64,26 @@ def gemm(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
     fast_accum: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``activation(a (P, R) @ b (Q, R).T + bias) + residual`` as ``out_dtype``;
-    ``fast_accum`` lets an FP8 GEMM promote its partial sums to fp32 only at the end."""
+    ``fast_accum`` lets an FP8 GEMM promote its partial sums to fp32 only at the end.
+    In high precision the product, bias and activation run in ``compute_dtype``
+    (default ``out_dtype``), as the unfused ops do, and the residual is added in
+    torch's promoted dtype before the result becomes ``out_dtype``."""
     if isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand):
         fn = backend.resolve("gemm", a.data.device).fn
         return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual, fast_accum=fast_accum)
-    a_hp, b_hp = _high_precision(a, out_dtype), _high_precision(b, out_dtype)
+    compute = out_dtype if compute_dtype is None else compute_dtype
+    a_hp, b_hp = _high_precision(a, compute), _high_precision(b, compute)
     out = torch.nn.functional.linear(a_hp, b_hp)
     if bias is not None:
-        out = out + bias.to(out_dtype)
+        out = out + bias.to(compute)
     if activation is not None:
         out = apply_activation(out, activation)
     if residual is not None:
-        out = out + residual.to(out_dtype)
-    return out
+        out = out + residual
+    return out if out.dtype is out_dtype else out.to(out_dtype)
 
 
 def gemm_fp8_out(

@@ -8,7 +8,10 @@ __all__ = ["AddExtraInput", "MakeExtraOutput"]
 
 
 class AddExtraInput(BasicOperation):
-    """``y = x + extra`` where ``extra`` is passed to the Sequential call after ``x``."""
+    """``y = x + extra`` where ``extra`` is passed to the Sequential call after ``x``.
+
+    The sum has torch's promoted dtype: under ``torch.autocast`` a residual stream
+    kept in fp32 stays fp32 (``bf16 x + fp32 extra`` is fp32), as in plain torch."""
 
     module_type = "add"
     num_extra_inputs = 1
@@ -20,7 +23,7 @@ class AddExtraInput(BasicOperation):
         (extra,) = extra_inputs
         if extra.shape != x.shape:
             raise ValueError(f"{self.describe()}: extra input shape {tuple(extra.shape)} != input shape {tuple(x.shape)}")
-        return x + extra.to(x.dtype), []
+        return x + extra, []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         return dy, [], [dy]

@@ -144,13 +144,16 @@ def linear_forward(
                            fast_accum=run.fast_accum_fprop)  # (M, N) FP8
     else:
         res2d = None if residual is None else residual.reshape(-1, op.out_features)
-        y2d = gemm(rowwise(x_q), rowwise(w_q), dtype, bias=bias, activation=activation, residual=res2d,
-                   fast_accum=run.fast_accum_fprop)
+        # with a residual, the sum has torch's promoted dtype (an fp32 residual stream stays fp32)
+        out_dtype = dtype if residual is None else torch.promote_types(dtype, residual.dtype)
+        y2d = gemm(rowwise(x_q), rowwise(w_q), out_dtype, bias=bias, activation=activation, residual=res2d,
+                   fast_accum=run.fast_accum_fprop, compute_dtype=dtype)
     if needs_backward:
         saved = ctx.saved
         saved["x"] = x_q if keep_fp8 else x2d
         saved["w"] = w_q if keep_fp8 else w_hp
         saved["x_shape"] = x_shape
+        saved["w_dtype"], saved["w_requires_grad"] = weight.dtype, weight.requires_grad
     if out_cast is not None or len(x_shape) == 2:
         return y2d
     return y2d.reshape(*x_shape[:-1], y2d.shape[-1])
@@ -209,7 +212,7 @@ def linear_backward_with_column_sums(
     if dy2d.dtype is not dtype:
         dy2d = dy2d.to(dtype)
     need_dx = ctx.needs_input_grad
-    need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else op.weight.requires_grad
+    need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else ctx.saved["w_requires_grad"]
     dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums)
     dx = dw = None
     if need_dx:
@@ -218,5 +221,12 @@ def linear_backward_with_column_sums(
         x_shape = ctx.saved["x_shape"]
         dx = dx2d if dx2d.shape == x_shape else dx2d.reshape(x_shape)
     if need_dw:
-        dw = gemm(columnwise(dy_q), columnwise(x_s), op.weight.dtype, fast_accum=run.fast_accum_wgrad)  # (N, K)
+        w_dtype = ctx.saved["w_dtype"]
+        # FP8 operands accumulate in fp32 and write the weight's dtype at once; high
+        # precision runs on the compute dtype's tensor cores and converts after, as
+        # torch.autocast's backward of a linear does (never an fp32 GEMM of bf16 data)
+        out_dtype = w_dtype if run.fp8_backward else dtype
+        dw = gemm(columnwise(dy_q), columnwise(x_s), out_dtype, fast_accum=run.fast_accum_wgrad)  # (N, K)
+        if dw.dtype is not w_dtype:
+            dw = dw.to(w_dtype)
     return dx, dw, sums
