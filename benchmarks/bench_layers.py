@@ -148,6 +148,13 @@ def bench_case(case: str, rows: list, switch_rows: list) -> None:
         rows.append(harness.Row("layers", case, f"te_fuser {name}", shape, ms, total / ms / 1e9, "TFLOP/s",
                                 vs_peer=bf16_ms / ms, peer="bf16 eager",
                                 note="" if ao_ms is None else f"vs torchao {ao_ms / ms:.2f}x"))
+    if case != "linear":  # what casting the weights every step costs: the same steps reusing one cast
+        for name in ("current", "delayed"):
+            with te.reuse_quantized_weights():
+                ms = harness.time_ms(fwd_bwd(model, x, dy, RECIPES[name]))
+            rows.append(harness.Row("layers", case, f"te_fuser {name}, weights cast once", shape, ms,
+                                    total / ms / 1e9, "TFLOP/s", vs_peer=bf16_ms / ms, peer="bf16 eager",
+                                    note="inside te.reuse_quantized_weights(): a cast reused across steps"))
     if case == "linear":
         floor = gemm_floor_ms(d)
         rows.append(harness.Row("layers", case, "floor: its 3 FP8 GEMMs alone (cuBLASLt)", shape, floor,

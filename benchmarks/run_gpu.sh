@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host gpt profgpt
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -15,7 +15,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for part in $parts; do
   case $part in
     tests)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
+      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_activation.py \
+        tests/test_weight_cache.py tests/test_training.py tests/test_train_gpt.py tests/test_torch_contracts.py \
         tests/test_fuser.py tests/test_cuda_gemm.py tests/test_cuda_cast.py tests/test_cuda_backend.py \
         tests/test_graphs.py tests/test_graphed_step.py tests/test_hot_guard.py tests/test_amax_column_sums.py tests/test_quantize_tensorwise_column_sums.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
         tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py \
@@ -28,6 +29,11 @@ for part in $parts; do
         | tee "$OUT/step.log" | tail -8
       timeout 60 python3 examples/graphed_step.py 2>&1 | tee -a "$OUT/step.log" | tail -4 ;;
     small) timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24 ;;
+    mlp) timeout 200 python3 benchmarks/bench_layers.py --cases mlp 2>&1 | tee "$OUT/mlp.log" | tail -16 ;;
+    gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation
+      timeout 420 python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} --json "$OUT/gpt.json" 2>&1 \
+        | tee "$OUT/gpt.log" | tail -30 ;;
+    profgpt) timeout 300 python3 benchmarks/profile_gpt.py --recipes bf16 delayed current 2>&1 | tee "$OUT/profgpt.log" | tail -80 ;;
     layers) timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -24 ;;
     profile) timeout 200 python3 benchmarks/profile_kernels.py --case mlp 2>&1 | tee "$OUT/profile.log" | tail -60 ;;
     proflinear)  # the big Linear's kernels under current and delayed scaling

@@ -15,6 +15,7 @@ from te_fuser import recipe as R
 from tolerances import tolerance
 
 H, F, BATCH, STEPS = 64, 128, 64, 100
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the Triton and CUDA kernels
 FP8 = {
     "delayed": R.DelayedScaling(amax_history_len=16),
     "current": R.Float8CurrentScaling(),
@@ -25,14 +26,14 @@ FP8 = {
 
 def teacher():
     torch.manual_seed(123)
-    return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh(), torch.nn.Linear(H, H))
+    return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh(), torch.nn.Linear(H, H)).to(DEVICE)
 
 
 TEACHER = teacher()
 
 
 def data(step: int, rows: int = BATCH):
-    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(step))
+    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(step)).to(DEVICE)
     with torch.no_grad():
         return x, TEACHER(x)
 
@@ -42,11 +43,11 @@ VALIDATION = [data(10_000 + i, 128) for i in range(4)]
 
 def student():
     torch.manual_seed(0)
-    return te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H))
+    return te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H)).to(DEVICE)
 
 
 def loss_of(model, x, y, recipe):
-    with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
         out = model(x)
     return torch.nn.functional.mse_loss(out.float(), y)
 

@@ -1,0 +1,108 @@
+"""Where a training step of the yardstick GPT spends its GPU time, te_fuser beside torch.
+
+    python benchmarks/profile_gpt.py [--recipes bf16 delayed current] [--steps 3] [--top 15]
+
+The GPU-size GPT (8 layers, d 1024, seq 1024, batch 16; ``te_fuser.models.gpt``)
+trains under ``torch.autocast(bfloat16)`` with fused AdamW; its plain-torch twin
+the same. For each arm: the step time (median of timed steps, host and GPU
+overlapping as in training), then a ``torch.profiler`` trace of a few steps
+summarised as the kernels with the most GPU time, grouped by name, and the GPU
+time of the optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import te_fuser as te
+from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights
+
+RECIPES = {"bf16": None, "delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling(),
+           "block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling()}
+
+
+def step_fn(model, opt, recipe, batch):
+    x, y = batch[:, :-1], batch[:, 1:]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def step_ms(step, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_table(step, steps: int, top: int) -> tuple[list[tuple[str, float, int]], float]:
+    """(name, GPU ms per step, calls per step) of the ``top`` kernels, and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name.setdefault(ev.name[:90], [0.0, 0])
+            entry[0] += ev.device_time_total / 1e3
+            entry[1] += 1
+    total = sum(v[0] for v in by_name.values()) / steps
+    rows = sorted(((n, v[0] / steps, v[1] // steps) for n, v in by_name.items()), key=lambda r: -r[1])
+    return rows[:top], total
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipes", nargs="*", default=["bf16", "delayed", "current"], choices=list(RECIPES))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timed", type=int, default=10)
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    config = GPTConfig.gpu()
+    torch.manual_seed(0)
+    batch = torch.randint(0, 256, (config.batch_size, config.seq_len + 1), device="cuda")
+    te_model = GPT(config, device="cuda")
+    twin = TorchGPT(config, device="cuda")
+    copy_weights(te_model, twin)
+    arms = [("torch bf16", twin, None)] + [(f"te {name}", te_model, RECIPES[name]) for name in args.recipes]
+    tokens = config.batch_size * config.seq_len
+    results = []
+    for label, model, recipe in arms:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        step = step_fn(model, opt, recipe, batch)
+        for _ in range(3):
+            step()
+        ms = step_ms(step, args.timed)
+        rows, total = kernel_table(step, args.steps, args.top)
+        results.append((label, ms))
+        print(f"\n== {label}: {ms:.2f} ms/step ({tokens / ms / 1e3:.0f}k tokens/s), GPU kernels {total:.2f} ms/step")
+        for name, kms, calls in rows:
+            print(f"  {kms:8.3f} ms {calls:5d}x  {name}")
+    base = results[0][1]
+    print("\narm                 ms/step   tokens/s   vs torch bf16")
+    for label, ms in results:
+        print(f"{label:<18} {ms:8.2f} {tokens / ms / 1e3:9.0f}k {base / ms:10.2f}x")
+
+
+if __name__ == "__main__":
+    main()
