@@ -342,6 +342,8 @@ class GraphedSequential(nn.Module):
         graphs = _Graphs(key, tuple(model.parameters()), slots, quantizers)
         graphs.static_x = x.detach().clone().requires_grad_(x.requires_grad)
         self._linears = linears = _linears(model)
+        dtype = _compute_dtype(x)
+        eager_casts = [(op, op.cached_weight(dtype)) for op in linears]  # kept by an eager forward: put back after
         # Captured inside a reuse scope: the cast pair's forward keeps the FP8 weights
         # it writes, which the cached pair then reads in place.
         with reuse_quantized_weights():
@@ -349,11 +351,14 @@ class GraphedSequential(nn.Module):
             _drop_weight_caches(linears)  # the cast pair casts the weights itself
             pool = torch.cuda.graph_pool_handle()
             self._capture_pair(graphs, graphs.cast, pool,
-                               after_forward=lambda: _keep_weights(graphs, linears, _compute_dtype(x)))
+                               after_forward=lambda: _keep_weights(graphs, linears, dtype))
             for op, dtype, columnwise, w_q in graphs.cast_weights:
                 op.cache_weight(w_q, columnwise, dtype)
             self._capture_pair(graphs, graphs.cached, pool)
             _drop_weight_caches(linears)  # the graphs' memory is rewritten by every replay: eager must not read it
+        for op, kept in eager_casts:  # (kept only inside the caller's own reuse scope)
+            if kept is not None:
+                op.cache_weight(kept[1], kept[0], dtype)
 
         self.stats.captures += 1
         self.stats.capture_seconds = time.perf_counter() - start

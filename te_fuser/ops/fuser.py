@@ -124,7 +124,7 @@ class OperationFuser:
         self._plan: FusionPlan | None = None
         self._last_recipe = None
         self._last_state = None  # the autocast state last matched to the published plan
-        self.stats = FusionStats()
+        self._stats = FusionStats()
         self._churn = FallbackChurnDetector(f"te_fuser ({', '.join(op.describe() for op in self.ops[:3])}...)")
         self._make_entry()
 
@@ -136,7 +136,7 @@ class OperationFuser:
             self._guard, self.entry = None, self.run
             return
         self._guard = module.Guard(self._run_and_arm, _AUTOCAST_STACK, _EPOCH, _grad_enabled, _any_autocast,
-                                   _compute_dtype, torch.Tensor, self.stats, _GLOBAL_HOOK_DICTS)
+                                   _compute_dtype, torch.Tensor, _GLOBAL_HOOK_DICTS)
         self.entry = self._guard
 
     def __setattr__(self, name: str, value) -> None:
@@ -147,11 +147,20 @@ class OperationFuser:
         object.__setattr__(self, name, value)
 
     def __getstate__(self) -> dict:  # copies and pickles get a guard of their own
+        self.stats  # noqa: B018 (takes the guard's hits into the statistics)
         return {k: v for k, v in self.__dict__.items() if k not in ("_guard", "entry")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._make_entry()
+
+    @property
+    def stats(self) -> FusionStats:
+        """The fuser's counters (the compiled guard's hits taken in first)."""
+        guard = self.__dict__.get("_guard")
+        if guard is not None:
+            self._stats.hits += guard.take_hits()
+        return self._stats
 
     @property
     def plan(self) -> FusionPlan | None:
@@ -196,7 +205,7 @@ class OperationFuser:
         ):
             if x.shape != plan.in_shape:
                 self._accept_shape(plan, x.shape)
-            self.stats.hits += 1
+            self._stats.hits += 1
         else:
             plan = self.build(state.recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training,
                               state.amax_reduction_group)

@@ -8,7 +8,8 @@
  * epoch it saw, and the call that runs it. guard(x, training) checks exactly the
  * conditions that the Python path checks, reading the same state in the same way
  * (grad mode, x.requires_grad and the parameters', torch.autocast, x.dtype,
- * x.is_cuda, x.shape), and on a match counts a hit and calls the plan. Anything
+ * x.is_cuda, x.shape), and on a match counts a hit (in a C counter the fuser takes
+ * into its statistics when they are read) and calls the plan. Anything
  * else, and any input it does not handle (not a tensor), goes to the Python path
  * (`miss`), which decides afresh and re-arms. A hit is therefore always a case the
  * Python path would also have called a hit with the same plan.
@@ -35,7 +36,6 @@ typedef struct {
     PyObject *any_autocast;  /* torch._C._is_any_autocast_enabled */
     PyObject *compute_dtype; /* x -> the dtype torch.autocast computes x's ops in */
     PyObject *tensor_type;   /* torch.Tensor */
-    PyObject *stats;         /* the fuser's FusionStats: hits are counted in it */
     PyObject *hook_dicts;    /* tuple of dicts that must be empty: torch's global forward hooks */
     /* the armed decision; state == NULL: disarmed */
     PyObject *state;
@@ -48,9 +48,10 @@ typedef struct {
     PyObject *is_cuda;       /* Py_True or Py_False */
     PyObject *in_shape;      /* the validated input shape (a torch.Size) */
     int needs_backward;
+    long long hits;          /* hits since the fuser last took them (take_hits) */
 } Guard;
 
-static PyObject *str_requires_grad, *str_dtype, *str_is_cuda, *str_shape, *str_hits, *int_one;
+static PyObject *str_requires_grad, *str_dtype, *str_is_cuda, *str_shape;
 
 #define ARMED_FIELDS(X) X(state) X(apply) X(plan_arg) X(params) X(dtype) X(epoch_value) X(training) X(is_cuda) X(in_shape)
 
@@ -126,17 +127,6 @@ static int matches(Guard *g, PyObject *x, PyObject *training) {
     return epoch == g->epoch_value ? 1 : PyObject_RichCompareBool(epoch, g->epoch_value, Py_EQ);
 }
 
-static int count_hit(Guard *g) {
-    PyObject *hits = PyObject_GetAttr(g->stats, str_hits);
-    if (hits == NULL) return -1;
-    PyObject *one_more = PyNumber_Add(hits, int_one);
-    Py_DECREF(hits);
-    if (one_more == NULL) return -1;
-    int r = PyObject_SetAttr(g->stats, str_hits, one_more);
-    Py_DECREF(one_more);
-    return r;
-}
-
 /* apply(x, (fuser, plan), *params) */
 static PyObject *call_plan(Guard *g, PyObject *x) {
     enum { ON_STACK = 64 };
@@ -167,7 +157,7 @@ static PyObject *guard_call(Guard *g, PyObject *x, PyObject *training) {
         PyObject *args[2] = {x, training};
         return PyObject_Vectorcall(g->miss, args, 2, NULL);
     }
-    if (count_hit(g) < 0) return NULL;
+    g->hits++;
     return call_plan(g, x);
 }
 
@@ -202,10 +192,16 @@ static PyObject *guard_disarm(Guard *g, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *guard_take_hits(Guard *g, PyObject *unused) {
+    long long hits = g->hits;
+    g->hits = 0;
+    return PyLong_FromLongLong(hits);
+}
+
 static PyObject *guard_armed(Guard *g, void *closure) { return PyBool_FromLong(g->state != NULL); }
 
 #define FIXED_FIELDS(X) X(miss) X(stack) X(epoch) X(grad_enabled) X(any_autocast) X(compute_dtype) X(tensor_type) \
-    X(stats) X(hook_dicts)
+    X(hook_dicts)
 
 /* 1 if `t` is a tuple of dicts, else 0 with a TypeError naming `what`. */
 static int tuple_of_dicts(PyObject *t, const char *what) {
@@ -221,12 +217,11 @@ static int tuple_of_dicts(PyObject *t, const char *what) {
 
 static PyObject *guard_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"miss", "stack", "epoch", "grad_enabled", "any_autocast", "compute_dtype",
-                            "tensor_type", "stats", "hook_dicts", NULL};
-    PyObject *miss, *stack, *epoch, *grad_enabled, *any_autocast, *compute_dtype, *tensor_type, *stats;
-    PyObject *hook_dicts;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!OOOO!OO!:Guard", names, &miss, &PyList_Type, &stack,
+                            "tensor_type", "hook_dicts", NULL};
+    PyObject *miss, *stack, *epoch, *grad_enabled, *any_autocast, *compute_dtype, *tensor_type, *hook_dicts;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!OOOO!O!:Guard", names, &miss, &PyList_Type, &stack,
                                      &PyList_Type, &epoch, &grad_enabled, &any_autocast, &compute_dtype,
-                                     &PyType_Type, &tensor_type, &stats, &PyTuple_Type, &hook_dicts))
+                                     &PyType_Type, &tensor_type, &PyTuple_Type, &hook_dicts))
         return NULL;
     if (PyList_GET_SIZE(epoch) != 1) {
         PyErr_SetString(PyExc_ValueError, "hot guard: epoch must be a list of one int");
@@ -268,6 +263,7 @@ static PyMethodDef guard_methods[] = {
     {"arm", (PyCFunction)guard_arm, METH_VARARGS,
      "arm(state, apply, plan_arg, params, needs_backward, dtype, training, is_cuda, epoch, in_shape): the decision to reuse"},
     {"disarm", (PyCFunction)guard_disarm, METH_NOARGS, "forget the armed decision: the next call takes the Python path"},
+    {"take_hits", (PyCFunction)guard_take_hits, METH_NOARGS, "the hits counted since the last call, and reset to 0"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -406,10 +402,8 @@ PyMODINIT_FUNC PyInit__hot_guard(void) {
     str_dtype = PyUnicode_InternFromString("dtype");
     str_is_cuda = PyUnicode_InternFromString("is_cuda");
     str_shape = PyUnicode_InternFromString("shape");
-    str_hits = PyUnicode_InternFromString("hits");
     str_training = PyUnicode_InternFromString("training");
-    int_one = PyLong_FromLong(1);
-    if (!str_requires_grad || !str_dtype || !str_is_cuda || !str_shape || !str_hits || !str_training || !int_one) return NULL;
+    if (!str_requires_grad || !str_dtype || !str_is_cuda || !str_shape || !str_training) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Guard", (PyObject *)&GuardType) < 0 ||
