@@ -352,9 +352,8 @@ class GraphedSequential(nn.Module):
             pool = torch.cuda.graph_pool_handle()
             self._capture_pair(graphs, graphs.cast, pool,
                                after_forward=lambda: _keep_weights(graphs, linears, dtype))
-            for op, dtype, columnwise, w_q in graphs.cast_weights:
-                op.cache_weight(w_q, columnwise, dtype)
-            self._capture_pair(graphs, graphs.cached, pool)
+            self._capture_pair(graphs, graphs.cached, pool, before_forward=lambda: [
+                op.cache_weight(w_q, columnwise, w_dtype) for op, w_dtype, columnwise, w_q in graphs.cast_weights])
             _drop_weight_caches(linears)  # the graphs' memory is rewritten by every replay: eager must not read it
         for op, kept in eager_casts:  # (kept only inside the caller's own reuse scope)
             if kept is not None:
@@ -384,11 +383,15 @@ class GraphedSequential(nn.Module):
         for slot in graphs.slots:  # the warm-up runs rebound the state; their updates are discarded
             setattr(slot.quantizer, slot.name, slot.home)
 
-    def _capture_pair(self, graphs: _Graphs, pair: _Pair, pool, after_forward=None) -> None:
+    def _capture_pair(self, graphs: _Graphs, pair: _Pair, pool, after_forward=None, before_forward=None) -> None:
         """Capture one forward and its backward; the backward graph also copies every
-        scaling-state update of the step into the tensors the next replay reads."""
+        scaling-state update of the step into the tensors the next replay reads.
+        ``before_forward`` runs with the parameter aliases in place (a kept cast
+        belongs to the Parameter object that the capture reads)."""
         model, static_x, slots = self.model, graphs.static_x, graphs.slots
         with _parameter_aliases(model) as aliases:
+            if before_forward is not None:
+                before_forward()
             inputs = ((static_x,) if static_x.requires_grad else ()) + tuple(map(aliases, graphs.params))
             with torch.cuda.graph(pair.fwd, pool=pool):
                 static_y = model(static_x)
