@@ -1,18 +1,22 @@
 """Where a training step of the yardstick GPT spends its GPU time, te_fuser beside torch.
 
-    python benchmarks/profile_gpt.py [--recipes bf16 delayed current] [--steps 3] [--top 15]
+    python benchmarks/profile_gpt.py [--recipes bf16 delayed current] [--steps 3] [--top 15] [--host]
 
 The GPU-size GPT (8 layers, d 1024, seq 1024, batch 16; ``te_fuser.models.gpt``)
 trains under ``torch.autocast(bfloat16)`` with fused AdamW; its plain-torch twin
 the same. For each arm: the step time (median of timed steps, host and GPU
 overlapping as in training), then a ``torch.profiler`` trace of a few steps
 summarised as the kernels with the most GPU time, grouped by name, and the GPU
-time of the optimizer step.
+time of the optimizer step. ``--host`` adds, per arm, the Python functions with
+the most own time over a few steps (cProfile, with autograd's device threads off so
+that the backward's Python runs on the calling thread and is seen).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -69,12 +73,32 @@ def kernel_table(step, steps: int, top: int) -> tuple[list[tuple[str, float, int
     return rows[:top], total
 
 
+def host_profile(step, steps: int, top: int) -> None:
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        profiler = cProfile.Profile()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        profiler.enable()
+        for _ in range(steps):
+            step()
+        profiler.disable()
+        host_ms = (time.perf_counter() - t0) * 1e3 / steps
+        torch.cuda.synchronize()
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    print(f"  host: {host_ms:.2f} ms per step under cProfile (backward on this thread)")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(top)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="*", default=["bf16", "delayed", "current"], choices=list(RECIPES))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timed", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--host", action="store_true", help="also profile the host's Python per arm (cProfile)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -95,13 +119,15 @@ def main(argv=None):
         ms = step_ms(step, args.timed)
         rows, total = kernel_table(step, args.steps, args.top)
         results.append((label, ms))
-        print(f"\n== {label}: {ms:.2f} ms/step ({tokens / ms / 1e3:.0f}k tokens/s), GPU kernels {total:.2f} ms/step")
+        print(f"\n== {label}: {ms:.2f} ms/step ({tokens / ms:.0f}k tokens/s), GPU kernels {total:.2f} ms/step")
         for name, kms, calls in rows:
             print(f"  {kms:8.3f} ms {calls:5d}x  {name}")
+        if args.host:
+            host_profile(step, args.steps, 2 * args.top)
     base = results[0][1]
     print("\narm                 ms/step   tokens/s   vs torch bf16")
     for label, ms in results:
-        print(f"{label:<18} {ms:8.2f} {tokens / ms / 1e3:9.0f}k {base / ms:10.2f}x")
+        print(f"{label:<18} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x")
 
 
 if __name__ == "__main__":
