@@ -235,6 +235,61 @@ def plot(results: dict, path: Path) -> bool:
     return True
 
 
+APPLY_COUNTS = (1, 4, 16)
+
+
+def apply_cost(n_seq: int, hidden: int, device, rounds: int) -> dict:
+    """``te.apply_recipe`` on a model of ``n_seq`` Sequentials (8 ops each), warm:
+    switching A <-> B model-wide from the last call's shapes and with an example
+    probe, against ``n_seq`` warm switches of one Sequential; and the hot path of
+    one applied Sequential called with no te.autocast (its own recipe)."""
+    model = torch.nn.Sequential(*[make_model(8, hidden, device) for _ in range(n_seq)])
+    x = torch.randn(64, hidden, device=device)
+    with torch.no_grad():
+        for r in (RECIPE_A, RECIPE_B):
+            te.apply_recipe(model, r, example_inputs=x)
+            model(x)
+    one = warm_switch(make_model(8, hidden, device), x, 2 * rounds)["total"]
+    times = {"from the last call": [], "example probe": []}
+    with torch.no_grad():
+        for i in range(rounds):
+            for name, kwargs in (("from the last call", {}), ("example probe", {"example_inputs": x})):
+                recipe = (RECIPE_B, RECIPE_A)[i % 2]
+                t0 = time.perf_counter()
+                te.apply_recipe(model, recipe, **kwargs)
+                times[name].append(time.perf_counter() - t0)
+        first = model[0]
+        with plans_not_executed(first):
+            hot = per_call_us(lambda: first.forward(x), 3000, 5)
+    out = {name: statistics.median(v) * 1e6 for name, v in times.items()}
+    out.update({"warm_switches_us": one * n_seq, "hot_path_us_per_sequential": hot})
+    return out
+
+
+def apply_only(device, hidden: int, args) -> dict:
+    rows, summary = [], {}
+    print(f"te.apply_recipe, model-wide, on {device} (torch {torch.__version__})")
+    print(f"{'Sequentials':>11} {'apply µs':>9} {'with probe µs':>14} {'N warm switches µs':>19} {'hot µs/seq':>11}")
+    for n in APPLY_COUNTS:
+        r = apply_cost(n, hidden, device, 5 if args.quick else 21)
+        summary[n] = r
+        print(f"{n:>11} {r['from the last call']:>9.0f} {r['example probe']:>14.0f} "
+              f"{r['warm_switches_us']:>19.0f} {r['hot_path_us_per_sequential']:>11.2f}")
+        shape = f"{n} Sequentials x 8 ops, h={hidden}"
+        rows += [harness.Row("refusion", "apply_recipe, model-wide", "shapes from the last call", shape,
+                             r["from the last call"] / 1e3, 0.0, "us", note=f"{n} warm switches: "
+                             f"{r['warm_switches_us']:.0f} us"),
+                 harness.Row("refusion", "apply_recipe, model-wide", "example probe", shape,
+                             r["example probe"] / 1e3, 0.0, "us"),
+                 harness.Row("refusion", "hot path, applied recipe (no te.autocast)", "-", shape,
+                             r["hot_path_us_per_sequential"] / 1e3, 0.0, "us/call")]
+    if not args.no_csv:
+        harness.append_csv(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def hot_only(device, hidden: int, args) -> dict:
     path = "compiled guard" if hot_guard.unavailable_reason() is None else "Python guard"
     summary = {"device": str(device), "path": path, "hot_path_us_same_object": {}, "hot_path_us_equal_object": {}}
@@ -268,6 +323,8 @@ def main(argv=None) -> dict:
     p.add_argument("--no-csv", action="store_true")
     p.add_argument("--mlp-weights", action="store_true",
                    help="also time the re-quantization of the MLP block's weights (4096x28672, 14336x4096; GPU)")
+    p.add_argument("--apply-only", action="store_true",
+                   help="only te.apply_recipe's model-wide switch against the warm switches it replaces")
     p.add_argument("--hot-only", action="store_true",
                    help="only the hot path, best of 15 rounds of 3000 calls (a noisy host needs many rounds)")
     args = p.parse_args(argv)
@@ -275,6 +332,8 @@ def main(argv=None) -> dict:
     hidden = args.hidden or (1024 if device.type == "cuda" else 64)
     if args.hot_only:
         return hot_only(device, hidden, args)
+    if args.apply_only:
+        return apply_only(device, hidden, args)
     calls, repeats, switches = (300, 3, 20) if args.quick else (3000, 5, 100)
     results, rows = {}, []
     for n in OP_COUNTS:

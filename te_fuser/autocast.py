@@ -5,9 +5,12 @@
 
 Nestable: the inner context wins and the outer state comes back on exit, also on
 an exception. ``enabled=False`` runs high precision. With ``recipe=None`` the
-default recipe is :data:`DEFAULT_RECIPE` (delayed scaling, HYBRID format, the
-TransformerEngine default). ``calibrating=True`` records amaxes for delayed
-scaling while computing in high precision. ``backend=`` overrides the kernel
+recipe is the model's own (see ``te.apply_recipe``), else :data:`DEFAULT_RECIPE`
+(delayed scaling, HYBRID format, the TransformerEngine default). A region that
+names a recipe, or ``enabled=False``, overrides a model's own recipe but not a
+subtree pinned by ``apply_recipe(overrides=...)``, unless ``override_pinned=True``.
+``calibrating=True`` records amaxes for delayed scaling while computing in high
+precision. ``backend=`` overrides the kernel
 backend inside the region. It composes with ``torch.autocast`` in either nesting
 order: ops compute in the torch-autocast dtype when one is active.
 """
@@ -32,6 +35,8 @@ class AutocastState(NamedTuple):
     recipe: Recipe | None = None
     calibrating: bool = False
     amax_reduction_group: Any = None
+    named: bool = False  # the region chose: a recipe given, or enabled=False (a model's own recipe yields)
+    override_pinned: bool = False  # the choice also holds for subtrees pinned by apply_recipe(overrides=...)
 
     @property
     def active_recipe(self) -> Recipe | None:
@@ -68,6 +73,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
         calibrating: bool = False,
         amax_reduction_group: Any = None,
         backend: str | None = None,
+        override_pinned: bool = False,
     ) -> None:
         if enabled is not True and enabled is not False:
             raise TypeError(f"autocast(enabled=...): must be True or False, got {enabled!r}")
@@ -77,20 +83,24 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
             raise TypeError(f"autocast(calibrating=...): must be True or False, got {calibrating!r}")
         if backend is not None:
             _backend._check_name(backend)
+        if override_pinned is not True and override_pinned is not False:
+            raise TypeError(f"autocast(override_pinned=...): must be True or False, got {override_pinned!r}")
+        named = recipe is not None or not enabled
         if enabled or calibrating:
             recipe = recipe if recipe is not None else DEFAULT_RECIPE
         else:
             recipe = None
         last = autocast._last
         if (
-            last.enabled is enabled and last.calibrating is calibrating
-            and last.amax_reduction_group is amax_reduction_group
+            last.enabled is enabled and last.calibrating is calibrating and last.named is named
+            and last.override_pinned is override_pinned and last.amax_reduction_group is amax_reduction_group
             and (last.recipe is recipe or (recipe is not None and last.recipe is not None
                                            and type(last.recipe) is type(recipe) and last.recipe._key == recipe._key))
         ):
             self.state = last  # an equal recipe is the same configuration: its string is the key
         else:
-            self.state = autocast._last = AutocastState(enabled, recipe, calibrating, amax_reduction_group)
+            self.state = autocast._last = AutocastState(enabled, recipe, calibrating, amax_reduction_group, named,
+                                                        override_pinned)
         self.backend = backend
         self._depths: list[int] = []
 

@@ -73,7 +73,7 @@ from torch.autograd.graph import increment_version
 
 from . import backend
 from .autocast import current_state
-from .ops.fuser import _RUN_WATCH
+from .ops.fuser import _APPLIED, _RUN_WATCH
 from .graphs import GraphStats, _CaptureGuard, _drop_weight_caches, _linears, _quantizers_seeded, _state_slots
 
 __all__ = ["make_graphed_step", "GraphedStep"]
@@ -151,9 +151,10 @@ class GraphedStep:
                 parts.append(a)
         if not on_gpu:
             return None
-        recipe = state.active_recipe
+        recipe = state.active_recipe  # with the model's own recipes (te.apply_recipe), which resolve from it
         amp = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
-        return (None if recipe is None else str(recipe), backend.get_backend(), tuple(parts),
+        return (None if recipe is None else str(recipe), state.named, state.override_pinned, _APPLIED[0],
+                backend.get_backend(), tuple(parts),
                 tuple(m.training for m in self._modules), torch.is_grad_enabled(), amp)
 
     # -- eager steps ----------------------------------------------------------------

@@ -56,7 +56,7 @@ from torch import nn
 
 from . import backend
 from .autocast import current_state
-from .ops.fuser import _EPOCH, _compute_dtype
+from .ops.fuser import _APPLIED, _EPOCH, _compute_dtype
 from .kernels.operand import ScaledOperand
 from .ops.op import BasicOperation
 from .ops.sequential import Sequential
@@ -306,9 +306,9 @@ class GraphedSequential(nn.Module):
             return None
         if state.calibrating or state.amax_reduction_group is not None:
             return None
-        recipe = state.active_recipe
-        return (None if recipe is None else str(recipe), x.shape, x.dtype, x.device, x.requires_grad,
-                backend.get_backend())
+        recipe = state.active_recipe  # with the model's own recipes (te.apply_recipe), which resolve from it
+        return (None if recipe is None else str(recipe), state.named, state.override_pinned, _APPLIED[0], x.shape,
+                x.dtype, x.device, x.requires_grad, backend.get_backend())
 
     def _eager(self, x: torch.Tensor, key, since_replay: bool) -> torch.Tensor:
         if since_replay:  # the weights are those of the last replay: so are their FP8 copies

@@ -44,7 +44,13 @@ __all__ = ["OperationFuser", "FusionPlan", "FusionStats"]
 _RUN_WATCH: list[set] = []
 
 # Attributes whose assignment disarms a fuser's compiled guard.
-_DISARMING = frozenset({"_plan", "_params", "_flat_params"})
+_DISARMING = frozenset({"_plan", "_params", "_flat_params", "own_recipe"})
+
+# While te.apply_recipe probes a model's shapes: fuser -> the recipe it would get,
+# ("plans", fuser) -> the plan its calls need (see OperationFuser._probe).
+_PROBE: dict = {}
+# Bumped by every te.apply_recipe: keys that cache work per recipe (CUDA graphs) include it.
+_APPLIED = [0]
 
 HIGH_PRECISION_KEY = "high_precision"  # the recipe part of a plan's key without a recipe
 _FLOATING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -80,6 +86,7 @@ class FusionPlan:
     amax_reduction_group: object = None  # te.autocast's group: delayed-scaling amaxes are all-reduced over it
     epoch: int = -1
     installs: bool = True  # whether the plan's quantizers are the ops' own (False: high precision)
+    build_phases: dict = field(default_factory=dict)  # seconds per phase of the candidate's build
     in_shape: torch.Size | None = None  # the input shape of the last call (validated)
     shapes: dict = field(default_factory=dict)  # validated input shape -> output shape (bounded)
 
@@ -124,6 +131,10 @@ class OperationFuser:
         self._plan: FusionPlan | None = None
         self._last_recipe = None
         self._last_state = None  # the autocast state last matched to the published plan
+        # The model's own recipe (te.apply_recipe): (recipe or None, pinned), or None;
+        # with the autocast state it resolves to the state the plan is chosen for.
+        self.own_recipe: tuple | None = None
+        self._resolved: tuple = (None, None)  # (autocast state, the state it resolved to)
         self._stats = FusionStats()
         self._churn = FallbackChurnDetector(f"te_fuser ({', '.join(op.describe() for op in self.ops[:3])}...)")
         self._make_entry()
@@ -144,6 +155,8 @@ class OperationFuser:
             guard = self.__dict__.get("_guard")
             if guard is not None:
                 guard.disarm()
+            if name == "own_recipe":
+                object.__setattr__(self, "_resolved", (None, None))
         object.__setattr__(self, name, value)
 
     def __getstate__(self) -> dict:  # copies and pickles get a guard of their own
@@ -188,7 +201,10 @@ class OperationFuser:
                             f"got {type(x).__name__}")
         if not self._params_current():
             self._refresh_params()
-        state = _AUTOCAST_STACK[-1]  # te.autocast's state (see autocast.current_state)
+        raw = _AUTOCAST_STACK[-1]  # te.autocast's state (see autocast.current_state)
+        state = raw if self.own_recipe is None else self.resolve(raw)
+        if _PROBE:
+            return self._probe(x, training, extra_inputs, state)
         needs_backward = _grad_enabled() and (
             x.requires_grad or self._params_require_grad() or any(t.requires_grad for t in extra_inputs)
         )
@@ -200,7 +216,7 @@ class OperationFuser:
             and plan.dtype is dtype
             and plan.training is training
             and plan.is_cuda is x.is_cuda
-            and (state is self._last_state or self._same_config(plan, state))
+            and (raw is self._last_state or self._same_config(plan, state, raw))
             and (plan.epoch == _EPOCH[0] or self._still_installed(plan))
         ):
             if x.shape != plan.in_shape:
@@ -209,15 +225,32 @@ class OperationFuser:
         else:
             plan = self.build(state.recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training,
                               state.amax_reduction_group)
-            self._last_state = state
+            self._last_state = raw
         return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
+
+    def resolve(self, state):
+        """The state a call under te.autocast's ``state`` runs with, given the
+        model's own recipe (see ``te.apply_recipe``): a pinned recipe holds unless
+        the region overrides pinned ones; an applied one yields to a region that
+        names a recipe or disables FP8."""
+        raw, resolved = self._resolved
+        if state is raw:
+            return resolved
+        recipe, pinned = self.own_recipe
+        if (pinned and not state.override_pinned) or not (pinned or state.named):
+            resolved = type(state)(recipe is not None, recipe, state.calibrating and recipe is not None,
+                                   state.amax_reduction_group, True, False)
+        else:
+            resolved = state
+        self._resolved = (state, resolved)
+        return resolved
 
     def _run_and_arm(self, x: torch.Tensor, training: bool):
         """The compiled guard's miss: :meth:`run` decides (building if needed) and
         runs; the guard is then armed with its decision, for the calls that repeat it."""
         out = self.run(x, training)
         plan, state, guard = self._plan, self._last_state, self._guard
-        if plan is not None and state is not None and guard is not None and not (
+        if plan is not None and state is not None and guard is not None and not _PROBE and not (
                 self.hook_modules and self._hooks_present()):  # hooks: every call takes the Python path
             guard.arm(state, _FuserFunction.apply, (self, plan), tuple(self._flat_params), plan.needs_backward,
                       plan.dtype, plan.training, plan.is_cuda, plan.epoch, plan.in_shape)
@@ -284,9 +317,10 @@ class OperationFuser:
             plan.shapes[shape] = out_shape
         plan.in_shape = shape
 
-    def _same_config(self, plan: FusionPlan, state) -> bool:
-        """Whether ``state`` (an autocast state other than the last one seen) selects
-        ``plan``: the same recipe object or string, calibration flag and group."""
+    def _same_config(self, plan: FusionPlan, state, raw) -> bool:
+        """Whether ``state`` (resolved from ``raw``, an autocast state other than the
+        last one seen) selects ``plan``: the same recipe object or string,
+        calibration flag and group."""
         recipe = state.recipe
         if not (
             (recipe is self._last_recipe or (recipe is not None and plan.recipe_key == recipe._key))
@@ -294,7 +328,7 @@ class OperationFuser:
             and plan.amax_reduction_group is state.amax_reduction_group
         ):
             return False
-        self._last_recipe, self._last_state = recipe, state
+        self._last_recipe, self._last_state = recipe, raw
         return True
 
     def _params_require_grad(self) -> bool:
@@ -316,6 +350,15 @@ class OperationFuser:
     def build(self, recipe, calibrating, shape, dtype, device, needs_backward, training,
               amax_reduction_group=None) -> FusionPlan:
         """Build, validate and publish the plan for these conditions (the slow path)."""
+        plan = self.candidate(recipe, calibrating, shape, dtype, device, needs_backward, training,
+                              amax_reduction_group)
+        self.publish(plan)
+        return plan
+
+    def candidate(self, recipe, calibrating, shape, dtype, device, needs_backward, training,
+                  amax_reduction_group=None) -> FusionPlan:
+        """Build and validate the plan for these conditions without publishing it:
+        on any failure it raises and nothing of the fuser or its ops has changed."""
         device = torch.device(device)
         t0 = time.perf_counter()
         phases = {}
@@ -347,17 +390,42 @@ class OperationFuser:
         plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes,
                           out_shape=out_shape, amax_reduction_group=amax_reduction_group,
                           installs=recipe is not None, in_shape=shape, shapes={shape: out_shape})
-        self._publish(plan)
-        t4 = time.perf_counter()
-        phases["publish"] = t4 - t3
-        self.stats.builds += 1
-        self.stats.key = recipe_key
-        self.stats.build_seconds += t4 - t0
-        self.stats.last_build_phases = phases
-        self._churn.observe(recipe_key)
-        self._last_recipe = recipe
-        self._last_state = None  # the state that selected the published plan (set by run)
+        plan.build_phases = phases
         return plan
+
+    def publish(self, plan: FusionPlan) -> None:
+        """Make a :meth:`candidate` the published plan (installing its quantizers)."""
+        t0 = time.perf_counter()
+        self._publish(plan)
+        phases = dict(plan.build_phases)
+        phases["publish"] = time.perf_counter() - t0
+        stats = self.stats
+        stats.builds += 1
+        stats.key = plan.recipe_key
+        stats.build_seconds += sum(phases.values())
+        stats.last_build_phases = phases
+        self._churn.observe(plan.recipe_key)
+        self._last_recipe = plan.run.recipe
+        self._last_state = None  # the state that selected the published plan (set by run)
+
+    def _probe(self, x: torch.Tensor, training: bool, extra_inputs: tuple, state):
+        """``te.apply_recipe``'s shape probe: build (never publish) the plan this call
+        would need under the recipe being applied, record it, and return zeros of
+        the output's shape instead of running the ops."""
+        recipe = _PROBE[self] if self in _PROBE else state.recipe
+        dtype = _compute_dtype(x) if _any_autocast() else x.dtype
+        seen = _PROBE.get(("plans", self))
+        _PROBE["failed"] = self  # the fuser an error comes from, for apply_recipe's message
+        if seen is None:
+            seen = self.candidate(recipe, False, x.shape, dtype, x.device, True, training)
+            _PROBE[("plans", self)] = seen
+        elif x.shape != seen.in_shape:
+            self._accept_shape(seen, x.shape)
+        del _PROBE["failed"]
+        y = torch.zeros(seen.shapes[x.shape], dtype=dtype, device=x.device)
+        extras = [torch.zeros(x.shape, dtype=dtype, device=x.device) for op in self.ops
+                  for _ in range(op.num_extra_outputs)]
+        return (y, *extras) if extras else y
 
     def _build_quantizers(self, recipe, recipe_key: str) -> list[dict]:
         """Fresh quantizers for every role, continuing the scaling state of the

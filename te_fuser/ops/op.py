@@ -12,6 +12,7 @@ backward fusions can be chosen independently.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -119,7 +120,8 @@ class WatchedModule(nn.Module):
 
 # Plain per-op state that is neither a parameter, a buffer nor a module: set
 # without nn.Module.__setattr__'s bookkeeping (it runs on every recipe switch).
-_PLAIN_STATE = frozenset({"_quantizers", "_quantizer_key", "_loaded_state", "_weight_cache", "_own_fuser"})
+_PLAIN_STATE = frozenset({"_quantizers", "_quantizer_key", "_loaded_state", "_weight_cache", "_own_fuser",
+                          "_applied", "_own_recipe"})
 
 
 def _take_state(quantizer: "Quantizer", entry: dict, recipe_key: str | None) -> None:
@@ -154,6 +156,8 @@ class BasicOperation(WatchedModule):
         self._quantizer_key: str | None = None
         self._loaded_state: dict | None = None  # quantizer state from a checkpoint, not yet applied
         self._own_fuser = None
+        self._applied: tuple | None = None  # (the model's own recipe key, on_mismatched_load) from te.apply_recipe
+        self._own_recipe: tuple | None = None
 
     def __setattr__(self, name: str, value) -> None:
         if name in _PLAIN_STATE:
@@ -201,14 +205,19 @@ class BasicOperation(WatchedModule):
             state = q.state_dict()
             if state or t not in entries:
                 entries[t] = {"class": type(q).__qualname__, "state": state, "recipe_key": self._quantizer_key}
-        return {"recipe_key": self._quantizer_key, "quantizers": entries}
+        applied = self.__dict__.get("_applied")
+        return {"recipe_key": self._quantizer_key, "quantizers": entries,
+                "applied_recipe": None if applied is None else applied[0]}
 
     def set_extra_state(self, state: dict) -> None:
         """Take a checkpoint's scaling state: into the installed quantizers of the
         same class now (exactly when saved under the installed recipe, else
         continued as on a recipe switch: a delayed-scaling history is resized),
         and for the other roles when a recipe builds a quantizer of their class."""
-        if not state or not state.get("quantizers"):
+        if not state:
+            return
+        self._check_applied_recipe(state.get("applied_recipe"))
+        if not state.get("quantizers"):
             return
         pending = dict(self._loaded_state or {})
         for t, entry in state["quantizers"].items():
@@ -220,6 +229,20 @@ class BasicOperation(WatchedModule):
             else:
                 pending[t] = entry
         self._loaded_state = pending or None
+
+    def _check_applied_recipe(self, saved_key: str | None) -> None:
+        """Report a checkpoint saved under another ``te.apply_recipe`` recipe than the
+        one this model has (its scaling state still carries over, as on a switch)."""
+        applied = self.__dict__.get("_applied")
+        if applied is None or saved_key is None or saved_key == applied[0]:
+            return
+        key, policy = applied
+        message = (f"te_fuser: a checkpoint saved under the recipe {saved_key} is loaded into a model whose "
+                   f"recipe is {key} (te.apply_recipe); its scaling state carries over as on a recipe switch")
+        if policy == "error":
+            raise ValueError(f"{self.describe()}: {message}")
+        if policy == "warn":
+            warnings.warn(message, stacklevel=2)
 
     def restore_loaded_state(self, quantizer: "Quantizer", tensor_type: str, recipe_key: str) -> None:
         """Give ``quantizer`` (built for ``recipe_key``, not yet installed) the pending
@@ -260,12 +283,16 @@ class BasicOperation(WatchedModule):
     def basic_ops(self) -> list["BasicOperation"]:
         return [self]
 
-    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+    def own_fuser(self):
+        """The fuser that runs this op when it is called on its own (made on first use)."""
         if self._own_fuser is None:
             from .fuser import OperationFuser
 
             self._own_fuser = OperationFuser([self])
-        return self._own_fuser(x, *extra_inputs)
+        return self._own_fuser
+
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        return (self._own_fuser or self.own_fuser())(x, *extra_inputs)
 
 
 class FusedOperation:

@@ -50,6 +50,7 @@ class Sequential(nn.Module):
         if not isinstance(fuse, bool):
             raise TypeError(f"Sequential(fuse=...): must be True or False, got {fuse!r}")
         self.fuse = fuse  # False: every op runs on its own (the unfused baseline)
+        self._own_recipe: tuple | None = None  # (recipe or None, pinned) from te.apply_recipe
         self._items = nn.ModuleList()
         self.extend(modules)
 
@@ -123,6 +124,9 @@ class Sequential(nn.Module):
                 groups.append(module)
             if run:
                 groups.append(OperationFuser(run, fuse=self.fuse, hook_modules=hooked))
+            for group in groups:
+                if isinstance(group, OperationFuser):
+                    group.own_recipe = self.__dict__.get("_own_recipe")
             self._groups = groups
             single = (
                 len(groups) == 1 and isinstance(groups[0], OperationFuser) and groups[0].num_extra_inputs == 0
@@ -191,9 +195,10 @@ class Sequential(nn.Module):
         """Build and publish every group's plan for an input like ``x`` under
         ``recipe`` (default: the recipe of the current ``te.autocast``, or high
         precision) without running any op: quantizers are created (continuing any
-        delayed-scaling state), fusion passes run and the plan is validated, so a
-        bad recipe is rejected here, and the next call is a hot-path hit. Plain
-        modules between groups are traced on the meta device for their shapes."""
+        delayed-scaling state), fusion passes run and the plans are validated, all
+        of them before any is published, so a bad recipe is rejected here with no
+        group changed, and the next call is a hot-path hit. Plain modules between
+        groups are traced on the meta device for their shapes."""
         from ..autocast import current_state
 
         if recipe is None and current_state().enabled:
@@ -203,14 +208,18 @@ class Sequential(nn.Module):
             needs_backward = torch.is_grad_enabled() and (
                 x.requires_grad or any(p.requires_grad for p in self.parameters())
             )
+        candidates = []  # every group's plan is built and validated before any is published
         for group in self.groups():
             if isinstance(group, OperationFuser):
-                plan = group.build(recipe, calibrating, shape, dtype, device, needs_backward, self.training,
-                                   current_state().amax_reduction_group)
+                plan = group.candidate(recipe, calibrating, shape, dtype, device, needs_backward, self.training,
+                                       current_state().amax_reduction_group)
+                candidates.append((group, plan))
                 shape = plan.out_shape
             else:
                 with torch.no_grad():
                     shape = group(torch.empty(shape, dtype=dtype, device="meta")).shape
+        for group, plan in candidates:
+            group.publish(plan)
 
     def _fusers(self) -> list[OperationFuser]:
         return [g for g in self.groups() if isinstance(g, OperationFuser)]

@@ -46,10 +46,14 @@ class Linear(WatchedModule):
     def quantizer(self, tensor_type: str):
         return self.linear.quantizer(tensor_type)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def own_fuser(self):
+        """The fuser that runs this Linear when it is called on its own (made on first use)."""
         if self._own_fuser is None:
             from ..fuser import OperationFuser
 
             # the basic ops are not called through their own __call__: the fuser runs their hooks
             self._own_fuser = OperationFuser(self.basic_ops, hook_modules=self.basic_ops)
-        return self._own_fuser.entry(x, self.training)
+        return self._own_fuser
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._own_fuser or self.own_fuser()).entry(x, self.training)

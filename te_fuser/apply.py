@@ -1,0 +1,273 @@
+"""``te.apply_recipe``: give a whole model a recipe of its own, at once, or not at all.
+
+    te.apply_recipe(model, te.recipe.Float8CurrentScaling(), example_inputs=(tokens,),
+                    overrides={"head": None})          # the LM head pinned to high precision
+    loss = loss_fn(model(tokens))                        # no te.autocast needed
+
+For every te_fuser ``Sequential`` and every op or ``Linear`` called on its own in
+the module tree, the complete plans (forward and backward) and fresh quantizers
+for its recipe are built and validated first; only when all of them succeed are
+they published, together. On any failure one error names the module path and
+the op's own reason, and no module has changed: plans, quantizers, scaling
+state and weight casts are as they were.
+
+Shapes come from ``example_inputs`` (the model runs once on them under
+``torch.no_grad()``: plain modules for real, te_fuser groups only recording the
+shapes they see and answering zeros), else from each group's last call; a group
+that has not run is an error that asks for ``example_inputs``.
+
+Which recipe a call runs (``own``: the model's, from ``apply_recipe``; ``pinned``:
+an ``overrides`` entry):
+
+| call | a module without one | with ``own`` recipe R | in a subtree pinned to P |
+|---|---|---|---|
+| no ``te.autocast`` | high precision | R | P |
+| ``te.autocast()`` (no recipe named) | ``DEFAULT_RECIPE`` | R | P |
+| ``te.autocast(recipe=A)`` | A | A | P |
+| ``te.autocast(enabled=False)`` | high precision | high precision | P |
+| ``te.autocast(recipe=A, override_pinned=True)`` | A | A | A |
+
+The applied recipe's key travels in each op's extra state; loading a checkpoint
+saved under another applied recipe warns (or, with ``on_mismatched_load="error"``,
+raises), and delayed-scaling history carries over as on a switch.
+:func:`fusion_plan` and :func:`fusion_stats` report a whole model, by module path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .ops import fuser as _fuser
+from .ops.fuser import FusionStats, OperationFuser
+from .ops.op import BasicOperation
+from .ops.sequential import Sequential
+from .recipe import Recipe
+
+__all__ = ["apply_recipe", "fusion_plan", "fusion_stats", "ModelFusionStats", "MISMATCH_POLICIES"]
+
+MISMATCH_POLICIES = ("warn", "error", "ignore")
+
+
+# -- the te_fuser modules of a tree ------------------------------------------------------
+
+def _owners(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(path, module)`` of every module that owns fusers: each ``Sequential``, and
+    each op or composite (``Linear``) not inside one (those run through their own
+    fuser when called)."""
+    inside: set[int] = set()
+    for path, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, Sequential):
+            for item in module:  # its ops and composites run through its fusers (a nested Sequential runs itself)
+                if isinstance(item, BasicOperation) or _is_composite(item):
+                    inside.update(id(m) for m in [item, *getattr(item, "basic_ops", [])])
+            yield path, module
+        elif isinstance(module, BasicOperation) or _is_composite(module):
+            inside.update(id(op) for op in getattr(module, "basic_ops", []))
+            yield path, module
+
+
+def _is_composite(module: nn.Module) -> bool:
+    ops = getattr(module, "basic_ops", None)
+    return isinstance(ops, list) and bool(ops) and all(isinstance(op, BasicOperation) for op in ops) \
+        and callable(getattr(module, "own_fuser", None))
+
+
+def _fusers_of(owner: nn.Module) -> list[OperationFuser]:
+    if isinstance(owner, Sequential):
+        return [g for g in owner.groups() if isinstance(g, OperationFuser)]
+    return [owner.own_fuser()]
+
+
+def _ops_of(owner: nn.Module) -> list[BasicOperation]:
+    return [op for fuser in _fusers_of(owner) for op in fuser.ops]
+
+
+def _label(path: str, owner: nn.Module, fuser: OperationFuser, fusers: list) -> str:
+    where = path or "(the model)"
+    if len(fusers) > 1:
+        where += f", group of {', '.join(op.describe() for op in fuser.ops[:3])}"
+    return f"{where} [{type(owner).__name__}]"
+
+
+# -- applying a recipe ----------------------------------------------------------------
+
+@dataclass
+class _Target:
+    path: str
+    owner: nn.Module
+    recipe: Recipe | None
+    pinned: bool
+    fusers: list = field(default_factory=list)
+
+
+def _targets(model: nn.Module, recipe: Recipe | None, overrides: dict) -> list[_Target]:
+    targets = []
+    for path, owner in _owners(model):
+        covering = [p for p in overrides if p == "" or path == p or path.startswith(p + ".")]
+        if covering:
+            best = max(covering, key=len)
+            targets.append(_Target(path, owner, overrides[best], True))
+        else:
+            targets.append(_Target(path, owner, recipe, False))
+        targets[-1].fusers = _fusers_of(owner)
+    return targets
+
+
+def _check_arguments(model, recipe, overrides, on_mismatched_load) -> dict:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_recipe(model): must be a torch.nn.Module, got {type(model).__name__}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"apply_recipe(recipe): must be a te_fuser recipe or None, got {type(recipe).__name__}")
+    if on_mismatched_load not in MISMATCH_POLICIES:
+        raise ValueError(f"apply_recipe(on_mismatched_load=...): must be one of {list(MISMATCH_POLICIES)}, "
+                         f"got {on_mismatched_load!r}")
+    overrides = dict(overrides or {})
+    paths = dict(model.named_modules())
+    for path, value in overrides.items():
+        if not isinstance(path, str) or path not in paths:
+            raise ValueError(f"apply_recipe(overrides=...): {path!r} is not a module path of the model "
+                             f"(paths look like {sorted(p for p in paths if p)[:3]})")
+        if value is not None and not isinstance(value, Recipe):
+            raise TypeError(f"apply_recipe(overrides[{path!r}]): must be a te_fuser recipe or None (high "
+                            f"precision), got {type(value).__name__}")
+    return overrides
+
+
+@contextlib.contextmanager
+def _probing(targets: list[_Target]):
+    """Fusers of ``targets`` record the plans their calls would need (see ``OperationFuser._probe``)."""
+    probe = _fuser._PROBE
+    if probe:
+        raise RuntimeError("apply_recipe: called while another apply_recipe probes a model")
+    for t in targets:
+        for f in t.fusers:
+            probe[f] = t.recipe
+            if f._guard is not None:
+                f._guard.disarm()
+    try:
+        yield probe
+    finally:
+        probe.clear()
+
+
+def _probe_candidates(model, targets: list[_Target], example_inputs) -> dict:
+    """Run the model on ``example_inputs`` with its fusers recording the plans they
+    would need (raising, with the module path, where one cannot be built)."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    labels = {f: _label(t.path, t.owner, f, t.fusers) for t in targets for f in t.fusers}
+    with _probing(targets) as probe, torch.no_grad():
+        try:
+            model(*inputs)
+        except (ValueError, TypeError, RuntimeError) as err:
+            failed = probe.get("failed")
+            if failed is None:
+                raise
+            raise _named(err, labels.get(failed, "a te_fuser module")) from err
+        return {key[1]: plan for key, plan in probe.items() if isinstance(key, tuple) and key[0] == "plans"}
+
+
+def _last_call_candidate(target: _Target, fuser: OperationFuser):
+    plan = fuser.plan
+    if plan is None:
+        raise ValueError(f"apply_recipe: {_label(target.path, target.owner, fuser, target.fusers)} has not run "
+                         "yet, so its input shape is unknown; pass example_inputs=(...) for the model's forward")
+    return fuser.candidate(target.recipe, False, plan.in_shape, plan.dtype, plan.device_type, True, plan.training)
+
+
+def _named(err: Exception, label: str) -> Exception:
+    """``err`` with the module path in front of its message, same type when possible."""
+    message = f"apply_recipe: {label}: {err}"
+    try:
+        return type(err)(message)
+    except Exception:
+        return RuntimeError(message)
+
+
+def apply_recipe(model: nn.Module, recipe: Recipe | None, *, example_inputs: Any = None,
+                 overrides: dict[str, Recipe | None] | None = None, on_mismatched_load: str = "warn") -> nn.Module:
+    """Make ``recipe`` (``None``: high precision) the model's own, every te_fuser
+    module of it at once (see the module doc); ``overrides`` pins another recipe, or
+    high precision, to subtrees by module path. Returns ``model``."""
+    overrides = _check_arguments(model, recipe, overrides, on_mismatched_load)
+    targets = _targets(model, recipe, overrides)
+    probed = _probe_candidates(model, targets, example_inputs) if example_inputs is not None else {}
+    candidates = []
+    for t in targets:
+        for f in t.fusers:
+            try:
+                plan = probed[f] if f in probed else _last_call_candidate(t, f)
+            except (ValueError, TypeError, RuntimeError) as err:
+                raise _named(err, _label(t.path, t.owner, f, t.fusers)) from err
+            candidates.append((t, f, plan))
+    for t in targets:  # all plans stand: publish them all
+        setting = (t.recipe, t.pinned)
+        t.owner._own_recipe = setting
+        key = None if t.recipe is None else str(t.recipe)
+        for op in _ops_of(t.owner):
+            op._applied = (key, on_mismatched_load)
+    for t, f, plan in candidates:
+        f.own_recipe = (t.recipe, t.pinned)
+        f.publish(plan)
+    _fuser._APPLIED[0] += 1
+    return model
+
+
+# -- reports --------------------------------------------------------------------------
+
+def _setting_text(fuser: OperationFuser) -> str:
+    own = fuser.own_recipe
+    if own is None:
+        return "from te.autocast"
+    recipe, pinned = own
+    return f"{'pinned' if pinned else 'own'}: {'high precision' if recipe is None else type(recipe).__name__}"
+
+
+def fusion_plan(model: nn.Module) -> str:
+    """Every te_fuser module's published plan, by module path, with the recipe each
+    one runs by default (its own, pinned, or te.autocast's)."""
+    blocks = []
+    for path, owner in _owners(model):
+        fusers = _fusers_of(owner)
+        settings = sorted({_setting_text(f) for f in fusers})
+        head = f"{path or '(the model)'} [{type(owner).__name__}] recipe {'; '.join(settings)}"
+        body = owner.fusion_plan() if isinstance(owner, Sequential) else _fuser_text(fusers[0])
+        blocks.append(head + "\n" + "\n".join("  " + line for line in body.splitlines()))
+    return "\n".join(blocks)
+
+
+def _fuser_text(fuser: OperationFuser) -> str:
+    plan = fuser.plan
+    if plan is None:
+        return "not built yet (call the module once)"
+    steps = ", ".join(type(step.executor).__name__ for step in plan.forward)
+    return f"recipe: {plan.recipe_key}\nforward: {steps}"
+
+
+@dataclass
+class ModelFusionStats:
+    """A model's fusion counters: the sum, and each module path's."""
+
+    total: FusionStats
+    by_path: dict[str, FusionStats]
+
+
+def fusion_stats(model: nn.Module) -> ModelFusionStats:
+    total, by_path = FusionStats(), {}
+    for path, owner in _owners(model):
+        mine = FusionStats()
+        for f in _fusers_of(owner):
+            s = f.stats
+            for acc in (mine, total):
+                acc.builds += s.builds
+                acc.hits += s.hits
+                acc.build_seconds += s.build_seconds
+                acc.key = s.key if s.key is not None else acc.key
+        by_path[path] = mine
+    return ModelFusionStats(total, by_path)
