@@ -9,7 +9,7 @@ module hooks FSDP2 registers on them."""
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -21,12 +21,6 @@ CONFIGS = [  # (recipe name, shard every op too, one forward before sharding)
     ("none", False, False), ("none", True, False), ("current", False, True), ("current", True, False),
     ("current", True, True), ("block", True, True), ("mxfp8", True, False),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build():
@@ -79,9 +73,9 @@ def _run(rank: int, recipe_name: str, per_op: bool, warm: bool) -> float:
     return worst
 
 
-def _worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, store_file: str, results) -> None:
+    # a file store, not a TCP port: no race for a free port with other processes
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
     try:
         for config in CONFIGS:
             worst = _run(rank, *config)
@@ -95,9 +89,9 @@ def _worker(rank: int, port: int, results) -> None:
 def results():
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
         shared = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), shared), nprocs=WORLD)
+        mp.spawn(_worker, args=(os.path.join(folder, "store"), shared), nprocs=WORLD)
         return dict(shared)
 
 

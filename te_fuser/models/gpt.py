@@ -264,19 +264,21 @@ def _weighted_modules(model: nn.Module, kinds: tuple) -> list[tuple[str, nn.Modu
 
 
 def parameter_name_map(te_model: GPT, torch_model: TorchGPT) -> dict[str, str]:
-    """Each te parameter's name mapped to the name of its twin in the torch model."""
+    """Each te parameter's state-dict key mapped to its twin's in the torch model
+    (te's modules have their torch counterparts' keys: ``weight``, ``bias``)."""
     te_mods = _weighted_modules(te_model, _TE_WEIGHTED)
     torch_mods = _weighted_modules(torch_model, _TORCH_WEIGHTED)
     if len(te_mods) != len(torch_mods):
         raise ValueError(f"parameter_name_map: {len(te_mods)} te modules with weights, {len(torch_mods)} in torch")
     names = {}
     for (te_name, te_mod), (torch_name, torch_mod) in zip(te_mods, torch_mods):
-        te_params, torch_params = list(te_mod.named_parameters()), list(torch_mod.named_parameters())
-        for (te_p, te_w), (torch_p, torch_w) in zip(te_params, torch_params, strict=True):
-            if te_w.shape != torch_w.shape:
-                raise ValueError(f"parameter_name_map: {te_name}.{te_p} is {tuple(te_w.shape)} but "
-                                 f"{torch_name}.{torch_p} is {tuple(torch_w.shape)}")
-            names[f"{te_name}.{te_p}"] = f"{torch_name}.{torch_p}"
+        for key, torch_w in torch_mod.named_parameters():
+            te_w = getattr(te_mod, key)
+            if te_w is None or te_w.shape != torch_w.shape:
+                raise ValueError(f"parameter_name_map: {te_name}.{key} is "
+                                 f"{None if te_w is None else tuple(te_w.shape)} but {torch_name}.{key} is "
+                                 f"{tuple(torch_w.shape)}")
+            names[f"{te_name}.{key}"] = f"{torch_name}.{key}"
     return names
 
 
@@ -291,6 +293,4 @@ def rename_state_dict(state: dict, names: dict[str, str]) -> dict:
 def copy_weights(te_model: GPT, torch_model: TorchGPT) -> None:
     """Make ``torch_model``'s parameters equal to ``te_model``'s."""
     names = parameter_name_map(te_model, torch_model)
-    torch_params = dict(torch_model.named_parameters())
-    for te_name, te_param in te_model.named_parameters():
-        torch_params[names[te_name]].copy_(te_param)
+    torch_model.load_state_dict(rename_state_dict(te_model.state_dict(), names))

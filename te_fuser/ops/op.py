@@ -124,6 +124,26 @@ _PLAIN_STATE = frozenset({"_quantizers", "_quantizer_key", "_loaded_state", "_we
                           "_applied", "_own_recipe"})
 
 
+_EXTRA = "_extra_state"
+
+
+def extra_state_is_empty(state) -> bool:
+    """Whether an op's extra state carries nothing: no scaling state, no pending
+    checkpoint state and no applied recipe."""
+    return not state or (not any(e["state"] for e in state.get("quantizers", {}).values())
+                         and state.get("applied_recipe") is None)
+
+
+def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
+    if extra_state_is_empty(state_dict.get(prefix + _EXTRA)):
+        state_dict.pop(prefix + _EXTRA, None)
+
+
+def _supply_missing_extra_state(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                error_msgs) -> None:
+    state_dict.setdefault(prefix + _EXTRA, {})
+
+
 def _take_state(quantizer: "Quantizer", entry: dict, recipe_key: str | None) -> None:
     if entry["recipe_key"] == recipe_key:
         quantizer.load_state_dict(entry["state"])
@@ -158,6 +178,10 @@ class BasicOperation(WatchedModule):
         self._own_fuser = None
         self._applied: tuple | None = None  # (the model's own recipe key, on_mismatched_load) from te.apply_recipe
         self._own_recipe: tuple | None = None
+        # An extra state that holds nothing is left out of the state dict, so that an op
+        # without scaling state has the keys of its torch counterpart (nn.LayerNorm's, ...)
+        self._register_state_dict_hook(_drop_empty_extra_state)
+        self._register_load_state_dict_pre_hook(_supply_missing_extra_state)
 
     def __setattr__(self, name: str, value) -> None:
         if name in _PLAIN_STATE:

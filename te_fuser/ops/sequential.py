@@ -35,6 +35,13 @@ from .op import BasicOperation
 __all__ = ["Sequential"]
 
 
+def _accept_item_list_keys(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Checkpoints that held the items under ``_items.``: their keys as today's."""
+    old = prefix + "_items."
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[prefix + key[len(old):]] = state_dict.pop(key)
+
+
 def _basic_ops_of(module: nn.Module) -> list[BasicOperation] | None:
     if isinstance(module, BasicOperation):
         return [module]
@@ -51,7 +58,9 @@ class Sequential(nn.Module):
             raise TypeError(f"Sequential(fuse=...): must be True or False, got {fuse!r}")
         self.fuse = fuse  # False: every op runs on its own (the unfused baseline)
         self._own_recipe: tuple | None = None  # (recipe or None, pinned) from te.apply_recipe
-        self._items = nn.ModuleList()
+        # the items are the module's children "0", "1", ... as in nn.Sequential, so the
+        # state-dict keys are nn.Sequential's (a load also takes the older "_items." keys)
+        self._register_load_state_dict_pre_hook(_accept_item_list_keys)
         self.extend(modules)
 
     # -- list semantics --------------------------------------------------------
@@ -65,39 +74,62 @@ class Sequential(nn.Module):
             raise TypeError(f"Sequential: items must be torch.nn.Module, got {type(module).__name__}")
         return module
 
+    @property
+    def _items(self) -> list[nn.Module]:
+        return list(self._modules.values())
+
+    def _renumber(self, items: list[nn.Module]) -> None:
+        self._modules.clear()
+        for i, module in enumerate(items):
+            self._modules[str(i)] = module
+        self._changed()
+
+    def _index(self, idx: int) -> int:
+        n = len(self._modules)
+        if not isinstance(idx, int) or isinstance(idx, bool):
+            raise TypeError(f"Sequential: indices must be integers or slices, got {type(idx).__name__}")
+        if not -n <= idx < n:
+            raise IndexError(f"Sequential: index {idx} is out of range for {n} items")
+        return idx % n
+
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._modules)
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._items)
+        return iter(self._modules.values())
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
-            return Sequential(*list(self._items)[idx], fuse=self.fuse)
-        return self._items[idx]
+            return Sequential(*self._items[idx], fuse=self.fuse)
+        return self._items[self._index(idx)]
 
     def __setitem__(self, idx: int, module: nn.Module) -> None:
-        self._items[idx] = self._check(module)
+        self._modules[str(self._index(idx))] = self._check(module)
         self._changed()
 
     def __delitem__(self, idx) -> None:
-        del self._items[idx]
-        self._changed()
+        items = self._items
+        if isinstance(idx, slice):
+            del items[idx]
+        else:
+            del items[self._index(idx)]
+        self._renumber(items)
 
     def append(self, module: nn.Module) -> "Sequential":
-        self._items.append(self._check(module))
+        self._modules[str(len(self._modules))] = self._check(module)
         self._changed()
         return self
 
     def extend(self, modules: Iterable[nn.Module]) -> "Sequential":
         for m in modules:
-            self._items.append(self._check(m))
+            self._modules[str(len(self._modules))] = self._check(m)
         self._changed()
         return self
 
     def insert(self, index: int, module: nn.Module) -> "Sequential":
-        self._items.insert(index, self._check(module))
-        self._changed()
+        items = self._items
+        items.insert(index, self._check(module))
+        self._renumber(items)
         return self
 
     def __add__(self, other: "Sequential") -> "Sequential":

@@ -14,11 +14,31 @@ from .linear import BasicLinear
 __all__ = ["Linear"]
 
 
+# state-dict keys: nn.Linear's name -> this module's (its basic ops')
+_KEYS = {"weight": "linear.weight", "bias": "bias_op.bias", "_extra_state": "linear._extra_state"}
+
+
+def _as_torch_keys(module, state_dict, prefix, local_metadata) -> None:
+    state_dict.pop(prefix + "bias_op._extra_state", None)  # a Bias has no quantizer: nothing to keep
+    for torch_name, own in _KEYS.items():
+        if prefix + own in state_dict:
+            state_dict[prefix + torch_name] = state_dict.pop(prefix + own)
+
+
+def _from_torch_keys(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    for torch_name, own in _KEYS.items():
+        if prefix + torch_name in state_dict:
+            state_dict[prefix + own] = state_dict.pop(prefix + torch_name)
+
+
 class Linear(WatchedModule):
     """``y = x @ weight.T + bias``, initialised like ``torch.nn.Linear``.
 
     In a ``Sequential`` it contributes its basic ops (BasicLinear, then Bias when
-    ``bias=True``), which the fuser may fuse with their neighbours.
+    ``bias=True``), which the fuser may fuse with their neighbours. Its state dict
+    has ``nn.Linear``'s keys (``weight``, ``bias``; ``_extra_state`` only while
+    there is scaling state to keep), so the checkpoints of either load into the
+    other; a load also takes the basic ops' own keys (``linear.weight``, ...).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None, name=None):
@@ -30,6 +50,8 @@ class Linear(WatchedModule):
             with torch.no_grad():
                 self.bias_op.bias.uniform_(-bound, bound)
         self._own_fuser = None
+        self._register_state_dict_hook(_as_torch_keys)
+        self._register_load_state_dict_pre_hook(_from_torch_keys)
 
     @property
     def weight(self) -> nn.Parameter:
