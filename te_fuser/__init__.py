@@ -8,6 +8,7 @@
 
 from . import ops, quantization, recipe
 from .apply import apply_recipe, fusion_plan, fusion_stats
+from .convert import convert
 from .autocast import DEFAULT_RECIPE, autocast
 from .backend import get_backend, set_backend
 from .graphed_step import make_graphed_step
@@ -16,5 +17,5 @@ from .ops.weight_cache import reuse_quantized_weights
 from .warmup import warmup
 
 __all__ = ["ops", "quantization", "recipe", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend", "warmup",
-           "make_graphed", "make_graphed_step", "reuse_quantized_weights", "apply_recipe", "fusion_plan", "fusion_stats"]
+           "make_graphed", "make_graphed_step", "reuse_quantized_weights", "apply_recipe", "fusion_plan", "fusion_stats", "convert"]
 __version__ = "0.1.0"
