@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -31,13 +33,34 @@ def test_examples_run():
 
 
 def test_main_job_runs_the_recipe_schedule(tmp_path):
-    report = tmp_path / "report.json"
+    rows_path, out_dir = tmp_path / "rows.json", tmp_path / "report"
     out = subprocess.run(
-        [sys.executable, "-m", "te_fuser", "--steps", "3", "--hidden", "64", "--ffn", "128", "--json", str(report)],
+        [sys.executable, "-m", "te_fuser", "--steps", "3", "--hidden", "64", "--ffn", "128", "--json", str(rows_path),
+         "--out", str(out_dir)],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(report.read_text())
+    rows = json.loads(rows_path.read_text())
     assert [r["phase"] for r in rows] == ["bf16", "delayed", "current", "block", "mxfp8", "bf16"]
     assert all(r["refusions"] == 1 for r in rows)
-    assert "re-fusions" in out.stdout and "fusion plan now" in out.stdout
+    assert all(r["torch_bf16_loss_last"] > 0 for r in rows)
+    assert "torch bf16" in out.stdout and "fusion plan of the delayed phase" in out.stdout
+    assert "fusion plan of the mxfp8 phase" in out.stdout
+    report = json.loads((out_dir / "report.json").read_text())
+    assert len(report["losses"]["te_fuser"]) == len(report["losses"]["torch bf16"]) == 18
+    assert {"device", "torch", "date"} <= set(report)
+    svg = (out_dir / "loss.svg").read_text()
+    assert svg.startswith("<svg") and "MLP 64-&gt;128-&gt;64" in svg and report["torch"] in svg
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    (["--batch", "8", "--steps", "1"], "--batch 8 --hidden 256 --ffn 512: the mxfp8 phase cannot run"),
+    (["--hidden", "abc"], "argument --hidden: must be a positive integer, got 'abc'"),
+])
+def test_main_job_argument_errors_are_one_line(args, message):
+    out = subprocess.run([sys.executable, "-m", "te_fuser", *args], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert message in lines[-1] and not any("Traceback" in line for line in lines)
