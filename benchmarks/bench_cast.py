@@ -279,7 +279,7 @@ def main(argv=None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=None)
     parser.add_argument("--shapes", nargs="+", default=["8192x8192", "16384x8192", "256x1024"])
-    parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/results.csv)")
+    parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/out/results.csv, untracked)")
     parser.add_argument("--sweep", action="store_true", help="also time the Triton casts under several launch plans")
     parser.add_argument("--bias-grad", action="store_true",
                         help="only the output gradient's cast with its bias gradient, separate and fused")

@@ -170,7 +170,7 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--sweep", action="store_true", help="also time a few tile shapes")
     parser.add_argument("--sweep-families", nargs="+", choices=["tensor", "block", "mx"], default=None,
                         help="sweep only these kernel families")
-    parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/results.csv)")
+    parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/out/results.csv, untracked)")
     args = parser.parse_args(argv)
     backends = args.backends or harness.default_backends("gemm")
     rows: list[Row] = []

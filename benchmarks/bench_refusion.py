@@ -16,8 +16,10 @@ mixes) it measures:
     minus a steady step (GPU; on CPU the reference backend compiles nothing);
 (e) the same after ``te.warmup``.
 
-Prints a table, appends CSV rows (benchmarks/results.csv), writes a PNG plot
-(when matplotlib is present) and, with ``--json PATH``, the figures.
+Prints a table, appends CSV rows (benchmarks/out/results.csv, untracked), with
+``--plot PATH.svg`` draws the hot path and the warm switch against the op count
+(the measured sizes on the x axis; device, versions and date in the subtitle),
+and with ``--json PATH`` writes the figures.
 ``--quick`` finishes in well under 30 s on CPU.
 """
 
@@ -212,27 +214,25 @@ def cold_and_warmed_switch(n_ops, hidden, device) -> dict:
     return {"cold_ms": cold, "after_warmup_ms": warmed}
 
 
-def plot(results: dict, path: Path) -> bool:
-    try:
-        import matplotlib
+def plot(results: dict, path: Path, device) -> list[str]:
+    """Two SVG charts: the hot path (µs per call) and the warm switch's phases (µs),
+    against the op counts measured; ``path`` and ``path``-switch."""
+    from te_fuser.plot import line_chart
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     counts = sorted(results)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, key in (("hot path, same recipe object", "hot_same"), ("hot path, new equal recipe", "hot_equal")):
-        ax1.plot(counts, [results[n][key] for n in counts], marker="o", label=label)
-    ax1.set(xscale="log", xlabel="ops in the Sequential", ylabel="µs per call", title="unchanged recipe")
-    ax1.legend()
-    for phase in ("key", "quantizers", "fusion", "validation", "publish", "total"):
-        ax2.plot(counts, [results[n]["switch"][phase] for n in counts], marker="o", label=phase)
-    ax2.set(xscale="log", yscale="log", xlabel="ops in the Sequential", ylabel="µs", title="warm switch, by phase")
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
+    env = harness.environment()
+    subtitle = (f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}; "
+                f"measured at {', '.join(map(str, counts))} ops")
+    hot = {label: (counts, [results[n][key] for n in counts])
+           for label, key in (("same recipe object", "hot_same"), ("new equal recipe", "hot_equal"))}
+    written = line_chart(path, hot, title="te_fuser unchanged-recipe hot path, µs per Sequential call",
+                         subtitle=subtitle, xlabel="ops in the Sequential", ylabel="µs per call")
+    phases = {phase: (counts, [results[n]["switch"][phase] for n in counts])
+              for phase in ("key", "quantizers", "fusion", "validation", "publish", "total")}
+    written += line_chart(path.with_name(path.stem + "-switch" + path.suffix), phases,
+                          title="te_fuser warm recipe switch by phase, µs", subtitle=subtitle,
+                          xlabel="ops in the Sequential", ylabel="µs")
+    return written
 
 
 APPLY_COUNTS = (1, 4, 16)
@@ -319,7 +319,7 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--plot", metavar="PNG", default=str(Path(__file__).with_name("refusion.png")))
+    p.add_argument("--plot", metavar="SVG", help="draw the hot path and the warm switch here (and PATH-switch.svg)")
     p.add_argument("--no-csv", action="store_true")
     p.add_argument("--mlp-weights", action="store_true",
                    help="also time the re-quantization of the MLP block's weights (4096x28672, 14336x4096; GPU)")
@@ -383,8 +383,8 @@ def main(argv=None) -> dict:
               f"{r.get('after_warmup_ms', float('nan')):>9.2f}")
     if not args.no_csv:
         harness.append_csv(rows)
-    if plot(results, Path(args.plot)):
-        print(f"plot: {args.plot}")
+    if args.plot:
+        print("plots: " + ", ".join(plot(results, Path(args.plot), device)))
     summary = {
         "device": str(device),
         "hot_path_us_same_object": {n: results[n]["hot_same"] for n in OP_COUNTS},

@@ -25,7 +25,11 @@ from typing import Callable, Sequence
 
 import torch
 
-RESULTS_CSV = Path(__file__).with_name("results.csv")
+# Rows go to an untracked file by default; the tracked record (results.csv) takes
+# rows only when asked: `python benchmarks/harness.py --record FILE.csv` (e.g. the
+# CSV a GPU run brings back) appends the rows it does not hold yet.
+RESULTS_CSV = Path(__file__).with_name("out") / "results.csv"
+RECORD_CSV = Path(__file__).with_name("results.csv")
 
 
 def time_ms(fn: Callable[..., object], inputs: Sequence[tuple] = ((),), warmup_ms: int = 25,
@@ -121,8 +125,10 @@ def environment() -> dict:
 
 
 def append_csv(rows: Sequence[Row], path: Path | str | None = None) -> Path:
-    """Append rows (with device, versions and date) to the results CSV."""
+    """Append rows (with device, versions and date) to the results CSV (by default
+    ``benchmarks/out/results.csv``, untracked)."""
     path = Path(path) if path is not None else RESULTS_CSV
+    path.parent.mkdir(parents=True, exist_ok=True)
     env = environment()
     records = []
     for row in rows:
@@ -243,3 +249,34 @@ def backend_module(name: str):
     if name == "triton-exact":
         return _ExactFP8Triton()
     return importlib.import_module(f"te_fuser.kernels.{name}")
+
+
+def record(source: Path | str, target: Path | str = RECORD_CSV) -> int:
+    """Append to the tracked record the rows of ``source`` it does not hold yet
+    (widening its header where ``source`` has more columns); returns how many."""
+    with open(source, newline="") as f:
+        rows = list(csv.DictReader(f))
+    target = Path(target)
+    old, fields = [], []
+    if target.exists() and os.path.getsize(target):
+        with open(target, newline="") as f:
+            reader = csv.DictReader(f)
+            fields, old = list(reader.fieldnames or []), list(reader)
+    seen = {tuple(sorted(r.items())) for r in old}
+    new = [r for r in rows if tuple(sorted({k: r.get(k, "") for k in fields}.items())) not in seen
+           and tuple(sorted(r.items())) not in seen]
+    fields += [k for r in new for k in r if k not in fields]
+    with open(target, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(old + new)
+    return len(new)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="benchmarks/results.csv: the tracked record of benchmark rows")
+    parser.add_argument("--record", metavar="CSV", required=True, help="append this CSV's new rows to the record")
+    args = parser.parse_args()
+    print(f"{record(args.record)} new rows recorded in {RECORD_CSV}")

@@ -48,7 +48,7 @@ for part in $parts; do
       done ;;
     refusion)
       timeout 150 python3 benchmarks/bench_refusion.py --cold-cache --mlp-weights --json "$OUT/refusion.json" \
-        --plot "$OUT/refusion.png" 2>&1 | tee "$OUT/refusion.log" | tail -12 ;;
+        --plot "$OUT/refusion.svg" 2>&1 | tee "$OUT/refusion.log" | tail -12 ;;
     tiles)  # the Triton tensorwise GEMM's tile sweep (256-deep tiles included) beside cuBLASLt, 8192^3
       timeout 300 python3 benchmarks/bench_gemm.py --sizes 8192 --backends triton cuda --sweep --sweep-families tensor \
         2>&1 | tee "$OUT/tiles.log" | tail -30 ;;
@@ -69,4 +69,4 @@ for part in $parts; do
     *) echo "unknown part: $part" ;;
   esac
 done
-cp benchmarks/results.csv "$OUT/" 2>/dev/null || true
+cp benchmarks/out/results.csv "$OUT/" 2>/dev/null || true  # record it here: python benchmarks/harness.py --record

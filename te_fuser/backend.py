@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -116,8 +118,15 @@ def _module(backend: str):
     return importlib.import_module(_MODULES[backend])
 
 
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None if "triton" not in sys.modules \
+        else sys.modules["triton"] is not None
+
+
 def _unavailable_reason(backend: str, device: torch.device) -> str | None:
     if backend == "triton":
+        if not _triton_installed():
+            return "triton is not installed (pip install triton; CUDA builds of torch bring it)"
         if device.type == "cpu" and not _env.triton_interpreted():
             return "the triton backend runs on CPU tensors only under TRITON_INTERPRET=1 (set before import)"
         if device.type not in ("cpu", "cuda"):

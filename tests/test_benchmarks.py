@@ -19,7 +19,7 @@ def test_bench_refusion_quick_runs_and_reports(tmp_path):
     t0 = time.perf_counter()
     run = subprocess.run(
         [sys.executable, "benchmarks/bench_refusion.py", "--quick", "--no-csv", "--device", "cpu",
-         "--json", str(out), "--plot", str(tmp_path / "refusion.png")],
+         "--json", str(out), "--plot", str(tmp_path / "refusion.svg")],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -30,6 +30,22 @@ def test_bench_refusion_quick_runs_and_reports(tmp_path):
         assert all(v >= 0 for v in figures[key].values())
     phases = figures["warm_switch_phases_us"]["8"]
     assert {"key", "quantizers", "fusion", "validation", "publish", "total"} <= set(phases)
+    svg = (tmp_path / "refusion.svg").read_text()
+    assert "measured at 2, 8, 32, 128 ops" in svg and torch.__version__ in svg
+    assert (tmp_path / "refusion-switch.svg").exists()
+
+
+def test_benchmark_rows_go_to_an_untracked_file_and_are_recorded_only_when_asked(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import harness
+
+    assert harness.RESULTS_CSV.parent.name == "out" and harness.RECORD_CSV.name == "results.csv"
+    rows = [harness.Row("t", "case", "b", "s", 1.0, 2.0, "u"), harness.Row("t", "case2", "b", "s", 3.0, 4.0, "u")]
+    source = harness.append_csv(rows, tmp_path / "run.csv")
+    target = tmp_path / "record.csv"
+    assert harness.record(source, target) == 2
+    assert harness.record(source, target) == 0  # already held
+    assert len(target.read_text().strip().splitlines()) == 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is a full benchmark: run_gpu.sh handoff")
