@@ -20,12 +20,15 @@ from __future__ import annotations
 import contextlib
 from typing import Any, NamedTuple
 
+import torch
+
 from . import backend as _backend
 from .recipe import DelayedScaling, Recipe
 
 __all__ = ["autocast", "AutocastState", "current_state", "DEFAULT_RECIPE"]
 
 DEFAULT_RECIPE = DelayedScaling()
+_is_compiling = torch.compiler.is_compiling
 
 
 class AutocastState(NamedTuple):
@@ -105,6 +108,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
         self._depths: list[int] = []
 
     def __enter__(self) -> AutocastState:
+        if _is_compiling():
+            raise RuntimeError(
+                "te.autocast inside a function that torch.compile traces: the compiled graph would not see it; "
+                "enter te.autocast around the compiled call instead (a recipe change then needs no recompile)")
         self._depths.append(len(_stack))
         _stack.append(self.state)
         if self.backend is not None:

@@ -1,9 +1,11 @@
 """Reference RMSNorm forward and backward over the last dim, in fp32.
 
 ``y = x * rstd * weight`` with ``rstd = 1 / sqrt(mean(x**2) + eps)`` per row. The
-backward recomputes the normalisation in fp32 from the saved input and
-differentiates it with autograd, so forward and backward numerics live in one
-place (torch's ``rms_norm``).
+backward recomputes ``rstd`` in fp32 from the saved input and applies the
+gradient's closed form (no autograd: it also runs inside custom ops, below it):
+
+    dweight = sum_rows(dy * x * rstd)
+    dx      = rstd * (dy * weight) - x * rstd**3 * mean(dy * weight * x)
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def rms_norm_grad_reference(
     _check(x, weight, "rms_norm_grad")
     if dy.shape != x.shape:
         raise ValueError(f"rms_norm_grad: dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
-    with torch.enable_grad():
-        x32 = x.detach().float().requires_grad_(True)
-        w32 = weight.detach().float().requires_grad_(True)
-        y = torch.nn.functional.rms_norm(x32, (x.shape[1],), w32, eps)
-        dx, dw = torch.autograd.grad(y, [x32, w32], dy.float())
+    x32, g = x.float(), dy.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (rows, 1)
+    dw = (g * x32 * r).sum(0)
+    gw = g * weight.float()
+    dx = r * gw - x32 * r.pow(3) * (gw * x32).mean(-1, keepdim=True)
     return dx.to(x.dtype), dw

@@ -29,7 +29,7 @@ from .. import backend
 from ..autocast import _stack as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
-from . import hot_guard
+from . import compiled, hot_guard
 from .op import _EPOCH, BasicOperation, OpContext, RunConfig
 from .rules import BuildContext, PlanStep, match
 
@@ -96,6 +96,7 @@ class FusionPlan:
 
 
 _grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 _any_autocast = torch._C._is_any_autocast_enabled
 
 
@@ -136,6 +137,7 @@ class OperationFuser:
         self.own_recipe: tuple | None = None
         self._resolved: tuple = (None, None)  # (autocast state, the state it resolved to)
         self._stats = FusionStats()
+        self.handle = compiled.register(self)  # what a torch.compile graph calls it by
         self._churn = FallbackChurnDetector(f"te_fuser ({', '.join(op.describe() for op in self.ops[:3])}...)")
         self._make_entry()
 
@@ -165,6 +167,7 @@ class OperationFuser:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.handle = compiled.register(self)
         self._make_entry()
 
     @property
@@ -186,7 +189,32 @@ class OperationFuser:
     # -- the hot path ---------------------------------------------------------
     def __call__(self, x: torch.Tensor, *extra_inputs: torch.Tensor, training: bool | None = None):
         training = self.ops[0].training if training is None else training
+        return self.call(x, training, extra_inputs)
+
+    def call(self, x: torch.Tensor, training: bool, extra_inputs: tuple = ()):
+        """Run the ops on ``x``: the compiled guard or :meth:`run`, or, while
+        ``torch.compile`` traces, the custom op that stands for them (``ops/compiled.py``)."""
+        if _is_compiling():
+            if self.hook_modules and self._hooks_present():
+                for module in self.hook_modules:
+                    x = _pre_hooks(module, x)
+                out = compiled.compiled_call(self, x, training, extra_inputs)
+                for module in self.hook_modules:
+                    out = _post_hooks(module, x, out)
+                return out
+            return compiled.compiled_call(self, x, training, extra_inputs)
         return self.run(x, training, extra_inputs) if extra_inputs else self.entry(x, training)
+
+    def output_meta(self, shape, dtype: torch.dtype, compute_dtype: torch.dtype, extra_dtypes: list):
+        """``(output shape, output dtype, [(shape, dtype) of each extra output])`` for an
+        input of ``shape`` and ``dtype``, without running anything (a graph's fake outputs)."""
+        shape, extras_in, extras_out = torch.Size(shape), iter(extra_dtypes), []
+        for op in self.ops:
+            mine = [next(extras_in) for _ in range(op.num_extra_inputs)]
+            extras_out += [(shape, dtype)] * op.num_extra_outputs
+            out_shape = torch.Size(op.check_shapes(shape, {}))
+            dtype, shape = op.output_dtype(dtype, compute_dtype, mine), out_shape
+        return shape, dtype, extras_out
 
     def run(self, x: torch.Tensor, training: bool, extra_inputs: tuple = ()):
         """Run the ops on ``x``: the fuser's reference path (the compiled guard
@@ -209,6 +237,13 @@ class OperationFuser:
             x.requires_grad or self._params_require_grad() or any(t.requires_grad for t in extra_inputs)
         )
         dtype = _compute_dtype(x) if _any_autocast() else x.dtype
+        plan = self.plan_for(x, training, needs_backward, dtype, state, raw)
+        return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
+
+    def plan_for(self, x: torch.Tensor, training: bool, needs_backward: bool, dtype: torch.dtype, state, raw):
+        """The plan a call with these conditions runs: the published one when it
+        applies (a hit), else a new one built and published. ``state`` is what
+        te.autocast's ``raw`` state resolved to (see :meth:`resolve`)."""
         plan = self._plan
         if (
             plan is not None
@@ -222,11 +257,11 @@ class OperationFuser:
             if x.shape != plan.in_shape:
                 self._accept_shape(plan, x.shape)
             self._stats.hits += 1
-        else:
-            plan = self.build(state.recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training,
-                              state.amax_reduction_group)
-            self._last_state = raw
-        return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
+            return plan
+        plan = self.build(state.recipe, state.calibrating, x.shape, dtype, x.device, needs_backward, training,
+                          state.amax_reduction_group)
+        self._last_state = raw
+        return plan
 
     def resolve(self, state):
         """The state a call under te.autocast's ``state`` runs with, given the
@@ -631,34 +666,41 @@ class _FuserFunction(torch.autograd.Function):
         fuser, plan, ctxs = fctx.fuser, fctx.plan, fctx.ctxs
         if not _keep_graph():
             fctx.ctxs = None  # the saved tensors go with this backward, as autograd's own do
-        needs = fctx.needs_input_grad
-        upstream = needs[0]
-        for ctx, (p_slice, e_slice, _) in zip(ctxs, fuser._grad_slices):
-            p_need = needs[p_slice]
-            ctx.needs_input_grad = upstream
-            ctx.param_needs_grad = p_need
-            upstream = upstream or any(p_need) or any(needs[e_slice])
-        branches = fuser._branches
-        d_extra_out = _split(grad_extra_outputs, fuser._n_extra_out) if branches else None
-        d_extra_in: list[list] = [[None] * n for n in fuser._n_extra_in]
-        pgrads: list = [None] * len(fuser._flat_params)
-        slices = fuser._grad_slices
-        dx = dy
-        for step in reversed(plan.backward):
-            idx = step.indices
-            step_ctxs = ctxs[idx[0] : idx[-1] + 1]
-            step_d_extra = [d_extra_out[i] for i in idx] if branches else _NO_EXTRAS[len(idx)]
-            dx, step_pgrads, step_dextra = step.executor.fuser_backward(step_ctxs, dx, step_d_extra)
-            for i, g, d in zip(idx, step_pgrads, step_dextra):
-                if g:
-                    p_slice, _, first = slices[i]
-                    for j, (need, grad) in enumerate(zip(needs[p_slice], g), first):
-                        pgrads[j] = grad if need else None
-                if d:
-                    d_extra_in[i] = list(d)
-        if dx is not None and needs[0]:
-            if dx.dtype is not fctx.x_dtype:
-                dx = dx.to(fctx.x_dtype)
-        else:
-            dx = None
-        return (dx, None, *pgrads, *[g for gs in d_extra_in for g in gs])
+        return run_backward(fuser, plan, ctxs, fctx.needs_input_grad, fctx.x_dtype, dy, grad_extra_outputs)
+
+
+def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tuple, x_dtype: torch.dtype, dy,
+                 grad_extra_outputs) -> tuple:
+    """The plan's backward steps from ``dy``: ``(dx, None, *parameter gradients,
+    *extra-input gradients)`` aligned with ``needs``, the needs-input-grad flags of
+    ``(x, fuser and plan, *parameters, *extra inputs)``."""
+    upstream = needs[0]
+    for ctx, (p_slice, e_slice, _) in zip(ctxs, fuser._grad_slices):
+        p_need = needs[p_slice]
+        ctx.needs_input_grad = upstream
+        ctx.param_needs_grad = p_need
+        upstream = upstream or any(p_need) or any(needs[e_slice])
+    branches = fuser._branches
+    d_extra_out = _split(grad_extra_outputs, fuser._n_extra_out) if branches else None
+    d_extra_in: list[list] = [[None] * n for n in fuser._n_extra_in]
+    pgrads: list = [None] * len(fuser._flat_params)
+    slices = fuser._grad_slices
+    dx = dy
+    for step in reversed(plan.backward):
+        idx = step.indices
+        step_ctxs = ctxs[idx[0] : idx[-1] + 1]
+        step_d_extra = [d_extra_out[i] for i in idx] if branches else _NO_EXTRAS[len(idx)]
+        dx, step_pgrads, step_dextra = step.executor.fuser_backward(step_ctxs, dx, step_d_extra)
+        for i, g, d in zip(idx, step_pgrads, step_dextra):
+            if g:
+                p_slice, _, first = slices[i]
+                for j, (need, grad) in enumerate(zip(needs[p_slice], g), first):
+                    pgrads[j] = grad if need else None
+            if d:
+                d_extra_in[i] = list(d)
+    if dx is not None and needs[0]:
+        if dx.dtype is not x_dtype:
+            dx = dx.to(x_dtype)
+    else:
+        dx = None
+    return (dx, None, *pgrads, *[g for gs in d_extra_in for g in gs])

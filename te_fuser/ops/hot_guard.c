@@ -299,11 +299,28 @@ typedef struct {
     PyObject *general;
 } Entry;
 
-static PyObject *str_training;
+static PyObject *str_training, *str_in_optimized_module;
+
+/* torch._dynamo.eval_frame once imported (see set_dynamo): inside a torch.compile'd
+ * module's call, entries run the Python forward, the frame Dynamo compiles. */
+static PyObject *dynamo_eval_frame = NULL;
+
+static int in_optimized_module(void) {
+    if (dynamo_eval_frame == NULL) return 0;
+    PyObject *flag = PyObject_GetAttr(dynamo_eval_frame, str_in_optimized_module);
+    if (flag == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int on = (flag == Py_True);
+    Py_DECREF(flag);
+    return on;
+}
 
 static PyObject *entry_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Entry *e = (Entry *)self;
-    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0))
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0) ||
+        in_optimized_module())
         return PyObject_Vectorcall(e->general, args, nargsf, kwnames);
     PyObject *training = PyObject_GetAttr(e->module, str_training);
     if (training == NULL) return NULL;
@@ -386,9 +403,17 @@ static PyObject *null_plan(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return args[0];
 }
 
+static PyObject *set_dynamo(PyObject *self, PyObject *module) {
+    Py_INCREF(module);
+    Py_XSETREF(dynamo_eval_frame, module);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"null_plan", (PyCFunction)(void (*)(void))null_plan, METH_FASTCALL,
      "null_plan(x, *anything) -> x: a plan that does nothing (benchmarks time the decision with it)"},
+    {"set_dynamo", (PyCFunction)set_dynamo, METH_O,
+     "set_dynamo(torch._dynamo.eval_frame): entries defer to the Python forward inside torch.compile'd modules"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -403,7 +428,9 @@ PyMODINIT_FUNC PyInit__hot_guard(void) {
     str_is_cuda = PyUnicode_InternFromString("is_cuda");
     str_shape = PyUnicode_InternFromString("shape");
     str_training = PyUnicode_InternFromString("training");
-    if (!str_requires_grad || !str_dtype || !str_is_cuda || !str_shape || !str_training) return NULL;
+    str_in_optimized_module = PyUnicode_InternFromString("_in_optimized_module");
+    if (!str_requires_grad || !str_dtype || !str_is_cuda || !str_shape || !str_training || !str_in_optimized_module)
+        return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Guard", (PyObject *)&GuardType) < 0 ||

@@ -281,6 +281,11 @@ class BasicOperation(WatchedModule):
         """Validate this op for an input of ``in_shape``; return the output shape."""
         return in_shape
 
+    def output_dtype(self, in_dtype: torch.dtype, compute_dtype: torch.dtype, extra_dtypes) -> torch.dtype:
+        """The dtype of this op's output for an input of ``in_dtype`` (what a compiled
+        graph is told before the op runs; most ops compute in the compute dtype)."""
+        return compute_dtype
+
     def describe(self) -> str:
         return f"{type(self).__name__}({self.name!r})" if self.name else type(self).__name__
 

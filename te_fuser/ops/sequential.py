@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import hot_guard
-from .fuser import FusionStats, OperationFuser, _compute_dtype
+from .fuser import FusionStats, OperationFuser, _compute_dtype, _is_compiling
 from .op import BasicOperation
 
 __all__ = ["Sequential"]
@@ -65,9 +65,12 @@ class Sequential(nn.Module):
 
     # -- list semantics --------------------------------------------------------
     def _changed(self) -> None:
+        """The list changed: its groups are made again now (not at the first call, so
+        that torch.compile's tracing finds them made)."""
         self._groups: list | None = None
         self._fast_fuser: OperationFuser | None = None
         self.__dict__.pop("forward", None)
+        self.groups()
 
     def _check(self, module) -> nn.Module:
         if not isinstance(module, nn.Module):
@@ -194,7 +197,7 @@ class Sequential(nn.Module):
     # -- running -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
         fast = self._fast_fuser
-        if fast is not None and not extra_inputs:  # one group, no branches: the common case, kept short
+        if fast is not None and not extra_inputs and not _is_compiling():  # one group, no branches, kept short
             return fast.entry(x, self.training)
         return self._forward_groups(x, *extra_inputs)
 
@@ -213,7 +216,7 @@ class Sequential(nn.Module):
                     f"got {len(extra_inputs)}"
                 )
             taken, extra_in = extra_in[:n], extra_in[n:]
-            out = group.run(x, self.training, tuple(taken)) if n else group.entry(x, self.training)
+            out = group.call(x, self.training, tuple(taken))
             if isinstance(out, tuple):
                 x, extra_out = out[0], extra_out + list(out[1:])
             else:

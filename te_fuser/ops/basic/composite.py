@@ -78,4 +78,4 @@ class Linear(WatchedModule):
         return self._own_fuser
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self._own_fuser or self.own_fuser()).entry(x, self.training)
+        return (self._own_fuser or self.own_fuser()).call(x, self.training)

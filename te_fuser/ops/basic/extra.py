@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..op import BasicOperation
 
 __all__ = ["AddExtraInput", "MakeExtraOutput"]
@@ -19,6 +21,9 @@ class AddExtraInput(BasicOperation):
     def check_shapes(self, in_shape, quantizers):
         return in_shape
 
+    def output_dtype(self, in_dtype, compute_dtype, extra_dtypes):
+        return torch.promote_types(in_dtype, extra_dtypes[0])
+
     def op_forward(self, ctx, x, extra_inputs):
         (extra,) = extra_inputs
         if extra.shape != x.shape:
@@ -34,6 +39,9 @@ class MakeExtraOutput(BasicOperation):
 
     module_type = "branch"
     num_extra_outputs = 1
+
+    def output_dtype(self, in_dtype, compute_dtype, extra_dtypes):
+        return in_dtype
 
     def op_forward(self, ctx, x, extra_inputs):
         return x, [x]

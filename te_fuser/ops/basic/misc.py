@@ -54,7 +54,14 @@ class Quantize(BasicOperation):
         return dy, [], []
 
 
-class Identity(BasicOperation):
+class _PassesDtype(BasicOperation):
+    """An op whose output keeps its input's dtype."""
+
+    def output_dtype(self, in_dtype, compute_dtype, extra_dtypes):
+        return in_dtype
+
+
+class Identity(_PassesDtype):
     module_type = "identity"
 
     def op_forward(self, ctx, x, extra_inputs):
@@ -64,7 +71,7 @@ class Identity(BasicOperation):
         return dy, [], []
 
 
-class Reshape(BasicOperation):
+class Reshape(_PassesDtype):
     """``x.reshape(shape)``; ``-1`` allowed once."""
 
     module_type = "reshape"
@@ -93,7 +100,7 @@ class Reshape(BasicOperation):
         return dy.reshape(ctx.saved["shape"]), [], []
 
 
-class Dropout(BasicOperation):
+class Dropout(_PassesDtype):
     """Zeroes elements with probability ``p`` in training mode, scaling the rest by
     ``1 / (1 - p)``; the identity in eval mode."""
 
@@ -118,7 +125,7 @@ class Dropout(BasicOperation):
         return (dy if keep is None else dy * keep), [], []
 
 
-class ConstantScale(BasicOperation):
+class ConstantScale(_PassesDtype):
     """``y = scale * x``."""
 
     module_type = "scale"

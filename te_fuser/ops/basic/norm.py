@@ -1,10 +1,9 @@
 """LayerNorm and RMSNorm over the last dim, computed in fp32.
 
 RMSNorm runs the backend's ``rms_norm`` / ``rms_norm_grad`` kernels (on the GPU
-one Triton pass each, forward and backward; the reference recomputes torch's
-``rms_norm`` in fp32 and differentiates it). LayerNorm's backward recomputes the
-normalisation in fp32 from the saved input and differentiates it, which keeps
-forward and backward numerics in one place.
+one Triton pass each, forward and backward; the reference in fp32 torch ops).
+LayerNorm runs torch's ``layer_norm`` in fp32 forward, and its backward the
+closed-form gradient in fp32 from the saved input (see ``op_backward``).
 """
 
 from __future__ import annotations
@@ -56,16 +55,23 @@ class _Norm(BasicOperation):
         return (y if y.dtype is dtype else y.to(dtype)), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
+        """The closed form of LayerNorm's gradient in fp32, from the saved input
+        (no autograd: it also runs inside custom ops, below it):
+
+            xhat = (x - mean) * rstd,   g = dy * weight
+            dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+            dweight = sum_rows(dy * xhat),   dbias = sum_rows(dy)"""
         x = ctx.saved["x"]
-        with torch.enable_grad():
-            x32 = x.detach().float().requires_grad_(True)
-            own = self._params()
-            params = [p.detach().float().requires_grad_(True) for p in own]
-            y = self._normalize(x32, params)
-            grads = torch.autograd.grad(y, [x32, *params], dy.float())
-        dx = grads[0].to(x.dtype)
-        pgrads = [g.to(p.dtype) for g, p in zip(grads[1:], own)]
-        return dx, pgrads, []
+        n = self.size
+        x32, dy32 = x.float().reshape(-1, n), dy.float().reshape(-1, n)  # (M, N)
+        mean = x32.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(x32.var(-1, unbiased=False, keepdim=True) + self.eps)
+        xhat = (x32 - mean) * rstd
+        g = dy32 * self.weight.float()
+        dx = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+        weight, bias = self.weight, self.bias
+        pgrads = [(dy32 * xhat).sum(0).to(weight.dtype)] + ([dy32.sum(0).to(bias.dtype)] if bias is not None else [])
+        return dx.reshape(x.shape).to(x.dtype), pgrads, []
 
 
 class LayerNorm(_Norm):
