@@ -99,6 +99,8 @@ def main(argv=None):
     p.add_argument("--timed", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--host", action="store_true", help="also profile the host's Python per arm (cProfile)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time each te arm through torch.compile(model) (inductor), beside its eager steps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -109,10 +111,13 @@ def main(argv=None):
     twin = TorchGPT(config, device="cuda")
     copy_weights(te_model, twin)
     arms = [("torch bf16", twin, None)] + [(f"te {name}", te_model, RECIPES[name]) for name in args.recipes]
+    if args.compile:
+        compiled = torch.compile(te_model)
+        arms += [(f"te {name} compiled", compiled, RECIPES[name]) for name in args.recipes]
     tokens = config.batch_size * config.seq_len
     results = []
     for label, model, recipe in arms:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # (a compiled model's are the te model's)
         step = step_fn(model, opt, recipe, batch)
         for _ in range(3):
             step()
