@@ -56,6 +56,13 @@ def current_state() -> AutocastState:
     return _stack[-1]
 
 
+def _refuse_tracing() -> None:
+    if _is_compiling():
+        raise RuntimeError(
+            "te.autocast inside a function that torch.compile traces: the compiled graph would not see it; "
+            "enter te.autocast around the compiled call instead (a recipe change then needs no recompile)")
+
+
 class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function, as torch.autocast)
     """Enter a te_fuser autocast region (see the module doc); yields its :class:`AutocastState`.
 
@@ -78,6 +85,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
         backend: str | None = None,
         override_pinned: bool = False,
     ) -> None:
+        _refuse_tracing()
         if enabled is not True and enabled is not False:
             raise TypeError(f"autocast(enabled=...): must be True or False, got {enabled!r}")
         if recipe is not None and not isinstance(recipe, Recipe):
@@ -108,10 +116,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
         self._depths: list[int] = []
 
     def __enter__(self) -> AutocastState:
-        if _is_compiling():
-            raise RuntimeError(
-                "te.autocast inside a function that torch.compile traces: the compiled graph would not see it; "
-                "enter te.autocast around the compiled call instead (a recipe change then needs no recompile)")
+        _refuse_tracing()
         self._depths.append(len(_stack))
         _stack.append(self.state)
         if self.backend is not None:

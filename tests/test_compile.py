@@ -44,6 +44,7 @@ class Block(nn.Module):
                                       te.ops.AddExtraInput())
         self.mlp = te.ops.Sequential(te.ops.RMSNorm(H), te.ops.Linear(H, 2 * H), te.ops.GELU(),
                                      te.ops.Linear(2 * H, H), te.ops.AddExtraInput())
+        self.to(DEVICE)
 
     def forward(self, x):
         x = self.attn(x, x)

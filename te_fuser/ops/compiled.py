@@ -18,26 +18,16 @@ a backward). What the graph fixes at trace time, and Dynamo guards on: the
 compute dtype (``torch.autocast``), the training flag, whether a backward follows.
 
 ``te.autocast`` itself is Python state: enter it around the compiled call, not
-inside the compiled function. Module hooks of the ops are traced like any
-Python. A compiled model's own call also reaches here: the C entry that eager
-``Sequential``s use as their ``forward`` runs the Python ``forward`` it stands for
-inside a ``torch.compile``'d module's call, and Dynamo traces it as that forward
-when a compiled function calls the model (both set up once ``torch._dynamo`` is
-imported).
+inside the compiled function. Module hooks of the ops are traced like any Python.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import itertools
-import sys
 import weakref
 from typing import Optional
 
 import torch
-
-from . import hot_guard
 
 __all__ = ["compiled_call"]
 
@@ -162,47 +152,3 @@ def compiled_call(fuser, x: torch.Tensor, training: bool, extra_inputs: tuple):
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     outs = run_group(x, params, list(extra_inputs), fuser.handle, training, needs_backward, dtype)
     return (outs[0], *outs[1:-1]) if len(outs) > 2 else outs[0]
-
-
-# -- Dynamo and the C entry -----------------------------------------------------------
-
-def _teach_dynamo() -> None:
-    """Tell Dynamo to trace an entry as the Python ``forward`` it stands for."""
-    module = hot_guard.guard_module()
-    if module is None:
-        return
-    import torch._dynamo
-    import torch._dynamo.eval_frame
-
-    module.set_dynamo(torch._dynamo.eval_frame)  # a compiled module's call: the Python forward, for Dynamo
-
-    @torch._dynamo.substitute_in_graph(module.Entry.__call__, skip_signature_check=True)
-    def _entry(self, *args, **kwargs):  # a traced function that calls a model: the same forward
-        return self.__wrapped__(*args, **kwargs)
-
-
-class _AfterDynamoImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_teach_dynamo` once ``torch._dynamo`` has been imported (importing
-    it ourselves would cost every user of te_fuser a second)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "torch._dynamo":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            _teach_dynamo()
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if "torch._dynamo" in sys.modules:
-    _teach_dynamo()
-else:
-    sys.meta_path.insert(0, _AfterDynamoImport())

@@ -288,110 +288,6 @@ static PyTypeObject GuardType = {
     .tp_getset = guard_getset,
 };
 
-/* An Entry is a module's forward when the module is one fuser: entry(x) reads
- * the module's training flag and calls the guard, with no Python frame; any
- * other call (extra inputs, keywords) goes to `general`, the Python forward. */
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *guard;
-    PyObject *module;
-    PyObject *general;
-} Entry;
-
-static PyObject *str_training, *str_in_optimized_module;
-
-/* torch._dynamo.eval_frame once imported (see set_dynamo): inside a torch.compile'd
- * module's call, entries run the Python forward, the frame Dynamo compiles. */
-static PyObject *dynamo_eval_frame = NULL;
-
-static int in_optimized_module(void) {
-    if (dynamo_eval_frame == NULL) return 0;
-    PyObject *flag = PyObject_GetAttr(dynamo_eval_frame, str_in_optimized_module);
-    if (flag == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int on = (flag == Py_True);
-    Py_DECREF(flag);
-    return on;
-}
-
-static PyObject *entry_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    Entry *e = (Entry *)self;
-    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0) ||
-        in_optimized_module())
-        return PyObject_Vectorcall(e->general, args, nargsf, kwnames);
-    PyObject *training = PyObject_GetAttr(e->module, str_training);
-    if (training == NULL) return NULL;
-    PyObject *out = guard_call((Guard *)e->guard, args[0], training);
-    Py_DECREF(training);
-    return out;
-}
-
-static PyObject *entry_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"guard", "module", "general", NULL};
-    PyObject *guard, *module, *general;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO:Entry", names, &GuardType, &guard, &module, &general))
-        return NULL;
-    Entry *e = (Entry *)type->tp_alloc(type, 0);
-    if (e == NULL) return NULL;
-    e->vectorcall = entry_vectorcall;
-    Py_INCREF(guard);
-    Py_INCREF(module);
-    Py_INCREF(general);
-    e->guard = guard;
-    e->module = module;
-    e->general = general;
-    return (PyObject *)e;
-}
-
-static int entry_traverse(Entry *e, visitproc visit, void *arg) {
-    Py_VISIT(e->guard);
-    Py_VISIT(e->module);
-    Py_VISIT(e->general);
-    return 0;
-}
-
-static int entry_clear(Entry *e) {
-    Py_CLEAR(e->guard);
-    Py_CLEAR(e->module);
-    Py_CLEAR(e->general);
-    return 0;
-}
-
-static void entry_dealloc(Entry *e) {
-    PyObject_GC_UnTrack(e);
-    entry_clear(e);
-    Py_TYPE(e)->tp_free((PyObject *)e);
-}
-
-/* entry.__wrapped__: the Python forward, so inspect.signature(model.forward) is its signature. */
-static PyObject *entry_wrapped(Entry *e, void *closure) {
-    Py_INCREF(e->general);
-    return e->general;
-}
-
-static PyGetSetDef entry_getset[] = {
-    {"__wrapped__", (getter)entry_wrapped, NULL, "the Python forward (its signature is the entry's)", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject EntryType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "te_fuser.ops._hot_guard.Entry",
-    .tp_basicsize = sizeof(Entry),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "A one-fuser module's forward: entry(x) -> guard(x, module.training); other calls -> general(...).",
-    .tp_new = entry_new,
-    .tp_dealloc = (destructor)entry_dealloc,
-    .tp_traverse = (traverseproc)entry_traverse,
-    .tp_clear = (inquiry)entry_clear,
-    .tp_vectorcall_offset = offsetof(Entry, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_getset = entry_getset,
-};
-
 /* null_plan(x, *anything) -> x: a plan that does nothing, at the cost of a C call.
  * Benchmarks put it in place of the plan to time the decision alone. */
 static PyObject *null_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -403,17 +299,9 @@ static PyObject *null_plan(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return args[0];
 }
 
-static PyObject *set_dynamo(PyObject *self, PyObject *module) {
-    Py_INCREF(module);
-    Py_XSETREF(dynamo_eval_frame, module);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef module_methods[] = {
     {"null_plan", (PyCFunction)(void (*)(void))null_plan, METH_FASTCALL,
      "null_plan(x, *anything) -> x: a plan that does nothing (benchmarks time the decision with it)"},
-    {"set_dynamo", (PyCFunction)set_dynamo, METH_O,
-     "set_dynamo(torch._dynamo.eval_frame): entries defer to the Python forward inside torch.compile'd modules"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -422,19 +310,15 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__hot_guard(void) {
-    if (PyType_Ready(&GuardType) < 0 || PyType_Ready(&EntryType) < 0) return NULL;
+    if (PyType_Ready(&GuardType) < 0) return NULL;
     str_requires_grad = PyUnicode_InternFromString("requires_grad");
     str_dtype = PyUnicode_InternFromString("dtype");
     str_is_cuda = PyUnicode_InternFromString("is_cuda");
     str_shape = PyUnicode_InternFromString("shape");
-    str_training = PyUnicode_InternFromString("training");
-    str_in_optimized_module = PyUnicode_InternFromString("_in_optimized_module");
-    if (!str_requires_grad || !str_dtype || !str_is_cuda || !str_shape || !str_training || !str_in_optimized_module)
-        return NULL;
+    if (!str_requires_grad || !str_dtype || !str_is_cuda || !str_shape) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Guard", (PyObject *)&GuardType) < 0 ||
-        PyModule_AddObjectRef(m, "Entry", (PyObject *)&EntryType) < 0) {
+    if (PyModule_AddObjectRef(m, "Guard", (PyObject *)&GuardType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -28,7 +28,6 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from . import hot_guard
 from .fuser import FusionStats, OperationFuser, _compute_dtype, _is_compiling
 from .op import BasicOperation
 
@@ -69,7 +68,6 @@ class Sequential(nn.Module):
         that torch.compile's tracing finds them made)."""
         self._groups: list | None = None
         self._fast_fuser: OperationFuser | None = None
-        self.__dict__.pop("forward", None)
         self.groups()
 
     def _check(self, module) -> nn.Module:
@@ -168,31 +166,7 @@ class Sequential(nn.Module):
                 and all(op.num_extra_outputs == 0 for op in groups[0].ops)
             )
             self._fast_fuser = groups[0] if single else None
-            self._install_entry()
         return self._groups
-
-    def _install_entry(self) -> None:
-        """A model that is one group of ops (the common case) gets, as its
-        instance's ``forward``, the group's compiled entry: ``forward(x)`` then
-        reaches the fuser's guard without a Python frame, and any other call
-        (extra inputs) goes to :meth:`_forward_groups`. Without the compiled
-        guard, or in a subclass with a ``forward`` of its own, the class's
-        ``forward`` runs."""
-        fast = self._fast_fuser
-        if fast is not None and fast._guard is not None and type(self).forward is Sequential.forward:
-            self.__dict__["forward"] = hot_guard.guard_module().Entry(fast._guard, self, self._forward_groups)
-        else:
-            self.__dict__.pop("forward", None)
-
-    def __getstate__(self) -> dict:  # copies and pickles install an entry of their own
-        state = dict(super().__getstate__())
-        state.pop("forward", None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        if self._groups is not None:
-            self._install_entry()
 
     # -- running -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
