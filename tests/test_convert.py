@@ -77,15 +77,7 @@ def test_checkpoints_load_both_ways_strictly():
 
 
 def _train(model, recipe, steps=25):
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(4, 16, 64, generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
-            loss = (model(x).float() - x.flip(-1)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    HF.train(model, recipe, steps)  # the example's loop: AdamW, bf16 autocast, the recipe when given
     return model
 
 

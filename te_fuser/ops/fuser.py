@@ -196,12 +196,7 @@ class OperationFuser:
         ``torch.compile`` traces, the custom op that stands for them (``ops/compiled.py``)."""
         if _is_compiling():
             if self.hook_modules and self._hooks_present():
-                for module in self.hook_modules:
-                    x = _pre_hooks(module, x)
-                out = compiled.compiled_call(self, x, training, extra_inputs)
-                for module in self.hook_modules:
-                    out = _post_hooks(module, x, out)
-                return out
+                return self._run_hooked(x, training, extra_inputs, compiled.compiled_call)
             return compiled.compiled_call(self, x, training, extra_inputs)
         return self.run(x, training, extra_inputs) if extra_inputs else self.entry(x, training)
 
@@ -220,7 +215,7 @@ class OperationFuser:
         """Run the ops on ``x``: the fuser's reference path (the compiled guard
         makes the same decisions); positional arguments only, for speed."""
         if self.hook_modules and self._hooks_present():
-            return self._run_hooked(x, training, extra_inputs)
+            return self._run_hooked(x, training, extra_inputs, OperationFuser._run)
         return self._run(x, training, extra_inputs)
 
     def _run(self, x: torch.Tensor, training: bool, extra_inputs: tuple):
@@ -323,11 +318,11 @@ class OperationFuser:
                 return True
         return False
 
-    def _run_hooked(self, x: torch.Tensor, training: bool, extra_inputs: tuple):
-        """Run the ops' forward hooks around the fused ops, as one module's: every
-        pre-hook (module order) sees the fuser's input and may replace it, then the
-        ops run, then every post-hook sees that input and the output and may
-        replace the output (see ``Sequential``'s doc)."""
+    def _run_hooked(self, x: torch.Tensor, training: bool, extra_inputs: tuple, run_ops):
+        """Run the ops' forward hooks around ``run_ops(self, x, training, extra_inputs)``,
+        as one module's: every pre-hook (module order) sees the fuser's input and may
+        replace it, then the ops run, then every post-hook sees that input and the
+        output and may replace the output (see ``Sequential``'s doc)."""
         for module in self.hook_modules:
             if module._backward_hooks or module._backward_pre_hooks:
                 raise RuntimeError(
@@ -336,7 +331,7 @@ class OperationFuser:
                     "or on the tensors instead"
                 )
             x = _pre_hooks(module, x)
-        out = self._run(x, training, extra_inputs)
+        out = run_ops(self, x, training, extra_inputs)
         for module in self.hook_modules:
             out = _post_hooks(module, x, out)
         return out
