@@ -120,11 +120,11 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
         self._depths.append(len(_stack))
         _stack.append(self.state)
         if self.backend is not None:
-            _backend._override.append(self.backend)
+            _backend.push_override(self.backend)
         return self.state
 
     def __exit__(self, *exc) -> None:
         depth = self._depths.pop()
         if self.backend is not None:
-            _backend._override.pop()
+            _backend.pop_override()
         del _stack[depth:]

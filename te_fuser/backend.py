@@ -36,9 +36,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _env
+from . import _env, epoch
 
-__all__ = ["BACKENDS", "KERNELS", "KernelChoice", "set_backend", "get_backend", "use_backend", "resolve"]
+__all__ = ["BACKENDS", "KERNELS", "KernelChoice", "set_backend", "get_backend", "use_backend", "resolve",
+           "push_override", "pop_override"]
 
 BACKENDS = ("reference", "triton", "cuda", "auto")
 KERNELS = (
@@ -88,8 +89,21 @@ def _check_name(name: str) -> str:
 
 
 def set_backend(name: str) -> None:
-    """Choose the kernel backend for the whole process."""
+    """Choose the kernel backend for the whole process (published plans made for
+    another one are rebuilt at their next call)."""
     _state["backend"] = _check_name(name)
+    epoch.bump()
+
+
+def push_override(name: str) -> None:
+    """Make ``name`` the backend in force until :func:`pop_override` (``te.autocast(backend=...)``)."""
+    _override.append(_check_name(name))
+    epoch.bump()
+
+
+def pop_override() -> None:
+    _override.pop()
+    epoch.bump()
 
 
 def get_backend() -> str:
@@ -107,11 +121,11 @@ def use_backend(name: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
-    _override.append(_check_name(name))
+    push_override(name)
     try:
         yield
     finally:
-        _override.pop()
+        pop_override()
 
 
 def _module(backend: str):

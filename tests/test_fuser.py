@@ -264,7 +264,7 @@ group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
         self.assertExpectedInline(text, """\
 group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bias, 4:SwiGLU, 5:BasicLinear('fc2'), 6:Bias('fc2'), 7:AddExtraInput
   recipe: <Float8CurrentScaling>
-  built for: backward=True dtype=float32 training=True calibrating=False device=cpu
+  built for: backward=True dtype=float32 training=True calibrating=False device=cpu backend=auto
   forward:
     LayerNorm(0:LayerNorm('ln'))
     MakeExtraOutput(1:MakeExtraOutput)
@@ -283,7 +283,7 @@ group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bi
 group 1: plain module Tanh (runs as is)
 group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
   recipe: <Float8CurrentScaling>
-  built for: backward=True dtype=float32 training=True calibrating=False device=cpu
+  built for: backward=True dtype=float32 training=True calibrating=False device=cpu backend=auto
   forward:
     ForwardLinearBiasActivation(0:BasicLinear('fc3'), 1:Bias('fc3'))  [rule forward_linear_bias]
   backward:
@@ -297,7 +297,7 @@ group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
         self.assertExpectedInline(model.fusion_plan(), """\
 group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bias, 4:SwiGLU, 5:BasicLinear('fc2'), 6:Bias('fc2'), 7:AddExtraInput
   recipe: high_precision
-  built for: backward=False dtype=float32 training=True calibrating=False device=cpu
+  built for: backward=False dtype=float32 training=True calibrating=False device=cpu backend=auto
   forward:
     LayerNorm(0:LayerNorm('ln'))
     MakeExtraOutput(1:MakeExtraOutput)
@@ -306,7 +306,7 @@ group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bi
 group 1: plain module Tanh (runs as is)
 group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
   recipe: high_precision
-  built for: backward=False dtype=float32 training=True calibrating=False device=cpu
+  built for: backward=False dtype=float32 training=True calibrating=False device=cpu backend=auto
   forward:
     ForwardLinearBiasActivation(0:BasicLinear('fc3'), 1:Bias('fc3'))  [rule forward_linear_bias]""")
 
@@ -354,3 +354,27 @@ def test_autocast_amax_reduction_group_reaches_delayed_quantizers_when_the_recip
             model.prepare(x)  # same recipe, no group: the plan is rebuilt without it
         assert model[0].linear.quantizer("input").amax_reduction_group is None
         assert model.fusion_stats().builds == builds + 1
+
+
+def test_a_new_kernel_backend_rebuilds_the_plan_and_its_report_names_it(monkeypatch):
+    """The backend is part of a plan's conditions: its fusion decisions and kernel
+    notes read it, so a plan built for another backend is not reused."""
+    monkeypatch.setattr(te.backend, "_unavailable_reason", lambda backend, device: None)  # any backend "runs" here
+    model, x = mlp(), torch.randn(8, H)
+    recipe = RECIPES["current"]
+    with te.autocast(recipe=recipe):
+        model(x)
+    assert "backend=auto" in model.fusion_plan()
+    builds = model.fusion_stats().builds
+    try:
+        te.set_backend("reference")
+        with te.autocast(recipe=recipe):
+            model(x)
+            model(x)
+        assert model.fusion_stats().builds == builds + 1
+        assert "backend=reference" in model.fusion_plan()
+        with te.autocast(recipe=recipe, backend="auto"):
+            model(x)
+        assert "backend=auto" in model.fusion_plan() and model.fusion_stats().builds == builds + 2
+    finally:
+        te.set_backend("auto")

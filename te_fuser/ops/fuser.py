@@ -87,6 +87,7 @@ class FusionPlan:
     epoch: int = -1
     installs: bool = True  # whether the plan's quantizers are the ops' own (False: high precision)
     build_phases: dict = field(default_factory=dict)  # seconds per phase of the candidate's build
+    backend: str = "auto"  # the kernel backend in force when it was built (its fusion decisions read it)
     in_shape: torch.Size | None = None  # the input shape of the last call (validated)
     shapes: dict = field(default_factory=dict)  # validated input shape -> output shape (bounded)
 
@@ -368,8 +369,11 @@ class OperationFuser:
         return False
 
     def _still_installed(self, plan: FusionPlan) -> bool:
-        """Whether the ops still hold the plan's quantizers (a high-precision plan
-        holds none and depends on none)."""
+        """Whether the plan still holds after a change somewhere (te_fuser.epoch): its
+        kernel backend is the one in force and the ops still hold its quantizers (a
+        high-precision plan holds none and depends on none)."""
+        if plan.backend != backend.get_backend():
+            return False
         for op, qs in zip(self.ops, plan.quantizers if plan.installs else ()):
             if op._quantizers is not qs or op._quantizer_key != plan.recipe_key:
                 return False
@@ -419,7 +423,8 @@ class OperationFuser:
         run = RunConfig(recipe, calibrating, dtype, needs_backward, training, recipe_key)
         plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes,
                           out_shape=out_shape, amax_reduction_group=amax_reduction_group,
-                          installs=recipe is not None, in_shape=shape, shapes={shape: out_shape})
+                          installs=recipe is not None, in_shape=shape, shapes={shape: out_shape},
+                          backend=backend.get_backend())
         plan.build_phases = phases
         return plan
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
+from ..epoch import CHANGES
 from ..quantization.role import QuantizerRole
 
 if TYPE_CHECKING:
@@ -75,11 +76,12 @@ class OpContext:
         return self.quantizers.get(tensor_type)
 
 
-# Bumped whenever an op installs quantizers, or an op (or a composite of ops) gets
-# a Parameter or a module hook registered or removed through nn.Module's methods:
-# a fuser's compiled guard compares it in O(1) and hands any change to the Python
-# path, which reads the parameter and hook dicts themselves.
-_EPOCH = [0]
+# te_fuser.epoch's counter: bumped whenever an op installs quantizers, or an op (or a
+# composite of ops) gets a Parameter or a module hook registered or removed through
+# nn.Module's methods, or the kernel backend changes; a fuser's compiled guard
+# compares it in O(1) and hands any change to the Python path, which reads the
+# parameter and hook dicts, the quantizers and the backend themselves.
+_EPOCH = CHANGES
 
 
 class WatchedModule(nn.Module):

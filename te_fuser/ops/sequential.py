@@ -263,7 +263,7 @@ class Sequential(nn.Module):
             _, needs_backward, dtype, training, calibrating, device = plan.key
             lines.append(
                 f"  built for: backward={needs_backward} dtype={str(dtype).replace('torch.', '')} "
-                f"training={training} calibrating={calibrating} device={device}"
+                f"training={training} calibrating={calibrating} device={device} backend={plan.backend}"
             )
             passes = (("forward", plan.forward), ("backward", plan.backward)) if needs_backward else (("forward", plan.forward),)
             for name, steps in passes:
