@@ -141,7 +141,7 @@ def _check_bit_identical(monkeypatch, kind, backward, rule, dtype, backend_name,
         assert len(calls) == steps - 1, "the first call seeds the fresh quantizer; every later one hands FP8 over"
         with _without_hand_off():
             want = _steps(plain, xs, recipe, backward, extras)
-    assert f"[rule {rule}]" in fused.fusion_plan(), fused.fusion_plan()
+    assert rule in fused.fusion_plan().rules(), fused.fusion_plan()
     assert "ForwardLinearBiasLinear" not in plain.fusion_plan()
     _assert_identical(got, want, f"{kind} {dtype} {backend_name}")
 
@@ -154,7 +154,7 @@ def test_dequantized_backward_hands_off_and_high_precision_declines(monkeypatch)
     plain = copy.deepcopy(fused)
     calls = _count_epilogue_casts(monkeypatch)
     got = _steps(fused, xs, recipe, True)
-    assert len(calls) == 2 and "[rule forward_linear_bias_linear_bias]" in fused.fusion_plan()
+    assert len(calls) == 2 and "forward_linear_bias_linear_bias" in fused.fusion_plan().rules()
     with _without_hand_off():
         want = _steps(plain, xs, recipe, True)
     _assert_identical(got, want, "dequantized")
@@ -174,7 +174,7 @@ def test_activation_declines_with_a_backward_and_fires_without():
     assert "declined: forward_linear_bias_activation_linear_bias at ops 0..4: the activation's backward" in plan
     assert "[rule forward_linear_bias_activation]" in plan and "ForwardLinearBiasLinear" not in plan
     _steps(model, [x], recipe, False)
-    assert "[rule forward_linear_bias_activation_linear_bias]" in model.fusion_plan()
+    assert "forward_linear_bias_activation_linear_bias" in model.fusion_plan().rules()
 
 
 def test_rules_see_whether_the_plan_needs_a_backward():
@@ -184,10 +184,9 @@ def test_rules_see_whether_the_plan_needs_a_backward():
     x = representable(4, H, scale_exp=-3)
     recipe = te.recipe.DelayedScaling()
     model.prepare(x, recipe=recipe, needs_backward=False)  # grad mode is on here
-    assert "[rule forward_linear_bias_activation_linear_bias]" in model.fusion_plan()
+    assert "forward_linear_bias_activation_linear_bias" in model.fusion_plan().rules()
     model.prepare(x.requires_grad_(), recipe=recipe, needs_backward=True)
     assert "the activation's backward needs the pre-activation" in model.fusion_plan()
-    assert rules.build_context() is None  # only set while matching
 
 
 def test_declines_where_the_gemm_and_the_epilogue_run_on_different_backends(monkeypatch):

@@ -9,7 +9,7 @@ import torch
 
 import te_fuser as te
 from op_testing import RECIPES, representable, run
-from te_fuser.ops import fusion_rules
+from te_fuser.ops import FusionRule, fusion_rules
 from te_fuser.ops.fused import DEFAULT_RULES, ForwardLinearBiasLinear
 from tolerances import assert_close
 
@@ -125,8 +125,8 @@ def test_fused_equals_unfused(rule, recipe_name, dtype, backend):
                 else:
                     out_f, g_f = _forward(fused, x, *extras, recipe=recipe)
                     out_u, g_u = _forward(unfused, x, *extras, recipe=recipe)
-        assert f"[rule {rule}]" in fused.fusion_plan(), fused.fusion_plan()
-        assert "[rule" not in unfused.fusion_plan()
+        assert rule in fused.fusion_plan().rules(), fused.fusion_plan()
+        assert not unfused.fusion_plan().rules()
         context = f"rule={rule} recipe={recipe_name} backend={backend} model={[type(m).__name__ for m in mods]}"
         # Where a fused op's output is re-quantized downstream (the second linear's
         # input, the first linear's grad output), a last-bit difference of the
@@ -154,7 +154,7 @@ def test_rules_that_read_the_recipe_decline_with_a_reason():
     run(model, representable(4, H), recipe=te.recipe.Float8CurrentScaling(backward_override="high_precision"))
     assert "backward_override='high_precision'" in model.fusion_plan()
     run(model, representable(4, H), recipe=te.recipe.Float8CurrentScaling())
-    assert "[rule backward_linear_bias_activation]" in model.fusion_plan()
+    assert "backward_linear_bias_activation" in model.fusion_plan().rules()
 
 
 def test_user_registered_rule_fires():
@@ -174,7 +174,7 @@ def test_user_registered_rule_fires():
         out, grads = run(model, torch.ones(3, 4))
     finally:
         unregister_fusion_rule("forward_scale_scale_test")
-    assert "[rule forward_scale_scale_test]" in model.fusion_plan()
+    assert "forward_scale_scale_test" in model.fusion_plan().rules()
     torch.testing.assert_close(out[0], torch.full((3, 4), 0.5))
     torch.testing.assert_close(grads["x"], torch.full((3, 4), 0.5))
     with pytest.raises(ValueError, match="already exists"):
@@ -195,3 +195,50 @@ def test_without_fusion_rules_leaves_rules_out_for_a_block_and_puts_them_back():
         with te.ops.without_fusion_rules("forward_linear_bias", "no_such_rule"):
             pass
     assert [r.name for r in fusion_rules()] == before  # nothing removed by the rejected call
+
+
+def test_a_sequential_takes_a_rule_table_of_its_own():
+    """A table is a value: one model without a rule, the others (and other threads) untouched."""
+    table = te.ops.fusion_rule_table().without("forward_linear_bias")
+    own = te.ops.Sequential(te.ops.Linear(H, H), rules=table)
+    other = te.ops.Sequential(te.ops.Linear(H, H))
+    with torch.no_grad():
+        own(torch.randn(3, H))
+        other(torch.randn(3, H))
+    assert "forward_linear_bias" not in own.fusion_plan().rules()
+    assert "forward_linear_bias" in other.fusion_plan().rules()
+    assert "forward_linear_bias" in {r.name for r in te.ops.fusion_rules()}
+
+
+def test_without_fusion_rules_is_this_threads_only():
+    import threading
+
+    seen = {}
+
+    def build_in_another_thread():
+        model = te.ops.Sequential(te.ops.Linear(H, H))
+        with torch.no_grad():
+            model(torch.randn(3, H))
+        seen["rules"] = model.fusion_plan().rules()
+
+    with te.ops.without_fusion_rules("forward_linear_bias"):
+        thread = threading.Thread(target=build_in_another_thread)
+        thread.start()
+        thread.join()
+    assert "forward_linear_bias" in seen["rules"]
+
+
+def test_a_predicate_may_read_the_build_context():
+    seen = []
+
+    def predicate(ops, recipe, context):
+        seen.append((context.needs_backward, context.device.type))
+        return "declined for the test"
+
+    rule = FusionRule("forward_linear_context_test", "forward", ((te.ops.BasicLinear,), (te.ops.Bias,)),
+                      lambda ops: None, predicate)
+    model = te.ops.Sequential(te.ops.Linear(H, H), rules=te.ops.RuleTable().with_rules(rule))  # only this rule
+    with torch.no_grad():
+        model(torch.randn(3, H))
+    assert seen == [(False, "cpu")]
+    assert "forward_linear_context_test at ops 0..1: declined for the test" in model.fusion_plan().groups[0].declined

@@ -5,11 +5,12 @@ from .basic import *  # noqa: F401,F403
 from .basic import __all__ as _basic_all
 from .fuser import FusionPlan, FusionStats, OperationFuser
 from .op import BasicOperation, FusedOperation, OpContext
-from .rules import FusionRule, fusion_rules, register_fusion_rule, unregister_fusion_rule, without_fusion_rules
+from .rules import (FusionRule, RuleTable, fusion_rule_table, fusion_rules, register_fusion_rule,
+                    unregister_fusion_rule, without_fusion_rules)
 from .sequential import Sequential
 
 __all__ = _basic_all + [
     "Sequential", "BasicOperation", "FusedOperation", "OpContext", "OperationFuser", "FusionPlan",
-    "FusionStats", "FusionRule", "register_fusion_rule", "unregister_fusion_rule", "without_fusion_rules",
-    "fusion_rules",
+    "FusionStats", "FusionRule", "RuleTable", "register_fusion_rule", "unregister_fusion_rule",
+    "without_fusion_rules", "fusion_rules", "fusion_rule_table",
 ]

@@ -31,7 +31,7 @@ from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from . import compiled, hot_guard
 from .op import _EPOCH, BasicOperation, OpContext, RunConfig
-from .rules import BuildContext, PlanStep, match
+from .rules import BuildContext, PlanStep, RuleTable, match
 
 __all__ = ["OperationFuser", "FusionPlan", "FusionStats"]
 
@@ -112,9 +112,10 @@ class OperationFuser:
     """Runs a list of basic ops through a fused plan."""
 
     def __init__(self, ops: Sequence[BasicOperation], fuse: bool = True,
-                 hook_modules: Sequence[torch.nn.Module] = ()) -> None:
+                 hook_modules: Sequence[torch.nn.Module] = (), rules: "RuleTable | None" = None) -> None:
         self.ops = list(ops)
         self.fuse = fuse
+        self.rules = rules  # the fusion rules of its plans (None: the table in force at each build)
         # Parameters are read live from these dicts (each op's and its submodules'),
         # so a replaced Parameter (tying, assign-loads, FSDP2) is what runs and trains.
         self._param_dicts = tuple(m._parameters for op in self.ops for m in op.modules())
@@ -410,8 +411,9 @@ class OperationFuser:
         phases["quantizers"] = t1 - t0
         plan_recipe = recipe if (recipe is not None and not calibrating) else None
         context = BuildContext(needs_backward, device)
-        fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse, context=context)
-        bwd = match(self.ops if needs_backward else [], "backward", plan_recipe, enabled=self.fuse, context=context)
+        fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse, context=context, table=self.rules)
+        bwd = match(self.ops if needs_backward else [], "backward", plan_recipe, enabled=self.fuse, context=context,
+                    table=self.rules)
         t2 = time.perf_counter()
         phases["fusion"] = t2 - t1
         out_shape = self._validate(shape, device, quantizers, bwd.steps if needs_backward else None)

@@ -1,35 +1,38 @@
 """Fusion rules as data, and the one matcher that applies them.
 
 A rule names a pass (``forward`` or ``backward``), a pattern of basic-op types
-(in forward order, also for backward rules), a predicate on the matched ops and
-the recipe that returns ``None`` to accept or a reason to decline, and the fused
-op class to build. A rule written for one kind of recipe names it in
+(in forward order, also for backward rules), a predicate on the matched ops, the
+recipe and (when it takes a third argument) the :class:`BuildContext` of the plan
+being built, which returns ``None`` to accept or a reason to decline, and the
+fused op class to build. A rule written for one kind of recipe names it in
 ``applies_to``: under other recipes it is not tried, and not listed as declined
 (an FP8 hand-off that needs delayed scaling would otherwise crowd every other
-plan with the same reason). The matcher walks the op list left to right; at each position
-it tries the rules of the pass in table order (longest patterns first) and takes
-the first that accepts. It records which rule fired where, and why others that
-matched the pattern declined; ``Sequential.fusion_plan()`` shows both.
+plan with the same reason). The matcher walks the op list left to right; at each
+position it tries the rules of the pass in table order (longest patterns first)
+and takes the first that accepts. It records which rule fired where, and why others
+that matched the pattern declined; ``Sequential.fusion_plan()`` reports both.
 
-A predicate that depends on how the plan will run (whether a backward pass
-follows, the device) reads :func:`build_context` while the matcher calls it.
-
-Users add rules with :func:`register_fusion_rule`; :func:`without_fusion_rules`
-leaves some out for a block.
+Rules live in :class:`RuleTable` values. The default table is what
+:func:`register_fusion_rule` extends; a ``Sequential(..., rules=table)`` (or a
+fuser) can be given a table of its own, e.g. ``fusion_rule_table().without(name)``;
+:func:`without_fusion_rules` leaves rules out for the plans built in a block, in
+this thread only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from .op import BasicOperation, FusedOperation
 
-__all__ = ["FusionRule", "PlanStep", "MatchResult", "BuildContext", "build_context", "register_fusion_rule",
-           "unregister_fusion_rule", "fusion_rules", "match"]
+__all__ = ["FusionRule", "RuleTable", "PlanStep", "MatchResult", "BuildContext", "register_fusion_rule",
+           "unregister_fusion_rule", "fusion_rules", "fusion_rule_table", "without_fusion_rules", "match"]
 
-Predicate = Callable[[Sequence[BasicOperation], object], "str | None"]
+Predicate = Callable[..., "str | None"]  # (ops, recipe) or (ops, recipe, context) -> reason or None
 
 
 @dataclass(frozen=True)
@@ -39,14 +42,6 @@ class BuildContext:
 
     needs_backward: bool
     device: object  # torch.device
-
-
-_CONTEXT: list[BuildContext] = []
-
-
-def build_context() -> BuildContext | None:
-    """The context of the plan being matched (``None`` outside :func:`match`)."""
-    return _CONTEXT[-1] if _CONTEXT else None
 
 
 @dataclass(frozen=True)
@@ -63,6 +58,11 @@ class FusionRule:
             raise ValueError(f"FusionRule.pass_: must be 'forward' or 'backward', got {self.pass_!r}")
         if not self.pattern:
             raise ValueError(f"FusionRule.pattern of {self.name!r}: must name at least one op type")
+        object.__setattr__(self, "_takes_context", _positional_arity(self.predicate) >= 3)
+
+    def decline_reason(self, ops: Sequence[BasicOperation], recipe, context: "BuildContext") -> "str | None":
+        """The predicate's answer for ``ops`` (with the build context when it takes one)."""
+        return self.predicate(ops, recipe, context) if self._takes_context else self.predicate(ops, recipe)
 
     def matches_types(self, ops: Sequence[BasicOperation], start: int) -> bool:
         if start + len(self.pattern) > len(ops):
@@ -85,63 +85,90 @@ class MatchResult:
     declined: list[str]
 
 
-_RULES: list[FusionRule] = []
+def _positional_arity(fn) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+@dataclass(frozen=True)
+class RuleTable:
+    """An ordered set of rules (longest pattern first, then in the order added)."""
+
+    rules: tuple[FusionRule, ...] = ()
+
+    def with_rules(self, *rules: FusionRule) -> "RuleTable":
+        out = list(self.rules)
+        for rule in rules:
+            if not isinstance(rule, FusionRule):
+                raise TypeError(f"RuleTable: expected a FusionRule, got {type(rule).__name__}")
+            if any(r.name == rule.name for r in out):
+                raise ValueError(f"register_fusion_rule: a rule named {rule.name!r} already exists")
+            out.append(rule)
+        return RuleTable(tuple(sorted(out, key=lambda r: -len(r.pattern))))  # stable: ties keep their order
+
+    def without(self, *names: str) -> "RuleTable":
+        missing = [n for n in names if not any(r.name == n for r in self.rules)]
+        if missing:
+            raise KeyError(f"without_fusion_rules: no rule named {missing[0]!r}")
+        return RuleTable(tuple(r for r in self.rules if r.name not in names))
+
+    def for_pass(self, pass_: str | None) -> list[FusionRule]:
+        return [r for r in self.rules if pass_ is None or r.pass_ == pass_]
+
+
+_DEFAULT = [RuleTable()]  # the process's table: what register_fusion_rule extends
+_IN_FORCE = threading.local()  # this thread's without_fusion_rules blocks: a stack of tables
+
+
+def fusion_rule_table() -> RuleTable:
+    """The table plans built here use when no table was given them."""
+    stack = getattr(_IN_FORCE, "stack", None)
+    return stack[-1] if stack else _DEFAULT[0]
 
 
 def register_fusion_rule(rule: FusionRule) -> None:
-    """Add ``rule`` to the table (kept ordered longest pattern first, then by
-    registration). Plans built afterwards use it."""
-    if not isinstance(rule, FusionRule):
-        raise TypeError(f"register_fusion_rule: expected a FusionRule, got {type(rule).__name__}")
-    if any(r.name == rule.name for r in _RULES):
-        raise ValueError(f"register_fusion_rule: a rule named {rule.name!r} already exists")
-    _RULES.append(rule)
-    _RULES.sort(key=lambda r: -len(r.pattern))  # stable: ties keep registration order
+    """Add ``rule`` to the default table. Plans built afterwards use it."""
+    _DEFAULT[0] = _DEFAULT[0].with_rules(rule)
 
 
 def unregister_fusion_rule(name: str) -> FusionRule:
-    """Remove the rule called ``name`` from the table and return it."""
-    for i, rule in enumerate(_RULES):
+    """Remove the rule called ``name`` from the default table and return it."""
+    for rule in _DEFAULT[0].rules:
         if rule.name == name:
-            return _RULES.pop(i)
+            _DEFAULT[0] = _DEFAULT[0].without(name)
+            return rule
     raise KeyError(f"unregister_fusion_rule: no rule named {name!r}")
 
 
 @contextlib.contextmanager
 def without_fusion_rules(*names: str) -> Iterator[None]:
-    """Take the rules called ``names`` out of the table inside the block (plans built
-    there do without them: to measure or test what a rule changes), then put the
-    table back as it was."""
-    missing = [n for n in names if not any(r.name == n for r in _RULES)]
-    if missing:
-        raise KeyError(f"without_fusion_rules: no rule named {missing[0]!r}")
-    saved = list(_RULES)
-    _RULES[:] = [r for r in _RULES if r.name not in names]
+    """Plans built in this thread inside the block do without the rules ``names`` (to
+    measure or test what a rule changes); other threads and tables are untouched."""
+    table = fusion_rule_table().without(*names)
+    stack = _IN_FORCE.__dict__.setdefault("stack", [])
+    stack.append(table)
     try:
         yield
     finally:
-        _RULES[:] = saved
+        stack.pop()
 
 
 def fusion_rules(pass_: str | None = None) -> list[FusionRule]:
-    return [r for r in _RULES if pass_ is None or r.pass_ == pass_]
+    """The rules of the table in force (see :func:`fusion_rule_table`)."""
+    return fusion_rule_table().for_pass(pass_)
 
 
 def match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool = True,
-          context: BuildContext | None = None) -> MatchResult:
+          context: BuildContext | None = None, table: RuleTable | None = None) -> MatchResult:
     """Cover ``ops`` with fused and basic steps for one pass (basic steps only when
-    not ``enabled``); predicates see ``context`` through :func:`build_context`."""
-    if context is None:
-        return _match(ops, pass_, recipe, enabled)
-    _CONTEXT.append(context)
-    try:
-        return _match(ops, pass_, recipe, enabled)
-    finally:
-        _CONTEXT.pop()
-
-
-def _match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool) -> MatchResult:
-    rules = fusion_rules(pass_) if enabled else []
+    not ``enabled``), with the rules of ``table`` (default: the table in force);
+    predicates that take a third argument get ``context``."""
+    rules = (table or fusion_rule_table()).for_pass(pass_) if enabled else []
     steps: list[PlanStep] = []
     declined: list[str] = []
     i = 0
@@ -150,7 +177,7 @@ def _match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool) -> 
             if not rule.matches_types(ops, i) or (rule.applies_to is not None and not rule.applies_to(recipe)):
                 continue
             window = ops[i : i + len(rule.pattern)]
-            reason = rule.predicate(window, recipe)
+            reason = rule.decline_reason(window, recipe, context)
             if reason is None:
                 steps.append(PlanStep(rule.build(window), tuple(range(i, i + len(window))), rule.name))
                 i += len(window)

@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from .fuser import FusionStats, OperationFuser, _compute_dtype, _is_compiling
+from .rules import RuleTable
 from .op import BasicOperation
+from .report import PlanReport, plan_report
 
 __all__ = ["Sequential"]
 
@@ -51,11 +53,14 @@ def _basic_ops_of(module: nn.Module) -> list[BasicOperation] | None:
 
 
 class Sequential(nn.Module):
-    def __init__(self, *modules: nn.Module, fuse: bool = True) -> None:
+    def __init__(self, *modules: nn.Module, fuse: bool = True, rules: RuleTable | None = None) -> None:
         super().__init__()
         if not isinstance(fuse, bool):
             raise TypeError(f"Sequential(fuse=...): must be True or False, got {fuse!r}")
+        if rules is not None and not isinstance(rules, RuleTable):
+            raise TypeError(f"Sequential(rules=...): must be a te.ops.RuleTable or None, got {type(rules).__name__}")
         self.fuse = fuse  # False: every op runs on its own (the unfused baseline)
+        self.rules = rules  # its own fusion rules (None: the table in force when a plan is built)
         self._own_recipe: tuple | None = None  # (recipe or None, pinned) from te.apply_recipe
         # the items are the module's children "0", "1", ... as in nn.Sequential, so the
         # state-dict keys are nn.Sequential's (a load also takes the older "_items." keys)
@@ -101,7 +106,7 @@ class Sequential(nn.Module):
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
-            return Sequential(*self._items[idx], fuse=self.fuse)
+            return Sequential(*self._items[idx], fuse=self.fuse, rules=self.rules)
         return self._items[self._index(idx)]
 
     def __setitem__(self, idx: int, module: nn.Module) -> None:
@@ -152,11 +157,11 @@ class Sequential(nn.Module):
                     hooked.extend([module] if isinstance(module, BasicOperation) else [module, *ops])
                     continue
                 if run:
-                    groups.append(OperationFuser(run, fuse=self.fuse, hook_modules=hooked))
+                    groups.append(OperationFuser(run, fuse=self.fuse, hook_modules=hooked, rules=self.rules))
                     run, hooked = [], []
                 groups.append(module)
             if run:
-                groups.append(OperationFuser(run, fuse=self.fuse, hook_modules=hooked))
+                groups.append(OperationFuser(run, fuse=self.fuse, hook_modules=hooked, rules=self.rules))
             for group in groups:
                 if isinstance(group, OperationFuser):
                     group.own_recipe = self.__dict__.get("_own_recipe")
@@ -246,35 +251,7 @@ class Sequential(nn.Module):
                 total.last_build_phases[phase] = total.last_build_phases.get(phase, 0.0) + secs
         return total
 
-    def fusion_plan(self) -> str:
-        """A readable account of the published plan of every group."""
-        lines = []
-        for g, group in enumerate(self.groups()):
-            if not isinstance(group, OperationFuser):
-                lines.append(f"group {g}: plain module {type(group).__name__} (runs as is)")
-                continue
-            ops = group.ops
-            plan = group.plan
-            lines.append(f"group {g}: {len(ops)} ops: " + ", ".join(f"{i}:{op.describe()}" for i, op in enumerate(ops)))
-            if plan is None:
-                lines.append("  not built yet (call the model once)")
-                continue
-            lines.append(f"  recipe: {plan.recipe_key}")
-            _, needs_backward, dtype, training, calibrating, device = plan.key
-            lines.append(
-                f"  built for: backward={needs_backward} dtype={str(dtype).replace('torch.', '')} "
-                f"training={training} calibrating={calibrating} device={device} backend={plan.backend}"
-            )
-            passes = (("forward", plan.forward), ("backward", plan.backward)) if needs_backward else (("forward", plan.forward),)
-            for name, steps in passes:
-                lines.append(f"  {name}:")
-                for step in steps:
-                    covers = ", ".join(f"{i}:{ops[i].describe()}" for i in step.indices)
-                    what = type(step.executor).__name__
-                    via = f"  [rule {step.rule}]" if step.rule else ""
-                    lines.append(f"    {what}({covers}){via}")
-            for reason in plan.declined:
-                lines.append(f"  declined: {reason}")
-            for note in plan.notes:
-                lines.append(f"  kernel: {note}")
-        return "\n".join(lines)
+    def fusion_plan(self) -> PlanReport:
+        """The published plan of every group: printable text that also carries the
+        plans as data (``.groups``, ``.rules()``; see ``ops/report.py``)."""
+        return plan_report(self.groups())

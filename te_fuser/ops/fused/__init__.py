@@ -9,7 +9,7 @@ from ..basic.activation import Activation
 from ..basic.bias import Bias
 from ..basic.extra import AddExtraInput, MakeExtraOutput
 from ..basic.linear import BasicLinear
-from ..rules import FusionRule, build_context, register_fusion_rule
+from ..rules import FusionRule, register_fusion_rule
 from .backward_activation_bias import BackwardActivationBias
 from .backward_linear_add import BackwardLinearAdd
 from .backward_linear_bias import BackwardLinearBias
@@ -44,9 +44,9 @@ def _delayed_scaling(recipe):
     return recipe is not None and recipe.delayed()
 
 
-def _hand_off_possible(ops, recipe):
-    """Declines what the epilogue cannot serve when a backward pass follows (see
-    :func:`~te_fuser.ops.rules.build_context`; outside a build, the grad mode), and
+def _hand_off_possible(ops, recipe, context):
+    """Declines what the epilogue cannot serve when a backward pass follows (the
+    plan's build context says whether one does), and
     on a GPU any step with a backward, where the hand-off measured slower than the
     separate cast (benchmarks/bench_handoff.py); CPU plans keep it, so the fused
     backward stays tested against the reference.
@@ -54,9 +54,7 @@ def _hand_off_possible(ops, recipe):
     epilogue: under ``auto`` on a GPU the GEMM is cuBLASLt's and the epilogue is a
     Triton GEMM, which is slower than cuBLASLt plus a separate cast (H200: Triton
     FP8 GEMM 0.81x cuBLASLt at 8192^3, the cast under a tenth of the GEMM)."""
-    context = build_context()
-    device = ops[0].weight.device if context is None else context.device
-    needs_backward = torch.is_grad_enabled() if context is None else context.needs_backward
+    device, needs_backward = context.device, context.needs_backward
     gemm_backend = backend.resolve("gemm", device).backend
     epilogue_backend = backend.resolve("gemm_fp8_out", device).backend
     if gemm_backend != epilogue_backend:
