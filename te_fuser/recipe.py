@@ -227,6 +227,16 @@ class Recipe:
             self._fail(name, "must be a finite float >= 0")
         object.__setattr__(self, name, value + 0.0)
 
+    # -- quantizers ------------------------------------------------------------
+    def make_quantizer(self, role):
+        """A fresh quantizer for ``role`` (a ``QuantizerRole``), built from this
+        recipe's validated fields: every recipe is its own quantizer factory."""
+        raise NotImplementedError(f"{type(self).__name__} does not build quantizers")
+
+    def _fp8_dtype(self, role) -> "torch.dtype":
+        """The format's forward dtype for forward roles, its backward one for gradients."""
+        return self.fp8_format.bwd_dtype if role.is_backward else self.fp8_format.fwd_dtype
+
     # -- kinds ---------------------------------------------------------------
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -254,6 +264,12 @@ class Recipe:
 
 
 _AMAX_ALGOS = ("max", "most_recent")
+
+# tensor role -> the recipe field that configures it
+_EPSILON_FIELD = {"input": "input_amax_epsilon", "output": "input_amax_epsilon", "weight": "weight_amax_epsilon",
+                  "grad_output": "grad_amax_epsilon", "grad_input": "grad_amax_epsilon"}
+_BLOCK_DIM_FIELD = {"input": "x_block_scaling_dim", "output": "x_block_scaling_dim", "weight": "w_block_scaling_dim",
+                    "grad_output": "grad_block_scaling_dim", "grad_input": "grad_block_scaling_dim"}
 
 
 @dataclass(eq=False, repr=False)
@@ -298,6 +314,14 @@ class DelayedScaling(Recipe):
     def derived(self) -> dict[str, Any]:
         return {**self._fp8_derived(), "scaling": "tensor"}
 
+    def make_quantizer(self, role):
+        from .quantization.delayed import DelayedScalingQuantizer
+
+        return DelayedScalingQuantizer(self._fp8_dtype(role), margin=self.margin,
+                                       amax_history_len=self.amax_history_len,
+                                       amax_compute_algo=self.amax_compute_algo,
+                                       scaling_factor_compute_algo=self.scaling_factor_compute_algo, recipe=self)
+
 
 @dataclass(eq=False, repr=False)
 class Float8CurrentScaling(Recipe):
@@ -326,6 +350,12 @@ class Float8CurrentScaling(Recipe):
     def derived(self) -> dict[str, Any]:
         return {**self._fp8_derived(), "scaling": "tensor"}
 
+    def make_quantizer(self, role):
+        from .quantization.current import Float8CurrentScalingQuantizer
+
+        epsilon = getattr(self, _EPSILON_FIELD[role.tensor_type])
+        return Float8CurrentScalingQuantizer(self._fp8_dtype(role), self.power_2_scales, epsilon)
+
 
 MXFP8_BLOCK = 32
 
@@ -341,6 +371,11 @@ class MXFP8BlockScaling(Recipe):
 
     def derived(self) -> dict[str, Any]:
         return {**self._fp8_derived(), "scaling": "mx", "block": MXFP8_BLOCK, "scale_dtype": "e8m0"}
+
+    def make_quantizer(self, role):
+        from .quantization.mxfp8 import MXFP8Quantizer
+
+        return MXFP8Quantizer(self._fp8_dtype(role))
 
 
 BLOCK_SCALING_TILE = 128
@@ -390,6 +425,13 @@ class Float8BlockScaling(Recipe):
     def derived(self) -> dict[str, Any]:
         return {**self._fp8_derived(), "scaling": "block", "tile": BLOCK_SCALING_TILE}
 
+    def make_quantizer(self, role):
+        from .quantization.block import Float8BlockQuantizer
+
+        block_dim = getattr(self, _BLOCK_DIM_FIELD[role.tensor_type])
+        epsilon = getattr(self, _EPSILON_FIELD[role.tensor_type])
+        return Float8BlockQuantizer(self._fp8_dtype(role), block_dim, self.power_2_scales, epsilon)
+
 
 @dataclass(eq=False, repr=False)
 class CustomRecipe(Recipe):
@@ -409,3 +451,16 @@ class CustomRecipe(Recipe):
     def _validate(self) -> None:
         if not callable(self.qfactory):
             self._fail("qfactory", "must be a callable taking a QuantizerRole and returning a quantizer")
+
+    def make_quantizer(self, role):
+        from .quantization.base import Quantizer
+
+        try:
+            quantizer = self.qfactory(role)
+        except Exception as err:
+            raise RuntimeError(f"CustomRecipe.qfactory raised {type(err).__name__} for role {role}: {err}") from err
+        if not isinstance(quantizer, Quantizer):
+            raise TypeError(f"CustomRecipe.qfactory must return a te_fuser Quantizer for role {role}, "
+                            f"got {type(quantizer).__name__}: {quantizer!r:.80}")
+        return quantizer
+
