@@ -42,6 +42,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from . import epoch
 from .ops import fuser as _fuser
 from .ops.fuser import FusionStats, OperationFuser
 from .ops.op import BasicOperation
@@ -215,7 +216,7 @@ def apply_recipe(model: nn.Module, recipe: Recipe | None, *, example_inputs: Any
     for t, f, plan in candidates:
         f.own_recipe = (t.recipe, t.pinned)
         f.publish(plan)
-    _fuser._APPLIED[0] += 1
+    epoch.APPLIED[0] += 1
     return model
 
 

@@ -25,7 +25,7 @@ import torch
 from . import backend as _backend
 from .recipe import DelayedScaling, Recipe
 
-__all__ = ["autocast", "AutocastState", "current_state", "DEFAULT_RECIPE"]
+__all__ = ["autocast", "AutocastState", "current_state", "DEFAULT_RECIPE", "STATE_STACK"]
 
 DEFAULT_RECIPE = DelayedScaling()
 _is_compiling = torch.compiler.is_compiling
@@ -48,12 +48,13 @@ class AutocastState(NamedTuple):
 
 
 _OFF = AutocastState()
-_stack: list[AutocastState] = [_OFF]
+# The states in force, innermost last (read by the fusers' hot path as STATE_STACK[-1]).
+STATE_STACK: list[AutocastState] = [_OFF]
 
 
 def current_state() -> AutocastState:
     """The autocast state in force now (the only reader of the ambient context)."""
-    return _stack[-1]
+    return STATE_STACK[-1]
 
 
 def _refuse_tracing() -> None:
@@ -117,8 +118,8 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
 
     def __enter__(self) -> AutocastState:
         _refuse_tracing()
-        self._depths.append(len(_stack))
-        _stack.append(self.state)
+        self._depths.append(len(STATE_STACK))
+        STATE_STACK.append(self.state)
         if self.backend is not None:
             _backend.push_override(self.backend)
         return self.state
@@ -127,4 +128,4 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
         depth = self._depths.pop()
         if self.backend is not None:
             _backend.pop_override()
-        del _stack[depth:]
+        del STATE_STACK[depth:]

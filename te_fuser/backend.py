@@ -36,7 +36,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _env, epoch
+from . import epoch
+from .kernels import env as _env
 
 __all__ = ["BACKENDS", "KERNELS", "KernelChoice", "set_backend", "get_backend", "use_backend", "resolve",
            "push_override", "pop_override"]

@@ -26,7 +26,7 @@ take as it is (a LayerNorm without bias, a norm over several dims) stays torch's
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from torch import nn

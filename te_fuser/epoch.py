@@ -10,9 +10,11 @@ checks what the counter stands for.
 
 from __future__ import annotations
 
-__all__ = ["CHANGES", "bump"]
+__all__ = ["CHANGES", "APPLIED", "bump"]
 
 CHANGES = [0]
+# Bumped by every te.apply_recipe: keys that cache work per recipe (CUDA graphs) include it.
+APPLIED = [0]
 
 
 def bump() -> None:

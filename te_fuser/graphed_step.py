@@ -73,8 +73,9 @@ from torch.autograd.graph import increment_version
 
 from . import backend
 from .autocast import current_state
-from .ops.fuser import _APPLIED, _RUN_WATCH
-from .graphs import GraphStats, _CaptureGuard, _drop_weight_caches, _linears, _quantizers_seeded, _state_slots
+from .epoch import APPLIED as _APPLIED
+from .ops.fuser import RUN_WATCH
+from .graphs import GraphStats, CaptureGuard, drop_weight_caches, weight_casting_ops, quantizers_seeded, state_slots
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
@@ -88,7 +89,7 @@ def make_graphed_step(step: Callable, model: nn.Module, *, warmup_steps: int = 2
     return GraphedStep(step, model, warmup_steps=warmup_steps)
 
 
-class _StepGraph(_CaptureGuard):
+class _StepGraph(CaptureGuard):
     """The graph of one key, its static inputs and outputs, and what it read."""
 
     def __init__(self, key, all_params, slots, quantizers) -> None:
@@ -125,7 +126,7 @@ class GraphedStep:
         graph = self._graph
         if key is None or graph is None or graph.key != key or not graph.still_valid():
             if key is None or self._eager_key != key or self._eager_count < self.warmup_steps \
-                    or not _quantizers_seeded(self.model):
+                    or not quantizers_seeded(self.model):
                 return self._eager(args, key)
             self._graph = None  # free the previous key's graph before capturing
             graph = self._graph = self._capture(args, key)
@@ -182,8 +183,8 @@ class GraphedStep:
         start = time.perf_counter()
         # The graph casts every weight on every replay, as an eager step outside
         # te.reuse_quantized_weights() does: it cannot see whether a weight changed.
-        _drop_weight_caches(_linears(self.model))
-        quantizers, slots = _state_slots(self.model)
+        drop_weight_caches(weight_casting_ops(self.model))
+        quantizers, slots = state_slots(self.model)
         graph = _StepGraph(key, self._params, slots, quantizers)
         graph.static_args = [a.detach().clone().requires_grad_(a.requires_grad)
                              for a in args if isinstance(a, torch.Tensor)]
@@ -194,7 +195,7 @@ class GraphedStep:
         for p in self._params:
             p.grad = None
         ran: set = set()
-        _RUN_WATCH.append(ran)
+        RUN_WATCH.append(ran)
         try:
             with torch.cuda.graph(graph.graph):
                 out = self.step(*call_args)
@@ -209,7 +210,7 @@ class GraphedStep:
                 "their state on the GPU (capturable=True for Adam and AdamW); the model is as it was before this call"
             ) from err
         finally:
-            _RUN_WATCH.pop()
+            RUN_WATCH.pop()
         mine = {id(m) for m in self._modules}
         strangers = [op.describe() for fuser in ran for op in fuser.ops if id(op) not in mine]
         if strangers:  # their scaling state would be read at its capture-time value by every replay
@@ -224,7 +225,7 @@ class GraphedStep:
         graph.grads = tuple(p.grad for p in self._params)
         # FP8 weights kept in the capture live in the graph's memory, which every
         # replay rewrites: an eager step must not find them.
-        _drop_weight_caches(_linears(self.model))
+        drop_weight_caches(weight_casting_ops(self.model))
         self.stats.captures += 1
         self.stats.capture_seconds = time.perf_counter() - start
         return graph
@@ -235,7 +236,7 @@ class GraphedStep:
             setattr(slot.quantizer, slot.name, slot.home)
         for p, g in zip(self._params, saved_grads):
             p.grad = g
-        _drop_weight_caches(_linears(self.model))
+        drop_weight_caches(weight_casting_ops(self.model))
         self._eager_key, self._eager_count = None, 0
 
     def _replay(self, graph: _StepGraph, args: tuple):

@@ -56,11 +56,13 @@ from torch import nn
 
 from . import backend
 from .autocast import current_state
-from .ops.fuser import _APPLIED, _EPOCH, _compute_dtype
+from .epoch import APPLIED as _APPLIED
+from .epoch import CHANGES as _EPOCH
+from .ops.fuser import compute_dtype
 from .kernels.operand import ScaledOperand
 from .ops.op import BasicOperation
 from .ops.sequential import Sequential
-from .ops.weight_cache import _Scope, optimizer_steps, reuse_quantized_weights
+from .ops.weight_cache import optimizer_steps, reuse_quantized_weights, scope_token
 from .quantization.tensor import QuantizedTensor
 
 __all__ = ["make_graphed", "GraphedSequential", "GraphStats"]
@@ -120,7 +122,7 @@ class _Pair:
         self.forward_updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (home, forward's new value)
 
 
-class _CaptureGuard:
+class CaptureGuard:
     """What a capture read from the model: the parameters' storage and trainable
     flags and the installed quantizers. A change to any of them means the graphs
     would replay stale reads, so they are recaptured."""
@@ -147,7 +149,7 @@ class _CaptureGuard:
         return True
 
 
-def _state_slots(model: nn.Module) -> tuple[list, list[_StateSlot]]:
+def state_slots(model: nn.Module) -> tuple[list, list[_StateSlot]]:
     """``(op, quantizer dict)`` of every op, and a slot for every tensor of their
     quantizers' scaling state, each bound to its home."""
     quantizers = [(op, op._quantizers) for op in model.modules() if isinstance(op, BasicOperation)]
@@ -158,7 +160,7 @@ def _state_slots(model: nn.Module) -> tuple[list, list[_StateSlot]]:
     return quantizers, slots
 
 
-def _quantizers_seeded(model: nn.Module) -> bool:
+def quantizers_seeded(model: nn.Module) -> bool:
     """Whether every quantizer has seeded its state: a first step under a recipe
     seeds delayed scaling from the tensor itself, and that step must not be replayed."""
     for op in model.modules():
@@ -169,7 +171,7 @@ def _quantizers_seeded(model: nn.Module) -> bool:
     return True
 
 
-class _Graphs(_CaptureGuard):
+class _Graphs(CaptureGuard):
     """The graphs of one key: a pair that casts the weights, one that reuses the
     FP8 weights of the previous forward, and what they share."""
 
@@ -267,22 +269,22 @@ class GraphedSequential(nn.Module):
         self.stats = GraphStats()
         self._graphs: _Graphs | None = None
         self._eager_key = None  # the key of the last eager training step (captured on its next call)
-        self._linears: list | None = None  # the ops that cast a weight (found once per capture)
+        self.weight_casting_ops: list | None = None  # the ops that cast a weight (found once per capture)
         self._last_replayed: _Graphs | None = None  # the graphs of the last forward, if it was replayed
         self._replayed_stamp = None  # the reuse stamp at that replay (see _reuse_stamp)
 
     # -- the call -------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         key = self._key(x)
-        if self._linears is None:
-            self._linears = _linears(self.model)
+        if self.weight_casting_ops is None:
+            self.weight_casting_ops = weight_casting_ops(self.model)
         stamp = self._reuse_stamp()
         since_replay = self._last_replayed is not None and stamp is not None and stamp == self._replayed_stamp
         if key is None:  # not a capturable CUDA training step
             return self._eager(x, None, since_replay)
         graphs = self._graphs
         if graphs is None or graphs.key != key or not graphs.still_valid():
-            if self._eager_key != key or not _quantizers_seeded(self.model):
+            if self._eager_key != key or not quantizers_seeded(self.model):
                 return self._eager(x, key, since_replay)
             self._graphs = None  # free the previous key's graphs before capturing new ones
             graphs = self._graphs = self._capture(x, key)
@@ -296,9 +298,10 @@ class GraphedSequential(nn.Module):
     def _reuse_stamp(self):
         """What must not change between two forwards for the second to reuse the
         first one's FP8 weights (None outside ``te.reuse_quantized_weights()``)."""
-        if _Scope.token == 0:
+        token = scope_token()
+        if token == 0:
             return None
-        return (_Scope.token, optimizer_steps(), tuple(op.weight._version for op in self._linears))
+        return (token, optimizer_steps(), tuple(op.weight._version for op in self.weight_casting_ops))
 
     def _key(self, x: torch.Tensor):
         state = current_state()
@@ -338,23 +341,23 @@ class GraphedSequential(nn.Module):
     def _capture(self, x: torch.Tensor, key) -> _Graphs:
         start = time.perf_counter()
         model = self.model
-        quantizers, slots = _state_slots(model)
+        quantizers, slots = state_slots(model)
         graphs = _Graphs(key, tuple(model.parameters()), slots, quantizers)
         graphs.static_x = x.detach().clone().requires_grad_(x.requires_grad)
-        self._linears = linears = _linears(model)
-        dtype = _compute_dtype(x)
+        self.weight_casting_ops = linears = weight_casting_ops(model)
+        dtype = compute_dtype(x)
         eager_casts = [(op, op.cached_weight(dtype)) for op in linears]  # kept by an eager forward: put back after
         # Captured inside a reuse scope: the cast pair's forward keeps the FP8 weights
         # it writes, which the cached pair then reads in place.
         with reuse_quantized_weights():
             self._warm_up(graphs, linears)
-            _drop_weight_caches(linears)  # the cast pair casts the weights itself
+            drop_weight_caches(linears)  # the cast pair casts the weights itself
             pool = torch.cuda.graph_pool_handle()
             self._capture_pair(graphs, graphs.cast, pool,
                                after_forward=lambda: _keep_weights(graphs, linears, dtype))
             self._capture_pair(graphs, graphs.cached, pool, before_forward=lambda: [
                 op.cache_weight(w_q, columnwise, w_dtype) for op, w_dtype, columnwise, w_q in graphs.cast_weights])
-            _drop_weight_caches(linears)  # the graphs' memory is rewritten by every replay: eager must not read it
+            drop_weight_caches(linears)  # the graphs' memory is rewritten by every replay: eager must not read it
         for op, kept in eager_casts:  # (kept only inside the caller's own reuse scope)
             if kept is not None:
                 op.cache_weight(kept[1], kept[0], dtype)
@@ -373,7 +376,7 @@ class GraphedSequential(nn.Module):
             warm_x = x.detach().clone().requires_grad_(x.requires_grad)
             inputs = ((warm_x,) if x.requires_grad else ()) + tuple(map(aliases, graphs.params))
             for _ in range(self.warmup_steps):
-                _drop_weight_caches(linears)
+                drop_weight_caches(linears)
                 y = model(warm_x)
                 if not isinstance(y, torch.Tensor):
                     raise TypeError("make_graphed: the model must return one tensor")
@@ -476,12 +479,12 @@ def _parameter_aliases(model: Sequential):
         _EPOCH[0] += 1
 
 
-def _linears(model: nn.Module) -> list:
+def weight_casting_ops(model: nn.Module) -> list:
     """The ops that cast a weight (and may keep the cast)."""
     return [op for op in model.modules() if isinstance(op, BasicOperation) and hasattr(op, "_weight_cache")]
 
 
-def _drop_weight_caches(ops) -> None:
+def drop_weight_caches(ops) -> None:
     for op in ops:
         op.drop_caches()
 

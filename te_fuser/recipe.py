@@ -38,7 +38,7 @@ from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
-from . import _env
+from .kernels import env as _env
 from .callable_key import callable_key, keyed
 from .fp8 import E4M3, E5M2, FP8_MAX, short_name
 

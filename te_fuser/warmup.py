@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from .autocast import autocast
-from .ops.fuser import _EPOCH, OperationFuser
+from .epoch import CHANGES as _EPOCH
+from .ops.fuser import OperationFuser
 from .ops.op import BasicOperation
 from .recipe import Recipe
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ... import _env
+from .. import env as _env
 
 __all__ = ["SOURCES", "NVCC_FLAGS", "unavailable_reason", "extension", "is_loaded", "raw_stream"]
 

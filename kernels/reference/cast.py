@@ -43,7 +43,7 @@ _FP8_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 _MANTISSA_OF_1_75 = 0x600000  # fmax of both formats is 1.75 * 2**emax
 
 
-def _fmax(fp8_dtype: torch.dtype) -> float:
+def fp8_max(fp8_dtype: torch.dtype) -> float:
     try:
         return _FP8_MAX[fp8_dtype]
     except KeyError:
@@ -52,7 +52,7 @@ def _fmax(fp8_dtype: torch.dtype) -> float:
 
 def saturating_cast_reference(x_scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Round fp32 values to ``fp8_dtype``, saturating to +-fmax (NaN stays NaN)."""
-    fmax = _fmax(fp8_dtype)
+    fmax = fp8_max(fp8_dtype)
     return x_scaled.float().clamp(-fmax, fmax).to(fp8_dtype)
 
 
@@ -137,7 +137,7 @@ def quantize_current_reference(
     else:
         check_given_amax(amax, x, "quantize_current")
         amax = amax.reshape(())
-    scale = scale_from_amax_reference(amax, _fmax(fp8_dtype), power_2, epsilon)
+    scale = scale_from_amax_reference(amax, fp8_max(fp8_dtype), power_2, epsilon)
     q = saturating_cast_reference(xf * scale, fp8_dtype)
     return (q if rowwise else None), (q.t().contiguous() if columnwise else None), scale, _reciprocal(scale), amax
 
@@ -176,7 +176,7 @@ def quantize_rowwise_reference(
     """One scale per row of 2-D ``x`` (the layout of row-wise scaled GEMMs)."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
-    scale = scale_from_amax_reference(amax, _fmax(fp8_dtype), power_2, epsilon)
+    scale = scale_from_amax_reference(amax, fp8_max(fp8_dtype), power_2, epsilon)
     return ScaledOperand(saturating_cast_reference(xf * scale, fp8_dtype), _reciprocal(scale), "row")
 
 
@@ -210,7 +210,7 @@ def quantize_block_reference(
     rows, cols = x.shape
     t, _ = _tiles(x.float(), tile_rows, 128)
     amax = t.abs().amax(dim=(1, 3))  # (R, C)
-    scale = scale_from_amax_reference(amax, _fmax(fp8_dtype), power_2, epsilon)
+    scale = scale_from_amax_reference(amax, fp8_max(fp8_dtype), power_2, epsilon)
     q = saturating_cast_reference(t * scale[:, None, :, None], fp8_dtype)
     scaling = "block_1x128" if tile_rows == 1 else "block_128x128"
     return ScaledOperand(_untile(q, rows, cols).contiguous(), _reciprocal(scale), scaling)

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from .cast import FLT_MAX, _fmax
+from .cast import FLT_MAX, fp8_max
 
 __all__ = ["delayed_scale_update_reference"]
 
@@ -78,7 +78,7 @@ def delayed_scale_update_reference(
     recorded = amax.reshape(()) < math.inf  # False for inf and NaN: the call is skipped
     history = torch.where(recorded, torch.cat((amax.reshape(1), amax_history[:-1])), amax_history)
     history_amax = history.amax() if algo == "max" else history[0]
-    quotient = divide_by_power_of_2(torch.div(_fmax(fp8_dtype), history_amax), margin)  # IEEE fp32 division
+    quotient = divide_by_power_of_2(torch.div(fp8_max(fp8_dtype), history_amax), margin)  # IEEE fp32 division
     new_scale, _ = guarded_scale(quotient, history_amax, scale)
     new_scale = torch.where(recorded, new_scale, scale)  # a skipped call keeps the scale
     return history, new_scale, torch.reciprocal(new_scale), nonfinite_count + recorded.logical_not()

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import _env
+from .. import env as _env
 
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -70,15 +70,16 @@ def _apart(outputs: list, inputs) -> list:
 @torch.library.custom_op("te_fuser::run_group", mutates_args=())
 def run_group(x: torch.Tensor, params: list[torch.Tensor], extras: list[torch.Tensor], handle: int, training: bool,
               needs_backward: bool, compute_dtype: torch.dtype) -> list[torch.Tensor]:
-    from .fuser import _AUTOCAST_STACK, _run_forward
+    from ..autocast import STATE_STACK
+    from .fuser import run_forward
 
     fuser = _fuser(handle)
     if not fuser._params_current():
         fuser._refresh_params()
-    raw = _AUTOCAST_STACK[-1]
+    raw = STATE_STACK[-1]
     state = raw if fuser.own_recipe is None else fuser.resolve(raw)
     plan = fuser.plan_for(x, training, needs_backward, compute_dtype, state, raw)
-    ctxs, y, extra_outputs = _run_forward(fuser, plan, x, list(extras))
+    ctxs, y, extra_outputs = run_forward(fuser, plan, x, list(extras))
     ticket = torch.tensor(next(_TICKETS), dtype=torch.int64)
     if needs_backward:
         key = int(ticket)
@@ -121,10 +122,10 @@ torch.library.register_autograd("te_fuser::run_group", _backward, setup_context=
 @torch.library.custom_op("te_fuser::run_group_backward", mutates_args=())
 def run_group_backward(ticket: torch.Tensor, grads: list[Optional[torch.Tensor]], needs: list[bool],
                        like: list[torch.Tensor]) -> list[torch.Tensor]:
-    from .fuser import _keep_graph, run_backward
+    from .fuser import keep_graph, run_backward
 
     key = int(ticket)
-    saved = _SAVED.get(key) if _keep_graph() else _SAVED.pop(key, None)  # retain_graph=True keeps it
+    saved = _SAVED.get(key) if keep_graph() else _SAVED.pop(key, None)  # retain_graph=True keeps it
     if saved is None:
         raise RuntimeError("te_fuser: this backward's forward state is gone (a second backward through the same "
                            "graph, or a forward that did not expect a backward)")

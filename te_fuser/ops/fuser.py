@@ -26,11 +26,12 @@ import torch
 from torch.nn.modules import module as _module_hooks
 
 from .. import backend
-from ..autocast import _stack as _AUTOCAST_STACK
+from ..autocast import STATE_STACK as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from . import compiled, hot_guard
-from .op import _EPOCH, BasicOperation, OpContext, RunConfig
+from ..epoch import CHANGES as _EPOCH
+from .op import BasicOperation, OpContext, RunConfig
 from .rules import BuildContext, PlanStep, RuleTable, match
 
 __all__ = ["OperationFuser", "FusionPlan", "FusionStats"]
@@ -41,7 +42,7 @@ __all__ = ["OperationFuser", "FusionPlan", "FusionStats"]
 
 # Sets that a caller pushes to learn which fusers ran (``te.make_graphed_step``
 # checks that a captured step ran only ops of the model it was given).
-_RUN_WATCH: list[set] = []
+RUN_WATCH: list[set] = []
 
 # Attributes whose assignment disarms a fuser's compiled guard.
 _DISARMING = frozenset({"_plan", "_params", "_flat_params", "own_recipe"})
@@ -49,8 +50,6 @@ _DISARMING = frozenset({"_plan", "_params", "_flat_params", "own_recipe"})
 # While te.apply_recipe probes a model's shapes: fuser -> the recipe it would get,
 # ("plans", fuser) -> the plan its calls need (see OperationFuser._probe).
 _PROBE: dict = {}
-# Bumped by every te.apply_recipe: keys that cache work per recipe (CUDA graphs) include it.
-_APPLIED = [0]
 
 HIGH_PRECISION_KEY = "high_precision"  # the recipe part of a plan's key without a recipe
 _FLOATING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -101,7 +100,7 @@ _is_compiling = torch.compiler.is_compiling
 _any_autocast = torch._C._is_any_autocast_enabled
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
@@ -151,7 +150,7 @@ class OperationFuser:
             self._guard, self.entry = None, self.run
             return
         self._guard = module.Guard(self._run_and_arm, _AUTOCAST_STACK, _EPOCH, _grad_enabled, _any_autocast,
-                                   _compute_dtype, torch.Tensor, _GLOBAL_HOOK_DICTS)
+                                   compute_dtype, torch.Tensor, _GLOBAL_HOOK_DICTS)
         self.entry = self._guard
 
     def __setattr__(self, name: str, value) -> None:
@@ -202,7 +201,7 @@ class OperationFuser:
             return compiled.compiled_call(self, x, training, extra_inputs)
         return self.run(x, training, extra_inputs) if extra_inputs else self.entry(x, training)
 
-    def output_meta(self, shape, dtype: torch.dtype, compute_dtype: torch.dtype, extra_dtypes: list):
+    def output_meta(self, shape, dtype: torch.dtype, compute: torch.dtype, extra_dtypes: list):
         """``(output shape, output dtype, [(shape, dtype) of each extra output])`` for an
         input of ``shape`` and ``dtype``, without running anything (a graph's fake outputs)."""
         shape, extras_in, extras_out = torch.Size(shape), iter(extra_dtypes), []
@@ -210,7 +209,7 @@ class OperationFuser:
             mine = [next(extras_in) for _ in range(op.num_extra_inputs)]
             extras_out += [(shape, dtype)] * op.num_extra_outputs
             out_shape = torch.Size(op.check_shapes(shape, {}))
-            dtype, shape = op.output_dtype(dtype, compute_dtype, mine), out_shape
+            dtype, shape = op.output_dtype(dtype, compute, mine), out_shape
         return shape, dtype, extras_out
 
     def run(self, x: torch.Tensor, training: bool, extra_inputs: tuple = ()):
@@ -233,7 +232,7 @@ class OperationFuser:
         needs_backward = _grad_enabled() and (
             x.requires_grad or self._params_require_grad() or any(t.requires_grad for t in extra_inputs)
         )
-        dtype = _compute_dtype(x) if _any_autocast() else x.dtype
+        dtype = compute_dtype(x) if _any_autocast() else x.dtype
         plan = self.plan_for(x, training, needs_backward, dtype, state, raw)
         return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
 
@@ -450,7 +449,7 @@ class OperationFuser:
         would need under the recipe being applied, record it, and return zeros of
         the output's shape instead of running the ops."""
         recipe = _PROBE[self] if self in _PROBE else state.recipe
-        dtype = _compute_dtype(x) if _any_autocast() else x.dtype
+        dtype = compute_dtype(x) if _any_autocast() else x.dtype
         seen = _PROBE.get(("plans", self))
         _PROBE["failed"] = self  # the fuser an error comes from, for apply_recipe's message
         if seen is None:
@@ -599,7 +598,7 @@ def _grad_slices(param_counts: Sequence[int], extra_counts: Sequence[int]) -> li
     return out
 
 
-def _run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
+def run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
     run = plan.run
     ctxs = [OpContext(op, qs, run) for op, qs in zip(fuser.ops, plan.quantizers)]
     if not fuser._branches:  # no extra inputs or outputs: the common case, kept short
@@ -636,7 +635,7 @@ _NO_EXTRAS = _NoExtras()
 _GRAPH_TOKEN = torch.empty(0)
 
 
-def _keep_graph() -> bool:
+def keep_graph() -> bool:
     """Whether the backward running now keeps its graph (``retain_graph=True``)."""
     keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return True if keep is None else keep()
@@ -646,10 +645,10 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, fuser_and_plan, *tensors):
         fuser, plan = fuser_and_plan
-        if _RUN_WATCH:
-            _RUN_WATCH[-1].add(fuser)
+        if RUN_WATCH:
+            RUN_WATCH[-1].add(fuser)
         extra_inputs = tensors[len(fuser._flat_params):]
-        ctxs, y, extra_outputs = _run_forward(fuser, plan, x, extra_inputs)
+        ctxs, y, extra_outputs = run_forward(fuser, plan, x, extra_inputs)
         fctx.save_for_backward(_GRAPH_TOKEN)  # autograd frees it with the graph: a second backward then raises
         fctx.fuser, fctx.plan, fctx.ctxs = fuser, plan, ctxs
         fctx.x_dtype = x.dtype
@@ -666,7 +665,7 @@ class _FuserFunction(torch.autograd.Function):
     def backward(fctx, dy, *grad_extra_outputs):
         fctx.saved_tensors  # noqa: B018 (raises, as torch does, when the graph was freed by an earlier backward)
         fuser, plan, ctxs = fctx.fuser, fctx.plan, fctx.ctxs
-        if not _keep_graph():
+        if not keep_graph():
             fctx.ctxs = None  # the saved tensors go with this backward, as autograd's own do
         return run_backward(fuser, plan, ctxs, fctx.needs_input_grad, fctx.x_dtype, dy, grad_extra_outputs)
 

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import _env
+from ..kernels import env as _env
 
 __all__ = ["guard_module", "unavailable_reason", "SOURCE"]
 

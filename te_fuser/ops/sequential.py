@@ -28,7 +28,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from .fuser import FusionStats, OperationFuser, _compute_dtype, _is_compiling
+from .fuser import FusionStats, OperationFuser, compute_dtype
 from .rules import RuleTable
 from .op import BasicOperation
 from .report import PlanReport, plan_report
@@ -176,7 +176,7 @@ class Sequential(nn.Module):
     # -- running -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
         fast = self._fast_fuser
-        if fast is not None and not extra_inputs and not _is_compiling():  # one group, no branches, kept short
+        if fast is not None and not extra_inputs and not torch.compiler.is_compiling():  # one group, no branches, kept short
             return fast.entry(x, self.training)
         return self._forward_groups(x, *extra_inputs)
 
@@ -217,7 +217,7 @@ class Sequential(nn.Module):
 
         if recipe is None and current_state().enabled:
             recipe = current_state().recipe
-        shape, dtype, device = x.shape, _compute_dtype(x), x.device
+        shape, dtype, device = x.shape, compute_dtype(x), x.device
         if needs_backward is None:
             needs_backward = torch.is_grad_enabled() and (
                 x.requires_grad or any(p.requires_grad for p in self.parameters())

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["WeightCache", "reuse_quantized_weights", "optimizer_steps"]
+__all__ = ["WeightCache", "reuse_quantized_weights", "optimizer_steps", "scope_token"]
 
 # Optimizer steps taken in this process, by any torch optimizer.
 _OPTIMIZER_STEPS = [0]
@@ -54,6 +54,11 @@ _STEP_HOOK = register_optimizer_step_post_hook(_count_optimizer_step)
 def optimizer_steps() -> int:
     """How many ``torch.optim.Optimizer`` steps this process has taken."""
     return _OPTIMIZER_STEPS[0]
+
+
+def scope_token() -> int:
+    """The token of the outermost ``reuse_quantized_weights()`` in force (0: none)."""
+    return _Scope.token
 
 
 class _Scope:

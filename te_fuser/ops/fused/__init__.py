@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from ... import backend
 from ..basic.activation import Activation
 from ..basic.bias import Bias

@@ -1,5 +1,8 @@
 """The one place te_fuser reads environment variables.
 
+It sits in the kernel layer, the lowest one: the kernels read some of the
+variables too, and they import nothing from above them.
+
 Each variable is read when the object that needs it is *constructed* (never on
 the hot path) and its value is stored in an explicit field, so the recipe string
 shows it. The one exception, ``TE_FUSER_EXACT_FP8``, selects no numerics (both FP8
