@@ -269,15 +269,15 @@ class GraphedSequential(nn.Module):
         self.stats = GraphStats()
         self._graphs: _Graphs | None = None
         self._eager_key = None  # the key of the last eager training step (captured on its next call)
-        self.weight_casting_ops: list | None = None  # the ops that cast a weight (found once per capture)
+        self._casting_ops: list | None = None  # the ops that cast a weight (found once per capture)
         self._last_replayed: _Graphs | None = None  # the graphs of the last forward, if it was replayed
         self._replayed_stamp = None  # the reuse stamp at that replay (see _reuse_stamp)
 
     # -- the call -------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         key = self._key(x)
-        if self.weight_casting_ops is None:
-            self.weight_casting_ops = weight_casting_ops(self.model)
+        if self._casting_ops is None:
+            self._casting_ops = weight_casting_ops(self.model)
         stamp = self._reuse_stamp()
         since_replay = self._last_replayed is not None and stamp is not None and stamp == self._replayed_stamp
         if key is None:  # not a capturable CUDA training step
@@ -301,7 +301,7 @@ class GraphedSequential(nn.Module):
         token = scope_token()
         if token == 0:
             return None
-        return (token, optimizer_steps(), tuple(op.weight._version for op in self.weight_casting_ops))
+        return (token, optimizer_steps(), tuple(op.weight._version for op in self._casting_ops))
 
     def _key(self, x: torch.Tensor):
         state = current_state()
@@ -344,7 +344,7 @@ class GraphedSequential(nn.Module):
         quantizers, slots = state_slots(model)
         graphs = _Graphs(key, tuple(model.parameters()), slots, quantizers)
         graphs.static_x = x.detach().clone().requires_grad_(x.requires_grad)
-        self.weight_casting_ops = linears = weight_casting_ops(model)
+        self._casting_ops = linears = weight_casting_ops(model)
         dtype = compute_dtype(x)
         eager_casts = [(op, op.cached_weight(dtype)) for op in linears]  # kept by an eager forward: put back after
         # Captured inside a reuse scope: the cast pair's forward keeps the FP8 weights
