@@ -38,29 +38,12 @@ import torch
 
 from . import epoch
 from .kernels import env as _env
+from .kernels.contract import KERNELS  # the kernel layer's table: what every backend owes
 
 __all__ = ["BACKENDS", "KERNELS", "KernelChoice", "set_backend", "get_backend", "use_backend", "resolve",
            "push_override", "pop_override"]
 
 BACKENDS = ("reference", "triton", "cuda", "auto")
-KERNELS = (
-    "quantize_tensorwise",
-    "quantize_tensorwise_column_sums",
-    "quantize_current",
-    "amax_column_sums",
-    "quantize_rowwise",
-    "quantize_block",
-    "quantize_mxfp8",
-    "dequantize",
-    "gemm",
-    "gemm_fp8_out",
-    "activation",
-    "activation_grad",
-    "dact_dbias",
-    "rms_norm",
-    "rms_norm_grad",
-    "delayed_scale_update",
-)
 _MODULES = {
     "reference": "te_fuser.kernels.reference",
     "triton": "te_fuser.kernels.triton",

@@ -1,10 +1,9 @@
 """The cuda backend's contract, checked without a GPU: it imports cleanly and
-compiles nothing, its kernels have the reference signatures, asking for it on
+compiles nothing, it provides its kernels (their signatures: test_kernel_contract.py), asking for it on
 CPU tensors fails with a clear reason, and the shipped ``auto`` table is valid."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import torch
 
 from te_fuser import backend
 from te_fuser.kernels import cuda
-from te_fuser.kernels import reference as ref
 from te_fuser.kernels.operand import ScaledOperand
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,14 +32,9 @@ def test_import_compiles_nothing_and_needs_no_gpu():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
-@pytest.mark.parametrize("kernel", PROVIDED)
-def test_signatures_match_the_reference(kernel):
-    ours = inspect.signature(getattr(cuda, kernel))
-    theirs = inspect.signature(getattr(ref, f"{kernel}_reference"))
-    assert list(ours.parameters) == list(theirs.parameters)
-    for name, p in ours.parameters.items():
-        assert p.default == theirs.parameters[name].default, f"{kernel}({name}=...) default differs"
-        assert p.kind == theirs.parameters[name].kind
+def test_it_provides_its_kernels():
+    """(Their signatures: tests/test_kernel_contract.py, for every backend.)"""
+    assert all(callable(getattr(cuda, kernel)) for kernel in PROVIDED)
 
 
 def test_kernels_cublaslt_cannot_do_are_left_to_the_fallback():
