@@ -1,8 +1,9 @@
 """The op fuser: plans keyed by the recipe string, rebuilt when the key changes.
 
-Key = (recipe string, whether a backward is needed, compute dtype, training,
-calibrating, device type). The hot path compares the recipe *object* with the
-last one, then the cached strings, then the few other fields. On a change:
+Key = :class:`PlanKey` (recipe string, whether a backward is needed, compute
+dtype, training, calibrating, device type, kernel backend). The hot path compares
+the recipe *object* with the last one, then the cached strings, then the few other
+fields (the backend through the change counter of ``te_fuser.epoch``). On a change:
 
 1. build a candidate: fresh quantizers for every role (``quantizer_for`` or the
    recipe's ``qfactory``), carrying delayed-scaling state over from the old ones;
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch.nn.modules import module as _module_hooks
@@ -34,7 +35,7 @@ from ..epoch import CHANGES as _EPOCH
 from .op import BasicOperation, OpContext, RunConfig
 from .rules import BuildContext, PlanStep, RuleTable, match
 
-__all__ = ["OperationFuser", "FusionPlan", "FusionStats"]
+__all__ = ["OperationFuser", "FusionPlan", "FusionStats", "PlanKey"]
 
 # _EPOCH (ops/op.py) is bumped whenever any op installs quantizers or has a
 # Parameter or hook registered; a plan remembers the value it saw, so an op used
@@ -71,9 +72,22 @@ class FusionStats:
     last_build_phases: dict[str, float] = field(default_factory=dict)
 
 
+class PlanKey(NamedTuple):
+    """Everything that selects a plan: what the hot path (Python and compiled)
+    compares, what the report shows."""
+
+    recipe: str  # the recipe's string, or "high_precision"
+    needs_backward: bool
+    dtype: torch.dtype  # the compute dtype
+    training: bool
+    calibrating: bool
+    device_type: str
+    backend: str  # the kernel backend in force (its fusion decisions and kernel notes read it)
+
+
 @dataclass
 class FusionPlan:
-    key: tuple
+    key: PlanKey
     recipe_key: str
     run: RunConfig
     quantizers: list[dict]
@@ -86,12 +100,13 @@ class FusionPlan:
     epoch: int = -1
     installs: bool = True  # whether the plan's quantizers are the ops' own (False: high precision)
     build_phases: dict = field(default_factory=dict)  # seconds per phase of the candidate's build
-    backend: str = "auto"  # the kernel backend in force when it was built (its fusion decisions read it)
     in_shape: torch.Size | None = None  # the input shape of the last call (validated)
     shapes: dict = field(default_factory=dict)  # validated input shape -> output shape (bounded)
 
     def __post_init__(self) -> None:  # the key's fields, unpacked for the hot path
-        _, self.needs_backward, self.dtype, self.training, self.calibrating, self.device_type = self.key
+        key = self.key
+        self.needs_backward, self.dtype, self.training = key.needs_backward, key.dtype, key.training
+        self.calibrating, self.device_type, self.backend = key.calibrating, key.device_type, key.backend
         self.is_cuda = self.device_type == "cuda"
 
 
@@ -420,12 +435,11 @@ class OperationFuser:
         notes = self._kernel_notes(plan_recipe, device)
         t3 = time.perf_counter()
         phases["validation"] = t3 - t2
-        key = (recipe_key, needs_backward, dtype, training, calibrating, device.type)
+        key = PlanKey(recipe_key, needs_backward, dtype, training, calibrating, device.type, backend.get_backend())
         run = RunConfig(recipe, calibrating, dtype, needs_backward, training, recipe_key)
         plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes,
                           out_shape=out_shape, amax_reduction_group=amax_reduction_group,
-                          installs=recipe is not None, in_shape=shape, shapes={shape: out_shape},
-                          backend=backend.get_backend())
+                          installs=recipe is not None, in_shape=shape, shapes={shape: out_shape})
         plan.build_phases = phases
         return plan
 

@@ -79,12 +79,12 @@ def group_report(index: int, fuser) -> GroupReport:
     plan = fuser.plan
     if plan is None:
         return GroupReport(index, ops)
-    _, needs_backward, dtype, training, calibrating, device = plan.key
-    conditions = (("backward", str(needs_backward)), ("dtype", str(dtype).replace("torch.", "")),
-                  ("training", str(training)), ("calibrating", str(calibrating)), ("device", device),
-                  ("backend", plan.backend))
+    key = plan.key
+    conditions = (("backward", str(key.needs_backward)), ("dtype", str(key.dtype).replace("torch.", "")),
+                  ("training", str(key.training)), ("calibrating", str(key.calibrating)),
+                  ("device", key.device_type), ("backend", key.backend))
     return GroupReport(index, ops, None, plan.recipe_key, conditions, _steps(plan.forward),
-                       _steps(plan.backward) if needs_backward else (), tuple(plan.declined), tuple(plan.notes))
+                       _steps(plan.backward) if key.needs_backward else (), tuple(plan.declined), tuple(plan.notes))
 
 
 def plan_report(groups) -> PlanReport:
