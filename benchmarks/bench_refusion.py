@@ -43,7 +43,7 @@ import harness  # noqa: E402
 import te_fuser as te  # noqa: E402
 from te_fuser.ops import fuser as fuser_module  # noqa: E402
 from te_fuser.ops import hot_guard  # noqa: E402
-from te_fuser.warmup import _fusers_of  # noqa: E402
+from te_fuser.ops import fusers_of  # noqa: E402
 
 OP_COUNTS = (2, 8, 32, 128)
 RECIPE_A = te.recipe.Float8CurrentScaling()
@@ -74,7 +74,7 @@ def plans_not_executed(model):
     The model's fusers forget any armed decision on entry and on exit, so neither the
     real call nor the no-op outlives its context."""
     def disarm():
-        for f in _fusers_of(model):
+        for f in fusers_of(model):
             if f._guard is not None:
                 f._guard.disarm()
 

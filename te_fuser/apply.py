@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ from torch import nn
 from . import epoch
 from .ops import fuser as _fuser
 from .ops.fuser import FusionStats, OperationFuser
+from .ops.find import fuser_owners, owner_fusers
 from .ops.op import BasicOperation
 from .ops.sequential import Sequential
 from .recipe import Recipe
@@ -56,38 +57,8 @@ MISMATCH_POLICIES = ("warn", "error", "ignore")
 
 # -- the te_fuser modules of a tree ------------------------------------------------------
 
-def _owners(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(path, module)`` of every module that owns fusers: each ``Sequential``, and
-    each op or composite (``Linear``) not inside one (those run through their own
-    fuser when called)."""
-    inside: set[int] = set()
-    for path, module in model.named_modules():
-        if id(module) in inside:
-            continue
-        if isinstance(module, Sequential):
-            for item in module:  # its ops and composites run through its fusers (a nested Sequential runs itself)
-                if isinstance(item, BasicOperation) or _is_composite(item):
-                    inside.update(id(m) for m in [item, *getattr(item, "basic_ops", [])])
-            yield path, module
-        elif isinstance(module, BasicOperation) or _is_composite(module):
-            inside.update(id(op) for op in getattr(module, "basic_ops", []))
-            yield path, module
-
-
-def _is_composite(module: nn.Module) -> bool:
-    ops = getattr(module, "basic_ops", None)
-    return isinstance(ops, list) and bool(ops) and all(isinstance(op, BasicOperation) for op in ops) \
-        and callable(getattr(module, "own_fuser", None))
-
-
-def _fusers_of(owner: nn.Module) -> list[OperationFuser]:
-    if isinstance(owner, Sequential):
-        return [g for g in owner.groups() if isinstance(g, OperationFuser)]
-    return [owner.own_fuser()]
-
-
 def _ops_of(owner: nn.Module) -> list[BasicOperation]:
-    return [op for fuser in _fusers_of(owner) for op in fuser.ops]
+    return [op for fuser in owner_fusers(owner) for op in fuser.ops]
 
 
 def _label(path: str, owner: nn.Module, fuser: OperationFuser, fusers: list) -> str:
@@ -110,14 +81,14 @@ class _Target:
 
 def _targets(model: nn.Module, recipe: Recipe | None, overrides: dict) -> list[_Target]:
     targets = []
-    for path, owner in _owners(model):
+    for path, owner in fuser_owners(model):
         covering = [p for p in overrides if p == "" or path == p or path.startswith(p + ".")]
         if covering:
             best = max(covering, key=len)
             targets.append(_Target(path, owner, overrides[best], True))
         else:
             targets.append(_Target(path, owner, recipe, False))
-        targets[-1].fusers = _fusers_of(owner)
+        targets[-1].fusers = owner_fusers(owner)
     return targets
 
 
@@ -234,8 +205,8 @@ def fusion_plan(model: nn.Module) -> str:
     """Every te_fuser module's published plan, by module path, with the recipe each
     one runs by default (its own, pinned, or te.autocast's)."""
     blocks = []
-    for path, owner in _owners(model):
-        fusers = _fusers_of(owner)
+    for path, owner in fuser_owners(model):
+        fusers = owner_fusers(owner)
         settings = sorted({_setting_text(f) for f in fusers})
         head = f"{path or '(the model)'} [{type(owner).__name__}] recipe {'; '.join(settings)}"
         body = owner.fusion_plan() if isinstance(owner, Sequential) else _fuser_text(fusers[0])
@@ -261,9 +232,9 @@ class ModelFusionStats:
 
 def fusion_stats(model: nn.Module) -> ModelFusionStats:
     total, by_path = FusionStats(), {}
-    for path, owner in _owners(model):
+    for path, owner in fuser_owners(model):
         mine = FusionStats()
-        for f in _fusers_of(owner):
+        for f in owner_fusers(owner):
             s = f.stats
             for acc in (mine, total):
                 acc.builds += s.builds

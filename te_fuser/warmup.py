@@ -22,23 +22,11 @@ from torch import nn
 
 from .autocast import autocast
 from .epoch import CHANGES as _EPOCH
-from .ops.fuser import OperationFuser
+from .ops.find import fusers_of
 from .ops.op import BasicOperation
 from .recipe import Recipe
 
 __all__ = ["warmup"]
-
-
-def _fusers_of(model: nn.Module) -> list[OperationFuser]:
-    fusers = []
-    for module in model.modules():
-        groups = getattr(module, "groups", None)
-        if callable(groups):
-            fusers.extend(g for g in groups() if isinstance(g, OperationFuser))
-        own = getattr(module, "_own_fuser", None)
-        if isinstance(own, OperationFuser):
-            fusers.append(own)
-    return fusers
 
 
 class _Snapshot:
@@ -58,7 +46,7 @@ class _Snapshot:
         self.fusers = [
             (f, f._plan, f._last_recipe, f.stats.builds, f.stats.hits, f.stats.key, f.stats.build_seconds,
              dict(f.stats.last_build_phases), f._churn.__dict__.copy())
-            for f in _fusers_of(model)
+            for f in fusers_of(model)
         ]
         self.epoch = _EPOCH[0]
         self.cpu_rng = torch.get_rng_state()

@@ -66,7 +66,7 @@ def snapshot(model):
     for name, m in model.named_modules():
         if isinstance(m, te.ops.BasicOperation):
             out[name] = (m._quantizers, {t: q.state_dict() for t, q in m._quantizers.items()}, m._quantizer_key)
-    fusers = [f for _, owner in te.apply._owners(model) for f in te.apply._fusers_of(owner)]
+    fusers = te.ops.fusers_of(model)
     out["plans"] = [(f.plan, f.own_recipe) for f in fusers]
     return out
 

@@ -21,7 +21,7 @@ import torch
 import te_fuser as te
 from te_fuser.ops import hot_guard
 from te_fuser.ops.fuser import OperationFuser
-from te_fuser.warmup import _fusers_of
+from te_fuser.ops import fusers_of
 
 H = 32
 CURRENT = te.recipe.Float8CurrentScaling()
@@ -36,7 +36,7 @@ def model(seed: int = 0) -> te.ops.Sequential:
 def python_path_only(m: te.ops.Sequential) -> te.ops.Sequential:
     """``m`` with every fuser on the Python path (the reference the guard must agree with)."""
     m.groups()
-    for f in _fusers_of(m):
+    for f in fusers_of(m):
         f._guard, f.entry = None, f.run
     return m
 
@@ -46,7 +46,7 @@ def test_the_compiled_guard_loads_here():
     m = model()
     with te.autocast(recipe=CURRENT):
         m(torch.randn(4, H))
-    (f,) = _fusers_of(m)
+    (f,) = fusers_of(m)
     assert f.entry is f._guard and f._guard.armed
 
 
@@ -206,7 +206,7 @@ def test_a_replaced_parameter_and_a_new_hook_are_seen_on_the_compiled_path():
         handle.remove()
         m(x)
     assert calls == [1, 1]
-    (f,) = _fusers_of(m)
+    (f,) = fusers_of(m)
     assert f._guard.armed and f._flat_params[-2] is new
 
 
@@ -214,7 +214,7 @@ def test_replacing_the_parameters_disarms():
     m, x = model(), torch.randn(4, H)
     with te.autocast(recipe=CURRENT):
         m(x)
-        (f,) = _fusers_of(m)
+        (f,) = fusers_of(m)
         assert f._guard.armed
         f._flat_params = list(f._flat_params)
         assert not f._guard.armed
@@ -230,8 +230,8 @@ def test_copies_and_pickles_get_a_guard_of_their_own():
         torch.save(m, buffer)
         buffer.seek(0)
         for twin in (copy.deepcopy(m), torch.load(buffer, weights_only=False)):
-            (f,) = _fusers_of(twin)
-            assert f._guard is not None and f._guard is not _fusers_of(m)[0]._guard
+            (f,) = fusers_of(twin)
+            assert f._guard is not None and f._guard is not fusers_of(m)[0]._guard
             assert torch.equal(twin(x), y) and torch.equal(twin(x), y)
             assert f._guard.armed and twin.fusion_stats().hits >= 1
 
@@ -251,7 +251,7 @@ def test_a_fuser_and_its_guard_are_collected():
     m = model()
     with te.autocast(recipe=CURRENT):
         m(torch.randn(4, H))
-    ref = weakref.ref(_fusers_of(m)[0])
+    ref = weakref.ref(fusers_of(m)[0])
     del m
     gc.collect()
     assert ref() is None
@@ -332,7 +332,7 @@ def test_a_model_with_a_plain_module_between_groups_arms_every_guard():
     with te.autocast(recipe=CURRENT):
         m(torch.randn(4, H))
         m(torch.randn(4, H))
-    assert all(f._guard.armed for f in _fusers_of(m))
+    assert all(f._guard.armed for f in fusers_of(m))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -363,7 +363,7 @@ def test_a_subclass_with_its_own_forward_keeps_it():
     with te.autocast(recipe=CURRENT):
         for _ in range(3):
             assert torch.equal(m(x), 2 * reference(x))
-    assert "forward" not in m.__dict__ and _fusers_of(m)[0]._guard.armed
+    assert "forward" not in m.__dict__ and fusers_of(m)[0]._guard.armed
 
 
 def test_an_unwritable_cache_builds_in_a_temporary_folder(tmp_path):
