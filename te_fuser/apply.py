@@ -35,7 +35,6 @@ raises), and delayed-scaling history carries over as on a switch.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +42,7 @@ import torch
 from torch import nn
 
 from . import epoch
-from .ops import fuser as _fuser
-from .ops.fuser import FusionStats, OperationFuser
+from .ops.fuser import FusionStats, OperationFuser, probing
 from .ops.find import fuser_owners, owner_fusers
 from .ops.op import BasicOperation
 from .ops.sequential import Sequential
@@ -112,37 +110,23 @@ def _check_arguments(model, recipe, overrides, on_mismatched_load) -> dict:
     return overrides
 
 
-@contextlib.contextmanager
-def _probing(targets: list[_Target]):
-    """Fusers of ``targets`` record the plans their calls would need (see ``OperationFuser._probe``)."""
-    probe = _fuser._PROBE
-    if probe:
-        raise RuntimeError("apply_recipe: called while another apply_recipe probes a model")
-    for t in targets:
-        for f in t.fusers:
-            probe[f] = t.recipe
-            if f._guard is not None:
-                f._guard.disarm()
-    try:
-        yield probe
-    finally:
-        probe.clear()
-
-
 def _probe_candidates(model, targets: list[_Target], example_inputs) -> dict:
     """Run the model on ``example_inputs`` with its fusers recording the plans they
     would need (raising, with the module path, where one cannot be built)."""
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     labels = {f: _label(t.path, t.owner, f, t.fusers) for t in targets for f in t.fusers}
-    with _probing(targets) as probe, torch.no_grad():
+    recipes = {f: t.recipe for t in targets for f in t.fusers}
+    error = None
+    with probing(recipes) as (plans, failed), torch.no_grad():
         try:
             model(*inputs)
         except (ValueError, TypeError, RuntimeError) as err:
-            failed = probe.get("failed")
-            if failed is None:
-                raise
-            raise _named(err, labels.get(failed, "a te_fuser module")) from err
-        return {key[1]: plan for key, plan in probe.items() if isinstance(key, tuple) and key[0] == "plans"}
+            error = err
+    if error is not None:
+        if failed[0] is None:
+            raise error
+        raise _named(error, labels.get(failed[0], "a te_fuser module")) from error
+    return plans
 
 
 def _last_call_candidate(target: _Target, fuser: OperationFuser):

@@ -19,6 +19,7 @@ plan captured by its forward.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
@@ -51,6 +52,28 @@ _DISARMING = frozenset({"_plan", "_params", "_flat_params", "own_recipe"})
 # While te.apply_recipe probes a model's shapes: fuser -> the recipe it would get,
 # ("plans", fuser) -> the plan its calls need (see OperationFuser._probe).
 _PROBE: dict = {}
+
+
+@contextlib.contextmanager
+def probing(recipes: dict):
+    """Inside the block, the fusers in ``recipes`` (fuser -> recipe) do not run their
+    ops: each call builds, without publishing, the plan it would need under its
+    recipe and answers zeros of the output's shape (``te.apply_recipe``'s shape
+    probe). Yields ``(plans, failed)``: a dict fuser -> plan, filled as calls come,
+    and a one-item list holding the fuser whose plan could not be built, if any."""
+    if _PROBE:
+        raise RuntimeError("apply_recipe: called while another apply_recipe probes a model")
+    _PROBE.update(recipes)
+    for fuser in recipes:
+        if fuser._guard is not None:
+            fuser._guard.disarm()
+    plans, failed = {}, [None]
+    try:
+        yield plans, failed
+    finally:
+        failed[0] = _PROBE.get("failed")
+        plans.update({key[1]: plan for key, plan in _PROBE.items() if isinstance(key, tuple) and key[0] == "plans"})
+        _PROBE.clear()
 
 HIGH_PRECISION_KEY = "high_precision"  # the recipe part of a plan's key without a recipe
 _FLOATING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
