@@ -164,7 +164,8 @@ def apply_recipe(model: nn.Module, recipe: Recipe | None, *, example_inputs: Any
             candidates.append((t, f, plan))
     for t in targets:  # all plans stand: publish them all
         setting = (t.recipe, t.pinned)
-        t.owner._own_recipe = setting
+        if isinstance(t.owner, Sequential):  # the fusers it makes again when its list changes take it
+            t.owner._own_recipe = setting
         key = None if t.recipe is None else str(t.recipe)
         for op in _ops_of(t.owner):
             op._applied = (key, on_mismatched_load)
@@ -217,13 +218,8 @@ class ModelFusionStats:
 def fusion_stats(model: nn.Module) -> ModelFusionStats:
     total, by_path = FusionStats(), {}
     for path, owner in fuser_owners(model):
-        mine = FusionStats()
+        mine = by_path[path] = FusionStats()
         for f in owner_fusers(owner):
-            s = f.stats
-            for acc in (mine, total):
-                acc.builds += s.builds
-                acc.hits += s.hits
-                acc.build_seconds += s.build_seconds
-                acc.key = s.key if s.key is not None else acc.key
-        by_path[path] = mine
+            mine.add(f.stats)
+        total.add(mine)
     return ModelFusionStats(total, by_path)

@@ -97,7 +97,6 @@ def _run_group_fake(x, params, extras, handle, training, needs_backward, compute
 
 def _setup(ctx, inputs, output) -> None:
     x, params, extras = inputs[0], inputs[1], inputs[2]
-    ctx.handle = inputs[3]
     ctx.n_extra_out = len(output) - 2
     ctx.save_for_backward(output[-1], x, *params, *extras)
     ctx.sizes = (len(params), len(extras))

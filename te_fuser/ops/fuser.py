@@ -94,6 +94,15 @@ class FusionStats:
     build_seconds: float = 0.0
     last_build_phases: dict[str, float] = field(default_factory=dict)
 
+    def add(self, other: "FusionStats") -> None:
+        """Count ``other``'s figures in (a Sequential's or a model's sum)."""
+        self.builds += other.builds
+        self.hits += other.hits
+        self.build_seconds += other.build_seconds
+        self.key = other.key if other.key is not None else self.key
+        for phase, secs in other.last_build_phases.items():
+            self.last_build_phases[phase] = self.last_build_phases.get(phase, 0.0) + secs
+
 
 class PlanKey(NamedTuple):
     """Everything that selects a plan: what the hot path (Python and compiled)
@@ -121,7 +130,6 @@ class FusionPlan:
     out_shape: torch.Size | None = None
     amax_reduction_group: object = None  # te.autocast's group: delayed-scaling amaxes are all-reduced over it
     epoch: int = -1
-    installs: bool = True  # whether the plan's quantizers are the ops' own (False: high precision)
     build_phases: dict = field(default_factory=dict)  # seconds per phase of the candidate's build
     in_shape: torch.Size | None = None  # the input shape of the last call (validated)
     shapes: dict = field(default_factory=dict)  # validated input shape -> output shape (bounded)
@@ -131,6 +139,11 @@ class FusionPlan:
         self.needs_backward, self.dtype, self.training = key.needs_backward, key.dtype, key.training
         self.calibrating, self.device_type, self.backend = key.calibrating, key.device_type, key.backend
         self.is_cuda = self.device_type == "cuda"
+
+    @property
+    def installs(self) -> bool:
+        """Whether the plan's quantizers are the ops' own (not for high precision)."""
+        return self.run.recipe is not None
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -462,7 +475,7 @@ class OperationFuser:
         run = RunConfig(recipe, calibrating, dtype, needs_backward, training, recipe_key)
         plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes,
                           out_shape=out_shape, amax_reduction_group=amax_reduction_group,
-                          installs=recipe is not None, in_shape=shape, shapes={shape: out_shape})
+                          in_shape=shape, shapes={shape: out_shape})
         plan.build_phases = phases
         return plan
 

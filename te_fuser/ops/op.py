@@ -123,7 +123,7 @@ class WatchedModule(nn.Module):
 # Plain per-op state that is neither a parameter, a buffer nor a module: set
 # without nn.Module.__setattr__'s bookkeeping (it runs on every recipe switch).
 _PLAIN_STATE = frozenset({"_quantizers", "_quantizer_key", "_loaded_state", "_weight_cache", "_own_fuser",
-                          "_applied", "_own_recipe"})
+                          "_applied"})
 
 
 _EXTRA = "_extra_state"
@@ -179,7 +179,6 @@ class BasicOperation(WatchedModule):
         self._loaded_state: dict | None = None  # quantizer state from a checkpoint, not yet applied
         self._own_fuser = None
         self._applied: tuple | None = None  # (the model's own recipe key, on_mismatched_load) from te.apply_recipe
-        self._own_recipe: tuple | None = None
         # An extra state that holds nothing is left out of the state dict, so that an op
         # without scaling state has the keys of its torch counterpart (nn.LayerNorm's, ...)
         self._register_state_dict_hook(_drop_empty_extra_state)

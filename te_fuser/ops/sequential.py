@@ -35,6 +35,8 @@ from .report import PlanReport, plan_report
 
 __all__ = ["Sequential"]
 
+_is_compiling = torch.compiler.is_compiling  # looked up once: forward is the hot path
+
 
 def _accept_item_list_keys(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     """Checkpoints that held the items under ``_items.``: their keys as today's."""
@@ -176,7 +178,7 @@ class Sequential(nn.Module):
     # -- running -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
         fast = self._fast_fuser
-        if fast is not None and not extra_inputs and not torch.compiler.is_compiling():  # one group, no branches, kept short
+        if fast is not None and not extra_inputs and not _is_compiling():  # one group, no branches, kept short
             return fast.entry(x, self.training)
         return self._forward_groups(x, *extra_inputs)
 
@@ -242,13 +244,7 @@ class Sequential(nn.Module):
     def fusion_stats(self) -> FusionStats:
         total = FusionStats()
         for fuser in self._fusers():
-            s = fuser.stats
-            total.builds += s.builds
-            total.hits += s.hits
-            total.build_seconds += s.build_seconds
-            total.key = s.key if s.key is not None else total.key
-            for phase, secs in s.last_build_phases.items():
-                total.last_build_phases[phase] = total.last_build_phases.get(phase, 0.0) + secs
+            total.add(fuser.stats)
         return total
 
     def fusion_plan(self) -> PlanReport:
