@@ -1,0 +1,177 @@
+"""What the host pays per call, with the GPU kept busy: te_fuser's pieces beside torch's.
+
+    python benchmarks/host_cost.py [--calls 100] [--repeats 7]
+
+A long ``torch.cuda._sleep`` kernel is queued first, so that every launch of the
+timed loop queues behind it and the loop's wall time is the host's cost alone
+(no waiting on the GPU, no overlap); ``--calls`` stays below the launch queue's
+depth. Rows (µs per call, best of ``--repeats``):
+
+- primitives: ``torch.empty``, a bf16 ``torch.mm``, ``torch._scaled_mm``, the
+  backend's casts and GEMM, a Python ``autograd.Function``, ``te.autocast``;
+- one Linear at the GPT's MLP shape (16384 tokens, 1024 -> 4096, fp32 weights
+  under ``torch.autocast(bfloat16)``): forward, and forward + backward, for
+  torch's ``nn.Linear`` and te_fuser in bf16 and under each FP8 recipe;
+- the whole GPT step's host time at a tiny size (d 64, seq 64: the GPU has
+  almost nothing to do, so the step time is the host's), te beside the torch twin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import te_fuser as te
+from te_fuser import backend
+
+SLEEP_CYCLES = 2_000_000_000  # about a second at H200 clocks: longer than any timed loop
+
+
+def host_us(fn, calls: int, repeats: int) -> float:
+    """Best of ``repeats``: host µs per ``fn()`` while the GPU sleeps."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return best / calls * 1e6
+
+
+def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
+    dev = "cuda"
+    a = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    current = backend.resolve("quantize_current", a.device).fn
+    tensorwise = backend.resolve("quantize_tensorwise", a.device).fn
+    col_sums = backend.resolve("amax_column_sums", a.device).fn
+    gemm = backend.resolve("gemm", a.device).fn
+    xq, _, _, s_inv, _ = current(a, torch.float8_e4m3fn, False, 0.0, True, False, None)
+    wq, _, _, w_inv, _ = current(b, torch.float8_e4m3fn, False, 0.0, True, False, None)
+    from te_fuser.kernels.operand import ScaledOperand
+
+    xo, wo = ScaledOperand(xq, s_inv, "tensor"), ScaledOperand(wq, w_inv, "tensor")
+
+    class Nothing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    recipe = te.recipe.Float8CurrentScaling()
+
+    def autocast():
+        with te.autocast(recipe=recipe):
+            pass
+
+    rows = [
+        ("torch.empty (1024x1024 bf16)", lambda: torch.empty(1024, 1024, device=dev, dtype=torch.bfloat16)),
+        ("torch.mm bf16", lambda: torch.mm(a, b)),
+        ("torch._scaled_mm tensorwise", lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)),
+        (f"gemm ({backend.resolve('gemm', a.device).backend})", lambda: gemm(xo, wo, torch.bfloat16)),
+        (f"quantize_current ({backend.resolve('quantize_current', a.device).backend}), with T",
+         lambda: current(a, torch.float8_e4m3fn, False, 0.0, True, True, None)),
+        (f"quantize_tensorwise ({backend.resolve('quantize_tensorwise', a.device).backend}), with T",
+         lambda: tensorwise(a, one, torch.float8_e4m3fn, True, True)),
+        (f"amax_column_sums ({backend.resolve('amax_column_sums', a.device).backend})", lambda: col_sums(a)),
+        ("autograd.Function apply (no-op)", lambda: Nothing.apply(a)),
+        ("te.autocast enter+exit", autocast),
+    ]
+    return [(name, host_us(fn, calls, repeats)) for name, fn in rows]
+
+
+def linear_rows(calls: int, repeats: int) -> list[tuple[str, float, float]]:
+    dev = "cuda"
+    x = torch.randn(16384, 1024, device=dev, requires_grad=True)
+    dy = torch.randn(16384, 4096, device=dev, dtype=torch.bfloat16)
+    torch_lin = torch.nn.Linear(1024, 4096, device=dev)
+    te_lin = te.ops.Sequential(te.ops.Linear(1024, 4096, device=dev))
+    arms = [("torch nn.Linear", torch_lin, None), ("te bf16", te_lin, None)]
+    arms += [(f"te {n}", te_lin, r) for n, r in (("current", te.recipe.Float8CurrentScaling()),
+                                                 ("delayed", te.recipe.DelayedScaling()))]
+    rows = []
+    for label, mod, recipe in arms:
+        def fwd():
+            with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+                return mod(x)
+
+        def step():
+            fwd().backward(dy)
+
+        with torch.no_grad():
+            pass
+        rows.append((label, host_us(fwd, calls, repeats), host_us(step, max(calls // 4, 10), repeats)))
+    return rows
+
+
+def gpt_rows(steps: int) -> list[tuple[str, float]]:
+    from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights
+
+    config = GPTConfig.gpu().replace(d_model=64, n_head=4, d_ffn=256, seq_len=64, batch_size=4)
+    torch.manual_seed(0)
+    batch = torch.randint(0, 256, (config.batch_size, config.seq_len + 1), device="cuda")
+    te_model, twin = GPT(config, device="cuda"), TorchGPT(config, device="cuda")
+    copy_weights(te_model, twin)
+    rows = []
+    arms = [("torch bf16", twin, None), ("te bf16", te_model, None),
+            ("te current", te_model, te.recipe.Float8CurrentScaling()), ("te delayed", te_model, te.recipe.DelayedScaling())]
+    for label, model, recipe in arms:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        x, y = batch[:, :-1], batch[:, 1:]
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+                logits = model(x)
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(5):
+            step()
+        times = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        rows.append((label, statistics.median(times)))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--gpt-steps", type=int, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    print(f"backend={te.get_backend()} torch={torch.__version__}")
+    print("\nprimitive                                      host us/call")
+    for name, us in primitives(args.calls, args.repeats):
+        print(f"  {name:<44} {us:8.1f}")
+    print("\nLinear 16384x1024->4096            fwd us   fwd+bwd us")
+    for label, f_us, s_us in linear_rows(args.calls, args.repeats):
+        print(f"  {label:<30} {f_us:8.1f} {s_us:11.1f}")
+    print("\ntiny GPT step (host-bound)        ms/step   vs torch")
+    rows = gpt_rows(args.gpt_steps)
+    for label, ms in rows:
+        print(f"  {label:<30} {ms:8.2f} {rows[0][1] / ms:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
