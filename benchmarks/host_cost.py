@@ -46,6 +46,25 @@ def host_us(fn, calls: int, repeats: int) -> float:
     return best / calls * 1e6
 
 
+def blocking_calls(fn, calls: int, top: int = 6) -> list[tuple[str, float]]:
+    """The functions whose own time holds the GPU's sleep: where ``fn`` waits on the GPU."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((f"{name} ({file.rsplit('/', 1)[-1]}:{line})", tt * 1e3) for (file, line, name), (_, _, tt, _, _)
+                   in stats.items()), key=lambda r: -r[1])
+    return rows[:top]
+
+
 def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
     dev = "cuda"
     a = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
@@ -111,9 +130,11 @@ def linear_rows(calls: int, repeats: int) -> list[tuple[str, float, float]]:
         def step():
             fwd().backward(dy)
 
-        with torch.no_grad():
-            pass
         rows.append((label, host_us(fwd, calls, repeats), host_us(step, max(calls // 4, 10), repeats)))
+        if rows[-1][1] > 20 * rows[0][1]:
+            print(f"  {label}: the forward waits on the GPU; own time (ms) of the top functions over {calls} calls:")
+            for name, ms in blocking_calls(fwd, calls):
+                print(f"    {ms:10.1f}  {name}")
     return rows
 
 
