@@ -65,6 +65,34 @@ def blocking_calls(fn, calls: int, top: int = 6) -> list[tuple[str, float]]:
     return rows[:top]
 
 
+def step_profile(step, calls: int, top: int) -> None:
+    """cProfile of ``calls`` steps with the backward on this thread (autograd's device
+    threads off, so its Python is seen) while the GPU sleeps: own time per step."""
+    import cProfile
+    import pstats
+
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        step()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    stats = pstats.Stats(prof).stats
+    total = sum(tt for (_, _, tt, _, _) in stats.values()) / calls * 1e6
+    rows = sorted(((tt / calls * 1e6, nc / calls, f"{name} ({file.rsplit('/', 1)[-1]}:{line})")
+                   for (file, line, name), (_, nc, tt, _, _) in stats.items()), reverse=True)
+    print(f"    profiled: {total:.0f} us of own time per step; the top functions (us per step, calls per step):")
+    for us, n, name in rows[:top]:
+        print(f"    {us:8.1f} {n:6.1f}  {name}")
+
+
 def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
     dev = "cuda"
     a = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
@@ -112,7 +140,7 @@ def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
     return [(name, host_us(fn, calls, repeats)) for name, fn in rows]
 
 
-def linear_rows(calls: int, repeats: int) -> list[tuple[str, float, float]]:
+def linear_rows(calls: int, repeats: int, profile: int) -> list[tuple[str, float, float]]:
     dev = "cuda"
     x = torch.randn(16384, 1024, device=dev, requires_grad=True)
     dy = torch.randn(16384, 4096, device=dev, dtype=torch.bfloat16)
@@ -130,7 +158,10 @@ def linear_rows(calls: int, repeats: int) -> list[tuple[str, float, float]]:
         def step():
             fwd().backward(dy)
 
-        rows.append((label, host_us(fwd, calls, repeats), host_us(step, max(calls // 4, 10), repeats)))
+        rows.append((label, host_us(fwd, max(calls // 5, 10), repeats), host_us(step, max(calls // 5, 10), repeats)))
+        if profile and recipe is not None:
+            print(f"  {label}, fwd+bwd:")
+            step_profile(step, 10, profile)
         if rows[-1][1] > 20 * rows[0][1]:
             print(f"  {label}: the forward waits on the GPU; own time (ms) of the top functions over {calls} calls:")
             for name, ms in blocking_calls(fwd, calls):
@@ -178,6 +209,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--gpt-steps", type=int, default=20)
+    p.add_argument("--profile", type=int, default=25, help="profile the FP8 Linear steps: top N functions (0: off)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -186,7 +218,7 @@ def main(argv=None):
     for name, us in primitives(args.calls, args.repeats):
         print(f"  {name:<44} {us:8.1f}")
     print("\nLinear 16384x1024->4096            fwd us   fwd+bwd us")
-    for label, f_us, s_us in linear_rows(args.calls, args.repeats):
+    for label, f_us, s_us in linear_rows(args.calls, args.repeats, args.profile):
         print(f"  {label:<30} {f_us:8.1f} {s_us:11.1f}")
     print("\ntiny GPT step (host-bound)        ms/step   vs torch")
     rows = gpt_rows(args.gpt_steps)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost gpt profgpt
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt profgpt
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -69,6 +69,8 @@ for part in $parts; do
       [ -f benchmarks/check_gpu_defects.py ] && timeout 300 python3 benchmarks/check_gpu_defects.py 2>&1 \
         | tee "$OUT/checks.log" | tail -30 ;;
     graphed) timeout 100 python3 benchmarks/profile_step.py --graphed 2>&1 | tee "$OUT/graphed.log" | grep "us/step" ;;
+    dact)  # the fused activation backward's launch shapes (the MLP's 16384x4096 GELU)
+      timeout 200 python3 benchmarks/tune_dact_dbias.py 2>&1 | tee "$OUT/dact.log" | tail -16 ;;
     hostcost)  # host cost per call with the GPU kept busy: primitives, the MLP-shaped Linear, a tiny GPT's step
       timeout 200 python3 benchmarks/host_cost.py 2>&1 | tee "$OUT/hostcost.log" | tail -40 ;;
     host) [ -f benchmarks/host_overhead.py ] && timeout 120 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host.log" | tail -20 ;;

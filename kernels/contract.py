@@ -22,6 +22,7 @@ KERNELS = (
     "quantize_tensorwise_column_sums",  # the same with the columns' sums (a bias gradient) from its read
     "quantize_current",                # current scaling: the amax first, then the cast
     "amax_column_sums",                # the amax and the column sums in one read
+    "quantize_current_column_sums",    # current scaling's cast with the columns' sums (a bias gradient)
     "quantize_rowwise",                # one scale per row
     "quantize_block",                  # 1x128 and 128x128 block scales
     "quantize_mxfp8",                  # MXFP8: E8M0 scales per 32 elements

@@ -1,11 +1,8 @@
 """Kernel backends: ``reference`` (plain torch), ``triton``, ``cuda``, and ``auto``.
 
-Every backend implements the same kernels under the same names and signatures
-(those of :mod:`te_fuser.kernels.reference`, without the ``_reference`` suffix):
-
-    quantize_tensorwise, quantize_tensorwise_column_sums, quantize_current, amax_column_sums,
-    quantize_rowwise, quantize_block, quantize_mxfp8, dequantize, gemm, gemm_fp8_out, activation,
-    activation_grad, dact_dbias, rms_norm, rms_norm_grad, delayed_scale_update
+Every backend implements the kernels of ``kernels/contract.py``'s ``KERNELS``
+under the same names and signatures (those of :mod:`te_fuser.kernels.reference`,
+without the ``_reference`` suffix), or lacks some.
 
 ``set_backend(name)`` chooses globally; ``te.autocast(backend=...)`` overrides it
 inside a region. ``auto`` (the default) uses ``reference`` on CPU tensors and, on

@@ -1,4 +1,5 @@
-"""``amax_column_sums``: the amax of current scaling and a bias gradient from one read.
+"""``amax_column_sums``: the amax of current scaling and a bias gradient from one read;
+``quantize_current_column_sums``, the cast that takes them.
 
 The kernel against the reference (the amax bit for bit, the sums against float64
 within the fp32 tolerance), a current-scaling cast that takes the amax given
@@ -132,3 +133,21 @@ def test_the_rule_under_the_triton_backend_equals_unfused(recipe_name):
             assert_close(g_f[name], g_u[name], torch.bfloat16, f"{recipe_name} grad {name}", scaled=True)
         else:
             assert_bitwise(g_f[name], g_u[name], f"{recipe_name} grad {name}")
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+@pytest.mark.parametrize("shape", [(67, 96), (1, 33)])
+def test_quantize_current_column_sums_is_the_cast_and_the_sums(columnwise, shape):
+    """The Triton kernel and the reference: the cast bit for bit the plain
+    current-scaling cast, the sums those of ``amax_column_sums``."""
+    x = adversarial(*shape, dtype=torch.bfloat16)
+    plain = ref.quantize_current_reference(x, E4M3, False, 0.0, True, columnwise)
+    _, sums_ref = ref.amax_column_sums_reference(x)
+    for name, fn in (("triton", tk.quantize_current_column_sums), ("reference", ref.quantize_current_column_sums_reference)):
+        *got, sums = fn(x, E4M3, False, 0.0, True, columnwise)
+        for part, g, p in zip(("data", "data_t", "scale", "scale_inv", "amax"), got, plain):
+            assert (g is None) == (p is None), f"{name} {part}"
+            if p is not None:
+                assert_bitwise(g, p, f"{name} {part}")
+        assert_close(sums, x.double().sum(dim=0), "column_sums_fp32", f"{name} sums", scaled=True)
+        assert_close(sums, sums_ref.double(), "column_sums_fp32", f"{name} sums against the reference's", scaled=True)

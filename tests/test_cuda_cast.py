@@ -102,6 +102,26 @@ def test_quantize_tensorwise_column_sums(shape, hp, columnwise):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("hp", HP, ids=str)
+@pytest.mark.parametrize("columnwise", [True, False])
+def test_quantize_current_column_sums(shape, hp, columnwise):
+    """Bit for bit the plain current-scaling cast (copies, scales, amax); the column
+    sums, from the tiles of the transposing cast, against float64."""
+    x = _data(shape, hp, seed=shape[0] + 1)
+    *got, sums = cuda.quantize_current_column_sums(x, E5M2, False, 0.0, True, columnwise)
+    plain = cuda.quantize_current(x, E5M2, False, 0.0, True, columnwise)
+    want = ref.quantize_current_column_sums_reference(x, E5M2, False, 0.0, True, columnwise)
+    ctx = _ctx("quantize_current_column_sums", x, E5M2)
+    for name, g, p, w in zip(("data", "data_t", "scale", "scale_inv", "amax"), got, plain, want):
+        assert (g is None) == (p is None) == (w is None), f"{ctx} {name}"
+        if p is not None:
+            assert_bitwise(g, p, f"{ctx} {name}")
+            assert_bitwise(g, w, f"{ctx} {name} (reference)")
+    assert sums.shape == (shape[1],) and sums.dtype == torch.float32, ctx
+    assert_close(sums, x.double().sum(dim=0), "column_sums_fp32", f"{ctx} sums", scaled=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("hp", HP, ids=str)
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 def test_quantize_current(shape, hp, fp8):
     x = _data(shape, hp, seed=shape[1])

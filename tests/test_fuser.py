@@ -279,7 +279,7 @@ group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bi
   kernel: gemm: reference
   kernel: dequantize: reference
   kernel: quantize_current: reference
-  kernel: amax_column_sums: reference
+  kernel: quantize_current_column_sums: reference
 group 1: plain module Tanh (runs as is)
 group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
   recipe: <Float8CurrentScaling>
@@ -291,7 +291,7 @@ group 2: 2 ops: 0:BasicLinear('fc3'), 1:Bias('fc3')
   kernel: gemm: reference
   kernel: dequantize: reference
   kernel: quantize_current: reference
-  kernel: amax_column_sums: reference""")
+  kernel: quantize_current_column_sums: reference""")
         with torch.no_grad():
             model(x, torch.randn(4, H))
         self.assertExpectedInline(model.fusion_plan(), """\

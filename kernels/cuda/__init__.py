@@ -9,6 +9,8 @@ for bit):
   gradient) from the same read;
 - ``quantize_current``: current scaling, two passes (amax, then scale and cast,
   optionally with the transposed copy);
+- ``quantize_current_column_sums``: the same, and the column sums from the cast
+  pass's read;
 - ``quantize_rowwise``: one scale per row (for row-wise scaled GEMMs);
 - ``quantize_mxfp8``: MXFP8 (E8M0 scale per 32 elements along the last dim);
 - ``gemm``: ``torch._scaled_mm`` (cuBLASLt) plus one fused epilogue kernel;
@@ -26,14 +28,15 @@ what is missing (:func:`unavailable_reason`).
 
 from ._build import extension as load_extension
 from ._build import is_loaded, unavailable_reason
-from .cast import (quantize_current, quantize_mxfp8, quantize_rowwise, quantize_tensorwise,
-                   quantize_tensorwise_column_sums)
+from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp8, quantize_rowwise,
+                   quantize_tensorwise, quantize_tensorwise_column_sums)
 from .scaled_mm import block_scaled_mm_available, gemm, gemm_unsupported_reason
 
 __all__ = [
     "quantize_tensorwise",
     "quantize_tensorwise_column_sums",
     "quantize_current",
+    "quantize_current_column_sums",
     "quantize_rowwise",
     "quantize_mxfp8",
     "gemm",

@@ -15,7 +15,8 @@ from ..operand import ScaledOperand
 from ..reference.cast import check_given_amax, check_matrix
 from ._build import extension, raw_stream
 
-__all__ = ["quantize_tensorwise", "quantize_current", "quantize_rowwise", "quantize_mxfp8"]
+__all__ = ["quantize_tensorwise", "quantize_tensorwise_column_sums", "quantize_current", "quantize_current_column_sums",
+           "quantize_rowwise", "quantize_mxfp8"]
 
 HP_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -189,17 +190,44 @@ def quantize_current(
     amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Current scaling: amax of ``x`` (pass 1), then scale and cast (pass 2); with
-    ``amax`` given (0-d fp32, e.g. from ``amax_column_sums``), pass 2 only.
+    ``amax`` given (0-d fp32), pass 2 only.
 
     Returns ``(data, data_t, scale, scale_inv, amax)``, all 0-d fp32 but the data.
     """
-    op = "quantize_current"
+    return _current("quantize_current", x, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax, False)[:5]
+
+
+def quantize_current_column_sums(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    power_2: bool = False,
+    epsilon: float = 0.0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_current` of 2-D ``x`` (M, N) and ``x`` summed over its rows in
+    fp32 (N,), a bias gradient. With the transposed copy the sums come from the
+    cast pass's read (each 128x128 tile's column sums, then their sum over the row
+    tiles); without it, torch sums apart.
+
+    Returns ``(data or None, data_t or None, scale, scale_inv, amax, sums)``.
+    """
+    op = "quantize_current_column_sums"
+    check_matrix(x, op)
+    if not columnwise or x.numel() == 0:
+        out = _current(op, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None, False)[:5]
+        return (*out, x.sum(dim=0, dtype=torch.float32))
+    return _current(op, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None, True)
+
+
+def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise: bool, given, sums: bool):
+    """Current scaling's two passes; with ``sums`` (x 2-D, ``columnwise``), also the
+    column sums from the cast pass."""
     code = _fp8_code(fp8_dtype, op)
     epsilon = _check_epsilon(epsilon, op)
     x = _hp_input(x, op)
     device = x.device
     rows, cols = _matrix_shape(x, columnwise, op)
-    given = amax
     if given is not None:
         check_given_amax(given, x, op)
     # amax, scale, scale_inv in one allocation, each 16-byte aligned: cuBLASLt
@@ -210,6 +238,7 @@ def quantize_current(
         amax = given.reshape(())
     data = torch.empty(x.shape, dtype=fp8_dtype, device=device) if rowwise else None
     data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=device) if columnwise else None
+    partials = torch.empty(((rows + _TILE - 1) // _TILE, cols), dtype=torch.float32, device=device) if sums else None
     ext = extension()
     stream = raw_stream(device)
     with on_device(device):
@@ -217,9 +246,13 @@ def quantize_current(
             ext.amax(x.data_ptr(), HP_CODES[x.dtype], x.numel(), amax.data_ptr(), stream)
         ext.cast(
             x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),
-            0, 0, amax.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), epsilon, bool(power_2), 0, stream,
+            0, 0, amax.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), epsilon, bool(power_2), _ptr(partials),
+            stream,
         )  # fmt: skip
-    return data, data_t, scale, scale_inv, amax
+    column_sums = None
+    if sums:
+        column_sums = partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
+    return data, data_t, scale, scale_inv, amax, column_sums
 
 
 def quantize_rowwise(

@@ -352,8 +352,8 @@ void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t
   const bool current = scaling.amax_in != nullptr;
   const int64_t numel = rows * cols;
   const bool transpose = out_t != nullptr && numel > 0;
-  if (scaling.column_partials != nullptr && (current || !transpose)) {
-    throw std::invalid_argument("cast: column sums come with a delayed-scaling cast that writes the transposed copy");
+  if (scaling.column_partials != nullptr && !transpose) {
+    throw std::invalid_argument("cast: column sums come with a cast that writes the transposed copy");
   }
   if (!current) check_cuda(cudaMemsetAsync(scaling.amax_out, 0, sizeof(float), stream), "cast (zeroing amax)");
   dispatch_hp(hp_type, "cast", [&](auto tag) {
@@ -365,7 +365,10 @@ void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t
         const int64_t row_tiles = (rows + kTile - 1) / kTile;
         if (row_tiles > 65535) throw std::invalid_argument("cast: a transposed copy supports at most 8388480 rows");
         const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned(row_tiles));
-        if (current) {
+        if (current && scaling.column_partials != nullptr) {
+          cast_transpose_kernel<T, FP8, true, true><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols,
+                                                                                  scaling);
+        } else if (current) {
           cast_transpose_kernel<T, FP8, true, false><<<grid, kThreads, 0, stream>>>(xt, out, out_t, rows, cols,
                                                                                    scaling);
         } else if (scaling.column_partials != nullptr) {

@@ -29,6 +29,7 @@ __all__ = [
     "quantize_tensorwise_column_sums_reference",
     "quantize_current_reference",
     "amax_column_sums_reference",
+    "quantize_current_column_sums_reference",
     "quantize_rowwise_reference",
     "quantize_block_reference",
     "quantize_mxfp8_reference",
@@ -152,6 +153,24 @@ def amax_column_sums_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     xf = x.float()
     amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
     return amax, x.sum(dim=0, dtype=torch.float32)
+
+
+def quantize_current_column_sums_reference(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    power_2: bool = False,
+    epsilon: float = 0.0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_current_reference` of 2-D ``x`` (M, N) and ``x`` summed over its
+    rows in fp32 (N,): a gradient's current-scaling cast with its bias gradient,
+    which the kernels take from the same reads.
+
+    Returns ``(data, data_t, scale, scale_inv, amax, sums)``.
+    """
+    amax, sums = amax_column_sums_reference(x)
+    return (*quantize_current_reference(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax), sums)
 
 
 def check_matrix(x, kernel: str) -> None:

@@ -10,13 +10,13 @@ gradient as FP8 with a given scale, with its amax). :func:`rms_norm` and
 :func:`rms_norm_grad` make one pass each over the data. :func:`delayed_scale_update`
 is the whole delayed-scaling state update (history, scale, scale_inv, count) in one
 launch. :func:`amax_column_sums` reads a gradient once for its current-scaling amax
-and its bias gradient; :func:`quantize_tensorwise_column_sums` is the delayed-scaling
+and its bias gradient (:func:`quantize_current_column_sums` then casts it); :func:`quantize_tensorwise_column_sums` is the delayed-scaling
 cast that also returns the bias gradient from its one read.
 """
 
 from .activations import activation, activation_grad, dact_dbias, dact_dbias_fp8
-from .cast import (amax_column_sums, dequantize, quantize_block, quantize_current, quantize_mxfp8, quantize_rowwise,
-                   quantize_tensorwise, quantize_tensorwise_column_sums)
+from .cast import (amax_column_sums, dequantize, quantize_block, quantize_current, quantize_current_column_sums,
+                   quantize_mxfp8, quantize_rowwise, quantize_tensorwise, quantize_tensorwise_column_sums)
 from .fp8_gemm import gemm, gemm_fp8_out
 from .norm import rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason
 from .scaling import delayed_scale_update
@@ -26,6 +26,7 @@ __all__ = [
     "quantize_tensorwise_column_sums",
     "quantize_current",
     "amax_column_sums",
+    "quantize_current_column_sums",
     "quantize_rowwise",
     "quantize_block",
     "quantize_mxfp8",

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import abs_bits, check_input, fp8_bytes_as, hw_fp8, is_interpreted, round_through, sm_count
+from .cast import CastPlan
 
 __all__ = ["activation", "activation_grad", "dact_dbias", "dact_dbias_fp8", "ACTIVATION_CODES"]
 
@@ -227,8 +228,18 @@ def _as_rows(x: torch.Tensor, kind: str, kernel: str) -> tuple[torch.Tensor, int
     return x2d, cols
 
 
-def _blocks(x: torch.Tensor) -> tuple[int, int]:
-    return (16, 32) if is_interpreted(x) else (8, 256)
+# Launch shapes on a GPU (tiles of block_m rows x block_n columns; for dact_dbias,
+# programs_per_sm programs in flight, each walking its slab of rows); the
+# benchmarks may replace entries to compare launch shapes (tune_dact_dbias.py).
+ACTIVATION_PLANS = {
+    "elementwise": CastPlan(8, 256, 4, 0),
+    "dact_dbias": CastPlan(8, 256, 4, 4),
+}
+_INTERPRETED_PLAN = CastPlan(16, 32, 4, 4)
+
+
+def _plan(x: torch.Tensor, kernel: str) -> CastPlan:
+    return _INTERPRETED_PLAN if is_interpreted(x) else ACTIVATION_PLANS[kernel]
 
 
 def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -246,10 +257,10 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None)
     store_dtype = out_dtype if (out_dtype is not None and not is_interpreted(x)) else compute
     y = torch.empty((rows, cols), dtype=store_dtype, device=x.device)
     if y.numel():
-        block_r, block_c = _blocks(x)
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
-        _activation_kernel[grid](x2d, y, rows, cols, KIND=code, COMPUTE=tl_compute, BLOCK_R=block_r,
-                                 BLOCK_C=block_c, num_warps=4)
+        plan = _plan(x, "elementwise")
+        grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
+        _activation_kernel[grid](x2d, y, rows, cols, KIND=code, COMPUTE=tl_compute, BLOCK_R=plan.block_m,
+                                 BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y.reshape(*x.shape[:-1], cols)
@@ -279,10 +290,10 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tenso
     rows = x2d.shape[0]
     dx = torch.empty(x2d.shape, dtype=compute, device=x.device)
     if dx.numel():
-        block_r, block_c = _blocks(x)
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+        plan = _plan(x, "elementwise")
+        grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
         _activation_grad_kernel[grid](dy2d, x2d, dx, rows, cols, KIND=activation_code(kind), COMPUTE=tl_compute,
-                                      BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+                                      BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     return dx.reshape(x.shape)
 
 
@@ -292,9 +303,11 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_st
     rounded to the narrower ``round_to`` when given; return dbias."""
     tl_compute, torch_compute = compute
     rows, cols_dx = x2d.shape
-    block_r, block_c = _blocks(x2d)
+    plan = _plan(x2d, "dact_dbias")
+    block_r, block_c = plan.block_m, plan.block_n
     col_blocks = triton.cdiv(cols, block_c)
-    splits = max(1, min(triton.cdiv(rows, block_r), (4 * sm_count(x2d)) // col_blocks))
+    in_flight = plan.programs_per_sm * sm_count(x2d)
+    splits = max(1, min(triton.cdiv(rows, block_r), in_flight // col_blocks))
     rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
     splits = triton.cdiv(rows, rows_per_split)
     partial = torch.empty((splits, cols_dx), dtype=torch_compute, device=x2d.device)
@@ -304,7 +317,7 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_st
         fp8_state if fp8_state is not None else partial, rows, cols, rows_per_split, KIND=activation_code(kind),
         COMPUTE=tl_compute, FP8_OUT=fp8_out, HW_FP8=fp8_out is not None and hw_fp8(x2d),
         ROUND_TO=None if round_to is None else _TL_FLOAT[round_to], BLOCK_R=block_r,
-        BLOCK_C=block_c, num_warps=4)
+        BLOCK_C=block_c, num_warps=plan.num_warps)
     return partial.sum(dim=0)
 
 

@@ -437,6 +437,23 @@ def amax_column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return amax, (sums[0] if row_blocks == 1 else sums.sum(dim=0))
 
 
+def quantize_current_column_sums(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    power_2: bool = False,
+    epsilon: float = 0.0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_current` of 2-D ``x`` with its column sums: the amax pass
+    (:func:`amax_column_sums`) also sums the columns, the cast pass takes its amax.
+
+    Returns ``(data, data_t, scale, scale_inv, amax, sums)``.
+    """
+    amax, sums = amax_column_sums(x)
+    return (*quantize_current(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax), sums)
+
+
 # ------------------------------------------------------------ per row / tile
 
 

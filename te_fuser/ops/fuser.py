@@ -565,7 +565,7 @@ class OperationFuser:
         if recipe.delayed():
             names += ["quantize_tensorwise", "quantize_tensorwise_column_sums", "delayed_scale_update"]
         elif recipe.float8_current_scaling():
-            names += ["quantize_current", "amax_column_sums"]  # the latter for a bias gradient with the cast
+            names += ["quantize_current", "quantize_current_column_sums"]  # the latter for a bias gradient with the cast
         elif recipe.float8_block_scaling():
             names.append("quantize_block")
         elif recipe.mxfp8():

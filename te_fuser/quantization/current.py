@@ -45,9 +45,15 @@ class Float8CurrentScalingQuantizer(Quantizer):
         return rowwise_op, columnwise_op
 
     def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
-        """The amax pass also sums the columns; the cast then takes that amax."""
-        amax, sums = backend.resolve("amax_column_sums", x_hp.device).fn(x_hp)
-        return (*self._quantize(x_hp, rowwise, columnwise, amax), sums)
+        """The cast also sums the columns (from its amax pass or its cast pass, as the
+        backend's kernel reads them)."""
+        cast = backend.resolve("quantize_current_column_sums", x_hp.device).fn
+        x_fp8, x_fp8_t, _scale, scale_inv, _amax, sums = cast(
+            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise
+        )
+        rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None
+        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None
+        return rowwise_op, columnwise_op, sums
 
     def describe(self) -> str:
         extras = (", pow2" if self.power_2_scales else "") + (

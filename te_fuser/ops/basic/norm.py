@@ -2,8 +2,10 @@
 
 RMSNorm runs the backend's ``rms_norm`` / ``rms_norm_grad`` kernels (on the GPU
 one Triton pass each, forward and backward; the reference in fp32 torch ops).
-LayerNorm runs torch's ``layer_norm`` in fp32 forward, and its backward the
-closed-form gradient in fp32 from the saved input (see ``op_backward``).
+LayerNorm runs torch's own fp32 kernels: ``native_layer_norm`` forward (which
+also returns the rows' mean and reciprocal standard deviation, saved for the
+backward) and ``native_layer_norm_backward`` (dx, dweight and dbias from those
+statistics, without recomputing them): one kernel each way on the GPU.
 """
 
 from __future__ import annotations
@@ -38,41 +40,6 @@ class _Norm(BasicOperation):
             raise ValueError(f"{self.describe()}: input's last dim is {in_shape[-1]}, expected {self.size}")
         return in_shape
 
-    def _normalize(self, x32: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _params(self) -> list[nn.Parameter]:
-        """The parameters in ``parameters()`` order, without walking the module tree."""
-        bias = self.bias
-        return [self.weight] if bias is None else [self.weight, bias]
-
-    def op_forward(self, ctx, x, extra_inputs):
-        dtype = ctx.run.compute_dtype
-        if ctx.run.needs_backward:
-            ctx.saved["x"] = x
-        params = [p.float() for p in self._params()]
-        y = self._normalize(x.float(), params)
-        return (y if y.dtype is dtype else y.to(dtype)), []
-
-    def op_backward(self, ctx, dy, grad_extra_outputs):
-        """The closed form of LayerNorm's gradient in fp32, from the saved input
-        (no autograd: it also runs inside custom ops, below it):
-
-            xhat = (x - mean) * rstd,   g = dy * weight
-            dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
-            dweight = sum_rows(dy * xhat),   dbias = sum_rows(dy)"""
-        x = ctx.saved["x"]
-        n = self.size
-        x32, dy32 = x.float().reshape(-1, n), dy.float().reshape(-1, n)  # (M, N)
-        mean = x32.mean(-1, keepdim=True)
-        rstd = torch.rsqrt(x32.var(-1, unbiased=False, keepdim=True) + self.eps)
-        xhat = (x32 - mean) * rstd
-        g = dy32 * self.weight.float()
-        dx = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-        weight, bias = self.weight, self.bias
-        pgrads = [(dy32 * xhat).sum(0).to(weight.dtype)] + ([dy32.sum(0).to(bias.dtype)] if bias is not None else [])
-        return dx.reshape(x.shape).to(x.dtype), pgrads, []
-
 
 class LayerNorm(_Norm):
     """``(x - mean) / sqrt(var + eps) * weight + bias``, as torch.nn.LayerNorm."""
@@ -80,9 +47,24 @@ class LayerNorm(_Norm):
     def __init__(self, normalized_shape: int, eps: float = 1e-5, *, device=None, dtype=None, name=None) -> None:
         super().__init__(normalized_shape, eps, True, device, dtype, name)
 
-    def _normalize(self, x32, params):
-        weight, bias = params
-        return torch.nn.functional.layer_norm(x32, (self.size,), weight, bias, self.eps)
+    def op_forward(self, ctx, x, extra_inputs):
+        dtype = ctx.run.compute_dtype
+        y, mean, rstd = torch.native_layer_norm(x.float(), (self.size,), self.weight.float(), self.bias.float(),
+                                                self.eps)  # fp32; the statistics (..., 1)
+        if ctx.run.needs_backward:
+            ctx.saved["x"], ctx.saved["stats"] = x, (mean, rstd)
+        return (y if y.dtype is dtype else y.to(dtype)), []
+
+    def op_backward(self, ctx, dy, grad_extra_outputs):
+        """torch's LayerNorm gradient in fp32 from the saved input and statistics (no
+        autograd: it also runs inside custom ops, below it)."""
+        x, (mean, rstd) = ctx.saved["x"], ctx.saved["stats"]
+        weight, bias = self.weight, self.bias
+        need_w, need_b = ctx.param_needs_grad or (weight.requires_grad, bias.requires_grad)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy.float(), x.float(), (self.size,), mean, rstd, weight.float(), bias.float(), [True, need_w, need_b])
+        pgrads = [g if g is None or g.dtype is p.dtype else g.to(p.dtype) for g, p in ((dw, weight), (db, bias))]
+        return (dx if dx.dtype is x.dtype else dx.to(x.dtype)), pgrads, []
 
 
 class RMSNorm(_Norm):
@@ -90,10 +72,6 @@ class RMSNorm(_Norm):
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, *, device=None, dtype=None, name=None) -> None:
         super().__init__(normalized_shape, eps, False, device, dtype, name)
-
-    def _normalize(self, x32, params):
-        (weight,) = params
-        return torch.nn.functional.rms_norm(x32, (self.size,), weight, self.eps)
 
     def op_forward(self, ctx, x, extra_inputs):
         x2d = x.reshape(-1, self.size)  # (M, N)
