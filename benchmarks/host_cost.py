@@ -119,6 +119,15 @@ def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
             return g
 
     recipe = te.recipe.Float8CurrentScaling()
+    # the MLP's first GEMM: 16384 tokens, 1024 -> 4096, and its backward's shapes
+    xg = torch.randn(16384, 1024, device=dev).to(torch.float8_e4m3fn)
+    wg = torch.randn(4096, 1024, device=dev).to(torch.float8_e4m3fn)
+    dyg = torch.randn(16384, 4096, device=dev).to(torch.float8_e5m2)
+    dygt, xgt = dyg.t().contiguous(), xg.t().contiguous()
+    wgt = wg.t().contiguous()
+    bias = torch.randn(4096, device=dev, dtype=torch.bfloat16)
+    update = backend.resolve("delayed_scale_update", a.device)
+    history, count = torch.zeros(1024, device=dev), torch.zeros((), dtype=torch.int64, device=dev)
 
     def autocast():
         with te.autocast(recipe=recipe):
@@ -129,6 +138,14 @@ def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
         ("torch.mm bf16", lambda: torch.mm(a, b)),
         ("torch._scaled_mm tensorwise", lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)),
         (f"gemm ({backend.resolve('gemm', a.device).backend})", lambda: gemm(xo, wo, torch.bfloat16)),
+        ("_scaled_mm fprop 16384x1024->4096", lambda: torch._scaled_mm(xg, wg.t(), one, one, out_dtype=torch.bfloat16)),
+        ("  the same, bf16 bias, fast accumulation", lambda: torch._scaled_mm(
+            xg, wg.t(), one, one, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True)),
+        ("_scaled_mm dgrad 16384x4096->1024", lambda: torch._scaled_mm(dyg, wgt.t(), one, one,
+                                                                        out_dtype=torch.bfloat16)),
+        ("_scaled_mm wgrad 4096x16384->1024, fp32 out", lambda: torch._scaled_mm(dygt, xgt.t(), one, one,
+                                                                                   out_dtype=torch.float32)),
+        (f"delayed_scale_update ({update.backend})", lambda: update.fn(history, one, one, count, torch.float8_e4m3fn)),
         (f"quantize_current ({backend.resolve('quantize_current', a.device).backend}), with T",
          lambda: current(a, torch.float8_e4m3fn, False, 0.0, True, True, None)),
         (f"quantize_tensorwise ({backend.resolve('quantize_tensorwise', a.device).backend}), with T",

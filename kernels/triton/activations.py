@@ -233,7 +233,7 @@ def _as_rows(x: torch.Tensor, kind: str, kernel: str) -> tuple[torch.Tensor, int
 # benchmarks may replace entries to compare launch shapes (tune_dact_dbias.py).
 ACTIVATION_PLANS = {
     "elementwise": CastPlan(8, 256, 4, 0),
-    "dact_dbias": CastPlan(8, 256, 4, 4),
+    "dact_dbias": CastPlan(64, 64, 4, 8),  # H200 sweep (16384x4096 GELU): 0.147 ms, 2.5x (8, 256, 4, 4)
 }
 _INTERPRETED_PLAN = CastPlan(16, 32, 4, 4)
 

@@ -6,8 +6,8 @@ quantized along its last dim) or a high-precision tensor. Two FP8 operands go to
 the backend's ``gemm`` kernel (epilogue in fp32, one rounding to ``out_dtype``).
 When either operand is high precision (no recipe, an identity quantizer, a
 ``backward_override``), the other is dequantized and the product runs in
-``out_dtype`` through torch, with the epilogue applied op by op exactly as the
-unfused ops would — so a model under an identity-only recipe matches a plain
+``out_dtype`` through torch (a bias in torch's linear, the rest of the epilogue
+op by op) — so a model under an identity-only recipe matches a plain
 high-precision model bit for bit.
 
 ``gemm_fp8_out(a, b, cast, round_to, ...)`` is the same GEMM whose epilogue also
@@ -68,17 +68,18 @@ def gemm(
 ) -> torch.Tensor:
     """``activation(a (P, R) @ b (Q, R).T + bias) + residual`` as ``out_dtype``;
     ``fast_accum`` lets an FP8 GEMM promote its partial sums to fp32 only at the end.
-    In high precision the product, bias and activation run in ``compute_dtype``
-    (default ``out_dtype``), as the unfused ops do, and the residual is added in
+    In high precision the product and its bias run in ``compute_dtype`` (default
+    ``out_dtype``) as one torch linear (the bias added before the one rounding, as
+    ``torch.nn.Linear`` does), then the activation, and the residual is added in
     torch's promoted dtype before the result becomes ``out_dtype``."""
     if isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand):
         fn = backend.resolve("gemm", a.data.device).fn
         return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual, fast_accum=fast_accum)
     compute = out_dtype if compute_dtype is None else compute_dtype
     a_hp, b_hp = _high_precision(a, compute), _high_precision(b, compute)
-    out = torch.nn.functional.linear(a_hp, b_hp)
-    if bias is not None:
-        out = out + bias.to(compute)
+    if bias is not None and bias.dtype is not compute:
+        bias = bias.to(compute)
+    out = torch.nn.functional.linear(a_hp, b_hp, bias)  # the bias in the GEMM's epilogue, as torch.nn.Linear
     if activation is not None:
         out = apply_activation(out, activation)
     if residual is not None:
