@@ -34,7 +34,7 @@ SOURCES = ("binding.cpp", "cast_kernels.cu", "epilogue_kernels.cu")
 # Bit-exact casts need IEEE arithmetic: no fast-math flags (no flush to zero,
 # exact division). -gencode, not -arch=sm_90a: see the project's Hopper notes.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
-CXX_FLAGS = ("-O3", "-std=c++17")
+CXX_FLAGS = ("-O3", "-std=c++20")  # binding.cpp includes torch's headers
 REQUIRED_CAPABILITY = (9, 0)
 
 _state: dict = {"module": None}

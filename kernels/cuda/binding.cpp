@@ -1,9 +1,14 @@
 // Python binding of the CUDA launchers. Tensors arrive as raw device addresses
 // (Tensor.data_ptr()) and the stream as its cudaStream_t value: the Python
-// launchers have already checked every shape, dtype and device.
-#include <pybind11/pybind11.h>
+// launchers have already checked every shape, dtype and device. The tensor-scaled
+// casts also have entries that take the input tensor and allocate their outputs
+// here (cast_current, cast_tensorwise): one call from Python per cast.
+#include <pybind11/stl.h>
+#include <torch/extension.h>
 
 #include <cstdint>
+#include <optional>
+#include <tuple>
 
 #include "launchers.cuh"
 
@@ -18,6 +23,10 @@ void* as_stream(int64_t stream) { return reinterpret_cast<void*>(static_cast<int
 
 void amax(int64_t x, int hp_type, int64_t numel, int64_t amax_out, int64_t stream) {
   te_fuser::launch_amax(as_ptr<const void>(x), hp_type, numel, as_ptr<float>(amax_out), as_stream(stream));
+}
+
+void amax_raw(const at::Tensor& x, int hp_type, const at::Tensor& amax_out, int64_t stream) {
+  te_fuser::launch_amax(x.data_ptr(), hp_type, x.numel(), amax_out.data_ptr<float>(), as_stream(stream));
 }
 
 void cast(int64_t x, int hp_type, int fp8_type, int64_t rows, int64_t cols, int64_t out, int64_t out_t,
@@ -55,12 +64,84 @@ void epilogue(int64_t y, int y_type, int64_t bias, int bias_type, int64_t residu
                             activation, as_stream(stream));
 }
 
+constexpr int64_t kTile = 128;  // rows of one tile of the transposing cast (cast_kernels.cu)
+
+at::ScalarType fp8_scalar_type(int fp8_type) {
+  return fp8_type == 0 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
+
+using MaybeTensor = std::optional<at::Tensor>;
+
+// The FP8 copies of x and, with sums, the tiles' column sums (rows, cols as the kernel sees x).
+struct CastOutputs {
+  MaybeTensor data, data_t, partials;
+};
+
+CastOutputs cast_outputs(const at::Tensor& x, int fp8_type, int64_t rows, int64_t cols, bool rowwise,
+                         bool columnwise, bool sums) {
+  const auto fp8 = x.options().dtype(fp8_scalar_type(fp8_type));
+  CastOutputs out;
+  if (rowwise) out.data = at::empty(x.sizes(), fp8);
+  if (columnwise) out.data_t = at::empty({cols, rows}, fp8);
+  if (sums) out.partials = at::empty({(rows + kTile - 1) / kTile, cols}, x.options().dtype(at::kFloat));
+  return out;
+}
+
+uint8_t* bytes_of(const MaybeTensor& t) { return t ? static_cast<uint8_t*>(t->data_ptr()) : nullptr; }
+
+MaybeTensor summed(const MaybeTensor& partials) {
+  if (!partials) return std::nullopt;
+  return partials->size(0) == 1 ? partials->select(0, 0) : partials->sum(0);
+}
+
+// Current scaling: (data, data_t, scale, scale_inv, amax, column sums); amax_given
+// skips the amax pass. x is contiguous, 16-byte aligned, on the current device.
+std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTensor> cast_current(
+    const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, bool power_2, double epsilon,
+    bool rowwise, bool columnwise, const MaybeTensor& amax_given, bool sums, int64_t stream) {
+  // amax, scale, scale_inv in one allocation, each 16-byte aligned: cuBLASLt
+  // refuses (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not.
+  const at::Tensor stats = at::empty({3, 4}, x.options().dtype(at::kFloat));
+  at::Tensor amax = amax_given ? amax_given->reshape({}) : stats.select(1, 0).select(0, 0);
+  const at::Tensor scale = stats.select(1, 0).select(0, 1);
+  const at::Tensor scale_inv = stats.select(1, 0).select(0, 2);
+  const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums);
+  if (!amax_given) amax_raw(x, hp_type, amax, stream);
+  te_fuser::CastScaling scaling;
+  scaling.amax_in = amax.data_ptr<float>();
+  scaling.scale_out = scale.data_ptr<float>();
+  scaling.scale_inv_out = scale_inv.data_ptr<float>();
+  scaling.epsilon = static_cast<float>(epsilon);  // rounds as torch.tensor(epsilon, dtype=float32)
+  scaling.power_2 = power_2;
+  scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
+  te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
+                        scaling, as_stream(stream));
+  return {out.data, out.data_t, scale, scale_inv, amax, summed(out.partials)};
+}
+
+// Delayed scaling with the given scale: (data, data_t, column sums); amax(|x|) is
+// written into amax_out (fp32, one element).
+std::tuple<MaybeTensor, MaybeTensor, MaybeTensor> cast_tensorwise(
+    const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, const at::Tensor& scale,
+    const at::Tensor& amax_out, bool rowwise, bool columnwise, bool sums, int64_t stream) {
+  const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums);
+  te_fuser::CastScaling scaling;
+  scaling.scale = scale.data_ptr<float>();
+  scaling.amax_out = amax_out.data_ptr<float>();
+  scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
+  te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
+                        scaling, as_stream(stream));
+  return {out.data, out.data_t, summed(out.partials)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "te_fuser CUDA FP8 cast and GEMM-epilogue kernels (sm_90a)";
   m.def("amax", &amax, "amax(|x|) into a one-element fp32 buffer");
   m.def("cast", &cast, "tensor-scaled FP8 cast, optionally with a transposed copy");
+  m.def("cast_current", &cast_current, "current scaling's amax and cast, outputs allocated here");
+  m.def("cast_tensorwise", &cast_tensorwise, "delayed scaling's cast with a given scale, outputs allocated here");
   m.def("quantize_rowwise", &quantize_rowwise, "FP8 cast with one scale per row");
   m.def("quantize_mxfp8", &quantize_mxfp8, "MXFP8 cast: one E8M0 scale per 32 elements");
   m.def("epilogue", &epilogue, "bias + activation + residual over a GEMM result");

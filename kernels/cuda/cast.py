@@ -71,10 +71,6 @@ def _same_device(t: torch.Tensor, device: torch.device) -> bool:
     return t.is_cuda and t.get_device() == device.index
 
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
 def _matrix_shape(x: torch.Tensor, columnwise: bool, op: str) -> tuple[int, int]:
     """(rows, cols) the kernel sees: a 2-D x as is; other ranks flattened (row-wise only)."""
     if x.dim() == 2:
@@ -153,9 +149,6 @@ def quantize_tensorwise_column_sums(
     return _tensorwise(op, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True)
 
 
-_TILE = 128  # kTile of cast_kernels.cu: the rows of one tile of the transposing cast
-
-
 def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool):
     """The delayed-scaling cast; with ``sums`` (x 2-D, ``columnwise``), also the column sums."""
     code = _fp8_code(fp8_dtype, op)
@@ -164,19 +157,11 @@ def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, a
     rows, cols = _matrix_shape(x, columnwise, op)
     scale = _scale_tensor(scale, device, op)
     amax = _amax_target(amax_out, device, op)
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=device) if rowwise else None
-    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=device) if columnwise else None
-    partials = torch.empty(((rows + _TILE - 1) // _TILE, cols), dtype=torch.float32, device=device) if sums else None
     with on_device(device):
-        extension().cast(
-            x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),
-            scale.data_ptr(), amax.data_ptr(), 0, 0, 0, 0.0, False, _ptr(partials), raw_stream(device),
-        )  # fmt: skip
+        data, data_t, column_sums = extension().cast_tensorwise(
+            x, HP_CODES[x.dtype], code, rows, cols, scale, amax, rowwise, columnwise, sums, raw_stream(device))
     if amax_out is not None and amax is not amax_out:
         amax = amax_out.copy_(amax.reshape(amax_out.shape))
-    column_sums = None
-    if sums:
-        column_sums = partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
     return data, data_t, amax, column_sums
 
 
@@ -221,8 +206,8 @@ def quantize_current_column_sums(
 
 
 def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise: bool, given, sums: bool):
-    """Current scaling's two passes; with ``sums`` (x 2-D, ``columnwise``), also the
-    column sums from the cast pass."""
+    """Current scaling's two passes (one C++ call that also allocates the outputs);
+    with ``sums`` (x 2-D, ``columnwise``), also the column sums from the cast pass."""
     code = _fp8_code(fp8_dtype, op)
     epsilon = _check_epsilon(epsilon, op)
     x = _hp_input(x, op)
@@ -230,29 +215,9 @@ def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise:
     rows, cols = _matrix_shape(x, columnwise, op)
     if given is not None:
         check_given_amax(given, x, op)
-    # amax, scale, scale_inv in one allocation, each 16-byte aligned: cuBLASLt
-    # refuses (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not.
-    stats = torch.empty((3, 4), dtype=torch.float32, device=device)
-    amax, scale, scale_inv = stats[:, 0].unbind()
-    if given is not None:
-        amax = given.reshape(())
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=device) if rowwise else None
-    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=device) if columnwise else None
-    partials = torch.empty(((rows + _TILE - 1) // _TILE, cols), dtype=torch.float32, device=device) if sums else None
-    ext = extension()
-    stream = raw_stream(device)
     with on_device(device):
-        if given is None:
-            ext.amax(x.data_ptr(), HP_CODES[x.dtype], x.numel(), amax.data_ptr(), stream)
-        ext.cast(
-            x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, _ptr(data), _ptr(data_t),
-            0, 0, amax.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), epsilon, bool(power_2), _ptr(partials),
-            stream,
-        )  # fmt: skip
-    column_sums = None
-    if sums:
-        column_sums = partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
-    return data, data_t, scale, scale_inv, amax, column_sums
+        return extension().cast_current(x, HP_CODES[x.dtype], code, rows, cols, bool(power_2), epsilon, rowwise,
+                                        columnwise, given, sums, raw_stream(device))
 
 
 def quantize_rowwise(

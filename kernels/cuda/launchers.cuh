@@ -1,8 +1,8 @@
 // Host entry points of the CUDA kernels, in plain C++ types.
 //
 // The Python launchers (kernels/cuda/cast.py, scaled_mm.py) check shapes, dtypes and
-// devices, allocate the outputs and pass raw device pointers here; binding.cpp
-// exposes these functions to Python. Nothing here includes a torch header, so
+// devices, and binding.cpp's entries (or the launchers) allocate the outputs and
+// pass raw device pointers here. Nothing here includes a torch header, so
 // the kernels build and compile-check without a CUDA build of PyTorch.
 //
 // Type codes: high precision 0 = float32, 1 = bfloat16, 2 = float16;
@@ -27,7 +27,7 @@ struct CastScaling {
   float* scale_inv_out = nullptr;
   float epsilon = 0.0f;
   bool power_2 = false;
-  // Delayed scaling with a transposed copy: also the column sums of each tile
+  // With a transposed copy (either scaling): also the column sums of each tile
   // (fp32, (row tiles, cols), row tile i holding rows [128 i, 128 i + 128)),
   // which the caller adds up over the row tiles (a bias gradient).
   float* column_partials = nullptr;
@@ -38,7 +38,7 @@ void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, voi
 
 // Tensor-scaled cast of x (rows, cols), row-major. `out` (rows, cols) and / or
 // `out_t` (cols, rows) may be null. Current scaling when scaling.amax_in is set,
-// delayed scaling otherwise; scaling.column_partials needs delayed scaling and out_t.
+// delayed scaling otherwise; scaling.column_partials needs out_t.
 void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols, uint8_t* out,
                  uint8_t* out_t, const CastScaling& scaling, void* stream);
 
