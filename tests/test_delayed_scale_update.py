@@ -1,5 +1,6 @@
 """The delayed-scaling state update kernel (``delayed_scale_update``): the Triton
-kernel and the reference against a float64 oracle of the contract, bit for bit.
+kernel, the CUDA kernel (on a Hopper GPU) and the reference against a float64
+oracle of the contract, bit for bit.
 
 The oracle (:func:`oracle`) works on Python floats: a float64 division rounded
 once to fp32 is the IEEE fp32 division; each margin step of at most 2**64 is an
@@ -16,6 +17,7 @@ import math
 import pytest
 import torch
 from te_fuser.kernels import reference as ref
+from te_fuser.kernels import cuda
 from te_fuser.kernels.triton import scaling as tk
 from tolerances import assert_bitwise
 
@@ -26,6 +28,8 @@ INF, NAN = math.inf, math.nan
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 IMPLEMENTATIONS = {"reference": ref.delayed_scale_update_reference, "triton": tk.delayed_scale_update}
+if cuda.unavailable_reason() is None:  # a Hopper GPU with the CUDA build: the CUDA kernel too
+    IMPLEMENTATIONS["cuda"] = cuda.delayed_scale_update
 
 # This call's amax: zero, non-finite, tiny (the quotient overflows: a subnormal and a
 # normal one), ordinary, huge, and two whose scale under margin 200 is subnormal and

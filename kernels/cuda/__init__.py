@@ -13,6 +13,8 @@ for bit):
   pass's read;
 - ``quantize_rowwise``: one scale per row (for row-wise scaled GEMMs);
 - ``quantize_mxfp8``: MXFP8 (E8M0 scale per 32 elements along the last dim);
+- ``delayed_scale_update``: delayed scaling's history, scale and count in one
+  block;
 - ``gemm``: ``torch._scaled_mm`` (cuBLASLt) plus one fused epilogue kernel;
   operand pairs cuBLASLt cannot run go to the reference GEMM
   (:func:`gemm_unsupported_reason` says why).
@@ -31,6 +33,7 @@ from ._build import is_loaded, unavailable_reason
 from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp8, quantize_rowwise,
                    quantize_tensorwise, quantize_tensorwise_column_sums)
 from .scaled_mm import block_scaled_mm_available, gemm, gemm_unsupported_reason
+from .scaling import delayed_scale_update
 
 __all__ = [
     "quantize_tensorwise",
@@ -39,6 +42,7 @@ __all__ = [
     "quantize_current_column_sums",
     "quantize_rowwise",
     "quantize_mxfp8",
+    "delayed_scale_update",
     "gemm",
     "gemm_unsupported_reason",
     "block_scaled_mm_available",

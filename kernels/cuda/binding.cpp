@@ -134,6 +134,23 @@ std::tuple<MaybeTensor, MaybeTensor, MaybeTensor> cast_tensorwise(
   return {out.data, out.data_t, summed(out.partials)};
 }
 
+// Delayed scaling's state update: (history, scale, scale_inv, count), new tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update(
+    const at::Tensor& history, const at::Tensor& amax, const at::Tensor& scale, const at::Tensor& count,
+    int64_t margin_steps, double margin_rest, double fmax, bool algo_max, int64_t stream) {
+  at::Tensor new_history = at::empty_like(history);
+  const at::Tensor scales = at::empty({2, 4}, history.options());  // each 16-byte aligned, as cuBLASLt wants
+  at::Tensor new_scale = scales.select(1, 0).select(0, 0);
+  at::Tensor new_scale_inv = scales.select(1, 0).select(0, 1);
+  at::Tensor new_count = at::empty({}, count.options());
+  te_fuser::launch_delayed_scale_update(
+      history.data_ptr<float>(), amax.data_ptr<float>(), scale.data_ptr<float>(), count.data_ptr<int64_t>(),
+      new_history.data_ptr<float>(), new_scale.data_ptr<float>(), new_scale_inv.data_ptr<float>(),
+      new_count.data_ptr<int64_t>(), history.numel(), static_cast<int>(margin_steps),
+      static_cast<float>(margin_rest), static_cast<float>(fmax), algo_max, as_stream(stream));
+  return {new_history, new_scale, new_scale_inv, new_count};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -141,6 +158,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amax", &amax, "amax(|x|) into a one-element fp32 buffer");
   m.def("cast", &cast, "tensor-scaled FP8 cast, optionally with a transposed copy");
   m.def("cast_current", &cast_current, "current scaling's amax and cast, outputs allocated here");
+  m.def("delayed_scale_update", &delayed_scale_update, "delayed scaling's history, scale and count in one launch");
   m.def("cast_tensorwise", &cast_tensorwise, "delayed scaling's cast with a given scale, outputs allocated here");
   m.def("quantize_rowwise", &quantize_rowwise, "FP8 cast with one scale per row");
   m.def("quantize_mxfp8", &quantize_mxfp8, "MXFP8 cast: one E8M0 scale per 32 elements");

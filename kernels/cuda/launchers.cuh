@@ -62,4 +62,13 @@ void launch_epilogue(const void* y, int y_type, const void* bias, int bias_type,
                      int residual_type, void* out, int out_type, int64_t rows, int64_t out_cols, int activation,
                      void* stream);
 
+// Delayed scaling's state after recording amax (one fp32) into history (length
+// fp32, newest first), from the previous scale (fp32) and count of skipped calls
+// (int64): new_history (length), new_scale, new_scale_inv, new_count. The margin
+// divides in margin_steps steps of 2**64, then by margin_rest (a power of two).
+void launch_delayed_scale_update(const float* history, const float* amax, const float* scale, const int64_t* count,
+                                 float* new_history, float* new_scale, float* new_scale_inv, int64_t* new_count,
+                                 int64_t length, int margin_steps, float margin_rest, float fmax, bool algo_max,
+                                 void* stream);
+
 }  // namespace te_fuser

@@ -37,9 +37,33 @@ import torch
 
 from .cast import FLT_MAX, fp8_max
 
-__all__ = ["delayed_scale_update_reference"]
+__all__ = ["delayed_scale_update_reference", "check_update_arguments"]
 
 AMAX_ALGOS = ("max", "most_recent")
+
+
+def check_update_arguments(amax_history, amax, scale, nonfinite_count, margin, algo) -> None:
+    """The arguments every backend's ``delayed_scale_update`` takes, each named when wrong."""
+    kernel = "delayed_scale_update"
+    tensors = {"amax_history": amax_history, "amax": amax, "scale": scale, "nonfinite_count": nonfinite_count}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{kernel}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in tensors.items():
+        dtype = torch.int64 if name == "nonfinite_count" else torch.float32
+        if t.dtype != dtype:
+            raise ValueError(f"{kernel}: {name} must be {dtype}, got {t.dtype}")
+        if t.device != amax_history.device:
+            raise ValueError(f"{kernel}: {name} is on {t.device} but amax_history is on {amax_history.device}")
+    if amax_history.dim() != 1 or amax_history.numel() == 0:
+        raise ValueError(f"{kernel}: amax_history must be 1-D and not empty, got shape {tuple(amax_history.shape)}")
+    for name in ("amax", "scale", "nonfinite_count"):
+        if tensors[name].numel() != 1:
+            raise ValueError(f"{kernel}: {name} must have one element, got shape {tuple(tensors[name].shape)}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"{kernel}: margin must be an integer >= 0, got {margin!r}")
+    if algo not in AMAX_ALGOS:
+        raise ValueError(f"{kernel}: algo must be one of {list(AMAX_ALGOS)}, got {algo!r}")
 
 
 def divide_by_power_of_2(t: torch.Tensor, exponent: int) -> torch.Tensor:

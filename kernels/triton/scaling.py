@@ -22,13 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.scaling import AMAX_ALGOS, check_update_arguments
 from ._common import fp8_format
 
 __all__ = ["delayed_scale_update"]
 
 _MAX_BLOCK = 1024
 _MARGIN_STEPS = 6  # a finite fp32 is below 2**128: 2**128 / 2**(64 * 5) rounds to 0
-_ALGOS = ("max", "most_recent")
 
 
 @triton.jit
@@ -67,29 +67,6 @@ def _delayed_scale_update_kernel(history_ptr, amax_ptr, scale_ptr, count_ptr, ne
     tl.store(new_count_ptr, tl.load(count_ptr) + tl.where(recorded, 0, 1).to(tl.int64))  # counts skipped calls
 
 
-def _check(amax_history, amax, scale, nonfinite_count, margin, algo) -> None:
-    kernel = "delayed_scale_update"
-    tensors = {"amax_history": amax_history, "amax": amax, "scale": scale, "nonfinite_count": nonfinite_count}
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{kernel}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in tensors.items():
-        dtype = torch.int64 if name == "nonfinite_count" else torch.float32
-        if t.dtype != dtype:
-            raise ValueError(f"{kernel}: {name} must be {dtype}, got {t.dtype}")
-        if t.device != amax_history.device:
-            raise ValueError(f"{kernel}: {name} is on {t.device} but amax_history is on {amax_history.device}")
-    if amax_history.dim() != 1 or amax_history.numel() == 0:
-        raise ValueError(f"{kernel}: amax_history must be 1-D and not empty, got shape {tuple(amax_history.shape)}")
-    for name in ("amax", "scale", "nonfinite_count"):
-        if tensors[name].numel() != 1:
-            raise ValueError(f"{kernel}: {name} must have one element, got shape {tuple(tensors[name].shape)}")
-    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-        raise ValueError(f"{kernel}: margin must be an integer >= 0, got {margin!r}")
-    if algo not in _ALGOS:
-        raise ValueError(f"{kernel}: algo must be one of {list(_ALGOS)}, got {algo!r}")
-
-
 def delayed_scale_update(
     amax_history: torch.Tensor,
     amax: torch.Tensor,
@@ -109,12 +86,12 @@ def delayed_scale_update(
             and nonfinite_count.dtype == torch.int64 and amax.device == device and scale.device == device
             and nonfinite_count.device == device and amax_history.dim() == 1 and amax_history.numel() > 0
             and amax.numel() == 1 and scale.numel() == 1 and nonfinite_count.numel() == 1
-            and type(margin) is int and margin >= 0 and algo in _ALGOS
+            and type(margin) is int and margin >= 0 and algo in AMAX_ALGOS
         )  # fmt: skip
     except AttributeError:  # not a tensor
         fits = False
     if not fits:
-        _check(amax_history, amax, scale, nonfinite_count, margin, algo)
+        check_update_arguments(amax_history, amax, scale, nonfinite_count, margin, algo)
     fmax = fp8_format(fp8_dtype)[0]
     if not amax_history.is_contiguous():
         amax_history = amax_history.contiguous()
