@@ -7,6 +7,11 @@ defaults), or does not expose it and the dispatcher (``te_fuser.backend``) falls
 back. A backend may also expose ``<kernel>_unsupported_reason(...)``: operands it
 names a reason for go to the fallback per call. ``tests/test_kernel_contract.py``
 checks every backend against this table.
+
+The vocabulary the kernels share is spelled once: the FP8 formats and the
+scaling schemes in ``formats.py``, the quantized operand in ``operand.py``, and
+the argument checks every backend runs before launching next to the reference
+(``check_matrix``, ``check_given_amax``, ``check_update_arguments``).
 """
 
 from __future__ import annotations

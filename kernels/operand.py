@@ -17,16 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ScaledOperand", "SCALINGS", "scale_grid_shape"]
+from .formats import SCALING_TILES as SCALINGS
+from .formats import Scaling
 
-# scaling -> (rows per scale, columns per scale); 0 means "the whole dimension".
-SCALINGS = {
-    "tensor": (0, 0),
-    "row": (1, 0),
-    "block_1x128": (1, 128),
-    "block_128x128": (128, 128),
-    "mx_32": (1, 32),
-}
+__all__ = ["ScaledOperand", "SCALINGS", "scale_grid_shape"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -35,7 +29,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 def scale_grid_shape(scaling: str, rows: int, cols: int) -> tuple[int, ...]:
     """Shape of the scale tensor of a (rows, cols) operand."""
-    if scaling == "tensor":
+    if scaling == Scaling.TENSOR:
         return ()
     tile_r, tile_c = SCALINGS[scaling]
     return (rows if tile_r == 1 else _ceil_div(rows, tile_r), 1 if tile_c == 0 else _ceil_div(cols, tile_c))
@@ -55,7 +49,7 @@ class ScaledOperand:
     scaling: str
 
     def __post_init__(self) -> None:
-        if self.scaling == "tensor" and self.data.dim() == 2 and self.scale_inv.dim() == 0:
+        if self.scaling == Scaling.TENSOR and self.data.dim() == 2 and self.scale_inv.dim() == 0:
             return  # the common case, valid without building the shapes below
         if self.scaling not in SCALINGS:
             raise ValueError(f"ScaledOperand.scaling: must be one of {list(SCALINGS)}, got {self.scaling!r}")

@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.cast import check_given_amax, check_matrix
 from ._build import extension, raw_stream
@@ -240,7 +241,7 @@ def quantize_rowwise(
             x.data_ptr(), HP_CODES[x.dtype], code, rows, cols, data.data_ptr(), scale_inv.data_ptr(),
             bool(power_2), epsilon, raw_stream(x.device),
         )  # fmt: skip
-    return ScaledOperand(data, scale_inv, "row")
+    return ScaledOperand(data, scale_inv, Scaling.ROW)
 
 
 def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
@@ -260,4 +261,4 @@ def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
             x.data_ptr(), HP_CODES[x.dtype], code, x.numel(), data.data_ptr(), scales.data_ptr(),
             raw_stream(x.device),
         )  # fmt: skip
-    return ScaledOperand(data, scales, "mx_32")
+    return ScaledOperand(data, scales, Scaling.MX_32)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.activation import ACTIVATIONS
 from ..reference.gemm import gemm_reference
@@ -42,8 +43,8 @@ __all__ = ["gemm", "gemm_unsupported_reason", "block_scaled_mm_available"]
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4}
-_TENSOR_ROW_PAIRS = {("tensor", "tensor"), ("row", "row"), ("tensor", "row"), ("row", "tensor")}
-_BLOCK_PAIRS = {("block_1x128", "block_128x128"), ("block_1x128", "block_1x128")}
+_TENSOR_ROW_PAIRS = {(Scaling.TENSOR, Scaling.TENSOR), (Scaling.ROW, Scaling.ROW), (Scaling.TENSOR, Scaling.ROW), (Scaling.ROW, Scaling.TENSOR)}
+_BLOCK_PAIRS = {(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128), (Scaling.BLOCK_1X128, Scaling.BLOCK_1X128)}
 _MIN_BLOCK_TORCH = (2, 10)  # first release with the fixed block-scale layout checks
 
 
@@ -72,7 +73,7 @@ def _structural_reason(a: ScaledOperand, b: ScaledOperand) -> str | None:
     if k % 16 or n % 16:
         return f"cuBLASLt FP8 GEMMs need K and N to be multiples of 16, got K={k}, N={n}"
     if pair in _BLOCK_PAIRS:
-        k_multiple = 512 if b.scaling == "block_128x128" else 128
+        k_multiple = 512 if b.scaling == Scaling.BLOCK_128X128 else 128
         if m % 4 or k % k_multiple:
             return (
                 f"block-scaled cuBLASLt GEMMs ({a.scaling} x {b.scaling}) need M % 4 == 0 and "
@@ -126,20 +127,20 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 def _rows_scale(op: ScaledOperand, rows: int) -> torch.Tensor:
     """(rows, 1) fp32 contiguous scales of a tensor- or row-scaled operand."""
     scale = op.scale_inv.float()
-    return scale.reshape(1, 1).expand(rows, 1).contiguous() if op.scaling == "tensor" else scale.contiguous()
+    return scale.reshape(1, 1).expand(rows, 1).contiguous() if op.scaling == Scaling.TENSOR else scale.contiguous()
 
 
 def _scaled_mm_scales(a: ScaledOperand, b: ScaledOperand) -> tuple[torch.Tensor, torch.Tensor]:
     """scale_a, scale_b in the shapes and strides torch._scaled_mm reads them."""
     m, n = a.shape[0], b.shape[0]
     pair = (a.scaling, b.scaling)
-    if pair == ("tensor", "tensor"):
+    if pair == (Scaling.TENSOR, Scaling.TENSOR):
         return _fp32(a.scale_inv), _fp32(b.scale_inv)
     if pair in _TENSOR_ROW_PAIRS:
         return _rows_scale(a, m), _rows_scale(b, n).reshape(1, n)  # (M, 1), (1, N)
     # 1x128 scales of a: (M, K/128) with stride (1, M) ("outer-dim-major").
     scale_a = a.scale_inv.float().t().contiguous().t()
-    if b.scaling == "block_128x128":
+    if b.scaling == Scaling.BLOCK_128X128:
         scale_b = b.scale_inv.float().contiguous().t()  # (K/128, N/128), transpose of a row-major grid
     else:
         scale_b = b.scale_inv.float().t().contiguous()  # (K/128, N), so scale_b.t() is outer-dim-major

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.cast import fp8_max
+from ..formats import fp8_max
 from ..reference.scaling import AMAX_ALGOS, check_update_arguments
 from ._build import extension, raw_stream
 from .cast import on_device

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import Scaling, block_scaling, fp8_format, fp8_max
 from ..operand import ScaledOperand
 
 __all__ = [
@@ -39,16 +40,7 @@ __all__ = [
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-_FP8_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 _MANTISSA_OF_1_75 = 0x600000  # fmax of both formats is 1.75 * 2**emax
-
-
-def fp8_max(fp8_dtype: torch.dtype) -> float:
-    try:
-        return _FP8_MAX[fp8_dtype]
-    except KeyError:
-        raise ValueError(f"fp8_dtype: must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}") from None
 
 
 def saturating_cast_reference(x_scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -196,7 +188,7 @@ def quantize_rowwise_reference(
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
     scale = scale_from_amax_reference(amax, fp8_max(fp8_dtype), power_2, epsilon)
-    return ScaledOperand(saturating_cast_reference(xf * scale, fp8_dtype), _reciprocal(scale), "row")
+    return ScaledOperand(saturating_cast_reference(xf * scale, fp8_dtype), _reciprocal(scale), Scaling.ROW)
 
 
 def _tiles(x: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -231,7 +223,7 @@ def quantize_block_reference(
     amax = t.abs().amax(dim=(1, 3))  # (R, C)
     scale = scale_from_amax_reference(amax, fp8_max(fp8_dtype), power_2, epsilon)
     q = saturating_cast_reference(t * scale[:, None, :, None], fp8_dtype)
-    scaling = "block_1x128" if tile_rows == 1 else "block_128x128"
+    scaling = block_scaling(tile_rows)
     return ScaledOperand(_untile(q, rows, cols).contiguous(), _reciprocal(scale), scaling)
 
 
@@ -240,7 +232,7 @@ def e8m0_exponent_reference(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch
     bits = amax.float().view(torch.int32)
     biased = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
-    byte = biased - _FP8_EMAX[fp8_dtype] + (mantissa > _MANTISSA_OF_1_75).to(torch.int32)
+    byte = biased - fp8_format(fp8_dtype).emax + (mantissa > _MANTISSA_OF_1_75).to(torch.int32)
     byte = byte.clamp(0, 254)
     byte = torch.where(biased == 0, torch.zeros_like(byte), byte)  # 0 and subnormal amax
     byte = torch.where(biased == 255, torch.full_like(byte, 255), byte)  # inf / NaN
@@ -268,18 +260,18 @@ def quantize_mxfp8_reference(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledO
     blocks = x.float().reshape(rows, cols // 32, 32)
     byte = e8m0_exponent_reference(blocks.abs().amax(dim=2), fp8_dtype)
     q = saturating_cast_reference(blocks * _e8m0_reciprocal(byte)[:, :, None], fp8_dtype)
-    return ScaledOperand(q.reshape(rows, cols), byte, "mx_32")
+    return ScaledOperand(q.reshape(rows, cols), byte, Scaling.MX_32)
 
 
 def _expanded_scale_inv(op: ScaledOperand) -> torch.Tensor:
     rows, cols = op.data.shape
-    if op.scaling == "tensor":
+    if op.scaling == Scaling.TENSOR:
         return op.scale_inv.float()
-    if op.scaling == "row":
+    if op.scaling == Scaling.ROW:
         return op.scale_inv.float().expand(rows, cols)
-    if op.scaling == "mx_32":
+    if op.scaling == Scaling.MX_32:
         return e8m0_to_float(op.scale_inv).repeat_interleave(32, dim=1)
-    tile_r = 1 if op.scaling == "block_1x128" else 128
+    tile_r = 1 if op.scaling == Scaling.BLOCK_1X128 else 128
     s = op.scale_inv.float().repeat_interleave(128, dim=1)[:, :cols]
     return s.repeat_interleave(tile_r, dim=0)[:rows] if tile_r > 1 else s
 

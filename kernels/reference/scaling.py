@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from .cast import FLT_MAX, fp8_max
+from ..formats import fp8_max
+from .cast import FLT_MAX
 
 __all__ = ["delayed_scale_update_reference", "check_update_arguments"]
 

@@ -35,16 +35,11 @@ import triton
 import triton.language as tl
 
 from .. import env as _env
+from ..formats import FP8_FORMATS
+from ..formats import fp8_format as checked_format
 
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-# fp8 dtype -> (largest finite value, mantissa bits, biased fp32 exponent of the
-# subnormal step, exponent of the largest power of two the format holds)
-FP8_FORMAT = {
-    torch.float8_e4m3fn: (448.0, 3, 127 - 9, 8),
-    torch.float8_e5m2: (57344.0, 2, 127 - 16, 15),
-}
+FP8_DTYPES = tuple(FP8_FORMATS)
 FLT_MAX = 3.4028234663852886e38
 
 # True: compiled kernels write FP8 with the exact integer encoding too, not the
@@ -310,10 +305,10 @@ def e8m0_value(byte):
 
 
 def fp8_format(fp8_dtype: torch.dtype) -> tuple[float, int, int, int]:
-    try:
-        return FP8_FORMAT[fp8_dtype]
-    except KeyError:
-        raise ValueError(f"fp8_dtype: must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}") from None
+    """``(fmax, mantissa bits, subnormal step exponent, emax)`` of ``fp8_dtype``: the
+    constexprs the kernels take (the facts are ``kernels/formats.py``'s)."""
+    f = checked_format(fp8_dtype)
+    return f.fmax, f.mantissa_bits, f.min_step_exponent, f.emax
 
 
 def check_input(x: torch.Tensor, kernel: str, name: str = "x", dims: int | None = 2) -> None:

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import Scaling, block_scaling, scaling_tile
 from ..operand import ScaledOperand, scale_grid_shape
 from ..reference.cast import check_given_amax, check_matrix
 from ._common import (
@@ -525,7 +526,7 @@ def quantize_rowwise(
             EPSILON=epsilon, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single_pass, num_warps=warps, **meta)
     elif M:
         scale_inv.fill_(1.0)
-    return ScaledOperand(q, scale_inv, "row")
+    return ScaledOperand(q, scale_inv, Scaling.ROW)
 
 
 @triton.jit
@@ -575,7 +576,7 @@ def quantize_block(
     epsilon = check_epsilon(epsilon, kernel)
     meta = _fp8_meta(fp8_dtype, x)
     M, N = x.shape
-    scaling = "block_1x128" if tile_rows == 1 else "block_128x128"
+    scaling = block_scaling(tile_rows)
     q = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty(scale_grid_shape(scaling, M, N), dtype=torch.float32, device=x.device)
     rows_per_program = 128 if tile_rows == 128 else (16 if is_interpreted(x) else 32)
@@ -638,7 +639,7 @@ def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
             x, q.view(torch.uint8), scale, M, N, x.stride(0), x.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
             EVEN=M % block_m == 0 and N % block_n == 0,
             FP8_EMAX=fp8_format(fp8_dtype)[3], num_warps=4, **meta)
-    return ScaledOperand(q, scale, "mx_32")
+    return ScaledOperand(q, scale, Scaling.MX_32)
 
 
 # ---------------------------------------------------------------- dequantize
@@ -664,11 +665,11 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, M, N, stride_sm, stride_sn,
 
 def _scale_lookup(op: ScaledOperand) -> tuple[int, int, int, int]:
     """(TILE_R, TILE_C, stride_sm, stride_sn) of an operand's scale grid."""
-    if op.scaling == "tensor":
+    if op.scaling == Scaling.TENSOR:
         return 1, 1, 0, 0
-    if op.scaling == "row":
+    if op.scaling == Scaling.ROW:
         return 1, 1, op.scale_inv.stride(0), 0
-    tile_r, tile_c = {"block_1x128": (1, 128), "block_128x128": (128, 128), "mx_32": (1, 32)}[op.scaling]
+    tile_r, tile_c = scaling_tile(op.scaling)
     return tile_r, tile_c, op.scale_inv.stride(0), op.scale_inv.stride(1)
 
 
@@ -688,6 +689,6 @@ def dequantize(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> tor
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
         _dequantize_kernel[grid](
             data, op.scale_inv, out, M, N, stride_sm, stride_sn, TILE_R=tile_r, TILE_C=tile_c,
-            E8M0=op.scaling == "mx_32", IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn, OUT_DTYPE=_TL_OUT[out_dtype],
+            E8M0=op.scaling == Scaling.MX_32, IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn, OUT_DTYPE=_TL_OUT[out_dtype],
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return out

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..formats import Scaling
 from ..operand import ScaledOperand
 from ._common import (abs_bits, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, hw_fp8, is_interpreted,
                       round_through, to_output)
@@ -450,8 +451,8 @@ def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tupl
     a_src, b_src, use_tma = _sources(a, b, t)
     _fp8_gemm_tensorwise_kernel[_grid(m, epi, t)](
         a_src, b_src, sa if sa is not None else out, sb if sb is not None else out, *args, m, epi.n_out, k,
-        epi.half, a.stride(0), b.stride(0), SCALED=sa is not None, A_ROW_SCALES=kind[0] == "row",
-        B_ROW_SCALES=kind[1] == "row", INPUT_PRECISION=precision, PROMOTE_EVERY=promote, UPCAST=upcast,
+        epi.half, a.stride(0), b.stride(0), SCALED=sa is not None, A_ROW_SCALES=kind[0] == Scaling.ROW,
+        B_ROW_SCALES=kind[1] == Scaling.ROW, INPUT_PRECISION=precision, PROMOTE_EVERY=promote, UPCAST=upcast,
         USE_TMA=use_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages, **meta)
 
@@ -462,13 +463,13 @@ def _gemm_blockwise(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: tor
     if t.block_k != 128:
         raise ValueError(f"gemm: block-scaled GEMMs need block_k == 128, got {t.block_k}")
     args, meta = _launch_common(epi, out, a.data)
-    kernel = (_fp8_gemm_blockwise_1x128_128x128_kernel if b.scaling == "block_128x128"
+    kernel = (_fp8_gemm_blockwise_1x128_128x128_kernel if b.scaling == Scaling.BLOCK_128X128
               else _fp8_gemm_blockwise_1x128_1x128_kernel)
     a_data, b_data = _k_major(a.data), _k_major(b.data)
     sa, sb = a.scale_inv.contiguous(), b.scale_inv.contiguous()
     a_src, b_src, use_tma = _sources(a_data, b_data, t)
     extra = {}
-    if b.scaling == "block_128x128":  # one B scale per output tile when tiles nest in B's 128-row tiles
+    if b.scaling == Scaling.BLOCK_128X128:  # one B scale per output tile when tiles nest in B's 128-row tiles
         extra["B_SCALAR"] = 128 % t.block_n == 0 and epi.half % 128 == 0
     kernel[_grid(m, epi, t)](
         a_src, b_src, sa, sb, *args, m, epi.n_out, k, epi.half, a_data.stride(0), b_data.stride(0),
@@ -504,11 +505,11 @@ def _pair(a, b) -> str:
     """Which kernel a pair of operands goes to."""
     sa = a.scaling if isinstance(a, ScaledOperand) else "plain"
     sb = b.scaling if isinstance(b, ScaledOperand) else "plain"
-    if sa in ("tensor", "row") and sb in ("tensor", "row"):
+    if sa in (Scaling.TENSOR, Scaling.ROW) and sb in (Scaling.TENSOR, Scaling.ROW):
         return "tensorwise"
-    if sa == "block_1x128" and sb in ("block_1x128", "block_128x128"):
+    if sa == Scaling.BLOCK_1X128 and sb in (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128):
         return "blockwise"
-    if sa == "mx_32" and sb == "mx_32":
+    if sa == Scaling.MX_32 and sb == Scaling.MX_32:
         return "mxfp8"
     if sa == "plain" and sb == "plain":
         return "plain"

@@ -6,6 +6,7 @@ import torch
 
 from .. import backend
 from ..fp8 import short_name
+from ..kernels.formats import Scaling, block_scaling
 from ..kernels.operand import ScaledOperand
 from ..recipe import BLOCK_SCALING_TILE
 from .base import Quantizer
@@ -44,7 +45,7 @@ class Float8BlockQuantizer(Quantizer):
         self.power_2_scales = self._checked_bool("power_2_scales", power_2_scales)
         self.amax_epsilon = self._checked_epsilon("amax_epsilon", amax_epsilon)
         self.tile_rows = 1 if block_dim == 1 else BLOCK_SCALING_TILE
-        self.scaling = "block_1x128" if block_dim == 1 else "block_128x128"
+        self.scaling = block_scaling(block_dim)
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
@@ -61,7 +62,7 @@ class Float8BlockQuantizer(Quantizer):
             columnwise_op = ScaledOperand(
                 square.data.t().contiguous(),  # (K, M)
                 square.scale_inv.t().contiguous(),  # (ceil(K/128), ceil(M/128))
-                "block_128x128",
+                Scaling.BLOCK_128X128,
             )
         return (square if rowwise else None), columnwise_op
 

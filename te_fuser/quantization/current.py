@@ -6,6 +6,7 @@ import torch
 
 from .. import backend
 from ..fp8 import short_name
+from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
 from .base import Quantizer
 from .role import QuantizerRole
@@ -20,7 +21,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     copies share the one scale; the column-wise copy is the transposed data.
     """
 
-    scaling = "tensor"
+    scaling = Scaling.TENSOR
 
     def __init__(
         self,
@@ -40,8 +41,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
         x_fp8, x_fp8_t, _scale, scale_inv, _amax = cast(
             x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise, amax
         )
-        rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None  # (M, K)
-        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None  # (K, M)
+        rowwise_op = ScaledOperand(x_fp8, scale_inv, Scaling.TENSOR) if rowwise else None  # (M, K)
+        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, Scaling.TENSOR) if columnwise else None  # (K, M)
         return rowwise_op, columnwise_op
 
     def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
@@ -51,8 +52,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
         x_fp8, x_fp8_t, _scale, scale_inv, _amax, sums = cast(
             x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise
         )
-        rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None
-        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None
+        rowwise_op = ScaledOperand(x_fp8, scale_inv, Scaling.TENSOR) if rowwise else None
+        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, Scaling.TENSOR) if columnwise else None
         return rowwise_op, columnwise_op, sums
 
     def describe(self) -> str:

@@ -45,6 +45,7 @@ import torch
 
 from .. import backend
 from ..fp8 import FP8_MAX, short_name
+from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
 from ..kernels.reference.scaling import AMAX_ALGOS, divide_by_power_of_2, guarded_scale
 from .base import EpilogueCast, Quantizer
@@ -68,7 +69,7 @@ class DelayedScalingQuantizer(Quantizer):
     each scale update.
     """
 
-    scaling = "tensor"
+    scaling = Scaling.TENSOR
 
     def __init__(
         self,
@@ -145,8 +146,8 @@ class DelayedScalingQuantizer(Quantizer):
             x_hp, self.scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax
         )
         self._record(amax)
-        rowwise_op = ScaledOperand(x_fp8, scale_inv, "tensor") if rowwise else None  # (M, K)
-        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, "tensor") if columnwise else None  # (K, M)
+        rowwise_op = ScaledOperand(x_fp8, scale_inv, Scaling.TENSOR) if rowwise else None  # (M, K)
+        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, Scaling.TENSOR) if columnwise else None  # (K, M)
         return rowwise_op, columnwise_op, (sums[0] if sums else None)
 
     def epilogue_cast(self, device: torch.device) -> EpilogueCast | None:
@@ -166,11 +167,11 @@ class DelayedScalingQuantizer(Quantizer):
         same bytes a cast of the transpose gives)."""
         scale_inv = cast.pending  # the one the epilogue's scale goes with
         self._record(cast.amax)
-        rowwise_op = ScaledOperand(data, scale_inv, "tensor")  # (M, K)
+        rowwise_op = ScaledOperand(data, scale_inv, Scaling.TENSOR)  # (M, K)
         columnwise_op = None
         if columnwise:
             data_t = data.view(torch.uint8).t().contiguous().view(data.dtype)  # (K, M)
-            columnwise_op = ScaledOperand(data_t, scale_inv, "tensor")
+            columnwise_op = ScaledOperand(data_t, scale_inv, Scaling.TENSOR)
         return QuantizedTensor(rowwise_op, columnwise_op, shape, dtype)
 
     def observe(self, x: torch.Tensor) -> None:

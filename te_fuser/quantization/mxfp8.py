@@ -6,6 +6,7 @@ import torch
 
 from .. import backend
 from ..fp8 import short_name
+from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
 from ..recipe import MXFP8_BLOCK
 from .base import Quantizer
@@ -22,7 +23,7 @@ class MXFP8Quantizer(Quantizer):
     The quantized dimension of each requested copy must be a multiple of 32.
     """
 
-    scaling = "mx_32"
+    scaling = Scaling.MX_32
 
     def __init__(self, fp8_dtype: torch.dtype, role: QuantizerRole | None = None) -> None:
         super().__init__(fp8_dtype, role)

@@ -1,0 +1,84 @@
+"""The kernel layer's vocabulary: the FP8 formats and the scaling schemes, each
+spelled once, here. Every backend, the quantizers and the recipes read them from
+this module (``te_fuser.fp8`` re-exports the FP8 facts for the upper layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FP8Format", "FP8_FORMATS", "E4M3", "E5M2", "E8M0_BIAS", "fp8_format", "fp8_max",
+    "Scaling", "SCALING_TILES", "block_scaling", "scaling_tile",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    """What the casts need to know about one FP8 format."""
+
+    dtype: torch.dtype
+    name: str  # short name: "e4m3", "e5m2"
+    fmax: float  # largest finite value; casts saturate to +-fmax
+    mantissa_bits: int
+    min_step_exponent: int  # biased fp32 exponent of the format's subnormal step
+    emax: int  # exponent of the largest power of two it holds (fmax = 1.75 * 2**emax)
+
+
+FP8_FORMATS = {
+    E4M3: FP8Format(E4M3, "e4m3", 448.0, 3, 127 - 9, 8),
+    E5M2: FP8Format(E5M2, "e5m2", 57344.0, 2, 127 - 16, 15),
+}
+
+# E8M0 scale bytes (MXFP8): value = 2 ** (byte - 127); 255 is NaN.
+E8M0_BIAS = 127
+
+
+def fp8_format(fp8_dtype: torch.dtype) -> FP8Format:
+    """The format of ``fp8_dtype``, or a ValueError naming the two there are."""
+    try:
+        return FP8_FORMATS[fp8_dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"fp8_dtype: must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}") from None
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    return fp8_format(fp8_dtype).fmax
+
+
+class Scaling:
+    """The names of the scaling schemes of a quantized operand (its scales' layout)."""
+
+    TENSOR = "tensor"  # one fp32 scale
+    ROW = "row"  # one fp32 scale per row
+    BLOCK_1X128 = "block_1x128"  # one fp32 scale per 1x128 slice of a row
+    BLOCK_128X128 = "block_128x128"  # one fp32 scale per 128x128 tile
+    MX_32 = "mx_32"  # one E8M0 byte per 32 elements of a row (MXFP8)
+
+
+# scaling -> (rows per scale, columns per scale); 0 means "the whole dimension".
+SCALING_TILES = {
+    Scaling.TENSOR: (0, 0),
+    Scaling.ROW: (1, 0),
+    Scaling.BLOCK_1X128: (1, 128),
+    Scaling.BLOCK_128X128: (128, 128),
+    Scaling.MX_32: (1, 32),
+}
+
+
+def block_scaling(tile_rows: int) -> str:
+    """The block scaling whose tiles have ``tile_rows`` rows (1 or 128)."""
+    return Scaling.BLOCK_1X128 if tile_rows == 1 else Scaling.BLOCK_128X128
+
+
+def scaling_tile(scaling: str) -> tuple[int, int]:
+    """``(rows, columns)`` per scale of ``scaling``."""
+    try:
+        return SCALING_TILES[scaling]
+    except KeyError:
+        raise ValueError(f"scaling: must be one of {list(SCALING_TILES)}, got {scaling!r}") from None
