@@ -11,7 +11,7 @@ import torch
 
 __all__ = [
     "FP8Format", "FP8_FORMATS", "E4M3", "E5M2", "E8M0_BIAS", "fp8_format", "fp8_max",
-    "Scaling", "SCALING_TILES", "block_scaling", "scaling_tile",
+    "Scaling", "SCALING_TILES", "block_scaling", "scaling_tile", "ACTIVATIONS", "ACTIVATION_CODES",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -74,6 +74,13 @@ SCALING_TILES = {
 def block_scaling(tile_rows: int) -> str:
     """The block scaling whose tiles have ``tile_rows`` rows (1 or 128)."""
     return Scaling.BLOCK_1X128 if tile_rows == 1 else Scaling.BLOCK_128X128
+
+
+# The activations the kernels (and GEMM epilogues) apply, and the integer code each
+# kernel branches on (0: none), the same in Triton and CUDA (launchers.cuh's
+# EpilogueActivation). GELU is the tanh approximation; SwiGLU halves the columns.
+ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4}
+ACTIVATIONS = tuple(kind for kind in ACTIVATION_CODES if kind is not None)
 
 
 def scaling_tile(scaling: str) -> tuple[int, int]:

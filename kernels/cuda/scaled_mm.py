@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import Scaling
+from ..formats import ACTIVATION_CODES, ACTIVATIONS, Scaling
 from ..operand import ScaledOperand
-from ..reference.activation import ACTIVATIONS
 from ..reference.gemm import gemm_reference
 from ._build import extension, raw_stream
 from .cast import HP_CODES, aligned_contiguous, check_cuda_tensor, on_device
@@ -42,7 +41,6 @@ from .cast import HP_CODES, aligned_contiguous, check_cuda_tensor, on_device
 __all__ = ["gemm", "gemm_unsupported_reason", "block_scaled_mm_available"]
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4}
 _TENSOR_ROW_PAIRS = {(Scaling.TENSOR, Scaling.TENSOR), (Scaling.ROW, Scaling.ROW), (Scaling.TENSOR, Scaling.ROW), (Scaling.ROW, Scaling.TENSOR)}
 _BLOCK_PAIRS = {(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128), (Scaling.BLOCK_1X128, Scaling.BLOCK_1X128)}
 _MIN_BLOCK_TORCH = (2, 10)  # first release with the fixed block-scale layout checks

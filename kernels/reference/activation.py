@@ -10,9 +10,10 @@ import math
 
 import torch
 
+from ..formats import ACTIVATIONS
+
 __all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference", "dact_dbias_reference"]
 
-ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
 

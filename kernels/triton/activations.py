@@ -12,13 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import ACTIVATION_CODES
 from ._common import abs_bits, check_input, fp8_bytes_as, hw_fp8, is_interpreted, round_through, sm_count
 from .cast import CastPlan
 
 __all__ = ["activation", "activation_grad", "dact_dbias", "dact_dbias_fp8", "ACTIVATION_CODES"]
 
-# Activation kind -> the constexpr code the kernels branch on (0: none).
-ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4}
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 _TL_FLOAT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
