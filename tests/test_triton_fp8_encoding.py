@@ -28,7 +28,7 @@ import torch
 from te_fuser.kernels import reference as ref
 from te_fuser.kernels import triton as tk
 from te_fuser.kernels.operand import ScaledOperand
-from te_fuser.kernels.triton import _common, activations, cast, fp8_gemm
+from te_fuser.kernels.triton import _common, cast, fp8_gemm
 
 REPO = Path(__file__).resolve().parent.parent
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -105,7 +105,6 @@ def _every_fp8_writer():
         "quantize_rowwise": lambda: tk.quantize_rowwise(x, E4M3),
         "quantize_block": lambda: tk.quantize_block(x.t(), E4M3, 1),
         "quantize_mxfp8": lambda: tk.quantize_mxfp8(x, E5M2),
-        "dact_dbias_fp8": lambda: tk.dact_dbias_fp8(x[:, :48], x, "swiglu", scale, E5M2),
         "gemm_fp8_out": lambda: tk.gemm_fp8_out(a, b, scale, E4M3, activation="gelu"),
     }
 
@@ -121,7 +120,7 @@ def test_launchers_never_reach_the_hardware_encoding_on_cpu(monkeypatch, writer)
     monkeypatch.setattr(_common, "fp8_bytes_hw_lanes", _spy(calls))
     _every_fp8_writer()[writer]()
     assert calls == []
-    for module in (cast, activations, fp8_gemm):
+    for module in (cast, fp8_gemm):
         monkeypatch.setattr(module, "hw_fp8", lambda t: True)
     with pytest.raises(Exception) as raised:
         _every_fp8_writer()[writer]()

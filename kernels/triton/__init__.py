@@ -5,8 +5,7 @@ Same names, signatures and return types as :mod:`te_fuser.kernels.reference`
 and on CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported).
 Extra fused kernels: :func:`gemm_fp8_out` (the GEMM epilogue also casts its result
 to FP8 with a given scale and reduces its amax) and :func:`dact_dbias` (activation
-gradient and bias gradient in one pass; :func:`dact_dbias_fp8` also writes the
-gradient as FP8 with a given scale, with its amax). :func:`rms_norm` and
+gradient and bias gradient in one pass). :func:`rms_norm` and
 :func:`rms_norm_grad` make one pass each over the data. :func:`delayed_scale_update`
 is the whole delayed-scaling state update (history, scale, scale_inv, count) in one
 launch. :func:`amax_column_sums` reads a gradient once for its current-scaling amax
@@ -14,7 +13,7 @@ and its bias gradient (:func:`quantize_current_column_sums` then casts it); :fun
 cast that also returns the bias gradient from its one read.
 """
 
-from .activations import activation, activation_grad, dact_dbias, dact_dbias_fp8
+from .activations import activation, activation_grad, dact_dbias
 from .cast import (amax_column_sums, dequantize, quantize_block, quantize_current, quantize_current_column_sums,
                    quantize_mxfp8, quantize_rowwise, quantize_tensorwise, quantize_tensorwise_column_sums)
 from .fp8_gemm import gemm, gemm_fp8_out
@@ -36,7 +35,6 @@ __all__ = [
     "activation",
     "activation_grad",
     "dact_dbias",
-    "dact_dbias_fp8",
     "rms_norm",
     "rms_norm_grad",
     "rms_norm_unsupported_reason",

@@ -13,12 +13,11 @@ import triton
 import triton.language as tl
 
 from ..formats import ACTIVATION_CODES
-from ._common import abs_bits, check_input, fp8_bytes_as, hw_fp8, is_interpreted, round_through, sm_count
+from ._common import check_input, is_interpreted, round_through, sm_count
 from .cast import CastPlan
 
-__all__ = ["activation", "activation_grad", "dact_dbias", "dact_dbias_fp8", "ACTIVATION_CODES"]
+__all__ = ["activation", "activation_grad", "dact_dbias", "ACTIVATION_CODES"]
 
-_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 _TL_FLOAT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -116,29 +115,13 @@ def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, COMPUTE
 
 
 @triton.jit
-def _store_dx(dx_ptrs, dx, mask, scale, FP8_OUT: tl.constexpr, HW_FP8: tl.constexpr):
-    """Store a dx tile (in its compute dtype, or FP8 bytes of ``dx * scale`` when
-    FP8_OUT is an FP8 dtype); return the tile's amax bits (0 without FP8_OUT).
-    dx, dy and x tiles share one row-major layout, so with HW_FP8 the bytes come
-    from the hardware conversion packed four to a register (``fp8_bytes_hw``)."""
-    if FP8_OUT is None:
-        tl.store(dx_ptrs, dx, mask=mask)
-        return tl.zeros([], dtype=tl.int32)
-    else:
-        dx32 = dx.to(tl.float32)
-        tl.store(dx_ptrs, fp8_bytes_as(dx32 * scale, FP8_OUT, HW_FP8), mask=mask)
-        return tl.max(tl.max(tl.where(mask, abs_bits(dx32), 0), axis=1), axis=0)
-
-
-@triton.jit
-def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr,
-               COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, HW_FP8: tl.constexpr, ROUND_TO: tl.constexpr):
+def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr, COMPUTE: tl.constexpr,
+               ROUND_TO: tl.constexpr):
     """Write the input gradient of one tile; return its column sums (two halves,
-    gate then up, for SwiGLU; the second is zeros otherwise) and its amax bits.
-    With a ROUND_TO dtype (narrower than COMPUTE: the op's dtype), dx is first
-    rounded once to it, and the sums, the amax and the FP8 cast are of the
-    rounded values: what the unfused backward (dx in the op's dtype, then a bias
-    gradient and a cast of that dx) computes."""
+    gate then up, for SwiGLU; the second is zeros otherwise). With a ROUND_TO
+    dtype (narrower than COMPUTE: the op's dtype), dx is first rounded once to
+    it, and the sums are of the rounded values: what the unfused backward (dx in
+    the op's dtype, then a bias gradient of that dx) computes."""
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_dy)
     dy = tl.load(dy_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
     if KIND == 4:
@@ -151,18 +134,17 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND
             d_gate = round_through(d_gate, ROUND_TO)
             d_up = round_through(d_up, ROUND_TO)
         dx_row = dx_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
-        amax_gate = _store_dx(dx_row, d_gate, mask, scale, FP8_OUT, HW_FP8)
-        amax_up = _store_dx(dx_row + cols_dy, d_up, mask, scale, FP8_OUT, HW_FP8)
-        sum_gate = tl.sum(tl.where(mask, d_gate, 0.0), axis=0)
-        return sum_gate, tl.sum(tl.where(mask, d_up, 0.0), axis=0), tl.maximum(amax_gate, amax_up)
+        tl.store(dx_row, d_gate, mask=mask)
+        tl.store(dx_row + cols_dy, d_up, mask=mask)
+        return tl.sum(tl.where(mask, d_gate, 0.0), axis=0), tl.sum(tl.where(mask, d_up, 0.0), axis=0)
     else:
         x = tl.load(x_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
         dx = apply_activation_grad(dy, x, KIND)
         if ROUND_TO is not None:
             dx = round_through(dx, ROUND_TO)
-        amax = _store_dx(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask, scale, FP8_OUT, HW_FP8)
+        tl.store(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask=mask)
         col_sum = tl.sum(tl.where(mask, dx, 0.0), axis=0)
-        return col_sum, tl.zeros_like(col_sum), amax
+        return col_sum, tl.zeros_like(col_sum)
 
 
 @triton.jit
@@ -170,41 +152,30 @@ def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.const
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _dact_tile(dy_ptr, x_ptr, dx_ptr, 1.0, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, None, False, None)
+    _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, None)
 
 
 @triton.jit
-def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, fp8_state_ptr, rows, cols_dy, rows_per_split,
-                       KIND: tl.constexpr, COMPUTE: tl.constexpr, FP8_OUT: tl.constexpr, HW_FP8: tl.constexpr,
-                       ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, rows, cols_dy, rows_per_split, KIND: tl.constexpr,
+                       COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
-    and the column sums of that slab into partial[s] (a row of cols_dx). With an
-    FP8 FP8_OUT, dx is written as FP8 with the scale in ``fp8_state[0]`` (fp32
-    bits) and the amax of dx is reduced into ``fp8_state[1]``."""
+    and the column sums of that slab into partial[s] (a row of cols_dx)."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     split = tl.program_id(1)
     first = split * rows_per_split
-    scale = 1.0
-    if FP8_OUT is not None:
-        scale = tl.load(fp8_state_ptr).to(tl.float32, bitcast=True)
     sum_a = tl.zeros([BLOCK_C], dtype=COMPUTE)
     sum_b = tl.zeros([BLOCK_C], dtype=COMPUTE)
-    amax = tl.zeros([], dtype=tl.int32)
     for r0 in range(first, tl.minimum(first + rows_per_split, rows), BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         offs_r = tl.where(offs_r < first + rows_per_split, offs_r, rows)  # stay inside this split
-        part_a, part_b, part_amax = _dact_tile(dy_ptr, x_ptr, dx_ptr, scale, offs_r, offs_c, rows, cols_dy, KIND,
-                                               COMPUTE, FP8_OUT, HW_FP8, ROUND_TO)
+        part_a, part_b = _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, ROUND_TO)
         sum_a += part_a
         sum_b += part_b
-        amax = tl.maximum(amax, part_amax)
     cols_dx = 2 * cols_dy if KIND == 4 else cols_dy
     col_ok = offs_c < cols_dy
     tl.store(partial_ptr + split * cols_dx + offs_c, sum_a, mask=col_ok)
     if KIND == 4:
         tl.store(partial_ptr + split * cols_dx + cols_dy + offs_c, sum_b, mask=col_ok)
-    if FP8_OUT is not None:
-        tl.atomic_max(fp8_state_ptr + 1, amax)
 
 
 # ------------------------------------------------------------------ launchers
@@ -296,10 +267,10 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tenso
     return dx.reshape(x.shape)
 
 
-def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_state: torch.Tensor | None,
-                       compute, round_to: torch.dtype | None = None) -> torch.Tensor:
-    """Run the fused kernel into ``dx`` (FP8 when ``fp8_state`` is given), dx first
-    rounded to the narrower ``round_to`` when given; return dbias."""
+def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, compute,
+                       round_to: torch.dtype | None = None) -> torch.Tensor:
+    """Run the fused kernel into ``dx``, dx first rounded to the narrower
+    ``round_to`` when given; return dbias."""
     tl_compute, torch_compute = compute
     rows, cols_dx = x2d.shape
     plan = _plan(x2d, "dact_dbias")
@@ -310,13 +281,10 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, fp8_st
     rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
     splits = triton.cdiv(rows, rows_per_split)
     partial = torch.empty((splits, cols_dx), dtype=torch_compute, device=x2d.device)
-    fp8_out = None if fp8_state is None else _TL_FP8[dx.dtype]
     _dact_dbias_kernel[(col_blocks, splits)](
-        dy2d, x2d, dx.view(torch.uint8) if fp8_out is not None else dx, partial,
-        fp8_state if fp8_state is not None else partial, rows, cols, rows_per_split, KIND=activation_code(kind),
-        COMPUTE=tl_compute, FP8_OUT=fp8_out, HW_FP8=fp8_out is not None and hw_fp8(x2d),
-        ROUND_TO=None if round_to is None else _TL_FLOAT[round_to], BLOCK_R=block_r,
-        BLOCK_C=block_c, num_warps=plan.num_warps)
+        dy2d, x2d, dx, partial, rows, cols, rows_per_split, KIND=activation_code(kind), COMPUTE=tl_compute,
+        ROUND_TO=None if round_to is None else _TL_FLOAT[round_to], BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=plan.num_warps)
     return partial.sum(dim=0)
 
 
@@ -336,36 +304,9 @@ def dact_dbias(
     dx = torch.empty(x2d.shape, dtype=out_dtype if in_kernel else compute[1], device=x.device)
     if not dx.numel():
         return dx.reshape(x.shape).to(out_dtype), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device)
-    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, None, compute,
+    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, compute,
                                round_to=dx.dtype if dx.dtype != compute[1] else None)
     if not in_kernel:
         dx = dx.to(out_dtype)
         dbias = dx.to(compute[1]).sum(dim=0)
     return dx.reshape(x.shape), dbias
-
-
-def dact_dbias_fp8(
-    dy: torch.Tensor, x: torch.Tensor, kind: str, scale: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`dact_dbias` with dx written once, in FP8: ``(dx_fp8, dbias, amax)``,
-    where ``dx_fp8`` is the delayed-scaling cast of dx with the 0-d fp32 ``scale``
-    (``quantize_tensorwise`` of ``dact_dbias``'s dx, bit for bit: for bf16 or fp16
-    x, dx is rounded to x's dtype first, and dbias sums the rounded values, as in
-    :func:`dact_dbias`) and ``amax`` the max of |dx| (0-d fp32)."""
-    dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "dact_dbias_fp8")
-    if fp8_dtype not in _TL_FP8:
-        raise ValueError(f"dact_dbias_fp8: fp8_dtype must be one of {list(_TL_FP8)}, got {fp8_dtype}")
-    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
-        raise ValueError("dact_dbias_fp8: scale must be a one-element float32 tensor")
-    if scale.device != x.device:
-        raise ValueError(f"dact_dbias_fp8: scale is on {scale.device} but x is on {x.device}")
-    compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
-    state = torch.zeros(2, dtype=torch.int32, device=x.device)  # scale bits, amax bits
-    state[0] = scale.reshape(()).view(torch.int32)
-    dx = torch.empty(x2d.shape, dtype=fp8_dtype, device=x.device)
-    amax = state[1:].view(torch.float32).reshape(())
-    if not dx.numel():
-        return dx.reshape(x.shape), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device), amax
-    round_to = x.dtype if x.dtype != compute[1] else None  # dact_dbias's dx is in x's dtype
-    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, state, compute, round_to=round_to)
-    return dx.reshape(x.shape), dbias, amax
