@@ -8,8 +8,8 @@ any process; the string is computed once, at construction.
 Recipes cannot be changed: ``recipe.replace(field=value)`` returns a new one.
 Invalid values raise ``ValueError`` naming the field, at construction.
 
-Per-tensor recipes (``DelayedScaling``, ``Float8CurrentScaling``) choose the
-accumulation of each FP8 GEMM of a linear layer: ``fprop_fast_accum``,
+Per-tensor and per-row recipes (``DelayedScaling``, ``Float8CurrentScaling``,
+``Float8RowwiseScaling``) choose the accumulation of each FP8 GEMM of a linear layer: ``fprop_fast_accum``,
 ``dgrad_fast_accum``, ``wgrad_fast_accum``. Hopper's FP8 tensor cores add products
 in a narrower-than-fp32 format; by default the partial sums are promoted to the
 fp32 accumulator every 128 products. Fast accumulation promotes only at the end,
@@ -47,6 +47,7 @@ __all__ = [
     "Recipe",
     "DelayedScaling",
     "Float8CurrentScaling",
+    "Float8RowwiseScaling",
     "MXFP8BlockScaling",
     "Float8BlockScaling",
     "CustomRecipe",
@@ -244,6 +245,9 @@ class Recipe:
     def float8_current_scaling(self) -> bool:
         return isinstance(self, Float8CurrentScaling)
 
+    def float8_rowwise_scaling(self) -> bool:
+        return isinstance(self, Float8RowwiseScaling)
+
     def mxfp8(self) -> bool:
         return isinstance(self, MXFP8BlockScaling)
 
@@ -355,6 +359,43 @@ class Float8CurrentScaling(Recipe):
 
         epsilon = getattr(self, _EPSILON_FIELD[role.tensor_type])
         return Float8CurrentScalingQuantizer(self._fp8_dtype(role), self.power_2_scales, epsilon)
+
+
+@dataclass(eq=False, repr=False)
+class Float8RowwiseScaling(Recipe):
+    """Per-row scales from each row's own amax (current scaling, row by row).
+
+    Every GEMM operand is scaled along the rows it reduces over: one fp32 scale
+    per token of an activation or gradient and per output (or, for the backward,
+    input) channel of a weight, so an outlier only coarsens its own row.
+    ``scale = fmax / max(amax(row), epsilon)``, rounded down to a power of two
+    when ``power_2_scales`` (the default). Epsilons are per tensor role.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    power_2_scales: bool = True
+    input_amax_epsilon: float = 0.0
+    weight_amax_epsilon: float = 0.0
+    grad_amax_epsilon: float = 0.0
+    fprop_fast_accum: bool = field(default=True, kw_only=True)
+    dgrad_fast_accum: bool = field(default=False, kw_only=True)
+    wgrad_fast_accum: bool = field(default=False, kw_only=True)
+    backward_override: str | None = field(default=None, kw_only=True)
+
+    def _validate(self) -> None:
+        self._require_bool("power_2_scales")
+        for name in ("input_amax_epsilon", "weight_amax_epsilon", "grad_amax_epsilon"):
+            self._require_epsilon(name)
+        self._validate_fast_accum()
+
+    def derived(self) -> dict[str, Any]:
+        return {**self._fp8_derived(), "scaling": "row"}
+
+    def make_quantizer(self, role):
+        from .quantization.rowwise import Float8RowwiseQuantizer
+
+        epsilon = getattr(self, _EPSILON_FIELD[role.tensor_type])
+        return Float8RowwiseQuantizer(self._fp8_dtype(role), self.power_2_scales, epsilon)
 
 
 MXFP8_BLOCK = 32

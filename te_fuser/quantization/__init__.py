@@ -13,6 +13,7 @@ from .factory import quantizer_for
 from .identity import IdentityQuantizer
 from .mxfp8 import MXFP8Quantizer
 from .role import QuantizerRole
+from .rowwise import Float8RowwiseQuantizer
 from .tensor import QuantizedTensor
 
 __all__ = [
@@ -25,5 +26,6 @@ __all__ = [
     "DelayedScalingQuantizer",
     "MXFP8Quantizer",
     "Float8BlockQuantizer",
+    "Float8RowwiseQuantizer",
     "quantizer_for",
 ]

@@ -45,7 +45,7 @@ class Float8BlockQuantizer(Quantizer):
         self.power_2_scales = self._checked_bool("power_2_scales", power_2_scales)
         self.amax_epsilon = self._checked_epsilon("amax_epsilon", amax_epsilon)
         self.tile_rows = 1 if block_dim == 1 else BLOCK_SCALING_TILE
-        self.scaling = block_scaling(block_dim)
+        self.scaling = block_scaling(self.tile_rows)
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
