@@ -82,3 +82,33 @@ def test_a_linear_trains_under_the_recipe_like_its_reference():
     linear = model[0].basic_ops[0]
     assert isinstance(linear.quantizer("weight"), Float8RowwiseQuantizer)
     assert linear.quantizer("grad_output").fp8_dtype == E5M2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_gelu_mlp_trains_under_the_recipe_on_the_gpu(dtype):
+    """The GPU's kernels (row casts, row-scaled GEMMs with their epilogues, fp32
+    weight gradients) against float64 on representable data, under torch.autocast
+    for bf16 as a training loop runs it."""
+    from op_testing import representable
+
+    torch.manual_seed(0)
+    model = te.ops.Sequential(te.ops.Linear(128, 256), te.ops.GELU(), te.ops.Linear(256, 64)).cuda()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(representable(*p.shape) / 8)
+    x = representable(96, 128).cuda().requires_grad_()
+    dy = representable(96, 64).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with te.autocast(recipe=te.recipe.Float8RowwiseScaling()):
+            y = model(x)
+    y.float().backward(dy)
+    ref = te.ops.Sequential(te.ops.Linear(128, 256), te.ops.GELU(), te.ops.Linear(256, 64)).double()
+    ref.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
+    xr = x.detach().double().cpu().requires_grad_()
+    yr = ref(xr)
+    yr.backward(dy.double().cpu())
+    assert_close(y.double().cpu(), yr, E4M3, "y", scaled=True)
+    assert_close(x.grad.double().cpu(), xr.grad, E5M2, "dx", scaled=True)
+    for (name, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad.double().cpu(), pr.grad, E5M2, f"grad {name}", scaled=True)
