@@ -19,7 +19,7 @@ for part in $parts; do
         tests/test_weight_cache.py tests/test_training.py tests/test_train_gpt.py tests/test_torch_contracts.py \
         tests/test_fuser.py tests/test_cuda_gemm.py tests/test_cuda_cast.py tests/test_cuda_backend.py \
         tests/test_graphs.py tests/test_graphed_step.py tests/test_hot_guard.py tests/test_amax_column_sums.py tests/test_quantize_tensorwise_column_sums.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
-        tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py \
+        tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py tests/test_quantizer_rowwise.py \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
     dbias)  # the output gradient's cast with its bias gradient, separate and fused (16384x7168)
       timeout 150 python3 benchmarks/bench_cast.py --bias-grad --sweep 2>&1 | tee "$OUT/dbias.log" | tail -16 ;;
@@ -34,10 +34,10 @@ for part in $parts; do
       timeout ${GPT_TIMEOUT:-420} python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} --json "$OUT/gpt.json" 2>&1 \
         | tee "$OUT/gpt.log" | tail -30 ;;
     profgpt) timeout 300 python3 benchmarks/profile_gpt.py --recipes ${PROF_RECIPES:-bf16 delayed current} --timed 5 --steps 2 ${PROF_HOST:+--host} ${PROF_COMPILE:+--compile} 2>&1 | tee "$OUT/profgpt.log" | tail -80 ;;
-    new)  # this stop's tests on the GPU: compile (inductor), apply_recipe, convert, the weight cache, graphs
-      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_compile.py tests/test_apply_recipe.py tests/test_convert.py \
-        tests/test_weight_cache.py tests/test_graphs.py tests/test_graphed_step.py tests/test_hot_guard.py tests/test_fuser.py \
-        tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
+    new)  # this stop's tests on the GPU: the CUDA casts and state update, the row-wise recipe, the guard, training
+      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
+        tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \
+        tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
     layers) timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -24 ;;
     profile) timeout 200 python3 benchmarks/profile_kernels.py --case mlp 2>&1 | tee "$OUT/profile.log" | tail -60 ;;
     proflinear)  # the big Linear's kernels under current and delayed scaling
