@@ -201,7 +201,7 @@ class GraphedStep:
                 out = self.step(*call_args)
                 for slot in slots:  # the step's scaling-state updates, into the tensors the next replay reads
                     if not slot.bound():
-                        slot.home.copy_(getattr(slot.quantizer, slot.name))
+                        slot.home.copy_(slot.live())
         except Exception as err:
             self._undo_capture(slots, saved_grads)
             raise RuntimeError(
@@ -220,7 +220,7 @@ class GraphedStep:
                 "pass make_graphed_step a module that holds every model the step trains"
             )
         for slot in slots:
-            setattr(slot.quantizer, slot.name, slot.home)
+            slot.rebind()
         graph.static_out = _detached(out)
         graph.grads = tuple(p.grad for p in self._params)
         # FP8 weights kept in the capture live in the graph's memory, which every
@@ -233,7 +233,7 @@ class GraphedStep:
     def _undo_capture(self, slots, saved_grads) -> None:
         """A failed capture ran nothing on the GPU: put back what its Python changed."""
         for slot in slots:
-            setattr(slot.quantizer, slot.name, slot.home)
+            slot.rebind()
         for p, g in zip(self._params, saved_grads):
             p.grad = g
         drop_weight_caches(weight_casting_ops(self.model))

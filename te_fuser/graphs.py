@@ -94,17 +94,24 @@ class _StateSlot:
 
     def __init__(self, quantizer, name: str) -> None:
         self.quantizer, self.name = quantizer, name
-        self.home: torch.Tensor = getattr(quantizer, name)
+        self.home: torch.Tensor = quantizer.state_tensors()[name]
+
+    def live(self) -> torch.Tensor:
+        return self.quantizer.state_tensors()[self.name]
 
     def adopt(self) -> None:
         """Make ``home`` hold the quantizer's current value and bind the quantizer to it."""
-        live = getattr(self.quantizer, self.name)
+        live = self.live()
         if live is not self.home:
             self.home.copy_(live)
-            setattr(self.quantizer, self.name, self.home)
+            self.quantizer.bind_state_tensor(self.name, self.home)
+
+    def rebind(self) -> None:
+        """Bind the quantizer to ``home`` again (discarding a value it was rebound to)."""
+        self.quantizer.bind_state_tensor(self.name, self.home)
 
     def bound(self) -> bool:
-        return getattr(self.quantizer, self.name) is self.home
+        return self.live() is self.home
 
 
 class _Pair:
@@ -140,7 +147,7 @@ class CaptureGuard:
     def still_valid(self) -> bool:
         if self.epoch != _EPOCH[0]:
             for op, qs in self.quantizers:
-                if op._quantizers is not qs:
+                if op.installed_quantizers is not qs:
                     return False
             self.epoch = _EPOCH[0]
         for p, ptr, flag in zip(self.all_params, self.param_ptrs, self.trainable_flags):
@@ -152,9 +159,8 @@ class CaptureGuard:
 def state_slots(model: nn.Module) -> tuple[list, list[_StateSlot]]:
     """``(op, quantizer dict)`` of every op, and a slot for every tensor of their
     quantizers' scaling state, each bound to its home."""
-    quantizers = [(op, op._quantizers) for op in model.modules() if isinstance(op, BasicOperation)]
-    slots = [_StateSlot(q, name) for _, qs in quantizers for q in qs.values()
-             for name, value in vars(q).items() if isinstance(value, torch.Tensor)]
+    quantizers = [(op, op.installed_quantizers) for op in model.modules() if isinstance(op, BasicOperation)]
+    slots = [_StateSlot(q, name) for _, qs in quantizers for q in qs.values() for name in q.state_tensors()]
     for slot in slots:
         slot.adopt()
     return quantizers, slots
@@ -165,8 +171,8 @@ def quantizers_seeded(model: nn.Module) -> bool:
     seeds delayed scaling from the tensor itself, and that step must not be replayed."""
     for op in model.modules():
         if isinstance(op, BasicOperation):
-            for q in op._quantizers.values():
-                if getattr(q, "seeded", True) is False:
+            for q in op.installed_quantizers.values():
+                if not q.seeded:
                     return False
     return True
 
@@ -384,7 +390,7 @@ class GraphedSequential(nn.Module):
                 del y
         torch.cuda.current_stream(x.device).wait_stream(side)
         for slot in graphs.slots:  # the warm-up runs rebound the state; their updates are discarded
-            setattr(slot.quantizer, slot.name, slot.home)
+            slot.rebind()
 
     def _capture_pair(self, graphs: _Graphs, pair: _Pair, pool, after_forward=None, before_forward=None) -> None:
         """Capture one forward and its backward; the backward graph also copies every
@@ -402,16 +408,16 @@ class GraphedSequential(nn.Module):
                     after_forward()
             if not isinstance(static_y, torch.Tensor):
                 raise TypeError("make_graphed: the model must return one tensor")
-            pair.forward_updates = [(s.home, getattr(s.quantizer, s.name)) for s in slots if not s.bound()]
+            pair.forward_updates = [(s.home, s.live()) for s in slots if not s.bound()]
             static_dy = torch.empty_like(static_y)
             with torch.cuda.graph(pair.bwd, pool=pool):
                 static_grads = torch.autograd.grad(static_y, inputs, grad_outputs=static_dy, allow_unused=True)
                 packs = self._pack_grads(static_grads, static_x.requires_grad)
                 for slot in slots:  # commit this step's state updates, forward and backward, in place
                     if not slot.bound():
-                        slot.home.copy_(getattr(slot.quantizer, slot.name))
+                        slot.home.copy_(slot.live())
         for slot in slots:
-            setattr(slot.quantizer, slot.name, slot.home)
+            slot.rebind()
         pair.static_y, pair.static_dy = static_y.detach(), static_dy
         pair.grad_packs = packs
 

@@ -38,11 +38,7 @@ class _Snapshot:
         for p in model.parameters():
             p.grad = None  # the warm-up's gradients go to fresh tensors, dropped afterwards
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        self.ops = [
-            (op, op._quantizers, op._quantizer_key, op._loaded_state,
-             {t: q.state_dict() for t, q in op._quantizers.items()})
-            for op in model.modules() if isinstance(op, BasicOperation)
-        ]
+        self.ops = [(op, op.snapshot_quantizers()) for op in model.modules() if isinstance(op, BasicOperation)]
         self.fusers = [
             (f, f._plan, f._last_recipe, f.stats.builds, f.stats.hits, f.stats.key, f.stats.build_seconds,
              dict(f.stats.last_build_phases), f._churn.__dict__.copy())
@@ -58,11 +54,8 @@ class _Snapshot:
                 b.copy_(saved)
         for p, g in self.grads:
             p.grad = g
-        for op, quantizers, key, loaded, states in self.ops:
-            op._quantizers, op._quantizer_key, op._loaded_state = quantizers, key, loaded
-            for t, q in quantizers.items():
-                q.load_state_dict(states[t])
-            op.drop_caches()  # a cast kept by te.reuse_quantized_weights(): the next forward casts again
+        for op, quantizers in self.ops:
+            op.restore_quantizers(quantizers)  # a kept weight cast is dropped: the next forward casts again
         for f, plan, last, builds, hits, key, secs, phases, churn in self.fusers:
             f._plan, f._last_recipe, f._last_state = plan, last, None
             f.stats.builds, f.stats.hits, f.stats.key, f.stats.build_seconds = builds, hits, key, secs

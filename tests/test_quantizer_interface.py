@@ -148,3 +148,47 @@ def test_cuda_matches_cpu_bit_for_bit(name):
 def test_check_shape_rejects_0d_with_the_role(name):
     with pytest.raises(ValueError, match=r"linear:fc2\.weight.*0-d"):
         FP8_QUANTIZERS[name]().check_shape(())
+
+
+def test_state_tensors_are_public_and_bind_only_their_own_kind():
+    """The scaling state by name (empty when stateless); a holder binds a tensor of
+    the same shape, dtype and device, and nothing else."""
+    from te_fuser.quantization import DelayedScalingQuantizer, Float8CurrentScalingQuantizer
+
+    assert Float8CurrentScalingQuantizer(torch.float8_e4m3fn).state_tensors() == {}
+    q = DelayedScalingQuantizer(torch.float8_e4m3fn, amax_history_len=4)
+    tensors = q.state_tensors()
+    assert set(tensors) == {"scale", "scale_inv", "amax_history", "nonfinite_amax_count"}
+    assert tensors["amax_history"] is q.amax_history
+    home = torch.zeros(4)
+    q.bind_state_tensor("amax_history", home)
+    assert q.state_tensors()["amax_history"] is home
+    with pytest.raises(ValueError, match="no state tensor 'amax'"):
+        q.bind_state_tensor("amax", home)
+    with pytest.raises(ValueError, match="state tensor 'amax_history' is \\(4,\\)"):
+        q.bind_state_tensor("amax_history", torch.zeros(5))
+    assert q.seeded is False and Float8CurrentScalingQuantizer(torch.float8_e4m3fn).seeded is True
+
+
+def test_an_op_restores_its_quantizers_and_their_state():
+    """``snapshot_quantizers`` / ``restore_quantizers``: the installed quantizers
+    and their scaling state as they were, after steps under another recipe."""
+    import te_fuser as te
+
+    model = te.ops.Sequential(te.ops.Linear(16, 8))
+    linear = model[0].basic_ops[0]
+    x = torch.randn(4, 16)
+    with te.autocast(recipe=te.recipe.DelayedScaling(amax_history_len=3)):
+        model(x).sum().backward()
+    snap = linear.snapshot_quantizers()
+    before = {t: q.state_dict() for t, q in linear.installed_quantizers.items()}
+    with te.autocast(recipe=te.recipe.DelayedScaling(amax_history_len=3)):
+        model(3 * x).sum().backward()  # moves the histories on
+    with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+        model(x).sum().backward()  # installs other quantizers
+    assert linear.installed_quantizers is not snap.quantizers
+    linear.restore_quantizers(snap)
+    assert linear.installed_quantizers is snap.quantizers
+    for t, q in linear.installed_quantizers.items():
+        for name, value in q.state_dict().items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(before[t][name])), (t, name)

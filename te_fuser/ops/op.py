@@ -13,7 +13,7 @@ backward fusions can be chosen independently.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -25,7 +25,18 @@ if TYPE_CHECKING:
     from ..quantization import Quantizer
     from ..recipe import Recipe
 
-__all__ = ["RunConfig", "OpContext", "BasicOperation", "FusedOperation", "WatchedModule"]
+__all__ = ["RunConfig", "OpContext", "BasicOperation", "FusedOperation", "WatchedModule", "QuantizerSnapshot"]
+
+
+class QuantizerSnapshot(NamedTuple):
+    """What :meth:`BasicOperation.restore_quantizers` puts back: the installed
+    quantizers, the recipe key they were built for, a checkpointed state still
+    waiting for its recipe, and each quantizer's scaling state (cloned)."""
+
+    quantizers: dict
+    recipe_key: "str | None"
+    pending: "dict | None"
+    states: dict
 
 
 class RunConfig:
@@ -202,6 +213,25 @@ class BasicOperation(WatchedModule):
                 f"roles are {list(self.forward_roles + self.backward_roles)}"
             )
         return self._quantizers.get(tensor_type)
+
+    @property
+    def installed_quantizers(self) -> dict[str, "Quantizer"]:
+        """The installed quantizers by tensor role. Read only: publishing a plan
+        installs a new dict, so holding this one tells whether that happened."""
+        return self._quantizers
+
+    def snapshot_quantizers(self) -> QuantizerSnapshot:
+        """The quantizers and their scaling state as they are now (see :meth:`restore_quantizers`)."""
+        return QuantizerSnapshot(self._quantizers, self._quantizer_key, self._loaded_state,
+                                 {t: q.state_dict() for t, q in self._quantizers.items()})
+
+    def restore_quantizers(self, snapshot: QuantizerSnapshot) -> None:
+        """Put back the quantizers of ``snapshot`` with the scaling state they had
+        then; a cast kept by ``te.reuse_quantized_weights()`` is dropped."""
+        self._quantizers, self._quantizer_key, self._loaded_state = snapshot[:3]
+        for t, q in snapshot.quantizers.items():
+            q.load_state_dict(snapshot.states[t])
+        self.drop_caches()
 
     def install_quantizers(self, quantizers: dict[str, "Quantizer"], key: str) -> None:
         """Make ``quantizers`` this op's own, built for ``key`` (called on publish).

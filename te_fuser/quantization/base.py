@@ -67,6 +67,11 @@ class Quantizer:
     """
 
     scaling: str = "identity"
+    # The names of the tensors of its scaling state (see :meth:`state_tensors`).
+    STATE_TENSORS: tuple[str, ...] = ()
+    # Whether its state is ready for the casts; a delayed-scaling quantizer seeds
+    # its scale from its first tensor (a step that must not be replayed).
+    seeded: bool = True
     min_compute_capability: tuple[int, int] | None = FP8_MIN_COMPUTE_CAPABILITY
 
     def __init__(self, fp8_dtype: torch.dtype | None, role: QuantizerRole | None = None) -> None:
@@ -171,6 +176,25 @@ class Quantizer:
         )
 
     # -- state -----------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The live tensors of the scaling state, by name (empty for stateless
+        quantizers). An update rebinds these names to new tensors, never writes
+        them in place, so a holder of one sees the value it took."""
+        return {name: getattr(self, name) for name in self.STATE_TENSORS}
+
+    def bind_state_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` (same shape, dtype and device) the state tensor ``name``:
+        a holder of fixed addresses (a CUDA graph) binds its own copies."""
+        if name not in self.STATE_TENSORS:
+            raise ValueError(f"{self._who()}: no state tensor {name!r}; it has {list(self.STATE_TENSORS)}")
+        live = getattr(self, name)
+        if (tensor.shape, tensor.dtype, tensor.device) != (live.shape, live.dtype, live.device):
+            raise ValueError(
+                f"{self._who()}: state tensor {name!r} is {tuple(live.shape)} {live.dtype} on {live.device}, "
+                f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+            )
+        setattr(self, name, tensor)
+
     def state_dict(self) -> dict[str, Any]:
         """The scaling state, tensors cloned (empty for stateless quantizers)."""
         return {}

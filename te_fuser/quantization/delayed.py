@@ -101,6 +101,8 @@ class DelayedScalingQuantizer(Quantizer):
         self.amax_reduction_group = None
         self._reset(torch.device("cpu"))
 
+    STATE_TENSORS = ("scale", "scale_inv", "amax_history", "nonfinite_amax_count")
+
     def _checked_int(self, name: str, value: Any, minimum: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"DelayedScalingQuantizer.{name}: must be an integer >= {minimum}, got {value!r}")
@@ -117,7 +119,7 @@ class DelayedScalingQuantizer(Quantizer):
         if self.scale.device != device:  # once, on first use on a device
             # host -> device copies need no wait; a device -> host copy must complete
             non_blocking = device.type == "cuda" and self.scale.device.type == "cpu"
-            for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count"):
+            for name in self.STATE_TENSORS:
                 setattr(self, name, getattr(self, name).to(device, non_blocking=non_blocking))
 
     # -- quantization ----------------------------------------------------------
