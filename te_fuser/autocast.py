@@ -94,7 +94,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
         if calibrating is not True and calibrating is not False:
             raise TypeError(f"autocast(calibrating=...): must be True or False, got {calibrating!r}")
         if backend is not None:
-            _backend._check_name(backend)
+            _backend.check_name(backend)
         if override_pinned is not True and override_pinned is not False:
             raise TypeError(f"autocast(override_pinned=...): must be True or False, got {override_pinned!r}")
         named = recipe is not None or not enabled
@@ -107,7 +107,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
             last.enabled is enabled and last.calibrating is calibrating and last.named is named
             and last.override_pinned is override_pinned and last.amax_reduction_group is amax_reduction_group
             and (last.recipe is recipe or (recipe is not None and last.recipe is not None
-                                           and type(last.recipe) is type(recipe) and last.recipe._key == recipe._key))
+                                           and type(last.recipe) is type(recipe) and last.recipe.key == recipe.key))
         ):
             self.state = last  # an equal recipe is the same configuration: its string is the key
         else:

@@ -38,7 +38,7 @@ from .kernels import env as _env
 from .kernels.contract import KERNELS  # the kernel layer's table: what every backend owes
 
 __all__ = ["BACKENDS", "KERNELS", "KernelChoice", "set_backend", "get_backend", "use_backend", "resolve",
-           "push_override", "pop_override"]
+           "push_override", "pop_override", "check_name"]
 
 BACKENDS = ("reference", "triton", "cuda", "auto")
 _MODULES = {
@@ -63,7 +63,8 @@ class KernelChoice:
     note: str = ""
 
 
-def _check_name(name: str) -> str:
+def check_name(name: str) -> str:
+    """``name`` when it is a backend, else a ValueError listing them."""
     if name not in BACKENDS:
         raise ValueError(f"backend: must be one of {list(BACKENDS)}, got {name!r}")
     return name
@@ -72,13 +73,13 @@ def _check_name(name: str) -> str:
 def set_backend(name: str) -> None:
     """Choose the kernel backend for the whole process (published plans made for
     another one are rebuilt at their next call)."""
-    _state["backend"] = _check_name(name)
+    _state["backend"] = check_name(name)
     epoch.bump()
 
 
 def push_override(name: str) -> None:
     """Make ``name`` the backend in force until :func:`pop_override` (``te.autocast(backend=...)``)."""
-    _override.append(_check_name(name))
+    _override.append(check_name(name))
     epoch.bump()
 
 
@@ -92,7 +93,7 @@ def get_backend() -> str:
     if _override:
         return _override[-1]
     if _state["backend"] is None:
-        _state["backend"] = _check_name(_env.backend_default() or "auto")
+        _state["backend"] = check_name(_env.backend_default() or "auto")
     return _state["backend"]
 
 
@@ -193,7 +194,7 @@ def resolve(kernel: str, device: torch.device | str, backend: str | None = None)
     hit = _resolved.get(cache_key)  # the device is cheaper than reading its type
     if hit is not None:  # the hot path: one dict look-up
         return hit
-    _check_name(requested)
+    check_name(requested)
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {list(KERNELS)}, got {kernel!r}")
     chosen = _auto_entry(kernel, device) if requested == "auto" else requested

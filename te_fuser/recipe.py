@@ -107,7 +107,9 @@ class Recipe:
         self._resolve()
         self._validate_common()
         self._validate()
-        object.__setattr__(self, "_key", self._build_key())
+        key = self._build_key()
+        object.__setattr__(self, "key", key)  # the fusion key: str(recipe), computed once
+        object.__setattr__(self, "_key", key)
         object.__setattr__(self, "_sealed", True)
 
     # -- immutability ------------------------------------------------------
@@ -136,15 +138,15 @@ class Recipe:
 
     # -- the key -----------------------------------------------------------
     def __str__(self) -> str:
-        return self._key
+        return self.key
 
     __repr__ = __str__
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._key == self._key
+        return type(other) is type(self) and other.key == self.key
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return hash(self.key)
 
     @classmethod
     def qualified_name(cls) -> str:
