@@ -12,9 +12,11 @@ the contiguous dim of both operands (see ``te_fuser.kernels.operand``).
 
 ``backward_override='high_precision'`` saves x and w in high precision for the
 backward GEMMs; ``'dequantized'`` saves their FP8 copies and dequantizes them.
-The weight is cast once per forward, for that forward's GEMM and its backward's;
-a cast is reused across forwards only inside ``te.reuse_quantized_weights()``
-(gradient accumulation, repeated inference), while the weight is unchanged.
+The weight is cast once per forward, for that forward's GEMM and its backward's,
+from the parameter's own dtype (an fp32 master weight goes to FP8 in one
+rounding); a cast is reused across forwards only inside
+``te.reuse_quantized_weights()`` (gradient accumulation, repeated inference),
+while the weight is unchanged.
 
 A fused op may hand ``linear_forward`` an input already quantized by this linear's
 input quantizer (the previous GEMM's epilogue cast it), and may ask it for its
@@ -128,7 +130,11 @@ def linear_forward(
     dtype = run.compute_dtype
     weight = op.weight
     x_shape = x.shape
-    w_hp = weight if weight.dtype is dtype else weight.to(dtype)  # (N, K)
+    # An FP8 weight is cast from the parameter itself (an fp32 master weight in one
+    # rounding, without a compute-dtype copy first); the compute-dtype copy is made
+    # only where it is used: a high-precision GEMM or a high-precision backward.
+    from_master = run.quantizing and run.backward_override != "high_precision"
+    w_hp = weight if (weight.dtype is dtype or from_master) else weight.to(dtype)  # (N, K)
     needs_backward = run.needs_backward
     if isinstance(x, QuantizedTensor):  # cast by the previous GEMM's epilogue (never for a high-precision backward)
         x2d = x_q = x
