@@ -1,10 +1,11 @@
-"""The compiled hot path (``te_fuser/ops/hot_guard.c``): it loads, it takes the
-hits without entering Python, and under every condition that selects a plan it
-decides exactly as the Python path does."""
+"""The guard of the op fuser's hot path: the compiled one (``te_fuser/ops/hot_guard.c``)
+loads and takes the hits without entering Python; it and the Python reference
+guard (``te_fuser/ops/guard.py``) have one interface and, under every condition of
+``guard_conditions.py``'s table, decide alike and as the table says, with the
+miss path alone running the same plans."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import inspect
@@ -14,27 +15,20 @@ import subprocess
 import sys
 import tempfile
 import weakref
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 import te_fuser as te
-from te_fuser.ops import hot_guard
+from guard_conditions import CURRENT, H, HIT, REBUILD, REVALIDATE, ROWS, first_call, first_input, model
+from te_fuser.ops import fusers_of, hot_guard
 from te_fuser.ops.fuser import OperationFuser
-from te_fuser.ops import fusers_of
-
-H = 32
-CURRENT = te.recipe.Float8CurrentScaling()
-DELAYED = te.recipe.DelayedScaling(amax_history_len=4)
-
-
-def model(seed: int = 0) -> te.ops.Sequential:
-    torch.manual_seed(seed)
-    return te.ops.Sequential(te.ops.RMSNorm(H), te.ops.Linear(H, H), te.ops.GELU(), te.ops.Linear(H, H))
+from te_fuser.ops.guard import Decision, Reads, ReferenceGuard
 
 
 def python_path_only(m: te.ops.Sequential) -> te.ops.Sequential:
-    """``m`` with every fuser on the Python path (the reference the guard must agree with)."""
+    """``m`` with every fuser on the miss path alone (no guard)."""
     m.groups()
     for f in fusers_of(m):
         f._guard, f.entry = None, f.run
@@ -74,120 +68,134 @@ def test_hits_do_not_enter_the_python_path(monkeypatch):
     assert len(calls) == 1
 
 
-@contextlib.contextmanager
-def frozen(m):
-    for p in m.parameters():
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in m.parameters():
-            p.requires_grad_(True)
-
-
-@contextlib.contextmanager
-def evaluating(m):
-    m.eval()
-    try:
-        yield
-    finally:
-        m.train()
-
-
-@contextlib.contextmanager
-def replaced_weight(m):
-    """The second linear's weight replaced by an equal new Parameter (it stays)."""
-    m[3].linear.weight = torch.nn.Parameter(m[3].linear.weight.detach().clone())
-    yield
-
-
-@contextlib.contextmanager
-def hooked(m):
-    handle = m[2].register_forward_hook(lambda module, args, out: out * 1.0)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def conditions(m, device="cpu"):
-    """(name, context factory, input maker): each selects a plan, or repeats one."""
-    return [
-        ("current", lambda: te.autocast(recipe=CURRENT), lambda x: x),
-        ("current again", lambda: te.autocast(recipe=CURRENT), lambda x: x),
-        ("an equal recipe", lambda: te.autocast(recipe=te.recipe.Float8CurrentScaling()), lambda x: x),
-        ("no grad", lambda: _both(torch.no_grad(), te.autocast(recipe=CURRENT)), lambda x: x),
-        ("grad again", lambda: te.autocast(recipe=CURRENT), lambda x: x),
-        ("input requires grad", lambda: te.autocast(recipe=CURRENT), lambda x: x.clone().requires_grad_(True)),
-        ("frozen parameters", lambda: _both(frozen(m), te.autocast(recipe=CURRENT)), lambda x: x),
-        ("frozen, input requires grad", lambda: _both(frozen(m), te.autocast(recipe=CURRENT)),
-         lambda x: x.clone().requires_grad_(True)),
-        ("eval", lambda: _both(evaluating(m), te.autocast(recipe=CURRENT)), lambda x: x),
-        ("train again", lambda: te.autocast(recipe=CURRENT), lambda x: x),
-        ("torch.autocast bf16",
-         lambda: _both(torch.autocast(device, dtype=torch.bfloat16), te.autocast(recipe=CURRENT)), lambda x: x),
-        ("torch.autocast off", lambda: te.autocast(recipe=CURRENT), lambda x: x),
-        ("a bf16 input", lambda: te.autocast(recipe=CURRENT), lambda x: x.bfloat16()),
-        ("fewer rows", lambda: te.autocast(recipe=CURRENT), lambda x: x[:3]),
-        ("the rows again", lambda: te.autocast(recipe=CURRENT), lambda x: x),
-        ("a replaced parameter", lambda: _both(replaced_weight(m), te.autocast(recipe=CURRENT)), lambda x: x),
-        ("a forward hook", lambda: _both(hooked(m), te.autocast(recipe=CURRENT)), lambda x: x),
-        ("the hook removed", lambda: te.autocast(recipe=CURRENT), lambda x: x),
-        ("delayed", lambda: te.autocast(recipe=DELAYED), lambda x: x),
-        ("delayed again", lambda: te.autocast(recipe=DELAYED), lambda x: x),
-        ("calibrating", lambda: te.autocast(enabled=False, calibrating=True, recipe=DELAYED), lambda x: x),
-        ("high precision", lambda: te.autocast(enabled=False), lambda x: x),
-        ("no te.autocast", contextlib.nullcontext, lambda x: x),
-    ]
-
-
-@contextlib.contextmanager
-def _both(a, b):
-    with a, b:
-        yield
-
-
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+GUARDS = {"compiled": None, "reference": ReferenceGuard}  # _make_entry's guard_type (None: the compiled one)
+MISS_PATH = "miss path"
+KEPT = "kept"  # what the miss path alone does on a hit or a re-validation: the published plan runs
+
+
+def with_guard(m: te.ops.Sequential, guard_type) -> te.ops.Sequential:
+    m.groups()
+    for f in fusers_of(m):
+        f._make_entry(guard_type)
+    return m
+
+
+@dataclass
+class Seen:
+    """What one implementation did with a row: the outcome of each call, outputs, gradients."""
+
+    outcomes: list[str] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    grads: list = field(default_factory=list)
+
+
+def _call(f: OperationFuser, m: te.ops.Sequential, x: torch.Tensor, name: str):
+    """One call of ``m`` and its outcome (HIT, REVALIDATE, REBUILD; KEPT without a guard)."""
+    guard = f._guard
+    predicted = guard.matches(x, m.training) if guard is not None else None
+    builds = f.stats.builds  # (the guard's earlier hits taken in)
+    y = m(x)
+    taken = guard.take_hits() if guard is not None else 0
+    f._stats.hits += taken
+    if f._stats.builds > builds:
+        outcome = REBUILD
+    else:
+        outcome = KEPT if guard is None else HIT if taken else REVALIDATE
+    assert guard is None or predicted is (taken == 1), f"{name}: the hit check said {predicted}, the call {taken}"
+    return outcome, y
+
+
+def run_row(row, device, implementation: str) -> Seen:
+    """``row`` through ``implementation`` (a GUARDS key, or MISS_PATH) on a fresh model."""
+    m = model(device)
+    python_path_only(m) if implementation == MISS_PATH else with_guard(m, GUARDS[implementation])
+    x = first_input(device)
+    first_call(m, x)
+    first_call(m, x)
+    (f,) = fusers_of(m)
+    assert implementation == MISS_PATH or f._guard.armed
+    seen = Seen()
+    with row.change(m, x) as x2:
+        for _ in range(2):
+            outcome, y = _call(f, m, x2, f"{row.name} ({implementation})")
+            if y.requires_grad:
+                y.float().square().sum().backward()
+            seen.outcomes.append(outcome)
+            seen.outputs.append(y.detach())
+    seen.grads = [p.grad for p in m.parameters()]
+    return seen
+
+
+def _assert_same_numbers(a: Seen, b: Seen, what: str) -> None:
+    for i, (ya, yb) in enumerate(zip(a.outputs, b.outputs)):
+        assert ya.dtype == yb.dtype and torch.equal(ya, yb), f"{what}: call {i + 1}'s outputs differ"
+    assert len(a.grads) == len(b.grads), what
+    for i, (ga, gb) in enumerate(zip(a.grads, b.grads)):
+        assert (ga is None) == (gb is None) and (ga is None or torch.equal(ga, gb)), f"{what}: parameter {i}'s grad"
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_guard_decides_as_the_python_path_under_every_condition(device):
-    guarded, reference = model().to(device), python_path_only(model()).to(device)
-    torch.manual_seed(1)
-    x = torch.randn(6, H, device=device)
-    for (name, ctx_g, make_x), (_, ctx_r, _) in zip(conditions(guarded, device), conditions(reference, device)):
-        outs = []
-        for m, ctx in ((guarded, ctx_g), (reference, ctx_r)):
-            xx = make_x(x)
-            with ctx():
-                y = m(xx)
-                y2 = m(xx)  # the repeat: a hit on both paths
-            outs.append((y.detach(), y2.detach()))
-        sg, sr = guarded.fusion_stats(), reference.fusion_stats()
-        assert (sg.builds, sg.hits, sg.key) == (sr.builds, sr.hits, sr.key), f"{name}: {sg} vs {sr}"
-        for a, b in zip(outs[0], outs[1]):
-            assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: outputs differ"
-    assert guarded.fusion_stats().builds >= 10
+@pytest.mark.parametrize("row", ROWS, ids=[row.name for row in ROWS])
+def test_the_guards_decide_every_condition_as_the_table_says(row, device):
+    """Both guards decide alike and as the row expects; the miss path alone runs the same
+    plans (a hit and a re-validation are one to it) with the same numbers."""
+    compiled, reference, alone = (run_row(row, device, impl) for impl in ("compiled", "reference", MISS_PATH))
+    assert compiled.outcomes == reference.outcomes, f"{row.name}: compiled {compiled.outcomes}, " \
+                                                     f"reference {reference.outcomes}"
+    _assert_same_numbers(compiled, reference, f"{row.name}: compiled vs reference guard")
+    expected = [row.expected, row.then]
+    if row.gap is not None:
+        assert compiled.outcomes != expected, f"{row.name}: now decided as expected: the gap is closed, drop it"
+        pytest.xfail(row.gap)
+    assert compiled.outcomes == expected, f"{row.name}: the guards {compiled.outcomes}, expected {expected}"
+    assert alone.outcomes == [e if e == REBUILD else KEPT for e in expected], f"{row.name}: {alone.outcomes}"
+    _assert_same_numbers(compiled, alone, f"{row.name}: guard vs miss path")
 
 
-def test_an_op_run_by_another_model_in_between_is_noticed():
-    """The model's autocast state is the same object before and after: only the
-    quantizer-install epoch tells that its plan's quantizers are gone."""
-    torch.manual_seed(1)
-    x = torch.randn(6, H)
-    results = []
-    for m in (model(), python_path_only(model())):
-        other = python_path_only(te.ops.Sequential(m[1]))  # shares the model's first Linear
-        with te.autocast(recipe=DELAYED):
-            m(x)
-            m(x)
-            with te.autocast(recipe=CURRENT):
-                other(x)  # installs its own quantizers on the shared op
-            y = m(x)
-        stats = m.fusion_stats()
-        results.append((stats.builds, stats.hits, y.detach()))
-    assert results[0][:2] == results[1][:2] == (2, 1)
-    assert torch.equal(results[0][2], results[1][2])
+def test_the_table_has_every_outcome_and_names_rows_once():
+    names = [row.name for row in ROWS]
+    assert len(set(names)) == len(names)
+    assert {row.expected for row in ROWS} == {HIT, REVALIDATE, REBUILD}
+
+
+def test_the_compiled_guard_holds_guard_pys_fields():
+    module = hot_guard.guard_module()
+    assert module.READS == Reads._fields and module.DECISION == Decision._fields
+
+
+def _reads(stack=None):
+    return Reads(lambda x, training: "miss", [None] if stack is None else stack, [0], torch.is_grad_enabled,
+                 torch._C._is_any_autocast_enabled, lambda x: x.dtype, torch.Tensor, ({},))
+
+
+@pytest.mark.parametrize("guard_type", [getattr(hot_guard.guard_module(), "Guard", None), ReferenceGuard],
+                         ids=["compiled", "reference"])
+def test_both_guards_have_one_interface(guard_type):
+    if guard_type is None:
+        pytest.skip(f"no compiled hot path: {hot_guard.unavailable_reason()}")
+    stack = [None]
+    guard = guard_type(*_reads(stack))
+    x = torch.randn(2, 3)
+    decision = Decision(stack[-1], True, False, (), x.dtype, False, x.shape, 0, lambda x, plan_arg: ("hit", plan_arg),
+                        "plan")
+    assert not guard.armed and not guard.matches(x, True) and guard(x, True) == "miss"
+    guard.arm(decision)
+    assert guard.armed and guard.matches(x, True) and not guard.matches(x, False)
+    assert guard(x, True) == ("hit", "plan") and guard(x[:1], True) == "miss"
+    assert guard.take_hits() == 1 and guard.take_hits() == 0
+    guard.disarm()
+    assert not guard.armed and guard(x, True) == "miss"
+    with pytest.raises(TypeError, match="a tuple of 10 fields"):
+        guard.arm(decision[:-1])
+    with pytest.raises(TypeError, match="params must be a tuple"):
+        guard.arm(decision._replace(params=[]))
+    with pytest.raises(TypeError, match="must be True or False"):
+        guard.arm(decision._replace(training=1))
+    with pytest.raises(ValueError, match="a list of one int"):
+        guard_type(*_reads()._replace(epoch=[0, 1]))
+    with pytest.raises(TypeError):
+        guard_type(*_reads()._replace(hook_dicts=([],)))
 
 
 def test_a_replaced_parameter_and_a_new_hook_are_seen_on_the_compiled_path():

@@ -33,6 +33,7 @@ from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from . import compiled, hot_guard
 from ..epoch import CHANGES as _EPOCH
+from .guard import Decision, Reads
 from .op import BasicOperation, OpContext, RunConfig
 from .rules import BuildContext, PlanStep, RuleTable, match
 
@@ -46,7 +47,8 @@ __all__ = ["OperationFuser", "FusionPlan", "FusionStats", "PlanKey"]
 # checks that a captured step ran only ops of the model it was given).
 RUN_WATCH: list[set] = []
 
-# Attributes whose assignment disarms a fuser's compiled guard.
+# Attributes whose assignment disarms a fuser's guard: the armed decision
+# (guard.Decision) was derived from them.
 _DISARMING = frozenset({"_plan", "_params", "_flat_params", "own_recipe"})
 
 # While te.apply_recipe probes a model's shapes: fuser -> the recipe it would get,
@@ -193,15 +195,19 @@ class OperationFuser:
         self._churn = FallbackChurnDetector(f"te_fuser ({', '.join(op.describe() for op in self.ops[:3])}...)")
         self._make_entry()
 
-    def _make_entry(self) -> None:
+    def _make_entry(self, guard_type=None) -> None:
         """``self.entry(x, training)``: the hot path for calls without extra inputs,
-        the compiled guard when it loads (see ``hot_guard.c``), else :meth:`run`."""
-        module = hot_guard.guard_module()
-        if module is None:
+        a guard (``ops/guard.py``): the compiled one (``hot_guard.c``) unless
+        ``guard_type`` names another (``guard.ReferenceGuard``), else, when the
+        compiled one does not load, :meth:`run` itself."""
+        if guard_type is None:
+            module = hot_guard.guard_module()
+            guard_type = module.Guard if module is not None else None
+        if guard_type is None:
             self._guard, self.entry = None, self.run
             return
-        self._guard = module.Guard(self._run_and_arm, _AUTOCAST_STACK, _EPOCH, _grad_enabled, _any_autocast,
-                                   compute_dtype, torch.Tensor, _GLOBAL_HOOK_DICTS)
+        self._guard = guard_type(*Reads(self._run_and_arm, _AUTOCAST_STACK, _EPOCH, _grad_enabled, _any_autocast,
+                                        compute_dtype, torch.Tensor, _GLOBAL_HOOK_DICTS))
         self.entry = self._guard
 
     def __setattr__(self, name: str, value) -> None:
@@ -271,37 +277,41 @@ class OperationFuser:
         return self._run(x, training, extra_inputs)
 
     def _run(self, x: torch.Tensor, training: bool, extra_inputs: tuple):
-        if not isinstance(x, torch.Tensor):
+        # The guard's conditions (ops/guard.py), read as the guard reads them; plan_for compares them.
+        if not isinstance(x, torch.Tensor):  # 2
             raise TypeError(f"op fuser ({self.ops[0].describe()}...): input must be a torch.Tensor, "
                             f"got {type(x).__name__}")
-        if not self._params_current():
+        if not self._params_current():  # behind 9: the ops' dicts, which the guard does not read
             self._refresh_params()
-        raw = _AUTOCAST_STACK[-1]  # te.autocast's state (see autocast.current_state)
+        raw = _AUTOCAST_STACK[-1]  # 3: te.autocast's state (see autocast.current_state)
         state = raw if self.own_recipe is None else self.resolve(raw)
         if _PROBE:
             return self._probe(x, training, extra_inputs, state)
-        needs_backward = _grad_enabled() and (
+        needs_backward = _grad_enabled() and (  # 5
             x.requires_grad or self._params_require_grad() or any(t.requires_grad for t in extra_inputs)
         )
-        dtype = compute_dtype(x) if _any_autocast() else x.dtype
+        dtype = compute_dtype(x) if _any_autocast() else x.dtype  # 6
         plan = self.plan_for(x, training, needs_backward, dtype, state, raw)
         return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
 
     def plan_for(self, x: torch.Tensor, training: bool, needs_backward: bool, dtype: torch.dtype, state, raw):
         """The plan a call with these conditions runs: the published one when it
         applies (a hit), else a new one built and published. ``state`` is what
-        te.autocast's ``raw`` state resolved to (see :meth:`resolve`)."""
+        te.autocast's ``raw`` state resolved to (see :meth:`resolve`).
+
+        The guard's conditions (``ops/guard.py``, numbered as there), with the
+        re-validation this path adds where the guard compares by identity."""
         plan = self._plan
         if (
-            plan is not None
-            and plan.needs_backward is needs_backward
-            and plan.dtype is dtype
-            and plan.training is training
-            and plan.is_cuda is x.is_cuda
-            and (raw is self._last_state or self._same_config(plan, state, raw))
-            and (plan.epoch == _EPOCH[0] or self._still_installed(plan))
+            plan is not None  # 1
+            and plan.needs_backward is needs_backward  # 5
+            and plan.dtype is dtype  # 6
+            and plan.training is training  # 1
+            and plan.is_cuda is x.is_cuda  # 7
+            and (raw is self._last_state or self._same_config(plan, state, raw))  # 3
+            and (plan.epoch == _EPOCH[0] or self._still_installed(plan))  # 9
         ):
-            if x.shape != plan.in_shape:
+            if x.shape != plan.in_shape:  # 8
                 self._accept_shape(plan, x.shape)
             self._stats.hits += 1
             return plan
@@ -328,14 +338,15 @@ class OperationFuser:
         return resolved
 
     def _run_and_arm(self, x: torch.Tensor, training: bool):
-        """The compiled guard's miss: :meth:`run` decides (building if needed) and
-        runs; the guard is then armed with its decision, for the calls that repeat it."""
+        """The guard's miss: :meth:`run` decides (building if needed) and runs; the
+        guard is then armed with its decision (a ``guard.Decision``), for the calls
+        that repeat it."""
         out = self.run(x, training)
         plan, state, guard = self._plan, self._last_state, self._guard
         if plan is not None and state is not None and guard is not None and not _PROBE and not (
                 self.hook_modules and self._hooks_present()):  # hooks: every call takes the Python path
-            guard.arm(state, _FuserFunction.apply, (self, plan), tuple(self._flat_params), plan.needs_backward,
-                      plan.dtype, plan.training, plan.is_cuda, plan.epoch, plan.in_shape)
+            guard.arm(Decision(state, plan.training, plan.needs_backward, tuple(self._flat_params), plan.dtype,
+                               plan.is_cuda, plan.in_shape, plan.epoch, _FuserFunction.apply, (self, plan)))
         return out
 
     # -- parameters, read live -------------------------------------------------------
@@ -402,7 +413,7 @@ class OperationFuser:
     def _same_config(self, plan: FusionPlan, state, raw) -> bool:
         """Whether ``state`` (resolved from ``raw``, an autocast state other than the
         last one seen) selects ``plan``: the same recipe object or string,
-        calibration flag and group."""
+        calibration flag and group (the re-validation of the guard's condition 3)."""
         recipe = state.recipe
         if not (
             (recipe is self._last_recipe or (recipe is not None and plan.recipe_key == recipe._key))
@@ -420,9 +431,9 @@ class OperationFuser:
         return False
 
     def _still_installed(self, plan: FusionPlan) -> bool:
-        """Whether the plan still holds after a change somewhere (te_fuser.epoch): its
-        kernel backend is the one in force and the ops still hold its quantizers (a
-        high-precision plan holds none and depends on none)."""
+        """Whether the plan still holds after a change somewhere (te_fuser.epoch, the
+        guard's condition 9): its kernel backend is the one in force and the ops
+        still hold its quantizers (a high-precision plan holds none and depends on none)."""
         if plan.backend != backend.get_backend():
             return False
         for op, qs in zip(self.ops, plan.quantizers if plan.installs else ()):

@@ -1,63 +1,68 @@
 /* The op fuser's hot path, compiled: the unchanged-plan check and the call into
  * the published plan, with no Python frame in between.
  *
- * A Guard belongs to one OperationFuser. The fuser's Python path decides which
- * plan runs (building one when needed) and then *arms* the guard with that
- * decision: the te.autocast state that selected the plan, the plan's conditions
- * (needs backward, compute dtype, training, CUDA or not), the quantizer-install
- * epoch it saw, and the call that runs it. guard(x, training) checks exactly the
- * conditions that the Python path checks, reading the same state in the same way
- * (grad mode, x.requires_grad and the parameters', torch.autocast, x.dtype,
- * x.is_cuda, x.shape), and on a match counts a hit (in a C counter the fuser takes
- * into its statistics when they are read) and calls the plan. Anything
- * else, and any input it does not handle (not a tensor), goes to the Python path
- * (`miss`), which decides afresh and re-arms. A hit is therefore always a case the
- * Python path would also have called a hit with the same plan.
+ * This is the guard of te_fuser/ops/guard.py, in C: that module states the
+ * conditions a call must meet to hit (in the order they are checked here), what
+ * the guard reads (guard.Reads, this type's constructor arguments) and what an
+ * armed decision holds (guard.Decision, arm's argument); guard.ReferenceGuard is
+ * the same guard in Python, and tests/test_hot_guard.py runs one table of
+ * conditions through both. A Guard belongs to one OperationFuser, whose Python
+ * path decides which plan runs (building one when needed) and then arms the
+ * guard with that decision. guard(x, training) checks the conditions, reading
+ * the same state in the same way as the Python path; on a hit it counts one (in
+ * a C counter the fuser takes into its statistics when they are read) and calls
+ * the plan. Anything else, and any input it does not handle (not a tensor), goes
+ * to the Python path (`miss`), which decides afresh and re-arms. A hit is
+ * therefore always a case the Python path would also have called a hit with the
+ * same plan.
  *
- * The epoch is bumped whenever any op installs quantizers or has a Parameter or
- * module hook registered or removed (ops/op.py), so one comparison catches
- * quantizers installed from elsewhere, a replaced Parameter and a new hook; the
- * Python path then reads the parameter and hook dicts themselves (it never arms
- * the guard while an op has hooks). torch's global forward hook dicts must be
- * empty. The fuser disarms the guard whenever it publishes another plan.
+ * READS_FIELDS and DECISION_FIELDS below list guard.py's Reads and Decision
+ * fields in their order; the module exports them (READS, DECISION) and
+ * hot_guard.py loads it only when they match.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
 
+#ifndef Py_ALWAYS_INLINE /* Python < 3.11 */
+#define Py_ALWAYS_INLINE
+#endif
+
+/* guard.Reads, in its order (what each field is: see guard.py); fixed at construction */
+#define READS_FIELDS(X) X(miss) X(stack) X(epoch) X(grad_enabled) X(any_autocast) X(compute_dtype) X(tensor_type) \
+    X(hook_dicts)
+/* guard.Decision, in its order: the armed decision. training, needs_backward and is_cuda are Py_True or
+ * Py_False, params a tuple; every field NULL: disarmed */
+#define DECISION_FIELDS(X) X(state) X(training) X(needs_backward) X(params) X(dtype) X(is_cuda) X(in_shape) \
+    X(epoch) X(apply) X(plan_arg)
+
+#define DECLARE(f) PyObject *f;
+#define INDEX(f) I_##f,
+enum { DECISION_FIELDS(INDEX) N_DECISION };
+#undef INDEX
+
+typedef struct {
+    READS_FIELDS(DECLARE)
+} Reads;
+
+typedef struct {
+    DECISION_FIELDS(DECLARE)
+} Decision;
+#undef DECLARE
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    /* fixed at construction */
-    PyObject *miss;          /* (x, training) -> output: the Python path, which re-arms */
-    PyObject *stack;         /* list: te.autocast's states, the last one in force */
-    PyObject *epoch;         /* list of one int: bumped whenever any op installs quantizers */
-    PyObject *grad_enabled;  /* torch.is_grad_enabled */
-    PyObject *any_autocast;  /* torch._C._is_any_autocast_enabled */
-    PyObject *compute_dtype; /* x -> the dtype torch.autocast computes x's ops in */
-    PyObject *tensor_type;   /* torch.Tensor */
-    PyObject *hook_dicts;    /* tuple of dicts that must be empty: torch's global forward hooks */
-    /* the armed decision; state == NULL: disarmed */
-    PyObject *state;
-    PyObject *apply;         /* the autograd Function's apply */
-    PyObject *plan_arg;      /* (fuser, plan) */
-    PyObject *params;        /* tuple: the fuser's flat parameters */
-    PyObject *dtype;
-    PyObject *epoch_value;
-    PyObject *training;      /* Py_True or Py_False */
-    PyObject *is_cuda;       /* Py_True or Py_False */
-    PyObject *in_shape;      /* the validated input shape (a torch.Size) */
-    int needs_backward;
-    long long hits;          /* hits since the fuser last took them (take_hits) */
+    Reads r;
+    Decision d;
+    long long hits; /* hits since the fuser last took them (take_hits) */
 } Guard;
 
 static PyObject *str_requires_grad, *str_dtype, *str_is_cuda, *str_shape;
 
-#define ARMED_FIELDS(X) X(state) X(apply) X(plan_arg) X(params) X(dtype) X(epoch_value) X(training) X(is_cuda) X(in_shape)
-
 static void disarm(Guard *g) {
-#define CLEAR(f) Py_CLEAR(g->f);
-    ARMED_FIELDS(CLEAR)
+#define CLEAR(f) Py_CLEAR(g->d.f);
+    DECISION_FIELDS(CLEAR)
 #undef CLEAR
 }
 
@@ -72,70 +77,74 @@ static int requires_grad(PyObject *obj) {
 
 /* 1 if every hook dict is empty. */
 static int no_hooks(Guard *g) {
-    Py_ssize_t n = PyTuple_GET_SIZE(g->hook_dicts);
+    Py_ssize_t n = PyTuple_GET_SIZE(g->r.hook_dicts);
     for (Py_ssize_t i = 0; i < n; i++)
-        if (PyDict_GET_SIZE(PyTuple_GET_ITEM(g->hook_dicts, i)) != 0) return 0;
+        if (PyDict_GET_SIZE(PyTuple_GET_ITEM(g->r.hook_dicts, i)) != 0) return 0;
     return 1;
 }
 
-/* 1: the armed plan applies to this call; 0: it does not; -1: error. */
-static int matches(Guard *g, PyObject *x, PyObject *training) {
-    if (g->state == NULL || training != g->training || !PyObject_TypeCheck(x, (PyTypeObject *)g->tensor_type))
-        return 0;
-    Py_ssize_t depth = PyList_GET_SIZE(g->stack);
-    if (depth == 0 || PyList_GET_ITEM(g->stack, depth - 1) != g->state) return 0;
-    if (!no_hooks(g)) return 0;
+/* 1: the armed plan applies to this call; 0: it does not; -1: error. The
+ * numbers are guard.py's conditions. Inlined into the call (as well as into
+ * guard.matches): a call of its own costs the hot path measurably. */
+static inline Py_ALWAYS_INLINE int matches(Guard *g, PyObject *x, PyObject *training) {
+    const Decision *d = &g->d;
+    if (d->state == NULL || training != d->training || !PyObject_TypeCheck(x, (PyTypeObject *)g->r.tensor_type))
+        return 0; /* 1, 2 */
+    Py_ssize_t depth = PyList_GET_SIZE(g->r.stack);
+    if (depth == 0 || PyList_GET_ITEM(g->r.stack, depth - 1) != d->state) return 0; /* 3 */
+    if (!no_hooks(g)) return 0;                                                     /* 4 */
 
-    PyObject *grad = PyObject_CallNoArgs(g->grad_enabled);
+    PyObject *grad = PyObject_CallNoArgs(g->r.grad_enabled); /* 5 */
     if (grad == NULL) return -1;
     int needs_backward = (grad == Py_True);
     Py_DECREF(grad);
     if (needs_backward) {
         int r = requires_grad(x);
         if (r < 0) return -1;
-        Py_ssize_t n = PyTuple_GET_SIZE(g->params);
+        Py_ssize_t n = PyTuple_GET_SIZE(d->params);
         for (Py_ssize_t i = 0; !r && i < n; i++) {
-            r = requires_grad(PyTuple_GET_ITEM(g->params, i));
+            r = requires_grad(PyTuple_GET_ITEM(d->params, i));
             if (r < 0) return -1;
         }
         needs_backward = r;
     }
-    if (needs_backward != g->needs_backward) return 0;
+    if ((needs_backward ? Py_True : Py_False) != d->needs_backward) return 0;
 
-    PyObject *autocast = PyObject_CallNoArgs(g->any_autocast);
+    PyObject *autocast = PyObject_CallNoArgs(g->r.any_autocast); /* 6 */
     if (autocast == NULL) return -1;
-    PyObject *dtype = (autocast == Py_True) ? PyObject_CallOneArg(g->compute_dtype, x) : PyObject_GetAttr(x, str_dtype);
+    PyObject *dtype =
+        (autocast == Py_True) ? PyObject_CallOneArg(g->r.compute_dtype, x) : PyObject_GetAttr(x, str_dtype);
     Py_DECREF(autocast);
     if (dtype == NULL) return -1;
-    int same = (dtype == g->dtype);
+    int same = (dtype == d->dtype);
     Py_DECREF(dtype);
     if (!same) return 0;
 
-    PyObject *is_cuda = PyObject_GetAttr(x, str_is_cuda);
+    PyObject *is_cuda = PyObject_GetAttr(x, str_is_cuda); /* 7 */
     if (is_cuda == NULL) return -1;
-    same = (is_cuda == g->is_cuda);
+    same = (is_cuda == d->is_cuda);
     Py_DECREF(is_cuda);
     if (!same) return 0;
 
-    PyObject *shape = PyObject_GetAttr(x, str_shape);
+    PyObject *shape = PyObject_GetAttr(x, str_shape); /* 8 */
     if (shape == NULL) return -1;
-    same = PyObject_RichCompareBool(shape, g->in_shape, Py_EQ);
+    same = PyObject_RichCompareBool(shape, d->in_shape, Py_EQ);
     Py_DECREF(shape);
     if (same <= 0) return same;
 
-    PyObject *epoch = PyList_GET_ITEM(g->epoch, 0);
-    return epoch == g->epoch_value ? 1 : PyObject_RichCompareBool(epoch, g->epoch_value, Py_EQ);
+    PyObject *epoch = PyList_GET_ITEM(g->r.epoch, 0); /* 9 */
+    return epoch == d->epoch ? 1 : PyObject_RichCompareBool(epoch, d->epoch, Py_EQ);
 }
 
-/* apply(x, (fuser, plan), *params) */
+/* apply(x, plan_arg, *params) */
 static PyObject *call_plan(Guard *g, PyObject *x) {
     enum { ON_STACK = 64 };
     PyObject *small[ON_STACK + 2];
-    Py_ssize_t n = PyTuple_GET_SIZE(g->params);
+    Py_ssize_t n = PyTuple_GET_SIZE(g->d.params);
     PyObject **argv = (n <= ON_STACK) ? small : PyMem_Malloc((size_t)(n + 2) * sizeof(PyObject *));
     if (argv == NULL) return PyErr_NoMemory();
     /* hold our own references: the call may re-enter the fuser and disarm the guard */
-    PyObject *apply = g->apply, *plan_arg = g->plan_arg, *params = g->params;
+    PyObject *apply = g->d.apply, *plan_arg = g->d.plan_arg, *params = g->d.params;
     Py_INCREF(apply);
     Py_INCREF(plan_arg);
     Py_INCREF(params);
@@ -155,35 +164,54 @@ static PyObject *guard_call(Guard *g, PyObject *x, PyObject *training) {
     if (hit < 0) return NULL;
     if (!hit) {
         PyObject *args[2] = {x, training};
-        return PyObject_Vectorcall(g->miss, args, 2, NULL);
+        return PyObject_Vectorcall(g->r.miss, args, 2, NULL);
     }
     g->hits++;
     return call_plan(g, x);
 }
 
+/* 1 if there are exactly two positional arguments, else 0 with a TypeError naming `what`. */
+static int two_positional(const char *what, Py_ssize_t nargs, PyObject *kwnames) {
+    if (nargs == 2 && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)) return 1;
+    PyErr_Format(PyExc_TypeError, "hot guard: %s takes exactly two positional arguments (x, training)", what);
+    return 0;
+}
+
 static PyObject *guard_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    if (PyVectorcall_NARGS(nargsf) != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "hot guard: takes exactly two positional arguments (x, training)");
-        return NULL;
-    }
+    if (!two_positional("guard()", PyVectorcall_NARGS(nargsf), kwnames)) return NULL;
     return guard_call((Guard *)self, args[0], args[1]);
 }
 
-static PyObject *guard_arm(Guard *g, PyObject *args) {
-    PyObject *state, *apply, *plan_arg, *params, *dtype, *epoch_value, *training, *is_cuda, *in_shape;
-    int needs_backward;
-    if (!PyArg_ParseTuple(args, "OOOO!pOOOOO:arm", &state, &apply, &plan_arg, &PyTuple_Type, &params, &needs_backward,
-                          &dtype, &training, &is_cuda, &epoch_value, &in_shape))
+static PyObject *guard_matches(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (!two_positional("matches()", nargs, kwnames)) return NULL;
+    int hit = matches((Guard *)self, args[0], args[1]);
+    if (hit < 0) return NULL;
+    return PyBool_FromLong(hit);
+}
+
+static int is_bool(PyObject *v) { return v == Py_True || v == Py_False; }
+
+static PyObject *guard_arm(Guard *g, PyObject *decision) {
+    if (!PyTuple_Check(decision) || PyTuple_GET_SIZE(decision) != N_DECISION) {
+        PyErr_Format(PyExc_TypeError, "hot guard: arm() takes a guard.Decision (a tuple of %d fields)", N_DECISION);
         return NULL;
-    if ((training != Py_True && training != Py_False) || (is_cuda != Py_True && is_cuda != Py_False)) {
-        PyErr_SetString(PyExc_TypeError, "hot guard: arm(training=, is_cuda=) must be True or False");
+    }
+#define ITEM(f) PyObject *f = PyTuple_GET_ITEM(decision, I_##f);
+    DECISION_FIELDS(ITEM)
+#undef ITEM
+    if (!PyTuple_Check(params)) {
+        PyErr_SetString(PyExc_TypeError, "hot guard: arm(): the decision's params must be a tuple");
+        return NULL;
+    }
+    if (!is_bool(training) || !is_bool(needs_backward) || !is_bool(is_cuda)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "hot guard: arm(): the decision's training, needs_backward and is_cuda must be True or False");
         return NULL;
     }
     disarm(g);
-#define SET(f) Py_INCREF(f); g->f = f;
-    ARMED_FIELDS(SET)
+#define SET(f) Py_INCREF(f); g->d.f = f;
+    DECISION_FIELDS(SET)
 #undef SET
-    g->needs_backward = needs_backward;
     Py_RETURN_NONE;
 }
 
@@ -198,10 +226,7 @@ static PyObject *guard_take_hits(Guard *g, PyObject *unused) {
     return PyLong_FromLongLong(hits);
 }
 
-static PyObject *guard_armed(Guard *g, void *closure) { return PyBool_FromLong(g->state != NULL); }
-
-#define FIXED_FIELDS(X) X(miss) X(stack) X(epoch) X(grad_enabled) X(any_autocast) X(compute_dtype) X(tensor_type) \
-    X(hook_dicts)
+static PyObject *guard_armed(Guard *g, void *closure) { return PyBool_FromLong(g->d.state != NULL); }
 
 /* 1 if `t` is a tuple of dicts, else 0 with a TypeError naming `what`. */
 static int tuple_of_dicts(PyObject *t, const char *what) {
@@ -216,38 +241,42 @@ static int tuple_of_dicts(PyObject *t, const char *what) {
 }
 
 static PyObject *guard_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"miss", "stack", "epoch", "grad_enabled", "any_autocast", "compute_dtype",
-                            "tensor_type", "hook_dicts", NULL};
-    PyObject *miss, *stack, *epoch, *grad_enabled, *any_autocast, *compute_dtype, *tensor_type, *hook_dicts;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!OOOO!O!:Guard", names, &miss, &PyList_Type, &stack,
-                                     &PyList_Type, &epoch, &grad_enabled, &any_autocast, &compute_dtype,
-                                     &PyType_Type, &tensor_type, &PyTuple_Type, &hook_dicts))
+#define NAME(f) #f,
+    static char *names[] = {READS_FIELDS(NAME) NULL};
+#undef NAME
+    Reads r;
+    /* the types checked follow READS_FIELDS' order */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!OOOO!O!:Guard", names, &r.miss, &PyList_Type, &r.stack,
+                                     &PyList_Type, &r.epoch, &r.grad_enabled, &r.any_autocast, &r.compute_dtype,
+                                     &PyType_Type, &r.tensor_type, &PyTuple_Type, &r.hook_dicts))
         return NULL;
-    if (PyList_GET_SIZE(epoch) != 1) {
+    if (PyList_GET_SIZE(r.epoch) != 1) {
         PyErr_SetString(PyExc_ValueError, "hot guard: epoch must be a list of one int");
         return NULL;
     }
-    if (!tuple_of_dicts(hook_dicts, "hook_dicts")) return NULL;
+    if (!tuple_of_dicts(r.hook_dicts, "hook_dicts")) return NULL;
     Guard *g = (Guard *)type->tp_alloc(type, 0);
     if (g == NULL) return NULL;
     g->vectorcall = guard_vectorcall;
-#define SET(f) Py_INCREF(f); g->f = f;
-    FIXED_FIELDS(SET)
+#define SET(f) Py_INCREF(r.f); g->r.f = r.f;
+    READS_FIELDS(SET)
 #undef SET
     return (PyObject *)g;
 }
 
 static int guard_traverse(Guard *g, visitproc visit, void *arg) {
-#define VISIT(f) Py_VISIT(g->f);
-    FIXED_FIELDS(VISIT)
-    ARMED_FIELDS(VISIT)
+#define VISIT(f) Py_VISIT(g->r.f);
+    READS_FIELDS(VISIT)
+#undef VISIT
+#define VISIT(f) Py_VISIT(g->d.f);
+    DECISION_FIELDS(VISIT)
 #undef VISIT
     return 0;
 }
 
 static int guard_clear(Guard *g) {
-#define CLEAR(f) Py_CLEAR(g->f);
-    FIXED_FIELDS(CLEAR)
+#define CLEAR(f) Py_CLEAR(g->r.f);
+    READS_FIELDS(CLEAR)
 #undef CLEAR
     disarm(g);
     return 0;
@@ -260,9 +289,11 @@ static void guard_dealloc(Guard *g) {
 }
 
 static PyMethodDef guard_methods[] = {
-    {"arm", (PyCFunction)guard_arm, METH_VARARGS,
-     "arm(state, apply, plan_arg, params, needs_backward, dtype, training, is_cuda, epoch, in_shape): the decision to reuse"},
-    {"disarm", (PyCFunction)guard_disarm, METH_NOARGS, "forget the armed decision: the next call takes the Python path"},
+    {"arm", (PyCFunction)guard_arm, METH_O, "arm(decision): hold a guard.Decision, the decision to reuse"},
+    {"disarm", (PyCFunction)guard_disarm, METH_NOARGS,
+     "forget the armed decision: the next call takes the Python path"},
+    {"matches", (PyCFunction)(void (*)(void))guard_matches, METH_FASTCALL | METH_KEYWORDS,
+     "matches(x, training) -> whether the armed plan applies to guard(x, training) (the hit check alone)"},
     {"take_hits", (PyCFunction)guard_take_hits, METH_NOARGS, "the hits counted since the last call, and reset to 0"},
     {NULL, NULL, 0, NULL},
 };
@@ -309,6 +340,21 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_hot_guard", "The op fuser's compiled hot path.", -1, module_methods,
 };
 
+/* ("a", "b", ...): the names of a field list, for hot_guard.py's check against guard.py. */
+static PyObject *names_of(const char *const *names, Py_ssize_t n) {
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = PyUnicode_FromString(names[i]);
+        if (s == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, s);
+    }
+    return t;
+}
+
 PyMODINIT_FUNC PyInit__hot_guard(void) {
     if (PyType_Ready(&GuardType) < 0) return NULL;
     str_requires_grad = PyUnicode_InternFromString("requires_grad");
@@ -318,7 +364,18 @@ PyMODINIT_FUNC PyInit__hot_guard(void) {
     if (!str_requires_grad || !str_dtype || !str_is_cuda || !str_shape) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Guard", (PyObject *)&GuardType) < 0) {
+#define NAME(f) #f,
+    static const char *const reads[] = {READS_FIELDS(NAME)};
+    static const char *const decision[] = {DECISION_FIELDS(NAME)};
+#undef NAME
+    PyObject *reads_names = names_of(reads, sizeof(reads) / sizeof(reads[0]));
+    PyObject *decision_names = names_of(decision, N_DECISION);
+    int failed = reads_names == NULL || decision_names == NULL || PyModule_AddObjectRef(m, "READS", reads_names) < 0 ||
+                 PyModule_AddObjectRef(m, "DECISION", decision_names) < 0 ||
+                 PyModule_AddObjectRef(m, "Guard", (PyObject *)&GuardType) < 0;
+    Py_XDECREF(reads_names);
+    Py_XDECREF(decision_names);
+    if (failed) {
         Py_DECREF(m);
         return NULL;
     }

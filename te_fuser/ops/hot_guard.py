@@ -2,9 +2,11 @@
 
 The unchanged-plan check of :meth:`OperationFuser.run` costs about a microsecond
 in Python, most of it in the interpreter rather than in the reads it makes. The
-guard makes the same reads and comparisons in C and calls the plan directly
-(see the C file's header for the contract); the Python path stays the reference
-and handles every miss.
+compiled guard makes the guard's reads and comparisons (the conditions of
+``ops/guard.py``, whose ``ReferenceGuard`` is the same guard in Python) in C and
+calls the plan directly; the Python path handles every miss. The module is
+loaded only when its field lists (``READS``, ``DECISION``) are those of
+``guard.Reads`` and ``guard.Decision``.
 
 It is a plain CPython extension, compiled with the C compiler Python was built
 with the first time a fuser is made in a process (about a second), into
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 
 from ..kernels import env as _env
+from .guard import Decision, Reads
 
 __all__ = ["guard_module", "unavailable_reason", "SOURCE"]
 
@@ -109,7 +112,11 @@ def guard_module():
                 except OSError:  # an unwritable folder: the next one
                     if path == paths[-1]:
                         raise
-        _state["module"] = _load(path)
+        module = _load(path)
+        if (module.READS, module.DECISION) != (Reads._fields, Decision._fields):
+            raise RuntimeError(f"hot_guard.c's fields {module.READS}, {module.DECISION} are not guard.py's "
+                               f"{Reads._fields}, {Decision._fields}")
+        _state["module"] = module
     except Exception as err:  # no compiler, no headers, nowhere to write: the Python path runs
         _state["reason"] = f"{type(err).__name__}: {err}"
         _log.info("te_fuser: the compiled hot path is unavailable (%s); fusers use the Python path", _state["reason"])
