@@ -146,6 +146,13 @@ class FallbackChurnDetector:
         self._streak = 0
         self.warned = False
 
+    def snapshot(self) -> tuple:
+        """Its state now (see :meth:`restore`)."""
+        return self._last, self._streak, self.warned
+
+    def restore(self, state: tuple) -> None:
+        self._last, self._streak, self.warned = state
+
     def observe(self, key: str) -> None:
         last, self._last = self._last, key
         if last is None or last == key:

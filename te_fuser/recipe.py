@@ -109,7 +109,6 @@ class Recipe:
         self._validate()
         key = self._build_key()
         object.__setattr__(self, "key", key)  # the fusion key: str(recipe), computed once
-        object.__setattr__(self, "_key", key)
         object.__setattr__(self, "_sealed", True)
 
     # -- immutability ------------------------------------------------------

@@ -39,11 +39,7 @@ class _Snapshot:
             p.grad = None  # the warm-up's gradients go to fresh tensors, dropped afterwards
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.ops = [(op, op.snapshot_quantizers()) for op in model.modules() if isinstance(op, BasicOperation)]
-        self.fusers = [
-            (f, f._plan, f._last_recipe, f.stats.builds, f.stats.hits, f.stats.key, f.stats.build_seconds,
-             dict(f.stats.last_build_phases), f._churn.__dict__.copy())
-            for f in fusers_of(model)
-        ]
+        self.fusers = [(f, f.snapshot()) for f in fusers_of(model)]
         self.epoch = _EPOCH[0]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
@@ -56,11 +52,8 @@ class _Snapshot:
             p.grad = g
         for op, quantizers in self.ops:
             op.restore_quantizers(quantizers)  # a kept weight cast is dropped: the next forward casts again
-        for f, plan, last, builds, hits, key, secs, phases, churn in self.fusers:
-            f._plan, f._last_recipe, f._last_state = plan, last, None
-            f.stats.builds, f.stats.hits, f.stats.key, f.stats.build_seconds = builds, hits, key, secs
-            f.stats.last_build_phases = phases
-            f._churn.__dict__.update(churn)
+        for f, fuser_snapshot in self.fusers:
+            f.restore(fuser_snapshot)
         _EPOCH[0] += 1  # plans re-check their ops' quantizers once
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:

@@ -55,3 +55,30 @@ def test_warmup_changes_nothing_the_training_can_see():
 def test_warmup_rejects_non_recipes():
     with pytest.raises(TypeError, match="item 1"):
         te.warmup(make(), [None, "mxfp8"], torch.randn(4, 64))
+
+
+def test_a_fuser_restores_its_plan_and_counters():
+    """``OperationFuser.snapshot`` / ``restore``: the plan published then, the
+    counters as they were, and the next call under that recipe a hit."""
+    import te_fuser as te
+    from te_fuser.ops.find import fusers_of
+
+    model = te.ops.Sequential(te.ops.Linear(16, 8), te.ops.GELU())
+    x = torch.randn(4, 16)
+    delayed = te.recipe.DelayedScaling()
+    with te.autocast(recipe=delayed):
+        model(x)
+    (fuser,) = fusers_of(model)
+    snap, op_snaps = fuser.snapshot(), [op.snapshot_quantizers() for op in fuser.ops]
+    plan, builds, hits = fuser.plan, fuser.stats.builds, fuser.stats.hits
+    with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+        model(x)
+    assert fuser.plan is not plan and fuser.stats.builds == builds + 1
+    fuser.restore(snap)
+    for op, op_snap in zip(fuser.ops, op_snaps):
+        op.restore_quantizers(op_snap)
+    assert fuser.plan is plan and (fuser.stats.builds, fuser.stats.hits) == (builds, hits)
+    assert fuser.stats.key == plan.recipe_key
+    with te.autocast(recipe=delayed):
+        model(x)
+    assert (fuser.stats.builds, fuser.stats.hits) == (builds, hits + 1)  # the restored plan, a hit

@@ -20,6 +20,7 @@ plan captured by its forward.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
@@ -104,6 +105,16 @@ class FusionStats:
         self.key = other.key if other.key is not None else self.key
         for phase, secs in other.last_build_phases.items():
             self.last_build_phases[phase] = self.last_build_phases.get(phase, 0.0) + secs
+
+
+class FuserSnapshot(NamedTuple):
+    """What :meth:`OperationFuser.restore` puts back: the published plan, the recipe
+    last matched to it, the counters and the fallback-churn detector's state."""
+
+    plan: "FusionPlan | None"
+    last_recipe: object
+    stats: FusionStats
+    churn: tuple
 
 
 class PlanKey(NamedTuple):
@@ -239,6 +250,21 @@ class OperationFuser:
     @property
     def plan(self) -> FusionPlan | None:
         return self._plan
+
+    def snapshot(self) -> FuserSnapshot:
+        """The fuser's plan and counters as they are now (see :meth:`restore`)."""
+        stats = self.stats
+        return FuserSnapshot(self._plan, self._last_recipe,
+                             dataclasses.replace(stats, last_build_phases=dict(stats.last_build_phases)),
+                             self._churn.snapshot())
+
+    def restore(self, snapshot: FuserSnapshot) -> None:
+        """Publish ``snapshot``'s plan again with its counters (te.warmup's undo). The
+        next call re-checks its ops' quantizers (they may have been restored too)."""
+        self.stats  # noqa: B018 (takes the guard's hits in before they are replaced)
+        self._plan, self._last_recipe, self._last_state = snapshot.plan, snapshot.last_recipe, None
+        self._stats = dataclasses.replace(snapshot.stats, last_build_phases=dict(snapshot.stats.last_build_phases))
+        self._churn.restore(snapshot.churn)
 
     @property
     def num_extra_inputs(self) -> int:
@@ -416,7 +442,7 @@ class OperationFuser:
         calibration flag and group (the re-validation of the guard's condition 3)."""
         recipe = state.recipe
         if not (
-            (recipe is self._last_recipe or (recipe is not None and plan.recipe_key == recipe._key))
+            (recipe is self._last_recipe or (recipe is not None and plan.recipe_key == recipe.key))
             and plan.calibrating is state.calibrating
             and plan.amax_reduction_group is state.amax_reduction_group
         ):
@@ -437,7 +463,7 @@ class OperationFuser:
         if plan.backend != backend.get_backend():
             return False
         for op, qs in zip(self.ops, plan.quantizers if plan.installs else ()):
-            if op._quantizers is not qs or op._quantizer_key != plan.recipe_key:
+            if op.installed_quantizers is not qs or op.quantizer_key != plan.recipe_key:
                 return False
         plan.epoch = _EPOCH[0]
         return True
@@ -462,10 +488,10 @@ class OperationFuser:
         recipe_key = str(recipe) if recipe is not None else HIGH_PRECISION_KEY
         if recipe is None:  # high precision reads no quantizer and leaves the installed ones (their state) alone
             quantizers = [{} for _ in self.ops]
-        elif all(op._quantizer_key == recipe_key for op in self.ops):
+        elif all(op.quantizer_key == recipe_key for op in self.ops):
             # Quantizers are rebuilt iff the recipe key changed: a plan for another grad
             # mode or dtype under the same recipe shares the installed ones.
-            quantizers = [op._quantizers for op in self.ops]
+            quantizers = [op.installed_quantizers for op in self.ops]
         else:
             quantizers = self._build_quantizers(recipe, recipe_key)
         t1 = time.perf_counter()
@@ -533,7 +559,7 @@ class OperationFuser:
             if recipe is not None:
                 for role in op.roles():
                     q = quantizer_for(recipe, role)
-                    q.carry_state_from(op._quantizers.get(role.tensor_type))
+                    q.carry_state_from(op.installed_quantizers.get(role.tensor_type))
                     op.restore_loaded_state(q, role.tensor_type, recipe_key)
                     qs[role.tensor_type] = q
             out.append(qs)
@@ -577,6 +603,8 @@ class OperationFuser:
             names += ["quantize_tensorwise", "quantize_tensorwise_column_sums", "delayed_scale_update"]
         elif recipe.float8_current_scaling():
             names += ["quantize_current", "quantize_current_column_sums"]  # the latter for a bias gradient with the cast
+        elif recipe.float8_rowwise_scaling():
+            names.append("quantize_rowwise")
         elif recipe.float8_block_scaling():
             names.append("quantize_block")
         elif recipe.mxfp8():
@@ -599,7 +627,7 @@ class OperationFuser:
                     q.amax_reduction_group = plan.amax_reduction_group if reduce else None
         changed = False
         for op, qs in zip(self.ops, plan.quantizers):
-            if op._quantizers is not qs or op._quantizer_key != plan.recipe_key:
+            if op.installed_quantizers is not qs or op.quantizer_key != plan.recipe_key:
                 op.install_quantizers(qs, plan.recipe_key)
                 changed = True
         if changed:

@@ -220,6 +220,11 @@ class BasicOperation(WatchedModule):
         installs a new dict, so holding this one tells whether that happened."""
         return self._quantizers
 
+    @property
+    def quantizer_key(self) -> "str | None":
+        """The recipe key the installed quantizers were built for (None: none installed)."""
+        return self._quantizer_key
+
     def snapshot_quantizers(self) -> QuantizerSnapshot:
         """The quantizers and their scaling state as they are now (see :meth:`restore_quantizers`)."""
         return QuantizerSnapshot(self._quantizers, self._quantizer_key, self._loaded_state,
