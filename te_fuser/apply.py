@@ -165,10 +165,10 @@ def apply_recipe(model: nn.Module, recipe: Recipe | None, *, example_inputs: Any
     for t in targets:  # all plans stand: publish them all
         setting = (t.recipe, t.pinned)
         if isinstance(t.owner, Sequential):  # the fusers it makes again when its list changes take it
-            t.owner._own_recipe = setting
+            t.owner.own_recipe = setting
         key = None if t.recipe is None else str(t.recipe)
         for op in _ops_of(t.owner):
-            op._applied = (key, on_mismatched_load)
+            op.mark_applied(key, on_mismatched_load)
     for t, f, plan in candidates:
         f.own_recipe = (t.recipe, t.pinned)
         f.publish(plan)

@@ -290,6 +290,11 @@ class BasicOperation(WatchedModule):
                 pending[t] = entry
         self._loaded_state = pending or None
 
+    def mark_applied(self, recipe_key: "str | None", on_mismatched_load: str) -> None:
+        """Record the model's own recipe (``te.apply_recipe``): saved with the scaling
+        state, and checked (``on_mismatched_load``) when a checkpoint is loaded."""
+        self._applied = (recipe_key, on_mismatched_load)
+
     def _check_applied_recipe(self, saved_key: str | None) -> None:
         """Report a checkpoint saved under another ``te.apply_recipe`` recipe than the
         one this model has (its scaling state still carries over, as on a switch)."""

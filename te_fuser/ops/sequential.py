@@ -182,6 +182,16 @@ class Sequential(nn.Module):
             return fast.entry(x, self.training)
         return self._forward_groups(x, *extra_inputs)
 
+    @property
+    def own_recipe(self) -> "tuple | None":
+        """``(recipe or None, pinned)`` given by ``te.apply_recipe``, or None; the
+        fusers this Sequential makes again (when its list of items changes) take it."""
+        return self.__dict__.get("_own_recipe")
+
+    @own_recipe.setter
+    def own_recipe(self, setting: "tuple | None") -> None:
+        self.__dict__["_own_recipe"] = setting
+
     def _forward_groups(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
         groups = self._groups if self._groups is not None else self.groups()
         extra_in = list(extra_inputs)
