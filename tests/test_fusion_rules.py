@@ -1,8 +1,18 @@
-"""Every fusion rule: fused equals unfused on the same inputs, outputs and gradients."""
+"""Every fusion rule: fused equals unfused on the same inputs, outputs and gradients.
+
+Each rule of ``DEFAULT_RULES`` has an entry in :data:`EXAMPLES`: small
+``te.ops.Sequential`` models the rule fires in, and the runs it fires in (which
+recipes, how many steps, with a backward or not). ``test_fused_equals_unfused``
+builds every example under every recipe, dtype and backend the entry allows; a
+rule without an entry fails ``test_every_rule_has_an_example_model`` (and its own
+cases there), by name."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import pytest
 import torch
@@ -10,77 +20,130 @@ import torch
 import te_fuser as te
 from op_testing import RECIPES, representable, run
 from te_fuser.ops import FusionRule, fusion_rules
-from te_fuser.ops.fused import DEFAULT_RULES, ForwardLinearBiasLinear
+from te_fuser.ops.fused import DEFAULT_RULES
 from tolerances import assert_close
 
 H, F = 64, 128  # multiples of 32 (also F / 2) so that MXFP8 applies too
-# Rules that hand FP8 from one GEMM to the next: tried under delayed scaling only.
-HAND_OFF = {r.name for r in DEFAULT_RULES if r.build is ForwardLinearBiasLinear}
+ALL_RECIPES = ("none", "delayed", "current", "mxfp8", "block")
+FP8_RECIPES = ("delayed", "current", "mxfp8", "block")
+ACTIVATIONS = (te.ops.GELU, te.ops.ReLU, te.ops.SiLU, te.ops.SwiGLU)
 
 
-def _hand_off_models(rule_name):
-    """``forward_linear_bias[_activation]_linear[_bias[_activation|_add]]``: models of that shape."""
-    head_act = rule_name.startswith("forward_linear_bias_activation_linear")
-    tail = rule_name[len("forward_linear_bias_activation_linear" if head_act else "forward_linear_bias_linear"):]
-    models = []
-    for act in ([te.ops.GELU, te.ops.ReLU, te.ops.SiLU, te.ops.SwiGLU] if head_act else [None]):
-        width = F // 2 if act is te.ops.SwiGLU else F
-        mods = [te.ops.Linear(H, F)] + ([act()] if act else [])
-        if tail == "":
-            mods.append(te.ops.BasicLinear(width, F))
-        else:
-            mods.append(te.ops.Linear(width, F))
-        if tail == "_bias_activation":
-            mods.append(te.ops.SwiGLU() if act is te.ops.GELU else te.ops.GELU())
-        if tail == "_bias_add":
-            mods.append(te.ops.AddExtraInput())
-        models.append((mods, 1 if tail == "_bias_add" else 0))
-    return models
+@dataclass(frozen=True)
+class Example:
+    """A small model the rule fires in: ``build()`` makes it afresh."""
+
+    build: Callable[[], te.ops.Sequential]
+    extra_inputs: int = 0
 
 
-def _models(rule_name):
-    """Models in which ``rule_name`` fires, with their number of extra inputs."""
-    acts = [te.ops.GELU, te.ops.ReLU, te.ops.SiLU, te.ops.SwiGLU]
+@dataclass(frozen=True)
+class RuleExamples:
+    """A rule's example models and the runs in which it fires."""
 
-    def width(act, n):
-        return n // 2 if act is te.ops.SwiGLU else n
-
-    if rule_name in ("forward_linear_bias_activation", "backward_linear_bias_activation"):
-        return [([te.ops.Linear(H, F), act(), te.ops.Linear(width(act, F), H)], 0) for act in acts]
-    if rule_name == "backward_activation_bias":
-        return [([te.ops.Bias(H), act(), te.ops.Linear(width(act, H), H)], 0) for act in acts]
-    if rule_name == "forward_linear_bias":
-        return [([te.ops.Linear(H, F)], 0)]
-    if rule_name == "backward_linear_bias":
-        return [([te.ops.Linear(H, F)], 0), ([te.ops.Linear(H, F), te.ops.Linear(F, H)], 0)]
-    if rule_name == "forward_linear_bias_add":
-        return [([te.ops.Linear(H, F), te.ops.AddExtraInput()], 1)]
-    if rule_name == "backward_linear_add":
-        return [([te.ops.MakeExtraOutput(), te.ops.BasicLinear(H, F)], 0)]
-    if rule_name in HAND_OFF:
-        return _hand_off_models(rule_name)
-    raise KeyError(rule_name)
+    models: tuple[Example, ...]
+    recipes: tuple[str, ...] = ALL_RECIPES  # op_testing.RECIPES names
+    why_not_other_recipes: str = ""
+    steps: int = 1  # forward (and backward) steps; the last one is compared
+    backward: bool = True  # False: the rule fires only without a backward (forwards under torch.no_grad)
+    on_triton: bool = False  # also on the Triton backend (under the interpreter: bf16, the first model only)
 
 
-def test_every_default_rule_has_a_test_model():
-    names = {r.name for r in fusion_rules()}
-    assert {r.name for r in DEFAULT_RULES} <= names
-    for rule in DEFAULT_RULES:
-        assert _models(rule.name)
+def _width(act, n: int) -> int:
+    return n // 2 if act is te.ops.SwiGLU else n
+
+
+def _linear_activation_linear(act) -> te.ops.Sequential:
+    return te.ops.Sequential(te.ops.Linear(H, F), act(), te.ops.Linear(_width(act, F), H))
+
+
+def _bias_activation_linear(act) -> te.ops.Sequential:
+    return te.ops.Sequential(te.ops.Bias(H), act(), te.ops.Linear(_width(act, H), H))
+
+
+def _sequential(*make: Callable[[], torch.nn.Module]) -> Callable[[], te.ops.Sequential]:
+    return lambda: te.ops.Sequential(*(m() for m in make))
+
+
+def _hand_off_model(act, tail: str) -> te.ops.Sequential:
+    """Linear(+bias) [-> act] -> the second linear, then ``tail``: "" (no bias), "bias",
+    "bias_activation" or "bias_add"."""
+    mods = [te.ops.Linear(H, F)] + ([act()] if act else [])
+    width = _width(act, F)
+    mods.append(te.ops.BasicLinear(width, F) if tail == "" else te.ops.Linear(width, F))
+    if tail == "bias_activation":
+        mods.append(te.ops.SwiGLU() if act is te.ops.GELU else te.ops.GELU())
+    if tail == "bias_add":
+        mods.append(te.ops.AddExtraInput())
+    return te.ops.Sequential(*mods)
+
+
+def _hand_off(with_activation: bool, tail: str = "") -> RuleExamples:
+    """A hand-off rule's examples: with every activation between the linears when its
+    pattern has one. A delayed-scaling rule; its second step is compared (a fresh
+    quantizer seeds its scale on the first); with an activation it fires without a backward."""
+    acts = ACTIVATIONS if with_activation else (None,)
+    return RuleExamples(
+        tuple(Example(partial(_hand_off_model, act, tail), extra_inputs=int(tail == "bias_add")) for act in acts),
+        recipes=("delayed",),
+        why_not_other_recipes="the FP8 hand-off is a delayed-scaling rule (test_forward_linear_bias_linear.py)",
+        steps=2, backward=not with_activation, on_triton=True)
+
+
+_DECLINES_WITHOUT_FP8 = ("the rule declines without an FP8 recipe "
+                        "(test_rules_that_read_the_recipe_decline_with_a_reason)")
+_LINEAR_ACTIVATION_LINEAR = tuple(Example(partial(_linear_activation_linear, act)) for act in ACTIVATIONS)
+
+EXAMPLES: dict[str, RuleExamples] = {
+    "forward_linear_bias_linear": _hand_off(False),
+    "forward_linear_bias_linear_bias": _hand_off(False, "bias"),
+    "forward_linear_bias_linear_bias_activation": _hand_off(False, "bias_activation"),
+    "forward_linear_bias_linear_bias_add": _hand_off(False, "bias_add"),
+    "forward_linear_bias_activation_linear": _hand_off(True),
+    "forward_linear_bias_activation_linear_bias": _hand_off(True, "bias"),
+    "forward_linear_bias_activation_linear_bias_activation": _hand_off(True, "bias_activation"),
+    "forward_linear_bias_activation_linear_bias_add": _hand_off(True, "bias_add"),
+    "forward_linear_bias_activation": RuleExamples(_LINEAR_ACTIVATION_LINEAR),
+    "forward_linear_bias_add": RuleExamples(
+        (Example(_sequential(partial(te.ops.Linear, H, F), te.ops.AddExtraInput), extra_inputs=1),)),
+    "forward_linear_bias": RuleExamples((Example(_sequential(partial(te.ops.Linear, H, F))),)),
+    "backward_linear_bias_activation": RuleExamples(_LINEAR_ACTIVATION_LINEAR, recipes=FP8_RECIPES,
+                                                    why_not_other_recipes=_DECLINES_WITHOUT_FP8),
+    "backward_linear_bias": RuleExamples(
+        (Example(_sequential(partial(te.ops.Linear, H, F))),
+         Example(_sequential(partial(te.ops.Linear, H, F), partial(te.ops.Linear, F, H)))),
+        recipes=FP8_RECIPES, why_not_other_recipes=_DECLINES_WITHOUT_FP8),
+    "backward_activation_bias": RuleExamples(tuple(Example(partial(_bias_activation_linear, act))
+                                                   for act in ACTIVATIONS)),
+    "backward_linear_add": RuleExamples(
+        (Example(_sequential(te.ops.MakeExtraOutput, partial(te.ops.BasicLinear, H, F))),)),
+}
+
+
+def _examples_of(rule: str) -> RuleExamples:
+    if rule not in EXAMPLES:
+        pytest.fail(f"fusion rule {rule!r} has no example model: add an entry to tests/test_fusion_rules.py's "
+                    "EXAMPLES (a small te.ops.Sequential the rule fires in, and the recipes it fires under)")
+    return EXAMPLES[rule]
+
+
+@pytest.mark.parametrize("rule", [r.name for r in DEFAULT_RULES])
+def test_every_rule_has_an_example_model(rule):
+    entry = _examples_of(rule)
+    assert entry.models and set(entry.recipes) <= set(ALL_RECIPES), rule
+    for example in entry.models:
+        assert isinstance(example.build(), te.ops.Sequential), rule
+
+
+def test_every_example_is_of_a_default_rule():
+    assert set(EXAMPLES) <= {r.name for r in DEFAULT_RULES}
+    assert {r.name for r in DEFAULT_RULES} <= {r.name for r in fusion_rules()}
 
 
 def _representable_params(model, gen):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(representable(*p.shape, generator=gen, scale_exp=-2 if p.dim() == 1 else -3))
-
-
-def _steps(rule, recipe_name):
-    """(calls, with backward): a hand-off needs a seeded delayed-scaling quantizer (a
-    fresh one seeds on its first call); an activation before the hand-off, no backward."""
-    if rule not in HAND_OFF:
-        return 1, True
-    return 2, not rule.startswith("forward_linear_bias_activation_linear")
 
 
 def _forward(model, x, *extras, recipe=None):
@@ -91,28 +154,26 @@ def _forward(model, x, *extras, recipe=None):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current", "mxfp8", "block"])
+@pytest.mark.parametrize("recipe_name", ALL_RECIPES)
 @pytest.mark.parametrize("rule", [r.name for r in DEFAULT_RULES])
 def test_fused_equals_unfused(rule, recipe_name, dtype, backend):
+    entry = _examples_of(rule)
     recipe = RECIPES[recipe_name]
-    if rule in ("backward_linear_bias_activation", "backward_linear_bias") and recipe is None:
-        pytest.skip("the rule declines without an FP8 recipe (tested below)")
-    if rule in HAND_OFF and recipe_name != "delayed":
-        pytest.skip("the FP8 hand-off is a delayed-scaling rule (test_forward_linear_bias_linear.py)")
-    if backend == "triton" and (rule not in HAND_OFF or dtype is torch.float32):
+    if recipe_name not in entry.recipes:
+        pytest.skip(entry.why_not_other_recipes)
+    if backend == "triton" and (not entry.on_triton or dtype is torch.float32):
         pytest.skip("under the Triton interpreter: the FP8 hand-off rules, in bf16 (slow)")
     if backend == "triton" and torch.cuda.is_available():
         pytest.skip("these CPU models take the Triton kernels only under the interpreter, which a GPU machine "
                     "does not run (test_forward_linear_bias_linear.py tests the hand-off on the GPU)")
-    calls, backward = _steps(rule, recipe_name)
-    models = _models(rule)
-    for mods, n_extra in models[:1] if backend == "triton" else models:
+    for example in entry.models[:1] if backend == "triton" else entry.models:
         gen = torch.Generator().manual_seed(7)
-        fused = te.ops.Sequential(*mods).to(dtype)
+        fused = example.build().to(dtype)
+        mods, n_extra = list(fused), example.extra_inputs
         _representable_params(fused, gen)
-        unfused = te.ops.Sequential(*copy.deepcopy(list(fused)), fuse=False)
+        unfused = te.ops.Sequential(*copy.deepcopy(mods), fuse=False)
         with te.autocast(enabled=False, backend=backend):
-            for _ in range(calls):
+            for _ in range(entry.steps):
                 for model in (fused, unfused):
                     model.zero_grad(set_to_none=True)
                 x = representable(2, 16, H, generator=gen, dtype=dtype, scale_exp=-3)
@@ -122,7 +183,7 @@ def test_fused_equals_unfused(rule, recipe_name, dtype, backend):
                 probe = probe if isinstance(probe, tuple) else (probe,)
                 dy = representable(*probe[0].shape, generator=gen, dtype=dtype)
                 dextras = [representable(*p.shape, generator=gen, dtype=dtype) for p in probe[1:]]
-                if backward:
+                if entry.backward:
                     out_f, g_f = run(fused, x, *extras, recipe=recipe, dy=dy, dextras=dextras)
                     out_u, g_u = run(unfused, x, *extras, recipe=recipe, dy=dy, dextras=dextras)
                 else:
@@ -136,7 +197,7 @@ def test_fused_equals_unfused(rule, recipe_name, dtype, backend):
         # skipped rounding can move a value by one FP8 step: compare within that
         # format's tolerance. Elsewhere only the compute dtype's rounding differs.
         linears = sum(isinstance(m, (te.ops.Linear, te.ops.BasicLinear)) for m in mods)
-        requantized = recipe is not None and (len(mods) > 2 or linears > 1 or rule in HAND_OFF)
+        requantized = recipe is not None and (len(mods) > 2 or linears > 1)
         out_key = recipe.fp8_format.fwd_dtype if requantized else dtype
         grad_key = recipe.fp8_format.bwd_dtype if requantized else dtype
         for a, b in zip(out_f, out_u):
