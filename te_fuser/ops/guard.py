@@ -41,9 +41,9 @@ bumped when any op installs quantizers (another model sharing the op, or
 ``te.warmup``), when a Parameter or module hook of an op is registered or removed
 through ``nn.Module``'s methods (a replaced Parameter, a new hook), by
 ``module.to()`` and by a change of kernel backend (``te.set_backend``,
-``te.autocast(backend=...)``). Code that writes into an op's ``_parameters``
-directly must call ``te_fuser.epoch.bump()`` (as ``graphs.py`` does): the guard
-never reads the parameter dicts, only the miss path does.
+``te.autocast(backend=...)``), and by any write into an op's ``_parameters``
+dict (a dict that bumps it on every write: FSDP2's swaps, hand-made tying): the
+guard never reads the parameter dicts, only the miss path does.
 
 The miss path arms only when the call ran without hooks and outside
 ``te.apply_recipe``'s probe, and the fuser disarms the guard whenever it

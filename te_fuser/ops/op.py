@@ -95,8 +95,51 @@ class OpContext:
 _EPOCH = CHANGES
 
 
+class _WatchedParameters(dict):
+    """A module's ``_parameters`` dict that bumps :data:`_EPOCH` on every write, so a
+    Parameter written straight into it (FSDP2's swaps, hand-made tying) is seen by
+    the compiled guard like one set through ``setattr``. Reads are a plain dict's."""
+
+    def __setitem__(self, name, value) -> None:
+        super().__setitem__(name, value)
+        _EPOCH[0] += 1
+
+    def __delitem__(self, name) -> None:
+        super().__delitem__(name)
+        _EPOCH[0] += 1
+
+    def pop(self, *args):
+        _EPOCH[0] += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        _EPOCH[0] += 1
+        return super().popitem()
+
+    def setdefault(self, name, default=None):
+        _EPOCH[0] += 1
+        return super().setdefault(name, default)
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        _EPOCH[0] += 1
+
+    def clear(self) -> None:
+        super().clear()
+        _EPOCH[0] += 1
+
+    def __ior__(self, other):
+        _EPOCH[0] += 1
+        return super().__ior__(other)
+
+
 class WatchedModule(nn.Module):
-    """An ``nn.Module`` whose parameter and hook registrations bump :data:`_EPOCH`."""
+    """An ``nn.Module`` whose parameter and hook registrations, and any write into
+    its parameter dict, bump :data:`_EPOCH`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "_parameters", _WatchedParameters(self._parameters))
 
     def register_parameter(self, name, param) -> None:
         super().register_parameter(name, param)
