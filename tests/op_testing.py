@@ -19,6 +19,7 @@ RECIPES = {
     "current": R.Float8CurrentScaling(),
     "mxfp8": R.MXFP8BlockScaling(),
     "block": R.Float8BlockScaling(power_2_scales=True),
+    "rowwise": R.Float8RowwiseScaling(),
     "custom_identity": R.CustomRecipe(identity_factory, qfactory_key="identity"),
 }
 FP8_RECIPES = {k: v for k, v in RECIPES.items() if k not in ("none", "custom_identity")}
