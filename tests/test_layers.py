@@ -92,3 +92,14 @@ def test_the_kernel_layer_imports_nothing_of_te_fuser():
             if isinstance(node, ast.ImportFrom):
                 assert not (node.level == 0 and (node.module or "").startswith("te_fuser")), path
                 assert node.level <= len(path.relative_to(ROOT / "kernels").parts), f"{path}: imports above kernels"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "te_fuser" / "ops" / "fused").glob("*.py")), ids=lambda p: p.name)
+def test_a_fused_op_imports_nothing_from_another_fused_op(path):
+    """Helpers two fused ops share live in the basic-op layer (``ops/basic``), so a
+    fused op is one file that can be read, copied or removed alone."""
+    if path.name == "__init__.py":
+        return  # the rule table imports every fused op
+    tree = ast.parse(path.read_text())
+    siblings = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module]
+    assert not siblings, f"{path.name} imports from sibling fused ops: {siblings}"

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from ... import backend
 from ..gemm import activation_backward, apply_activation
 from ..op import BasicOperation
 
-__all__ = ["Activation", "GELU", "ReLU", "SiLU", "SwiGLU"]
+__all__ = ["Activation", "GELU", "ReLU", "SiLU", "SwiGLU", "activation_bias_backward"]
 
 
 class Activation(BasicOperation):
@@ -49,3 +50,11 @@ class SwiGLU(Activation):
     """``silu(x[..., :d]) * x[..., d:]`` with ``d`` half the last dim."""
 
     kind = "swiglu"
+
+
+def activation_bias_backward(ctx_act, bias_op, dy):
+    """``(d pre-activation, dbias)`` of ``Bias -> activation`` in one pass, from the
+    activation's saved input (for the fused ops that run the two together)."""
+    x = ctx_act.saved["x"]
+    dx, db = backend.resolve("dact_dbias", x.device).fn(dy.to(x.dtype), x, ctx_act.op.kind)
+    return dx, db.to(bias_op.bias.dtype)

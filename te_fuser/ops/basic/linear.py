@@ -34,11 +34,12 @@ from torch import nn
 
 from ...quantization.tensor import QuantizedTensor
 from ...quantization.base import EpilogueCast
-from ..gemm import columnwise, gemm, gemm_fp8_out, rowwise
+from ..gemm import apply_activation, columnwise, gemm, gemm_fp8_out, rowwise
 from ..op import BasicOperation, OpContext
 from ..weight_cache import WeightCache
 
-__all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_columnwise"]
+__all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_columnwise", "linear_bias_activation_forward",
+           "linear_bias_add_forward"]
 
 
 class BasicLinear(BasicOperation):
@@ -236,3 +237,32 @@ def linear_backward_with_column_sums(
         if dw.dtype is not w_dtype:
             dw = dw.to(w_dtype)
     return dx, dw, sums
+
+
+def linear_bias_activation_forward(ctxs, ops, x):
+    """``act(x · wᵀ + b)`` for ``ops`` = [linear, bias?, activation?]: the bias (and,
+    when no backward needs the pre-activation, the activation too) in the GEMM's
+    fp32 epilogue; ``x`` may be a QuantizedTensor (see ``linear_forward``)."""
+    linear = ops[0]
+    if len(ops) == 1:
+        return linear_forward(ctxs[0], linear, x)
+    run = ctxs[0].run
+    b = ops[1].bias_as(run.compute_dtype)
+    act = ops[2] if len(ops) > 2 else None
+    if act is None:
+        return linear_forward(ctxs[0], linear, x, bias=b)
+    if not run.needs_backward:
+        return linear_forward(ctxs[0], linear, x, bias=b, activation=act.kind)
+    pre = linear_forward(ctxs[0], linear, x, bias=b)
+    ctxs[2].saved["x"] = pre  # what the activation's own backward reads
+    return apply_activation(pre, act.kind)
+
+
+def linear_bias_add_forward(ctxs, ops, x, residual):
+    """``x · wᵀ + b + residual`` for ``ops`` = [linear, bias, add]; ``x`` may be a
+    QuantizedTensor (see ``linear_forward``)."""
+    linear, bias, add = ops
+    out_shape = (*x.shape[:-1], linear.out_features)
+    if tuple(residual.shape) != out_shape:
+        raise ValueError(f"{add.describe()}: extra input shape {tuple(residual.shape)} != {out_shape}")
+    return linear_forward(ctxs[0], linear, x, bias=bias.bias_as(ctxs[0].run.compute_dtype), residual=residual)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..basic.linear import linear_backward
 from ..op import FusedOperation
-from .backward_activation_bias import dact_dbias
+from ..basic.activation import activation_bias_backward
 
 __all__ = ["BackwardLinearBiasActivation"]
 
@@ -14,6 +14,6 @@ __all__ = ["BackwardLinearBiasActivation"]
 class BackwardLinearBiasActivation(FusedOperation):
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
         linear, bias, _act = self.basic_ops
-        d_pre, db = dact_dbias(ctxs[2], bias, dy)
+        d_pre, db = activation_bias_backward(ctxs[2], bias, dy)
         dx, dw = linear_backward(ctxs[0], linear, d_pre)
         return dx, [[dw], [db], []], [[] for _ in ctxs]

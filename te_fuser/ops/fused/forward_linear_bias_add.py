@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from ..basic.linear import linear_forward
+from ..basic.linear import linear_bias_add_forward
 from ..op import FusedOperation
 
-__all__ = ["ForwardLinearBiasAdd", "linear_bias_add_forward"]
-
-
-def linear_bias_add_forward(ctxs, ops, x, residual):
-    """``x · wᵀ + b + residual`` for ``ops`` = [linear, bias, add]; ``x`` may be a
-    QuantizedTensor (see ``linear_forward``)."""
-    linear, bias, add = ops
-    out_shape = (*x.shape[:-1], linear.out_features)
-    if tuple(residual.shape) != out_shape:
-        raise ValueError(f"{add.describe()}: extra input shape {tuple(residual.shape)} != {out_shape}")
-    return linear_forward(ctxs[0], linear, x, bias=bias.bias_as(ctxs[0].run.compute_dtype), residual=residual)
+__all__ = ["ForwardLinearBiasAdd"]
 
 
 class ForwardLinearBiasAdd(FusedOperation):

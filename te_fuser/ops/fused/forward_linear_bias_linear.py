@@ -26,10 +26,9 @@ bytes (one per-tensor scale), not a second cast.
 from __future__ import annotations
 
 from ..basic.extra import AddExtraInput
-from ..basic.linear import BasicLinear, input_needs_columnwise, linear_forward
+from ..basic.linear import (BasicLinear, input_needs_columnwise, linear_bias_activation_forward,
+                            linear_bias_add_forward, linear_forward)
 from ..op import FusedOperation
-from .forward_linear_bias_activation import linear_bias_activation_forward
-from .forward_linear_bias_add import linear_bias_add_forward
 
 __all__ = ["ForwardLinearBiasLinear"]
 
