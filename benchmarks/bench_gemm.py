@@ -14,6 +14,7 @@ configurations of the Triton kernels and prints them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from harness import Row  # noqa: E402
 
 from te_fuser.kernels import triton as tk  # noqa: E402
 from te_fuser.kernels.operand import ScaledOperand  # noqa: E402
-import te_fuser.kernels.triton.fp8_gemm as fp8_gemm  # noqa: E402
+triton_gemm = importlib.import_module("te_fuser.kernels.triton.gemm")  # the module (the package's `gemm` is the kernel)
 
 E4M3 = torch.float8_e4m3fn
 SCHEMES = ("tensor", "row", "block_1x128_128x128", "block_1x128_1x128", "mx")
@@ -122,16 +123,16 @@ def _epilogue_rows(n: int, bf16_ms: float) -> list[Row]:
 
 
 SWEEP = {
-    "tensor": [fp8_gemm.Tiles(256, 128, 128, 8, 8, 3), fp8_gemm.Tiles(256, 128, 128, 8, 8, 4),
-               fp8_gemm.Tiles(128, 256, 128, 8, 8, 3), fp8_gemm.Tiles(128, 256, 128, 16, 8, 3),
-               fp8_gemm.Tiles(256, 128, 128, 16, 8, 3), fp8_gemm.Tiles(128, 128, 128, 8, 4, 4),
+    "tensor": [triton_gemm.Tiles(256, 128, 128, 8, 8, 3), triton_gemm.Tiles(256, 128, 128, 8, 8, 4),
+               triton_gemm.Tiles(128, 256, 128, 8, 8, 3), triton_gemm.Tiles(128, 256, 128, 16, 8, 3),
+               triton_gemm.Tiles(256, 128, 128, 16, 8, 3), triton_gemm.Tiles(128, 128, 128, 8, 4, 4),
                # 256-deep tiles: half the loop iterations, still promoted every 128 products
-               fp8_gemm.Tiles(128, 256, 256, 8, 8, 2), fp8_gemm.Tiles(256, 128, 256, 8, 8, 2),
-               fp8_gemm.Tiles(128, 128, 256, 8, 8, 3)],
-    "block": [fp8_gemm.Tiles(128, 128, 128, 8, 8, 4), fp8_gemm.Tiles(256, 128, 128, 8, 8, 3),
-              fp8_gemm.Tiles(128, 128, 128, 8, 8, 3), fp8_gemm.Tiles(128, 128, 128, 16, 8, 5),
-              fp8_gemm.Tiles(128, 128, 128, 8, 4, 4), fp8_gemm.Tiles(64, 128, 128, 8, 4, 5)],
-    "mx": [fp8_gemm.Tiles(128, 128, 128, 8, 8, 3), fp8_gemm.Tiles(128, 256, 128, 8, 8, 3)],
+               triton_gemm.Tiles(128, 256, 256, 8, 8, 2), triton_gemm.Tiles(256, 128, 256, 8, 8, 2),
+               triton_gemm.Tiles(128, 128, 256, 8, 8, 3)],
+    "block": [triton_gemm.Tiles(128, 128, 128, 8, 8, 4), triton_gemm.Tiles(256, 128, 128, 8, 8, 3),
+              triton_gemm.Tiles(128, 128, 128, 8, 8, 3), triton_gemm.Tiles(128, 128, 128, 16, 8, 5),
+              triton_gemm.Tiles(128, 128, 128, 8, 4, 4), triton_gemm.Tiles(64, 128, 128, 8, 4, 5)],
+    "mx": [triton_gemm.Tiles(128, 128, 128, 8, 8, 3), triton_gemm.Tiles(128, 256, 128, 8, 8, 3)],
 }
 
 
@@ -146,7 +147,7 @@ def sweep(sizes: list[int], families: list[str] | None = None) -> list[Row]:
         for scheme, family, knobs in variants:
             sets = _operand_sets(scheme, n)
             for tiles in SWEEP[family]:
-                fp8_gemm.TILE_OVERRIDES[family] = tiles
+                triton_gemm.TILE_OVERRIDES[family] = tiles
                 try:
                     tk.gemm(*sets[0], **knobs)
                     ms = harness.time_ms(lambda a, b: tk.gemm(a, b, **knobs), sets)
@@ -154,7 +155,7 @@ def sweep(sizes: list[int], families: list[str] | None = None) -> list[Row]:
                 except Exception as err:
                     ms, note = float("nan"), f"{type(err).__name__}: {str(err)[:60]}"
                 finally:
-                    fp8_gemm.TILE_OVERRIDES.clear()
+                    triton_gemm.TILE_OVERRIDES.clear()
                 t = tiles
                 case = (f"{scheme} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
                         f"{'' if t.use_tma else ' ptr'}{''.join(f' {k}={v}' for k, v in knobs.items())}")

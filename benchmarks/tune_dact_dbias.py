@@ -12,12 +12,13 @@ read once, dx written once).
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 
 import torch
 
 from harness import time_ms
-from te_fuser.kernels.triton import activations
+triton_activation = importlib.import_module("te_fuser.kernels.triton.activation")  # the module, not the kernel
 from te_fuser.kernels.triton.cast import CastPlan
 
 
@@ -30,20 +31,20 @@ def main(argv=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     inputs = [tuple(torch.randn(args.rows, args.cols, device="cuda", generator=g).bfloat16() for _ in range(2))
               for _ in range(3)]
-    default = activations.ACTIVATION_PLANS["dact_dbias"]
-    want_dx, want_db = activations.dact_dbias(*inputs[0], args.kind)
+    default = triton_activation.ACTIVATION_PLANS["dact_dbias"]
+    want_dx, want_db = triton_activation.dact_dbias(*inputs[0], args.kind)
     io_bytes = 3 * args.rows * args.cols * 2
     rows = []
     for br, bc, warps, per_sm in itertools.product((8, 16, 32, 64), (64, 128, 256), (4, 8), (2, 4, 8, 16)):
         if br * bc > 16384:
             continue
-        activations.ACTIVATION_PLANS["dact_dbias"] = CastPlan(br, bc, warps, per_sm)
-        dx, db = activations.dact_dbias(*inputs[0], args.kind)
+        triton_activation.ACTIVATION_PLANS["dact_dbias"] = CastPlan(br, bc, warps, per_sm)
+        dx, db = triton_activation.dact_dbias(*inputs[0], args.kind)
         assert torch.equal(dx, want_dx), (br, bc, warps, per_sm)
         torch.testing.assert_close(db, want_db, rtol=1e-4, atol=1e-2)
-        ms = time_ms(lambda dy, x: activations.dact_dbias(dy, x, args.kind), inputs)
+        ms = time_ms(lambda dy, x: triton_activation.dact_dbias(dy, x, args.kind), inputs)
         rows.append((ms, br, bc, warps, per_sm))
-    activations.ACTIVATION_PLANS["dact_dbias"] = default
+    triton_activation.ACTIVATION_PLANS["dact_dbias"] = default
     rows.sort()
     base = next(ms for ms, *plan in rows if CastPlan(*plan) == default)
     print(f"dact_dbias {args.kind} {args.rows}x{args.cols} bf16; default {default}: {base:.3f} ms")

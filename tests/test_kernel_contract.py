@@ -32,3 +32,17 @@ def test_the_dispatcher_serves_exactly_the_contracts_kernels():
     assert backend.KERNELS is contract.KERNELS
     with pytest.raises(KeyError, match="no kernel named 'nope'"):
         contract.reference("nope")
+
+
+def test_backend_folders_use_the_reference_file_names():
+    """A kernel family lives in a file of the same name in every backend that has
+    it (``cast.py``, ``gemm.py``, ``scaling.py``, ...): the reference's module names
+    are the vocabulary; a backend may lack some, and keeps its private helpers in
+    ``_``-files."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "kernels"
+    reference = {p.stem for p in (root / "reference").glob("*.py") if not p.stem.startswith("_")}
+    for backend in ("triton", "cuda"):
+        files = {p.stem for p in (root / backend).glob("*.py") if not p.stem.startswith("_")}
+        assert files - reference == set(), f"kernels/{backend}: files {sorted(files - reference)} have no reference"

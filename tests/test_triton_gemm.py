@@ -7,10 +7,12 @@ and the output rounding differ: tolerances "fp8_gemm_fp32_out" and bf16.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
-import te_fuser.kernels.triton.fp8_gemm as fp8_gemm
+triton_gemm = importlib.import_module("te_fuser.kernels.triton.gemm")  # the module (the package's `gemm` is the kernel)
 from te_fuser.kernels import reference as ref
 from te_fuser.kernels import triton as tk
 from te_fuser.kernels.operand import ScaledOperand
@@ -123,7 +125,7 @@ def test_gemm_swiglu_spans_block_scale_rows():
 
 def test_mxfp8_other_product_path(monkeypatch):
     """The other MXFP8 product path (tl.dot_scaled or tiles scaled in registers) gives the same result."""
-    monkeypatch.setattr(fp8_gemm, "MXFP8_DOT_SCALED", not fp8_gemm.MXFP8_DOT_SCALED)
+    monkeypatch.setattr(triton_gemm, "MXFP8_DOT_SCALED", not triton_gemm.MXFP8_DOT_SCALED)
     x, w, bias = _inputs(33, 64, 96, seed=4)
     qa, qb = SCHEMES["mx_e5m2_x_mx"]
     _check(qa(x), qb(w), torch.float32, "mx in registers", bias=bias, activation="swiglu")
@@ -178,8 +180,8 @@ def test_gemm_empty_reduction_gives_epilogue_of_zeros():
 def test_gemm_tma_descriptor_path(monkeypatch, scheme, activation):
     """The TMA-descriptor loads (the GPU default) on ragged shapes: zero fill past the edges."""
     for family, block_k in (("tensor", 64), ("block", 128), ("mx", 128), ("plain", 32)):
-        monkeypatch.setitem(fp8_gemm.TILE_OVERRIDES, family,
-                            fp8_gemm.Tiles(32, 32, block_k, 4, 4, 1, use_tma=True))
+        monkeypatch.setitem(triton_gemm.TILE_OVERRIDES, family,
+                            triton_gemm.Tiles(32, 32, block_k, 4, 4, 1, use_tma=True))
     x, w, bias = _inputs(67, 96, 160, seed=7)
     qa, qb = SCHEMES[scheme]
     _check(qa(x), qb(w), torch.float32, f"{scheme} {activation} TMA", bias=bias, activation=activation)
@@ -188,7 +190,7 @@ def test_gemm_tma_descriptor_path(monkeypatch, scheme, activation):
 def test_gemm_256_deep_tiles(monkeypatch):
     """A 256-deep tile (the GEMM sweep's) covers K in fewer, deeper steps; ragged K
     is zero-filled and the result matches the reference."""
-    monkeypatch.setitem(fp8_gemm.TILE_OVERRIDES, "tensor", fp8_gemm.Tiles(32, 32, 256, 4, 4, 1, use_tma=False))
+    monkeypatch.setitem(triton_gemm.TILE_OVERRIDES, "tensor", triton_gemm.Tiles(32, 32, 256, 4, 4, 1, use_tma=False))
     x, w, bias = _inputs(37, 40, 640, seed=9)
     qa, qb = SCHEMES["tensor_x_row_e5m2"]
     _check(qa(x), qb(w), torch.float32, "tensor 256-deep tiles", bias=bias, activation="gelu")

@@ -32,7 +32,7 @@ from ._build import extension as load_extension
 from ._build import is_loaded, unavailable_reason
 from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp8, quantize_rowwise,
                    quantize_tensorwise, quantize_tensorwise_column_sums)
-from .scaled_mm import block_scaled_mm_available, gemm, gemm_unsupported_reason
+from .gemm import block_scaled_mm_available, gemm, gemm_unsupported_reason
 from .scaling import delayed_scale_update
 
 __all__ = [

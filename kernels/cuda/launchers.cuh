@@ -1,6 +1,6 @@
 // Host entry points of the CUDA kernels, in plain C++ types.
 //
-// The Python launchers (kernels/cuda/cast.py, scaled_mm.py) check shapes, dtypes and
+// The Python launchers (kernels/cuda/cast.py, gemm.py, scaling.py) check shapes, dtypes and
 // devices, and binding.cpp's entries (or the launchers) allocate the outputs and
 // pass raw device pointers here. Nothing here includes a torch header, so
 // the kernels build and compile-check without a CUDA build of PyTorch.

@@ -13,10 +13,10 @@ and its bias gradient (:func:`quantize_current_column_sums` then casts it); :fun
 cast that also returns the bias gradient from its one read.
 """
 
-from .activations import activation, activation_grad, dact_dbias
+from .activation import activation, activation_grad, dact_dbias
 from .cast import (amax_column_sums, dequantize, quantize_block, quantize_current, quantize_current_column_sums,
                    quantize_mxfp8, quantize_rowwise, quantize_tensorwise, quantize_tensorwise_column_sums)
-from .fp8_gemm import gemm, gemm_fp8_out
+from .gemm import gemm, gemm_fp8_out
 from .norm import rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason
 from .scaling import delayed_scale_update
 

@@ -40,7 +40,7 @@ from ..formats import Scaling
 from ..operand import ScaledOperand
 from ._common import (abs_bits, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, hw_fp8, is_interpreted,
                       round_through, to_output)
-from .activations import activation_code, apply_activation, silu
+from .activation import activation_code, apply_activation, silu
 from .cast import dequantize
 
 __all__ = ["gemm", "gemm_fp8_out"]
