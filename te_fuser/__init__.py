@@ -11,8 +11,7 @@ from .apply import apply_recipe, fusion_plan, fusion_stats
 from .convert import convert
 from .autocast import DEFAULT_RECIPE, autocast
 from .backend import get_backend, set_backend
-from .graphed_step import make_graphed_step
-from .graphs import make_graphed
+from .graphs import make_graphed, make_graphed_step
 from .ops.weight_cache import reuse_quantized_weights
 from .warmup import warmup
 

@@ -293,6 +293,9 @@ class BasicOperation(WatchedModule):
             self._loaded_state = pending or None
         self.drop_caches()
 
+    # Whether the op casts a weight of its own (and may keep the cast: see drop_caches).
+    casts_weights = False
+
     def drop_caches(self) -> None:
         """Forget cached quantized tensors (the weight cache of a linear)."""
 

@@ -44,6 +44,7 @@ __all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_colu
 
 class BasicLinear(BasicOperation):
     module_type = "linear"
+    casts_weights = True
     forward_roles = ("input", "weight")
     backward_roles = ("grad_output",)
 

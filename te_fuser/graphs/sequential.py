@@ -49,69 +49,28 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import backend
-from .autocast import current_state
-from .epoch import APPLIED as _APPLIED
-from .epoch import CHANGES as _EPOCH
-from .ops.fuser import compute_dtype
-from .kernels.operand import ScaledOperand
-from .ops.op import BasicOperation
-from .ops.sequential import Sequential
-from .ops.weight_cache import optimizer_steps, reuse_quantized_weights, scope_token
-from .quantization.tensor import QuantizedTensor
+from .. import backend
+from ..autocast import current_state
+from ..epoch import APPLIED as _APPLIED
+from ..epoch import CHANGES as _EPOCH
+from ..kernels.operand import ScaledOperand
+from ..ops.fuser import compute_dtype
+from ..ops.sequential import Sequential
+from ..ops.weight_cache import optimizer_steps, reuse_quantized_weights, scope_token
+from ..quantization.tensor import QuantizedTensor
+from .core import (CaptureGuard, GraphStats, StateSlot, drop_weight_caches, quantizers_seeded, state_slots,
+                   weight_casting_ops)
 
-__all__ = ["make_graphed", "GraphedSequential", "GraphStats"]
-
-
-@dataclass
-class GraphStats:
-    """What a :class:`GraphedSequential` has done: captures, replays and eager steps."""
-
-    captures: int = 0
-    replays: int = 0
-    eager_steps: int = 0
-    capture_seconds: float = 0.0  # wall time of the last capture (warm-up runs included)
+__all__ = ["make_graphed", "GraphedSequential"]
 
 
 def make_graphed(model: Sequential, *, warmup_steps: int = 2) -> "GraphedSequential":
     """Wrap ``model`` so its CUDA training steps replay from CUDA graphs (see the module doc)."""
     return GraphedSequential(model, warmup_steps=warmup_steps)
-
-
-class _StateSlot:
-    """One tensor of a quantizer's scaling state, kept at a fixed address for the graphs.
-
-    ``home`` is the tensor the graphs read; the quantizer rebinds its attribute
-    whenever it updates (it never writes in place), and the captured graphs copy
-    the rebound tensor back into ``home``."""
-
-    __slots__ = ("quantizer", "name", "home")
-
-    def __init__(self, quantizer, name: str) -> None:
-        self.quantizer, self.name = quantizer, name
-        self.home: torch.Tensor = quantizer.state_tensors()[name]
-
-    def live(self) -> torch.Tensor:
-        return self.quantizer.state_tensors()[self.name]
-
-    def adopt(self) -> None:
-        """Make ``home`` hold the quantizer's current value and bind the quantizer to it."""
-        live = self.live()
-        if live is not self.home:
-            self.home.copy_(live)
-            self.quantizer.bind_state_tensor(self.name, self.home)
-
-    def rebind(self) -> None:
-        """Bind the quantizer to ``home`` again (discarding a value it was rebound to)."""
-        self.quantizer.bind_state_tensor(self.name, self.home)
-
-    def bound(self) -> bool:
-        return self.live() is self.home
 
 
 class _Pair:
@@ -129,59 +88,11 @@ class _Pair:
         self.forward_updates: list[tuple[torch.Tensor, torch.Tensor]] = []  # (home, forward's new value)
 
 
-class CaptureGuard:
-    """What a capture read from the model: the parameters' storage and trainable
-    flags and the installed quantizers. A change to any of them means the graphs
-    would replay stale reads, so they are recaptured."""
-
-    def __init__(self, key, all_params: tuple[torch.Tensor, ...], slots: list[_StateSlot], quantizers) -> None:
-        self.key = key
-        self.all_params = all_params
-        self.trainable_flags = tuple(p.requires_grad for p in all_params)  # freezing a parameter means a new capture
-        self.params = tuple(p for p in all_params if p.requires_grad)  # the ones the graphs compute gradients for
-        self.param_ptrs = tuple(p.data_ptr() for p in all_params)
-        self.slots = slots
-        self.quantizers = quantizers  # (op, its quantizer dict) at capture time
-        self.epoch = _EPOCH[0]
-
-    def still_valid(self) -> bool:
-        if self.epoch != _EPOCH[0]:
-            for op, qs in self.quantizers:
-                if op.installed_quantizers is not qs:
-                    return False
-            self.epoch = _EPOCH[0]
-        for p, ptr, flag in zip(self.all_params, self.param_ptrs, self.trainable_flags):
-            if p.data_ptr() != ptr or p.requires_grad is not flag:
-                return False
-        return True
-
-
-def state_slots(model: nn.Module) -> tuple[list, list[_StateSlot]]:
-    """``(op, quantizer dict)`` of every op, and a slot for every tensor of their
-    quantizers' scaling state, each bound to its home."""
-    quantizers = [(op, op.installed_quantizers) for op in model.modules() if isinstance(op, BasicOperation)]
-    slots = [_StateSlot(q, name) for _, qs in quantizers for q in qs.values() for name in q.state_tensors()]
-    for slot in slots:
-        slot.adopt()
-    return quantizers, slots
-
-
-def quantizers_seeded(model: nn.Module) -> bool:
-    """Whether every quantizer has seeded its state: a first step under a recipe
-    seeds delayed scaling from the tensor itself, and that step must not be replayed."""
-    for op in model.modules():
-        if isinstance(op, BasicOperation):
-            for q in op.installed_quantizers.values():
-                if not q.seeded:
-                    return False
-    return True
-
-
 class _Graphs(CaptureGuard):
     """The graphs of one key: a pair that casts the weights, one that reuses the
     FP8 weights of the previous forward, and what they share."""
 
-    def __init__(self, key, all_params: tuple[torch.Tensor, ...], slots: list[_StateSlot], quantizers) -> None:
+    def __init__(self, key, all_params: tuple[torch.Tensor, ...], slots: list[StateSlot], quantizers) -> None:
         super().__init__(key, all_params, slots, quantizers)
         self.static_x: torch.Tensor | None = None
         self.cast = _Pair()
@@ -483,16 +394,6 @@ def _parameter_aliases(model: Sequential):
         for module, name, p in swapped:
             module._parameters[name] = p
         _EPOCH[0] += 1
-
-
-def weight_casting_ops(model: nn.Module) -> list:
-    """The ops that cast a weight (and may keep the cast)."""
-    return [op for op in model.modules() if isinstance(op, BasicOperation) and hasattr(op, "_weight_cache")]
-
-
-def drop_weight_caches(ops) -> None:
-    for op in ops:
-        op.drop_caches()
 
 
 def _copy_quantized(q: QuantizedTensor) -> QuantizedTensor:

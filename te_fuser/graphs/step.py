@@ -71,11 +71,11 @@ import torch
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from . import backend
-from .autocast import current_state
-from .epoch import APPLIED as _APPLIED
-from .ops.fuser import RUN_WATCH
-from .graphs import GraphStats, CaptureGuard, drop_weight_caches, weight_casting_ops, quantizers_seeded, state_slots
+from .. import backend
+from ..autocast import current_state
+from ..epoch import APPLIED as _APPLIED
+from ..ops.fuser import RUN_WATCH
+from .core import CaptureGuard, GraphStats, drop_weight_caches, quantizers_seeded, state_slots, weight_casting_ops
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
