@@ -13,9 +13,20 @@ from torch import nn
 
 from ..epoch import CHANGES as _EPOCH
 from ..ops.op import BasicOperation
+from ..quantization.delayed import default_group
 
 __all__ = ["GraphStats", "StateSlot", "CaptureGuard", "state_slots", "quantizers_seeded", "weight_casting_ops",
-           "drop_weight_caches"]
+           "drop_weight_caches", "reduces_amax"]
+
+
+def reduces_amax(state) -> bool:
+    """Whether te.autocast's ``state`` makes delayed scaling all-reduce its amaxes (a
+    group given, or the default process group of several ranks): such steps run
+    eager, the collectives outside any graph."""
+    if state.amax_reduction_group is not None:
+        return True
+    recipe = state.active_recipe
+    return (recipe is not None and recipe.delayed() and recipe.reduce_amax and default_group() is not None)
 
 
 @dataclass

@@ -62,8 +62,8 @@ from ..ops.fuser import compute_dtype
 from ..ops.sequential import Sequential
 from ..ops.weight_cache import optimizer_steps, reuse_quantized_weights, scope_token
 from ..quantization.tensor import QuantizedTensor
-from .core import (CaptureGuard, GraphStats, StateSlot, drop_weight_caches, quantizers_seeded, state_slots,
-                   weight_casting_ops)
+from .core import (CaptureGuard, GraphStats, StateSlot, drop_weight_caches, quantizers_seeded, reduces_amax,
+                   state_slots, weight_casting_ops)
 
 __all__ = ["make_graphed", "GraphedSequential"]
 
@@ -224,7 +224,7 @@ class GraphedSequential(nn.Module):
         state = current_state()
         if not (x.is_cuda and torch.is_grad_enabled() and self.model.training):
             return None
-        if state.calibrating or state.amax_reduction_group is not None:
+        if state.calibrating or reduces_amax(state):
             return None
         recipe = state.active_recipe  # with the model's own recipes (te.apply_recipe), which resolve from it
         return (None if recipe is None else str(recipe), state.named, state.override_pinned, _APPLIED[0], x.shape,

@@ -75,7 +75,8 @@ from .. import backend
 from ..autocast import current_state
 from ..epoch import APPLIED as _APPLIED
 from ..ops.fuser import RUN_WATCH
-from .core import CaptureGuard, GraphStats, drop_weight_caches, quantizers_seeded, state_slots, weight_casting_ops
+from .core import (CaptureGuard, GraphStats, drop_weight_caches, quantizers_seeded, reduces_amax, state_slots,
+                   weight_casting_ops)
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
@@ -134,7 +135,7 @@ class GraphedStep:
 
     def _key(self, args: tuple):
         state = current_state()
-        if state.calibrating or state.amax_reduction_group is not None:
+        if state.calibrating or reduces_amax(state):
             return None
         parts, on_gpu = [], True
         for a in args:

@@ -32,6 +32,7 @@ from .. import backend
 from ..autocast import STATE_STACK as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
+from ..quantization.delayed import WORLD
 from . import compiled, hot_guard
 from ..epoch import CHANGES as _EPOCH
 from .guard import Decision, Reads
@@ -620,11 +621,14 @@ class OperationFuser:
         if not plan.installs:
             plan.epoch = _EPOCH[0]
             return
+        # a delayed-scaling recipe with reduce_amax reduces over te.autocast's group, or
+        # over the default process group (looked up at each cast) when none is given
         reduce = plan.run.recipe is not None and getattr(plan.run.recipe, "reduce_amax", False)
+        group = (plan.amax_reduction_group if plan.amax_reduction_group is not None else WORLD) if reduce else None
         for qs in plan.quantizers:
             for q in qs.values():
                 if hasattr(q, "amax_reduction_group"):
-                    q.amax_reduction_group = plan.amax_reduction_group if reduce else None
+                    q.amax_reduction_group = group
         changed = False
         for op, qs in zip(self.ops, plan.quantizers):
             if op.installed_quantizers is not qs or op.quantizer_key != plan.recipe_key:

@@ -52,6 +52,19 @@ from .base import EpilogueCast, Quantizer
 from .role import QuantizerRole
 from .tensor import QuantizedTensor
 
+
+# The default process group, whichever is initialized when a cast runs (a name,
+# not an object, so that a copied or unpickled quantizer still means it).
+WORLD = "world"
+
+
+def default_group():
+    """The default process group when one is initialized with more than one rank, else None."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
 __all__ = ["DelayedScalingQuantizer"]
 
 _STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_count")
@@ -64,9 +77,11 @@ class DelayedScalingQuantizer(Quantizer):
     ``scale`` and ``scale_inv`` (0-d), ``amax_history`` (``amax_history_len``,),
     newest first; ``nonfinite_amax_count`` (0-d int64) counts the tensors whose
     amax was inf or NaN (skipped: not recorded, scale kept); ``seeded`` is False
-    until a tensor was seen. Set ``amax_reduction_group`` to a
-    ``torch.distributed`` group to take the maximum amax over its ranks before
-    each scale update.
+    until a tensor was seen. ``amax_reduction_group``: a ``torch.distributed``
+    group to take the maximum amax over its ranks before each scale update;
+    :data:`WORLD` for the default process group whenever one is initialized with
+    more than one rank (looked up at each cast, so a group initialized after the
+    model was built counts); ``None`` for no reduction.
     """
 
     scaling = Scaling.TENSOR
@@ -231,8 +246,11 @@ class DelayedScalingQuantizer(Quantizer):
         self.nonfinite_amax_count = self.nonfinite_amax_count + recorded.logical_not()
 
     def _reduce_amax(self, amax: torch.Tensor) -> None:
-        if self.amax_reduction_group is not None:
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
+        group = self.amax_reduction_group
+        if isinstance(group, str):  # WORLD
+            group = default_group()
+        if group is not None:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
 
     # -- the scale update --------------------------------------------------------
     def _history_amax(self, history: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""Delayed scaling's amax reduction under torch.distributed, two CPU processes on
+gloo, trained as users train: a te_fuser model in DDP, fused AdamW-style steps on
+each rank's own half of the batch.
+
+With ``reduce_amax=True`` (the default) and no group given, the amaxes are
+all-reduced over the default process group, so every rank holds the same scaling
+state (the same scales, histories and FP8 casts); ``reduce_amax=False`` keeps each
+rank's own; a group given to ``te.autocast`` is used instead; a process group
+initialized after the model first ran counts from then on."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+CASES = ("default", "no_reduction", "given_group", "initialized_late")
+
+
+def _model():
+    import te_fuser as te
+
+    torch.manual_seed(0)
+    return te.ops.Sequential(te.ops.LayerNorm(32), te.ops.Linear(32, 64), te.ops.GELU(), te.ops.Linear(64, 32))
+
+
+def _scaling_state(model) -> torch.Tensor:
+    """Every delayed-scaling quantizer's scale and amax history, flattened."""
+    parts = []
+    for op in model.modules():
+        for q in getattr(op, "installed_quantizers", {}).values():
+            parts += [t.reshape(-1).float() for t in q.state_tensors().values()]
+    return torch.cat(parts)
+
+
+def _train(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's scaling state after the steps, the weights), for ``case``."""
+    import te_fuser as te
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model()
+    recipe = te.recipe.DelayedScaling(amax_history_len=4, reduce_amax=case != "no_reduction")
+    group = dist.new_group(list(range(WORLD))) if case == "given_group" else None
+    data = torch.randn(4, WORLD, 16, 32, generator=torch.Generator().manual_seed(7))
+    data[:, 1] *= 3.0  # rank 1's inputs (and so its gradients) are larger: unreduced amaxes differ
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    for step in range(4):
+        with te.autocast(recipe=recipe, amax_reduction_group=group):
+            loss = ddp(data[step, rank]).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return _scaling_state(model), torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _late(rank: int, store_file: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model that ran once before the process group existed, then trains in it for
+    more steps than its history holds (the entry of the unreduced first forward
+    has left the window)."""
+    import te_fuser as te
+
+    model = _model()
+    recipe = te.recipe.DelayedScaling(amax_history_len=4)
+    with te.autocast(recipe=recipe):
+        model(torch.randn(16, 32, generator=torch.Generator().manual_seed(rank)) * (1 + 2 * rank))
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
+    data = torch.randn(5, WORLD, 16, 32, generator=torch.Generator().manual_seed(9))
+    data[:, 1] *= 3.0
+    for step in range(5):
+        with te.autocast(recipe=recipe):
+            model(data[step, rank]).square().mean().backward()
+    return _scaling_state(model), torch.zeros(1)
+
+
+def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(out, t)
+    return out
+
+
+def _worker(rank: int, folder: str, results) -> None:
+    store = os.path.join(folder, "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        for case in CASES[:-1]:
+            state, weights = _train(rank, case)
+            states, all_weights = _gathered(state), _gathered(weights)
+            if rank == 0:
+                results[case] = (torch.equal(*states), torch.equal(*all_weights))
+    finally:
+        dist.destroy_process_group()
+    state, _ = _late(rank, os.path.join(folder, "late_store"))
+    try:
+        states = _gathered(state)
+        if rank == 0:
+            results["initialized_late"] = (torch.equal(*states), True)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
+        shared = manager.dict()
+        mp.spawn(_worker, args=(folder, shared), nprocs=WORLD)
+        return dict(shared)
+
+
+def test_the_default_group_reduces_the_amaxes(results):
+    same_state, same_weights = results["default"]
+    assert same_state, "reduce_amax=True without a group: the ranks' scaling states differ"
+    assert same_weights, "DDP keeps the weights equal"
+
+
+def test_without_reduction_each_rank_keeps_its_own(results):
+    same_state, same_weights = results["no_reduction"]
+    assert not same_state, "reduce_amax=False: the ranks saw different amaxes and must keep them"
+    assert same_weights
+
+
+def test_a_given_group_is_used(results):
+    assert results["given_group"][0]
+
+
+def test_a_group_initialized_after_the_first_forward_counts(results):
+    assert results["initialized_late"][0]
+
+
+def test_one_process_reduces_nothing():
+    """No process group: the same training runs without collectives."""
+    import te_fuser as te
+
+    model = _model()
+    with te.autocast(recipe=te.recipe.DelayedScaling(amax_history_len=4)):
+        model(torch.randn(8, 32)).sum().backward()
+    assert _scaling_state(model).isfinite().all()
