@@ -142,3 +142,75 @@ def test_one_process_reduces_nothing():
     with te.autocast(recipe=te.recipe.DelayedScaling(amax_history_len=4)):
         model(torch.randn(8, 32)).sum().backward()
     assert _scaling_state(model).isfinite().all()
+
+
+# -- FSDP2 per layer with a torch.distributed.checkpoint round trip ------------------
+
+
+def _fsdp_model(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for module in model:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _dcp_round_trip(rank: int, folder: str) -> tuple[bool, bool, bool]:
+    """Train an FSDP2 model (every op sharded, then the root) under its own delayed-
+    scaling recipe (``te.apply_recipe``), save it with torch.distributed.checkpoint,
+    load it into a fresh sharded model given the same recipe: (same scaling state,
+    same weights, the next step's loss the same). A model with its own recipe has
+    its ops' scaling-state keys from the start, which an in-place DCP load needs
+    (it loads the keys the target has)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import te_fuser as te
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    recipe = te.recipe.DelayedScaling(amax_history_len=4)
+    data = torch.randn(4, WORLD, 16, 32, generator=torch.Generator().manual_seed(3))
+    model = te.apply_recipe(_fsdp_model(mesh), recipe, example_inputs=(data[0, rank],))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        model(data[step, rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(folder, "ckpt"))
+    fresh = te.apply_recipe(_fsdp_model(mesh), recipe, example_inputs=(data[0, rank],))
+    state = {"model": get_model_state_dict(fresh)}
+    dcp.load(state, checkpoint_id=os.path.join(folder, "ckpt"))
+    set_model_state_dict(fresh, state["model"])
+    loss = model(data[3, rank]).square().mean()
+    fresh_loss = fresh(data[3, rank]).square().mean()
+    weights = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters()))
+    return torch.equal(_scaling_state(model), _scaling_state(fresh)), weights, torch.equal(loss, fresh_loss)
+
+
+def _dcp_worker(rank: int, folder: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'dcp_store')}", rank=rank,
+                            world_size=WORLD)
+    try:
+        outcome = _dcp_round_trip(rank, folder)
+        outcomes = [None] * WORLD
+        dist.all_gather_object(outcomes, outcome)
+        if rank == 0:
+            results["dcp"] = outcomes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_per_layer_checkpoints_through_dcp_with_the_scaling_state():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
+        shared = manager.dict()
+        mp.spawn(_dcp_worker, args=(folder, shared), nprocs=WORLD)
+        outcomes = shared["dcp"]
+    for rank, (state, weights, loss) in enumerate(outcomes):
+        assert weights, f"rank {rank}: the loaded weights differ"
+        assert state, f"rank {rank}: the loaded scaling state differs"
+        assert loss, f"rank {rank}: the next step's loss differs after the load"
