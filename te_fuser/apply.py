@@ -129,11 +129,15 @@ def _probe_candidates(model, targets: list[_Target], example_inputs) -> dict:
     return plans
 
 
-def _last_call_candidate(target: _Target, fuser: OperationFuser):
-    plan = fuser.plan
-    if plan is None:
+def _require_a_call(target: _Target, fuser: OperationFuser) -> None:
+    """The shapes of a plan come from a call: one before, or the example inputs."""
+    if fuser.plan is None:
         raise ValueError(f"apply_recipe: {_label(target.path, target.owner, fuser, target.fusers)} has not run "
                          "yet, so its input shape is unknown; pass example_inputs=(...) for the model's forward")
+
+
+def _last_call_candidate(target: _Target, fuser: OperationFuser):
+    plan = fuser.plan
     return fuser.candidate(target.recipe, False, plan.in_shape, plan.dtype, plan.device_type, True, plan.training)
 
 
@@ -157,10 +161,13 @@ def apply_recipe(model: nn.Module, recipe: Recipe | None, *, example_inputs: Any
     candidates = []
     for t in targets:
         for f in t.fusers:
-            try:
-                plan = probed[f] if f in probed else _last_call_candidate(t, f)
-            except (ValueError, TypeError, RuntimeError) as err:
-                raise _named(err, _label(t.path, t.owner, f, t.fusers)) from err
+            plan = probed[f] if f in probed else None
+            if plan is None:
+                _require_a_call(t, f)
+                try:
+                    plan = _last_call_candidate(t, f)
+                except (ValueError, TypeError, RuntimeError) as err:
+                    raise _named(err, _label(t.path, t.owner, f, t.fusers)) from err
             candidates.append((t, f, plan))
     for t in targets:  # all plans stand: publish them all
         setting = (t.recipe, t.pinned)
