@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 import torch
 
 from . import backend as _backend
+from .quantization.delayed import PENDING as _PENDING
+from .quantization.delayed import flush_amax_reductions as _flush_amax_reductions
 from .recipe import DelayedScaling, Recipe
 
 __all__ = ["autocast", "AutocastState", "current_state", "DEFAULT_RECIPE", "STATE_STACK"]
@@ -125,6 +127,8 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 (used like a function
         return self.state
 
     def __exit__(self, *exc) -> None:
+        if _PENDING.entries:  # the region's delayed-scaling amaxes, reduced together
+            _flush_amax_reductions()
         depth = self._depths.pop()
         if self.backend is not None:
             _backend.pop_override()

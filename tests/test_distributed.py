@@ -4,7 +4,8 @@ each rank's own half of the batch.
 
 With ``reduce_amax=True`` (the default) and no group given, the amaxes are
 all-reduced over the default process group, so every rank holds the same scaling
-state (the same scales, histories and FP8 casts); ``reduce_amax=False`` keeps each
+state (the same scales, histories and FP8 casts), in two collectives a step (the
+forward's amaxes together, then the backward's); ``reduce_amax=False`` keeps each
 rank's own; a group given to ``te.autocast`` is used instead; a process group
 initialized after the model first ran counts from then on."""
 
@@ -38,8 +39,9 @@ def _scaling_state(model) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _train(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's scaling state after the steps, the weights), for ``case``."""
+def _train(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(this rank's scaling state after the steps, the weights, the amax
+    all-reduces of each step), for ``case``."""
     import te_fuser as te
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -50,13 +52,24 @@ def _train(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor]:
     data[:, 1] *= 3.0  # rank 1's inputs (and so its gradients) are larger: unreduced amaxes differ
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    for step in range(4):
-        with te.autocast(recipe=recipe, amax_reduction_group=group):
-            loss = ddp(data[step, rank]).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return _scaling_state(model), torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    calls, all_reduce = [], dist.all_reduce
+
+    def counted(*args, **kwargs):  # DDP's gradient buckets reduce in C++: these are te_fuser's
+        calls[-1] += 1
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        for step in range(4):
+            calls.append(0)
+            with te.autocast(recipe=recipe, amax_reduction_group=group):
+                loss = ddp(data[step, rank]).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        dist.all_reduce = all_reduce
+    return _scaling_state(model), torch.cat([p.detach().reshape(-1) for p in model.parameters()]), calls
 
 
 def _late(rank: int, store_file: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,10 +102,11 @@ def _worker(rank: int, folder: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         for case in CASES[:-1]:
-            state, weights = _train(rank, case)
+            state, weights, calls = _train(rank, case)
             states, all_weights = _gathered(state), _gathered(weights)
             if rank == 0:
                 results[case] = (torch.equal(*states), torch.equal(*all_weights))
+                results[f"{case} collectives"] = calls
     finally:
         dist.destroy_process_group()
     state, _ = _late(rank, os.path.join(folder, "late_store"))
@@ -118,6 +132,18 @@ def test_the_default_group_reduces_the_amaxes(results):
     same_state, same_weights = results["default"]
     assert same_state, "reduce_amax=True without a group: the ranks' scaling states differ"
     assert same_weights, "DDP keeps the weights equal"
+
+
+def test_the_amaxes_of_a_step_reduce_in_two_collectives(results):
+    """After the first step (which seeds each quantizer from its own reduced amax),
+    a step's amaxes go in one all-reduce for the forward's casts (at the end of the
+    te.autocast region) and one for the backward's (at the end of the backward),
+    however many tensors were cast; none without reduction."""
+    first, *rest = results["default collectives"]
+    assert rest == [2, 2, 2], results["default collectives"]
+    assert first >= 2
+    assert results["given_group collectives"][1:] == [2, 2, 2]
+    assert results["no_reduction collectives"] == [0, 0, 0, 0]
 
 
 def test_without_reduction_each_rank_keeps_its_own(results):

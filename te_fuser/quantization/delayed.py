@@ -65,6 +65,51 @@ def default_group():
         return dist.group.WORLD
     return None
 
+
+class _PendingAmaxes:
+    """Amaxes recorded under a reduction group but not reduced yet, with their
+    quantizers, in record order. :func:`flush_amax_reductions` reduces them all in
+    one collective per group and applies the updates in that order. It runs when
+    a te.autocast region ends (the forward's casts), when a backward that cast
+    ends (an engine callback), and before any quantizer with a pending amax uses
+    or shows its state: every rank runs the same model, so every rank flushes at
+    the same points and the collectives match."""
+
+    def __init__(self) -> None:
+        self.entries: list = []  # (quantizer, amax (1,) fp32, group)
+        self.callback_queued = False
+
+    def add(self, quantizer: "DelayedScalingQuantizer", amax: torch.Tensor, group) -> None:
+        self.entries.append((quantizer, amax, group))
+        quantizer._pending += 1
+        if not self.callback_queued and torch._C._current_graph_task_id() != -1:  # inside a backward
+            torch.autograd.Variable._execution_engine.queue_callback(flush_amax_reductions)
+            self.callback_queued = True
+
+
+PENDING = _PendingAmaxes()
+
+
+def flush_amax_reductions() -> None:
+    """All-reduce (max) every pending amax, one collective per group and device, in
+    the order the groups first appear, then record each into its quantizer."""
+    entries, PENDING.entries = PENDING.entries, []
+    PENDING.callback_queued = False
+    if not entries:
+        return
+    batches: dict = {}  # (group, device) -> indices, in first-appearance order
+    for i, (_, amax, group) in enumerate(entries):
+        batches.setdefault((id(group), amax.device), (group, []))[1].append(i)
+    reduced = [amax for _, amax, _ in entries]
+    for group, indices in batches.values():
+        buffer = torch.cat([entries[i][1].reshape(1) for i in indices])
+        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
+        for j, i in enumerate(indices):
+            reduced[i] = buffer[j : j + 1]
+    for (quantizer, _, _), amax in zip(entries, reduced):
+        quantizer._pending -= 1
+        quantizer._update(amax)
+
 __all__ = ["DelayedScalingQuantizer"]
 
 _STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_count")
@@ -114,6 +159,7 @@ class DelayedScalingQuantizer(Quantizer):
         self.recipe = recipe
         self.fmax = FP8_MAX[self.fp8_dtype]
         self.amax_reduction_group = None
+        self._pending = 0  # its amaxes waiting in PENDING
         self._reset(torch.device("cpu"))
 
     STATE_TENSORS = ("scale", "scale_inv", "amax_history", "nonfinite_amax_count")
@@ -153,6 +199,7 @@ class DelayedScalingQuantizer(Quantizer):
         transposed data, the amax and, for the column-sums kernel, the sums), then
         record the amax: (row-wise operand, column-wise operand, sums or None)."""
         device = x_hp.device
+        self._flush()
         self._move_state(device)
         if not self.seeded:
             self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn)
@@ -170,6 +217,7 @@ class DelayedScalingQuantizer(Quantizer):
     def epilogue_cast(self, device: torch.device) -> EpilogueCast | None:
         """The current scale, the FP8 format and a buffer for the tensor's amax; ``None``
         while unseeded (the first tensor must seed the scale from its own amax)."""
+        self._flush()
         self._move_state(device)
         if not self.seeded:
             return None
@@ -195,6 +243,7 @@ class DelayedScalingQuantizer(Quantizer):
         """Calibration: record ``amax(x)`` in the history and update the scale; no cast."""
         self._check_input(x, True, False)
         x_hp = x.reshape(-1, x.shape[-1])  # (M, K)
+        self._flush()
         self._move_state(x_hp.device)
         cast = backend.resolve("quantize_tensorwise", x_hp.device).fn
         amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
@@ -225,10 +274,27 @@ class DelayedScalingQuantizer(Quantizer):
         self.seeded = True
 
     def _record(self, amax: torch.Tensor) -> None:
-        """Record ``amax`` (one element, fp32) as the newest history entry and update
-        the scale: one ``delayed_scale_update`` kernel, or torch ops for a callable."""
-        if self.amax_reduction_group is not None:
-            self._reduce_amax(amax)
+        """Record ``amax`` (one element, fp32): now, or, under a reduction group, once
+        it is reduced with the other pending ones (see :class:`_PendingAmaxes`)."""
+        group = self._group()
+        if group is None:
+            self._update(amax)
+        else:
+            PENDING.add(self, amax, group)
+
+    def _group(self):
+        """The process group its amaxes are reduced over now (None: no reduction)."""
+        group = self.amax_reduction_group
+        return default_group() if isinstance(group, str) else group  # str: WORLD
+
+    def _flush(self) -> None:
+        """Apply its pending amaxes (and everyone's: they reduce together) before its state is used."""
+        if self._pending:
+            flush_amax_reductions()
+
+    def _update(self, amax: torch.Tensor) -> None:
+        """Record ``amax`` as the newest history entry and update the scale: one
+        ``delayed_scale_update`` kernel, or torch ops for a callable."""
         if self.scaling_factor_compute_algo is None and isinstance(self.amax_compute_algo, str):
             update = backend.resolve("delayed_scale_update", amax.device).fn
             self.amax_history, self.scale, self.scale_inv, self.nonfinite_amax_count = update(
@@ -246,9 +312,7 @@ class DelayedScalingQuantizer(Quantizer):
         self.nonfinite_amax_count = self.nonfinite_amax_count + recorded.logical_not()
 
     def _reduce_amax(self, amax: torch.Tensor) -> None:
-        group = self.amax_reduction_group
-        if isinstance(group, str):  # WORLD
-            group = default_group()
+        group = self._group()
         if group is not None:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
 
@@ -283,7 +347,12 @@ class DelayedScalingQuantizer(Quantizer):
         return int(self.nonfinite_amax_count.item())
 
     # -- state -----------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        self._flush()
+        return super().state_tensors()
+
     def state_dict(self) -> dict[str, Any]:
+        self._flush()
         return {
             "scale": self.scale.clone(),
             "scale_inv": self.scale_inv.clone(),
@@ -297,6 +366,7 @@ class DelayedScalingQuantizer(Quantizer):
         unexpected = sorted(set(state) - set(_STATE_KEYS))
         if missing or unexpected:
             raise ValueError(f"{self._who()}: state_dict keys: missing {missing}, unexpected {unexpected}")
+        self._flush()  # the pending amaxes belong to the state being replaced
         history = torch.as_tensor(state["amax_history"])
         if tuple(history.shape) != (self.amax_history_len,):
             raise ValueError(
@@ -326,6 +396,7 @@ class DelayedScalingQuantizer(Quantizer):
             if self.seeded:  # a fresh quantizer is already in that state
                 self._reset(self.scale.device)
             return
+        previous._flush()
         self._continue(previous.amax_history, previous.scale, previous.nonfinite_amax_count, previous.seeded)
 
     def continue_from_state(self, state: dict[str, Any]) -> None:
