@@ -72,6 +72,22 @@ def _train(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]
     return _scaling_state(model), torch.cat([p.detach().reshape(-1) for p in model.parameters()]), calls
 
 
+def _mismatch(rank: int) -> str:
+    """Rank 1 trains under another margin than rank 0 (the same recipe class): the
+    first reduction that compares them stops both, naming the ranks."""
+    import te_fuser as te
+
+    model = _model()
+    recipe = te.recipe.DelayedScaling(amax_history_len=4, margin=rank)
+    try:
+        for _ in range(2):
+            with te.autocast(recipe=recipe):
+                model(torch.randn(16, 32)).square().mean().backward()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
 def _late(rank: int, store_file: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A model that ran once before the process group existed, then trains in it for
     more steps than its history holds (the entry of the unreduced first forward
@@ -107,6 +123,9 @@ def _worker(rank: int, folder: str, results) -> None:
             if rank == 0:
                 results[case] = (torch.equal(*states), torch.equal(*all_weights))
                 results[f"{case} collectives"] = calls
+        message = _mismatch(rank)
+        if rank == 0:
+            results["mismatch"] = message
     finally:
         dist.destroy_process_group()
     state, _ = _late(rank, os.path.join(folder, "late_store"))
@@ -144,6 +163,12 @@ def test_the_amaxes_of_a_step_reduce_in_two_collectives(results):
     assert first >= 2
     assert results["given_group collectives"][1:] == [2, 2, 2]
     assert results["no_reduction collectives"] == [0, 0, 0, 0]
+
+
+def test_ranks_under_different_recipes_stop_with_an_error_naming_them(results):
+    message = results["mismatch"]
+    assert "ranks train under different recipes" in message and "ranks [0] and ranks [1]" in message, message
+    assert "margin=0" in message, message  # this rank's own recipe key
 
 
 def test_without_reduction_each_rank_keeps_its_own(results):

@@ -628,7 +628,7 @@ class OperationFuser:
         for qs in plan.quantizers:
             for q in qs.values():
                 if hasattr(q, "amax_reduction_group"):
-                    q.amax_reduction_group = group
+                    q.amax_reduction_group, q.recipe_key = group, plan.recipe_key
         changed = False
         for op, qs in zip(self.ops, plan.quantizers):
             if op.installed_quantizers is not qs or op.quantizer_key != plan.recipe_key:
