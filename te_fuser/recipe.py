@@ -329,12 +329,11 @@ class DelayedScaling(Recipe):
 
 
 @dataclass(eq=False, repr=False)
-class Float8CurrentScaling(Recipe):
-    """Per-tensor scales from the amax of the tensor being cast.
-
-    ``scale = fmax / max(amax, epsilon)``, rounded down to a power of two when
-    ``power_2_scales``. Epsilons are per tensor role: input, weight, gradient.
-    """
+class _AmaxScaling(Recipe):
+    """The fields and quantizers of the recipes whose scales come from the amax of
+    the tensor being cast itself (per tensor, per row): ``scale = fmax / max(amax,
+    epsilon)``, rounded down to a power of two when ``power_2_scales``. Epsilons
+    are per tensor role: input, weight, gradient."""
 
     fp8_format: Format = Format.HYBRID
     power_2_scales: bool = False
@@ -346,6 +345,8 @@ class Float8CurrentScaling(Recipe):
     wgrad_fast_accum: bool = field(default=False, kw_only=True)
     backward_override: str | None = field(default=None, kw_only=True)
 
+    _SCALING = ""  # each recipe's scaling scheme, in its key
+
     def _validate(self) -> None:
         self._require_bool("power_2_scales")
         for name in ("input_amax_epsilon", "weight_amax_epsilon", "grad_amax_epsilon"):
@@ -353,17 +354,36 @@ class Float8CurrentScaling(Recipe):
         self._validate_fast_accum()
 
     def derived(self) -> dict[str, Any]:
-        return {**self._fp8_derived(), "scaling": "tensor"}
+        return {**self._fp8_derived(), "scaling": self._SCALING}
 
     def make_quantizer(self, role):
-        from .quantization.current import Float8CurrentScalingQuantizer
-
         epsilon = getattr(self, _EPSILON_FIELD[role.tensor_type])
-        return Float8CurrentScalingQuantizer(self._fp8_dtype(role), self.power_2_scales, epsilon)
+        return self._quantizer_class()(self._fp8_dtype(role), self.power_2_scales, epsilon)
+
+    @staticmethod
+    def _quantizer_class():
+        raise NotImplementedError
 
 
 @dataclass(eq=False, repr=False)
-class Float8RowwiseScaling(Recipe):
+class Float8CurrentScaling(_AmaxScaling):
+    """Per-tensor scales from the amax of the tensor being cast.
+
+    ``scale = fmax / max(amax, epsilon)``, rounded down to a power of two when
+    ``power_2_scales``. Epsilons are per tensor role: input, weight, gradient.
+    """
+
+    _SCALING = "tensor"
+
+    @staticmethod
+    def _quantizer_class():
+        from .quantization.current import Float8CurrentScalingQuantizer
+
+        return Float8CurrentScalingQuantizer
+
+
+@dataclass(eq=False, repr=False)
+class Float8RowwiseScaling(_AmaxScaling):
     """Per-row scales from each row's own amax (current scaling, row by row).
 
     Every GEMM operand is scaled along the rows it reduces over: one fp32 scale
@@ -373,30 +393,14 @@ class Float8RowwiseScaling(Recipe):
     when ``power_2_scales`` (the default). Epsilons are per tensor role.
     """
 
-    fp8_format: Format = Format.HYBRID
     power_2_scales: bool = True
-    input_amax_epsilon: float = 0.0
-    weight_amax_epsilon: float = 0.0
-    grad_amax_epsilon: float = 0.0
-    fprop_fast_accum: bool = field(default=True, kw_only=True)
-    dgrad_fast_accum: bool = field(default=False, kw_only=True)
-    wgrad_fast_accum: bool = field(default=False, kw_only=True)
-    backward_override: str | None = field(default=None, kw_only=True)
+    _SCALING = "row"
 
-    def _validate(self) -> None:
-        self._require_bool("power_2_scales")
-        for name in ("input_amax_epsilon", "weight_amax_epsilon", "grad_amax_epsilon"):
-            self._require_epsilon(name)
-        self._validate_fast_accum()
-
-    def derived(self) -> dict[str, Any]:
-        return {**self._fp8_derived(), "scaling": "row"}
-
-    def make_quantizer(self, role):
+    @staticmethod
+    def _quantizer_class():
         from .quantization.rowwise import Float8RowwiseQuantizer
 
-        epsilon = getattr(self, _EPSILON_FIELD[role.tensor_type])
-        return Float8RowwiseQuantizer(self._fp8_dtype(role), self.power_2_scales, epsilon)
+        return Float8RowwiseQuantizer
 
 
 MXFP8_BLOCK = 32
