@@ -126,6 +126,7 @@ def _worker(rank: int, folder: str, results) -> None:
         message = _mismatch(rank)
         if rank == 0:
             results["mismatch"] = message
+        dist.barrier()  # no rank tears the group down while another still talks through it
     finally:
         dist.destroy_process_group()
     state, _ = _late(rank, os.path.join(folder, "late_store"))
@@ -133,6 +134,7 @@ def _worker(rank: int, folder: str, results) -> None:
         states = _gathered(state)
         if rank == 0:
             results["initialized_late"] = (torch.equal(*states), True)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -250,6 +252,7 @@ def _dcp_worker(rank: int, folder: str, results) -> None:
         dist.all_gather_object(outcomes, outcome)
         if rank == 0:
             results["dcp"] = outcomes
+        dist.barrier()  # no rank tears the group down while another still talks through it
     finally:
         dist.destroy_process_group()
 

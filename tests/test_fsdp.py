@@ -81,6 +81,7 @@ def _worker(rank: int, store_file: str, results) -> None:
             worst = _run(rank, *config)
             if rank == 0:
                 results[config] = worst
+        dist.barrier()  # no rank tears the group down while another still talks through it
     finally:
         dist.destroy_process_group()
 
