@@ -268,3 +268,62 @@ def test_fsdp2_per_layer_checkpoints_through_dcp_with_the_scaling_state():
         assert weights, f"rank {rank}: the loaded weights differ"
         assert state, f"rank {rank}: the loaded scaling state differs"
         assert loss, f"rank {rank}: the next step's loss differs after the load"
+
+
+# -- four processes ------------------------------------------------------------------
+
+FOUR = 4
+
+
+def _four_worker(rank: int, folder: str, results) -> None:
+    """Four ranks in DDP under delayed scaling with the default reduction, every
+    rank on its own data: their scaling states equal; then rank 3 alone trains
+    under another margin, and every rank stops naming the two sets of ranks."""
+    import te_fuser as te
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store4')}", rank=rank,
+                            world_size=FOUR)
+    try:
+        model = _model()
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        recipe = te.recipe.DelayedScaling(amax_history_len=4)
+        data = torch.randn(3, FOUR, 8, 32, generator=torch.Generator().manual_seed(5))
+        data *= torch.arange(1, FOUR + 1).reshape(1, FOUR, 1, 1)  # every rank's amaxes differ
+        for step in range(3):
+            with te.autocast(recipe=recipe):
+                ddp(data[step, rank]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        states = [torch.empty_like(_scaling_state(model)) for _ in range(FOUR)]
+        dist.all_gather(states, _scaling_state(model))
+        apart = te.recipe.DelayedScaling(amax_history_len=4, margin=1 if rank == 3 else 0)
+        message = "no error"
+        try:
+            for _ in range(2):
+                with te.autocast(recipe=apart):
+                    model(data[0, rank]).square().mean().backward()
+        except RuntimeError as err:
+            message = str(err)
+        messages = [None] * FOUR
+        dist.all_gather_object(messages, message)
+        if rank == 0:
+            results["equal"] = all(torch.equal(states[0], s) for s in states[1:])
+            results["messages"] = messages
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_four_ranks_share_their_scaling_state_and_name_the_odd_one_out():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
+        shared = manager.dict()
+        mp.spawn(_four_worker, args=(folder, shared), nprocs=FOUR)
+        equal, messages = shared["equal"], shared["messages"]
+    assert equal, "four ranks with the default reduction: the scaling states differ"
+    for rank, message in enumerate(messages):
+        assert "ranks [0, 1, 2] and ranks [3]" in message, f"rank {rank}: {message}"
+        assert f"this rank ({rank})" in message and f"margin={1 if rank == 3 else 0}" in message, message
