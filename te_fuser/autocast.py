@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import torch
 
 from . import backend as _backend
-from .quantization.delayed import PENDING as _PENDING
-from .quantization.delayed import flush_amax_reductions as _flush_amax_reductions
+from .quantization.amax_reduction import PENDING as _PENDING
+from .quantization.amax_reduction import flush_amax_reductions as _flush_amax_reductions
 from .recipe import DelayedScaling, Recipe
 
 __all__ = ["autocast", "AutocastState", "current_state", "DEFAULT_RECIPE", "STATE_STACK"]

@@ -352,7 +352,7 @@ def test_autocast_amax_reduction_group_reaches_delayed_quantizers_when_the_recip
         builds = model.fusion_stats().builds
         with te.autocast(recipe=R.DelayedScaling()):
             model.prepare(x)  # same recipe, no group: the plan is rebuilt for the default process group
-        from te_fuser.quantization.delayed import WORLD
+        from te_fuser.quantization.amax_reduction import WORLD
 
         assert model[0].linear.quantizer("input").amax_reduction_group is WORLD  # (none here: nothing reduced)
         assert model.fusion_stats().builds == builds + 1

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..epoch import CHANGES as _EPOCH
 from ..ops.op import BasicOperation
-from ..quantization.delayed import default_group
+from ..quantization.amax_reduction import default_group
 
 __all__ = ["GraphStats", "StateSlot", "CaptureGuard", "state_slots", "quantizers_seeded", "weight_casting_ops",
            "drop_weight_caches", "reduces_amax"]

@@ -32,7 +32,7 @@ from .. import backend
 from ..autocast import STATE_STACK as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
-from ..quantization.delayed import WORLD
+from ..quantization.amax_reduction import WORLD
 from . import compiled, hot_guard
 from ..epoch import CHANGES as _EPOCH
 from .guard import Decision, Reads

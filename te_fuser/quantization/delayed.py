@@ -39,7 +39,6 @@ quantizer declines that until it has seeded its scale.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Callable
 
 import torch
@@ -49,119 +48,11 @@ from ..fp8 import FP8_MAX, short_name
 from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
 from ..kernels.reference.scaling import AMAX_ALGOS, divide_by_power_of_2, guarded_scale
+from .amax_reduction import PENDING, default_group, flush_amax_reductions
 from .base import EpilogueCast, Quantizer
 from .role import QuantizerRole
 from .tensor import QuantizedTensor
 
-
-# The default process group, whichever is initialized when a cast runs (a name,
-# not an object, so that a copied or unpickled quantizer still means it).
-WORLD = "world"
-
-
-def default_group():
-    """The default process group when one is initialized with more than one rank, else None."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
-
-
-class _PendingAmaxes:
-    """Amaxes recorded under a reduction group but not reduced yet, with their
-    quantizers, in record order. :func:`flush_amax_reductions` reduces them all in
-    one collective per group and applies the updates in that order. It runs when
-    a te.autocast region ends (the forward's casts), when a backward that cast
-    ends (an engine callback), and before any quantizer with a pending amax uses
-    or shows its state: every rank runs the same model, so every rank flushes at
-    the same points and the collectives match."""
-
-    def __init__(self) -> None:
-        self.entries: list = []  # (quantizer, amax (1,) fp32, group)
-        self.callback_queued = False
-
-    def add(self, quantizer: "DelayedScalingQuantizer", amax: torch.Tensor, group) -> None:
-        self.entries.append((quantizer, amax, group))
-        quantizer._pending += 1
-        if not self.callback_queued and torch._C._current_graph_task_id() != -1:  # inside a backward
-            torch.autograd.Variable._execution_engine.queue_callback(flush_amax_reductions)
-            self.callback_queued = True
-
-
-PENDING = _PendingAmaxes()
-
-
-def _keys_digest(keys: list) -> float:
-    """24 bits of the recipe keys, in order: exact in fp32 (and >= 0)."""
-    return float(zlib.crc32("\n".join(str(k) for k in keys).encode()) & 0xFFFFFF)
-
-
-# The ranks' digests of the flushes so far, still to be compared: (digests on the
-# host, the event after which they are there or None, this rank's digest and
-# keys, this rank). Compared at the next flush once copied, never waited for.
-_CHECKS: list = []
-
-
-def _compare_recipes() -> None:
-    keep = []
-    for host, event, mine, keys, rank in _CHECKS:
-        if event is not None and not event.query():
-            keep.append((host, event, mine, keys, rank))
-            continue
-        digests = host.tolist()
-        if any(d != mine for d in digests):
-            _CHECKS.clear()
-            ranks_by_digest: dict = {}
-            for r, d in enumerate(digests):
-                ranks_by_digest.setdefault(d, []).append(r)
-            groups = " and ".join(f"ranks {ranks}" for ranks in ranks_by_digest.values())
-            raise RuntimeError(
-                f"te_fuser: the ranks train under different recipes ({groups} hold different ones, compared "
-                f"by delayed scaling's amax reduction); this rank ({rank}) trains under "
-                f"{sorted({str(k) for k in keys})}. Give every rank the same recipe at the same step")
-    _CHECKS[:] = keep
-
-
-def flush_amax_reductions() -> None:
-    """All-reduce (max) every pending amax, one collective per group and device, in
-    the order the groups first appear, then record each into its quantizer. The
-    same collective carries each rank's digest of its recipe keys in a slot of its
-    own: ranks that switched recipes apart fail (at the next flush, without
-    waiting on the device) with an error naming them and this rank's keys, instead
-    of training on each other's scales."""
-    entries, PENDING.entries = PENDING.entries, []
-    PENDING.callback_queued = False
-    _compare_recipes()
-    if not entries:
-        return
-    dist = torch.distributed
-    batches: dict = {}  # (group, device) -> indices, in first-appearance order
-    for i, (_, amax, group) in enumerate(entries):
-        batches.setdefault((id(group), amax.device), (group, []))[1].append(i)
-    reduced = [amax for _, amax, _ in entries]
-    for group, indices in batches.values():
-        keys = [entries[i][0].recipe_key for i in indices]
-        mine, rank, world = _keys_digest(keys), dist.get_rank(group), dist.get_world_size(group)
-        device = entries[indices[0]][1].device
-        slots = torch.full((world,), -1.0, dtype=torch.float32, device=device)
-        slots[rank] = mine
-        buffer = torch.cat([*(entries[i][1].reshape(1) for i in indices), slots])
-        dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group)
-        digests = buffer[len(indices):]
-        if device.type == "cuda":
-            host = torch.empty(world, dtype=torch.float32, pin_memory=True)
-            host.copy_(digests, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            _CHECKS.append((host, event, mine, keys, rank))
-        else:
-            _CHECKS.append((digests, None, mine, keys, rank))
-        for j, i in enumerate(indices):
-            reduced[i] = buffer[j : j + 1]
-    for (quantizer, _, _), amax in zip(entries, reduced):
-        quantizer._pending -= 1
-        quantizer._update(amax)
-    _compare_recipes()  # host-side digests (gloo on CPU) are there already
 
 __all__ = ["DelayedScalingQuantizer"]
 
@@ -177,7 +68,7 @@ class DelayedScalingQuantizer(Quantizer):
     amax was inf or NaN (skipped: not recorded, scale kept); ``seeded`` is False
     until a tensor was seen. ``amax_reduction_group``: a ``torch.distributed``
     group to take the maximum amax over its ranks before each scale update;
-    :data:`WORLD` for the default process group whenever one is initialized with
+    ``amax_reduction.WORLD`` for the default process group whenever one is initialized with
     more than one rank (looked up at each cast, so a group initialized after the
     model was built counts); ``None`` for no reduction.
     """
