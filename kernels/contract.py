@@ -11,7 +11,8 @@ checks every backend against this table.
 The vocabulary the kernels share is spelled once: the FP8 formats and the
 scaling schemes in ``formats.py``, the quantized operand in ``operand.py``, and
 the argument checks every backend runs before launching next to the reference
-(``check_matrix``, ``check_given_amax``, ``check_update_arguments``).
+(``check_matrix``, ``check_given_amax``, ``check_update_arguments``,
+``check_attention``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ KERNELS = (
     "rms_norm",
     "rms_norm_grad",
     "delayed_scale_update",            # delayed scaling's history, scale and counters in one step
+    "attention_forward",               # flash attention: o and the rows' log-sum-exp (causal, grouped kv heads)
+    "attention_backward",              # its gradients dq, dk, dv from o and the log-sum-exp
+    "attention_forward_fp8",           # the forward on E4M3 q, k, v with the probabilities cast to E4M3
 )
 
 BACKEND_MODULES = {"reference": "reference", "triton": "triton", "cuda": "cuda"}  # backend -> subpackage

@@ -2,6 +2,8 @@
 
 from .activation import *  # noqa: F401,F403
 from .activation import __all__ as _act_all
+from .attention import *  # noqa: F401,F403
+from .attention import __all__ as _attn_all
 from .cast import *  # noqa: F401,F403
 from .cast import __all__ as _cast_all
 from .gemm import *  # noqa: F401,F403
@@ -11,4 +13,4 @@ from .norm import __all__ as _norm_all
 from .scaling import *  # noqa: F401,F403
 from .scaling import __all__ as _scaling_all
 
-__all__ = _act_all + _cast_all + _gemm_all + _norm_all + _scaling_all
+__all__ = _act_all + _attn_all + _cast_all + _gemm_all + _norm_all + _scaling_all
