@@ -27,6 +27,23 @@ Every recipe has ``backward_override``:
   the forward;
 - ``"dequantized"``: the backward GEMMs use the forward's FP8 tensors, dequantized,
   with high-precision gradients.
+
+and the two attention fields of TransformerEngine's recipes (``te.ops.DotProductAttention``):
+
+- ``fp8_dpa``: the attention core runs in FP8: it casts its Q, K, V input (one
+  per-tensor scale, the ``dpa.qkv`` role), quantizes the probabilities P (``dpa.s``)
+  and its output O (``dpa.o``), and hands O on dequantized; its backward reads the
+  output gradient on the ``dpa.do`` grid. Off (the default), attention runs in high
+  precision under any recipe, and the recipe prescribes identity quantizers for
+  attention's roles (:meth:`Recipe.quantizes`);
+- ``fp8_mha``: also removes the casts at attention's boundaries: the QKV
+  projection hands attention its FP8 Q, K, V, and attention hands its FP8 O to the
+  output projection (the fusion rules of ``ops/fused/forward_linear_bias_dpa_linear.py``
+  and ``ops/fused/forward_dpa_linear.py``). It implies FP8 attention, as in TE.
+
+FP8 attention needs per-tensor scales (the kernel takes one scale per tensor):
+under the per-row, block and MXFP8 recipes a plan with attention and ``fp8_dpa`` or
+``fp8_mha`` is refused at build time with an error naming the op and the field.
 """
 
 from __future__ import annotations
@@ -41,6 +58,7 @@ import torch
 from .kernels import env as _env
 from .callable_key import callable_key, keyed
 from .fp8 import E4M3, E5M2, FP8_MAX, short_name
+from .quantization.role import ATTENTION_MODULE_TYPE
 
 __all__ = [
     "Format",
@@ -187,6 +205,8 @@ class Recipe:
     def _validate_common(self) -> None:
         if self.backward_override not in BACKWARD_OVERRIDES:
             self._fail("backward_override", f"must be one of {list(BACKWARD_OVERRIDES)}")
+        self._require_bool("fp8_dpa")
+        self._require_bool("fp8_mha")
         if hasattr(self, "fp8_format"):
             if not isinstance(self.fp8_format, Format):
                 self._fail("fp8_format", "must be a te_fuser.recipe.Format")
@@ -202,6 +222,18 @@ class Recipe:
 
     def _validate(self) -> None:
         pass
+
+    # -- attention ---------------------------------------------------------------
+    @property
+    def fp8_attention(self) -> bool:
+        """Whether attention runs in FP8 (``fp8_dpa`` or ``fp8_mha``)."""
+        return self.fp8_dpa or self.fp8_mha
+
+    def quantizes(self, role) -> bool:
+        """Whether this recipe casts ``role``'s tensor to FP8 (else the role gets an
+        identity quantizer): every role but attention's, which only under ``fp8_dpa``
+        or ``fp8_mha``."""
+        return role.module_type != ATTENTION_MODULE_TYPE or self.fp8_attention
 
     def _require_bool(self, name: str) -> None:
         if not isinstance(getattr(self, name), bool):
@@ -272,9 +304,13 @@ _AMAX_ALGOS = ("max", "most_recent")
 
 # tensor role -> the recipe field that configures it
 _EPSILON_FIELD = {"input": "input_amax_epsilon", "output": "input_amax_epsilon", "weight": "weight_amax_epsilon",
-                  "grad_output": "grad_amax_epsilon", "grad_input": "grad_amax_epsilon"}
+                  "grad_output": "grad_amax_epsilon", "grad_input": "grad_amax_epsilon",
+                  "qkv": "input_amax_epsilon", "s": "input_amax_epsilon", "o": "input_amax_epsilon",
+                  "do": "grad_amax_epsilon"}
 _BLOCK_DIM_FIELD = {"input": "x_block_scaling_dim", "output": "x_block_scaling_dim", "weight": "w_block_scaling_dim",
-                    "grad_output": "grad_block_scaling_dim", "grad_input": "grad_block_scaling_dim"}
+                    "grad_output": "grad_block_scaling_dim", "grad_input": "grad_block_scaling_dim",
+                    "qkv": "x_block_scaling_dim", "s": "x_block_scaling_dim", "o": "x_block_scaling_dim",
+                    "do": "grad_block_scaling_dim"}
 
 
 @dataclass(eq=False, repr=False)
@@ -299,6 +335,8 @@ class DelayedScaling(Recipe):
     dgrad_fast_accum: bool = field(default=False, kw_only=True)
     wgrad_fast_accum: bool = field(default=False, kw_only=True)
     backward_override: str | None = field(default=None, kw_only=True)
+    fp8_dpa: bool = field(default=False, kw_only=True)
+    fp8_mha: bool = field(default=False, kw_only=True)
 
     _callable_fields: ClassVar[dict[str, str]] = {
         "amax_compute_algo": "amax_compute_algo_key",
@@ -344,6 +382,8 @@ class _AmaxScaling(Recipe):
     dgrad_fast_accum: bool = field(default=False, kw_only=True)
     wgrad_fast_accum: bool = field(default=False, kw_only=True)
     backward_override: str | None = field(default=None, kw_only=True)
+    fp8_dpa: bool = field(default=False, kw_only=True)
+    fp8_mha: bool = field(default=False, kw_only=True)
 
     _SCALING = ""  # each recipe's scaling scheme, in its key
 
@@ -414,6 +454,8 @@ class MXFP8BlockScaling(Recipe):
 
     fp8_format: Format = Format.E4M3
     backward_override: str | None = field(default=None, kw_only=True)
+    fp8_dpa: bool = field(default=False, kw_only=True)
+    fp8_mha: bool = field(default=False, kw_only=True)
 
     def derived(self) -> dict[str, Any]:
         return {**self._fp8_derived(), "scaling": "mx", "block": MXFP8_BLOCK, "scale_dtype": "e8m0"}
@@ -446,6 +488,8 @@ class Float8BlockScaling(Recipe):
     weight_amax_epsilon: float = 0.0
     grad_amax_epsilon: float = 0.0
     backward_override: str | None = field(default=None, kw_only=True)
+    fp8_dpa: bool = field(default=False, kw_only=True)
+    fp8_mha: bool = field(default=False, kw_only=True)
 
     def _resolve(self) -> None:
         super()._resolve()
@@ -491,6 +535,8 @@ class CustomRecipe(Recipe):
     qfactory: Callable = None  # type: ignore[assignment]
     qfactory_key: str | None = None
     backward_override: str | None = field(default=None, kw_only=True)
+    fp8_dpa: bool = field(default=False, kw_only=True)
+    fp8_mha: bool = field(default=False, kw_only=True)
 
     _callable_fields: ClassVar[dict[str, str]] = {"qfactory": "qfactory_key"}
 

@@ -43,6 +43,8 @@ ALTERNATIVES = {
         "scaling_factor_compute_algo": scale_halved,
         "reduce_amax": False,
         "backward_override": "high_precision",
+        "fp8_dpa": True,
+        "fp8_mha": True,
     },
     R.Float8CurrentScaling: {
         "fp8_format": R.Format.E4M3,
@@ -54,6 +56,8 @@ ALTERNATIVES = {
         "weight_amax_epsilon": 1e-12,
         "grad_amax_epsilon": 1e-12,
         "backward_override": "dequantized",
+        "fp8_dpa": True,
+        "fp8_mha": True,
     },
     R.Float8RowwiseScaling: {
         "fp8_format": R.Format.E4M3,
@@ -65,8 +69,11 @@ ALTERNATIVES = {
         "weight_amax_epsilon": 1e-12,
         "grad_amax_epsilon": 1e-12,
         "backward_override": "dequantized",
+        "fp8_dpa": True,
+        "fp8_mha": True,
     },
-    R.MXFP8BlockScaling: {"fp8_format": R.Format.HYBRID, "backward_override": "high_precision"},
+    R.MXFP8BlockScaling: {"fp8_format": R.Format.HYBRID, "backward_override": "high_precision", "fp8_dpa": True,
+                          "fp8_mha": True},
     R.Float8BlockScaling: {
         "fp8_format": R.Format.HYBRID,
         "x_block_scaling_dim": 2,
@@ -77,8 +84,10 @@ ALTERNATIVES = {
         "weight_amax_epsilon": 1e-9,
         "grad_amax_epsilon": 1e-9,
         "backward_override": "dequantized",
+        "fp8_dpa": True,
+        "fp8_mha": True,
     },
-    R.CustomRecipe: {"qfactory": amax_p99, "backward_override": "high_precision"},
+    R.CustomRecipe: {"qfactory": amax_p99, "backward_override": "high_precision", "fp8_dpa": True, "fp8_mha": True},
 }
 # *_key fields only apply to callables: tested from a recipe holding one.
 KEY_FIELDS = {
@@ -182,12 +191,12 @@ class TestDefaultStrings(expecttest.TestCase):
         self.assertExpectedInline(
             "\n".join(str(cls()) for cls in (R.DelayedScaling, R.Float8CurrentScaling, R.MXFP8BlockScaling)),
             """\
-te_fuser.recipe.DelayedScaling(margin=0, fp8_format=HYBRID, amax_history_len=1024, amax_compute_algo='max', scaling_factor_compute_algo=None, reduce_amax=True, fprop_fast_accum=True, dgrad_fast_accum=False, wgrad_fast_accum=False, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e5m2, fwd_max=448.0, bwd_max=57344.0, scaling='tensor')
-te_fuser.recipe.Float8CurrentScaling(fp8_format=HYBRID, power_2_scales=False, input_amax_epsilon=0.0, weight_amax_epsilon=0.0, grad_amax_epsilon=0.0, fprop_fast_accum=True, dgrad_fast_accum=False, wgrad_fast_accum=False, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e5m2, fwd_max=448.0, bwd_max=57344.0, scaling='tensor')
-te_fuser.recipe.MXFP8BlockScaling(fp8_format=E4M3, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e4m3, fwd_max=448.0, bwd_max=448.0, scaling='mx', block=32, scale_dtype='e8m0')""",
+te_fuser.recipe.DelayedScaling(margin=0, fp8_format=HYBRID, amax_history_len=1024, amax_compute_algo='max', scaling_factor_compute_algo=None, reduce_amax=True, fprop_fast_accum=True, dgrad_fast_accum=False, wgrad_fast_accum=False, backward_override=None, fp8_dpa=False, fp8_mha=False, fwd_dtype=e4m3, bwd_dtype=e5m2, fwd_max=448.0, bwd_max=57344.0, scaling='tensor')
+te_fuser.recipe.Float8CurrentScaling(fp8_format=HYBRID, power_2_scales=False, input_amax_epsilon=0.0, weight_amax_epsilon=0.0, grad_amax_epsilon=0.0, fprop_fast_accum=True, dgrad_fast_accum=False, wgrad_fast_accum=False, backward_override=None, fp8_dpa=False, fp8_mha=False, fwd_dtype=e4m3, bwd_dtype=e5m2, fwd_max=448.0, bwd_max=57344.0, scaling='tensor')
+te_fuser.recipe.MXFP8BlockScaling(fp8_format=E4M3, backward_override=None, fp8_dpa=False, fp8_mha=False, fwd_dtype=e4m3, bwd_dtype=e4m3, fwd_max=448.0, bwd_max=448.0, scaling='mx', block=32, scale_dtype='e8m0')""",
         )
-        self.assertExpectedInline(str(R.Float8BlockScaling(power_2_scales=True)), """te_fuser.recipe.Float8BlockScaling(fp8_format=E4M3, x_block_scaling_dim=1, w_block_scaling_dim=2, grad_block_scaling_dim=1, power_2_scales=True, input_amax_epsilon=0.0, weight_amax_epsilon=0.0, grad_amax_epsilon=0.0, backward_override=None, fwd_dtype=e4m3, bwd_dtype=e4m3, fwd_max=448.0, bwd_max=448.0, scaling='block', tile=128)""")
-        self.assertExpectedInline(str(R.CustomRecipe(identity_factory)), """te_fuser.recipe.CustomRecipe(qfactory=test_recipe:identity_factory, backward_override=None)""")
+        self.assertExpectedInline(str(R.Float8BlockScaling(power_2_scales=True)), """te_fuser.recipe.Float8BlockScaling(fp8_format=E4M3, x_block_scaling_dim=1, w_block_scaling_dim=2, grad_block_scaling_dim=1, power_2_scales=True, input_amax_epsilon=0.0, weight_amax_epsilon=0.0, grad_amax_epsilon=0.0, backward_override=None, fp8_dpa=False, fp8_mha=False, fwd_dtype=e4m3, bwd_dtype=e4m3, fwd_max=448.0, bwd_max=448.0, scaling='block', tile=128)""")
+        self.assertExpectedInline(str(R.CustomRecipe(identity_factory)), """te_fuser.recipe.CustomRecipe(qfactory=test_recipe:identity_factory, backward_override=None, fp8_dpa=False, fp8_mha=False)""")
 
 
 @pytest.mark.parametrize("cls", list(ALTERNATIVES), ids=lambda c: c.__name__)
@@ -235,6 +244,10 @@ BAD_VALUES = [
     (R.Float8BlockScaling, "input_amax_epsilon", "0"),
     (R.CustomRecipe, "qfactory", None),
     (R.CustomRecipe, "qfactory_key", ""),
+    (R.DelayedScaling, "fp8_dpa", 1),
+    (R.Float8CurrentScaling, "fp8_mha", "yes"),
+    (R.MXFP8BlockScaling, "fp8_dpa", None),
+    (R.CustomRecipe, "fp8_mha", 0),
 ]
 
 

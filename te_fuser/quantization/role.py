@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["QuantizerRole", "TENSOR_TYPES", "FORWARD_TENSOR_TYPES", "BACKWARD_TENSOR_TYPES"]
+__all__ = ["QuantizerRole", "TENSOR_TYPES", "FORWARD_TENSOR_TYPES", "BACKWARD_TENSOR_TYPES", "ATTENTION_MODULE_TYPE",
+           "ATTENTION_TENSOR_TYPES"]
 
-FORWARD_TENSOR_TYPES = ("input", "weight", "output")
-BACKWARD_TENSOR_TYPES = ("grad_output", "grad_input")
+# The module type of attention's roles (``te.ops.DotProductAttention``), as TransformerEngine names it,
+# and its tensors: ``qkv`` the fused Q, K, V input (one per-tensor scale), ``s`` the softmax
+# probabilities P, ``o`` the output, ``do`` the output's gradient.
+ATTENTION_MODULE_TYPE = "dpa"
+ATTENTION_TENSOR_TYPES = ("qkv", "s", "o", "do")
+FORWARD_TENSOR_TYPES = ("input", "weight", "output", "qkv", "s", "o")
+BACKWARD_TENSOR_TYPES = ("grad_output", "grad_input", "do")
 TENSOR_TYPES = FORWARD_TENSOR_TYPES + BACKWARD_TENSOR_TYPES
 
 
 class QuantizerRole(NamedTuple):
     """``QuantizerRole('linear', 'weight', 'fc1')``.
 
-    ``module_type`` names the kind of op (``'linear'``, ``'quantize'``...),
+    ``module_type`` names the kind of op (``'linear'``, ``'quantize'``, ``'dpa'``...),
     ``tensor_type`` the tensor (one of :data:`TENSOR_TYPES`) and ``name`` the op's
     user-given name (``''`` when it has none).
     """
