@@ -9,13 +9,16 @@ overlapping as in training), then a ``torch.profiler`` trace of a few steps
 summarised as the kernels with the most GPU time, grouped by name, and the GPU
 time of the optimizer step. ``--host`` adds, per arm, the Python functions with
 the most own time over a few steps (cProfile, with autograd's device threads off so
-that the backward's Python runs on the calling thread and is seen).
+that the backward's Python runs on the calling thread and is seen). ``--host-only``
+builds every arm at a tiny width with the same layers and ops, so that the GPU's
+work is negligible and the step time is what the host spends launching it.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import statistics
 import time
@@ -99,12 +102,17 @@ def main(argv=None):
     p.add_argument("--timed", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--host", action="store_true", help="also profile the host's Python per arm (cProfile)")
+    p.add_argument("--host-only", action="store_true",
+                   help="time each arm at a tiny width with the same layers: the GPU work is negligible, so the step "
+                        "time is the host's (what the host costs per step at full size, when it is not hidden)")
     p.add_argument("--compile", action="store_true",
                    help="also time each te arm through torch.compile(model) (inductor), beside its eager steps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     config = GPTConfig.gpu()
+    if args.host_only:
+        config = dataclasses.replace(config, d_model=128, n_head=2, d_ffn=512, seq_len=64, batch_size=2)
     torch.manual_seed(0)
     batch = torch.randint(0, 256, (config.batch_size, config.seq_len + 1), device="cuda")
     te_model = GPT(config, device="cuda")
