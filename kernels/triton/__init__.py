@@ -10,10 +10,16 @@ gradient and bias gradient in one pass). :func:`rms_norm` and
 is the whole delayed-scaling state update (history, scale, scale_inv, count) in one
 launch. :func:`amax_column_sums` reads a gradient once for its current-scaling amax
 and its bias gradient (:func:`quantize_current_column_sums` then casts it); :func:`quantize_tensorwise_column_sums` is the delayed-scaling
-cast that also returns the bias gradient from its one read.
+cast that also returns the bias gradient from its one read. :func:`attention_forward`,
+:func:`attention_backward` and :func:`attention_forward_fp8` are flash attention
+(online softmax, causal tiles skipped, grouped kv heads by index); float64 inputs
+go to the reference (``*_unsupported_reason``).
 """
 
 from .activation import activation, activation_grad, dact_dbias
+from .attention import (attention_backward, attention_backward_unsupported_reason, attention_forward,
+                        attention_forward_fp8, attention_forward_fp8_unsupported_reason,
+                        attention_forward_unsupported_reason)
 from .cast import (amax_column_sums, dequantize, quantize_block, quantize_current, quantize_current_column_sums,
                    quantize_mxfp8, quantize_rowwise, quantize_tensorwise, quantize_tensorwise_column_sums)
 from .gemm import gemm, gemm_fp8_out
@@ -40,4 +46,10 @@ __all__ = [
     "rms_norm_unsupported_reason",
     "rms_norm_grad_unsupported_reason",
     "delayed_scale_update",
+    "attention_forward",
+    "attention_backward",
+    "attention_forward_fp8",
+    "attention_forward_unsupported_reason",
+    "attention_backward_unsupported_reason",
+    "attention_forward_fp8_unsupported_reason",
 ]

@@ -1,0 +1,581 @@
+"""Flash attention in Triton: the bf16 / fp16 / fp32 forward, the FP8 forward, and
+the backward, against :mod:`te_fuser.kernels.reference.attention`.
+
+Layout and meaning are the reference's: ``q`` (B, H, Tq, D), ``k``, ``v`` (B, Hkv,
+Tk, D), query head ``h`` reads kv head ``h // (H / Hkv)`` (the kernels compute the
+kv head's address; K and V are never repeated), ``causal`` keeps the keys
+``j <= i`` of query ``i``.
+
+Forward (``_attention_forward_kernel``, one program per (BLOCK_M queries, head)):
+the query tile stays in registers while the program walks the key tiles with an
+online softmax in base 2 (scores times ``softmax_scale · log2 e``): a running row
+maximum ``m``, row sum ``l`` and fp32 accumulator, rescaled by ``exp2(m_old - m)``
+when the maximum grows. The key range is split in two loops: tiles every query of
+the block sees in full (no mask at all) and the tiles on the causal diagonal or
+past the end of the keys (masked to -inf). Causal programs skip the tiles above the
+diagonal and start with the longest rows (the grid runs the query blocks in
+reverse). The epilogue writes ``o = acc / l`` and ``lse = (m + log2 l) · ln 2``.
+
+FP8 forward (the same kernel, ``FP8``): E4M3 q, k, v; ``q kᵀ`` on FP8 tensor cores
+scaled by ``q_scale_inv · k_scale_inv`` in fp32; each probability tile
+``p = exp2(s - m)`` (in [0, 1]) becomes ``e4m3(p · p_scale)`` (nearest even,
+saturated) for the FP8 ``p v`` product; the row sum ``l`` takes the unquantized
+``p``, and the epilogue multiplies by ``v_scale_inv / p_scale``. V is handed to the
+kernel transposed (keys contiguous), the K-major operand Hopper's FP8 tensor
+cores read.
+
+Backward: ``_attention_dq_kernel`` (one program per query block and head) first
+computes ``delta = rowsum(o · do)`` for its rows and stores it, then walks the key
+tiles as the forward does: ``p = exp2(s - lse · log2 e)``, ``ds = p (do vᵀ - delta)``,
+``dq += ds k``. ``_attention_dkdv_kernel`` (one program per key block and kv head)
+keeps its K and V tiles in registers and walks, for each query head of its group,
+the query tiles at or below the diagonal: ``dv += pᵀ do``, ``dk += dsᵀ q``; the
+sums over the group stay in registers (no atomics, deterministic). Both scale by
+``softmax_scale`` at the end. P and dS enter the tensor-core products in the
+inputs' dtype, as in FlashAttention.
+
+Exactness under ``TRITON_INTERPRET=1`` (DESIGN §4): bf16 tiles are widened to fp32
+right after the load and the dots run in fp32 (``UPCAST``); a probability tile is
+rounded onto the bf16 (fp16) grid in fp32 where the GPU converts it
+(``round_through``); the FP8 probabilities are rounded onto the E4M3 grid in fp32
+(``round_to_fp8_grid``) and the FP8 operands widened before the dots. Compiled on
+a GPU, the probabilities are converted by ``cvt.rn.satfinite`` (after clamping to
+the format's largest value), or with ``TE_FUSER_EXACT_FP8=1`` through the same
+fp32 rounding. The outputs are rounded with ``to_output``.
+
+Launch shapes: :data:`ATTENTION_PLANS` per kernel and head dim (a small one under
+the interpreter); with :data:`AUTOTUNE` set (the benchmarks flip it) the compiled
+kernels pick among :data:`AUTOTUNE_CONFIGS` by ``triton.autotune`` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import E4M3
+from ..reference.attention import check_attention, check_attention_backward, check_attention_fp8
+from ._common import fp8_format, hw_fp8, is_interpreted, round_through, round_to_fp8_grid, to_output
+
+__all__ = [
+    "attention_forward",
+    "attention_backward",
+    "attention_forward_fp8",
+    "attention_forward_unsupported_reason",
+    "attention_backward_unsupported_reason",
+    "attention_forward_fp8_unsupported_reason",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Launch shape of one attention kernel: (block_m queries, block_n keys) tiles."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# (kernel, head dim) -> plan on a GPU; "fwd" the bf16/fp16 forward, "fwd_fp8" the
+# FP8 forward, "dq" and "dkdv" the backward's two kernels (dkdv: block_n keys per
+# program, block_m queries per step). Head dims missing here use the next larger
+# entry. The benchmarks may replace entries to compare launch shapes.
+ATTENTION_PLANS = {
+    ("fwd", 128): AttentionPlan(128, 64, 8, 3),
+    ("fwd", 64): AttentionPlan(128, 64, 4, 3),
+    ("fwd", 32): AttentionPlan(128, 64, 4, 3),
+    ("fwd_fp8", 128): AttentionPlan(128, 128, 8, 3),
+    ("fwd_fp8", 64): AttentionPlan(128, 128, 8, 3),
+    ("dq", 128): AttentionPlan(128, 64, 8, 2),
+    ("dq", 64): AttentionPlan(128, 32, 4, 3),
+    ("dkdv", 128): AttentionPlan(64, 128, 8, 2),
+    ("dkdv", 64): AttentionPlan(32, 128, 4, 3),
+}
+_INTERPRETED_PLANS = {  # small tiles: several per sequence at test sizes, both loops of each kernel run
+    "fwd": AttentionPlan(32, 16, 4, 1),
+    "fwd_fp8": AttentionPlan(32, 16, 4, 1),
+    "dq": AttentionPlan(32, 16, 4, 1),
+    "dkdv": AttentionPlan(16, 32, 4, 1),
+}
+
+# True: compiled kernels choose their launch shape with triton.autotune among
+# AUTOTUNE_CONFIGS (keyed by the sizes, causal and the head dim); never under the
+# interpreter. Off by default: the first call of each shape would time them all.
+AUTOTUNE = False
+
+
+def _configs(shapes) -> list:
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+AUTOTUNE_CONFIGS = {
+    "fwd": _configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4),
+                     (128, 64, 8, 4)]),
+    "fwd_fp8": _configs([(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 3),
+                         (128, 128, 4, 3)]),
+    "dq": _configs([(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]),
+    "dkdv": _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4),
+                      (128, 128, 8, 2)]),
+}
+
+
+def _plan(kernel: str, head_dim: int, t: torch.Tensor) -> AttentionPlan:
+    if is_interpreted(t):
+        return _INTERPRETED_PLANS[kernel]
+    dims = sorted(d for k, d in ATTENTION_PLANS if k == kernel)
+    return ATTENTION_PLANS[(kernel, next((d for d in dims if d >= head_dim), dims[-1]))]
+
+
+# --------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd, offs_m, offs_d, lo, hi, Tk,
+                   qk_scale, p_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                   FP8: tl.constexpr, HW_FP8: tl.constexpr, UPCAST: tl.constexpr, P_DTYPE: tl.constexpr,
+                   PRECISION: tl.constexpr, P_FMAX: tl.constexpr, P_MANT_BITS: tl.constexpr,
+                   P_MIN_STEP_EXP: tl.constexpr):
+    """The key tiles ``[lo, hi)`` of one query block: the online softmax update.
+    MASKED: scores of keys past ``Tk`` (and, CAUSAL, above the diagonal) are -inf;
+    otherwise every key of every tile is seen by every query of the block."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]  # (D, BLOCK_N): kᵀ, D contiguous
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # (BLOCK_N, D)
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < Tk, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 units
+        if MASKED:
+            seen = offs_n[None, :] < Tk
+            if CAUSAL:
+                seen = seen & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < Tk, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            v = v.to(tl.float32)
+        if FP8:
+            p = p * p_scale
+            if HW_FP8:  # cvt.rn.satfinite: nearest even; p >= 0, so the clamp is the saturation
+                p = tl.minimum(p, P_FMAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            else:
+                p = round_to_fp8_grid(p, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP)
+                if not UPCAST:
+                    p = p.to(tl.float8e4nv)  # on the grid: exact
+            acc = tl.dot(p, v, acc, input_precision=PRECISION)
+        else:
+            if UPCAST:
+                p = round_through(p, P_DTYPE)
+            else:
+                p = p.to(P_DTYPE)
+            acc = tl.dot(p, v, acc, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attention_forward_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scales_ptr, qk_scale, H, G, Tq, Tk,
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd,
+        stride_ob, stride_oh, stride_ot,
+        CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr,
+        UPCAST: tl.constexpr, P_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+        P_FMAX: tl.constexpr, P_MANT_BITS: tl.constexpr, P_MIN_STEP_EXP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``o`` and ``lse`` of BLOCK_M queries of one head (see the module docstring).
+    ``scales_ptr`` (FP8): q_scale_inv, k_scale_inv, v_scale_inv, p_scale."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    if CAUSAL:
+        pid = tl.num_programs(0) - 1 - pid  # the longest rows first
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    m0 = pid * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    row_ok = offs_m < Tq
+    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    p_scale = 1.0
+    out_scale = 1.0
+    if FP8:
+        qk_scale = qk_scale * tl.load(scales_ptr) * tl.load(scales_ptr + 1)
+        p_scale = tl.load(scales_ptr + 3)
+        out_scale = tl.load(scales_ptr + 2) / p_scale
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # [0, lo): tiles every query of the block sees whole; [lo, hi): the diagonal and the last partial tile
+    if CAUSAL:
+        lo = (tl.minimum(m0, Tk) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(Tk, m0 + BLOCK_M)
+    else:
+        lo = (Tk // BLOCK_N) * BLOCK_N
+        hi = Tk
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd, offs_m, offs_d,
+                                   0, lo, Tk, qk_scale, p_scale, False, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
+                                   P_DTYPE, PRECISION, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd, offs_m, offs_d,
+                                   lo, hi, Tk, qk_scale, p_scale, True, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
+                                   P_DTYPE, PRECISION, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP)
+    o = acc * (out_scale / l_i)[:, None]
+    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], to_output(o, OUT_DTYPE), mask=row_ok[:, None])
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln 2: natural log
+    tl.store(lse_ptr + bh.to(tl.int64) * Tq + offs_m, lse, mask=row_ok)
+
+
+# -------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, Tk, qk_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+              P_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """``dq += ds k`` over the key tiles ``[lo, hi)`` of one query block (MASKED as
+    in ``_forward_tiles``; masked probabilities are 0)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]  # (D, BLOCK_N)
+        vt_ptrs = v_base + offs_n[None, :] * stride_vt + offs_d[:, None]
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < Tk, other=0.0)
+            vt = tl.load(vt_ptrs, mask=offs_n[None, :] < Tk, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            seen = offs_n[None, :] < Tk
+            if CAUSAL:
+                seen = seen & (offs_n[None, :] <= offs_m[:, None])
+            p = tl.where(seen, p, 0.0)
+        dp = tl.dot(do, vt, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        if UPCAST:
+            ds = round_through(ds, P_DTYPE)
+        else:
+            ds = ds.to(P_DTYPE)
+        dq = tl.dot(ds, tl.trans(kt), dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _attention_dq_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, qk_scale, softmax_scale, H, G, Tq, Tk,
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+        CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, P_DTYPE: tl.constexpr,
+        OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``delta = rowsum(o · do)`` (stored for the dk/dv kernel) and ``dq`` of
+    BLOCK_M queries of one head."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    if CAUSAL:
+        pid = tl.num_programs(0) - 1 - pid
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    m0 = pid * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Tq
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    o = tl.load(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + bh.to(tl.int64) * Tq + offs_m, delta, mask=row_ok)
+    lse2 = tl.load(lse_ptr + bh.to(tl.int64) * Tq + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if CAUSAL:
+        lo = (tl.minimum(m0, Tk) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(Tk, m0 + BLOCK_M)
+    else:
+        lo = (Tk // BLOCK_N) * BLOCK_N
+        hi = Tk
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, lo, Tk, qk_scale,
+                   False, CAUSAL, BLOCK_N, UPCAST, P_DTYPE, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, Tk, qk_scale,
+                   True, CAUSAL, BLOCK_N, UPCAST, P_DTYPE, PRECISION)
+    dq_base = dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+    tl.store(dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :], to_output(dq * softmax_scale, OUT_DTYPE),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d, lo, hi,
+                Tq, qk_scale, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr,
+                P_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """``dv += pᵀ do``, ``dk += dsᵀ q`` over the query tiles ``[lo, hi)`` of one
+    query head, for one key block (kept transposed: keys along the rows). MASKED:
+    the tiles on the causal diagonal. Query rows past ``Tq`` load as zeros and
+    add nothing (their do, q and delta are 0)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < Tq
+        qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse2 = tl.load(lse_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+            do = do.to(tl.float32)
+        st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+        pt = tl.math.exp2(st - lse2[None, :])
+        if MASKED:
+            pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+        if UPCAST:
+            p_in = round_through(pt, P_DTYPE)
+        else:
+            p_in = pt.to(P_DTYPE)
+        dv = tl.dot(p_in, do, dv, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        if UPCAST:
+            dst = round_through(dst, P_DTYPE)
+        else:
+            dst = dst.to(P_DTYPE)
+        dk = tl.dot(dst, tl.trans(qt), dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attention_dkdv_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, softmax_scale, H, Hkv, G, Tq, Tk,
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+        CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, P_DTYPE: tl.constexpr,
+        OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``dk`` and ``dv`` of BLOCK_N keys of one kv head, summed over the G query
+    heads that read it."""
+    pid = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    n0 = pid * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < Tk
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # queries [lo, mid): the diagonal tiles (some key of the block is above some query); [mid, Tq): seen whole
+    if CAUSAL:
+        lo = (n0 // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(lo + tl.cdiv(n0 + BLOCK_N - lo, BLOCK_M) * BLOCK_M, Tq)
+    else:
+        lo = 0
+        mid = 0
+    for g in range(0, G):
+        h = hk * G + g
+        bh = b * H + h
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        lse_base = lse_ptr + bh.to(tl.int64) * Tq
+        delta_base = delta_ptr + bh.to(tl.int64) * Tq
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
+                             offs_d, lo, mid, Tq, qk_scale, True, BLOCK_M, UPCAST, P_DTYPE, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
+                             offs_d, mid, Tq, Tq, qk_scale, False, BLOCK_M, UPCAST, P_DTYPE, PRECISION)
+    dk_base = dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+    dv_base = dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+    tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :], to_output(dk * softmax_scale, OUT_DTYPE),
+             mask=key_ok[:, None])
+    tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_d[None, :], to_output(dv, OUT_DTYPE), mask=key_ok[:, None])
+
+
+# -------------------------------------------------------------------- launchers
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned(kernel: str):
+    """The jit kernel under triton.autotune, keyed by the sizes and the constexprs
+    that change the work (built on first use)."""
+    fn = {"fwd": _attention_forward_kernel, "fwd_fp8": _attention_forward_kernel, "dq": _attention_dq_kernel,
+          "dkdv": _attention_dkdv_kernel}[kernel]
+    return triton.autotune(AUTOTUNE_CONFIGS[kernel], key=["Tq", "Tk", "G", "CAUSAL", "HEAD_DIM", "P_DTYPE"])(fn)
+
+
+def _launch(kernel: str, jit_fn, rows: int, batch_heads: int, head_dim: int, t: torch.Tensor, args: list,
+            meta: dict) -> None:
+    """Launch over (row blocks, batch · heads) with the plan of ``kernel``, or let
+    triton.autotune pick it (:data:`AUTOTUNE`, compiled kernels only)."""
+    if AUTOTUNE and not is_interpreted(t):
+        block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"
+        _autotuned(kernel)[lambda m: (triton.cdiv(rows, m[block]), batch_heads)](*args, **meta)
+        return
+    plan = _plan(kernel, head_dim, t)
+    block = plan.block_n if kernel == "dkdv" else plan.block_m
+    jit_fn[(triton.cdiv(rows, block), batch_heads)](*args, **meta, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+                                                    num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a contiguous head dim (what the kernels' loads assume)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dtype_meta(dtype: torch.dtype, t: torch.Tensor) -> dict:
+    """The constexprs of the high-precision inputs' dtype: UPCAST (the interpreter
+    widens bf16 / fp16 to fp32 before arithmetic), the dtype of P and dS in the
+    dots, and the dots' precision (fp32 operands: IEEE, not TF32)."""
+    upcast = is_interpreted(t) and dtype != torch.float32
+    precision = "ieee" if (dtype == torch.float32 or upcast) else None
+    return dict(UPCAST=upcast, P_DTYPE=_TL[dtype], PRECISION=precision)
+
+
+def _unsupported(q: torch.Tensor, fp8: bool) -> str | None:
+    if not isinstance(q, torch.Tensor):
+        return None  # the check names the argument
+    if q.dtype == torch.float64:
+        return "the triton attention kernels compute in fp32; float64 runs on the reference"
+    if q.device.type not in ("cuda", "cpu"):
+        return f"the triton backend does not run on {q.device.type} tensors"
+    if fp8 and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
+        return "FP8 tensor-core dots need sm_89 or later"
+    return None
+
+
+def attention_forward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why :func:`attention_forward` would not run these operands (None: it runs)."""
+    return _unsupported(q, fp8=False)
+
+
+def attention_backward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    return _unsupported(q, fp8=False)
+
+
+def attention_forward_fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    return _unsupported(q, fp8=True)
+
+
+def _require_supported(q: torch.Tensor, kernel: str, fp8: bool = False) -> None:
+    reason = _unsupported(q, fp8)
+    if reason is not None:
+        raise ValueError(f"{kernel}: {reason}")
+
+
+def _forward(q, k, v, causal, softmax_scale, out_dtype, scales, fp8: bool):
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    q, k = _inner(q), _inner(k)
+    if fp8:  # V transposed, keys contiguous: K-major for the FP8 p·v product; rows padded to 16 bytes
+        pitch = -(-Tk // 16) * 16
+        vk = torch.empty(B, Hkv, D, pitch, dtype=v.dtype, device=v.device)[..., :Tk]
+        vk.copy_(v.transpose(2, 3))
+        stride_vt, stride_vd = vk.stride(3), vk.stride(2)
+    else:
+        vk = _inner(v)
+        stride_vt, stride_vd = vk.stride(2), vk.stride(3)
+    o = torch.empty(B, H, Tq, D, dtype=out_dtype, device=q.device)
+    lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
+    if B * H * Tq == 0:
+        return o, lse
+    if fp8:
+        fmax, mant_bits, min_step_exp, _ = fp8_format(E4M3)
+        meta = dict(FP8=True, HW_FP8=hw_fp8(q), UPCAST=is_interpreted(q), P_DTYPE=tl.float8e4nv,
+                    PRECISION="ieee" if is_interpreted(q) else None, P_FMAX=fmax, P_MANT_BITS=mant_bits,
+                    P_MIN_STEP_EXP=min_step_exp)
+    else:
+        meta = dict(FP8=False, HW_FP8=False, P_FMAX=0.0, P_MANT_BITS=0, P_MIN_STEP_EXP=0,
+                    **_dtype_meta(q.dtype, q))
+    args = [q, k, vk, o, lse, scales, float(softmax_scale) * LOG2E, H, H // Hkv, Tq, Tk,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            vk.stride(0), vk.stride(1), stride_vt, stride_vd, o.stride(0), o.stride(1), o.stride(2)]
+    meta.update(CAUSAL=causal, HEAD_DIM=D, OUT_DTYPE=_TL[out_dtype])
+    _launch("fwd_fp8" if fp8 else "fwd", _attention_forward_kernel, Tq, B * H, D, q, args, meta)
+    return o, lse
+
+
+def attention_forward(q, k, v, causal, softmax_scale):
+    """Flash attention forward: ``(o, lse)`` as :func:`attention_forward_reference`."""
+    check_attention(q, k, v, causal, softmax_scale)
+    _require_supported(q, "attention_forward")
+    return _forward(q, k, v, causal, softmax_scale, q.dtype, q, fp8=False)
+
+
+def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale,
+                          out_dtype):
+    """FP8 flash attention forward: ``(o, lse)`` as
+    :func:`attention_forward_fp8_reference` (up to where the running maximum puts
+    each probability on the E4M3 grid; see the reference)."""
+    check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
+    _require_supported(q, "attention_forward_fp8", fp8=True)
+    scales = torch.stack([s.reshape(()) for s in (q_scale_inv, k_scale_inv, v_scale_inv, p_scale)])  # (4,) fp32
+    return _forward(q, k, v, causal, softmax_scale, out_dtype, scales, fp8=True)
+
+
+def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
+    """Flash attention backward: ``(dq, dk, dv)`` as :func:`attention_backward_reference`."""
+    check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    _require_supported(q, "attention_backward")
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    q, k, v, o, do = (_inner(t) for t in (q, k, v, o, do))
+    lse = lse.contiguous()
+    dq = torch.empty(B, H, Tq, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hkv, Tk, D, dtype=k.dtype, device=q.device)
+    dv = torch.empty(B, Hkv, Tk, D, dtype=v.dtype, device=q.device)
+    if B * H * Tq == 0:
+        return dq, dk.zero_(), dv.zero_()
+    delta = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
+    meta = dict(CAUSAL=causal, HEAD_DIM=D, OUT_DTYPE=_TL[q.dtype], **_dtype_meta(q.dtype, q))
+    qk_scale, G = float(softmax_scale) * LOG2E, H // Hkv
+    _launch("dq", _attention_dq_kernel, Tq, B * H, D, q,
+            [q, k, v, o, do, lse, delta, dq, qk_scale, float(softmax_scale), H, G, Tq, Tk,
+             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+             do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2)], meta)
+    _launch("dkdv", _attention_dkdv_kernel, Tk, B * Hkv, D, q,
+            [q, k, v, do, lse, delta, dk, dv, qk_scale, float(softmax_scale), H, Hkv, G, Tq, Tk,
+             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2)], meta)
+    return dq, dk, dv
+
