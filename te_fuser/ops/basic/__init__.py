@@ -1,15 +1,18 @@
 """Basic operations: each owns its parameters and runs its own forward and backward."""
 
 from .activation import GELU, Activation, ReLU, SiLU, SwiGLU
+from .attention import DotProductAttention
 from .bias import Bias
 from .composite import Linear
+from .embedding import Embedding
 from .extra import AddExtraInput, MakeExtraOutput
 from .linear import BasicLinear
 from .misc import ConstantScale, Dropout, Identity, Quantize, Reshape
 from .norm import LayerNorm, RMSNorm
+from .rotary import RotaryEmbedding
 
 __all__ = [
     "Activation", "GELU", "ReLU", "SiLU", "SwiGLU", "Bias", "Linear", "BasicLinear",
     "AddExtraInput", "MakeExtraOutput", "ConstantScale", "Dropout", "Identity", "Quantize",
-    "Reshape", "LayerNorm", "RMSNorm",
+    "Reshape", "LayerNorm", "RMSNorm", "DotProductAttention", "RotaryEmbedding", "Embedding",
 ]

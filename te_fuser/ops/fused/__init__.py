@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ... import backend
 from ..basic.activation import Activation
+from ..basic.attention import DotProductAttention
 from ..basic.bias import Bias
 from ..basic.extra import AddExtraInput, MakeExtraOutput
 from ..basic.linear import BasicLinear
@@ -12,14 +13,18 @@ from .backward_activation_bias import BackwardActivationBias
 from .backward_linear_add import BackwardLinearAdd
 from .backward_linear_bias import BackwardLinearBias
 from .backward_linear_bias_activation import BackwardLinearBiasActivation
+from .forward_dpa_linear import ForwardDPALinear
 from .forward_linear_bias_activation import ForwardLinearBiasActivation
 from .forward_linear_bias_add import ForwardLinearBiasAdd
+from .forward_linear_bias_dpa_linear import ForwardLinearBiasDPALinear
 from .forward_linear_bias_linear import ForwardLinearBiasLinear
 
 __all__ = [
     "ForwardLinearBiasActivation",
     "ForwardLinearBiasAdd",
     "ForwardLinearBiasLinear",
+    "ForwardLinearBiasDPALinear",
+    "ForwardDPALinear",
     "BackwardActivationBias",
     "BackwardLinearBiasActivation",
     "BackwardLinearBias",
@@ -42,6 +47,16 @@ def _delayed_scaling(recipe):
     return recipe is not None and recipe.delayed()
 
 
+def _epilogue_backend_reason(device):
+    """Why a GEMM should not cast its output in its epilogue on ``device`` (None: it may)."""
+    gemm_backend = backend.resolve("gemm", device).backend
+    epilogue_backend = backend.resolve("gemm_fp8_out", device).backend
+    if gemm_backend != epilogue_backend:
+        return (f"the GEMM runs on the {gemm_backend} backend and the fused cast epilogue only on "
+                f"{epilogue_backend}: the {gemm_backend} GEMM plus a separate cast is faster")
+    return None
+
+
 def _hand_off_possible(ops, recipe, context):
     """Declines what the epilogue cannot serve when a backward pass follows (the
     plan's build context says whether one does), and
@@ -53,11 +68,9 @@ def _hand_off_possible(ops, recipe, context):
     Triton GEMM, which is slower than cuBLASLt plus a separate cast (H200: Triton
     FP8 GEMM 0.81x cuBLASLt at 8192^3, the cast under a tenth of the GEMM)."""
     device, needs_backward = context.device, context.needs_backward
-    gemm_backend = backend.resolve("gemm", device).backend
-    epilogue_backend = backend.resolve("gemm_fp8_out", device).backend
-    if gemm_backend != epilogue_backend:
-        return (f"the GEMM runs on the {gemm_backend} backend and the fused cast epilogue only on "
-                f"{epilogue_backend}: the {gemm_backend} GEMM plus a separate cast is faster")
+    reason = _epilogue_backend_reason(device)
+    if reason is not None:
+        return reason
     if not needs_backward:
         return None
     if device.type == "cuda":
@@ -85,7 +98,55 @@ def _hand_off_rules():
     return tuple(rules)
 
 
-DEFAULT_RULES = _hand_off_rules() + (
+def _quantizing(recipe):
+    return recipe is not None
+
+
+def _o_hand_off_possible(ops, recipe):
+    """``DotProductAttention -> BasicLinear``: attention's FP8 O into the projection's GEMM."""
+    if not recipe.fp8_mha:
+        return "fp8_mha is off: attention hands its output on in high precision (TransformerEngine's fp8_mha=False)"
+    if recipe.backward_override == "high_precision":
+        return "backward_override='high_precision': the projection's backward needs its input in high precision"
+    return None
+
+
+def _qkv_hand_off_possible(ops, recipe, context):
+    """``BasicLinear [-> Bias] -> DotProductAttention [-> BasicLinear]``: the QKV GEMM's
+    epilogue casts attention's input (and, with the projection, O goes on in FP8)."""
+    if not recipe.fp8_mha:
+        return "fp8_mha is off: the QKV projection hands attention its output in high precision"
+    if not recipe.delayed():
+        return (f"the QKV GEMM's epilogue casts with a scale known before the GEMM runs; delayed scaling has it, "
+                f"{type(recipe).__name__} needs the amax of q, k, v first (the GEMM writes them in high precision "
+                "and attention casts them)")
+    if context.needs_backward and recipe.backward_override == "high_precision":
+        return ("backward_override='high_precision': attention's backward reads q, k, v in high precision, which "
+                "the FP8 epilogue does not write")
+    reason = _epilogue_backend_reason(context.device)
+    if reason is None and not isinstance(ops[-1], DotProductAttention):
+        reason = _o_hand_off_possible(ops, recipe)
+    return reason
+
+
+def _attention_rules():
+    """The fp8_mha hand-offs, [Linear [-> Bias]] -> DotProductAttention [-> Linear [-> Bias [-> AddExtraInput]]]:
+    one rule per shape (the projection's bias and residual stay in its GEMM's epilogue)."""
+    dpa = ((DotProductAttention,),)
+    heads = (("linear", ((BasicLinear,),)), ("linear_bias", ((BasicLinear,), (Bias,))))
+    tails = (("linear", ((BasicLinear,),)), ("linear_bias", ((BasicLinear,), (Bias,))),
+             ("linear_bias_add", ((BasicLinear,), (Bias,), (AddExtraInput,))))
+    rules = [FusionRule(f"forward_dpa_{tail_name}", "forward", dpa + tail, ForwardDPALinear, _o_hand_off_possible,
+                        applies_to=_quantizing) for tail_name, tail in tails]
+    for head_name, head in heads:
+        for tail_name, tail in ((None, ()),) + tails:
+            name = f"forward_{head_name}_dpa" + (f"_{tail_name}" if tail_name else "")
+            rules.append(FusionRule(name, "forward", head + dpa + tail, ForwardLinearBiasDPALinear,
+                                    _qkv_hand_off_possible, applies_to=_quantizing))
+    return tuple(rules)
+
+
+DEFAULT_RULES = _hand_off_rules() + _attention_rules() + (
     FusionRule("forward_linear_bias_activation", "forward", ((BasicLinear,), (Bias,), (Activation,)),
                ForwardLinearBiasActivation),
     FusionRule("forward_linear_bias_add", "forward", ((BasicLinear,), (Bias,), (AddExtraInput,)), ForwardLinearBiasAdd),
