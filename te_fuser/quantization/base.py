@@ -22,12 +22,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import backend
 from ..fp8 import FP8_MAX, short_name
 from ..kernels.operand import ScaledOperand
 from .role import QuantizerRole
 from .tensor import QuantizedTensor, flat_2d_shape
 
-__all__ = ["Quantizer", "EpilogueCast", "FP8_MIN_COMPUTE_CAPABILITY"]
+__all__ = ["Quantizer", "EpilogueCast", "FP8_MIN_COMPUTE_CAPABILITY", "shard_amax"]
 
 # FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
@@ -38,6 +39,16 @@ _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 def _capability(index: int) -> tuple[int, int]:
     """A device's compute capability (asked once: the query costs microseconds)."""
     return torch.cuda.get_device_capability(index)
+
+
+def shard_amax(x_hp: torch.Tensor) -> torch.Tensor:
+    """``amax(|x_hp|)`` of a 2-D tensor as a one-element fp32 tensor, by the backend's
+    tensorwise cast kernel asked for no copy (its amax is the cast's own)."""
+    amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
+    one = torch.ones((), dtype=torch.float32, device=x_hp.device)
+    backend.resolve("quantize_tensorwise", x_hp.device).fn(
+        x_hp, one, torch.float8_e4m3fn, rowwise=False, columnwise=False, amax_out=amax)
+    return amax
 
 
 class EpilogueCast(NamedTuple):
@@ -132,6 +143,17 @@ class Quantizer:
         ``quantizer(x)``. A non-None answer must be followed by
         :meth:`adopt_epilogue_cast` once the epilogue has run."""
         return None
+
+    # -- a cast of one shard of a sharded tensor (FSDP2's FP8 all-gather) -------
+    # Whether :meth:`cast_shard` casts a shard as the whole tensor would be cast.
+    casts_shards = False
+
+    def cast_shard(self, shard: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cast ``shard`` (M, K), this rank's rows of a tensor sharded over the process
+        ``group``, with the one scale a cast of the whole tensor would take (every rank
+        computes it alike) and the same effect on the scaling state: ``(data (M, K)
+        FP8, scale_inv 0-d)``. Only for per-tensor schemes (``casts_shards``)."""
+        raise RuntimeError(f"{self._who()}: {self.describe()} has no per-tensor scale to cast shards with")
 
     def adopt_epilogue_cast(
         self, cast: EpilogueCast, data: torch.Tensor, shape: torch.Size, dtype: torch.dtype, columnwise: bool = False

@@ -8,7 +8,7 @@ from .. import backend
 from ..fp8 import short_name
 from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
-from .base import Quantizer
+from .base import Quantizer, shard_amax
 from .role import QuantizerRole
 
 __all__ = ["Float8CurrentScalingQuantizer"]
@@ -44,6 +44,18 @@ class Float8CurrentScalingQuantizer(Quantizer):
         rowwise_op = ScaledOperand(x_fp8, scale_inv, Scaling.TENSOR) if rowwise else None  # (M, K)
         columnwise_op = ScaledOperand(x_fp8_t, scale_inv, Scaling.TENSOR) if columnwise else None  # (K, M)
         return rowwise_op, columnwise_op
+
+    casts_shards = True
+
+    def cast_shard(self, shard: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shard's amax, all-reduced (max) over ``group``: the whole tensor's amax,
+        from which every rank computes the same scale; then the cast with it."""
+        amax = shard_amax(shard)
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        cast = backend.resolve("quantize_current", shard.device).fn
+        data, _, _scale, scale_inv, _amax = cast(
+            shard, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, True, False, amax)
+        return data, scale_inv
 
     def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
         """The cast also sums the columns (from its amax pass or its cast pass, as the

@@ -49,7 +49,7 @@ from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
 from ..kernels.reference.scaling import AMAX_ALGOS, divide_by_power_of_2, guarded_scale
 from .amax_reduction import PENDING, default_group, flush_amax_reductions
-from .base import EpilogueCast, Quantizer
+from .base import EpilogueCast, Quantizer, shard_amax
 from .role import QuantizerRole
 from .tensor import QuantizedTensor
 
@@ -184,6 +184,41 @@ class DelayedScalingQuantizer(Quantizer):
             columnwise_op = ScaledOperand(data_t, scale_inv, Scaling.TENSOR)
         return QuantizedTensor(rowwise_op, columnwise_op, shape, dtype)
 
+    casts_shards = True
+
+    def cast_shard(self, shard: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cast this rank's shard with the current scale (the same on every rank of the
+        reduction) and record the whole tensor's amax, the maximum over ``group``'s
+        shards, as a cast of the whole tensor records its own: through the pending
+        reduction when the quantizer's group spans ``group`` (no collective of its
+        own), else all-reduced over ``group`` first. A fresh quantizer seeds its scale
+        from that whole-tensor amax, as it would from the whole tensor."""
+        device = shard.device
+        self._flush()
+        self._move_state(device)
+        if not self.seeded:
+            amax = shard_amax(shard)
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+            self._seed_from_amax(amax)
+        cast = backend.resolve("quantize_tensorwise", device).fn
+        scale_inv = self.scale_inv  # the state is rebound, never written in place
+        amax = torch.empty(1, dtype=torch.float32, device=device)
+        data, _, _ = cast(shard, self.scale, self.fp8_dtype, rowwise=True, columnwise=False, amax_out=amax)
+        if not self._reduces_over(group):
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        self._record(amax)
+        return data, scale_inv
+
+    def _reduces_over(self, group) -> bool:
+        """Whether the amax reduction in force spans every rank of ``group``."""
+        own = self._group()
+        if own is None:
+            return False
+        if own is group or own is torch.distributed.group.WORLD:
+            return True
+        ranks = torch.distributed.get_process_group_ranks
+        return set(ranks(group)) <= set(ranks(own))
+
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record ``amax(x)`` in the history and update the scale; no cast."""
         self._check_input(x, True, False)
@@ -205,6 +240,11 @@ class DelayedScalingQuantizer(Quantizer):
         once, and the next finite tensor (cast with scale 1) sets the scale."""
         amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
         cast(x_hp, self.scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
+        self._seed_from_amax(amax)
+
+    def _seed_from_amax(self, amax: torch.Tensor) -> None:
+        """The first scale from ``amax`` (one element, fp32: the first tensor's), reduced
+        over the quantizer's group; see :meth:`_seed`."""
         self._reduce_amax(amax)
         if self.scaling_factor_compute_algo is None:
             # "most_recent": the scale from this amax alone (kept at 1 for inf or NaN); seeding records

@@ -36,6 +36,7 @@ from ...quantization.tensor import QuantizedTensor
 from ...quantization.base import EpilogueCast
 from ..gemm import apply_activation, columnwise, gemm, gemm_fp8_out, rowwise
 from ..op import BasicOperation, OpContext
+from ..fp8_all_gather import GatheredWeight
 from ..weight_cache import WeightCache
 
 __all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_columnwise", "linear_bias_activation_forward",
@@ -68,6 +69,8 @@ class BasicLinear(BasicOperation):
         """The weight cast by ``quantizer``: cast now, or a cast kept inside
         ``te.reuse_quantized_weights()`` while the weight is unchanged (see
         ``ops/weight_cache.py``)."""
+        if type(w_hp) is GatheredWeight:  # gathered by FSDP2 in FP8, cast by this quantizer before it
+            return w_hp.quantized(quantizer, need_columnwise)
         weight, cache = self.weight, self._weight_cache
         w_q = cache.lookup(quantizer, weight, w_hp.dtype, need_columnwise)
         if w_q is None:
@@ -136,6 +139,8 @@ def linear_forward(
     # rounding, without a compute-dtype copy first); the compute-dtype copy is made
     # only where it is used: a high-precision GEMM or a high-precision backward.
     from_master = run.quantizing and run.backward_override != "high_precision"
+    if type(weight) is GatheredWeight:  # FSDP2 gathered it, in FP8 where this plan's quantizer cast it
+        weight = weight.for_plan(ctx.quantizers.get("weight") if from_master else None)
     w_hp = weight if (weight.dtype is dtype or from_master) else weight.to(dtype)  # (N, K)
     needs_backward = run.needs_backward
     if isinstance(x, QuantizedTensor):  # cast by the previous GEMM's epilogue (never for a high-precision backward)
@@ -161,7 +166,7 @@ def linear_forward(
         saved["x"] = x_q if keep_fp8 else x2d
         saved["w"] = w_q if keep_fp8 else w_hp
         saved["x_shape"] = x_shape
-        saved["w_dtype"], saved["w_requires_grad"] = weight.dtype, weight.requires_grad
+        saved["w_dtype"], saved["w_requires_grad"] = weight.dtype, op.weight.requires_grad
     if out_cast is not None or len(x_shape) == 2:
         return y2d
     return y2d.reshape(*x_shape[:-1], y2d.shape[-1])
