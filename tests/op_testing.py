@@ -21,6 +21,9 @@ RECIPES = {
     "block": R.Float8BlockScaling(power_2_scales=True),
     "rowwise": R.Float8RowwiseScaling(),
     "custom_identity": R.CustomRecipe(identity_factory, qfactory_key="identity"),
+    # attention in FP8 (and, under fp8_mha, its FP8 hand-offs with the projections)
+    "delayed_mha": R.DelayedScaling(fp8_mha=True),
+    "current_mha": R.Float8CurrentScaling(fp8_mha=True),
 }
 FP8_RECIPES = {k: v for k, v in RECIPES.items() if k not in ("none", "custom_identity")}
 

@@ -34,6 +34,41 @@ TOLERANCES = {
     # Column sums in fp32 (a bias gradient) in another order than float64's: each
     # partial sum rounds once per level of its tree. Used with scaled=True.
     "column_sums_fp32": dict(rtol=1e-5, atol=1e-6),
+    # Flash attention on representable bf16 inputs against float64: the probabilities
+    # P (forward, dv) and dS (dq, dk) enter the tensor-core products rounded to bf16
+    # (2^-9 each) and the output is rounded once more; the errors are those roundings
+    # summed over a row, so they are bounded relative to the tensor's largest element
+    # (measured <= 4e-3 at T=67; a wrong mask, scale or kv head is O(1)). Used with
+    # scaled=True, for o, dq, dk, dv.
+    "attention_bf16": dict(rtol=1.6e-2, atol=1e-5),
+    # The same with fp16 (2^-11 per rounding; measured <= 4.2e-4). scaled=True.
+    "attention_fp16": dict(rtol=2e-3, atol=1e-5),
+    # fp32 inputs: IEEE fp32 products (not TF32) and exp2 in fp32 (the GPU's ex2.approx
+    # is within 2 ulp); measured <= 8e-7 under the interpreter. scaled=True. Also the
+    # bound for lse (fp32 sums) of every high-precision path, absolute on values O(log Tk).
+    "attention_fp32": dict(rtol=2e-5, atol=2e-5),
+    # The FP8 forward on representable E4M3 inputs against float64 attention. Each
+    # probability is cast to E4M3 once (relative error <= 2^-4 for normals, the
+    # subnormal half-step 2^-10 / p_scale below), so |o - o_exact| <= 2^-4 · Σ_j p_j |v_j|
+    # + n_keys · 2^-10 / p_scale · max|v|, plus the output's rounding (2^-9 in bf16)
+    # and the FP8 tensor cores' narrower accumulation of q kᵀ (~1e-3 relative on p).
+    # Here rtol multiplies Σ_j p_ij |v_j| (not |o|) in test_attention_kernels.py's
+    # bound; the kernel and the reference each meet it (they round different
+    # products: the running maximum vs the row's). Measured up to 0.5 of the bound.
+    "attention_fp8": dict(rtol=0.07, atol=1e-5),
+    # lse of the FP8 forward: unquantized sums, but q kᵀ from FP8 tensor cores (about
+    # 14 significant bits per product sum on Hopper). Absolute and relative.
+    "attention_fp8_lse": dict(rtol=2e-3, atol=2e-3),
+    # The bf16 backward fed the FP8 forward's o (the FP8 recipe): o carries one E4M3
+    # rounding per probability (2^-4), which reaches dq and dk through
+    # delta = rowsum(o · do); twice that, relative to the largest element
+    # (measured <= 0.027 at T=67). scaled=True.
+    "attention_fp8_backward": dict(rtol=0.125, atol=1e-5),
+    # te.ops.DotProductAttention under fp8_dpa / fp8_mha on representable inputs (q, k,
+    # v and do exact on their grids): P cast to E4M3 (2^-4 relative) and O cast to E4M3
+    # by the o role (2^-4 more), the backward fed that o (as above). Relative to the
+    # tensor's largest element (scaled=True), forward and gradients.
+    "attention_fp8_op": dict(rtol=0.125, atol=1e-5),
 }
 
 

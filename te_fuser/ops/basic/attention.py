@@ -56,6 +56,7 @@ from ... import backend
 from ...kernels.formats import Scaling
 from ...kernels.operand import ScaledOperand
 from ...kernels.reference.attention import ATTENTION_FP8_HEAD_DIMS, ATTENTION_HEAD_DIMS
+from ...quantization.identity import IdentityQuantizer
 from ...quantization.role import ATTENTION_MODULE_TYPE
 from ...quantization.tensor import QuantizedTensor
 from ..op import BasicOperation, OpContext
@@ -156,6 +157,19 @@ class DotProductAttention(BasicOperation):
         quantizers["qkv"].check_shape((rows, self.qkv_width), rowwise=True)
         for role in ("o", "do"):
             quantizers[role].check_shape((rows, self.out_width), rowwise=True, columnwise=role == "o")
+
+    def install_quantizers(self, quantizers, key: str) -> None:
+        """As every op's, and: a recipe that runs attention in high precision (identity
+        quantizers, FP8 recipes without fp8_dpa / fp8_mha) leaves the FP8 roles'
+        scaling state waiting, as a checkpoint's (saved with the op, continued by the
+        next recipe that builds quantizers of its class: a delayed-scaling history
+        goes on across ``fp8_dpa`` toggles instead of seeding again)."""
+        parked = {t: {"class": type(q).__qualname__, "state": q.state_dict(), "recipe_key": self._quantizer_key}
+                  for t, q in self._quantizers.items()
+                  if isinstance(quantizers.get(t), IdentityQuantizer) and q.state_dict()}
+        super().install_quantizers(quantizers, key)
+        if parked:
+            self._loaded_state = {**(self._loaded_state or {}), **parked}
 
     def op_forward(self, ctx: OpContext, x, extra_inputs: Sequence[torch.Tensor]):
         return attention_forward(ctx, self, x), []
