@@ -19,8 +19,10 @@ reverse). The epilogue writes ``o = acc / l`` and ``lse = (m + log2 l) · ln 2``
 FP8 forward (the same kernel, ``FP8``): E4M3 q, k, v; ``q kᵀ`` on FP8 tensor cores
 scaled by ``q_scale_inv · k_scale_inv`` in fp32; each probability tile
 ``p = exp2(s - m)`` (in [0, 1]) becomes ``e4m3(p · p_scale)`` (nearest even,
-saturated) for the FP8 ``p v`` product; the row sum ``l`` takes the unquantized
-``p``, and the epilogue multiplies by ``v_scale_inv / p_scale``. V is handed to the
+saturated) for the FP8 ``p v`` product, whose fp32 result is added to the
+accumulator (promoted once per key tile, never summed in the tensor cores'
+narrower accumulator across tiles); the row sum ``l`` takes the unquantized ``p``,
+and the epilogue multiplies by ``v_scale_inv / p_scale``. V is handed to the
 kernel transposed (keys contiguous), the K-major operand Hopper's FP8 tensor
 cores read.
 
@@ -183,7 +185,9 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, strid
                 p = round_to_fp8_grid(p, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP)
                 if not UPCAST:
                     p = p.to(tl.float8e4nv)  # on the grid: exact
-            acc = tl.dot(p, v, acc, input_precision=PRECISION)
+            # a fresh product per tile, added in fp32: Hopper's FP8 tensor cores add into
+            # a narrower accumulator, so the running sum never goes through them
+            acc += tl.dot(p, v, input_precision=PRECISION)
         else:
             if UPCAST:
                 p = round_through(p, P_DTYPE)
