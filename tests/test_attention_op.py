@@ -249,3 +249,28 @@ def test_a_checkpoint_taken_while_attention_runs_in_high_precision_keeps_its_fp8
         out_f, g_f = _step(fresh, x[i], ALL["delayed_mha"], fresh_opt)
         assert torch.equal(out_m, out_f) and all(torch.equal(g_m[n], g_f[n]) for n in g_m), f"step {i}"
     assert model[1].installed_quantizers["qkv"].seeded and model[1].installed_quantizers["qkv"].amax_history[4] > 0
+
+
+def test_the_fp8_mha_hand_offs_skip_the_separate_casts(monkeypatch):
+    """Under fp8_mha and delayed scaling the QKV GEMM's epilogue casts q, k, v (once the
+    qkv quantizer is seeded) and the projection reads attention's FP8 O: neither the
+    qkv quantizer nor the projection's input quantizer casts on its own."""
+    from te_fuser.quantization.delayed import DelayedScalingQuantizer
+
+    casts = []
+    real = DelayedScalingQuantizer._quantize
+
+    def recording(self, x_hp, rowwise, columnwise):
+        casts.append(str(self.role))
+        return real(self, x_hp, rowwise, columnwise)
+
+    monkeypatch.setattr(DelayedScalingQuantizer, "_quantize", recording)
+    model = _trained_model()
+    x = representable(B, 16, 64, scale_exp=-3)
+    run(model, x, recipe=RECIPES["delayed_mha"])  # seeds the qkv quantizer
+    casts.clear()
+    run(model, x, recipe=RECIPES["delayed_mha"])
+    assert "forward_linear_bias_dpa_linear_bias" in model.fusion_plan().rules()
+    assert "dpa:attn.qkv" not in casts and "linear:proj.input" not in casts, casts
+    assert {"linear:qkv.input", "dpa:attn.s", "dpa:attn.o", "dpa:attn.do"} <= set(casts), casts
+    assert not model[2].linear.installed_quantizers["input"].seeded

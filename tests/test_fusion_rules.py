@@ -25,6 +25,7 @@ from tolerances import assert_close
 
 H, F = 64, 128  # multiples of 32 (also F / 2) so that MXFP8 applies too
 ALL_RECIPES = ("none", "delayed", "current", "mxfp8", "block")
+ATTENTION_RECIPES = ("delayed_mha", "current_mha")  # fp8_mha: the attention hand-offs' recipes
 FP8_RECIPES = ("delayed", "current", "mxfp8", "block")
 ACTIVATIONS = (te.ops.GELU, te.ops.ReLU, te.ops.SiLU, te.ops.SwiGLU)
 
@@ -94,7 +95,45 @@ _DECLINES_WITHOUT_FP8 = ("the rule declines without an FP8 recipe "
                         "(test_rules_that_read_the_recipe_decline_with_a_reason)")
 _LINEAR_ACTIVATION_LINEAR = tuple(Example(partial(_linear_activation_linear, act)) for act in ACTIVATIONS)
 
+# Attention examples: 2 query heads and 1 kv head of dim 32 on the (., ., H) input.
+_QKV_WIDTH, _ATTN_WIDTH = (2 + 2 * 1) * 32, 2 * 32
+
+
+def _attention_model(head: str, tail: str) -> te.ops.Sequential:
+    """[QKV projection (head: "linear", "linear_bias", or "rope": a biased one, then RoPE)]
+    -> attention -> [projection (tail: "", "linear", "linear_bias", "linear_bias_add")]."""
+    mods = [te.ops.BasicLinear(H, _QKV_WIDTH) if head == "linear" else te.ops.Linear(H, _QKV_WIDTH)]
+    if head == "rope":
+        mods.append(te.ops.RotaryEmbedding(2, 32, 1))
+    mods.append(te.ops.DotProductAttention(2, 32, 1))
+    if tail == "linear":
+        mods.append(te.ops.BasicLinear(_ATTN_WIDTH, H))
+    elif tail:
+        mods.append(te.ops.Linear(_ATTN_WIDTH, F if tail == "linear_bias_add" else H))
+    if tail == "linear_bias_add":
+        mods.append(te.ops.AddExtraInput())
+    return te.ops.Sequential(*mods)
+
+
+def _attention(head: str, tail: str) -> RuleExamples:
+    """A fp8_mha hand-off's example: the QKV epilogue's rules under delayed scaling only
+    (the scale must be known before the GEMM), attention's O hand-off under both
+    per-tensor recipes; the second step is compared (a fresh quantizer seeds first)."""
+    return RuleExamples((Example(partial(_attention_model, head, tail), extra_inputs=int(tail == "linear_bias_add")),),
+                        recipes=ATTENTION_RECIPES if head == "rope" else ("delayed_mha",),
+                        why_not_other_recipes="attention's hand-offs run under fp8_mha (the QKV epilogue's under "
+                                              "delayed scaling only: test_attention_op.py)", steps=2)
+
+
+_ATTENTION_TAILS = ("linear", "linear_bias", "linear_bias_add")
+_ATTENTION_EXAMPLES = {
+    **{f"forward_dpa_{tail}": _attention("rope", tail) for tail in _ATTENTION_TAILS},
+    **{f"forward_{head}_dpa" + (f"_{tail}" if tail else ""): _attention(head, tail)
+       for head in ("linear", "linear_bias") for tail in ("",) + _ATTENTION_TAILS},
+}
+
 EXAMPLES: dict[str, RuleExamples] = {
+    **_ATTENTION_EXAMPLES,
     "forward_linear_bias_linear": _hand_off(False),
     "forward_linear_bias_linear_bias": _hand_off(False, "bias"),
     "forward_linear_bias_linear_bias_activation": _hand_off(False, "bias_activation"),
@@ -130,7 +169,7 @@ def _examples_of(rule: str) -> RuleExamples:
 @pytest.mark.parametrize("rule", [r.name for r in DEFAULT_RULES])
 def test_every_rule_has_an_example_model(rule):
     entry = _examples_of(rule)
-    assert entry.models and set(entry.recipes) <= set(ALL_RECIPES), rule
+    assert entry.models and set(entry.recipes) <= set(ALL_RECIPES + ATTENTION_RECIPES), rule
     for example in entry.models:
         assert isinstance(example.build(), te.ops.Sequential), rule
 
@@ -154,7 +193,7 @@ def _forward(model, x, *extras, recipe=None):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("recipe_name", ALL_RECIPES)
+@pytest.mark.parametrize("recipe_name", ALL_RECIPES + ATTENTION_RECIPES)
 @pytest.mark.parametrize("rule", [r.name for r in DEFAULT_RULES])
 def test_fused_equals_unfused(rule, recipe_name, dtype, backend):
     entry = _examples_of(rule)
@@ -196,8 +235,11 @@ def test_fused_equals_unfused(rule, recipe_name, dtype, backend):
         # input, the first linear's grad output), a last-bit difference of the
         # skipped rounding can move a value by one FP8 step: compare within that
         # format's tolerance. Elsewhere only the compute dtype's rounding differs.
+        # FP8 attention casts its output too (the o role).
         linears = sum(isinstance(m, (te.ops.Linear, te.ops.BasicLinear)) for m in mods)
-        requantized = recipe is not None and (len(mods) > 2 or linears > 1)
+        fp8_attention = recipe is not None and recipe.fp8_attention and any(
+            isinstance(m, te.ops.DotProductAttention) for m in mods)
+        requantized = recipe is not None and (len(mods) > 2 or linears > 1 or fp8_attention)
         out_key = recipe.fp8_format.fwd_dtype if requantized else dtype
         grad_key = recipe.fp8_format.bwd_dtype if requantized else dtype
         for a, b in zip(out_f, out_u):
