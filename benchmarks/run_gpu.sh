@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt profgpt
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt profgpt attn
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -74,6 +74,9 @@ for part in $parts; do
     hostcost)  # host cost per call with the GPU kept busy: primitives, the MLP-shaped Linear, a tiny GPT's step
       timeout 200 python3 benchmarks/host_cost.py 2>&1 | tee "$OUT/hostcost.log" | tail -40 ;;
     host) [ -f benchmarks/host_overhead.py ] && timeout 120 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host.log" | tail -20 ;;
+    attn)  # flash attention: its tests (CPU sizes compiled, then T=1000/4096), then beside torch SDPA bf16 with the launch-shape sweep
+      timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py 2>&1 | tee "$OUT/attn_tests.log" | tail -15
+      timeout 260 python3 benchmarks/bench_attention.py --sweep 2>&1 | tee "$OUT/attn.log" | tail -70 ;;
     *) echo "unknown part: $part" ;;
   esac
 done

@@ -1,0 +1,219 @@
+"""Flash attention: the Triton kernels side by side with torch SDPA bf16 (flash backend).
+
+For each case (B, H, Hkv, T, D, causal): the forward in bf16 and in FP8 (E4M3 q, k,
+v; also with the three current-scaling casts that produce them), and the backward,
+each with TFLOP/s and its ratio to SDPA's (SDPA time / ours: > 1 is faster), plus
+the largest difference from SDPA's output as a check. FLOPs: 4·B·H·T²·D for the
+forward (half of it causal), 2.5 times that for the backward. ``of ceil`` is the
+rate over the bf16 matmul ceiling measured in this run. The targets (H200, T=4096,
+D=128, 16 heads, causal): bf16 forward >= 0.9x SDPA, FP8 forward >= 1.3x, backward
+>= 0.9x; the last lines say which are met.
+
+    python benchmarks/bench_attention.py [--cases main all] [--sweep] [--autotune] [--csv FILE]
+
+``--sweep`` times every launch shape of ``AUTOTUNE_CONFIGS`` for each kernel at the
+main case (the plans ``ATTENTION_PLANS`` should hold); ``--autotune`` times the
+kernels under triton.autotune instead of the fixed plans and prints its picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from harness import Row  # noqa: E402
+
+from te_fuser.kernels import triton as tk  # noqa: E402
+
+attn = importlib.import_module("te_fuser.kernels.triton.attention")  # the module (the package exports the kernels)
+E4M3 = torch.float8_e4m3fn
+
+# name -> (B, H, Hkv, T, D, causal)
+CASES = {
+    "main": (4, 16, 16, 4096, 128, True),  # the targets' shape
+    "noncausal": (4, 16, 16, 4096, 128, False),
+    "d64": (4, 16, 16, 4096, 64, True),
+    "gqa": (4, 16, 4, 4096, 128, True),
+    "small": (1, 4, 4, 256, 64, True),  # launch-bound
+}
+
+
+def _flops(B, H, T, D, causal) -> float:
+    return 4.0 * B * H * T * T * D * (0.5 if causal else 1.0)
+
+
+def _label(B, H, Hkv, T, D, causal) -> str:
+    return f"{B}x{H}:{Hkv}x{T}x{D}{' causal' if causal else ''}"
+
+
+def _sdpa(q, k, v, causal):
+    """torch SDPA on the flash backend (grouped kv heads through enable_gqa, or
+    repeated when that backend refuses them)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    F = torch.nn.functional
+    gqa = q.shape[1] != k.shape[1]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        if not gqa:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        try:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        except RuntimeError:
+            G = q.shape[1] // k.shape[1]
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+                                                  is_causal=causal)
+
+
+def _fp8(t: torch.Tensor):
+    """Current scaling of ``t`` to E4M3: (data, scale_inv) through the Triton cast."""
+    data, _, _, scale_inv, _ = tk.quantize_current(t.reshape(-1, t.shape[-1]), E4M3)
+    return data.view(t.shape), scale_inv.reshape(())
+
+
+def bench_case(name: str, ceiling: float) -> list[Row]:
+    B, H, Hkv, T, D, causal = CASES[name]
+    label, scale = _label(B, H, Hkv, T, D, causal), 1 / math.sqrt(D)
+    fwd_flops = _flops(B, H, T, D, causal)
+    bwd_flops = 2.5 * fwd_flops
+
+    def make():
+        q = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16)
+        return q, k, v
+
+    sets = harness.rotation(make, 2 * (B * H * T * D + 2 * B * Hkv * T * D))
+    rows: list[Row] = []
+
+    def row(case, backend, ms, flops, peer_ms=None, peer="", note=""):
+        rate = flops / (ms * 1e-3) / 1e12
+        r = Row("attention", case, backend, label, ms, rate, "TFLOP/s", of_ceiling=rate / ceiling,
+                vs_peer=None if peer_ms is None else peer_ms / ms, peer=peer, note=note)
+        rows.append(harness.progress(r))
+        return ms
+
+    # forward
+    sdpa_ms = row("fwd bf16", "torch sdpa flash", harness.time_ms(lambda q, k, v: _sdpa(q, k, v, causal), sets),
+                  fwd_flops)
+    q, k, v = sets[0]
+    o_sdpa = _sdpa(q, k, v, causal)
+    o, lse = tk.attention_forward(q, k, v, causal, scale)
+    diff = f"max|o - sdpa| {(o.float() - o_sdpa.float()).abs().max().item():.2e}"
+    row("fwd bf16", "triton", harness.time_ms(lambda q, k, v: tk.attention_forward(q, k, v, causal, scale), sets),
+        fwd_flops, sdpa_ms, "sdpa bf16", diff)
+    fp8_sets = [tuple(x for t in s for x in _fp8(t)) for s in sets]  # (q8, qsi, k8, ksi, v8, vsi)
+    p_scale = torch.tensor(448.0, device="cuda")
+
+    def fp8_forward(q8, qsi, k8, ksi, v8, vsi):
+        return tk.attention_forward_fp8(q8, k8, v8, qsi, ksi, vsi, p_scale, causal, scale, torch.bfloat16)
+
+    o8, _ = fp8_forward(*fp8_sets[0])
+    diff = f"max|o - sdpa| {(o8.float() - o_sdpa.float()).abs().max().item():.2e}"
+    row("fwd fp8", "triton", harness.time_ms(fp8_forward, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16", diff)
+    row("fwd fp8 + q/k/v casts", "triton",
+        harness.time_ms(lambda q, k, v: fp8_forward(*_fp8(q), *_fp8(k), *_fp8(v)), sets), fwd_flops, sdpa_ms,
+        "sdpa bf16")
+    # backward
+    do = torch.randn_like(q)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    o_graph = _sdpa(qg, kg, vg, causal)
+    sdpa_bwd_ms = row("bwd bf16", "torch sdpa flash", harness.time_ms(
+        lambda: torch.autograd.grad(o_graph, (qg, kg, vg), do, retain_graph=True)), bwd_flops)
+    dq_sdpa = torch.autograd.grad(o_graph, (qg, kg, vg), do, retain_graph=True)[0]
+    dq = tk.attention_backward(q, k, v, o, lse, do, causal, scale)[0]
+    diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
+    row("bwd bf16", "triton", harness.time_ms(lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)),
+        bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
+    return rows
+
+
+def sweep(ceiling: float) -> list[Row]:
+    """Every launch shape of AUTOTUNE_CONFIGS for each kernel, at the main case."""
+    B, H, Hkv, T, D, causal = CASES["main"]
+    label, scale = _label(B, H, Hkv, T, D, causal), 1 / math.sqrt(D)
+    q, k, v = (torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
+    (q8, qsi), (k8, ksi), (v8, vsi) = _fp8(q), _fp8(k), _fp8(v)
+    p_scale = torch.tensor(448.0, device="cuda")
+    o, lse = tk.attention_forward(q, k, v, causal, scale)
+    do = torch.randn_like(q)
+    calls = {
+        "fwd": (lambda: tk.attention_forward(q, k, v, causal, scale), 1.0),
+        "fwd_fp8": (lambda: tk.attention_forward_fp8(q8, k8, v8, qsi, ksi, vsi, p_scale, causal, scale,
+                                                     torch.bfloat16), 1.0),
+        "dq": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
+        "dkdv": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
+    }
+    rows = []
+    for kernel, configs in attn.AUTOTUNE_CONFIGS.items():
+        fn, factor = calls[kernel]
+        saved = attn.ATTENTION_PLANS.get((kernel, D))
+        for config in configs:
+            plan = attn.AttentionPlan(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
+                                      config.num_stages)
+            attn.ATTENTION_PLANS[(kernel, D)] = plan
+            try:
+                fn()
+                ms, note = harness.time_ms(fn), ""
+            except Exception as err:  # a shape that does not fit (shared memory, registers) is reported
+                ms, note = float("nan"), f"{type(err).__name__}: {str(err)[:60]}"
+            rate = factor * _flops(B, H, T, D, causal) / (ms * 1e-3) / 1e12
+            case = (f"{kernel} {plan.block_m}x{plan.block_n} w{plan.num_warps} s{plan.num_stages}"
+                    + (" (whole backward)" if kernel in ("dq", "dkdv") else ""))
+            rows.append(harness.progress(Row("attention-sweep", case, "triton", label, ms, rate, "TFLOP/s",
+                                             of_ceiling=rate / ceiling, note=note)))
+        if saved is not None:
+            attn.ATTENTION_PLANS[(kernel, D)] = saved
+    return rows
+
+
+def _targets(rows: list[Row]) -> None:
+    main = _label(*CASES["main"])
+    wanted = {"fwd bf16": 0.9, "fwd fp8": 1.3, "bwd bf16": 0.9}
+    print()
+    for case, target in wanted.items():
+        got = [r.vs_peer for r in rows if r.shape == main and r.case == case and r.backend == "triton"]
+        if got:
+            verdict = "met" if got[0] >= target else "MISSED"
+            print(f"target {case:9s} >= {target:.1f}x sdpa bf16 at {main}: {got[0]:.2f}x  {verdict}")
+
+
+def main(argv=None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["all"], help=f"of {list(CASES)} or all")
+    parser.add_argument("--sweep", action="store_true", help="time every launch shape at the main case")
+    parser.add_argument("--autotune", action="store_true", help="the kernels under triton.autotune")
+    parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/out/results.csv, untracked)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention: needs a GPU")
+        return []
+    attn.AUTOTUNE = args.autotune
+    ceiling = harness.matmul_ceiling_tflops()
+    print(f"bf16 matmul ceiling: {ceiling:.0f} TFLOP/s")
+    names = list(CASES) if "all" in args.cases else args.cases
+    rows: list[Row] = []
+    for name in names:
+        rows += bench_case(name, ceiling)
+    if args.autotune:
+        for kernel in attn.AUTOTUNE_CONFIGS:
+            best = getattr(attn._autotuned(kernel), "best_config", None)
+            print(f"autotune {kernel}: {best}")
+    if args.sweep:
+        sweep_rows = sweep(ceiling)
+        harness.print_table(sweep_rows, "attention launch shapes (main case)")
+        rows += sweep_rows
+    harness.append_csv(rows, args.csv)
+    harness.print_table([r for r in rows if r.bench == "attention"], "flash attention vs torch SDPA bf16 (flash)")
+    _targets(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
