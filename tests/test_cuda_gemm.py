@@ -169,3 +169,35 @@ def test_argument_errors():
     cpu = ScaledOperand(a.data.cpu(), a.scale_inv.cpu(), "tensor")
     with pytest.raises(RuntimeError, match="CUDA device"):
         cuda.gemm(cpu, b)
+
+
+@pytest.mark.parametrize("m, n, k", [(16, 16, 16), (67 * 16, 1408, 4096), (8192, 1024, 4096), (48, 4096, 1024)])
+@pytest.mark.parametrize("fp8_pair", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+@pytest.mark.parametrize("out_dtype, with_bias, fast_accum", [
+    (torch.bfloat16, False, False), (torch.bfloat16, True, True), (torch.float32, False, True), (torch.float16, True, False),
+])  # fmt: skip
+def test_direct_cublaslt_gemm_equals_scaled_mm_bit_for_bit(m, n, k, fp8_pair, out_dtype, with_bias, fast_accum):
+    """The tensor-scaled GEMM's own cuBLASLt call (its plan kept per problem) gives
+    torch._scaled_mm's bits: the same algorithm, the same scales, the same bias epilogue."""
+    a = realistic_operand("tensor", m, k, fp8_pair[0], seed=m + k)
+    b = realistic_operand("tensor", n, k, fp8_pair[1], seed=n + 1, mean=0.4)
+    bias = (0.1 * torch.randn(n, generator=torch.Generator().manual_seed(n))).to(out_dtype).cuda() if with_bias else None
+    got = cuda.gemm(a, b, out_dtype, bias=bias, fast_accum=fast_accum)
+    want = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv.float().clone(), scale_b=b.scale_inv.float().clone(),
+                            bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    assert_bitwise(got, want, f"M={m} N={n} K={k} {fp8_pair} {out_dtype} bias={with_bias} fast={fast_accum}")
+
+
+def test_direct_cublaslt_gemm_keeps_one_plan_per_problem():
+    from te_fuser.kernels.cuda._build import extension
+
+    a = realistic_operand("tensor", 272, 512, E4M3, seed=1)
+    b = realistic_operand("tensor", 1040, 512, E4M3, seed=2)
+    first = cuda.gemm(a, b, torch.bfloat16)
+    plans = extension().fp8_gemm_plans()
+    for _ in range(5):
+        again = cuda.gemm(a, b, torch.bfloat16)
+    assert extension().fp8_gemm_plans() == plans  # the same problem reuses its plan
+    assert_bitwise(again, first, "a repeated GEMM")
+    cuda.gemm(a, ScaledOperand(b.data[:528].contiguous(), b.scale_inv, "tensor"), torch.bfloat16)
+    assert extension().fp8_gemm_plans() == plans + 1  # a new N is a new plan

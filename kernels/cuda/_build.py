@@ -30,7 +30,7 @@ __all__ = ["SOURCES", "NVCC_FLAGS", "unavailable_reason", "extension", "is_loade
 _log = logging.getLogger("te_fuser.kernels.cuda")
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("binding.cpp", "cast_kernels.cu", "epilogue_kernels.cu", "scaling_kernels.cu")
+SOURCES = ("binding.cpp", "cublaslt_gemm.cpp", "cast_kernels.cu", "epilogue_kernels.cu", "scaling_kernels.cu")
 # Bit-exact casts need IEEE arithmetic: no fast-math flags (no flush to zero,
 # exact division). -gencode, not -arch=sm_90a: see the project's Hopper notes.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
@@ -51,6 +51,23 @@ def _nvcc_path() -> str | None:
     return shutil.which("nvcc")
 
 
+def _cublaslt() -> tuple[Path, Path] | None:
+    """(the directory holding ``cublasLt.h``, the ``libcublasLt`` file) this build
+    links: the CUDA toolkit's, else the ``nvidia`` wheel's PyTorch runs with."""
+    from torch.utils import cpp_extension
+
+    roots = [Path(cpp_extension.CUDA_HOME)] if cpp_extension.CUDA_HOME else []
+    try:
+        import nvidia  # the CUDA wheels PyTorch depends on (nvidia/cu13, nvidia/cublas)
+
+        roots += [Path(p) / sub for p in nvidia.__path__ for sub in ("cu13", "cublas", "cu12")]
+    except ImportError:
+        pass
+    headers = [r / "include" for r in roots if (r / "include" / "cublasLt.h").exists()]
+    libraries = [lib for r in roots for d in ("lib64", "lib") for lib in sorted((r / d).glob("libcublasLt.so*"))]
+    return (headers[0], libraries[0]) if headers and libraries else None
+
+
 def unavailable_reason(device: torch.device | None = None) -> str | None:
     """Why the CUDA kernels cannot run here (``None`` when they can)."""
     if torch.version.cuda is None:
@@ -67,6 +84,8 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
 
         if not cpp_extension.is_ninja_available():
             return "ninja was not found; torch.utils.cpp_extension needs it to build the CUDA kernels"
+        if _cublaslt() is None:
+            return "cuBLASLt (cublasLt.h and libcublasLt.so) was found neither in CUDA_HOME nor in the nvidia wheels"
     return None
 
 
@@ -105,6 +124,7 @@ def extension():
 
     name = _extension_name()
     build_dir = _build_directory(name)
+    cublaslt_include, cublaslt_library = _cublaslt()
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
@@ -112,7 +132,8 @@ def extension():
             sources=[str(SOURCE_DIR / s) for s in SOURCES],
             extra_cflags=list(CXX_FLAGS),
             extra_cuda_cflags=list(NVCC_FLAGS),
-            extra_include_paths=[str(SOURCE_DIR)],
+            extra_include_paths=[str(SOURCE_DIR), str(cublaslt_include)],
+            extra_ldflags=[str(cublaslt_library), f"-Wl,-rpath,{cublaslt_library.parent}"],
             build_directory=str(build_dir),
             verbose=False,
         )

@@ -12,6 +12,14 @@
 
 #include "launchers.cuh"
 
+namespace te_fuser {
+// cublaslt_gemm.cpp
+at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                               const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                               at::ScalarType out_dtype, bool fast_accum, int64_t stream);
+int64_t fp8_gemm_plans();
+}  // namespace te_fuser
+
 namespace {
 
 template <typename P>
@@ -163,4 +171,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rowwise", &quantize_rowwise, "FP8 cast with one scale per row");
   m.def("quantize_mxfp8", &quantize_mxfp8, "MXFP8 cast: one E8M0 scale per 32 elements");
   m.def("epilogue", &epilogue, "bias + activation + residual over a GEMM result");
+  m.def("fp8_gemm_tensorwise", &te_fuser::fp8_gemm_tensorwise,
+        "tensor-scaled FP8 GEMM through cuBLASLt, its descriptors and algorithm kept per problem");
+  m.def("fp8_gemm_plans", &te_fuser::fp8_gemm_plans, "how many GEMM problems have a kept cuBLASLt plan");
 }

@@ -1,4 +1,9 @@
-"""FP8 GEMMs through cuBLASLt (``torch._scaled_mm``) plus one CUDA epilogue kernel.
+"""FP8 GEMMs through cuBLASLt plus one CUDA epilogue kernel.
+
+Tensor-scaled pairs go straight to cuBLASLt (``cublaslt_gemm.cpp``: the matmul
+descriptor, layouts and algorithm are built once per problem and kept, where
+``torch._scaled_mm`` builds them and asks the heuristic on every call); the other
+pairs go through ``torch._scaled_mm``.
 
 ``out = activation(a @ b.T + bias) + residual`` with ``a`` (M, K) and ``b``
 (N, K), both quantized along K (:mod:`te_fuser.kernels.operand`). cuBLASLt wants
@@ -128,6 +133,12 @@ def _rows_scale(op: ScaledOperand, rows: int) -> torch.Tensor:
     return scale.reshape(1, 1).expand(rows, 1).contiguous() if op.scaling == Scaling.TENSOR else scale.contiguous()
 
 
+def _scale_16(scale_inv: torch.Tensor) -> torch.Tensor:
+    """A tensor scale as cuBLASLt reads it: one fp32 element at a 16-byte aligned address."""
+    scale = _fp32(scale_inv)
+    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
+
+
 def _scaled_mm_scales(a: ScaledOperand, b: ScaledOperand) -> tuple[torch.Tensor, torch.Tensor]:
     """scale_a, scale_b in the shapes and strides torch._scaled_mm reads them."""
     m, n = a.shape[0], b.shape[0]
@@ -214,9 +225,17 @@ def _gemm_cublaslt(a, b, out_dtype, bias, activation, residual, fast_accum) -> t
     fused = activation is not None or residual is not None
     bias_in_gemm = bias is not None and not fused and out_dtype != torch.float32 and bias.dtype == out_dtype
     needs_epilogue = fused or (bias is not None and not bias_in_gemm)
-    scale_a, scale_b = _scaled_mm_scales(a, b)
     x_fp8 = aligned_contiguous(a.data)  # (M, K) row-major
     w_fp8 = aligned_contiguous(b.data)  # (N, K) row-major; .t() is (K, N) column-major
+    out_dtype_gemm = torch.float32 if needs_epilogue else out_dtype
+    if a.scaling == Scaling.TENSOR and b.scaling == Scaling.TENSOR:
+        with on_device(x_fp8.device):
+            y = extension().fp8_gemm_tensorwise(
+                x_fp8, w_fp8, _scale_16(a.scale_inv), _scale_16(b.scale_inv), bias.contiguous() if bias_in_gemm else None,
+                out_dtype_gemm, fast_accum, raw_stream(x_fp8.device),
+            )  # (M, N)  # fmt: skip
+            return _epilogue(y, bias, activation, residual, out_dtype) if needs_epilogue else y
+    scale_a, scale_b = _scaled_mm_scales(a, b)
     with on_device(x_fp8.device):
         y = torch._scaled_mm(
             x_fp8,
@@ -224,7 +243,7 @@ def _gemm_cublaslt(a, b, out_dtype, bias, activation, residual, fast_accum) -> t
             scale_a=scale_a,
             scale_b=scale_b,
             bias=bias if bias_in_gemm else None,
-            out_dtype=torch.float32 if needs_epilogue else out_dtype,
+            out_dtype=out_dtype_gemm,
             use_fast_accum=fast_accum,
         )  # (M, N)
         if not needs_epilogue:

@@ -1,0 +1,192 @@
+// The tensor-scaled FP8 GEMM straight through cuBLASLt, its setup done once per problem.
+//
+// out (M, N) = (a (M, K) @ b (N, K)^T) * scale_a * scale_b [+ bias (N,)], a and b FP8,
+// each row-major along K: the layout Hopper's FP8 tensor cores want. In cuBLASLt's
+// column-major terms the row-major (M, N) output is a column-major N x M matrix
+// D = op(A) op(B) with A = b (column-major K x N, transposed) and B = a (column-major
+// K x M): the "TN" form, the only one cuBLASLt runs FP8 in.
+//
+// torch._scaled_mm builds the matmul descriptor and the three matrix layouts and
+// asks cuBLASLt's heuristic for an algorithm on every call. Here they are built
+// once per (shape, dtypes, bias, accumulation, pointer alignments, device) and
+// kept; a call sets the scale and bias pointers on the kept descriptor, allocates
+// the output and enqueues the matmul. The algorithm is the heuristic's first
+// choice, as torch's.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <tuple>
+
+namespace te_fuser {
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+void check(cublasStatus_t status, const char* what) {
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "te_fuser cuBLASLt FP8 GEMM: ", what, " failed (cublasStatus ",
+              static_cast<int>(status), ")");
+}
+
+cudaDataType_t fp8_type(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kFloat8_e4m3fn) return CUDA_R_8F_E4M3;
+  if (t.scalar_type() == at::kFloat8_e5m2) return CUDA_R_8F_E5M2;
+  TORCH_CHECK(false, "te_fuser cuBLASLt FP8 GEMM: ", name, " must be float8_e4m3fn or float8_e5m2, got ",
+              t.scalar_type());
+}
+
+cudaDataType_t hp_type(at::ScalarType t, const char* name) {
+  if (t == at::kBFloat16) return CUDA_R_16BF;
+  if (t == at::kHalf) return CUDA_R_16F;
+  if (t == at::kFloat) return CUDA_R_32F;
+  TORCH_CHECK(false, "te_fuser cuBLASLt FP8 GEMM: ", name, " must be bfloat16, float16 or float32, got ", t);
+}
+
+// The largest power of two (up to 256) that divides the address: cuBLASLt's
+// heuristic is told how aligned each pointer is, so a kept algorithm is only
+// reused for pointers at least as aligned as the ones it was chosen for.
+int alignment(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  int align = 256;
+  while (align > 1 && address % align) align /= 2;
+  return align;
+}
+
+using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, int, int, int, int>;
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+struct Device {
+  cublasLtHandle_t handle = nullptr;
+  at::Tensor workspace;
+};
+
+struct Cache {
+  std::mutex mutex;
+  std::map<Key, Plan> plans;
+  std::map<int, Device> devices;
+};
+
+Cache& cache() {
+  static Cache* kept = new Cache();  // never destroyed: cuBLASLt may be unloaded before static destructors run
+  return *kept;
+}
+
+template <typename T>
+void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value, const char* what) {
+  check(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)), what);
+}
+
+Device& device_state(Cache& c, const at::Tensor& like) {
+  const int index = like.get_device();
+  auto found = c.devices.find(index);
+  if (found != c.devices.end()) return found->second;
+  Device fresh;
+  check(cublasLtCreate(&fresh.handle), "cublasLtCreate");
+  fresh.workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, like.options().dtype(at::kByte));
+  return c.devices.emplace(index, std::move(fresh)).first->second;
+}
+
+Plan build_plan(cublasLtHandle_t handle, int64_t m, int64_t n, int64_t k, cudaDataType_t a_type,
+                cudaDataType_t b_type, cudaDataType_t out_type, std::optional<cudaDataType_t> bias_type,
+                bool fast_accum, int align_a, int align_b, int align_d) {
+  Plan plan;
+  check(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  set(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T, "TRANSA");
+  set(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N, "TRANSB");
+  set(plan.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum), "FAST_ACCUM");
+  if (bias_type) {
+    set(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS, "EPILOGUE");
+    set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, *bias_type, "BIAS_DATA_TYPE");
+  }
+  check(cublasLtMatrixLayoutCreate(&plan.a, b_type, k, n, k), "layout of b");  // b (N, K) row-major
+  check(cublasLtMatrixLayoutCreate(&plan.b, a_type, k, m, k), "layout of a");  // a (M, K) row-major
+  check(cublasLtMatrixLayoutCreate(&plan.d, out_type, n, m, n), "layout of out");  // out (M, N) row-major
+
+  cublasLtMatmulPreference_t preference = nullptr;
+  check(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
+  const size_t workspace = kWorkspaceBytes;
+  const uint32_t aligns[4] = {static_cast<uint32_t>(align_b), static_cast<uint32_t>(align_a),
+                              static_cast<uint32_t>(align_d), static_cast<uint32_t>(align_d)};
+  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                             sizeof(workspace)), "workspace preference");
+  const cublasLtMatmulPreferenceAttributes_t align_attributes[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i) {
+    check(cublasLtMatmulPreferenceSetAttribute(preference, align_attributes[i], &aligns[i], sizeof(aligns[i])),
+          "alignment preference");
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d,
+                                                               preference, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(preference);
+  check(status, "cublasLtMatmulAlgoGetHeuristic");
+  TORCH_CHECK(found > 0, "te_fuser cuBLASLt FP8 GEMM: no algorithm for M=", m, " N=", n, " K=", k);
+  plan.algo = result.algo;
+  return plan;
+}
+
+}  // namespace
+
+// out (M, N) in out_dtype; scale_a, scale_b: fp32 one-element tensors, 16-byte aligned
+// (cuBLASLt refuses others); bias (N,) of out_dtype or none.
+at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                               const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                               at::ScalarType out_dtype, bool fast_accum, int64_t stream) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.is_contiguous() && b.is_contiguous(),
+              "te_fuser cuBLASLt FP8 GEMM: a (M, K) and b (N, K) must be contiguous with one K, got ", a.sizes(),
+              " and ", b.sizes());
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  const cudaDataType_t a_type = fp8_type(a, "a"), b_type = fp8_type(b, "b"), out_type = hp_type(out_dtype, "out");
+  std::optional<cudaDataType_t> bias_type;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "te_fuser cuBLASLt FP8 GEMM: bias must be contiguous with shape (", n, "), got ", bias->sizes());
+    bias_type = hp_type(bias->scalar_type(), "bias");
+  }
+  for (const at::Tensor* s : {&scale_a, &scale_b}) {
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->numel() == 1 && alignment(s->data_ptr()) >= 16,
+                "te_fuser cuBLASLt FP8 GEMM: scales must be 16-byte aligned one-element fp32 tensors");
+  }
+  at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
+  const Key key{m, n, k, a_type, b_type, out_type, bias_type ? static_cast<int>(*bias_type) : -1, fast_accum,
+                alignment(a.data_ptr()), alignment(b.data_ptr()), alignment(out.data_ptr()), a.get_device()};
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  Device& device = device_state(c, a);
+  auto found = c.plans.find(key);
+  if (found == c.plans.end()) {
+    found = c.plans.emplace(key, build_plan(device.handle, m, n, k, a_type, b_type, out_type, bias_type,
+                                            fast_accum, std::get<8>(key), std::get<9>(key), std::get<10>(key)))
+                .first;
+  }
+  const Plan& plan = found->second;
+  set(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b.data_ptr(), "A_SCALE_POINTER");  // b is cuBLASLt's A
+  set(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scale_a.data_ptr(), "B_SCALE_POINTER");
+  if (bias) set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias->data_ptr(), "BIAS_POINTER");
+  const float alpha = 1.0f, beta = 0.0f;
+  check(cublasLtMatmul(device.handle, plan.desc, &alpha, b.data_ptr(), plan.a, a.data_ptr(), plan.b, &beta,
+                       out.data_ptr(), plan.d, out.data_ptr(), plan.d, &plan.algo, device.workspace.data_ptr(),
+                       kWorkspaceBytes, reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream))),
+        "cublasLtMatmul");
+  return out;
+}
+
+// How many problems have a kept descriptor and algorithm (for tests and reports).
+int64_t fp8_gemm_plans() {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return static_cast<int64_t>(c.plans.size());
+}
+
+}  // namespace te_fuser
