@@ -1,0 +1,66 @@
+"""te.ops.Embedding: the lookup and its scatter-add backward against torch's, and a
+weight tied to a te Linear head (both read the one Parameter live)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_fuser as te
+
+
+def test_lookup_and_gradient_match_torch_with_repeated_tokens():
+    torch.manual_seed(0)
+    te_emb = te.ops.Embedding(50, 24)
+    torch_emb = torch.nn.Embedding(50, 24)
+    torch_emb.load_state_dict(te_emb.state_dict())  # the same key: weight
+    idx = torch.tensor([[1, 7, 7, 49], [0, 1, 1, 1]])
+    dy = torch.randn(2, 4, 24)
+    y_te, y_torch = te_emb(idx), torch_emb(idx)
+    assert torch.equal(y_te, y_torch)
+    y_te.backward(dy)
+    y_torch.backward(dy)
+    torch.testing.assert_close(te_emb.weight.grad, torch_emb.weight.grad, rtol=1e-6, atol=1e-6)
+    assert te_emb.weight.grad[2].abs().sum() == 0
+
+
+def test_bf16_weight_accumulates_its_gradient_in_fp32():
+    emb = te.ops.Embedding(4, 8, dtype=torch.bfloat16)
+    idx = torch.zeros(300, dtype=torch.long)
+    emb(idx).backward(torch.full((300, 8), 1.0 / 3, dtype=torch.bfloat16))
+    expected = (torch.full((300,), 1.0 / 3, dtype=torch.bfloat16).float().sum()).to(torch.bfloat16)
+    assert emb.weight.grad.dtype == torch.bfloat16 and torch.all(emb.weight.grad[0] == expected)
+
+
+@pytest.mark.parametrize("recipe", [None, te.recipe.Float8CurrentScaling()], ids=["bf16", "current"])
+def test_a_weight_tied_to_a_te_linear_head_is_read_live_and_gets_both_gradients(recipe):
+    torch.manual_seed(0)
+    emb = te.ops.Embedding(64, 32)
+    head = te.ops.Sequential(te.ops.Linear(32, 64, bias=False))
+    idx = torch.randint(0, 64, (4, 8))
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        head(emb(idx)).sum().backward()  # a plan built before the tying
+    head[0].linear.weight = emb.weight  # tie after the first step
+    emb.weight.grad = None
+    with torch.no_grad():
+        emb.weight.mul_(0.5)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        logits = head(emb(idx))
+    logits.sum().backward()
+    w = emb.weight.detach().clone().requires_grad_(True)
+    ref = torch.nn.functional.embedding(idx, w) @ w.t()
+    ref.sum().backward()
+    for got, want in ((logits, ref), (emb.weight.grad, w.grad)):  # FP8: relative to the largest element
+        atol = 0.125 * want.abs().max().item() if recipe is not None else 1e-5
+        torch.testing.assert_close(got, want, rtol=0.25 if recipe is not None else 1e-5, atol=atol)
+    assert head[0].weight is emb.weight
+
+
+def test_bad_inputs_are_named():
+    emb = te.ops.Embedding(10, 4)
+    with pytest.raises(TypeError, match="integer token ids"):
+        emb(torch.zeros(3))
+    with pytest.raises(IndexError, match=r"\[0, 10\)"):
+        emb(torch.tensor([3, 10]))
+    with pytest.raises(ValueError, match=r"Embedding\.num_embeddings"):
+        te.ops.Embedding(0, 4)
