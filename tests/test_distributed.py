@@ -12,12 +12,11 @@ initialized after the model first ran counts from then on."""
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_testing import gathered, spawned
 
 WORLD = 2
 CASES = ("default", "no_reduction", "given_group", "initialized_late")
@@ -107,19 +106,13 @@ def _late(rank: int, store_file: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _scaling_state(model), torch.zeros(1)
 
 
-def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(WORLD)]
-    dist.all_gather(out, t)
-    return out
-
-
 def _worker(rank: int, folder: str, results) -> None:
     store = os.path.join(folder, "store")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         for case in CASES[:-1]:
             state, weights, calls = _train(rank, case)
-            states, all_weights = _gathered(state), _gathered(weights)
+            states, all_weights = gathered(state), gathered(weights)
             if rank == 0:
                 results[case] = (torch.equal(*states), torch.equal(*all_weights))
                 results[f"{case} collectives"] = calls
@@ -131,7 +124,7 @@ def _worker(rank: int, folder: str, results) -> None:
         dist.destroy_process_group()
     state, _ = _late(rank, os.path.join(folder, "late_store"))
     try:
-        states = _gathered(state)
+        states = gathered(state)
         if rank == 0:
             results["initialized_late"] = (torch.equal(*states), True)
         dist.barrier()
@@ -140,27 +133,9 @@ def _worker(rank: int, folder: str, results) -> None:
         dist.destroy_process_group()
 
 
-def _spawned(worker, nprocs: int) -> dict:
-    """What the ranks of ``worker(rank, folder, results)`` put in ``results``, run as
-    ``nprocs`` processes sharing a temporary folder (their file stores). Each rank
-    marks ``done <rank>`` after its last collective: a process that then dies while
-    gloo tears its group down (an abort seen now and then on a loaded machine) has
-    finished what the tests check; any other death fails the test."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
-        shared = manager.dict()
-        try:
-            mp.spawn(worker, args=(folder, shared), nprocs=nprocs)
-        except mp.ProcessExitedException:
-            if not all(f"done {rank}" in shared for rank in range(nprocs)):
-                raise
-        return dict(shared)
-
-
 @pytest.fixture(scope="module")
 def results():
-    return _spawned(_worker, WORLD)
+    return spawned(_worker, WORLD)
 
 
 def test_the_default_group_reduces_the_amaxes(results):
@@ -273,7 +248,7 @@ def _dcp_worker(rank: int, folder: str, results) -> None:
 
 
 def test_fsdp2_per_layer_checkpoints_through_dcp_with_the_scaling_state():
-    outcomes = _spawned(_dcp_worker, WORLD)["dcp"]
+    outcomes = spawned(_dcp_worker, WORLD)["dcp"]
     for rank, (state, weights, loss) in enumerate(outcomes):
         assert weights, f"rank {rank}: the loaded weights differ"
         assert state, f"rank {rank}: the loaded scaling state differs"
@@ -328,7 +303,7 @@ def _four_worker(rank: int, folder: str, results) -> None:
 
 
 def test_four_ranks_share_their_scaling_state_and_name_the_odd_one_out():
-    shared = _spawned(_four_worker, FOUR)
+    shared = spawned(_four_worker, FOUR)
     equal, messages = shared["equal"], shared["messages"]
     assert equal, "four ranks with the default reduction: the scaling states differ"
     for rank, message in enumerate(messages):
