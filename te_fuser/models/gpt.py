@@ -11,11 +11,20 @@
       attention: LayerNorm -> Linear(d, 3d) -> CausalSelfAttention -> Linear(d, d) -> + x
       MLP:       LayerNorm -> Linear(d, 4d) -> GELU (tanh) -> Linear(4d, d) -> + x
 
-  The attention core is a plain ``nn.Module`` (torch's SDPA), run as it is between
-  the fused groups.
+  With ``GPTConfig.attention="sdpa"`` (the default) the attention core is a plain
+  ``nn.Module`` (torch's SDPA), run as it is between the fused groups, and the
+  embeddings are ``nn.Embedding`` tokens plus learned positions. With
+  ``attention="te"`` the whole model is te_fuser ops: ``te.ops.Embedding`` for the
+  tokens, rotary position embeddings instead of learned ones, and one
+  ``Sequential`` per attention sub-layer,
+
+      LayerNorm -> Linear(d, 3d) -> RotaryEmbedding -> DotProductAttention -> Linear(d, d) -> + x
+
+  so that a recipe's ``fp8_dpa`` / ``fp8_mha`` reach attention and its boundaries.
 - :class:`TorchGPT` is the same network in plain torch (``nn.Linear``,
-  ``nn.LayerNorm``, ``nn.GELU(approximate="tanh")``, te's GELU), module for
-  module; :func:`copy_weights` makes it start from a te model's weights and
+  ``nn.LayerNorm``, ``nn.GELU(approximate="tanh")``, te's GELU; under
+  ``attention="te"`` the same rotary embedding in plain torch before SDPA), module
+  for module; :func:`copy_weights` makes it start from a te model's weights and
   :func:`parameter_name_map` / :func:`rename_state_dict` convert state dicts
   between the two.
 """
@@ -30,15 +39,18 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops.basic.rotary import apply_rotary, rotary_tables
 
 __all__ = [
-    "GPTConfig", "GPT", "TorchGPT", "CausalSelfAttention", "copy_weights", "parameter_name_map",
+    "GPTConfig", "GPT", "TorchGPT", "CausalSelfAttention", "RotaryCausalSelfAttention", "copy_weights", "parameter_name_map",
     "rename_state_dict", "stdlib_source_files", "load_stdlib_corpus", "split_corpus", "sample_windows",
     "VOCAB_SIZE", "VALIDATION_FRACTION",
 ]
 
 VOCAB_SIZE = 256  # bytes
 VALIDATION_FRACTION = 0.05
+ATTENTION_KINDS = ("sdpa", "te")
+ROPE_BASE = 10000.0
 # Folders of the standard library left out of the corpus: installed packages, the
 # test suites, and the IDE and the 2to3 tool with their fixtures.
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
@@ -55,9 +67,14 @@ class GPTConfig:
     seq_len: int
     batch_size: int
     vocab_size: int = VOCAB_SIZE
+    attention: str = "sdpa"  # "sdpa": torch's SDPA between the fused groups; "te": te_fuser ops throughout
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"GPTConfig.attention: must be one of {list(ATTENTION_KINDS)}, got {self.attention!r}")
         for f in dataclasses.fields(self):
+            if f.name == "attention":
+                continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{f.name}: must be a positive integer, got {value!r}")
@@ -141,6 +158,40 @@ class CausalSelfAttention(nn.Module):
         return y.transpose(1, 2).reshape(batch, seq, d)  # (B, T, d)
 
 
+class RotaryCausalSelfAttention(nn.Module):
+    """:class:`CausalSelfAttention` with rotary position embeddings of q and k (the
+    tables and rotation of ``te.ops.RotaryEmbedding``): (B, T, 3d) -> (B, T, d)."""
+
+    def __init__(self, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        batch, seq, three_d = qkv.shape
+        d = three_d // 3
+        head_dim = d // self.n_head
+        heads = qkv.view(batch, seq, 3 * self.n_head, head_dim)  # (B, T, 3H, D)
+        cos, sin = rotary_tables(seq, head_dim, ROPE_BASE, 0, qkv.device)
+        qk = apply_rotary(heads[:, :, :2 * self.n_head].float(), cos, sin).to(qkv.dtype)
+        q, k = qk.split(self.n_head, dim=2)
+        v = heads[:, :, 2 * self.n_head:]
+        y = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       is_causal=True)  # (B, H, T, D)
+        return y.transpose(1, 2).reshape(batch, seq, d)  # (B, T, d)
+
+
+class _TokenEmbedding(nn.Module):
+    """Token embeddings alone (the rotary variant's positions are in attention): (B, T) -> (B, T, d)."""
+
+    def __init__(self, table: nn.Module) -> None:
+        super().__init__()
+        self.tokens = table
+        nn.init.normal_(table.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tokens(idx)
+
+
 class _Embeddings(nn.Module):
     """Token plus learned position embeddings: (B, T) bytes -> (B, T, d)."""
 
@@ -161,11 +212,14 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, device) -> None:
         super().__init__()
-        d = config.d_model
+        d, heads = config.d_model, config.n_head
+        core = ([ops.RotaryEmbedding(heads, d // heads, base=ROPE_BASE, name="rope"),
+                 ops.DotProductAttention(heads, d // heads, causal=True, name="attn")]
+                if config.attention == "te" else [CausalSelfAttention(heads)])
         self.attn = ops.Sequential(
             ops.LayerNorm(d, device=device),
             ops.Linear(d, 3 * d, device=device, name="qkv"),
-            CausalSelfAttention(config.n_head),
+            *core,
             ops.Linear(d, d, device=device, name="proj"),
             ops.AddExtraInput(),
         )
@@ -188,7 +242,8 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, device=None) -> None:
         super().__init__()
         self.config = config
-        self.embed = _Embeddings(config, device)
+        self.embed = (_TokenEmbedding(ops.Embedding(config.vocab_size, config.d_model, device=device))
+                      if config.attention == "te" else _Embeddings(config, device))
         self.blocks = nn.ModuleList(Block(config, device) for _ in range(config.n_layer))
         self.head = ops.Sequential(
             ops.LayerNorm(config.d_model, device=device),
@@ -218,7 +273,7 @@ class TorchBlock(nn.Module):
         self.attn = nn.Sequential(
             nn.LayerNorm(d, device=device),
             nn.Linear(d, 3 * d, device=device),
-            CausalSelfAttention(config.n_head),
+            RotaryCausalSelfAttention(config.n_head) if config.attention == "te" else CausalSelfAttention(config.n_head),
             nn.Linear(d, d, device=device),
         )
         self.mlp = nn.Sequential(
@@ -239,7 +294,8 @@ class TorchGPT(nn.Module):
     def __init__(self, config: GPTConfig, device=None) -> None:
         super().__init__()
         self.config = config
-        self.embed = _Embeddings(config, device)
+        self.embed = (_TokenEmbedding(nn.Embedding(config.vocab_size, config.d_model, device=device))
+                      if config.attention == "te" else _Embeddings(config, device))
         self.blocks = nn.ModuleList(TorchBlock(config, device) for _ in range(config.n_layer))
         self.head = nn.Sequential(
             nn.LayerNorm(config.d_model, device=device),
@@ -255,7 +311,7 @@ class TorchGPT(nn.Module):
 
 # -- between the two ---------------------------------------------------------------
 
-_TE_WEIGHTED = (nn.Embedding, ops.LayerNorm, ops.Linear)
+_TE_WEIGHTED = (nn.Embedding, ops.Embedding, ops.LayerNorm, ops.Linear)
 _TORCH_WEIGHTED = (nn.Embedding, nn.LayerNorm, nn.Linear)
 
 

@@ -197,6 +197,19 @@ class DotProductAttention(BasicOperation):
 # -- the forward ----------------------------------------------------------------------
 
 
+def _kernel(name: str, device: torch.device):
+    """The backend's attention kernel ``name``, run outside ``torch.autocast``: the plan
+    already computes in autocast's dtype, and a kernel's fp32 math (the reference's
+    matmuls, the log-sum-exp) must not be cast down by it."""
+    fn = backend.resolve(name, device).fn
+
+    def call(*args):
+        with torch.autocast(device.type, enabled=False):
+            return fn(*args)
+
+    return call if torch.is_autocast_enabled(device.type) else fn
+
+
 def probability_scale(quantizer, device: torch.device) -> torch.Tensor:
     """The fp32 0-d scale P is cast with: the ``s`` quantizer's scale for a tensor of
     amax 1, P's bound (it also records that amax, so delayed scaling's history
@@ -219,7 +232,7 @@ def _fp8_core(ctx: OpContext, op: DotProductAttention, x, batch: int, seq: int):
     data, scale_inv = x_q.rowwise.data, x_q.rowwise.scale_inv
     q8, k8, v8 = (t.view(_E4M3) for t in op.split_heads(data.view(torch.uint8), batch, seq))
     p_scale = probability_scale(ctx.quantizers["s"], data.device)
-    o, lse = backend.resolve("attention_forward_fp8", data.device).fn(
+    o, lse = _kernel("attention_forward_fp8", data.device)(
         q8, k8, v8, scale_inv, scale_inv, scale_inv, p_scale, op.causal, op.softmax_scale, dtype)
     if run.backward_override == "high_precision":  # never with an input cast by the GEMM (the rule declines)
         saved = op.split_heads(x_hp, batch, seq)
@@ -248,7 +261,7 @@ def attention_forward(ctx: OpContext, op: DotProductAttention, x, hand_off: bool
         if run.calibrating and fp8_attention(ctx.quantizers):
             ctx.quantizers["qkv"].observe(x_hp)
         saved = op.split_heads(x_hp, batch, seq)
-        o, lse = backend.resolve("attention_forward", x_hp.device).fn(*saved, op.causal, op.softmax_scale)
+        o, lse = _kernel("attention_forward", x_hp.device)(*saved, op.causal, op.softmax_scale)
     if run.needs_backward:
         ctx.saved.update(qkv=saved, o=o, lse=lse, x_shape=shape, fp8=fp8)
     o_hp = op.merge_heads(o).reshape(out_shape)  # (..., H·D)
@@ -304,8 +317,7 @@ def attention_backward(ctx: OpContext, op: DotProductAttention, dy: torch.Tensor
         dy_hp = ctx.quantizers["do"](dy_hp, rowwise=True).dequantize(dtype)
     B, H, T, D = o.shape
     do = dy_hp.reshape(B, T, H, D).transpose(1, 2).contiguous()  # (B, H, T, D)
-    dq, dk, dv = backend.resolve("attention_backward", o.device).fn(q, k, v, o, lse, do, op.causal,
-                                                                    op.softmax_scale)
+    dq, dk, dv = _kernel("attention_backward", o.device)(q, k, v, o, lse, do, op.causal, op.softmax_scale)
     dx = torch.cat([op.merge_heads(dq), op.merge_heads(dk), op.merge_heads(dv)], dim=-1)  # (B, T, W)
     return dx.reshape(x_shape)
 
