@@ -298,7 +298,8 @@ def _bad_calls():
     fwd, bwd, fp8 = "attention_forward", "attention_backward", "attention_forward_fp8"
     return [
         (fwd, (q, k3, k3, False, 0.125), r"query heads \(4\) must be a multiple of the kv heads \(3\)"),
-        (fwd, (q[..., :48], k[..., :48], v[..., :48], False, 0.125), r"head dim must be one of \[16, 32, 64, 128\], got 48"),
+        (fwd, (q[..., :48], k[..., :48], v[..., :48], False, 0.125),
+         r"head dim must be one of \[16, 32, 64, 128\], got 48"),
         (fwd, (torch.zeros(1, 4, 8, 256, dtype=b), torch.zeros(1, 2, 8, 256, dtype=b),
                torch.zeros(1, 2, 8, 256, dtype=b), False, 0.125), "head dim must be one of"),
         (fwd, (q, k.half(), v, False, 0.125), "k must have q's dtype torch.bfloat16, got torch.float16"),

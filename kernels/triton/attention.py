@@ -19,10 +19,11 @@ reverse). The epilogue writes ``o = acc / l`` and ``lse = (m + log2 l) · ln 2``
 FP8 forward (the same kernel, ``FP8``): E4M3 q, k, v; ``q kᵀ`` on FP8 tensor cores
 scaled by ``q_scale_inv · k_scale_inv`` in fp32; each probability tile
 ``p = exp2(s - m)`` (in [0, 1]) becomes ``e4m3(p · p_scale)`` (nearest even,
-saturated) for the FP8 ``p v`` product, whose fp32 result is added to the
-accumulator (promoted once per key tile, never summed in the tensor cores'
-narrower accumulator across tiles); the row sum ``l`` takes the unquantized ``p``,
-and the epilogue multiplies by ``v_scale_inv / p_scale``. V is handed to the
+saturated; p_scale enters the exponent as ``+ log2 p_scale``) for the FP8 ``p v``
+product, whose fp32 result is added to the accumulator (promoted once per key
+tile, never summed across tiles in the tensor cores' narrower accumulator); the
+row sum ``l`` takes the unquantized ``p`` (times p_scale, which cancels in
+``acc / l``), and the epilogue multiplies by ``v_scale_inv``. V is handed to the
 kernel transposed (keys contiguous), the K-major operand Hopper's FP8 tensor
 cores read.
 
@@ -142,13 +143,16 @@ def _plan(kernel: str, head_dim: int, t: torch.Tensor) -> AttentionPlan:
 
 @triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd, offs_m, offs_d, lo, hi, Tk,
-                   qk_scale, p_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                   qk_scale, p_shift, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                    FP8: tl.constexpr, HW_FP8: tl.constexpr, UPCAST: tl.constexpr, P_DTYPE: tl.constexpr,
                    PRECISION: tl.constexpr, P_FMAX: tl.constexpr, P_MANT_BITS: tl.constexpr,
                    P_MIN_STEP_EXP: tl.constexpr):
     """The key tiles ``[lo, hi)`` of one query block: the online softmax update.
     MASKED: scores of keys past ``Tk`` (and, CAUSAL, above the diagonal) are -inf;
-    otherwise every key of every tile is seen by every query of the block."""
+    otherwise every key of every tile is seen by every query of the block.
+    ``p_shift`` (FP8: log2 p_scale, else 0) scales the probabilities in the exponent:
+    ``p · p_scale = exp2(s - (m - p_shift))``, so ``l`` and ``acc`` carry p_scale
+    and it cancels in ``acc / l``."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -160,14 +164,14 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, strid
             kt = tl.load(kt_ptrs)
         if UPCAST:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 units
+        qk = tl.dot(q, kt, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N); times qk_scale: base-2 scores
         if MASKED:
             seen = offs_n[None, :] < Tk
             if CAUSAL:
                 seen = seen & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+            qk = tl.where(seen, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0: the scaled maximum, exactly
+        p = tl.math.exp2(qk * qk_scale - (m_new - p_shift)[:, None])  # one FMA and one exp2 a score
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -177,8 +181,7 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, strid
             v = tl.load(v_ptrs)
         if UPCAST:
             v = v.to(tl.float32)
-        if FP8:
-            p = p * p_scale
+        if FP8:  # p is p · p_scale here
             if HW_FP8:  # cvt.rn.satfinite: nearest even; p >= 0, so the clamp is the saturation
                 p = tl.minimum(p, P_FMAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
             else:
@@ -226,12 +229,12 @@ def _attention_forward_kernel(
     q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    p_scale = 1.0
+    p_shift = 0.0
     out_scale = 1.0
     if FP8:
         qk_scale = qk_scale * tl.load(scales_ptr) * tl.load(scales_ptr + 1)
-        p_scale = tl.load(scales_ptr + 3)
-        out_scale = tl.load(scales_ptr + 2) / p_scale
+        p_shift = tl.math.log2(tl.load(scales_ptr + 3))
+        out_scale = tl.load(scales_ptr + 2)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -243,15 +246,15 @@ def _attention_forward_kernel(
         lo = (Tk // BLOCK_N) * BLOCK_N
         hi = Tk
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd, offs_m, offs_d,
-                                   0, lo, Tk, qk_scale, p_scale, False, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
+                                   0, lo, Tk, qk_scale, p_shift, False, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
                                    P_DTYPE, PRECISION, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd, offs_m, offs_d,
-                                   lo, hi, Tk, qk_scale, p_scale, True, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
+                                   lo, hi, Tk, qk_scale, p_shift, True, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
                                    P_DTYPE, PRECISION, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP)
     o = acc * (out_scale / l_i)[:, None]
     o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], to_output(o, OUT_DTYPE), mask=row_ok[:, None])
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln 2: natural log
+    lse = (m_i + tl.math.log2(l_i) - p_shift) * 0.6931471805599453  # ln 2: natural log
     tl.store(lse_ptr + bh.to(tl.int64) * Tq + offs_m, lse, mask=row_ok)
 
 
