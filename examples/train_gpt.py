@@ -47,6 +47,9 @@ RECIPES = {
     "current": te.recipe.Float8CurrentScaling(),
     "block": te.recipe.Float8BlockScaling(),
     "mxfp8": te.recipe.MXFP8BlockScaling(),
+    # FP8 attention (needs --attention te; head dims of 32 or more)
+    "delayed_mha": te.recipe.DelayedScaling(fp8_mha=True),
+    "current_dpa": te.recipe.Float8CurrentScaling(fp8_dpa=True),
 }
 DEFAULT_SCHEDULE = "bf16,delayed,current,block,mxfp8,bf16"
 ARMS = ("te", "torch", "torchao")
@@ -154,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also evaluate every N steps (0: at phase ends only)")
     p.add_argument("--eval-batches", type=_positive_int, help="validation batches (default: per size)")
     p.add_argument("--log-every", type=_positive_int, default=10, help="print a line every N steps")
+    p.add_argument("--attention", choices=("sdpa", "te"), default="sdpa",
+                   help="the GPT's attention: torch SDPA, or te_fuser ops (RoPE, DotProductAttention)")
     p.add_argument("--backend", choices=te.backend.BACKENDS, help="te_fuser kernel backend (default: the library's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the run's figures here")
@@ -180,7 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, getattr(defaults, name))
     try:
         args.config = defaults.config.replace(batch_size=args.batch or defaults.config.batch_size,
-                                              seq_len=args.seq_len or defaults.config.seq_len)
+                                              seq_len=args.seq_len or defaults.config.seq_len,
+                                              attention=args.attention)
         args.phases = parse_schedule(args.schedule, args.steps)
     except ValueError as err:
         parser.error(str(err))
