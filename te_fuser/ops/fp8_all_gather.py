@@ -89,12 +89,13 @@ class _WeightGather:
     kind, and in FP8 its bytes, scale and quantizer), this rank's padded shard and
     group for a gather of the op's own, the high-precision buffer, and counts."""
 
-    __slots__ = ("name", "wanted", "kind", "fp8", "padded", "group", "rows", "param_dtype", "hp_buffer",
+    __slots__ = ("name", "wanted", "state", "kind", "fp8", "padded", "group", "rows", "param_dtype", "hp_buffer",
                  "inner", "stats")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.wanted = None  # the weight quantizer of the op's last forward (None: high precision)
+        self.state = None  # the te.autocast state it ran under
         self.kind = None  # "fp8" or "hp": the last forward gather's
         self.fp8 = None  # (shard data (rows_pad, K), scale_inv, quantizer) of the last FP8 forward gather
         self.padded = None  # this rank's shard, padded to FSDP2's shard rows
@@ -226,13 +227,14 @@ def _predicted_quantizer(module, g: _WeightGather):
     if installed is None or not installed.casts_shards:
         return None
     state = current_state()
-    if state.named:
+    if state.named:  # the region's recipe, unless a subtree is pinned (then high precision: still right)
         recipe = state.active_recipe
         if (recipe is None or state.calibrating or recipe.backward_override == "high_precision"
                 or recipe.key != module.quantizer_key):
             return None
         return installed
-    return installed if g.wanted is installed else None
+    # the model's own recipe or te.autocast's default: as the last forward, under the same region
+    return installed if g.wanted is installed and g.state is state else None
 
 
 class GatheredWeight(torch.Tensor):
@@ -262,9 +264,17 @@ class GatheredWeight(torch.Tensor):
 
     @property
     def is_fp8(self) -> bool:
+        """Whether it was gathered in FP8 (else in high precision)."""
         return self._fp8 is not None
 
-    def _value(self) -> torch.Tensor:
+    @property
+    def quantizer(self):
+        """The quantizer that cast its shards (None: gathered in high precision)."""
+        return self._quantizer
+
+    def value(self) -> torch.Tensor:
+        """Its high-precision value: the weight gathered in high precision, or the FP8
+        data dequantized."""
         if self._hp is not None:
             return self._hp
         rowwise = ScaledOperand(self._fp8, self._scale_inv, Scaling.TENSOR)
@@ -276,7 +286,7 @@ class GatheredWeight(torch.Tensor):
         holds that quantizer's FP8 cast, else the high-precision weight (gathered
         again by the op itself when this gather went FP8 for another quantizer)."""
         g = self._gather
-        g.wanted = quantizer
+        g.wanted, g.state = quantizer, current_state()
         if self._fp8 is None:
             return self._hp
         if quantizer is self._quantizer:
@@ -310,7 +320,7 @@ class GatheredWeight(torch.Tensor):
             size = args[1] if len(args) > 1 else w.shape
             if tuple(size) == tuple(w.shape):  # FSDP2 and nn.Parameter make these of the whole weight
                 return cls(w._fp8, w._scale_inv, w._quantizer, w._hp, w.shape, w.dtype, w._gather)
-        args, kwargs = tree_map_only(cls, lambda t: t._value(), (args, kwargs))
+        args, kwargs = tree_map_only(cls, lambda t: t.value(), (args, kwargs))
         return func(*args, **kwargs)
 
 
