@@ -7,7 +7,13 @@ all-reduced over the default process group, so every rank holds the same scaling
 state (the same scales, histories and FP8 casts), in two collectives a step (the
 forward's amaxes together, then the backward's); ``reduce_amax=False`` keeps each
 rank's own; a group given to ``te.autocast`` is used instead; a process group
-initialized after the model first ran counts from then on."""
+initialized after the model first ran counts from then on.
+
+Also: FSDP2 per layer round-trips through torch.distributed.checkpoint with the
+scaling state (two ranks and four); a recipe schedule (bf16 -> delayed ->
+current -> bf16) on two ranks, in DDP and in FSDP2 per layer, is one process on
+the whole batch within the tolerance table; FSDP2 per layer trains as DDP, bit
+for bit, under every recipe of tests/op_testing.py."""
 
 from __future__ import annotations
 
@@ -199,7 +205,7 @@ def _fsdp_model(mesh):
     return model
 
 
-def _dcp_round_trip(rank: int, folder: str) -> tuple[bool, bool, bool]:
+def _dcp_round_trip(rank: int, folder: str, world: int = WORLD) -> tuple[bool, bool, bool]:
     """Train an FSDP2 model (every op sharded, then the root) under its own delayed-
     scaling recipe (``te.apply_recipe``), save it with torch.distributed.checkpoint,
     load it into a fresh sharded model given the same recipe: (same scaling state,
@@ -212,19 +218,21 @@ def _dcp_round_trip(rank: int, folder: str) -> tuple[bool, bool, bool]:
 
     import te_fuser as te
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (world,))
     recipe = te.recipe.DelayedScaling(amax_history_len=4)
-    data = torch.randn(4, WORLD, 16, 32, generator=torch.Generator().manual_seed(3))
+    data = torch.randn(4, world, 16, 32, generator=torch.Generator().manual_seed(3))
+    data *= torch.arange(1, world + 1).reshape(1, world, 1, 1)  # every rank's amaxes differ
     model = te.apply_recipe(_fsdp_model(mesh), recipe, example_inputs=(data[0, rank],))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
         model(data[step, rank]).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(folder, "ckpt"))
+    checkpoint = os.path.join(folder, f"ckpt{world}")
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=checkpoint)
     fresh = te.apply_recipe(_fsdp_model(mesh), recipe, example_inputs=(data[0, rank],))
     state = {"model": get_model_state_dict(fresh)}
-    dcp.load(state, checkpoint_id=os.path.join(folder, "ckpt"))
+    dcp.load(state, checkpoint_id=checkpoint)
     set_model_state_dict(fresh, state["model"])
     loss = model(data[3, rank]).square().mean()
     fresh_loss = fresh(data[3, rank]).square().mean()
@@ -263,7 +271,8 @@ FOUR = 4
 def _four_worker(rank: int, folder: str, results) -> None:
     """Four ranks in DDP under delayed scaling with the default reduction, every
     rank on its own data: their scaling states equal; then rank 3 alone trains
-    under another margin, and every rank stops naming the two sets of ranks."""
+    under another margin, and every rank stops naming the two sets of ranks; then
+    FSDP2 per layer round-trips through DCP on the four ranks."""
     import te_fuser as te
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -293,19 +302,202 @@ def _four_worker(rank: int, folder: str, results) -> None:
             message = str(err)
         messages = [None] * FOUR
         dist.all_gather_object(messages, message)
+        outcomes = [None] * FOUR
+        dist.all_gather_object(outcomes, _dcp_round_trip(rank, folder, FOUR))
         if rank == 0:
             results["equal"] = all(torch.equal(states[0], s) for s in states[1:])
             results["messages"] = messages
+            results["dcp"] = outcomes
         dist.barrier()
         results[f"done {rank}"] = True
     finally:
         dist.destroy_process_group()
 
 
-def test_four_ranks_share_their_scaling_state_and_name_the_odd_one_out():
-    shared = spawned(_four_worker, FOUR)
+@pytest.fixture(scope="module")
+def four():
+    return spawned(_four_worker, FOUR)
+
+
+def test_four_ranks_in_fsdp2_per_layer_checkpoint_through_dcp_with_the_scaling_state(four):
+    for rank, (state, weights, loss) in enumerate(four["dcp"]):
+        assert weights and state and loss, f"rank {rank} of 4: (state, weights, next loss) equal: {(state, weights, loss)}"
+
+
+def test_four_ranks_share_their_scaling_state_and_name_the_odd_one_out(four):
+    shared = four
     equal, messages = shared["equal"], shared["messages"]
     assert equal, "four ranks with the default reduction: the scaling states differ"
     for rank, message in enumerate(messages):
         assert "ranks [0, 1, 2] and ranks [3]" in message, f"rank {rank}: {message}"
         assert f"this rank ({rank})" in message and f"margin={1 if rank == 3 else 0}" in message, message
+
+
+# -- a recipe schedule on two ranks against one process on the whole batch -----------
+
+SCHEDULE = ("bf16", "bf16", "delayed", "delayed", "current", "current", "bf16", "bf16")
+_LR = 0.1
+
+
+def _phase(name: str):
+    """The regions a step of phase ``name`` runs in: te.autocast's and torch's."""
+    import contextlib
+
+    import te_fuser as te
+
+    if name == "bf16":
+        return te.autocast(enabled=False), torch.autocast("cpu", dtype=torch.bfloat16)
+    recipe = {"delayed": _DELAYED, "current": _CURRENT}[name]
+    return te.autocast(recipe=recipe), contextlib.nullcontext()
+
+
+def _recipes():
+    import te_fuser as te
+
+    global _DELAYED, _CURRENT
+    _DELAYED, _CURRENT = te.recipe.DelayedScaling(amax_history_len=4), te.recipe.Float8CurrentScaling()
+
+
+def _schedule_run(rank: int, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch's loss at every step of SCHEDULE and the weights after it:
+    ``how`` is 'one' (this process alone on the whole batch), 'ddp' or 'fsdp2' (every
+    op then the root sharded), each rank on its half. SGD, so the weights move by
+    the gradients themselves."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model()
+    if how == "ddp":
+        run = DDP(model)
+    elif how == "fsdp2":
+        run = model = _fsdp_model(init_device_mesh("cpu", (WORLD,)))
+    else:
+        run = model
+    opt = torch.optim.SGD(model.parameters(), lr=_LR)
+    data = torch.randn(len(SCHEDULE), WORLD * 16, 32, generator=torch.Generator().manual_seed(11))
+    data[:, 16:] *= 3.0  # rank 1's half is larger: its current-scaling amaxes are the global ones
+    losses = []
+    for step, name in enumerate(SCHEDULE):
+        x = data[step] if how == "one" else data[step].chunk(WORLD)[rank]
+        region, torch_region = _phase(name)
+        with region, torch_region:
+            loss = run(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if how != "one":
+            loss = sum(gathered(loss.detach().reshape(1))) / WORLD  # the halves are equal: the global mean
+        losses.append(loss.detach().reshape(()))
+    weights = [p.full_tensor() if how == "fsdp2" else p for p in model.parameters()]
+    return torch.stack(losses), torch.cat([w.detach().reshape(-1) for w in weights])
+
+
+# -- FSDP2 per layer under every recipe ---------------------------------------------------
+
+
+def _every_recipe(rank: int) -> dict:
+    """Each recipe of tests/op_testing.py: FSDP2 per layer and DDP on the same ranks
+    and data, two AdamW steps: (losses equal, weights equal, scaling states equal
+    across the ranks). Shapes are multiples of 128 (the block recipes' tiles)."""
+    import te_fuser as te
+    from op_testing import RECIPES
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def build():
+        torch.manual_seed(0)
+        return te.ops.Sequential(te.ops.LayerNorm(128), te.ops.Linear(128, 256), te.ops.GELU(), te.ops.Linear(256, 128))
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    data = torch.randn(2, WORLD, 128, 128, generator=torch.Generator().manual_seed(5))
+    data[:, 1] *= 2.0
+    outcome = {}
+    for name, recipe in RECIPES.items():
+        runs = []
+        for sharded in (True, False):
+            model = build()
+            if sharded:
+                for module in model:
+                    fully_shard(module, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            run = model if sharded else DDP(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(2):
+                with te.autocast(enabled=recipe is not None, recipe=recipe):
+                    loss = run(data[step, rank]).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            weights = [p.full_tensor() if sharded else p for p in model.parameters()]
+            state = _scaling_state(model) if any(
+                q.state_tensors() for op in model.modules() for q in getattr(op, "installed_quantizers", {}).values()
+            ) else torch.zeros(1)
+            runs.append((torch.stack(losses), torch.cat([w.detach().reshape(-1) for w in weights]), state))
+        (f_losses, f_weights, f_state), (d_losses, d_weights, _) = runs
+        outcome[name] = (torch.equal(f_losses, d_losses), torch.equal(f_weights, d_weights),
+                         all(torch.equal(s, f_state) for s in gathered(f_state)))
+    return outcome
+
+
+def _schedule_worker(rank: int, folder: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
+                            world_size=WORLD)
+    try:
+        _recipes()
+        runs = {how: _schedule_run(rank, how) for how in ("one", "ddp", "fsdp2")}
+        recipes = _every_recipe(rank)
+        if rank == 0:
+            results["schedule"] = runs
+            results["every recipe"] = recipes
+        dist.barrier()
+        results[f"done {rank}"] = True
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def schedule():
+    return spawned(_schedule_worker, WORLD)
+
+
+@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+def test_a_recipe_schedule_on_two_ranks_is_one_process_on_the_whole_batch(schedule, how):
+    """bf16 -> delayed -> current -> bf16, two steps each, against one process on the
+    global batch, within the tolerance table (a phase's losses under its format,
+    the weights under bf16's; measured: losses within 9e-5 relative outside the
+    current-scaling phase, 6.7e-3 in it, weights within 5e-5). Not bit for bit: each rank's weight gradient sums
+    over its half of the batch and the halves are then averaged (another order of
+    fp32 additions than one sum over the batch); under current scaling each rank
+    casts its half with the scale of its own amax, where one process casts the
+    whole batch with the larger one (delayed scaling's reduced amax is the global
+    batch's, so its casts are the one process's)."""
+    from tolerances import TOLERANCES, assert_close
+
+    one_losses, one_weights = schedule["schedule"]["one"]
+    losses, weights = schedule["schedule"][how]
+    for step, name in enumerate(SCHEDULE):
+        key = torch.bfloat16 if name == "bf16" else torch.float8_e4m3fn
+        assert_close(losses[step], one_losses[step], key, f"{how}, step {step} ({name}): the global batch's loss")
+    assert_close(weights, one_weights, torch.bfloat16, f"{how}: the weights after the schedule")
+    assert not torch.equal(weights, _model_weights()), "the schedule trained nothing"
+
+
+def _model_weights() -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
+
+
+@pytest.mark.parametrize("name", ["none", "delayed", "current", "mxfp8", "block", "rowwise", "custom_identity",
+                                  "delayed_mha", "current_mha"])
+def test_fsdp2_per_layer_trains_as_ddp_under_every_recipe(schedule, name):
+    """The same local computations and an average of two gradients either way: bit
+    for bit, and the ranks' scaling states (delayed scaling's amaxes) equal."""
+    from op_testing import RECIPES
+
+    assert set(RECIPES) == set(schedule["every recipe"])
+    losses, weights, states = schedule["every recipe"][name]
+    assert losses, f"{name}: FSDP2 per layer's losses differ from DDP's"
+    assert weights, f"{name}: FSDP2 per layer's weights differ from DDP's"
+    assert states, f"{name}: the ranks' scaling states differ"

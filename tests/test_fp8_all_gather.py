@@ -158,7 +158,7 @@ def _fresh_after_step(rank: int) -> dict:
     recipe = te.recipe.Float8CurrentScaling()
     cast = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
     x = torch.randn(5, 16, 64, generator=torch.Generator().manual_seed(rank))
-    out = {"fresh": [], "changed": [], "fp8": [], "data_write": None, "hp_forward": None}
+    out = {"fresh": [], "changed": [], "fp8": [], "hp_forward": None}
     previous = None
     for step in range(5):
         if step == 3:  # a write no version counter sees, between two steps
