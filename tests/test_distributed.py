@@ -501,3 +501,46 @@ def test_fsdp2_per_layer_trains_as_ddp_under_every_recipe(schedule, name):
     assert losses, f"{name}: FSDP2 per layer's losses differ from DDP's"
     assert weights, f"{name}: FSDP2 per layer's weights differ from DDP's"
     assert states, f"{name}: the ranks' scaling states differ"
+
+
+# -- the multi-GPU benchmark, at smoke size on CPU -------------------------------------
+
+
+def _bench_worker(rank: int, folder: str, results) -> None:
+    import argparse
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_distributed
+
+    out = os.path.join(folder, "bench.json")
+    bench_distributed.run(rank, WORLD, argparse.Namespace(
+        arms=list(bench_distributed.ARMS), recipe="current", steps=1, timed=1, smoke=True, json=out, no_csv=True))
+    if rank == 0:
+        import json
+
+        results["bench"] = json.loads(pathlib.Path(out).read_text())
+    results[f"done {rank}"] = True
+
+
+def test_the_distributed_benchmark_runs_on_cpu_and_counts_the_fp8_all_gather_bytes(monkeypatch):
+    """benchmarks/bench_distributed.py (torchrun on two GPUs later) at smoke size on
+    two gloo ranks: every arm trains, and the FP8 all-gather sends one byte per
+    linear weight element where the bf16 gathers send two."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    import te_fuser as te
+    from te_fuser.models.gpt import GPT, GPTConfig
+
+    arms = {a["arm"]: a for a in spawned(_bench_worker, WORLD)["bench"]["arms"]}
+    linear_weights = sum(op.weight.numel() for op in GPT(GPTConfig.smoke()).modules()
+                         if isinstance(op, te.ops.BasicLinear))
+    gathers = 2  # forward and backward, each rank sending its half
+    bf16, fp8, fp8_all_gather = (arms[a]["all_gather_bytes_per_step"] for a in ("bf16", "fp8", "fp8_all_gather"))
+    assert bf16 == fp8 and bf16 - fp8_all_gather == gathers * linear_weights // WORLD, arms
+    assert arms["fp8_all_gather"]["gathers"]["fp8"] > 0 and all(a["tokens_per_s_per_gpu"] > 0 for a in arms.values())

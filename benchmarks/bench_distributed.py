@@ -1,0 +1,208 @@
+"""The yardstick GPT under FSDP2 on several GPUs: bf16, FP8, and FP8 with the FP8 weight all-gather.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_distributed.py [--recipe current] [--steps 3] [--timed 10]
+    python benchmarks/bench_distributed.py --smoke       # CPU: two local gloo processes, the smoke-size GPT
+
+The GPT of ``te_fuser.models.gpt`` (``GPTConfig.gpu()``: 8 layers, d 1024, seq
+1024, batch 16 per GPU) with ``fully_shard`` on its embeddings, every block and
+its head, then the root, ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``, under ``torch.autocast(bf16)`` and fused AdamW. Arms:
+
+- ``bf16``: no FP8 recipe;
+- ``fp8``: ``--recipe`` (delayed or current scaling), weights gathered in bf16;
+- ``fp8_all_gather``: the same with ``te.enable_fsdp_fp8_all_gather``: the
+  linears' weights gathered in FP8.
+
+Per arm: tokens/s per GPU (median step time), and per rank and step the bytes its
+all-gathers send (counted at ``torch.distributed.all_gather_single``, which
+FSDP2's all-gather and the FP8 all-gather's own call) and their time (on CUDA the
+GPU time of the NCCL all-gather kernels in a profiled step; on CPU the time the
+calls take). Rank 0 prints the table and appends rows to
+``benchmarks/out/results.csv``; ``--json`` writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import te_fuser as te  # noqa: E402
+from te_fuser.models.gpt import GPT, GPTConfig  # noqa: E402
+
+ARMS = ("bf16", "fp8", "fp8_all_gather")
+
+
+class _Sent:
+    """The bytes every all-gather of this rank sends (its input), and the calls' time."""
+
+    def __init__(self) -> None:
+        self.bytes, self.calls, self.seconds = 0, 0, 0.0
+        self._original = dist.all_gather_single
+
+    def __enter__(self):
+        def counted(output_tensor, input_tensor, *args, **kwargs):
+            self.bytes += input_tensor.numel() * input_tensor.element_size()
+            self.calls += 1
+            t0 = time.perf_counter()
+            try:
+                return self._original(output_tensor, input_tensor, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        dist.all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_gather_single = self._original
+
+
+def build(arm: str, config: GPTConfig, device: torch.device, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(config, device=device)
+    if arm == "fp8_all_gather":
+        te.enable_fsdp_fp8_all_gather(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in (model.embed, *model.blocks, model.head):
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, steps: int, timed: int) -> dict:
+    model = build(arm, config, device, mesh)
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    batch = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=gen).to(device)
+    x, y = batch[:, :-1], batch[:, 1:]
+    fp8 = recipe if arm != "bf16" else None
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16), te.autocast(enabled=fp8 is not None, recipe=fp8):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for _ in range(steps):  # warm-up: plans built, kernels compiled, FP8 gathers under way
+        step()
+    times = []
+    with _Sent() as sent:
+        for _ in range(timed):
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = step()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    gather_ms = sent.seconds * 1e3 / timed
+    if cuda:
+        gather_ms = _nccl_all_gather_ms(step)
+    step_s = statistics.median(times)
+    return {"arm": arm, "step_ms": step_s * 1e3, "tokens_per_s_per_gpu": config.batch_size * config.seq_len / step_s,
+            "all_gather_bytes_per_step": sent.bytes // timed, "all_gathers_per_step": sent.calls // timed,
+            "all_gather_ms_per_step": gather_ms, "loss": loss.item(), "gathers": te.fp8_all_gather_stats(model)}
+
+
+def _nccl_all_gather_ms(step) -> float:
+    """GPU milliseconds of one step's NCCL all-gather kernels (profiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages() if "AllGather" in e.key)
+    return total_us / 1e3
+
+
+def run(rank: int, world: int, args) -> None:
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world and not args.smoke
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world,))
+        config = GPTConfig.smoke() if args.smoke else GPTConfig.gpu()
+        recipe = {"delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling()}[args.recipe]
+        figures = [measure(arm, recipe, config, device, mesh, args.steps, args.timed) for arm in args.arms]
+        if rank == 0:
+            report(figures, config, world, args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def report(figures: list[dict], config: GPTConfig, world: int, args) -> None:
+    shape = f"GPT {config.n_layer}x{config.d_model}, seq {config.seq_len}, batch {config.batch_size}/GPU, {world} ranks"
+    base = next((f for f in figures if f["arm"] == "bf16"), None)
+    print(shape)
+    print(f"{'arm':16} {'tok/s/GPU':>12} {'vs bf16':>8} {'step ms':>9} {'AG MB/step':>11} {'AG ms/step':>11}")
+    for f in figures:
+        ratio = f["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else float("nan")
+        print(f"{f['arm']:16} {f['tokens_per_s_per_gpu']:12.0f} {ratio:8.2f} {f['step_ms']:9.2f} "
+              f"{f['all_gather_bytes_per_step'] / 2**20:11.2f} {f['all_gather_ms_per_step']:11.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shape": shape, "recipe": args.recipe, "arms": figures}, indent=1))
+    if not args.no_csv:
+        import harness
+
+        rows = [harness.Row("distributed_fsdp2", f"{f['arm']} ({args.recipe})", "auto", shape, f["step_ms"],
+                            f["tokens_per_s_per_gpu"], "tok/s/GPU",
+                            vs_peer=(f["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]) if base else None,
+                            peer="bf16 arm", extra={"all_gather_bytes": f["all_gather_bytes_per_step"],
+                                                    "all_gather_ms": round(f["all_gather_ms_per_step"], 3)})
+                for f in figures]
+        print(f"rows appended to {harness.append_csv(rows)}")
+
+
+def _spawned(rank: int, world: int, args) -> None:
+    torch.set_num_threads(1)
+    run(rank, world, args)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
+    p.add_argument("--recipe", default="current", choices=["delayed", "current"])
+    p.add_argument("--steps", type=int, default=3, help="warm-up steps per arm")
+    p.add_argument("--timed", type=int, default=10, help="timed steps per arm")
+    p.add_argument("--smoke", action="store_true", help="CPU, gloo, the smoke-size GPT, two local processes")
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-csv", action="store_true")
+    args = p.parse_args(argv)
+    if "RANK" in os.environ:  # torchrun
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
+    with socket.socket() as sock:  # two local processes, meeting on a free port
+        sock.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    with contextlib.suppress(KeyboardInterrupt):
+        torch.multiprocessing.spawn(_spawned, args=(2, args), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
