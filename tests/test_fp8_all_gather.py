@@ -209,6 +209,43 @@ def _regathered(rank: int, fp8_all_gather: bool) -> tuple:
     return torch.stack(losses), weights, te.fp8_all_gather_stats(model) if fp8_all_gather else None
 
 
+def _dcp_round_trip(rank: int, folder: str) -> tuple:
+    """A model with its own current-scaling recipe and the FP8 all-gather, saved
+    through torch.distributed.checkpoint after FP8 steps and loaded into a fresh
+    one: (the weights equal, the next loss equal, the checkpoint's weights plain
+    tensors)."""
+    import os
+
+    import te_fuser as te
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(rank))
+
+    def build():
+        return te.apply_recipe(_sharded(_model(), True), te.recipe.Float8CurrentScaling(), example_inputs=(x[0],))
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        model(x[step]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    checkpoint = os.path.join(folder, "ckpt")
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=checkpoint)
+    fresh = build()
+    state = {"model": get_model_state_dict(fresh)}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_model_state_dict(fresh, state["model"])
+    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters()))
+    loss, fresh_loss = model(x[3]).square().mean(), fresh(x[3]).square().mean()
+    saved = os.path.join(folder, f"state{rank}.pt")
+    torch.save(model.state_dict(), saved)
+    plain = all(type(v.to_local()) is torch.Tensor for k, v in torch.load(saved, weights_only=False).items()
+                if k.endswith("weight"))
+    return same, torch.equal(loss, fresh_loss), plain, te.fp8_all_gather_stats(model)["fp8"]
+
+
 def _worker(rank: int, folder: str, results) -> None:
     init(rank, WORLD, folder)
     try:
@@ -218,7 +255,17 @@ def _worker(rank: int, folder: str, results) -> None:
         plain, fp8 = _train_schedule(rank, False), _train_schedule(rank, True)
         fresh = _fresh_after_step(rank)
         (plain_losses, plain_weights, _), (losses, weights, stats) = _regathered(rank, False), _regathered(rank, True)
+        checkpointed = _dcp_round_trip(rank, folder)
+        import te_fuser as te
+
+        try:
+            te.enable_fsdp_fp8_all_gather(_sharded(_model(), False))
+            late = "no error"
+        except RuntimeError as err:
+            late = str(err)
         if rank == 0:
+            results["late"] = late
+            results["dcp"] = checkpointed
             results["bytes"] = sent
             results["schedule"] = {k: (plain[k], fp8[k]) for k in plain}
             results["fresh"] = fresh
@@ -284,7 +331,18 @@ def test_a_gather_for_a_recipe_the_step_did_not_run_is_gathered_again(results):
     assert stats["regathered"] == 2, stats  # both linears, once
 
 
-def test_enabling_after_fully_shard_is_an_error_naming_the_order():
+def test_a_model_with_the_fp8_all_gather_round_trips_through_dcp(results):
+    same_weights, same_loss, plain, fp8_gathers = results["dcp"]
+    assert same_weights and same_loss
+    assert plain, "torch.save of the state dict holds the plain tensors the shards wrap"
+    assert fp8_gathers > 0, "the model trained with FP8 gathers before the save"
+
+
+def test_enabling_after_fully_shard_is_an_error_naming_the_order(results):
+    assert "already sharded; call it before fully_shard" in results["late"], results["late"]
+
+
+def test_enabling_twice_keeps_the_weights_and_a_model_without_linears_is_an_error():
     import te_fuser as te
 
     with pytest.raises(ValueError, match="holds no te_fuser linear"):

@@ -128,6 +128,9 @@ class Float8AllGatherShard(torch.Tensor):
     def __repr__(self) -> str:
         return f"Float8AllGatherShard({self._data!r})"
 
+    def __reduce_ex__(self, protocol):  # saved (torch.save, DCP) as the plain tensor it wraps
+        return self._data.__reduce_ex__(protocol)
+
     def __tensor_flatten__(self):
         return ["_data"], self._gather
 
