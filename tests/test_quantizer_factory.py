@@ -26,7 +26,8 @@ from te_fuser.recipe import (
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ROLES = [QuantizerRole("linear", tensor_type, "fc1") for tensor_type in TENSOR_TYPES]
-EPSILON_OF = {"input": 1e-3, "output": 1e-3, "weight": 2e-3, "grad_output": 3e-3, "grad_input": 3e-3}
+EPSILON_OF = {"input": 1e-3, "output": 1e-3, "weight": 2e-3, "grad_output": 3e-3, "grad_input": 3e-3,
+              "qkv": 1e-3, "s": 1e-3, "o": 1e-3, "do": 3e-3}  # attention's tensors: activations and a gradient
 
 
 def expected_dtype(fmt: Format, role: QuantizerRole) -> torch.dtype:
@@ -97,7 +98,8 @@ def test_block_scaling_dims_by_role(role, dims):
     )
     quantizer = quantizer_for(recipe, role)
     assert type(quantizer) is Float8BlockQuantizer and quantizer.role == role
-    dim_of = {"input": x_dim, "output": x_dim, "weight": w_dim, "grad_output": grad_dim, "grad_input": grad_dim}
+    dim_of = {"input": x_dim, "output": x_dim, "weight": w_dim, "grad_output": grad_dim, "grad_input": grad_dim,
+              "qkv": x_dim, "s": x_dim, "o": x_dim, "do": grad_dim}
     assert quantizer.block_dim == dim_of[role.tensor_type]
     assert quantizer.scaling == ("block_1x128" if quantizer.block_dim == 1 else "block_128x128")
     assert quantizer.fp8_dtype is expected_dtype(Format.HYBRID, role)
