@@ -29,7 +29,10 @@ import te_fuser as te
 from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights
 
 RECIPES = {"bf16": None, "delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling(),
-           "block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling()}
+           "block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling(),
+           # FP8 attention (the te attention ops only): the core alone, and with its FP8 hand-offs
+           "current_dpa": te.recipe.Float8CurrentScaling(fp8_dpa=True), "delayed_dpa": te.recipe.DelayedScaling(fp8_dpa=True),
+           "delayed_mha": te.recipe.DelayedScaling(fp8_mha=True)}
 
 
 def step_fn(model, opt, recipe, batch):
@@ -102,6 +105,8 @@ def main(argv=None):
     p.add_argument("--timed", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--host", action="store_true", help="also profile the host's Python per arm (cProfile)")
+    p.add_argument("--attention", choices=["sdpa", "te"], default="sdpa",
+                   help="the GPT's attention: torch SDPA between the fused groups, or te_fuser's attention ops")
     p.add_argument("--host-only", action="store_true",
                    help="time each arm at a tiny width with the same layers: the GPU work is negligible, so the step "
                         "time is the host's (what the host costs per step at full size, when it is not hidden)")
@@ -110,7 +115,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    config = GPTConfig.gpu()
+    config = dataclasses.replace(GPTConfig.gpu(), attention=args.attention)
     if args.host_only:
         config = dataclasses.replace(config, d_model=128, n_head=2, d_ffn=512, seq_len=64, batch_size=2)
     torch.manual_seed(0)

@@ -183,10 +183,11 @@ class DotProductAttention(BasicOperation):
         return (1, shape[0]) if len(shape) == 2 else (shape[0], shape[1])
 
     def split_heads(self, x: torch.Tensor, batch: int, seq: int):
-        """q (B, H, T, D), k and v (B, Hkv, T, D), contiguous, from the fused (..., W) ``x``."""
+        """q (B, H, T, D), k and v (B, Hkv, T, D) from the fused (..., W) ``x``: views of
+        it, no copies (the kernels take any strides with a contiguous head dim)."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         heads = x.reshape(batch, seq, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2 Hkv, T, D), a view
-        return (heads[:, :H].contiguous(), heads[:, H:H + Hkv].contiguous(), heads[:, H + Hkv:].contiguous())
+        return heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
 
     def merge_heads(self, t: torch.Tensor) -> torch.Tensor:
         """(B, heads, T, D) -> (B, T, heads·D)."""
@@ -316,7 +317,7 @@ def attention_backward(ctx: OpContext, op: DotProductAttention, dy: torch.Tensor
     if saved["fp8"] and run.fp8_backward:
         dy_hp = ctx.quantizers["do"](dy_hp, rowwise=True).dequantize(dtype)
     B, H, T, D = o.shape
-    do = dy_hp.reshape(B, T, H, D).transpose(1, 2).contiguous()  # (B, H, T, D)
+    do = dy_hp.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D), a view
     dq, dk, dv = _kernel("attention_backward", o.device)(q, k, v, o, lse, do, op.causal, op.softmax_scale)
     dx = torch.cat([op.merge_heads(dq), op.merge_heads(dk), op.merge_heads(dv)], dim=-1)  # (B, T, W)
     return dx.reshape(x_shape)
