@@ -91,7 +91,11 @@ class AttentionPlan:
 # (kernel, head dim) -> plan on a GPU; "fwd" the bf16/fp16 forward, "fwd_fp8" the
 # FP8 forward, "dq" and "dkdv" the backward's two kernels (dkdv: block_n keys per
 # program, block_m queries per step). Head dims missing here use the next larger
-# entry. The benchmarks may replace entries to compare launch shapes.
+# entry. The benchmarks may replace entries to compare launch shapes. Chosen from
+# sm_90 builds (Triton's compiler run ahead of time for capability 9.0, with the
+# launch's specializations: 16-divisible pointers and strides): every entry
+# pipelines its loads (cp.async), runs its dots as wgmma and spills no registers
+# (dkdv at head dim 128: 6 spilled words); not yet timed on a GPU.
 ATTENTION_PLANS = {
     ("fwd", 128): AttentionPlan(128, 64, 8, 3),
     ("fwd", 64): AttentionPlan(128, 64, 4, 3),
@@ -100,8 +104,8 @@ ATTENTION_PLANS = {
     ("fwd_fp8", 64): AttentionPlan(128, 128, 8, 3),
     ("dq", 128): AttentionPlan(128, 64, 8, 2),
     ("dq", 64): AttentionPlan(128, 32, 4, 3),
-    ("dkdv", 128): AttentionPlan(64, 128, 8, 2),
-    ("dkdv", 64): AttentionPlan(32, 128, 4, 3),
+    ("dkdv", 128): AttentionPlan(32, 128, 8, 2),  # the fewest spills of the sm_90 builds tried (6 stores)
+    ("dkdv", 64): AttentionPlan(32, 128, 8, 2),
 }
 _INTERPRETED_PLANS = {  # small tiles: several per sequence at test sizes, both loops of each kernel run
     "fwd": AttentionPlan(32, 16, 4, 1),
@@ -126,14 +130,22 @@ AUTOTUNE_CONFIGS = {
     "fwd_fp8": _configs([(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 3),
                          (128, 128, 4, 3)]),
     "dq": _configs([(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]),
-    "dkdv": _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4),
-                      (128, 128, 8, 2)]),
+    "dkdv": _configs([(32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 2), (32, 64, 8, 3),
+                      (32, 128, 4, 3)]),
 }
+
+
+# fp32 inputs (a check, not a fast path: IEEE fp32 dots run on the FMA units): tiles
+# whose fp32 stages fit in shared memory at head dim 128.
+_FP32_PLANS = {"fwd": AttentionPlan(64, 32, 4, 2), "dq": AttentionPlan(64, 32, 4, 2),
+               "dkdv": AttentionPlan(32, 64, 4, 2)}
 
 
 def _plan(kernel: str, head_dim: int, t: torch.Tensor) -> AttentionPlan:
     if is_interpreted(t):
         return _INTERPRETED_PLANS[kernel]
+    if t.dtype == torch.float32:
+        return _FP32_PLANS[kernel]
     dims = sorted(d for k, d in ATTENTION_PLANS if k == kernel)
     return ATTENTION_PLANS[(kernel, next((d for d in dims if d >= head_dim), dims[-1]))]
 
