@@ -14,7 +14,8 @@ __all__ = ["Quantize", "Identity", "Reshape", "Dropout", "ConstantScale"]
 class Quantize(BasicOperation):
     """Rounds the tensor onto the recipe's FP8 grid (quantize, then dequantize):
     the forward value when ``forward``, the gradient when ``backward``. Without a
-    recipe it passes tensors through."""
+    recipe it passes tensors through, and a recipe's ``backward_override`` keeps
+    the gradient in high precision (as TransformerEngine's ``Quantize``)."""
 
     module_type = "quantize"
     forward_roles = ("input",)
@@ -49,7 +50,7 @@ class Quantize(BasicOperation):
         return x, []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
-        if self.quantize_backward and ctx.run.quantizing:
+        if self.quantize_backward and ctx.run.fp8_backward:
             return self._round_trip(ctx.quantizer("grad_output"), dy), [], []
         return dy, [], []
 
