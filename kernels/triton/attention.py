@@ -135,10 +135,10 @@ AUTOTUNE_CONFIGS = {
 }
 
 
-# fp32 inputs (a check, not a fast path: IEEE fp32 dots run on the FMA units): tiles
-# whose fp32 stages fit in shared memory at head dim 128.
-_FP32_PLANS = {"fwd": AttentionPlan(64, 32, 4, 2), "dq": AttentionPlan(64, 32, 4, 2),
-               "dkdv": AttentionPlan(32, 64, 4, 2)}
+# fp32 inputs (a check, not a fast path: IEEE fp32 dots run on the FMA units, and
+# spill at any useful tile size): small tiles that fit in shared memory at head dim 128.
+_FP32_PLANS = {"fwd": AttentionPlan(32, 32, 4, 2), "dq": AttentionPlan(32, 32, 4, 2),
+               "dkdv": AttentionPlan(32, 32, 4, 2)}
 
 
 def _plan(kernel: str, head_dim: int, t: torch.Tensor) -> AttentionPlan:
