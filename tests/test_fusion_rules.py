@@ -145,6 +145,8 @@ EXAMPLES: dict[str, RuleExamples] = {
     "forward_linear_bias_activation": RuleExamples(_LINEAR_ACTIVATION_LINEAR),
     "forward_linear_bias_add": RuleExamples(
         (Example(_sequential(partial(te.ops.Linear, H, F), te.ops.AddExtraInput), extra_inputs=1),)),
+    "forward_linear_add": RuleExamples(
+        (Example(_sequential(partial(te.ops.Linear, H, F, bias=False), te.ops.AddExtraInput), extra_inputs=1),)),
     "forward_linear_bias": RuleExamples((Example(_sequential(partial(te.ops.Linear, H, F))),)),
     "backward_linear_bias_activation": RuleExamples(_LINEAR_ACTIVATION_LINEAR, recipes=FP8_RECIPES,
                                                     why_not_other_recipes=_DECLINES_WITHOUT_FP8),
@@ -156,6 +158,8 @@ EXAMPLES: dict[str, RuleExamples] = {
                                                    for act in ACTIVATIONS)),
     "backward_linear_add": RuleExamples(
         (Example(_sequential(te.ops.MakeExtraOutput, partial(te.ops.BasicLinear, H, F))),)),
+    "backward_add_rmsnorm": RuleExamples(
+        (Example(_sequential(te.ops.MakeExtraOutput, partial(te.ops.RMSNorm, H))),)),
 }
 
 

@@ -77,6 +77,8 @@ def gemm(
         return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual, fast_accum=fast_accum)
     compute = out_dtype if compute_dtype is None else compute_dtype
     a_hp, b_hp = _high_precision(a, compute), _high_precision(b, compute)
+    if residual is not None and compute in _NARROW:
+        return _gemm_residual_rounded_once(a_hp, b_hp, out_dtype, bias, activation, residual)
     if bias is not None and bias.dtype is not compute:
         bias = bias.to(compute)
     out = torch.nn.functional.linear(a_hp, b_hp, bias)  # the bias in the GEMM's epilogue, as torch.nn.Linear
@@ -85,6 +87,26 @@ def gemm(
     if residual is not None:
         out = out + residual
     return out if out.dtype is out_dtype else out.to(out_dtype)
+
+
+_NARROW = (torch.bfloat16, torch.float16)
+
+
+def _gemm_residual_rounded_once(a_hp, b_hp, out_dtype, bias, activation, residual) -> torch.Tensor:
+    """The high-precision GEMM with a residual in bf16/fp16: the product accumulated
+    and kept in fp32, bias, activation and residual added in fp32, one rounding to
+    ``out_dtype`` — as an FP8 GEMM's epilogue (and cuBLAS's ``beta = 1``) does, so a
+    residual add does not round the product first."""
+    if a_hp.is_cuda:
+        out = torch.mm(a_hp, b_hp.t(), out_dtype=torch.float32)  # bf16/fp16 tensor cores, fp32 result
+    else:
+        out = a_hp.float() @ b_hp.float().t()  # exact products, fp32 sums
+    if bias is not None:
+        out += bias.float()
+    if activation is not None:
+        out = apply_activation(out, activation)
+    out += residual
+    return out.to(out_dtype)
 
 
 def gemm_fp8_out(

@@ -8,13 +8,16 @@ from ..basic.attention import DotProductAttention
 from ..basic.bias import Bias
 from ..basic.extra import AddExtraInput, MakeExtraOutput
 from ..basic.linear import BasicLinear
+from ..basic.norm import RMSNorm
 from ..rules import FusionRule, register_fusion_rule
 from .backward_activation_bias import BackwardActivationBias
+from .backward_add_rmsnorm import BackwardAddRMSNorm
 from .backward_linear_add import BackwardLinearAdd
 from .backward_linear_bias import BackwardLinearBias
 from .backward_linear_bias_activation import BackwardLinearBiasActivation
 from .forward_dpa_linear import ForwardDPALinear
 from .forward_linear_bias_activation import ForwardLinearBiasActivation
+from .forward_linear_add import ForwardLinearAdd
 from .forward_linear_bias_add import ForwardLinearBiasAdd
 from .forward_linear_bias_dpa_linear import ForwardLinearBiasDPALinear
 from .forward_linear_bias_linear import ForwardLinearBiasLinear
@@ -22,6 +25,7 @@ from .forward_linear_bias_linear import ForwardLinearBiasLinear
 __all__ = [
     "ForwardLinearBiasActivation",
     "ForwardLinearBiasAdd",
+    "ForwardLinearAdd",
     "ForwardLinearBiasLinear",
     "ForwardLinearBiasDPALinear",
     "ForwardDPALinear",
@@ -29,6 +33,7 @@ __all__ = [
     "BackwardLinearBiasActivation",
     "BackwardLinearBias",
     "BackwardLinearAdd",
+    "BackwardAddRMSNorm",
     "DEFAULT_RULES",
 ]
 
@@ -150,6 +155,7 @@ DEFAULT_RULES = _hand_off_rules() + _attention_rules() + (
     FusionRule("forward_linear_bias_activation", "forward", ((BasicLinear,), (Bias,), (Activation,)),
                ForwardLinearBiasActivation),
     FusionRule("forward_linear_bias_add", "forward", ((BasicLinear,), (Bias,), (AddExtraInput,)), ForwardLinearBiasAdd),
+    FusionRule("forward_linear_add", "forward", ((BasicLinear,), (AddExtraInput,)), ForwardLinearAdd),
     FusionRule("forward_linear_bias", "forward", ((BasicLinear,), (Bias,)), ForwardLinearBiasActivation),
     FusionRule("backward_linear_bias_activation", "backward", ((BasicLinear,), (Bias,), (Activation,)),
                BackwardLinearBiasActivation, _needs_grad_output_quantizer),
@@ -157,6 +163,7 @@ DEFAULT_RULES = _hand_off_rules() + _attention_rules() + (
                _needs_grad_output_quantizer),
     FusionRule("backward_activation_bias", "backward", ((Bias,), (Activation,)), BackwardActivationBias),
     FusionRule("backward_linear_add", "backward", ((MakeExtraOutput,), (BasicLinear,)), BackwardLinearAdd),
+    FusionRule("backward_add_rmsnorm", "backward", ((MakeExtraOutput,), (RMSNorm,)), BackwardAddRMSNorm),
 )
 
 for _rule in DEFAULT_RULES:
