@@ -16,7 +16,7 @@ from torch import nn
 from ... import backend
 from ..op import BasicOperation
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["LayerNorm", "RMSNorm", "rms_norm_backward"]
 
 
 class _Norm(BasicOperation):
@@ -81,8 +81,22 @@ class RMSNorm(_Norm):
         return y2d.reshape(x.shape), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
-        x, rstd = ctx.saved["x"], ctx.saved["rstd"]
-        x2d = x.reshape(-1, self.size)  # (M, N)
-        dy2d = dy.reshape(-1, self.size)
-        dx2d, dw = backend.resolve("rms_norm_grad", x.device).fn(dy2d, x2d, self.weight, rstd, self.eps)
-        return dx2d.reshape(x.shape), [dw.to(self.weight.dtype)], []
+        dx, dw = rms_norm_backward(ctx, self, dy)
+        return dx, [dw], []
+
+
+def rms_norm_backward(ctx, op: RMSNorm, dy: torch.Tensor, grad_add: torch.Tensor | None = None):
+    """``(dx, dweight)`` of ``op``; with ``grad_add`` (the gradient of a branch taken
+    before the norm, ``MakeExtraOutput -> RMSNorm``) dx is the norm's gradient plus
+    it, summed in fp32 and rounded once to x's dtype: the two terms may cancel, and
+    a norm gradient rounded first would leave that rounding's error in the sum."""
+    x, rstd = ctx.saved["x"], ctx.saved["rstd"]
+    x2d = x.reshape(-1, op.size)  # (M, N)
+    dy2d = dy.reshape(-1, op.size)
+    grad = backend.resolve("rms_norm_grad", x.device).fn
+    if grad_add is None:
+        dx2d, dw = grad(dy2d, x2d, op.weight, rstd, op.eps)
+    else:
+        dx2d, dw = grad(dy2d, x2d.float(), op.weight, rstd, op.eps)  # dx in fp32
+        dx2d = (dx2d + grad_add.reshape(-1, op.size)).to(x.dtype)
+    return dx2d.reshape(x.shape), dw.to(op.weight.dtype)
