@@ -11,7 +11,8 @@ import torch
 
 __all__ = [
     "FP8Format", "FP8_FORMATS", "E4M3", "E5M2", "E8M0_BIAS", "fp8_format", "fp8_max",
-    "Scaling", "SCALING_TILES", "block_scaling", "scaling_tile", "ACTIVATIONS", "ACTIVATION_CODES",
+    "Scaling", "SCALING_TILES", "block_scaling", "scaling_tile", "ACTIVATIONS", "ACTIVATION_CODES", "GLU_GATES",
+    "EPILOGUE_ACTIVATIONS",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -76,12 +77,21 @@ def block_scaling(tile_rows: int) -> str:
     return Scaling.BLOCK_1X128 if tile_rows == 1 else Scaling.BLOCK_128X128
 
 
-# The activations the kernels (and GEMM epilogues) apply, and the integer code each
-# kernel branches on (0: none), the same in Triton and CUDA (launchers.cuh's
-# EpilogueActivation). GELU is the tanh approximation; SwiGLU halves the columns.
-ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4}
+# The activations the kernels apply, and the integer code each kernel branches on
+# (0: none), the same in Triton and CUDA (launchers.cuh's EpilogueActivation, which
+# has the first four). GELU is the tanh approximation (TransformerEngine's), QGELU
+# x·sigmoid(1.702x), SReLU max(x, 0)². The gated kinds (GLU_GATES: the gate's own
+# activation) halve the last dim, x = [a, b] -> gate(a) · b (the gate on the first
+# half, as TransformerEngine; torch's GLU gates the second).
+ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4, "qgelu": 5, "srelu": 6,
+                    "glu": 7, "geglu": 8, "qgeglu": 9, "reglu": 10, "sreglu": 11}
 ACTIVATIONS = tuple(kind for kind in ACTIVATION_CODES if kind is not None)
-
+# gated kind -> the activation of its gate ("sigmoid" is GLU's, not an activation kind)
+GLU_GATES = {"swiglu": "silu", "glu": "sigmoid", "geglu": "gelu", "qgeglu": "qgelu", "reglu": "relu",
+             "sreglu": "srelu"}
+# The activations a GEMM epilogue applies (Triton's and CUDA's); the fusion rules
+# run any other after the GEMM.
+EPILOGUE_ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
 
 def scaling_tile(scaling: str) -> tuple[int, int]:
     """``(rows, columns)`` per scale of ``scaling``."""

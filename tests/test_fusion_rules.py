@@ -20,6 +20,7 @@ import torch
 import te_fuser as te
 from op_testing import RECIPES, representable, run
 from te_fuser.ops import FusionRule, fusion_rules
+from te_fuser.kernels.formats import GLU_GATES
 from te_fuser.ops.fused import DEFAULT_RULES
 from tolerances import assert_close
 
@@ -28,6 +29,9 @@ ALL_RECIPES = ("none", "delayed", "current", "mxfp8", "block")
 ATTENTION_RECIPES = ("delayed_mha", "current_mha")  # fp8_mha: the attention hand-offs' recipes
 FP8_RECIPES = ("delayed", "current", "mxfp8", "block")
 ACTIVATIONS = (te.ops.GELU, te.ops.ReLU, te.ops.SiLU, te.ops.SwiGLU)
+# activations the GEMM epilogue does not apply: only the backward rules take them
+BACKWARD_ONLY_ACTIVATIONS = (te.ops.QGELU, te.ops.SReLU, te.ops.GLU, te.ops.GEGLU, te.ops.QGEGLU, te.ops.ReGLU,
+                             te.ops.SReGLU)
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class RuleExamples:
 
 
 def _width(act, n: int) -> int:
-    return n // 2 if act is te.ops.SwiGLU else n
+    return n // 2 if act is not None and act.kind in GLU_GATES else n
 
 
 def _linear_activation_linear(act) -> te.ops.Sequential:
@@ -148,14 +152,16 @@ EXAMPLES: dict[str, RuleExamples] = {
     "forward_linear_add": RuleExamples(
         (Example(_sequential(partial(te.ops.Linear, H, F, bias=False), te.ops.AddExtraInput), extra_inputs=1),)),
     "forward_linear_bias": RuleExamples((Example(_sequential(partial(te.ops.Linear, H, F))),)),
-    "backward_linear_bias_activation": RuleExamples(_LINEAR_ACTIVATION_LINEAR, recipes=FP8_RECIPES,
+    "backward_linear_bias_activation": RuleExamples(
+        _LINEAR_ACTIVATION_LINEAR + tuple(Example(partial(_linear_activation_linear, act))
+                                          for act in BACKWARD_ONLY_ACTIVATIONS), recipes=FP8_RECIPES,
                                                     why_not_other_recipes=_DECLINES_WITHOUT_FP8),
     "backward_linear_bias": RuleExamples(
         (Example(_sequential(partial(te.ops.Linear, H, F))),
          Example(_sequential(partial(te.ops.Linear, H, F), partial(te.ops.Linear, F, H)))),
         recipes=FP8_RECIPES, why_not_other_recipes=_DECLINES_WITHOUT_FP8),
     "backward_activation_bias": RuleExamples(tuple(Example(partial(_bias_activation_linear, act))
-                                                   for act in ACTIVATIONS)),
+                                                   for act in ACTIVATIONS + BACKWARD_ONLY_ACTIVATIONS)),
     "backward_linear_add": RuleExamples(
         (Example(_sequential(te.ops.MakeExtraOutput, partial(te.ops.BasicLinear, H, F))),)),
     "backward_add_rmsnorm": RuleExamples(

@@ -20,6 +20,13 @@ OPS = {
     "ReLU": (lambda k: te.ops.ReLU(), 0),
     "SiLU": (lambda k: te.ops.SiLU(), 0),
     "SwiGLU": (lambda k: te.ops.SwiGLU(), 0),
+    "QGELU": (lambda k: te.ops.QGELU(), 0),
+    "SReLU": (lambda k: te.ops.SReLU(), 0),
+    "GLU": (lambda k: te.ops.GLU(), 0),
+    "GEGLU": (lambda k: te.ops.GEGLU(), 0),
+    "QGEGLU": (lambda k: te.ops.QGEGLU(), 0),
+    "ReGLU": (lambda k: te.ops.ReGLU(), 0),
+    "SReGLU": (lambda k: te.ops.SReGLU(), 0),
     "LayerNorm": (lambda k: te.ops.LayerNorm(k), 0),
     "RMSNorm": (lambda k: te.ops.RMSNorm(k), 0),
     "Quantize": (lambda k: te.ops.Quantize(forward=True, backward=True), 0),
@@ -39,7 +46,7 @@ def _reference(name, module, x, params, extras):
         return (y + params["bias_op.bias"],) if name == "Linear" else (y,)
     if name == "Bias":
         return (x + params["bias"],)
-    if name in ("GELU", "ReLU", "SiLU", "SwiGLU"):
+    if name in ("GELU", "ReLU", "SiLU", "SwiGLU", "QGELU", "SReLU", "GLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU"):
         return (activation_reference(x, name.lower()),)
     if name == "LayerNorm":
         return (torch.nn.functional.layer_norm(x, (x.shape[-1],), params["weight"], params["bias"], module.eps),)

@@ -1,7 +1,9 @@
-"""Reference activations and their gradients, in fp32.
+"""Reference activations and their gradients, in fp32 (fp64 for fp64 input).
 
-GELU is the tanh approximation (as in TransformerEngine). SwiGLU splits the last
-dimension in two halves: ``silu(x[..., :d]) * x[..., d:]``.
+GELU is the tanh approximation (as in TransformerEngine), QGELU ``x·sigmoid(1.702x)``,
+SReLU ``max(x, 0)²``. The gated kinds split the last dimension in two halves and
+gate the first: ``gate(x[..., :d]) * x[..., d:]`` (SwiGLU: silu, GLU: sigmoid,
+GEGLU: gelu, QGEGLU: qgelu, ReGLU: relu, SReGLU: srelu).
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ import math
 
 import torch
 
-from ..formats import ACTIVATIONS
+from ..formats import ACTIVATIONS, GLU_GATES
 
 __all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference", "dact_dbias_reference"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
+_QGELU_C = 1.702
 
 
 def _gelu(x: torch.Tensor) -> torch.Tensor:
@@ -23,10 +26,12 @@ def _gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gelu_grad(x: torch.Tensor) -> torch.Tensor:
-    inner = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)
-    t = torch.tanh(inner)
+    # 0.5 (1 + tanh u) = sigmoid(2u) and 0.5 (1 - tanh² u) = 2 sigmoid(2u) sigmoid(-2u):
+    # the same function, without the cancellations of 1 ± tanh in fp32
+    two_u = 2.0 * _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)
+    s, s_neg = torch.sigmoid(two_u), torch.sigmoid(-two_u)  # s_neg = 1 - s, also where s rounds to 1
     d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+    return s + 2.0 * x * s * s_neg * d_inner
 
 
 def _silu_grad(x: torch.Tensor) -> torch.Tensor:
@@ -34,39 +39,50 @@ def _silu_grad(x: torch.Tensor) -> torch.Tensor:
     return s * (1.0 + x * (1.0 - s))
 
 
+def _qgelu_grad(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(_QGELU_C * x)
+    return s * (1.0 + _QGELU_C * x * (1.0 - s))
+
+
+# kind -> (f, f'), the unary activations and GLU's sigmoid gate
+_UNARY = {
+    "gelu": (_gelu, _gelu_grad),
+    "relu": (torch.relu, lambda x: (x > 0).to(x.dtype)),
+    "silu": (lambda x: x * torch.sigmoid(x), _silu_grad),
+    "qgelu": (lambda x: x * torch.sigmoid(_QGELU_C * x), _qgelu_grad),
+    "srelu": (lambda x: torch.relu(x) ** 2, lambda x: 2.0 * torch.relu(x)),
+    "sigmoid": (torch.sigmoid, lambda x: torch.sigmoid(x) * (1.0 - torch.sigmoid(x))),
+}
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")
+
+
 def activation_reference(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``kind(x)`` computed in fp32 (or fp64 for fp64 input), returned in that dtype
     or rounded once to ``out_dtype``."""
+    _check_kind(kind)
     x = x if x.dtype == torch.float64 else x.float()
-    if kind == "gelu":
-        y = _gelu(x)
-    elif kind == "relu":
-        y = torch.relu(x)
-    elif kind == "silu":
-        y = x * torch.sigmoid(x)
-    elif kind == "swiglu":
+    if kind in GLU_GATES:
         gate, up = x.chunk(2, dim=-1)
-        y = gate * torch.sigmoid(gate) * up
+        y = _UNARY[GLU_GATES[kind]][0](gate) * up
     else:
-        raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")
+        y = _UNARY[kind][0](x)
     return y if out_dtype is None else y.to(out_dtype)
 
 
 def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
     """Gradient w.r.t. the activation's input ``x`` given the output gradient ``dy``."""
+    _check_kind(kind)
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     x, dy = x.to(wide), dy.to(wide)
-    if kind == "gelu":
-        return dy * _gelu_grad(x)
-    if kind == "relu":
-        return dy * (x > 0).to(wide)
-    if kind == "silu":
-        return dy * _silu_grad(x)
-    if kind == "swiglu":
+    if kind in GLU_GATES:
+        f, f_grad = _UNARY[GLU_GATES[kind]]
         gate, up = x.chunk(2, dim=-1)
-        silu = gate * torch.sigmoid(gate)
-        return torch.cat([dy * up * _silu_grad(gate), dy * silu], dim=-1)
-    raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")
+        return torch.cat([dy * up * f_grad(gate), dy * f(gate)], dim=-1)
+    return dy * _UNARY[kind][1](x)
 
 
 def dact_dbias_reference(

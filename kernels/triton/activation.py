@@ -1,7 +1,8 @@
 """Activations, their gradients, and the fused backward ``dact_dbias`` in Triton.
 
 The math matches :mod:`te_fuser.kernels.reference.activation` (GELU is the tanh
-approximation; SwiGLU is ``silu(x[..., :d]) * x[..., d:]``), computed in fp32
+approximation; a gated kind is ``gate(x[..., :d]) * x[..., d:]``, SwiGLU's gate
+silu), computed in fp32
 (fp64 for fp64 inputs). The ``@triton.jit`` helpers here are also the GEMM
 epilogue's activations.
 """
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import ACTIVATION_CODES
+from ..formats import ACTIVATION_CODES, GLU_GATES
 from ._common import check_input, is_interpreted, round_through, sm_count
 from .cast import CastPlan
 
@@ -71,14 +72,36 @@ def silu_grad(x):
 
 
 @triton.jit
+def qgelu(x):
+    return x * _sigmoid(1.702 * x)
+
+
+@triton.jit
+def qgelu_grad(x):
+    s = _sigmoid(1.702 * x)
+    return s * (1.0 + 1.702 * x * (1.0 - s))
+
+
+@triton.jit
+def srelu(x):
+    r = tl.where(x > 0.0, x, 0.0)
+    return r * r
+
+
+@triton.jit
 def apply_activation(x, KIND: tl.constexpr):
-    """Element-wise activation ``KIND`` (1 gelu, 2 relu, 3 silu; 0 identity)."""
+    """Element-wise activation ``KIND`` (1 gelu, 2 relu, 3 silu, 5 qgelu, 6 srelu;
+    0 identity)."""
     if KIND == 1:
         return gelu(x)
     elif KIND == 2:
         return tl.where(x > 0.0, x, 0.0)
     elif KIND == 3:
         return silu(x)
+    elif KIND == 5:
+        return qgelu(x)
+    elif KIND == 6:
+        return srelu(x)
     else:
         return x
 
@@ -89,25 +112,64 @@ def apply_activation_grad(dy, x, KIND: tl.constexpr):
         return dy * gelu_grad(x)
     elif KIND == 2:
         return tl.where(x > 0.0, dy, 0.0)
+    elif KIND == 5:
+        return dy * qgelu_grad(x)
+    elif KIND == 6:
+        return dy * (2.0 * tl.where(x > 0.0, x, 0.0))
     else:
         return dy * silu_grad(x)
+
+
+@triton.jit
+def glu_gate(a, KIND: tl.constexpr):
+    """The gate's activation of the gated kind ``KIND`` (4 swiglu, 7 glu, 8 geglu,
+    9 qgeglu, 10 reglu, 11 sreglu)."""
+    if KIND == 7:
+        return _sigmoid(a)
+    elif KIND == 8:
+        return gelu(a)
+    elif KIND == 9:
+        return qgelu(a)
+    elif KIND == 10:
+        return tl.where(a > 0.0, a, 0.0)
+    elif KIND == 11:
+        return srelu(a)
+    else:
+        return silu(a)
+
+
+@triton.jit
+def glu_gate_grad(a, KIND: tl.constexpr):
+    if KIND == 7:
+        s = _sigmoid(a)
+        return s * (1.0 - s)
+    elif KIND == 8:
+        return gelu_grad(a)
+    elif KIND == 9:
+        return qgelu_grad(a)
+    elif KIND == 10:
+        return tl.where(a > 0.0, 1.0, 0.0)
+    elif KIND == 11:
+        return 2.0 * tl.where(a > 0.0, a, 0.0)
+    else:
+        return silu_grad(a)
 
 
 # -------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, COMPUTE: tl.constexpr,
+def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, GATED: tl.constexpr, COMPUTE: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """y (rows, cols_out) = KIND(x); for SwiGLU x is (rows, 2 * cols_out)."""
+    """y (rows, cols_out) = KIND(x); for a GATED kind x is (rows, 2 * cols_out)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_out)
-    if KIND == 4:
+    if GATED:
         row_ptr = x_ptr + offs_r[:, None] * (2 * cols_out) + offs_c[None, :]
         gate = tl.load(row_ptr, mask=mask, other=0.0).to(COMPUTE)
         up = tl.load(row_ptr + cols_out, mask=mask, other=0.0).to(COMPUTE)
-        y = silu(gate) * up
+        y = glu_gate(gate, KIND) * up
     else:
         x = tl.load(x_ptr + offs_r[:, None] * cols_out + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
         y = apply_activation(x, KIND)
@@ -115,21 +177,21 @@ def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, COMPUTE
 
 
 @triton.jit
-def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr, COMPUTE: tl.constexpr,
-               ROUND_TO: tl.constexpr):
+def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr, GATED: tl.constexpr,
+               COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr):
     """Write the input gradient of one tile; return its column sums (two halves,
-    gate then up, for SwiGLU; the second is zeros otherwise). With a ROUND_TO
+    gate then up, for a GATED kind; the second is zeros otherwise). With a ROUND_TO
     dtype (narrower than COMPUTE: the op's dtype), dx is first rounded once to
     it, and the sums are of the rounded values: what the unfused backward (dx in
     the op's dtype, then a bias gradient of that dx) computes."""
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_dy)
     dy = tl.load(dy_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
-    if KIND == 4:
+    if GATED:
         x_row = x_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
         gate = tl.load(x_row, mask=mask, other=0.0).to(COMPUTE)
         up = tl.load(x_row + cols_dy, mask=mask, other=0.0).to(COMPUTE)
-        d_gate = dy * up * silu_grad(gate)
-        d_up = dy * silu(gate)
+        d_gate = dy * up * glu_gate_grad(gate, KIND)
+        d_up = dy * glu_gate(gate, KIND)
         if ROUND_TO is not None:
             d_gate = round_through(d_gate, ROUND_TO)
             d_up = round_through(d_up, ROUND_TO)
@@ -148,16 +210,16 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.co
 
 
 @triton.jit
-def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.constexpr, COMPUTE: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.constexpr, GATED: tl.constexpr,
+                            COMPUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, None)
+    _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, GATED, COMPUTE, None)
 
 
 @triton.jit
 def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, rows, cols_dy, rows_per_split, KIND: tl.constexpr,
-                       COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       GATED: tl.constexpr, COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
     and the column sums of that slab into partial[s] (a row of cols_dx)."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -168,13 +230,14 @@ def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, rows, cols_dy, rows_p
     for r0 in range(first, tl.minimum(first + rows_per_split, rows), BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         offs_r = tl.where(offs_r < first + rows_per_split, offs_r, rows)  # stay inside this split
-        part_a, part_b = _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, COMPUTE, ROUND_TO)
+        part_a, part_b = _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, GATED, COMPUTE,
+                                    ROUND_TO)
         sum_a += part_a
         sum_b += part_b
-    cols_dx = 2 * cols_dy if KIND == 4 else cols_dy
+    cols_dx = 2 * cols_dy if GATED else cols_dy
     col_ok = offs_c < cols_dy
     tl.store(partial_ptr + split * cols_dx + offs_c, sum_a, mask=col_ok)
-    if KIND == 4:
+    if GATED:
         tl.store(partial_ptr + split * cols_dx + cols_dy + offs_c, sum_b, mask=col_ok)
 
 
@@ -191,9 +254,9 @@ def _as_rows(x: torch.Tensor, kind: str, kernel: str) -> tuple[torch.Tensor, int
         raise ValueError(f"{kernel}: x must have at least one dimension, got a 0-d tensor")
     x2d = x.contiguous().reshape(-1, x.shape[-1])  # (prod(leading), cols)
     cols = x2d.shape[1]
-    if kind == "swiglu":
+    if kind in GLU_GATES:
         if cols % 2:
-            raise ValueError(f"{kernel}: swiglu needs an even last dimension, got {cols}")
+            raise ValueError(f"{kernel}: {kind} needs an even last dimension, got {cols}")
         cols //= 2
     return x2d, cols
 
@@ -229,7 +292,7 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None)
     if y.numel():
         plan = _plan(x, "elementwise")
         grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
-        _activation_kernel[grid](x2d, y, rows, cols, KIND=code, COMPUTE=tl_compute, BLOCK_R=plan.block_m,
+        _activation_kernel[grid](x2d, y, rows, cols, KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute, BLOCK_R=plan.block_m,
                                  BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
@@ -262,8 +325,9 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tenso
     if dx.numel():
         plan = _plan(x, "elementwise")
         grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
-        _activation_grad_kernel[grid](dy2d, x2d, dx, rows, cols, KIND=activation_code(kind), COMPUTE=tl_compute,
-                                      BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
+        _activation_grad_kernel[grid](dy2d, x2d, dx, rows, cols, KIND=activation_code(kind),
+                                      GATED=kind in GLU_GATES, COMPUTE=tl_compute, BLOCK_R=plan.block_m,
+                                      BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     return dx.reshape(x.shape)
 
 
@@ -282,7 +346,8 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, comput
     splits = triton.cdiv(rows, rows_per_split)
     partial = torch.empty((splits, cols_dx), dtype=torch_compute, device=x2d.device)
     _dact_dbias_kernel[(col_blocks, splits)](
-        dy2d, x2d, dx, partial, rows, cols, rows_per_split, KIND=activation_code(kind), COMPUTE=tl_compute,
+        dy2d, x2d, dx, partial, rows, cols, rows_per_split, KIND=activation_code(kind), GATED=kind in GLU_GATES,
+        COMPUTE=tl_compute,
         ROUND_TO=None if round_to is None else _TL_FLOAT[round_to], BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=plan.num_warps)
     return partial.sum(dim=0)

@@ -1,6 +1,6 @@
 """Basic operations: each owns its parameters and runs its own forward and backward."""
 
-from .activation import GELU, Activation, ReLU, SiLU, SwiGLU
+from .activation import GEGLU, GELU, GLU, QGEGLU, QGELU, Activation, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU
 from .attention import DotProductAttention
 from .bias import Bias
 from .composite import Linear
@@ -12,7 +12,7 @@ from .norm import LayerNorm, RMSNorm
 from .rotary import RotaryEmbedding
 
 __all__ = [
-    "Activation", "GELU", "ReLU", "SiLU", "SwiGLU", "Bias", "Linear", "BasicLinear",
+    "Activation", "GELU", "QGELU", "ReLU", "SReLU", "SiLU", "GLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU", "Bias", "Linear", "BasicLinear",
     "AddExtraInput", "MakeExtraOutput", "ConstantScale", "Dropout", "Identity", "Quantize",
     "Reshape", "LayerNorm", "RMSNorm", "DotProductAttention", "RotaryEmbedding", "Embedding",
 ]

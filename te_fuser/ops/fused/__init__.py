@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ... import backend
+from ...kernels.formats import EPILOGUE_ACTIVATIONS
 from ..basic.activation import Activation
 from ..basic.attention import DotProductAttention
 from ..basic.bias import Bias
@@ -46,6 +47,16 @@ def _needs_grad_output_quantizer(ops, recipe):
     return None
 
 
+def _epilogue_applies_activation(ops, recipe):
+    """The GEMM epilogues (Triton's, CUDA's) apply only EPILOGUE_ACTIVATIONS; others
+    run after the GEMM, as their own op."""
+    for op in ops:
+        if isinstance(op, Activation) and op.kind not in EPILOGUE_ACTIVATIONS:
+            return (f"the GEMM epilogue applies {', '.join(EPILOGUE_ACTIVATIONS)}, not {op.kind}: "
+                    f"{type(op).__name__} runs as its own op")
+    return None
+
+
 def _delayed_scaling(recipe):
     """The FP8 hand-off needs the next input's scale before the GEMM runs: delayed
     scaling has it; current, block and MXFP8 scaling need the tensor's amax first."""
@@ -73,7 +84,7 @@ def _hand_off_possible(ops, recipe, context):
     Triton GEMM, which is slower than cuBLASLt plus a separate cast (H200: Triton
     FP8 GEMM 0.81x cuBLASLt at 8192^3, the cast under a tenth of the GEMM)."""
     device, needs_backward = context.device, context.needs_backward
-    reason = _epilogue_backend_reason(device)
+    reason = _epilogue_applies_activation(ops, recipe) or _epilogue_backend_reason(device)
     if reason is not None:
         return reason
     if not needs_backward:
@@ -153,7 +164,7 @@ def _attention_rules():
 
 DEFAULT_RULES = _hand_off_rules() + _attention_rules() + (
     FusionRule("forward_linear_bias_activation", "forward", ((BasicLinear,), (Bias,), (Activation,)),
-               ForwardLinearBiasActivation),
+               ForwardLinearBiasActivation, _epilogue_applies_activation),
     FusionRule("forward_linear_bias_add", "forward", ((BasicLinear,), (Bias,), (AddExtraInput,)), ForwardLinearBiasAdd),
     FusionRule("forward_linear_add", "forward", ((BasicLinear,), (AddExtraInput,)), ForwardLinearAdd),
     FusionRule("forward_linear_bias", "forward", ((BasicLinear,), (Bias,)), ForwardLinearBiasActivation),
