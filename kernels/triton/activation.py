@@ -219,7 +219,8 @@ def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.const
 
 @triton.jit
 def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, rows, cols_dy, rows_per_split, KIND: tl.constexpr,
-                       GATED: tl.constexpr, COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       GATED: tl.constexpr, COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
     """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
     and the column sums of that slab into partial[s] (a row of cols_dx)."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -292,8 +293,8 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None)
     if y.numel():
         plan = _plan(x, "elementwise")
         grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
-        _activation_kernel[grid](x2d, y, rows, cols, KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute, BLOCK_R=plan.block_m,
-                                 BLOCK_C=plan.block_n, num_warps=plan.num_warps)
+        _activation_kernel[grid](x2d, y, rows, cols, KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute,
+                                 BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y.reshape(*x.shape[:-1], cols)

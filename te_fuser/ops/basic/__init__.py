@@ -12,7 +12,8 @@ from .norm import LayerNorm, RMSNorm
 from .rotary import RotaryEmbedding
 
 __all__ = [
-    "Activation", "GELU", "QGELU", "ReLU", "SReLU", "SiLU", "GLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU", "Bias", "Linear", "BasicLinear",
+    "Activation", "GELU", "QGELU", "ReLU", "SReLU", "SiLU", "GLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU",
+    "Bias", "Linear", "BasicLinear",
     "AddExtraInput", "MakeExtraOutput", "ConstantScale", "Dropout", "Identity", "Quantize",
     "Reshape", "LayerNorm", "RMSNorm", "DotProductAttention", "RotaryEmbedding", "Embedding",
 ]
