@@ -41,6 +41,7 @@ KERNELS = (
     "rms_norm",
     "rms_norm_grad",
     "delayed_scale_update",            # delayed scaling's history, scale and counters in one step
+    "rotary",                          # rotary position embedding of the leading heads (forward or inverse)
     "attention_forward",               # flash attention: o and the rows' log-sum-exp (causal, grouped kv heads)
     "attention_backward",              # its gradients dq, dk, dv from o and the log-sum-exp
     "attention_forward_fp8",           # the forward on E4M3 q, k, v with the probabilities cast to E4M3

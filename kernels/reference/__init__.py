@@ -10,7 +10,9 @@ from .gemm import *  # noqa: F401,F403
 from .gemm import __all__ as _gemm_all
 from .norm import *  # noqa: F401,F403
 from .norm import __all__ as _norm_all
+from .rotary import *  # noqa: F401,F403
+from .rotary import __all__ as _rotary_all
 from .scaling import *  # noqa: F401,F403
 from .scaling import __all__ as _scaling_all
 
-__all__ = _act_all + _attn_all + _cast_all + _gemm_all + _norm_all + _scaling_all
+__all__ = _act_all + _attn_all + _cast_all + _gemm_all + _norm_all + _rotary_all + _scaling_all

@@ -24,6 +24,7 @@ from .cast import (amax_column_sums, dequantize, quantize_block, quantize_curren
                    quantize_mxfp8, quantize_rowwise, quantize_tensorwise, quantize_tensorwise_column_sums)
 from .gemm import gemm, gemm_fp8_out
 from .norm import rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason
+from .rotary import rotary, rotary_unsupported_reason
 from .scaling import delayed_scale_update
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "rms_norm_unsupported_reason",
     "rms_norm_grad_unsupported_reason",
     "delayed_scale_update",
+    "rotary",
+    "rotary_unsupported_reason",
     "attention_forward",
     "attention_backward",
     "attention_forward_fp8",

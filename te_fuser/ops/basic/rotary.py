@@ -14,7 +14,8 @@ RoPE): with ``inv_freq_i = base ** (-2i / D)`` for ``i < D/2``, angle
     y = x · cos + rotate_half(x) · sin,   rotate_half(x) = (-x[D/2:], x[:D/2])
 
 computed in fp32 (the tables from a float64 angle, :func:`rotary_tables`), the
-result in the compute dtype. The backward is the inverse rotation,
+result in the compute dtype, by the backend's ``rotary`` kernel (one pass over the
+tensor; :func:`apply_rotary` is the same in plain torch, for a torch twin). The backward is the inverse rotation,
 ``dx = dy · cos - rotate_half(dy) · sin``.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import backend
 from ..op import BasicOperation
 from .attention import check_head_counts
 
@@ -106,10 +108,8 @@ class RotaryEmbedding(BasicOperation):
         batch, seq = (1, shape[0]) if len(shape) == 2 else (shape[0], shape[1])
         cos, sin = self.tables(seq, t.device)
         heads = t.reshape(batch, seq, -1, self.head_dim)  # (B, T, H + 2 Hkv, D)
-        n_qk = self.num_heads + self.num_kv_heads
-        rotated = apply_rotary(heads[:, :, :n_qk].float(), cos, -sin if inverse else sin)  # fp32
-        out = torch.cat([rotated.to(dtype), heads[:, :, n_qk:].to(dtype)], dim=2)
-        return out.reshape(shape)
+        rotary = backend.resolve("rotary", t.device).fn  # the q and k heads rotated in fp32, v copied: one pass
+        return rotary(heads, cos, sin, self.num_heads + self.num_kv_heads, inverse, dtype).reshape(shape)
 
     def op_forward(self, ctx, x, extra_inputs):
         return self._rotate(x, ctx.run.compute_dtype, inverse=False), []
