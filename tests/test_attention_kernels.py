@@ -382,3 +382,22 @@ def test_gpu_fp8_at_real_sizes(T, D, causal):
     assert_within_fp8_bound(o, q32, k32, v32, causal, scale, 448.0, _context("gpu fp8 o", shape, "bf16", causal))
     _, lse32 = ref.attention_forward_reference(q32, k32, v32, causal, scale)
     assert_close(lse, lse32, "attention_fp8_lse", _context("gpu fp8 lse", shape, "bf16", causal))
+
+
+def test_backward_writes_the_fused_qkv_gradient_layout():
+    """The Triton backward's dq, dk, dv are consecutive head ranges of one
+    (B, T, H + 2·Hkv, D) tensor, which DotProductAttention takes as the fused
+    gradient without a concatenation; the values are the reference's."""
+    from te_fuser.ops.basic.attention import _fused_gradient
+
+    B, H, Hkv, T, D = 1, 4, 2, 45, 32
+    q, k, v = (_randn((B, n, T, D), seed, std=0.5).to(DEVICE) for seed, n in ((1, H), (2, Hkv), (3, Hkv)))
+    o, lse = tk.attention_forward(q, k, v, True, 1 / math.sqrt(D))
+    do = _randn((B, H, T, D), 4).to(DEVICE)
+    dq, dk, dv = tk.attention_backward(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
+    fused = _fused_gradient(dq, dk, dv)
+    assert fused is not None and tuple(fused.shape) == (B, T, H + 2 * Hkv, D)
+    want = torch.cat([t.transpose(1, 2) for t in ref.attention_backward_reference(q, k, v, o, lse, do, True,
+                                                                                    1 / math.sqrt(D))], dim=2)
+    assert_close(fused, want, "attention_fp32", "fused dq|dk|dv", scaled=True)
+    assert _fused_gradient(*(t.clone() for t in (dq, dk, dv))) is None  # separate tensors: concatenated

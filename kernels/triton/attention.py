@@ -532,7 +532,8 @@ def _forward(q, k, v, causal, softmax_scale, out_dtype, scales, fp8: bool):
     else:
         vk = _inner(v)
         stride_vt, stride_vd = vk.stride(2), vk.stride(3)
-    o = torch.empty(B, H, Tq, D, dtype=out_dtype, device=q.device)
+    # o in the (B, T, H, D) layout of a fused tensor: its (B, T, H·D) merge is a view
+    o = torch.empty(B, Tq, H, D, dtype=out_dtype, device=q.device).transpose(1, 2)  # (B, H, T, D)
     lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
     if B * H * Tq == 0:
         return o, lse
@@ -570,6 +571,22 @@ def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scal
     return _forward(q, k, v, causal, softmax_scale, out_dtype, scales, fp8=True)
 
 
+def _gradient_buffers(q, k, v):
+    """dq, dk, dv as (B, heads, T, D) views of one (B, T, H + 2·Hkv, D) buffer (the
+    gradient of a fused QKV tensor, which the caller can then take without a
+    concatenation) when the three share a dtype and a length; else three
+    tensors in the (B, T, heads, D) layout."""
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if Tq == Tk and q.dtype == k.dtype == v.dtype:
+        fused = torch.empty(B, Tq, H + 2 * Hkv, D, dtype=q.dtype, device=q.device)
+        return (fused[:, :, :H].transpose(1, 2), fused[:, :, H:H + Hkv].transpose(1, 2),
+                fused[:, :, H + Hkv:].transpose(1, 2))
+    return (torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2),
+            torch.empty(B, Tk, Hkv, D, dtype=k.dtype, device=q.device).transpose(1, 2),
+            torch.empty(B, Tk, Hkv, D, dtype=v.dtype, device=q.device).transpose(1, 2))
+
+
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     """Flash attention backward: ``(dq, dk, dv)`` as :func:`attention_backward_reference`."""
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
@@ -578,9 +595,7 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     Hkv, Tk = k.shape[1], k.shape[2]
     q, k, v, o, do = (_inner(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
-    dq = torch.empty(B, H, Tq, D, dtype=q.dtype, device=q.device)
-    dk = torch.empty(B, Hkv, Tk, D, dtype=k.dtype, device=q.device)
-    dv = torch.empty(B, Hkv, Tk, D, dtype=v.dtype, device=q.device)
+    dq, dk, dv = _gradient_buffers(q, k, v)
     if B * H * Tq == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)

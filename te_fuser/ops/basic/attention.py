@@ -319,6 +319,24 @@ def attention_backward(ctx: OpContext, op: DotProductAttention, dy: torch.Tensor
     B, H, T, D = o.shape
     do = dy_hp.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D), a view
     dq, dk, dv = _kernel("attention_backward", o.device)(q, k, v, o, lse, do, op.causal, op.softmax_scale)
-    dx = torch.cat([op.merge_heads(dq), op.merge_heads(dk), op.merge_heads(dv)], dim=-1)  # (B, T, W)
+    dx = _fused_gradient(dq, dk, dv)
+    if dx is None:
+        dx = torch.cat([op.merge_heads(dq), op.merge_heads(dk), op.merge_heads(dv)], dim=-1)  # (B, T, W)
     return dx.reshape(x_shape)
+
+
+def _fused_gradient(dq, dk, dv) -> torch.Tensor | None:
+    """The (B, T, H + 2·Hkv, D) tensor dq, dk and dv are consecutive head ranges of,
+    when a kernel wrote them so (the Triton backward does), else None."""
+    base = dq._base
+    if base is None or dk._base is not base or dv._base is not base or base.dim() != 4:
+        return None
+    B, H, T, D = dq.shape
+    Hkv = dk.shape[1]
+    step = D * base.element_size()
+    if (tuple(base.shape) != (B, T, H + 2 * Hkv, D) or not base.is_contiguous()
+            or dq.data_ptr() != base.data_ptr() or dk.data_ptr() != base.data_ptr() + H * step
+            or dv.data_ptr() != base.data_ptr() + (H + Hkv) * step):
+        return None
+    return base
 
