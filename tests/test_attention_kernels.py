@@ -242,7 +242,8 @@ def test_fp8_probabilities_are_cast_with_p_scale(p_scale, factor, causal):
     the top keys' probability 1 is cast as p_scale (300 rounds to 288, 1000
     saturates to 448), the rest to 0, so o = e4m3(p_scale) / p_scale times the mean
     of the top keys' values, exactly, in the reference and in every tile of the
-    kernel (tiles without a top key are rescaled to nothing)."""
+    kernel (tiles without a top key are rescaled to nothing); on a GPU up to the
+    FP8 tensor cores' accumulation."""
     B, H, Hkv, Tq, Tk, D = 1, 2, 1, 40, 50, 32
     c = 8.0
     q = torch.zeros(B, H, Tq, D)
@@ -262,7 +263,10 @@ def test_fp8_probabilities_are_cast_with_p_scale(p_scale, factor, causal):
     lse_want = (c * c / math.sqrt(D) + torch.log(seen.sum(1).double())).expand(B, H, Tq)
     for name, fn in (("triton", tk.attention_forward_fp8), ("reference", ref.attention_forward_fp8_reference)):
         o, lse = (t.cpu() for t in fn(*args))
-        assert_close(o, want, "attention_fp32", f"{name} p_scale={p_scale} causal={causal}", scaled=True)
+        # Hopper's FP8 tensor cores add P·V's products in their narrow accumulator
+        # (the GEMMs' bound); the reference and the interpreter add them in fp32
+        key = "fp8_gemm_tensor_core" if name == "triton" and DEVICE == "cuda" else "attention_fp32"
+        assert_close(o, want, key, f"{name} p_scale={p_scale} causal={causal}", scaled=True)
         assert_close(lse, lse_want, "attention_fp32", f"{name} lse p_scale={p_scale} causal={causal}")
 
 

@@ -1,5 +1,6 @@
 """Rotary position embedding in one pass: ``rotary`` (the contract of
-:func:`te_fuser.kernels.reference.rotary_reference`), bit for bit the reference.
+:func:`te_fuser.kernels.reference.rotary_reference`), bit for bit the reference
+(a zero result may carry the other sign).
 
 One program per token and block of heads: it loads the token's cos/sin row once
 and both halves of each head, rotates the leading ``rotated_heads`` heads, copies
