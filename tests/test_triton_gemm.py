@@ -250,3 +250,12 @@ def test_gemm_fp8_out_rounds_to_the_compute_dtype_first(scheme, activation, roun
     want_ref, _, want_ref_amax = ref.quantize_tensorwise_reference(y_ref, out_scale, E4M3)
     assert_bitwise(ref_got, want_ref, "reference FP8 output")
     assert ref_amax.data_ptr() == slot.data_ptr() and torch.equal(slot.reshape(()), want_ref_amax)
+
+
+@pytest.mark.parametrize("kind", ["geglu", "srelu", "qgelu"])
+def test_the_epilogue_refuses_activations_it_does_not_apply(kind):
+    """Activations outside the GEMM epilogue's set are refused by name (the epilogue
+    rules decline them, so the activation runs as its own op)."""
+    a = ScaledOperand(torch.zeros(16, 32).to(torch.float8_e4m3fn), torch.tensor(1.0), "tensor")
+    with pytest.raises(ValueError, match=f"the epilogue applies gelu, relu, silu, swiglu, not '{kind}'"):
+        tk.gemm(a, a, torch.float32, activation=kind)
