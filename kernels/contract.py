@@ -35,6 +35,8 @@ KERNELS = (
     "dequantize",
     "gemm",                            # FP8 GEMM with a bias / activation / residual epilogue
     "gemm_fp8_out",                    # the same whose epilogue casts the result to FP8
+    "grouped_gemm",                    # one GEMM per group of rows (MoE experts' fprop and dgrad), one launch
+    "grouped_gemm_wgrad",              # one GEMM per group of the reduction dim (the experts' wgrad), one launch
     "activation",
     "activation_grad",
     "dact_dbias",                      # an activation's backward with the bias gradient

@@ -8,6 +8,8 @@ from .cast import *  # noqa: F401,F403
 from .cast import __all__ as _cast_all
 from .gemm import *  # noqa: F401,F403
 from .gemm import __all__ as _gemm_all
+from .grouped_gemm import *  # noqa: F401,F403
+from .grouped_gemm import __all__ as _grouped_gemm_all
 from .norm import *  # noqa: F401,F403
 from .norm import __all__ as _norm_all
 from .rotary import *  # noqa: F401,F403
@@ -15,4 +17,4 @@ from .rotary import __all__ as _rotary_all
 from .scaling import *  # noqa: F401,F403
 from .scaling import __all__ as _scaling_all
 
-__all__ = _act_all + _attn_all + _cast_all + _gemm_all + _norm_all + _rotary_all + _scaling_all
+__all__ = _act_all + _attn_all + _cast_all + _gemm_all + _grouped_gemm_all + _norm_all + _rotary_all + _scaling_all

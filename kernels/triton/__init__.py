@@ -13,7 +13,8 @@ and its bias gradient (:func:`quantize_current_column_sums` then casts it); :fun
 cast that also returns the bias gradient from its one read. :func:`attention_forward`,
 :func:`attention_backward` and :func:`attention_forward_fp8` are flash attention
 (online softmax, causal tiles skipped, grouped kv heads by index); float64 inputs
-go to the reference (``*_unsupported_reason``).
+go to the reference (``*_unsupported_reason``). :func:`grouped_gemm` and
+:func:`grouped_gemm_wgrad` run every expert of a mixture-of-experts layer in one launch.
 """
 
 from .activation import activation, activation_grad, dact_dbias
@@ -23,6 +24,8 @@ from .attention import (attention_backward, attention_backward_unsupported_reaso
 from .cast import (amax_column_sums, dequantize, quantize_block, quantize_current, quantize_current_column_sums,
                    quantize_mxfp8, quantize_rowwise, quantize_tensorwise, quantize_tensorwise_column_sums)
 from .gemm import gemm, gemm_fp8_out
+from .grouped_gemm import (grouped_gemm, grouped_gemm_unsupported_reason, grouped_gemm_wgrad,
+                           grouped_gemm_wgrad_unsupported_reason)
 from .norm import rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason
 from .rotary import rotary, rotary_unsupported_reason
 from .scaling import delayed_scale_update
@@ -39,6 +42,10 @@ __all__ = [
     "dequantize",
     "gemm",
     "gemm_fp8_out",
+    "grouped_gemm",
+    "grouped_gemm_wgrad",
+    "grouped_gemm_unsupported_reason",
+    "grouped_gemm_wgrad_unsupported_reason",
     "activation",
     "activation_grad",
     "dact_dbias",
