@@ -35,6 +35,7 @@ from ..quantization import quantizer_for
 from ..quantization.amax_reduction import WORLD
 from . import compiled, hot_guard
 from ..epoch import CHANGES as _EPOCH
+from .basic.extra import resolve_channels
 from .guard import Decision, Reads
 from .op import BasicOperation, OpContext, RunConfig
 from .rules import BuildContext, PlanStep, RuleTable, match
@@ -191,9 +192,17 @@ class OperationFuser:
         self._hook_dicts = tuple(d for m in self.hook_modules for d in (
             m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks))
         self._n_extra_in = [op.num_extra_inputs for op in self.ops]
-        self._num_extra_inputs = sum(self._n_extra_in)
         self._n_extra_out = [op.num_extra_outputs for op in self.ops]
-        self._branches = self._num_extra_inputs > 0 or sum(self._n_extra_out) > 0
+        self._branches = sum(self._n_extra_in) > 0 or sum(self._n_extra_out) > 0
+        # Extra tensors on named channels stay inside (ops/basic/extra.py): routes is None
+        # when no op binds one; else the call's extra inputs and outputs are the public slots.
+        self.routes = resolve_channels(self.ops)
+        self.channel_problem = None if self.routes is None else self.routes.problem  # raised at plan build
+        self._n_public_in = self._n_extra_in if self.routes is None else [
+            sum(s is None for s in srcs) for srcs in self.routes.sources]
+        self._num_extra_inputs = sum(self._n_public_in)
+        self._num_extra_outputs = (sum(self._n_extra_out) if self.routes is None
+                                   else len(self.routes.public_outputs))
         self._refresh_params()
         self._plan: FusionPlan | None = None
         self._last_recipe = None
@@ -269,7 +278,13 @@ class OperationFuser:
 
     @property
     def num_extra_inputs(self) -> int:
+        """The extra inputs a call takes (those not read from a channel)."""
         return self._num_extra_inputs
+
+    @property
+    def num_extra_outputs(self) -> int:
+        """The extra outputs a call returns (those not kept on a channel)."""
+        return self._num_extra_outputs
 
     # -- the hot path ---------------------------------------------------------
     def __call__(self, x: torch.Tensor, *extra_inputs: torch.Tensor, training: bool | None = None):
@@ -289,12 +304,18 @@ class OperationFuser:
         """``(output shape, output dtype, [(shape, dtype) of each extra output])`` for an
         input of ``shape`` and ``dtype``, without running anything (a graph's fake outputs)."""
         shape, extras_in, extras_out = torch.Size(shape), iter(extra_dtypes), []
-        for op in self.ops:
-            mine = [next(extras_in) for _ in range(op.num_extra_inputs)]
-            extras_out += [(shape, dtype)] * op.num_extra_outputs
+        routes, written = self.routes, {}  # (op, slot) -> (shape, dtype) of an extra output
+        for i, op in enumerate(self.ops):
+            if routes is None:
+                mine = [next(extras_in) for _ in range(op.num_extra_inputs)]
+            else:
+                mine = [next(extras_in) if src is None else written[src][1] for src in routes.sources[i]]
+            for o in range(op.num_extra_outputs):
+                written[(i, o)] = (shape, dtype)
             out_shape = torch.Size(op.check_shapes(shape, {}))
             dtype, shape = op.output_dtype(dtype, compute, mine), out_shape
-        return shape, dtype, extras_out
+        public = [written[slot] for slot in routes.public_outputs] if routes is not None else list(written.values())
+        return shape, dtype, public
 
     def run(self, x: torch.Tensor, training: bool, extra_inputs: tuple = ()):
         """Run the ops on ``x``: the fuser's reference path (the compiled guard
@@ -397,7 +418,7 @@ class OperationFuser:
         self._flat_params = [p for ps in params for p in ps]
         # Per op: its slice of the autograd inputs (x, fuser and plan, *params, *extra inputs)
         # and of the flat parameter gradients, computed once for every backward.
-        self._grad_slices = _grad_slices([len(ps) for ps in params], self._n_extra_in)
+        self._grad_slices = _grad_slices([len(ps) for ps in params], self._n_public_in)
 
     # -- forward hooks of the ops ------------------------------------------------------
     def _hooks_present(self) -> bool:
@@ -483,6 +504,9 @@ class OperationFuser:
         """Build and validate the plan for these conditions without publishing it:
         on any failure it raises and nothing of the fuser or its ops has changed."""
         device = torch.device(device)
+        if self.channel_problem is not None:
+            raise ValueError(f"op fuser ({', '.join(op.describe() for op in self.ops[:3])}...): "
+                             f"{self.channel_problem}")
         t0 = time.perf_counter()
         phases = {}
         self._check_dtype(dtype, recipe is not None and not calibrating)
@@ -499,9 +523,11 @@ class OperationFuser:
         phases["quantizers"] = t1 - t0
         plan_recipe = recipe if (recipe is not None and not calibrating) else None
         context = BuildContext(needs_backward, device)
-        fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse, context=context, table=self.rules)
+        links = () if self.routes is None else self.routes.links
+        fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse, context=context, table=self.rules,
+                    links=links)
         bwd = match(self.ops if needs_backward else [], "backward", plan_recipe, enabled=self.fuse, context=context,
-                    table=self.rules)
+                    table=self.rules, links=links)
         t2 = time.perf_counter()
         phases["fusion"] = t2 - t1
         out_shape = self._validate(shape, device, quantizers, bwd.steps if needs_backward else None)
@@ -547,8 +573,7 @@ class OperationFuser:
             self._accept_shape(seen, x.shape)
         del _PROBE["failed"]
         y = torch.zeros(seen.shapes[x.shape], dtype=dtype, device=x.device)
-        extras = [torch.zeros(x.shape, dtype=dtype, device=x.device) for op in self.ops
-                  for _ in range(op.num_extra_outputs)]
+        extras = [torch.zeros(x.shape, dtype=dtype, device=x.device) for _ in range(self._num_extra_outputs)]
         return (y, *extras) if extras else y
 
     def _build_quantizers(self, recipe, recipe_key: str) -> list[dict]:
@@ -581,6 +606,13 @@ class OperationFuser:
     def _check_shapes(self, shape, quantizers: list[dict]) -> torch.Size:
         """Each op's checks of its input shape (and its quantizers' block sizes); the output shape."""
         shape = torch.Size(shape)
+        if self.routes is not None and self.routes.links:  # a channel's reader gets the writer's shape
+            in_shapes = []
+            for op, qs in zip(self.ops, quantizers):
+                in_shapes.append(shape)
+                shape = torch.Size(op.check_shapes(shape, qs))
+            self.routes.check_shapes(self.ops, in_shapes)
+            return shape
         for op, qs in zip(self.ops, quantizers):
             shape = torch.Size(op.check_shapes(shape, qs))
         return shape
@@ -703,13 +735,21 @@ def run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
         return ctxs, x, []
     if len(extra_inputs) != fuser.num_extra_inputs:
         raise ValueError(f"op fuser: expected {fuser.num_extra_inputs} extra input(s), got {len(extra_inputs)}")
-    extras_in = _split(extra_inputs, fuser._n_extra_in)
+    routes = fuser.routes
+    extras_in = _split(extra_inputs, fuser._n_extra_in) if routes is None else \
+        routes.place_inputs(fuser._n_extra_in, extra_inputs)
     extras_out: list[list] = [[] for _ in fuser.ops]
     for step in plan.forward:
         idx = step.indices
+        if routes is not None:  # channel reads: the writers ran in earlier steps (rules.match keeps them apart)
+            for i in idx:
+                for k, w, o in routes.reads[i]:
+                    extras_in[i][k] = extras_out[w][o]
         x, outs = step.executor.fuser_forward([ctxs[i] for i in idx], x, [extras_in[i] for i in idx])
         for i, o in zip(idx, outs):
             extras_out[i] = o
+    if routes is not None:
+        return ctxs, x, [extras_out[i][o] for i, o in routes.public_outputs]
     return ctxs, x, [t for o in extras_out for t in o]
 
 
@@ -774,14 +814,20 @@ def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tup
         ctx.needs_input_grad = upstream
         ctx.param_needs_grad = p_need
         upstream = upstream or any(p_need) or any(needs[e_slice])
-    branches = fuser._branches
-    d_extra_out = _split(grad_extra_outputs, fuser._n_extra_out) if branches else None
+    branches, routes = fuser._branches, fuser.routes
+    if routes is None:
+        d_extra_out = _split(grad_extra_outputs, fuser._n_extra_out) if branches else None
+    else:
+        d_extra_out = routes.place_output_grads(fuser._n_extra_out, grad_extra_outputs)
+        channel_grads: dict = {}  # writer's (op, slot) -> the sum of its readers' gradients so far
     d_extra_in: list[list] = [[None] * n for n in fuser._n_extra_in]
     pgrads: list = [None] * len(fuser._flat_params)
     slices = fuser._grad_slices
     dx = dy
     for step in reversed(plan.backward):
         idx = step.indices
+        if routes is not None and channel_grads:  # a writer's step: its readers' backward steps ran before
+            _take_channel_grads(idx, channel_grads, d_extra_out)
         step_ctxs = ctxs[idx[0] : idx[-1] + 1]
         step_d_extra = [d_extra_out[i] for i in idx] if branches else _NO_EXTRAS[len(idx)]
         dx, step_pgrads, step_dextra = step.executor.fuser_backward(step_ctxs, dx, step_d_extra)
@@ -792,9 +838,27 @@ def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tup
                     pgrads[j] = grad if need else None
             if d:
                 d_extra_in[i] = list(d)
+                if routes is not None:
+                    for k, w, o in routes.reads[i]:  # a reader's gradient goes to the channel's writer
+                        g = d_extra_in[i][k]
+                        if g is not None:
+                            prev = channel_grads.get((w, o))
+                            channel_grads[(w, o)] = g if prev is None else prev + g
     if dx is not None and needs[0]:
         if dx.dtype is not x_dtype:
             dx = dx.to(x_dtype)
     else:
         dx = None
+    if routes is not None:
+        return (dx, None, *pgrads, *[d_extra_in[i][k] for i, k in routes.public_inputs])
     return (dx, None, *pgrads, *[g for gs in d_extra_in for g in gs])
+
+
+def _take_channel_grads(idx, channel_grads: dict, d_extra_out: list) -> None:
+    """Before the backward step over ops ``idx``: each channel written there takes its
+    readers' summed gradient, added to the caller's gradient of it if also returned."""
+    for i in idx:
+        for o, cur in enumerate(d_extra_out[i]):
+            g = channel_grads.pop((i, o), None)
+            if g is not None:
+                d_extra_out[i][o] = g if cur is None else cur + g

@@ -163,11 +163,23 @@ def fusion_rules(pass_: str | None = None) -> list[FusionRule]:
     return fusion_rule_table().for_pass(pass_)
 
 
+def _straddled(links: Sequence[tuple], start: int, stop: int) -> "str | None":
+    """Why ops ``start..stop-1`` cannot be one step: they hold both the writer and a
+    reader of a channel (the reader's input exists only once the writer's step ran)."""
+    for writer, reader, channel in links:
+        if start <= writer and reader < stop:
+            return f"the window holds both the writer (op {writer}) and a reader (op {reader}) of channel {channel!r}"
+    return None
+
+
 def match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool = True,
-          context: BuildContext | None = None, table: RuleTable | None = None) -> MatchResult:
+          context: BuildContext | None = None, table: RuleTable | None = None,
+          links: Sequence[tuple] = ()) -> MatchResult:
     """Cover ``ops`` with fused and basic steps for one pass (basic steps only when
     not ``enabled``), with the rules of ``table`` (default: the table in force);
-    predicates that take a third argument get ``context``."""
+    predicates that take a third argument get ``context``. ``links``: the
+    ``(writer op, reader op, channel)`` of the group's extra-tensor channels; no
+    step holds both ends of one."""
     rules = (table or fusion_rule_table()).for_pass(pass_) if enabled else []
     steps: list[PlanStep] = []
     declined: list[str] = []
@@ -177,7 +189,7 @@ def match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool = Tru
             if not rule.matches_types(ops, i) or (rule.applies_to is not None and not rule.applies_to(recipe)):
                 continue
             window = ops[i : i + len(rule.pattern)]
-            reason = rule.decline_reason(window, recipe, context)
+            reason = (links and _straddled(links, i, i + len(window))) or rule.decline_reason(window, recipe, context)
             if reason is None:
                 steps.append(PlanStep(rule.build(window), tuple(range(i, i + len(window))), rule.name))
                 i += len(window)

@@ -54,6 +54,33 @@ def _basic_ops_of(module: nn.Module) -> list[BasicOperation] | None:
     return None
 
 
+def _explain_channels_across_modules(groups: list) -> None:
+    """A channel written in one group and read in a later one (a plain module splits
+    them): both fusers' channel problem says so, naming the modules between. Channels
+    are scoped to one fuser (as in TransformerEngine); raised when a plan is built."""
+    written: dict = {}  # channel -> (group index, op index) of its latest write
+    for g, group in enumerate(groups):
+        routes = group.routes if isinstance(group, OperationFuser) else None
+        if routes is None:
+            continue
+        for i, channel in routes.unwritten:
+            if channel in written:
+                w, j = written[channel]
+                writer = groups[w].ops[j]
+                between = ", ".join(type(m).__name__ for m in groups[w + 1 : g] if not isinstance(m, OperationFuser))
+                problem = (f"channel {channel!r}: {writer.describe()} (group {w}) writes it and "
+                           f"{group.ops[i].describe()} (group {g}) reads it, across the plain module(s) {between}; "
+                           "a channel stays inside one group of fusible ops: make the module a te.ops op, or pass "
+                           "the tensor as a public extra output and input (channel=None)")
+                group.channel_problem = problem
+                if (j, channel) in groups[w].routes.unread:  # the writer's unread write: the same mistake
+                    groups[w].channel_problem = problem
+        for j, op in enumerate(group.ops):
+            for channel in getattr(op, "extra_output_channels", ()):
+                if channel is not None:
+                    written[channel] = (g, j)
+
+
 class Sequential(nn.Module):
     def __init__(self, *modules: nn.Module, fuse: bool = True, rules: RuleTable | None = None) -> None:
         super().__init__()
@@ -167,10 +194,11 @@ class Sequential(nn.Module):
             for group in groups:
                 if isinstance(group, OperationFuser):
                     group.own_recipe = self.__dict__.get("_own_recipe")
+            _explain_channels_across_modules(groups)
             self._groups = groups
             single = (
                 len(groups) == 1 and isinstance(groups[0], OperationFuser) and groups[0].num_extra_inputs == 0
-                and all(op.num_extra_outputs == 0 for op in groups[0].ops)
+                and groups[0].num_extra_outputs == 0
             )
             self._fast_fuser = groups[0] if single else None
         return self._groups
