@@ -287,11 +287,23 @@ class BasicOperation(WatchedModule):
         no longer pending."""
         self._quantizers = quantizers
         self._quantizer_key = key
+        self.apply_sequence_parallel_group()
         if self._loaded_state:  # a new dict: a snapshot (te.warmup) may hold the old one
             pending = {t: e for t, e in self._loaded_state.items()
                        if t not in quantizers or e["class"] != type(quantizers[t]).__qualname__}
             self._loaded_state = pending or None
         self.drop_caches()
+
+    # The process group this op's activations and gradients are sharded over along
+    # their rows (tokens), set by ``te.sequence_parallel``; None: not sharded.
+    sequence_parallel_group = None
+
+    def apply_sequence_parallel_group(self) -> None:
+        """Hand :attr:`sequence_parallel_group` to the installed quantizers of every
+        role but the weights' (which every rank holds whole) that reduce over one."""
+        for tensor_type, q in self._quantizers.items():
+            if tensor_type != "weight" and hasattr(q, "sequence_parallel_group"):
+                q.sequence_parallel_group = self.sequence_parallel_group
 
     # Whether the op casts a weight of its own (and may keep the cast: see drop_caches).
     casts_weights = False

@@ -33,10 +33,18 @@ class Float8CurrentScalingQuantizer(Quantizer):
         super().__init__(fp8_dtype, role)
         self.power_2_scales = self._checked_bool("power_2_scales", power_2_scales)
         self.amax_epsilon = self._checked_epsilon("amax_epsilon", amax_epsilon)
+        # The process group the tensors this quantizer casts are sharded over along
+        # their rows (tokens: ``te.sequence_parallel``): each cast's amax is then
+        # all-reduced (max) over it first, so every rank casts its rows with the one
+        # scale of the whole tensor. None: the tensor's own amax.
+        self.sequence_parallel_group = None
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, amax: torch.Tensor | None = None
     ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
+        if amax is None and self.sequence_parallel_group is not None:
+            amax = shard_amax(x_hp.reshape(-1, x_hp.shape[-1]))
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.sequence_parallel_group)
         cast = backend.resolve("quantize_current", x_hp.device).fn
         x_fp8, x_fp8_t, _scale, scale_inv, _amax = cast(
             x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise, amax
@@ -59,7 +67,11 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
         """The cast also sums the columns (from its amax pass or its cast pass, as the
-        backend's kernel reads them)."""
+        backend's kernel reads them; under a sequence-parallel group the cast takes
+        the reduced amax and the sums are a pass of their own)."""
+        if self.sequence_parallel_group is not None:
+            rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise)
+            return rowwise_op, columnwise_op, x_hp.reshape(-1, x_hp.shape[-1]).sum(dim=0, dtype=torch.float32)
         cast = backend.resolve("quantize_current_column_sums", x_hp.device).fn
         x_fp8, x_fp8_t, _scale, scale_inv, _amax, sums = cast(
             x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise
