@@ -303,7 +303,7 @@ class OperationFuser:
     def output_meta(self, shape, dtype: torch.dtype, compute: torch.dtype, extra_dtypes: list):
         """``(output shape, output dtype, [(shape, dtype) of each extra output])`` for an
         input of ``shape`` and ``dtype``, without running anything (a graph's fake outputs)."""
-        shape, extras_in, extras_out = torch.Size(shape), iter(extra_dtypes), []
+        shape, extras_in = torch.Size(shape), iter(extra_dtypes)
         routes, written = self.routes, {}  # (op, slot) -> (shape, dtype) of an extra output
         for i, op in enumerate(self.ops):
             if routes is None:
