@@ -8,13 +8,10 @@ module hooks FSDP2 registers on them."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_testing import init, spawned
 
 WORLD = 2
 CONFIGS = [  # (recipe name, shard every op too, one forward before sharding)
@@ -73,27 +70,22 @@ def _run(rank: int, recipe_name: str, per_op: bool, warm: bool) -> float:
     return worst
 
 
-def _worker(rank: int, store_file: str, results) -> None:
-    # a file store, not a TCP port: no race for a free port with other processes
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
+def _worker(rank: int, folder: str, results) -> None:
+    init(rank, WORLD, folder)
     try:
         for config in CONFIGS:
             worst = _run(rank, *config)
             if rank == 0:
                 results[config] = worst
         dist.barrier()  # no rank tears the group down while another still talks through it
+        results[f"done {rank}"] = True
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def results():
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
-        shared = manager.dict()
-        mp.spawn(_worker, args=(os.path.join(folder, "store"), shared), nprocs=WORLD)
-        return dict(shared)
+    return spawned(_worker, WORLD)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{'per_op' if c[1] else 'root'}"
