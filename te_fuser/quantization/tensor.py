@@ -38,7 +38,7 @@ class QuantizedTensor:
     ``dtype`` is the high-precision dtype :meth:`dequantize` returns by default.
     """
 
-    __slots__ = ("rowwise", "columnwise", "shape", "dtype")
+    __slots__ = ("rowwise", "columnwise", "shape", "dtype", "__weakref__")
 
     def __init__(
         self, rowwise: ScaledOperand | None, columnwise: ScaledOperand | None, shape: torch.Size, dtype: torch.dtype

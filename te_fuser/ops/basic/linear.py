@@ -37,6 +37,9 @@ from ...quantization.base import EpilogueCast
 from ..gemm import apply_activation, columnwise, gemm, gemm_fp8_out, rowwise
 from ..op import BasicOperation, OpContext
 from ..fp8_all_gather import GatheredWeight
+from ..fp8_parameters import fp8_init_recipe, fp8_weight, make_fp8_parameter
+from ...quantization.float8_tensor import Float8Tensor
+from ...quantization.role import QuantizerRole
 from ..weight_cache import WeightCache
 
 __all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_columnwise", "linear_bias_activation_forward",
@@ -57,6 +60,10 @@ class BasicLinear(BasicOperation):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as torch.nn.Linear
+        fp8_init = fp8_init_recipe()
+        if fp8_init is not None:  # te.quantized_model_init: the weight is held in FP8 (ops/fp8_parameters.py)
+            self.weight = make_fp8_parameter(self.weight, fp8_init[0], QuantizerRole.make("linear", "weight", name),
+                                             preserve=fp8_init[1])
         self._weight_cache = WeightCache()
 
     def extra_repr(self) -> str:
@@ -71,6 +78,8 @@ class BasicLinear(BasicOperation):
         ``ops/weight_cache.py``)."""
         if type(w_hp) is GatheredWeight:  # gathered by FSDP2 in FP8, cast by this quantizer before it
             return w_hp.quantized(quantizer, need_columnwise)
+        if type(w_hp) is Float8Tensor:  # an FP8 parameter: its own copy where it casts alike
+            return fp8_weight(quantizer, w_hp, need_columnwise)
         weight, cache = self.weight, self._weight_cache
         w_q = cache.lookup(quantizer, weight, w_hp.dtype, need_columnwise)
         if w_q is None:
@@ -142,6 +151,8 @@ def linear_forward(
     if type(weight) is GatheredWeight:  # FSDP2 gathered it, in FP8 where this plan's quantizer cast it
         weight = weight.for_plan(ctx.quantizers.get("weight") if from_master else None)
     w_hp = weight if (weight.dtype is dtype or from_master) else weight.to(dtype)  # (N, K)
+    if type(w_hp) is Float8Tensor and not from_master:  # an FP8 parameter in a high-precision forward or backward
+        w_hp = w_hp.dequantize(dtype)
     needs_backward = run.needs_backward
     if isinstance(x, QuantizedTensor):  # cast by the previous GEMM's epilogue (never for a high-precision backward)
         x2d = x_q = x
