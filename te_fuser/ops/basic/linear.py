@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from ...quantization.tensor import QuantizedTensor
+from ...kernels.formats import Scaling
+from ...kernels.operand import ScaledOperand
 from ...quantization.base import EpilogueCast
 from ..gemm import apply_activation, columnwise, gemm, gemm_fp8_out, rowwise
 from ..op import BasicOperation, OpContext
@@ -154,6 +156,8 @@ def linear_forward(
     if type(w_hp) is Float8Tensor and not from_master:  # an FP8 parameter in a high-precision forward or backward
         w_hp = w_hp.dequantize(dtype)
     needs_backward = run.needs_backward
+    if type(x) is Float8Tensor:  # an FP8 input (te.ops.Quantize's output): its FP8 copy, or its value
+        x = _fp8_input(ctx, op, x)
     if isinstance(x, QuantizedTensor):  # cast by the previous GEMM's epilogue (never for a high-precision backward)
         x2d = x_q = x
         w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, needs_backward and run.fp8_backward)
@@ -181,6 +185,25 @@ def linear_forward(
     if out_cast is not None or len(x_shape) == 2:
         return y2d
     return y2d.reshape(*x_shape[:-1], y2d.shape[-1])
+
+
+def _fp8_input(ctx: OpContext, op: BasicLinear, x: Float8Tensor) -> "QuantizedTensor | torch.Tensor":
+    """A Float8Tensor input as the fprop operand (M, K) when its format is the input
+    quantizer's and the backward needs no copy it cannot make exactly (a per-tensor
+    scale transposes); else its dequantized value in the compute dtype."""
+    run, q = ctx.run, x.quantized()
+    quantizer = ctx.quantizers.get("input")
+    usable = (run.quantizing and run.backward_override != "high_precision" and quantizer is not None
+              and x.dtype is run.compute_dtype and q.has_rowwise
+              and (q.fp8_dtype, q.scaling) == (quantizer.fp8_dtype, quantizer.scaling))
+    if not usable:
+        return x.dequantize(run.compute_dtype)
+    row, col = q.rowwise, q.columnwise
+    if input_needs_columnwise(ctx, op) and col is None:
+        if row.scaling != Scaling.TENSOR:
+            return x.dequantize(run.compute_dtype)
+        col = ScaledOperand(row.data.t().contiguous(), row.scale_inv, Scaling.TENSOR)  # (K, M)
+    return QuantizedTensor(row, col, row.data.shape, q.dtype)
 
 
 def _fprop_operands(ctx: OpContext, op: BasicLinear, x2d: torch.Tensor, w_hp: torch.Tensor):

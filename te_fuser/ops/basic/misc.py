@@ -6,16 +6,20 @@ import math
 
 import torch
 
+from ...quantization.float8_tensor import Float8Tensor
 from ..op import BasicOperation
 
 __all__ = ["Quantize", "Identity", "Reshape", "Dropout", "ConstantScale"]
 
 
 class Quantize(BasicOperation):
-    """Rounds the tensor onto the recipe's FP8 grid (quantize, then dequantize):
-    the forward value when ``forward``, the gradient when ``backward``. Without a
-    recipe it passes tensors through, and a recipe's ``backward_override`` keeps
-    the gradient in high precision (as TransformerEngine's ``Quantize``)."""
+    """Casts the tensor to the recipe's FP8 format: with ``forward`` the output is
+    a :class:`~te_fuser.quantization.float8_tensor.Float8Tensor` (FP8 values of the
+    compute dtype, which a following linear takes as its FP8 input and every other
+    function reads dequantized); with ``backward`` the gradient is rounded onto the
+    FP8 grid. Without a recipe it passes tensors through, and a recipe's
+    ``backward_override`` keeps the gradient in high precision (as
+    TransformerEngine's ``Quantize``). An input that is already FP8 is passed on."""
 
     module_type = "quantize"
     forward_roles = ("input",)
@@ -42,9 +46,12 @@ class Quantize(BasicOperation):
         return out.reshape(t.shape)
 
     def op_forward(self, ctx, x, extra_inputs):
+        if type(x) is Float8Tensor and self.quantize_forward and ctx.run.quantizing:
+            return x, []
         x = x.to(ctx.run.compute_dtype)
         if self.quantize_forward and ctx.run.quantizing:
-            return self._round_trip(ctx.quantizer("input"), x), []
+            q = ctx.quantizer("input")(x, rowwise=True, columnwise=False)
+            return (q if isinstance(q, torch.Tensor) else Float8Tensor.from_quantized(q)), []
         if self.quantize_forward and ctx.run.calibrating:
             ctx.quantizer("input").observe(x.reshape(-1, x.shape[-1]))
         return x, []
