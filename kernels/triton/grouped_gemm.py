@@ -152,12 +152,13 @@ def _unsupported(a, b) -> str | None:
     return None
 
 
-def grouped_gemm_unsupported_reason(a, b, offsets, out_dtype=torch.bfloat16, bias=None) -> str | None:
-    """Why these operands go to the reference (None: the Triton kernel runs them)."""
+def grouped_gemm_unsupported_reason(a, b) -> str | None:
+    """Why this pair of operands goes to the fallback (None: the Triton kernel runs it)."""
     return _unsupported(a, b)
 
 
-def grouped_gemm_wgrad_unsupported_reason(a, b, offsets, out_dtype=torch.float32) -> str | None:
+def grouped_gemm_wgrad_unsupported_reason(a, b) -> str | None:
+    """Why this pair of operands goes to the fallback (None: the Triton kernel runs it)."""
     return _unsupported(a, b)
 
 

@@ -6,6 +6,7 @@ from .bias import Bias
 from .composite import Linear
 from .embedding import Embedding
 from .extra import AddExtraInput, MakeExtraOutput
+from .grouped_linear import GroupedLinear
 from .linear import BasicLinear
 from .misc import ConstantScale, Dropout, Identity, Quantize, Reshape
 from .norm import LayerNorm, RMSNorm
@@ -13,7 +14,7 @@ from .rotary import RotaryEmbedding
 
 __all__ = [
     "Activation", "GELU", "QGELU", "ReLU", "SReLU", "SiLU", "GLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU",
-    "Bias", "Linear", "BasicLinear",
+    "Bias", "Linear", "BasicLinear", "GroupedLinear",
     "AddExtraInput", "MakeExtraOutput", "ConstantScale", "Dropout", "Identity", "Quantize",
     "Reshape", "LayerNorm", "RMSNorm", "DotProductAttention", "RotaryEmbedding", "Embedding",
 ]
