@@ -33,6 +33,7 @@ from ..autocast import STATE_STACK as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from ..quantization.amax_reduction import WORLD
+from ..recipe_agreement import check_ranks_agree
 from . import compiled, hot_guard
 from ..epoch import CHANGES as _EPOCH
 from .basic.extra import resolve_channels
@@ -199,7 +200,7 @@ class OperationFuser:
         self.routes = resolve_channels(self.ops)
         self.channel_problem = None if self.routes is None else self.routes.problem  # raised at plan build
         self._n_public_in = self._n_extra_in if self.routes is None else [
-            sum(s is None for s in srcs) for srcs in self.routes.sources]
+            sum(i == j for j, _ in self.routes.public_inputs) for i in range(len(self.ops))]
         self._num_extra_inputs = sum(self._n_public_in)
         self._num_extra_outputs = (sum(self._n_extra_out) if self.routes is None
                                    else len(self.routes.public_outputs))
@@ -511,6 +512,8 @@ class OperationFuser:
         phases = {}
         self._check_dtype(dtype, recipe is not None and not calibrating)
         recipe_key = str(recipe) if recipe is not None else HIGH_PRECISION_KEY
+        if recipe is not None and needs_backward:
+            check_ranks_agree(recipe_key)  # a recipe's first training plan: every rank builds one (or an error)
         if recipe is None:  # high precision reads no quantizer and leaves the installed ones (their state) alone
             quantizers = [{} for _ in self.ops]
         elif all(op.quantizer_key == recipe_key for op in self.ops):
