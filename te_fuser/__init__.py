@@ -9,6 +9,7 @@
 from . import ops, quantization, recipe
 from .apply import apply_recipe, fusion_plan, fusion_stats
 from .convert import convert
+from .fp8 import DType
 from .autocast import DEFAULT_RECIPE, autocast
 from .backend import get_backend, set_backend
 from .graphs import make_graphed, make_graphed_step
@@ -17,7 +18,7 @@ from .ops.weight_cache import reuse_quantized_weights
 from .parallel import sequence_parallel
 from .warmup import warmup
 
-__all__ = ["ops", "quantization", "recipe", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend", "warmup",
+__all__ = ["ops", "quantization", "recipe", "DType", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend", "warmup",
            "make_graphed", "make_graphed_step", "reuse_quantized_weights", "sequence_parallel", "apply_recipe", "fusion_plan", "fusion_stats", "convert",
            "enable_fsdp_fp8_all_gather", "fp8_all_gather_stats"]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ from .base import EpilogueCast, Quantizer
 from .block import Float8BlockQuantizer
 from .current import Float8CurrentScalingQuantizer
 from .delayed import DelayedScalingQuantizer
+from .float8 import Float8Quantizer
 from .factory import quantizer_for
 from .identity import IdentityQuantizer
 from .mxfp8 import MXFP8Quantizer
@@ -24,6 +25,7 @@ __all__ = [
     "IdentityQuantizer",
     "Float8CurrentScalingQuantizer",
     "DelayedScalingQuantizer",
+    "Float8Quantizer",
     "MXFP8Quantizer",
     "Float8BlockQuantizer",
     "Float8RowwiseQuantizer",

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import backend
-from ..fp8 import FP8_MAX, short_name
+from ..fp8 import FP8_MAX, short_name, torch_dtype
 from ..kernels.operand import ScaledOperand
 from .role import QuantizerRole
 from .tensor import QuantizedTensor, flat_2d_shape
@@ -85,9 +85,22 @@ class Quantizer:
     seeded: bool = True
     min_compute_capability: tuple[int, int] | None = FP8_MIN_COMPUTE_CAPABILITY
 
-    def __init__(self, fp8_dtype: torch.dtype | None, role: QuantizerRole | None = None) -> None:
+    def __init__(self, fp8_dtype: torch.dtype | None, role: QuantizerRole | None = None, *,
+                 rowwise: bool = True, columnwise: bool = False, device=None) -> None:
         self.role = role
         self.fp8_dtype = fp8_dtype if fp8_dtype is None else self._checked_fp8_dtype(fp8_dtype)
+        self.set_usage(rowwise=rowwise, columnwise=columnwise)
+        # Where the scaling state is first allocated (it moves to the input's device on first use).
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+
+    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        """The copies a call without ``rowwise=`` / ``columnwise=`` makes (TransformerEngine's
+        usage flags). te_fuser's default is the row-wise copy alone (TransformerEngine's is
+        both): the ops ask each cast for the copies its GEMMs read."""
+        if rowwise is not None:
+            self.rowwise_usage = self._checked_bool("rowwise", rowwise)
+        if columnwise is not None:
+            self.columnwise_usage = self._checked_bool("columnwise", columnwise)
 
     # -- quantization --------------------------------------------------------
     def __init_subclass__(cls, **kwargs) -> None:
@@ -98,8 +111,16 @@ class Quantizer:
 
     _constrains_shape = False
 
-    def __call__(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> QuantizedTensor:
-        """Quantize ``x`` (any shape ``(..., K)``) as its 2-D flattening ``(M, K)``."""
+    rowwise_usage, columnwise_usage = True, False
+
+    def __call__(self, x: torch.Tensor, *, rowwise: bool | None = None,
+                 columnwise: bool | None = None) -> QuantizedTensor:
+        """Quantize ``x`` (any shape ``(..., K)``) as its 2-D flattening ``(M, K)``; a copy
+        not named takes the quantizer's usage flag (:meth:`set_usage`)."""
+        if rowwise is None:
+            rowwise = self.rowwise_usage
+        if columnwise is None:
+            columnwise = self.columnwise_usage
         self._check_input(x, rowwise, columnwise)
         shape = x.shape
         if self._constrains_shape:
@@ -254,6 +275,7 @@ class Quantizer:
         return flat_2d_shape(tuple(shape))
 
     def _checked_fp8_dtype(self, fp8_dtype: Any) -> torch.dtype:
+        fp8_dtype = torch_dtype(fp8_dtype)  # TransformerEngine's te.DType names too
         if not isinstance(fp8_dtype, torch.dtype) or fp8_dtype not in FP8_MAX:
             raise ValueError(
                 f"{type(self).__name__}.fp8_dtype: must be torch.float8_e4m3fn or torch.float8_e5m2, "

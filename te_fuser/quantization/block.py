@@ -31,12 +31,23 @@ class Float8BlockQuantizer(Quantizer):
     def __init__(
         self,
         fp8_dtype: torch.dtype,
-        block_dim: int,
+        block_dim: int | None = None,
         power_2_scales: bool = True,
         amax_epsilon: float = 0.0,
         role: QuantizerRole | None = None,
+        *,
+        block_scaling_dim: int | None = None,
+        force_pow_2_scales: bool | None = None,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        device=None,
     ) -> None:
-        super().__init__(fp8_dtype, role)
+        """``block_scaling_dim`` and ``force_pow_2_scales`` are TransformerEngine's names for
+        ``block_dim`` and ``power_2_scales`` (its default block_scaling_dim, 2, is ours)."""
+        super().__init__(fp8_dtype, role, rowwise=rowwise, columnwise=columnwise, device=device)
+        block_dim = self._one_of("block_dim", block_dim, "block_scaling_dim", block_scaling_dim, 2)
+        power_2_scales = self._one_of("power_2_scales", power_2_scales, "force_pow_2_scales", force_pow_2_scales,
+                                      True)
         if isinstance(block_dim, bool) or block_dim not in (1, 2):
             raise ValueError(
                 f"Float8BlockQuantizer.block_dim: must be 1 (1x128 tiles) or 2 (128x128 tiles), got {block_dim!r}"
@@ -46,6 +57,15 @@ class Float8BlockQuantizer(Quantizer):
         self.amax_epsilon = self._checked_epsilon("amax_epsilon", amax_epsilon)
         self.tile_rows = 1 if block_dim == 1 else BLOCK_SCALING_TILE
         self.scaling = block_scaling(self.tile_rows)
+
+    @staticmethod
+    def _one_of(name, value, te_name, te_value, default):
+        """The value of a field given by our name or TransformerEngine's (not both, unless equal)."""
+        if te_value is None:
+            return default if value is None else value
+        if value is not None and value != default and value != te_value:
+            raise ValueError(f"Float8BlockQuantizer: {name}={value!r} and {te_name}={te_value!r} disagree; give one")
+        return te_value
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool

@@ -29,8 +29,12 @@ class Float8CurrentScalingQuantizer(Quantizer):
         power_2_scales: bool = False,
         amax_epsilon: float = 0.0,
         role: QuantizerRole | None = None,
+        *,
+        device=None,
+        rowwise: bool = True,
+        columnwise: bool = False,
     ) -> None:
-        super().__init__(fp8_dtype, role)
+        super().__init__(fp8_dtype, role, rowwise=rowwise, columnwise=columnwise, device=device)
         self.power_2_scales = self._checked_bool("power_2_scales", power_2_scales)
         self.amax_epsilon = self._checked_epsilon("amax_epsilon", amax_epsilon)
         # The process group the tensors this quantizer casts are sharded over along

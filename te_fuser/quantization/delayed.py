@@ -84,8 +84,12 @@ class DelayedScalingQuantizer(Quantizer):
         scaling_factor_compute_algo: Callable | None = None,
         recipe: Any = None,
         role: QuantizerRole | None = None,
+        *,
+        device=None,
+        rowwise: bool = True,
+        columnwise: bool = False,
     ) -> None:
-        super().__init__(fp8_dtype, role)
+        super().__init__(fp8_dtype, role, rowwise=rowwise, columnwise=columnwise, device=device)
         self.margin = self._checked_int("margin", margin, 0)
         self.amax_history_len = self._checked_int("amax_history_len", amax_history_len, 1)
         if not callable(amax_compute_algo) and amax_compute_algo not in AMAX_ALGOS:
@@ -105,7 +109,7 @@ class DelayedScalingQuantizer(Quantizer):
         self.amax_reduction_group = None
         self.recipe_key: str | None = None  # the plan's recipe key, compared across the ranks it reduces over
         self._pending = 0  # its amaxes waiting in PENDING
-        self._reset(torch.device("cpu"))
+        self._reset(self.device)
 
     STATE_TENSORS = ("scale", "scale_inv", "amax_history", "nonfinite_amax_count")
 

@@ -25,8 +25,9 @@ class MXFP8Quantizer(Quantizer):
 
     scaling = Scaling.MX_32
 
-    def __init__(self, fp8_dtype: torch.dtype, role: QuantizerRole | None = None) -> None:
-        super().__init__(fp8_dtype, role)
+    def __init__(self, fp8_dtype: torch.dtype, role: QuantizerRole | None = None, *, rowwise: bool = True,
+                 columnwise: bool = False, device=None) -> None:
+        super().__init__(fp8_dtype, role, rowwise=rowwise, columnwise=columnwise, device=device)
 
     def check_shape(self, shape: tuple[int, ...], *, rowwise: bool = True, columnwise: bool = False) -> None:
         rows, cols = self._flat_shape(shape)

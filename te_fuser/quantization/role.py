@@ -22,11 +22,13 @@ class QuantizerRole(NamedTuple):
 
     ``module_type`` names the kind of op (``'linear'``, ``'quantize'``, ``'dpa'``...),
     ``tensor_type`` the tensor (one of :data:`TENSOR_TYPES`) and ``name`` the op's
-    user-given name (``''`` when it has none).
+    user-given name (``''`` when it has none). Every field may be left out, as in
+    TransformerEngine (``QuantizerRole(tensor_type="weight")``); :meth:`make`
+    validates all three.
     """
 
-    module_type: str
-    tensor_type: str
+    module_type: str = ""
+    tensor_type: str = ""
     name: str = ""
 
     @classmethod
