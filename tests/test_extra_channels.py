@@ -358,3 +358,32 @@ def test_two_layers_train_as_one_sequential():
     assert losses[0] == losses[1]
     assert losses[0][2] < losses[0][0], losses
     assert {"forward_linear_bias_add", "backward_add_rmsnorm"} <= one.fusion_plan().rules()
+
+
+def test_gpt_blocks_as_one_sequential_equal_the_two_sequential_blocks():
+    """``GPTConfig(layer="one_sequential")``: each block one Sequential with its residuals
+    on channels, the same model as the default blocks (``sub(x, x)``), bit for bit."""
+    from te_fuser.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(n_layer=2, d_model=D, n_head=HEADS, d_ffn=FFN, seq_len=T, batch_size=B, attention="te")
+    torch.manual_seed(29)
+    two = GPT(config)
+    one = GPT(config.replace(layer="one_sequential"))
+    with torch.no_grad():
+        for p, q in zip(two.parameters(), one.parameters(), strict=True):
+            q.copy_(p)
+    assert all(len(block.layer.groups()) == 1 for block in one.blocks)
+    idx = torch.randint(256, (B, T), generator=torch.Generator().manual_seed(1))
+    for recipe in (RECIPES["delayed"], RECIPES["current_mha"]):
+        losses = []
+        for model in (two, one):
+            model.zero_grad(set_to_none=True)
+            with te.autocast(recipe=recipe):
+                loss = model(idx).float().logsumexp(-1).mean()
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(*losses)
+        for (name, p), q in zip(two.named_parameters(), one.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    with pytest.raises(ValueError, match="GPTConfig.layer"):
+        config.replace(attention="sdpa", layer="one_sequential")

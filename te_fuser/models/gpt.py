@@ -21,6 +21,9 @@
       LayerNorm -> Linear(d, 3d) -> RotaryEmbedding -> DotProductAttention -> Linear(d, d) -> + x
 
   so that a recipe's ``fp8_dpa`` / ``fp8_mha`` reach attention and its boundaries.
+  With ``GPTConfig.layer="one_sequential"`` (and ``attention="te"``) a block is one
+  ``Sequential`` called as ``layer(x)``, its two residuals on extra-tensor channels
+  (``MakeExtraOutput(channel=...)`` ... ``AddExtraInput(channel=...)``).
 - :class:`TorchGPT` is the same network in plain torch (``nn.Linear``,
   ``nn.LayerNorm``, ``nn.GELU(approximate="tanh")``, te's GELU; under
   ``attention="te"`` the same rotary embedding in plain torch before SDPA), module
@@ -50,6 +53,7 @@ __all__ = [
 VOCAB_SIZE = 256  # bytes
 VALIDATION_FRACTION = 0.05
 ATTENTION_KINDS = ("sdpa", "te")
+LAYER_KINDS = ("two_sequentials", "one_sequential")
 ROPE_BASE = 10000.0
 # Folders of the standard library left out of the corpus: installed packages, the
 # test suites, and the IDE and the 2to3 tool with their fixtures.
@@ -68,12 +72,19 @@ class GPTConfig:
     batch_size: int
     vocab_size: int = VOCAB_SIZE
     attention: str = "sdpa"  # "sdpa": torch's SDPA between the fused groups; "te": te_fuser ops throughout
+    # "two_sequentials": each sub-layer a Sequential called as seq(x, x); "one_sequential" (attention="te"):
+    # a block is one Sequential whose residuals stay inside on extra-tensor channels
+    layer: str = "two_sequentials"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"GPTConfig.attention: must be one of {list(ATTENTION_KINDS)}, got {self.attention!r}")
+        if self.layer not in LAYER_KINDS or (self.layer == "one_sequential" and self.attention != "te"):
+            raise ValueError(f"GPTConfig.layer: must be one of {list(LAYER_KINDS)} ('one_sequential' with "
+                             f"attention='te': SDPA is a plain module, which a channel cannot cross), "
+                             f"got {self.layer!r} with attention={self.attention!r}")
         for f in dataclasses.fields(self):
-            if f.name == "attention":
+            if f.name in ("attention", "layer"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -216,22 +227,21 @@ class Block(nn.Module):
         core = ([ops.RotaryEmbedding(heads, d // heads, base=ROPE_BASE, name="rope"),
                  ops.DotProductAttention(heads, d // heads, causal=True, name="attn")]
                 if config.attention == "te" else [CausalSelfAttention(heads)])
-        self.attn = ops.Sequential(
-            ops.LayerNorm(d, device=device),
-            ops.Linear(d, 3 * d, device=device, name="qkv"),
-            *core,
-            ops.Linear(d, d, device=device, name="proj"),
-            ops.AddExtraInput(),
-        )
-        self.mlp = ops.Sequential(
-            ops.LayerNorm(d, device=device),
-            ops.Linear(d, config.d_ffn, device=device, name="fc1"),
-            ops.GELU(),
-            ops.Linear(config.d_ffn, d, device=device, name="fc2"),
-            ops.AddExtraInput(),
-        )
+        one = config.layer == "one_sequential"  # the residuals on channels inside one Sequential
+        attn = [ops.LayerNorm(d, device=device), ops.Linear(d, 3 * d, device=device, name="qkv"), *core,
+                ops.Linear(d, d, device=device, name="proj"), ops.AddExtraInput(channel="attn_res" if one else None)]
+        mlp = [ops.LayerNorm(d, device=device), ops.Linear(d, config.d_ffn, device=device, name="fc1"), ops.GELU(),
+               ops.Linear(config.d_ffn, d, device=device, name="fc2"),
+               ops.AddExtraInput(channel="mlp_res" if one else None)]
+        if one:
+            self.layer = ops.Sequential(ops.MakeExtraOutput(channel="attn_res"), *attn,
+                                        ops.MakeExtraOutput(channel="mlp_res"), *mlp)
+        else:
+            self.attn, self.mlp = ops.Sequential(*attn), ops.Sequential(*mlp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, d)
+        if "layer" in self._modules:
+            return self.layer(x)
         x = self.attn(x, x)
         return self.mlp(x, x)
 
