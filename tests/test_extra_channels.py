@@ -387,3 +387,18 @@ def test_gpt_blocks_as_one_sequential_equal_the_two_sequential_blocks():
             assert torch.equal(p.grad, q.grad), name
     with pytest.raises(ValueError, match="GPTConfig.layer"):
         config.replace(attention="sdpa", layer="one_sequential")
+
+
+def test_channels_under_torch_compile():
+    """A compiled graph's fake outputs are the public ones (a channel also returned,
+    the internal one not), and the compiled group computes as the eager one."""
+    gen = torch.Generator().manual_seed(31)
+    model = te.ops.Sequential(te.ops.MakeExtraOutput(channel="r"), te.ops.RMSNorm(D), _linear(D, D, gen),
+                              te.ops.AddExtraInput(channel="r"),
+                              te.ops.MakeExtraOutput().set_extra_output_channel(0, "s"), _linear(D, D, gen),
+                              te.ops.AddExtraInput(channel="s"))
+    x, dy, dr = (representable(T, D, generator=gen, scale_exp=-2) for _ in range(3))
+    eager = _grads(model, x, dys=(dy, dr))
+    compiled = _grads(torch.compile(model, backend="aot_eager", fullgraph=True), x, dys=(dy, dr))
+    for a, b in zip([*eager[0], *eager[1]], [*compiled[0], *compiled[1]], strict=True):
+        assert torch.equal(a, b)
