@@ -33,14 +33,40 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.grouped_gemm import check_grouped_gemm
-from ._common import fp8_format, is_interpreted
-from .gemm import _TL_OUT, Tiles, _epilogue, _k_major, _load_k_tile, _tma_ok
+from ._common import fp8_format, is_interpreted, to_output
+from .gemm import Tiles
 
 __all__ = ["grouped_gemm", "grouped_gemm_wgrad", "grouped_gemm_unsupported_reason",
            "grouped_gemm_wgrad_unsupported_reason", "TILE_OVERRIDES"]
 
 # Tuning hook for the benchmarks: "fprop" / "wgrad" -> Tiles. Empty in normal use.
 TILE_OVERRIDES: dict[str, Tiles] = {}
+
+_TL_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _load_k_tile(src, row0, rows, k0, K, stride, offs_k, USE_TMA: tl.constexpr):
+    """The (rows, BLOCK_K) tile of a K-major operand at columns k0...: through a TMA
+    descriptor (zero fill outside the matrix) or through pointers (``rows`` inside
+    the matrix, columns past K masked to zero)."""
+    if USE_TMA:
+        return src.load([row0, k0])
+    else:
+        cols = k0 + offs_k
+        return tl.load(src + rows[:, None] * stride + cols[None, :], mask=cols[None, :] < K, other=0.0)
+
+
+@triton.jit
+def _store_tile(acc, offs_m, offs_n, row_end, n_end, bias_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr,
+                OUT_DTYPE: tl.constexpr):
+    """acc (+ the bias row) rounded once to OUT_DTYPE, rows < row_end and columns < n_end."""
+    n_ok = offs_n < n_end
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < row_end) & n_ok[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], to_output(acc, OUT_DTYPE),
+             mask=mask)
 
 
 @triton.jit
@@ -93,8 +119,7 @@ def _grouped_gemm_kernel(
         sa = tl.load(sa_ptr + rows_a)[:, None] if A_ROW_SCALES else tl.load(sa_ptr)
         sb = tl.load(sb_ptr + rows_b)[None, :] if B_ROW_SCALES else tl.load(sb_ptr)
         acc = acc * sa * sb
-    _epilogue(acc, acc, offs_m, offs_n, row_end, Q, 0, bias_ptr + g * Q, out_ptr, out_ptr, out_ptr, 0, stride_om,
-              HAS_BIAS, 0, False, OUT_DTYPE, False, None)
+    _store_tile(acc, offs_m, offs_n, row_end, Q, bias_ptr + g * Q, out_ptr, stride_om, HAS_BIAS, OUT_DTYPE)
 
 
 @triton.jit
@@ -130,11 +155,20 @@ def _grouped_gemm_wgrad_kernel(
         sa = tl.load(sa_ptr + rows_a)[:, None] if A_ROW_SCALES else tl.load(sa_ptr)
         sb = tl.load(sb_ptr + rows_b)[None, :] if B_ROW_SCALES else tl.load(sb_ptr)
         acc = acc * sa * sb
-    _epilogue(acc, acc, offs_m, offs_n, Q, R, 0, out_ptr, out_ptr, out_ptr + g.to(tl.int64) * Q * stride_om,
-              out_ptr, 0, stride_om, False, 0, False, OUT_DTYPE, False, None)
+    _store_tile(acc, offs_m, offs_n, Q, R, out_ptr, out_ptr + g.to(tl.int64) * Q * stride_om, stride_om, False,
+                OUT_DTYPE)
 
 
 # --------------------------------------------------------------- launchers
+
+
+def _k_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _tma_ok(*mats: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row pitches."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in mats)
 
 _SCALINGS = (Scaling.TENSOR, Scaling.ROW)
 _PLAIN = (torch.bfloat16, torch.float16, torch.float32)
