@@ -20,6 +20,8 @@ OPS = {
     "ReLU": (lambda k: te.ops.ReLU(), 0),
     "SiLU": (lambda k: te.ops.SiLU(), 0),
     "SwiGLU": (lambda k: te.ops.SwiGLU(), 0),
+    "SwiGLU-interleaved": (lambda k: te.ops.SwiGLU(glu_interleave_size=8), 0),
+    "GEGLU-interleaved": (lambda k: te.ops.GEGLU(glu_interleave_size=4), 0),
     "QGELU": (lambda k: te.ops.QGELU(), 0),
     "SReLU": (lambda k: te.ops.SReLU(), 0),
     "GLU": (lambda k: te.ops.GLU(), 0),
@@ -48,6 +50,10 @@ def _reference(name, module, x, params, extras):
         return (x + params["bias"],)
     if name in ("GELU", "ReLU", "SiLU", "SwiGLU", "QGELU", "SReLU", "GLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU"):
         return (activation_reference(x, name.lower()),)
+    if name.endswith("-interleaved"):  # blocks [g0, u0, g1, u1, ...] -> halves [g | u]
+        size, n = module.glu_interleave_size, x.shape[-1]
+        halves = x.reshape(*x.shape[:-1], n // (2 * size), 2, size).transpose(-3, -2).reshape(x.shape)
+        return (activation_reference(halves, name.split("-")[0].lower()),)
     if name == "LayerNorm":
         return (torch.nn.functional.layer_norm(x, (x.shape[-1],), params["weight"], params["bias"], module.eps),)
     if name == "RMSNorm":

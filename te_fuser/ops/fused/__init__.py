@@ -54,6 +54,9 @@ def _epilogue_applies_activation(ops, recipe):
         if isinstance(op, Activation) and op.kind not in EPILOGUE_ACTIVATIONS:
             return (f"the GEMM epilogue applies {', '.join(EPILOGUE_ACTIVATIONS)}, not {op.kind}: "
                     f"{type(op).__name__} runs as its own op")
+        if isinstance(op, Activation) and op.glu_interleave_size is not None:
+            return (f"the GEMM epilogue gates the two halves of its output, not blocks of glu_interleave_size="
+                    f"{op.glu_interleave_size}: {type(op).__name__} runs as its own op")
     return None
 
 
