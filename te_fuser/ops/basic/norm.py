@@ -10,6 +10,8 @@ statistics, without recomputing them): one kernel each way on the GPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -20,39 +22,65 @@ __all__ = ["LayerNorm", "RMSNorm", "rms_norm_backward"]
 
 
 class _Norm(BasicOperation):
+    """Normalizes over the trailing ``normalized_shape`` dims (an int: the last dim).
+
+    ``zero_centered_gamma`` (TransformerEngine's argument): the weight is stored as
+    ``gamma - 1`` and starts at zero (weight decay then pulls gamma towards 1, not
+    0); the norm scales by ``weight + 1``, computed in fp32.
+    """
+
     module_type = "norm"
 
-    def __init__(self, size: int, eps: float, bias: bool, device, dtype, name) -> None:
+    def __init__(self, normalized_shape, eps: float, bias: bool, device, dtype, name,
+                 zero_centered_gamma: bool = False) -> None:
         super().__init__(name)
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"{type(self).__name__}.size: must be a positive integer, got {size!r}")
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
+            raise ValueError(f"{type(self).__name__}.normalized_shape: must be a positive integer or a tuple of "
+                             f"them, got {normalized_shape!r}")
         if not (isinstance(eps, (int, float)) and eps > 0):
             raise ValueError(f"{type(self).__name__}.eps: must be a positive float, got {eps!r}")
-        self.size, self.eps = size, float(eps)
-        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=dtype)) if bias else None
+        if not isinstance(zero_centered_gamma, bool):
+            raise TypeError(f"{type(self).__name__}.zero_centered_gamma: must be a bool, got {zero_centered_gamma!r}")
+        self.normalized_shape, self.size, self.eps = shape, math.prod(shape), float(eps)
+        self.zero_centered_gamma = zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = nn.Parameter(init(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype)) if bias else None
+
+    def gamma(self) -> torch.Tensor:
+        """The scale the norm applies, flattened (N,): the weight, or ``weight + 1`` in
+        fp32 under ``zero_centered_gamma``."""
+        w = self.weight.reshape(self.size)
+        return w.float() + 1.0 if self.zero_centered_gamma else w
 
     def extra_repr(self) -> str:
-        return f"{self.size}, eps={self.eps}"
+        size = self.size if len(self.normalized_shape) == 1 else self.normalized_shape
+        return f"{size}, eps={self.eps}" + (", zero_centered_gamma=True" if self.zero_centered_gamma else "")
 
     def check_shapes(self, in_shape, quantizers):
-        if in_shape[-1] != self.size:
-            raise ValueError(f"{self.describe()}: input's last dim is {in_shape[-1]}, expected {self.size}")
+        k = len(self.normalized_shape)
+        if tuple(in_shape[-k:]) != self.normalized_shape:
+            raise ValueError(f"{self.describe()}: input's trailing dims are {tuple(in_shape[-k:])}, expected "
+                             f"{self.normalized_shape}")
         return in_shape
 
 
 class LayerNorm(_Norm):
     """``(x - mean) / sqrt(var + eps) * weight + bias``, as torch.nn.LayerNorm."""
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, device=None, dtype=None, name=None) -> None:
-        super().__init__(normalized_shape, eps, True, device, dtype, name)
+    def __init__(self, normalized_shape, eps: float = 1e-5, *, device=None, dtype=None, name=None,
+                 zero_centered_gamma: bool = False) -> None:
+        super().__init__(normalized_shape, eps, True, device, dtype, name, zero_centered_gamma)
 
     def op_forward(self, ctx, x, extra_inputs):
         dtype = ctx.run.compute_dtype
-        y, mean, rstd = torch.native_layer_norm(x.float(), (self.size,), self.weight.float(), self.bias.float(),
-                                                self.eps)  # fp32; the statistics (..., 1)
+        x2d = x.reshape(-1, self.size)  # (M, N)
+        y, mean, rstd = torch.native_layer_norm(x2d.float(), (self.size,), self.gamma().float(),
+                                                self.bias.reshape(self.size).float(), self.eps)  # fp32; stats (M, 1)
         if ctx.run.needs_backward:
-            ctx.saved["x"], ctx.saved["stats"] = x, (mean, rstd)
+            ctx.saved["x"], ctx.saved["stats"] = x2d, (mean, rstd)
+        y = y.reshape(x.shape)
         return (y if y.dtype is dtype else y.to(dtype)), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
@@ -62,20 +90,23 @@ class LayerNorm(_Norm):
         weight, bias = self.weight, self.bias
         need_w, need_b = ctx.param_needs_grad or (weight.requires_grad, bias.requires_grad)
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy.float(), x.float(), (self.size,), mean, rstd, weight.float(), bias.float(), [True, need_w, need_b])
-        pgrads = [g if g is None or g.dtype is p.dtype else g.to(p.dtype) for g, p in ((dw, weight), (db, bias))]
+            dy.reshape(-1, self.size).float(), x.float(), (self.size,), mean, rstd, self.gamma().float(),
+            bias.reshape(self.size).float(), [True, need_w, need_b])
+        pgrads = [g if g is None else g.reshape(p.shape).to(p.dtype) for g, p in ((dw, weight), (db, bias))]
+        dx = dx.reshape(dy.shape)
         return (dx if dx.dtype is x.dtype else dx.to(x.dtype)), pgrads, []
 
 
 class RMSNorm(_Norm):
     """``x / sqrt(mean(x**2) + eps) * weight``, as torch.nn.RMSNorm."""
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, device=None, dtype=None, name=None) -> None:
-        super().__init__(normalized_shape, eps, False, device, dtype, name)
+    def __init__(self, normalized_shape, eps: float = 1e-5, *, device=None, dtype=None, name=None,
+                 zero_centered_gamma: bool = False) -> None:
+        super().__init__(normalized_shape, eps, False, device, dtype, name, zero_centered_gamma)
 
     def op_forward(self, ctx, x, extra_inputs):
         x2d = x.reshape(-1, self.size)  # (M, N)
-        y2d, rstd = backend.resolve("rms_norm", x.device).fn(x2d, self.weight, self.eps, ctx.run.compute_dtype)
+        y2d, rstd = backend.resolve("rms_norm", x.device).fn(x2d, self.gamma(), self.eps, ctx.run.compute_dtype)
         if ctx.run.needs_backward:
             ctx.saved["x"], ctx.saved["rstd"] = x, rstd
         return y2d.reshape(x.shape), []
@@ -94,9 +125,10 @@ def rms_norm_backward(ctx, op: RMSNorm, dy: torch.Tensor, grad_add: torch.Tensor
     x2d = x.reshape(-1, op.size)  # (M, N)
     dy2d = dy.reshape(-1, op.size)
     grad = backend.resolve("rms_norm_grad", x.device).fn
+    gamma = op.gamma()
     if grad_add is None:
-        dx2d, dw = grad(dy2d, x2d, op.weight, rstd, op.eps)
+        dx2d, dw = grad(dy2d, x2d, gamma, rstd, op.eps)
     else:
-        dx2d, dw = grad(dy2d, x2d.float(), op.weight, rstd, op.eps)  # dx in fp32
+        dx2d, dw = grad(dy2d, x2d.float(), gamma, rstd, op.eps)  # dx in fp32
         dx2d = (dx2d + grad_add.reshape(-1, op.size)).to(x.dtype)
-    return dx2d.reshape(x.shape), dw.to(op.weight.dtype)
+    return dx2d.reshape(x.shape), dw.reshape(op.weight.shape).to(op.weight.dtype)
