@@ -150,6 +150,12 @@ class Sequential(nn.Module):
             del items[self._index(idx)]
         self._renumber(items)
 
+    def pop(self, idx: int = -1) -> nn.Module:
+        """Remove the module at ``idx`` and return it (as ``nn.Sequential.pop``)."""
+        module = self[idx]
+        del self[idx]
+        return module
+
     def append(self, module: nn.Module) -> "Sequential":
         self._modules[str(len(self._modules))] = self._check(module)
         self._changed()
