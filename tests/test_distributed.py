@@ -78,12 +78,13 @@ def _train(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]
 
 
 def _mismatch(rank: int) -> str:
-    """Rank 1 trains under another margin than rank 0 (the same recipe class): the
-    first reduction that compares them stops both, naming the ranks."""
+    """The ranks switch at one step, rank 1 to another margin than rank 0 (the same
+    recipe class): their first training plans compare the keys and stop both,
+    naming the ranks."""
     import te_fuser as te
 
     model = _model()
-    recipe = te.recipe.DelayedScaling(amax_history_len=4, margin=rank)
+    recipe = te.recipe.DelayedScaling(amax_history_len=4, margin=2 + rank)
     try:
         for _ in range(2):
             with te.autocast(recipe=recipe):
@@ -165,7 +166,7 @@ def test_the_amaxes_of_a_step_reduce_in_two_collectives(results):
 def test_ranks_under_different_recipes_stop_with_an_error_naming_them(results):
     message = results["mismatch"]
     assert "ranks train under different recipes" in message and "ranks [0] and ranks [1]" in message, message
-    assert "margin=0" in message, message  # this rank's own recipe key
+    assert "margin=2" in message, message  # this rank's own recipe key
 
 
 def test_without_reduction_each_rank_keeps_its_own(results):
@@ -271,7 +272,8 @@ FOUR = 4
 def _four_worker(rank: int, folder: str, results) -> None:
     """Four ranks in DDP under delayed scaling with the default reduction, every
     rank on its own data: their scaling states equal; then rank 3 alone trains
-    under another margin, and every rank stops naming the two sets of ranks; then
+    under another margin (the others switching too), and every rank stops naming the
+    two sets of ranks; then
     FSDP2 per layer round-trips through DCP on the four ranks."""
     import te_fuser as te
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -292,7 +294,7 @@ def _four_worker(rank: int, folder: str, results) -> None:
             opt.zero_grad()
         states = [torch.empty_like(_scaling_state(model)) for _ in range(FOUR)]
         dist.all_gather(states, _scaling_state(model))
-        apart = te.recipe.DelayedScaling(amax_history_len=4, margin=1 if rank == 3 else 0)
+        apart = te.recipe.DelayedScaling(amax_history_len=4, margin=3 if rank == 3 else 2)  # all switch, one apart
         message = "no error"
         try:
             for _ in range(2):
@@ -330,7 +332,7 @@ def test_four_ranks_share_their_scaling_state_and_name_the_odd_one_out(four):
     assert equal, "four ranks with the default reduction: the scaling states differ"
     for rank, message in enumerate(messages):
         assert "ranks [0, 1, 2] and ranks [3]" in message, f"rank {rank}: {message}"
-        assert f"this rank ({rank})" in message and f"margin={1 if rank == 3 else 0}" in message, message
+        assert f"this rank ({rank})" in message and f"margin={3 if rank == 3 else 2}" in message, message
 
 
 # -- a recipe schedule on two ranks against one process on the whole batch -----------
@@ -474,7 +476,7 @@ def test_a_recipe_schedule_on_two_ranks_is_one_process_on_the_whole_batch(schedu
     casts its half with the scale of its own amax, where one process casts the
     whole batch with the larger one (delayed scaling's reduced amax is the global
     batch's, so its casts are the one process's)."""
-    from tolerances import TOLERANCES, assert_close
+    from tolerances import assert_close
 
     one_losses, one_weights = schedule["schedule"]["one"]
     losses, weights = schedule["schedule"][how]

@@ -1,0 +1,84 @@
+"""Ranks agree on the recipe before they train under it.
+
+A rank that switches recipe alone would train on different numerics than the
+others, or wait forever in a collective they never join (delayed scaling's amax
+reduction). So the first time a rank builds a training plan (one with a backward)
+for a recipe, while the default process group has several ranks, it publishes
+the recipe's key in the group's store as its n-th new recipe and waits until
+every rank has published its n-th: ranks that switched together to one recipe
+pass at once; ranks that switched to different ones stop at once with an error
+naming the groups of ranks and this rank's key; a rank that switched alone stops
+after :data:`AGREEMENT_TIMEOUT_S` with an error naming the ranks that did not
+follow and the recipe they last trained under. Never on the hot path: a recipe
+agreed once is not checked again in that group. Keys are compared with the per-object numbers of unkeyed
+callables removed (those differ between processes by design). Same-class
+changes that only delayed scaling's reduction would see are also compared there
+(``quantization/amax_reduction.py``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from .callable_key import strip_fallback_tokens
+
+__all__ = ["check_ranks_agree", "AGREEMENT_TIMEOUT_S"]
+
+# How long a rank that built a recipe's first training plan waits for every other
+# rank to build its own next one (seconds; a module attribute to set).
+AGREEMENT_TIMEOUT_S = 300.0
+
+_agreed: dict = {}  # process group -> (the recipe keys its ranks agreed on, the count of checks so far)
+
+
+def _default_group_and_store():
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None, None, None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None, None, None
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    return dist, dist.group.WORLD, (get_store() if get_store is not None else None)
+
+
+def check_ranks_agree(recipe_key: str) -> None:
+    """Return once every rank of the default group has built its next new training
+    recipe and it is ``recipe_key`` (at once when agreed before, or without several
+    ranks); else raise ``RuntimeError`` naming the ranks and recipes."""
+    dist, group, store = _default_group_and_store()
+    if store is None:
+        return
+    agreed, count = _agreed.setdefault(group, (set(), [0]))
+    if recipe_key in agreed:
+        return
+    key = strip_fallback_tokens(recipe_key)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # store keys unique to this group (a job may make several) and to this check
+    prefix = f"te_fuser/recipes/{getattr(dist.distributed_c10d._world, 'group_count', 0)}"
+    names = [f"{prefix}/{count[0]}/{r}" for r in range(world)]
+    count[0] += 1
+    store.set(f"{prefix}/latest/{rank}", key)
+    store.set(names[rank], key)
+    try:
+        store.wait(names, timedelta(seconds=AGREEMENT_TIMEOUT_S))
+    except Exception:  # the store's timeout (its error type differs between stores)
+        missing = [r for r in range(world) if not store.check([names[r]])]
+        if missing:
+            last = {r: (store.get(f"{prefix}/latest/{r}").decode() if store.check([f"{prefix}/latest/{r}"])
+                        else "none yet") for r in missing}
+            raise RuntimeError(
+                f"te_fuser: rank {rank} trains under {key}, but after {AGREEMENT_TIMEOUT_S:g} s ranks {missing} "
+                f"had not switched to a new recipe (the recipes they last trained under: {last}). Give every "
+                f"rank the same recipe at the same step") from None
+    keys = [store.get(name).decode() for name in names]
+    if any(k != key for k in keys):
+        ranks_by_key: dict = {}
+        for r, k in enumerate(keys):
+            ranks_by_key.setdefault(k, []).append(r)
+        groups = " and ".join(f"ranks {ranks}" for ranks in ranks_by_key.values())
+        raise RuntimeError(
+            f"te_fuser: the ranks train under different recipes ({groups} hold different ones, compared when "
+            f"each first trained under it); this rank ({rank}) trains under {key}. Give every rank the same "
+            f"recipe at the same step")
+    agreed.add(recipe_key)
