@@ -199,3 +199,22 @@ def test_add_extra_input_of_fp8_values_dequantizes():
         y = te.ops.Sequential(te.ops.AddExtraInput())(x_fp8, r)
     assert type(y) is torch.Tensor
     assert_bitwise(y, x_fp8.dequantize() + r, "FP8 input + extra input")
+
+
+@pytest.mark.parametrize("after", ["gelu", "rmsnorm"])
+def test_an_op_whose_kernels_read_plain_tensors_gets_the_fp8_input_dequantized(after):
+    """Quantize -> GELU / RMSNorm on the Triton backend (its kernels read raw storage):
+    the fuser hands them the Float8Tensor's values, as the same op given them plainly."""
+    from te_fuser import backend
+
+    torch.manual_seed(0)
+    second = te.ops.GELU() if after == "gelu" else te.ops.RMSNorm(64)
+    x = -1.3 + torch.randn(32, 64)
+    recipe = te.recipe.Float8CurrentScaling()
+    with backend.use_backend("triton"), te.autocast(recipe=recipe):
+        got = te.ops.Sequential(te.ops.Quantize(), second)(x)
+        q = te.ops.Quantize()(x)
+        assert type(q) is Float8Tensor
+        want = te.ops.Sequential(second)(q.dequantize())
+    assert type(got) is torch.Tensor
+    assert torch.equal(got, want), after

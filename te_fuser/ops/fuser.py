@@ -33,6 +33,7 @@ from ..autocast import STATE_STACK as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from ..quantization.amax_reduction import WORLD
+from ..quantization.float8_tensor import Float8Tensor
 from ..recipe_agreement import check_ranks_agree
 from . import compiled, hot_guard
 from ..epoch import CHANGES as _EPOCH
@@ -734,6 +735,8 @@ def run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
             raise ValueError(f"op fuser: expected 0 extra input(s), got {len(extra_inputs)}")
         for step in plan.forward:
             idx = step.indices
+            if type(x) is Float8Tensor and not fuser.ops[idx[0]].accepts_fp8_input:
+                x = x.dequantize()  # its kernels read plain tensors
             x, _ = step.executor.fuser_forward(ctxs[idx[0] : idx[-1] + 1], x, _NO_EXTRAS[len(idx)])
         return ctxs, x, []
     if len(extra_inputs) != fuser.num_extra_inputs:
@@ -748,6 +751,8 @@ def run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
             for i in idx:
                 for k, w, o in routes.reads[i]:
                     extras_in[i][k] = extras_out[w][o]
+        if type(x) is Float8Tensor and not fuser.ops[idx[0]].accepts_fp8_input:
+            x = x.dequantize()  # its kernels read plain tensors
         x, outs = step.executor.fuser_forward([ctxs[i] for i in idx], x, [extras_in[i] for i in idx])
         for i, o in zip(idx, outs):
             extras_out[i] = o

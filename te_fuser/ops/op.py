@@ -294,6 +294,11 @@ class BasicOperation(WatchedModule):
             self._loaded_state = pending or None
         self.drop_caches()
 
+    # Whether the op takes a Float8Tensor input as it is (a linear takes it as its FP8
+    # operand, views keep it FP8); the fuser dequantizes one for every other op, whose
+    # kernels read plain tensors.
+    accepts_fp8_input = False
+
     # The process group this op's activations and gradients are sharded over along
     # their rows (tokens), set by ``te.sequence_parallel``; None: not sharded.
     sequence_parallel_group = None

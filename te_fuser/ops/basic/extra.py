@@ -150,6 +150,7 @@ class MakeExtraOutput(_Channels, BasicOperation):
     (returned too only with ``output_to_caller=True``; see the module doc)."""
 
     module_type = "branch"
+    accepts_fp8_input = True  # hands the tensor on as it is, FP8 too
     num_extra_outputs = 1
 
     def __init__(self, name: "str | None" = None, *, channel: "str | None" = None,

@@ -22,6 +22,17 @@ A fused op may hand ``linear_forward`` an input already quantized by this linear
 input quantizer (the previous GEMM's epilogue cast it), and may ask it for its
 own result as FP8 data cast in its epilogue (``out_cast``); see
 ``ops/fused/forward_linear_bias_linear.py``.
+
+``accumulate_into_main_grad=True`` (TransformerEngine's, for Megatron-LM's
+wgrad fusion): the wgrad GEMM's fp32 result is added to ``weight.main_grad``, an
+fp32 buffer of the weight's shape the caller attaches (or written over it when
+the weight has ``overwrite_main_grad=True``), and autograd receives no real
+weight gradient: ``.grad`` stays None, or, when the weight has the attribute
+``grad_added_to_main_grad``, that flag is set True and ``.grad`` gets a dummy of
+the weight's shape and dtype (zeros with ``zero_out_wgrad=True``, else
+uninitialised), as TransformerEngine does. No GEMM backend here accumulates into
+an output buffer yet, so the FP8 wgrad writes fp32 and is added after; a
+high-precision wgrad accumulates in fp32 too (never rounded to bf16 first).
 """
 
 from __future__ import annotations
@@ -50,12 +61,18 @@ __all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_colu
 
 class BasicLinear(BasicOperation):
     module_type = "linear"
+    accepts_fp8_input = True
     casts_weights = True
     forward_roles = ("input", "weight")
     backward_roles = ("grad_output",)
 
-    def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None, name=None) -> None:
+    def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None, name=None,
+                 accumulate_into_main_grad: bool = False) -> None:
         super().__init__(name)
+        if not isinstance(accumulate_into_main_grad, bool):
+            raise TypeError(f"BasicLinear.accumulate_into_main_grad: must be True or False, "
+                            f"got {accumulate_into_main_grad!r}")
+        self.accumulate_into_main_grad = accumulate_into_main_grad
         for field, value in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BasicLinear.{field}: must be a positive integer, got {value!r}")
@@ -267,7 +284,9 @@ def linear_backward_with_column_sums(
         dx2d = gemm(rowwise(dy_q), columnwise(w_s), dtype, residual=res, fast_accum=run.fast_accum_dgrad)  # (M, K)
         x_shape = ctx.saved["x_shape"]
         dx = dx2d if dx2d.shape == x_shape else dx2d.reshape(x_shape)
-    if need_dw:
+    if need_dw and op.accumulate_into_main_grad:
+        dw = _wgrad_into_main_grad(ctx, op, dy_q, x_s)
+    elif need_dw:
         w_dtype = ctx.saved["w_dtype"]
         # FP8 operands accumulate in fp32 and write the weight's dtype at once; high
         # precision runs on the compute dtype's tensor cores and converts after, as
@@ -277,6 +296,58 @@ def linear_backward_with_column_sums(
         if dw.dtype is not w_dtype:
             dw = dw.to(w_dtype)
     return dx, dw, sums
+
+
+def _main_grad(op: BasicLinear) -> torch.Tensor:
+    weight = op.weight
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError(f"{op.describe()}: accumulate_into_main_grad=True, but its weight has no main_grad "
+                           "(attach an fp32 buffer of the weight's shape as weight.main_grad before the backward)")
+    if tuple(main_grad.shape) != tuple(weight.shape):
+        raise ValueError(f"{op.describe()}: weight.main_grad has shape {tuple(main_grad.shape)}, the weight "
+                         f"{tuple(weight.shape)}")
+    return main_grad.detach()
+
+
+def _wgrad_into_main_grad(ctx: OpContext, op: BasicLinear, dy_q, x_s) -> "torch.Tensor | None":
+    """``main_grad += dyᵀ · x`` (``=`` with ``overwrite_main_grad``) in fp32; returns what
+    autograd gets for the weight: None, or a dummy when the weight has
+    ``grad_added_to_main_grad`` (TransformerEngine's Megatron-LM protocol)."""
+    run, weight = ctx.run, op.weight
+    main_grad = _main_grad(op)
+    if run.fp8_backward:  # FP8 operands: fp32 accumulation, written as main_grad's dtype
+        dw = gemm(columnwise(dy_q), columnwise(x_s), main_grad.dtype, fast_accum=run.fast_accum_wgrad)  # (N, K)
+    else:
+        dy_t, x_t = columnwise(dy_q), columnwise(x_s)  # (N, M), (K, M)
+        if dy_t.is_cuda and dy_t.dtype in (torch.bfloat16, torch.float16):
+            dw = torch.mm(dy_t, x_t.t(), out_dtype=torch.float32)  # tensor cores, fp32 sums
+        else:
+            dw = dy_t.float() @ x_t.float().t()
+    if getattr(weight, "overwrite_main_grad", False):
+        main_grad.copy_(dw)
+    else:
+        main_grad.add_(dw)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    return dummy_wgrad(tuple(weight.shape), weight.dtype, weight.device, zero=getattr(weight, "zero_out_wgrad", False))
+
+
+_DUMMY_WGRADS: dict = {}
+
+
+def dummy_wgrad(shape: tuple, dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
+    """The placeholder ``.grad`` of a weight whose gradient went into ``main_grad``: one
+    buffer per shape, dtype and device, kept (TransformerEngine's ``get_dummy_wgrad``);
+    zeroed when ``zero``, else its contents are unspecified."""
+    key = (shape, dtype, torch.device(device))
+    buf = _DUMMY_WGRADS.get(key)
+    if buf is None:
+        buf = _DUMMY_WGRADS[key] = torch.empty(shape, dtype=dtype, device=device)
+    if zero:
+        buf.zero_()
+    return buf
 
 
 def linear_bias_activation_forward(ctxs, ops, x):

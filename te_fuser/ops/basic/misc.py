@@ -22,6 +22,7 @@ class Quantize(BasicOperation):
     TransformerEngine's ``Quantize``). An input that is already FP8 is passed on."""
 
     module_type = "quantize"
+    accepts_fp8_input = True
     forward_roles = ("input",)
     backward_roles = ("grad_output",)
 
@@ -71,6 +72,7 @@ class _PassesDtype(BasicOperation):
 
 class Identity(_PassesDtype):
     module_type = "identity"
+    accepts_fp8_input = True
 
     def op_forward(self, ctx, x, extra_inputs):
         return x, []
@@ -83,6 +85,7 @@ class Reshape(_PassesDtype):
     """``x.reshape(shape)``; ``-1`` allowed once."""
 
     module_type = "reshape"
+    accepts_fp8_input = True
 
     def __init__(self, shape, *, name=None) -> None:
         super().__init__(name)
@@ -113,6 +116,7 @@ class Dropout(_PassesDtype):
     ``1 / (1 - p)``; the identity in eval mode."""
 
     module_type = "dropout"
+    accepts_fp8_input = True  # the identity in eval mode; in training torch's mul reads it dequantized
 
     def __init__(self, p: float, *, name=None) -> None:
         super().__init__(name)
