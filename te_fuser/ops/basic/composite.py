@@ -39,11 +39,16 @@ class Linear(WatchedModule):
     has ``nn.Linear``'s keys (``weight``, ``bias``; ``_extra_state`` only while
     there is scaling state to keep), so the checkpoints of either load into the
     other; a load also takes the basic ops' own keys (``linear.weight``, ...).
+    ``accumulate_into_main_grad`` is BasicLinear's (the weight gradient goes into
+    ``weight.main_grad``); the bias gradient stays in ``.grad``, as in
+    TransformerEngine's ``te.ops.Linear``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None, name=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None, name=None,
+                 accumulate_into_main_grad: bool = False):
         super().__init__()
-        self.linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name)
+        self.linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name,
+                                  accumulate_into_main_grad=accumulate_into_main_grad)
         self.bias_op = Bias(out_features, device=device, dtype=dtype, name=name) if bias else None
         if self.bias_op is not None:
             bound = 1.0 / math.sqrt(in_features)
