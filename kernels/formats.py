@@ -12,7 +12,7 @@ import torch
 __all__ = [
     "FP8Format", "FP8_FORMATS", "E4M3", "E5M2", "E8M0_BIAS", "fp8_format", "fp8_max",
     "Scaling", "SCALING_TILES", "block_scaling", "scaling_tile", "ACTIVATIONS", "ACTIVATION_CODES", "GLU_GATES",
-    "EPILOGUE_ACTIVATIONS",
+    "GLU_UPS", "ACTIVATION_PARAMS", "activation_params", "EPILOGUE_ACTIVATIONS",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -83,12 +83,37 @@ def block_scaling(tile_rows: int) -> str:
 # x·sigmoid(1.702x), SReLU max(x, 0)². The gated kinds (GLU_GATES: the gate's own
 # activation) halve the last dim, x = [a, b] -> gate(a) · b (the gate on the first
 # half, as TransformerEngine; torch's GLU gates the second).
+#
+# Two gated kinds take parameters (ACTIVATION_PARAMS: their names and
+# TransformerEngine's defaults, in the order the kernels take them) and also
+# transform the up half (GLU_UPS): ClampedSwiGLU (GPT-OSS's) is
+# min(a, limit)·sigmoid(alpha·min(a, limit)) · (clamp(b, -limit, limit) + glu_linear_offset);
+# SiTU-GLU (Kimi K3's) is beta1·tanh(a/beta1)·sigmoid(a) · beta2·tanh(b/beta2).
 ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2, "silu": 3, "swiglu": 4, "qgelu": 5, "srelu": 6,
-                    "glu": 7, "geglu": 8, "qgeglu": 9, "reglu": 10, "sreglu": 11}
+                    "glu": 7, "geglu": 8, "qgeglu": 9, "reglu": 10, "sreglu": 11, "clamped_swiglu": 12,
+                    "situglu": 13}
 ACTIVATIONS = tuple(kind for kind in ACTIVATION_CODES if kind is not None)
-# gated kind -> the activation of its gate ("sigmoid" is GLU's, not an activation kind)
+# gated kind -> the activation of its gate ("sigmoid", "clamped_qgelu" and "situ"
+# are gates only, not activation kinds)
 GLU_GATES = {"swiglu": "silu", "glu": "sigmoid", "geglu": "gelu", "qgeglu": "qgelu", "reglu": "relu",
-             "sreglu": "srelu"}
+             "sreglu": "srelu", "clamped_swiglu": "clamped_qgelu", "situglu": "situ"}
+# gated kind -> what it does to its up half before the product (the others take it as it is)
+GLU_UPS = {"clamped_swiglu": "clamp_offset", "situglu": "softcap"}
+# kind -> ((parameter name, default), ...): a kind's parameters, in kernel order
+ACTIVATION_PARAMS = {"clamped_swiglu": (("limit", 7.0), ("alpha", 1.702), ("glu_linear_offset", 1.0)),
+                     "situglu": (("beta1", 4.0), ("beta2", 25.0))}
+
+
+def activation_params(kind: str | None, params=None) -> tuple[float, ...]:
+    """``kind``'s parameters as floats in kernel order (its defaults when ``params``
+    is None or empty); a kind without parameters takes none."""
+    names = ACTIVATION_PARAMS.get(kind, ())
+    if not params:
+        return tuple(float(d) for _, d in names)
+    if len(params) != len(names):
+        raise ValueError(f"activation {kind!r}: takes {len(names)} parameter(s) "
+                         f"({', '.join(n for n, _ in names) or 'none'}), got {len(params)}")
+    return tuple(float(p) for p in params)
 # The activations a GEMM epilogue applies (Triton's and CUDA's); the fusion rules
 # run any other after the GEMM.
 EPILOGUE_ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")

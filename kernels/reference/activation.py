@@ -3,7 +3,14 @@
 GELU is the tanh approximation (as in TransformerEngine), QGELU ``x·sigmoid(1.702x)``,
 SReLU ``max(x, 0)²``. The gated kinds split the last dimension in two halves and
 gate the first: ``gate(x[..., :d]) * x[..., d:]`` (SwiGLU: silu, GLU: sigmoid,
-GEGLU: gelu, QGEGLU: qgelu, ReGLU: relu, SReGLU: srelu).
+GEGLU: gelu, QGEGLU: qgelu, ReGLU: relu, SReGLU: srelu). Two gated kinds take
+parameters (``params``, in the order of ``formats.ACTIVATION_PARAMS``; their
+defaults when not given) and transform the up half too, as TransformerEngine's
+kernels: ClampedSwiGLU ``(limit, alpha, glu_linear_offset)``,
+``c·sigmoid(alpha·c) · (clamp(b, -limit, limit) + glu_linear_offset)`` with
+``c = min(a, limit)`` (the gradient passes where ``a <= limit`` and
+``-limit <= b <= limit``); SiTU-GLU ``(beta1, beta2)``,
+``beta1·tanh(a/beta1)·sigmoid(a) · beta2·tanh(b/beta2)``.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import math
 
 import torch
 
-from ..formats import ACTIVATIONS, GLU_GATES
+from ..formats import ACTIVATIONS, GLU_GATES, GLU_UPS, activation_params
 
 __all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference", "dact_dbias_reference"]
 
@@ -55,43 +62,101 @@ _UNARY = {
 }
 
 
-def _check_kind(kind: str) -> None:
+def _clamped_qgelu(limit: float, alpha: float):
+    """ClampedSwiGLU's gate ``c·sigmoid(alpha·c)``, ``c = min(a, limit)``, and its
+    derivative (zero where ``a > limit``, as the clamp's)."""
+    def f(a):
+        c = a.clamp(max=limit)
+        return c * torch.sigmoid(alpha * c)
+
+    def f_grad(a):
+        c = a.clamp(max=limit)
+        s = torch.sigmoid(alpha * c)
+        return torch.where(a <= limit, s * (1.0 + alpha * c * (1.0 - s)), torch.zeros_like(a))
+    return f, f_grad
+
+
+def _situ(beta1: float):
+    """SiTU-GLU's gate ``beta1·tanh(a/beta1)·sigmoid(a)`` and its derivative."""
+    def f(a):
+        return beta1 * torch.tanh(a / beta1) * torch.sigmoid(a)
+
+    def f_grad(a):
+        t, s = torch.tanh(a / beta1), torch.sigmoid(a)
+        return (1.0 - t * t) * s + beta1 * t * s * (1.0 - s)
+    return f, f_grad
+
+
+def _clamp_offset(limit: float, offset: float):
+    """ClampedSwiGLU's up half ``clamp(b, -limit, limit) + offset`` and its derivative."""
+    return (lambda b: b.clamp(-limit, limit) + offset,
+            lambda b: ((b >= -limit) & (b <= limit)).to(b.dtype))
+
+
+def _softcap(beta2: float):
+    """SiTU-GLU's up half ``beta2·tanh(b/beta2)`` and its derivative."""
+    def f_grad(b):
+        t = torch.tanh(b / beta2)
+        return 1.0 - t * t
+    return (lambda b: beta2 * torch.tanh(b / beta2)), f_grad
+
+
+def _gated(kind: str, params) -> tuple:
+    """``(gate, gate', up, up')`` of the gated ``kind`` (``up`` None: the identity)."""
+    p = activation_params(kind, params)
+    if kind == "clamped_swiglu":
+        return (*_clamped_qgelu(p[0], p[1]), *_clamp_offset(p[0], p[2]))
+    if kind == "situglu":
+        return (*_situ(p[0]), *_softcap(p[1]))
+    assert kind not in GLU_UPS, kind
+    return (*_UNARY[GLU_GATES[kind]], None, None)
+
+
+def _check_kind(kind: str, params=None) -> None:
     if kind not in ACTIVATIONS:
         raise ValueError(f"activation: must be one of {list(ACTIVATIONS)}, got {kind!r}")
+    activation_params(kind, params)
 
 
-def activation_reference(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def activation_reference(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
+                         params: tuple | None = None) -> torch.Tensor:
     """``kind(x)`` computed in fp32 (or fp64 for fp64 input), returned in that dtype
-    or rounded once to ``out_dtype``."""
-    _check_kind(kind)
+    or rounded once to ``out_dtype``; ``params``: a parametrized kind's values
+    (its defaults when None)."""
+    _check_kind(kind, params)
     x = x if x.dtype == torch.float64 else x.float()
     if kind in GLU_GATES:
+        f, _, up_f, _ = _gated(kind, params)
         gate, up = x.chunk(2, dim=-1)
-        y = _UNARY[GLU_GATES[kind]][0](gate) * up
+        y = f(gate) * (up if up_f is None else up_f(up))
     else:
         y = _UNARY[kind][0](x)
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, kind: str,
+                              params: tuple | None = None) -> torch.Tensor:
     """Gradient w.r.t. the activation's input ``x`` given the output gradient ``dy``."""
-    _check_kind(kind)
+    _check_kind(kind, params)
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     x, dy = x.to(wide), dy.to(wide)
     if kind in GLU_GATES:
-        f, f_grad = _UNARY[GLU_GATES[kind]]
+        f, f_grad, up_f, up_grad = _gated(kind, params)
         gate, up = x.chunk(2, dim=-1)
-        return torch.cat([dy * up * f_grad(gate), dy * f(gate)], dim=-1)
+        if up_f is None:
+            return torch.cat([dy * up * f_grad(gate), dy * f(gate)], dim=-1)
+        return torch.cat([dy * up_f(up) * f_grad(gate), dy * f(gate) * up_grad(up)], dim=-1)
     return dy * _UNARY[kind][1](x)
 
 
 def dact_dbias_reference(
-    dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None
+    dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
+    params: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of ``Bias -> activation``: ``dx = dact(dy, x)`` rounded to
     ``out_dtype`` (default ``x.dtype``), and ``dbias`` = the fp32 sum over rows of
     that rounded ``dx`` — the same numbers the unfused activation and bias
     backwards produce."""
-    dx = activation_grad_reference(dy, x, kind).to(x.dtype if out_dtype is None else out_dtype)
+    dx = activation_grad_reference(dy, x, kind, params).to(x.dtype if out_dtype is None else out_dtype)
     dbias = dx.reshape(-1, dx.shape[-1]).float().sum(dim=0)
     return dx, dbias

@@ -2,7 +2,8 @@
 
 The math matches :mod:`te_fuser.kernels.reference.activation` (GELU is the tanh
 approximation; a gated kind is ``gate(x[..., :d]) * x[..., d:]``, SwiGLU's gate
-silu), computed in fp32
+silu; ClampedSwiGLU and SiTU-GLU also transform the up half, their parameters
+compile-time constants of the kernels), computed in fp32
 (fp64 for fp64 inputs). The ``@triton.jit`` helpers here are also the GEMM
 epilogue's activations.
 """
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import ACTIVATION_CODES, GLU_GATES
+from ..formats import ACTIVATION_CODES, GLU_GATES, activation_params
 from ._common import check_input, is_interpreted, round_through, sm_count
 from .cast import CastPlan
 
@@ -155,12 +156,69 @@ def glu_gate_grad(a, KIND: tl.constexpr):
         return silu_grad(a)
 
 
+@triton.jit
+def _tanh_small(u):
+    """tanh for the soft caps of SiTU-GLU: the odd Taylor series to u¹¹ where
+    |u| < 0.25 (relative error < 1e-10 there, where 1 - 2 / (exp(2u) + 1) loses
+    digits to the cancellation), that form elsewhere."""
+    u2 = u * u
+    series = u * (1.0 + u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0 + u2 * (
+        62.0 / 2835.0 + u2 * (-1382.0 / 155925.0))))))
+    return tl.where(tl.abs(u) < 0.25, series, _tanh(u))
+
+
+@triton.jit
+def _clamped_qgelu(a, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    c = tl.minimum(a, LIMIT)
+    return c * _sigmoid(ALPHA * c)
+
+
+@triton.jit
+def _clamped_qgelu_grad(a, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    c = tl.minimum(a, LIMIT)
+    s = _sigmoid(ALPHA * c)
+    return tl.where(a <= LIMIT, s * (1.0 + ALPHA * c * (1.0 - s)), 0.0)
+
+
+@triton.jit
+def gated(gate, up, KIND: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
+    """A gated kind's output from its two halves: ``glu_gate(gate) * up``, or for
+    12 clamped_swiglu (P0 limit, P1 alpha, P2 glu_linear_offset)
+    ``clamped_qgelu(gate) * (clamp(up, -limit, limit) + offset)`` and for 13
+    situglu (P0 beta1, P1 beta2) ``beta1·tanh(gate/beta1)·sigmoid(gate) ·
+    beta2·tanh(up/beta2)``."""
+    if KIND == 12:
+        return _clamped_qgelu(gate, P0, P1) * (tl.minimum(tl.maximum(up, -P0), P0) + P2)
+    elif KIND == 13:
+        return P0 * _tanh_small(gate / P0) * _sigmoid(gate) * (P1 * _tanh_small(up / P1))
+    else:
+        return glu_gate(gate, KIND) * up
+
+
+@triton.jit
+def gated_grad(dy, gate, up, KIND: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
+    """``(d gate, d up)`` of :func:`gated` for the output gradient ``dy``."""
+    if KIND == 12:
+        up_c = tl.minimum(tl.maximum(up, -P0), P0) + P2
+        up_pass = tl.where((up >= -P0) & (up <= P0), 1.0, 0.0)
+        return dy * up_c * _clamped_qgelu_grad(gate, P0, P1), dy * _clamped_qgelu(gate, P0, P1) * up_pass
+    elif KIND == 13:
+        t = _tanh_small(gate / P0)
+        s = _sigmoid(gate)
+        t_up = _tanh_small(up / P1)
+        d_gate = (1.0 - t * t) * s + P0 * t * s * (1.0 - s)
+        return dy * (P1 * t_up) * d_gate, dy * (P0 * t * s) * (1.0 - t_up * t_up)
+    else:
+        return dy * up * glu_gate_grad(gate, KIND), dy * glu_gate(gate, KIND)
+
+
 # -------------------------------------------------------------------- kernels
 
 
 @triton.jit
 def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, GATED: tl.constexpr, COMPUTE: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
     """y (rows, cols_out) = KIND(x); for a GATED kind x is (rows, 2 * cols_out)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -169,7 +227,7 @@ def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, GATED: 
         row_ptr = x_ptr + offs_r[:, None] * (2 * cols_out) + offs_c[None, :]
         gate = tl.load(row_ptr, mask=mask, other=0.0).to(COMPUTE)
         up = tl.load(row_ptr + cols_out, mask=mask, other=0.0).to(COMPUTE)
-        y = glu_gate(gate, KIND) * up
+        y = gated(gate, up, KIND, P0, P1, P2)
     else:
         x = tl.load(x_ptr + offs_r[:, None] * cols_out + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
         y = apply_activation(x, KIND)
@@ -178,7 +236,8 @@ def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, GATED: 
 
 @triton.jit
 def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr, GATED: tl.constexpr,
-               COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr):
+               COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
+               P2: tl.constexpr):
     """Write the input gradient of one tile; return its column sums (two halves,
     gate then up, for a GATED kind; the second is zeros otherwise). With a ROUND_TO
     dtype (narrower than COMPUTE: the op's dtype), dx is first rounded once to
@@ -190,8 +249,7 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.co
         x_row = x_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
         gate = tl.load(x_row, mask=mask, other=0.0).to(COMPUTE)
         up = tl.load(x_row + cols_dy, mask=mask, other=0.0).to(COMPUTE)
-        d_gate = dy * up * glu_gate_grad(gate, KIND)
-        d_up = dy * glu_gate(gate, KIND)
+        d_gate, d_up = gated_grad(dy, gate, up, KIND, P0, P1, P2)
         if ROUND_TO is not None:
             d_gate = round_through(d_gate, ROUND_TO)
             d_up = round_through(d_up, ROUND_TO)
@@ -211,16 +269,17 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.co
 
 @triton.jit
 def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.constexpr, GATED: tl.constexpr,
-                            COMPUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                            COMPUTE: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, GATED, COMPUTE, None)
+    _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, GATED, COMPUTE, None, P0, P1, P2)
 
 
 @triton.jit
 def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, rows, cols_dy, rows_per_split, KIND: tl.constexpr,
-                       GATED: tl.constexpr, COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
+                       GATED: tl.constexpr, COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, P0: tl.constexpr,
+                       P1: tl.constexpr, P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
     and the column sums of that slab into partial[s] (a row of cols_dx)."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -232,7 +291,7 @@ def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, rows, cols_dy, rows_p
         offs_r = r0 + tl.arange(0, BLOCK_R)
         offs_r = tl.where(offs_r < first + rows_per_split, offs_r, rows)  # stay inside this split
         part_a, part_b = _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, GATED, COMPUTE,
-                                    ROUND_TO)
+                                    ROUND_TO, P0, P1, P2)
         sum_a += part_a
         sum_b += part_b
     cols_dx = 2 * cols_dy if GATED else cols_dy
@@ -276,12 +335,21 @@ def _plan(x: torch.Tensor, kernel: str) -> CastPlan:
     return _INTERPRETED_PLAN if is_interpreted(x) else ACTIVATION_PLANS[kernel]
 
 
-def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _kernel_params(kind: str, params) -> dict:
+    """The P0..P2 constexprs of ``kind`` (its parameters; zeros past them)."""
+    p = activation_params(kind, params) + (0.0, 0.0, 0.0)
+    return {"P0": p[0], "P1": p[1], "P2": p[2]}
+
+
+def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
+               params: tuple | None = None) -> torch.Tensor:
     """``kind(x)`` in fp32 (fp64 for fp64 input), or rounded once to ``out_dtype``;
-    SwiGLU halves the last dimension."""
+    a gated kind halves the last dimension; ``params``: a parametrized kind's values
+    (its defaults when None)."""
     code = activation_code(kind)
     if kind is None:
         raise ValueError("activation: kind must be given")
+    consts = _kernel_params(kind, params)
     check_input(x, "activation", dims=None)
     x2d, cols = _as_rows(x, kind, "activation")
     tl_compute, compute = _compute_dtype(x)
@@ -294,7 +362,7 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None)
         plan = _plan(x, "elementwise")
         grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
         _activation_kernel[grid](x2d, y, rows, cols, KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute,
-                                 BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
+                                 **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y.reshape(*x.shape[:-1], cols)
@@ -317,9 +385,10 @@ def _check_grad_inputs(dy: torch.Tensor, x: torch.Tensor, kind: str, kernel: str
     return dy2d, x2d, cols
 
 
-def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str, params: tuple | None = None) -> torch.Tensor:
     """Gradient w.r.t. the activation's input ``x`` given the output gradient ``dy``."""
     dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "activation_grad")
+    consts = _kernel_params(kind, params)
     tl_compute, compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
     rows = x2d.shape[0]
     dx = torch.empty(x2d.shape, dtype=compute, device=x.device)
@@ -327,13 +396,13 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tenso
         plan = _plan(x, "elementwise")
         grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
         _activation_grad_kernel[grid](dy2d, x2d, dx, rows, cols, KIND=activation_code(kind),
-                                      GATED=kind in GLU_GATES, COMPUTE=tl_compute, BLOCK_R=plan.block_m,
+                                      GATED=kind in GLU_GATES, COMPUTE=tl_compute, **consts, BLOCK_R=plan.block_m,
                                       BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     return dx.reshape(x.shape)
 
 
 def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, compute,
-                       round_to: torch.dtype | None = None) -> torch.Tensor:
+                       round_to: torch.dtype | None = None, params: tuple | None = None) -> torch.Tensor:
     """Run the fused kernel into ``dx``, dx first rounded to the narrower
     ``round_to`` when given; return dbias."""
     tl_compute, torch_compute = compute
@@ -349,19 +418,22 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, comput
     _dact_dbias_kernel[(col_blocks, splits)](
         dy2d, x2d, dx, partial, rows, cols, rows_per_split, KIND=activation_code(kind), GATED=kind in GLU_GATES,
         COMPUTE=tl_compute,
-        ROUND_TO=None if round_to is None else _TL_FLOAT[round_to], BLOCK_R=block_r, BLOCK_C=block_c,
+        ROUND_TO=None if round_to is None else _TL_FLOAT[round_to], **_kernel_params(kind, params),
+        BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=plan.num_warps)
     return partial.sum(dim=0)
 
 
 def dact_dbias(
-    dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None
+    dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
+    params: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dbias)``: the activation gradient, rounded once to ``out_dtype``
     (default ``x.dtype``), and the fp32 sum over all leading dimensions of that
     rounded dx (the gradient of a bias added before the activation, as the unfused
     ops compute it), in one pass over ``dy`` and ``x``."""
     dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "dact_dbias")
+    activation_params(kind, params)
     compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     # The interpreter's own narrowing conversion is not trusted: there the kernel
@@ -371,7 +443,7 @@ def dact_dbias(
     if not dx.numel():
         return dx.reshape(x.shape).to(out_dtype), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device)
     dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, compute,
-                               round_to=dx.dtype if dx.dtype != compute[1] else None)
+                               round_to=dx.dtype if dx.dtype != compute[1] else None, params=params)
     if not in_kernel:
         dx = dx.to(out_dtype)
         dbias = dx.to(compute[1]).sum(dim=0)

@@ -1,6 +1,8 @@
 """Basic operations: each owns its parameters and runs its own forward and backward."""
 
-from .activation import GEGLU, GELU, GLU, QGEGLU, QGELU, Activation, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU
+from .activation import (GEGLU, GELU, GLU, QGEGLU, QGELU, Activation, ClampedSwiGLU, ReGLU, ReLU, ScaledActivation,
+                         ScaledClampedQGeGLU, ScaledSiTUGLU, ScaledSReLU, ScaledSwiGLU, SiLU, SiTUGLU, SReGLU, SReLU,
+                         SwiGLU)
 from .attention import DotProductAttention
 from .bias import Bias
 from .composite import Linear
@@ -14,6 +16,8 @@ from .rotary import RotaryEmbedding
 
 __all__ = [
     "Activation", "GELU", "QGELU", "ReLU", "SReLU", "SiLU", "GLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU",
+    "ClampedSwiGLU", "SiTUGLU", "ScaledActivation", "ScaledSwiGLU", "ScaledSiTUGLU", "ScaledClampedQGeGLU",
+    "ScaledSReLU",
     "Bias", "Linear", "BasicLinear", "GroupedLinear",
     "AddExtraInput", "MakeExtraOutput", "ConstantScale", "Dropout", "Identity", "Quantize",
     "Reshape", "LayerNorm", "RMSNorm", "DotProductAttention", "RotaryEmbedding", "Embedding",
