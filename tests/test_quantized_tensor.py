@@ -207,9 +207,10 @@ def test_an_op_whose_kernels_read_plain_tensors_gets_the_fp8_input_dequantized(a
     the fuser hands them the Float8Tensor's values, as the same op given them plainly."""
     from te_fuser import backend
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
     torch.manual_seed(0)
-    second = te.ops.GELU() if after == "gelu" else te.ops.RMSNorm(64)
-    x = -1.3 + torch.randn(32, 64)
+    second = (te.ops.GELU() if after == "gelu" else te.ops.RMSNorm(64)).to(device)
+    x = (-1.3 + torch.randn(32, 64)).to(device)
     recipe = te.recipe.Float8CurrentScaling()
     with backend.use_backend("triton"), te.autocast(recipe=recipe):
         got = te.ops.Sequential(te.ops.Quantize(), second)(x)
