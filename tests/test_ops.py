@@ -12,7 +12,7 @@ from te_fuser.kernels.reference import activation_reference
 from tolerances import assert_close
 
 OPS = {
-    # name: (constructor(in_features) -> module, out_features(in) or None, extra inputs)
+    # name: (constructor(in_features) -> module, extra inputs[, their shape from x's (default x's)])
     "BasicLinear": (lambda k: te.ops.BasicLinear(k, 96 if k % 32 == 0 else 40), 0),
     "Linear": (lambda k: te.ops.Linear(k, 96 if k % 32 == 0 else 40), 0),
     "Bias": (lambda k: te.ops.Bias(k), 0),
@@ -29,6 +29,16 @@ OPS = {
     "QGEGLU": (lambda k: te.ops.QGEGLU(), 0),
     "ReGLU": (lambda k: te.ops.ReGLU(), 0),
     "SReGLU": (lambda k: te.ops.SReGLU(), 0),
+    # limit 0.75 and a small beta2: the clamps and the soft cap act on these inputs
+    "ClampedSwiGLU": (lambda k: te.ops.ClampedSwiGLU(limit=0.75, glu_linear_offset=0.5), 0),
+    "ClampedSwiGLU-interleaved": (lambda k: te.ops.ClampedSwiGLU(limit=0.75, glu_interleave_size=4), 0),
+    "SiTUGLU": (lambda k: te.ops.SiTUGLU(beta1=3.0, beta2=0.75), 0),
+    # the post-scaled kinds: one extra input, the per-row scales (x's shape less its last dim)
+    "ScaledSwiGLU": (lambda k: te.ops.ScaledSwiGLU(), 1, lambda shape: shape[:-1]),
+    "ScaledSiTUGLU": (lambda k: te.ops.ScaledSiTUGLU(glu_interleave_size=8, beta2=0.75), 1, lambda shape: shape[:-1]),
+    "ScaledClampedQGeGLU": (lambda k: te.ops.ScaledClampedQGeGLU(limit=0.75, glu_linear_offset=0.0), 1,
+                            lambda shape: shape[:-1]),
+    "ScaledSReLU": (lambda k: te.ops.ScaledSReLU(), 1, lambda shape: shape[:-1]),
     "LayerNorm": (lambda k: te.ops.LayerNorm(k), 0),
     "RMSNorm": (lambda k: te.ops.RMSNorm(k), 0),
     "Quantize": (lambda k: te.ops.Quantize(forward=True, backward=True), 0),
@@ -50,10 +60,17 @@ def _reference(name, module, x, params, extras):
         return (x + params["bias"],)
     if name in ("GELU", "ReLU", "SiLU", "SwiGLU", "QGELU", "SReLU", "GLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU"):
         return (activation_reference(x, name.lower()),)
+    if name in ("ClampedSwiGLU", "SiTUGLU"):
+        return (activation_reference(x, module.kind, params=module.params),)
+    if name.startswith("Scaled"):
+        size, n = module.glu_interleave_size, x.shape[-1]
+        if size is not None:
+            x = x.reshape(*x.shape[:-1], n // (2 * size), 2, size).transpose(-3, -2).reshape(x.shape)
+        return (extras[0].unsqueeze(-1) * activation_reference(x, module.kind, params=module.params),)
     if name.endswith("-interleaved"):  # blocks [g0, u0, g1, u1, ...] -> halves [g | u]
         size, n = module.glu_interleave_size, x.shape[-1]
         halves = x.reshape(*x.shape[:-1], n // (2 * size), 2, size).transpose(-3, -2).reshape(x.shape)
-        return (activation_reference(halves, name.split("-")[0].lower()),)
+        return (activation_reference(halves, module.kind, params=getattr(module, "params", ())),)
     if name == "LayerNorm":
         return (torch.nn.functional.layer_norm(x, (x.shape[-1],), params["weight"], params["bias"], module.eps),)
     if name == "RMSNorm":
@@ -83,11 +100,12 @@ def test_op_matches_float64_reference(op_name, recipe_name, dtype):
     gen = torch.Generator().manual_seed(hash((op_name, recipe_name)) % 2**31)
     # MXFP8 needs every quantized dim to be a multiple of 32; others get odd shapes.
     shape = (2, 16, 64) if recipe_name == "mxfp8" else (3, 7, 48)
-    ctor, n_extra = OPS[op_name]
+    ctor, n_extra, *extra_shape = OPS[op_name]
     module = ctor(shape[-1]).to(dtype)
     _make_representable_params(module, gen)
     x = representable(*shape, generator=gen, dtype=dtype)
-    extras = [representable(*shape, generator=gen, dtype=dtype) for _ in range(n_extra)]
+    eshape = extra_shape[0](shape) if extra_shape else shape
+    extras = [representable(*eshape, generator=gen, dtype=dtype) for _ in range(n_extra)]
     with torch.no_grad():
         probe = module(x, *extras)
     probe = probe if isinstance(probe, tuple) else (probe,)
@@ -106,7 +124,11 @@ def test_op_matches_float64_reference(op_name, recipe_name, dtype):
         assert_close(o, r.detach(), dtype, f"{context} output {i}")
     assert_close(grads["x"], x64.grad, dtype, f"{context} dx")
     for i, e in enumerate(extras64):
-        assert_close(grads[f"extra{i}"], e.grad, dtype, f"{context} d extra {i}")
+        if op_name.startswith("Scaled"):  # d scales: row sums of dy * act(x), in fp32 in another order
+            assert_close(grads[f"extra{i}"], e.grad, "column_sums_fp32" if dtype is torch.float32 else dtype,
+                         f"{context} d scales", scaled=True)
+        else:
+            assert_close(grads[f"extra{i}"], e.grad, dtype, f"{context} d extra {i}")
     for name, p in params64.items():
         assert grads[name] is not None, f"{context}: no gradient for {name}"
         assert_close(grads[name], p.grad, dtype, f"{context} d{name}")

@@ -76,6 +76,12 @@ def _clamped_qgelu(limit: float, alpha: float):
     return f, f_grad
 
 
+def _sech2(u: torch.Tensor) -> torch.Tensor:
+    """``1 - tanh²(u)`` as ``4e / (1 + e)²``, ``e = exp(-2|u|)``: no cancellation where tanh nears ±1."""
+    e = torch.exp(-2.0 * u.abs())
+    return 4.0 * e / ((1.0 + e) * (1.0 + e))
+
+
 def _situ(beta1: float):
     """SiTU-GLU's gate ``beta1·tanh(a/beta1)·sigmoid(a)`` and its derivative."""
     def f(a):
@@ -83,7 +89,7 @@ def _situ(beta1: float):
 
     def f_grad(a):
         t, s = torch.tanh(a / beta1), torch.sigmoid(a)
-        return (1.0 - t * t) * s + beta1 * t * s * (1.0 - s)
+        return _sech2(a / beta1) * s + beta1 * t * s * (1.0 - s)
     return f, f_grad
 
 
@@ -95,10 +101,7 @@ def _clamp_offset(limit: float, offset: float):
 
 def _softcap(beta2: float):
     """SiTU-GLU's up half ``beta2·tanh(b/beta2)`` and its derivative."""
-    def f_grad(b):
-        t = torch.tanh(b / beta2)
-        return 1.0 - t * t
-    return (lambda b: beta2 * torch.tanh(b / beta2)), f_grad
+    return (lambda b: beta2 * torch.tanh(b / beta2)), (lambda b: _sech2(b / beta2))
 
 
 def _gated(kind: str, params) -> tuple:
