@@ -110,3 +110,27 @@ def test_dact_dbias_in_bf16_rounds_dx_once_and_sums_the_rounded_values(kind):
     assert_close(dx, dx_ref.to(dx.device), torch.bfloat16, f"dact_dbias dx {kind}")
     # dbias is exactly the fp32 sum of the dx the kernel wrote (up to summation order)
     assert_close(dbias, dx.float().sum(dim=0), torch.float32, f"dact_dbias dbias {kind}", scaled=True)
+
+
+@pytest.mark.parametrize("kind,params", [("clamped_swiglu", (0.75, 1.702, 1.0)), ("situglu", (4.0, 0.75))])
+def test_parametrized_gated_kinds_on_odd_shapes_and_views(kind, params):
+    """ClampedSwiGLU and SiTU-GLU (their parameters compile-time constants) on an odd
+    number of gate columns, a transposed view and leading dims, forward, backward and
+    dact_dbias against the reference; other parameter values give other results
+    (the kernels read them, not the defaults)."""
+    cases = [(_x((2 * 27, 37), seed=11).t(), _x((27, 37), seed=12).t()),
+             (_x((3, 7, 18), torch.bfloat16, seed=13), _x((3, 7, 9), torch.bfloat16, seed=14))]
+    for x, dy in cases:
+        context = f"{kind} {x.dtype} {tuple(x.shape)} contiguous={x.is_contiguous()}"
+        assert_close(tk.activation(x, kind, params=params), ref.activation_reference(x, kind, params=params),
+                     torch.float32, f"{context} y")
+        assert_close(tk.activation_grad(dy, x, kind, params=params),
+                     ref.activation_grad_reference(dy, x, kind, params=params), torch.float32, f"{context} dx")
+        dx, dbias = tk.dact_dbias(dy, x, kind, params=params)
+        dx_ref, dbias_ref = ref.dact_dbias_reference(dy, x, kind, params=params)
+        assert dx.dtype == x.dtype and dx.shape == x.shape, context
+        assert_close(dx, dx_ref, x.dtype, f"{context} dact_dbias dx")
+        assert_close(dbias, dbias_ref, "column_sums_fp32" if x.dtype == torch.float32 else x.dtype,
+                     f"{context} dbias", scaled=True)
+    x = cases[0][0]
+    assert not torch.allclose(tk.activation(x, kind, params=params), tk.activation(x, kind))
