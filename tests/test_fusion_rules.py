@@ -150,8 +150,15 @@ EXAMPLES: dict[str, RuleExamples] = {
     "forward_linear_bias_add": RuleExamples(
         (Example(_sequential(partial(te.ops.Linear, H, F), te.ops.AddExtraInput), extra_inputs=1),)),
     "forward_linear_add": RuleExamples(
-        (Example(_sequential(partial(te.ops.Linear, H, F, bias=False), te.ops.AddExtraInput), extra_inputs=1),)),
+        (Example(_sequential(partial(te.ops.Linear, H, F, bias=False), te.ops.AddExtraInput), extra_inputs=1),
+         Example(_sequential(partial(te.ops.Linear, H, F, bias=False), partial(te.ops.AddExtraInput, in_place=True)),
+                 extra_inputs=1))),
     "forward_linear_bias": RuleExamples((Example(_sequential(partial(te.ops.Linear, H, F))),)),
+    "forward_linear_scale_add": RuleExamples(
+        (Example(_sequential(partial(te.ops.Linear, H, F, bias=False), partial(te.ops.ConstantScale, -0.37),
+                             te.ops.AddExtraInput), extra_inputs=1),
+         Example(_sequential(partial(te.ops.BasicLinear, H, F), partial(te.ops.ConstantScale, 1.7),
+                             partial(te.ops.AddExtraInput, in_place=True)), extra_inputs=1))),
     "backward_linear_bias_activation": RuleExamples(
         _LINEAR_ACTIVATION_LINEAR + tuple(Example(partial(_linear_activation_linear, act))
                                           for act in BACKWARD_ONLY_ACTIVATIONS), recipes=FP8_RECIPES,
@@ -162,6 +169,10 @@ EXAMPLES: dict[str, RuleExamples] = {
         recipes=FP8_RECIPES, why_not_other_recipes=_DECLINES_WITHOUT_FP8),
     "backward_activation_bias": RuleExamples(tuple(Example(partial(_bias_activation_linear, act))
                                                    for act in ACTIVATIONS + BACKWARD_ONLY_ACTIVATIONS)),
+    "backward_linear_scale": RuleExamples(
+        (Example(_sequential(partial(te.ops.Linear, H, F, bias=False), partial(te.ops.ConstantScale, -0.37))),
+         Example(_sequential(partial(te.ops.BasicLinear, H, F), partial(te.ops.ConstantScale, 3.0),
+                             partial(te.ops.Linear, F, H)))), on_triton=True),
     "backward_linear_add": RuleExamples(
         (Example(_sequential(te.ops.MakeExtraOutput, partial(te.ops.BasicLinear, H, F))),)),
     "backward_add_rmsnorm": RuleExamples(

@@ -40,7 +40,18 @@ calls of the setters raise.
 In the backward, the gradient of a channel's readers (summed when several read
 it) is the gradient of the writer's extra output, added to the main path's
 gradient where they meet (in ``MakeExtraOutput``'s backward, or a fused op's
-such as ``backward_add_rmsnorm``). Fusion rules see channel ops as they see
+such as ``backward_add_rmsnorm``).
+
+``in_place=True`` (TransformerEngine's): ``AddExtraInput`` adds the main input into
+the extra input's own buffer and returns that buffer (``y`` shares the caller's
+extra tensor's storage; the sum has the extra tensor's dtype); ``MakeExtraOutput``
+adds the main path's gradient into the gradient of its extra output in place in
+the backward. Autograd stays correct: the in-place add goes through a detached
+alias that shares the tensor's version counter, so a backward that saved the
+overwritten tensor raises instead of reading the sum. Both stay out of place on
+a channel: the tensor a channel carries is its writer's input, which earlier ops
+of the group may keep for their backward (our saved state has no version
+counter), and its gradient is the readers' own incoming gradient. Fusion rules see channel ops as they see
 public ones, and fire across them; a rule whose window would hold both the writer
 and a reader of one channel is declined (``rules.match``).
 """
@@ -59,6 +70,11 @@ __all__ = ["AddExtraInput", "MakeExtraOutput", "ChannelRoutes", "resolve_channel
 def _check_channel(owner: str, channel) -> None:
     if channel is not None and (not isinstance(channel, str) or not channel):
         raise ValueError(f"{owner}: a channel must be a non-empty string or None, got {channel!r}")
+
+
+def _check_in_place(owner: str, in_place) -> None:
+    if not isinstance(in_place, bool):
+        raise TypeError(f"{owner}(in_place=...): must be True or False, got {in_place!r}")
 
 
 class _Channels:
@@ -124,20 +140,40 @@ class AddExtraInput(_Channels, BasicOperation):
     module_type = "add"
     num_extra_inputs = 1
 
-    def __init__(self, name: "str | None" = None, *, channel: "str | None" = None) -> None:
+    def __init__(self, name: "str | None" = None, *, channel: "str | None" = None, in_place: bool = False) -> None:
         super().__init__(name)
+        _check_in_place(type(self).__name__, in_place)
+        self.in_place = in_place
         self._init_channels(in_channel=channel)
+
+    @property
+    def adds_in_place(self) -> bool:
+        """Whether the sum goes into the extra input's buffer (``in_place``, off a channel)."""
+        return self.in_place and self.extra_input_channels[0] is None
 
     def check_shapes(self, in_shape, quantizers):
         return in_shape
 
     def output_dtype(self, in_dtype, compute_dtype, extra_dtypes):
-        return torch.promote_types(in_dtype, extra_dtypes[0])
+        return extra_dtypes[0] if self.adds_in_place else torch.promote_types(in_dtype, extra_dtypes[0])
+
+    def place(self, y: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        """``y`` (the sum, computed by a fused op) as this op's output: written into
+        ``extra``'s buffer when the op adds in place, else ``y`` itself."""
+        if not self.adds_in_place:
+            return y
+        out = extra.detach()
+        out.copy_(y.reshape(out.shape))
+        return out
 
     def op_forward(self, ctx, x, extra_inputs):
         (extra,) = extra_inputs
         if extra.shape != x.shape:
             raise ValueError(f"{self.describe()}: extra input shape {tuple(extra.shape)} != input shape {tuple(x.shape)}")
+        if self.adds_in_place:
+            out = extra.detach()  # shares extra's version counter: a backward that saved extra raises
+            out += x
+            return out, []
         return x + extra, []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
@@ -154,9 +190,16 @@ class MakeExtraOutput(_Channels, BasicOperation):
     num_extra_outputs = 1
 
     def __init__(self, name: "str | None" = None, *, channel: "str | None" = None,
-                 output_to_caller: "bool | None" = None) -> None:
+                 output_to_caller: "bool | None" = None, in_place: bool = False) -> None:
         super().__init__(name)
+        _check_in_place(type(self).__name__, in_place)
+        self.in_place = in_place
         self._init_channels(out_channel=channel, output_to_caller=output_to_caller)
+
+    @property
+    def adds_in_place(self) -> bool:
+        """Whether the backward adds into the extra output's gradient (``in_place``, off a channel)."""
+        return self.in_place and self.extra_output_channels[0] is None
 
     def output_dtype(self, in_dtype, compute_dtype, extra_dtypes):
         return in_dtype
@@ -168,6 +211,8 @@ class MakeExtraOutput(_Channels, BasicOperation):
         (dextra,) = grad_extra_outputs
         if dextra is None or dy is None:  # no gradient from the branch, or none asked of the main path
             return (dextra if dy is None else dy), [], []
+        if self.adds_in_place and dextra is not dy and dextra.shape == dy.shape:
+            return dextra.add_(dy), [], []
         return dy + dextra, [], []
 
 

@@ -152,8 +152,13 @@ def linear_forward(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
     out_cast: EpilogueCast | None = None,
+    weight_scale: float | None = None,
 ) -> torch.Tensor:
     """fprop with an optional epilogue; saves the backward's operands in ``ctx``.
+    ``weight_scale`` (with ``residual``) gives ``weight_scale · (x · wᵀ) + residual``
+    rounded once: FP8 per-tensor operands take the factor into the weight's
+    dequantization scale for this GEMM (the epilogue applies it in fp32 and adds
+    the residual); other GEMMs write fp32 and the scale and residual follow in fp32.
 
     ``x``: a high-precision (..., K) tensor, or a :class:`QuantizedTensor` already
     cast by this op's input quantizer (with the column-wise copy when the backward
@@ -191,8 +196,15 @@ def linear_forward(
         res2d = None if residual is None else residual.reshape(-1, op.out_features)
         # with a residual, the sum has torch's promoted dtype (an fp32 residual stream stays fp32)
         out_dtype = dtype if residual is None else torch.promote_types(dtype, residual.dtype)
-        y2d = gemm(rowwise(x_q), rowwise(w_q), out_dtype, bias=bias, activation=activation, residual=res2d,
-                   fast_accum=run.fast_accum_fprop, compute_dtype=dtype)
+        x_op, w_op = rowwise(x_q), rowwise(w_q)
+        if weight_scale is not None and not (_per_tensor(x_op) and _per_tensor(w_op)):
+            y2d = torch.add(res2d.float(), _gemm_fp32(x_op, w_op, run.fast_accum_fprop),
+                            alpha=weight_scale).to(out_dtype)  # (M, N), rounded once
+        else:
+            if weight_scale is not None:  # the epilogue's fp32 factor, in this GEMM's weight scale only
+                w_op = ScaledOperand(w_op.data, w_op.scale_inv * weight_scale, w_op.scaling)
+            y2d = gemm(x_op, w_op, out_dtype, bias=bias, activation=activation, residual=res2d,
+                       fast_accum=run.fast_accum_fprop, compute_dtype=dtype)
     if needs_backward:
         saved = ctx.saved
         saved["x"] = x_q if keep_fp8 else x2d
@@ -202,6 +214,19 @@ def linear_forward(
     if out_cast is not None or len(x_shape) == 2:
         return y2d
     return y2d.reshape(*x_shape[:-1], y2d.shape[-1])
+
+
+def _gemm_fp32(a, b, fast_accum: bool = False) -> torch.Tensor:
+    """``a (P, R) @ b (Q, R).T`` accumulated and returned in fp32: the FP8 GEMM writes
+    fp32; bf16/fp16 operands run on the tensor cores with an fp32 result on a GPU,
+    upcast to fp32 elsewhere (exact products)."""
+    if isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand):
+        return gemm(a, b, torch.float32, fast_accum=fast_accum)
+    if isinstance(a, ScaledOperand) or isinstance(b, ScaledOperand):
+        raise TypeError("_gemm_fp32: both operands FP8, or neither")
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype is a.dtype:
+        return torch.mm(a, b.t(), out_dtype=torch.float32)
+    return a.float() @ b.float().t()
 
 
 def _fp8_input(ctx: OpContext, op: BasicLinear, x: Float8Tensor) -> "QuantizedTensor | torch.Tensor":
@@ -256,16 +281,34 @@ def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_d
 
 
 def linear_backward(
-    ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None
+    ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None,
+    dy_scale: float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """dgrad (plus ``grad_residual``, a gradient to add to dx) and wgrad."""
-    dx, dw, _ = linear_backward_with_column_sums(ctx, op, dy, grad_residual, column_sums=False)
+    """dgrad (plus ``grad_residual``, a gradient to add to dx) and wgrad; with
+    ``dy_scale``, those of ``dy_scale · dy`` (see :func:`_scaled_operands`)."""
+    dx, dw, _ = linear_backward_with_column_sums(ctx, op, dy, grad_residual, column_sums=False, dy_scale=dy_scale)
     return dx, dw
+
+
+def _scaled_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool, dy_scale: float):
+    """The backward operands of ``dy_scale · dy``. A stateless per-tensor FP8 cast of
+    dy takes the factor into its dequantization scales, so both backward GEMMs apply
+    it in their fp32 epilogue (dy is read once, by its cast); a cast with scaling
+    state (delayed scaling) casts ``dy_scale · dy``, so its amax history records
+    what the unfused ops' would, as do the other scalings and high precision."""
+    run = ctx.run
+    quantizer = ctx.quantizers.get("grad_output") if run.fp8_backward else None
+    if quantizer is None or quantizer.scaling != Scaling.TENSOR or quantizer.STATE_TENSORS:
+        return _backward_operands(ctx, dy2d * dy_scale, need_dx, need_dw)
+    dy_q, x_s, w_s, _ = _backward_operands(ctx, dy2d, need_dx, need_dw)
+    row, col = (None if c is None else ScaledOperand(c.data, c.scale_inv * dy_scale, c.scaling)
+                for c in (dy_q.rowwise, dy_q.columnwise))
+    return QuantizedTensor(row, col, dy_q.shape, dy_q.dtype), x_s, w_s, None
 
 
 def linear_backward_with_column_sums(
     ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None,
-    column_sums: bool = True,
+    column_sums: bool = True, dy_scale: float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """dgrad, wgrad and (with ``column_sums``) dy's column sums in fp32, the gradient
     of a bias on this linear's output, read from dy by its cast where it can."""
@@ -277,7 +320,10 @@ def linear_backward_with_column_sums(
         dy2d = dy2d.to(dtype)
     need_dx = ctx.needs_input_grad
     need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else ctx.saved["w_requires_grad"]
-    dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums)
+    if dy_scale is None:
+        dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums)
+    else:
+        dy_q, x_s, w_s, sums = _scaled_operands(ctx, dy2d, need_dx, need_dw, dy_scale)
     dx = dw = None
     if need_dx:
         res = None if grad_residual is None else grad_residual.reshape(-1, op.in_features)
@@ -316,14 +362,7 @@ def _wgrad_into_main_grad(ctx: OpContext, op: BasicLinear, dy_q, x_s) -> "torch.
     ``grad_added_to_main_grad`` (TransformerEngine's Megatron-LM protocol)."""
     run, weight = ctx.run, op.weight
     main_grad = _main_grad(op)
-    if run.fp8_backward:  # FP8 operands: fp32 accumulation, written as main_grad's dtype
-        dw = gemm(columnwise(dy_q), columnwise(x_s), main_grad.dtype, fast_accum=run.fast_accum_wgrad)  # (N, K)
-    else:
-        dy_t, x_t = columnwise(dy_q), columnwise(x_s)  # (N, M), (K, M)
-        if dy_t.is_cuda and dy_t.dtype in (torch.bfloat16, torch.float16):
-            dw = torch.mm(dy_t, x_t.t(), out_dtype=torch.float32)  # tensor cores, fp32 sums
-        else:
-            dw = dy_t.float() @ x_t.float().t()
+    dw = _gemm_fp32(columnwise(dy_q), columnwise(x_s), run.fast_accum_wgrad)  # (N, K) fp32
     if getattr(weight, "overwrite_main_grad", False):
         main_grad.copy_(dw)
     else:
@@ -369,11 +408,21 @@ def linear_bias_activation_forward(ctxs, ops, x):
     return apply_activation(pre, act.kind)
 
 
-def linear_bias_add_forward(ctxs, ops, x, residual):
-    """``x · wᵀ + b + residual`` for ``ops`` = [linear, bias, add]; ``x`` may be a
-    QuantizedTensor (see ``linear_forward``)."""
-    linear, bias, add = ops
+def linear_bias_add_forward(ctxs, ops, x, residual, scale: float | None = None):
+    """``x · wᵀ [+ b] + residual`` for ``ops`` = [linear, bias?, add], or with ``scale``
+    ``scale · (x · wᵀ) + residual`` for [linear, ConstantScale, add], the residual
+    (and bias, scale) applied in fp32 before the one rounding; ``x`` may be a
+    QuantizedTensor (see ``linear_forward``). An in-place add writes the sum into
+    the residual's buffer (``AddExtraInput.place``)."""
+    linear, add = ops[0], ops[-1]
     out_shape = (*x.shape[:-1], linear.out_features)
     if tuple(residual.shape) != out_shape:
         raise ValueError(f"{add.describe()}: extra input shape {tuple(residual.shape)} != {out_shape}")
-    return linear_forward(ctxs[0], linear, x, bias=bias.bias_as(ctxs[0].run.compute_dtype), residual=residual)
+    if scale is not None:
+        return add.place(linear_forward(ctxs[0], linear, x, residual=residual, weight_scale=scale), residual)
+    bias = ops[1].bias_as(ctxs[0].run.compute_dtype) if len(ops) == 3 else None
+    return add.place(linear_forward(ctxs[0], linear, x, bias=bias, residual=residual), residual)
+
+
+def _per_tensor(operand) -> bool:
+    return isinstance(operand, ScaledOperand) and operand.scaling == Scaling.TENSOR

@@ -9,6 +9,7 @@ from ..basic.attention import DotProductAttention
 from ..basic.bias import Bias
 from ..basic.extra import AddExtraInput, MakeExtraOutput
 from ..basic.linear import BasicLinear
+from ..basic.misc import ConstantScale
 from ..basic.norm import RMSNorm
 from ..rules import FusionRule, register_fusion_rule
 from .backward_activation_bias import BackwardActivationBias
@@ -16,17 +17,18 @@ from .backward_add_rmsnorm import BackwardAddRMSNorm
 from .backward_linear_add import BackwardLinearAdd
 from .backward_linear_bias import BackwardLinearBias
 from .backward_linear_bias_activation import BackwardLinearBiasActivation
+from .backward_linear_scale import BackwardLinearScale
 from .forward_dpa_linear import ForwardDPALinear
 from .forward_linear_bias_activation import ForwardLinearBiasActivation
-from .forward_linear_add import ForwardLinearAdd
 from .forward_linear_bias_add import ForwardLinearBiasAdd
 from .forward_linear_bias_dpa_linear import ForwardLinearBiasDPALinear
 from .forward_linear_bias_linear import ForwardLinearBiasLinear
+from .forward_linear_scale_add import ForwardLinearScaleAdd
 
 __all__ = [
     "ForwardLinearBiasActivation",
     "ForwardLinearBiasAdd",
-    "ForwardLinearAdd",
+    "ForwardLinearScaleAdd",
     "ForwardLinearBiasLinear",
     "ForwardLinearBiasDPALinear",
     "ForwardDPALinear",
@@ -34,6 +36,7 @@ __all__ = [
     "BackwardLinearBiasActivation",
     "BackwardLinearBias",
     "BackwardLinearAdd",
+    "BackwardLinearScale",
     "BackwardAddRMSNorm",
     "DEFAULT_RULES",
 ]
@@ -123,10 +126,20 @@ def _quantizing(recipe):
 
 def _o_hand_off_possible(ops, recipe):
     """``DotProductAttention -> BasicLinear``: attention's FP8 O into the projection's GEMM."""
+    reason = _in_place_tail(ops)
+    if reason is not None:
+        return reason
     if not recipe.fp8_mha:
         return "fp8_mha is off: attention hands its output on in high precision (TransformerEngine's fp8_mha=False)"
     if recipe.backward_override == "high_precision":
         return "backward_override='high_precision': the projection's backward needs its input in high precision"
+    return None
+
+
+def _in_place_tail(ops):
+    if isinstance(ops[-1], AddExtraInput) and ops[-1].adds_in_place:
+        return ("AddExtraInput(in_place=True) writes the sum into its extra input's buffer; the attention "
+                "projection's fused forward writes a fresh tensor (ForwardLinearBiasAdd serves it)")
     return None
 
 
@@ -142,7 +155,7 @@ def _qkv_hand_off_possible(ops, recipe, context):
     if context.needs_backward and recipe.backward_override == "high_precision":
         return ("backward_override='high_precision': attention's backward reads q, k, v in high precision, which "
                 "the FP8 epilogue does not write")
-    reason = _epilogue_backend_reason(context.device)
+    reason = _epilogue_backend_reason(context.device) or _in_place_tail(ops)
     if reason is None and not isinstance(ops[-1], DotProductAttention):
         reason = _o_hand_off_possible(ops, recipe)
     return reason
@@ -169,12 +182,15 @@ DEFAULT_RULES = _hand_off_rules() + _attention_rules() + (
     FusionRule("forward_linear_bias_activation", "forward", ((BasicLinear,), (Bias,), (Activation,)),
                ForwardLinearBiasActivation, _epilogue_applies_activation),
     FusionRule("forward_linear_bias_add", "forward", ((BasicLinear,), (Bias,), (AddExtraInput,)), ForwardLinearBiasAdd),
-    FusionRule("forward_linear_add", "forward", ((BasicLinear,), (AddExtraInput,)), ForwardLinearAdd),
+    FusionRule("forward_linear_scale_add", "forward", ((BasicLinear,), (ConstantScale,), (AddExtraInput,)),
+               ForwardLinearScaleAdd),
+    FusionRule("forward_linear_add", "forward", ((BasicLinear,), (AddExtraInput,)), ForwardLinearBiasAdd),
     FusionRule("forward_linear_bias", "forward", ((BasicLinear,), (Bias,)), ForwardLinearBiasActivation),
     FusionRule("backward_linear_bias_activation", "backward", ((BasicLinear,), (Bias,), (Activation,)),
                BackwardLinearBiasActivation, _needs_grad_output_quantizer),
     FusionRule("backward_linear_bias", "backward", ((BasicLinear,), (Bias,)), BackwardLinearBias,
                _needs_grad_output_quantizer),
+    FusionRule("backward_linear_scale", "backward", ((BasicLinear,), (ConstantScale,)), BackwardLinearScale),
     FusionRule("backward_activation_bias", "backward", ((Bias,), (Activation,)), BackwardActivationBias),
     FusionRule("backward_linear_add", "backward", ((MakeExtraOutput,), (BasicLinear,)), BackwardLinearAdd),
     FusionRule("backward_add_rmsnorm", "backward", ((MakeExtraOutput,), (RMSNorm,)), BackwardAddRMSNorm),

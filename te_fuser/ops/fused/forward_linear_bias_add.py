@@ -1,4 +1,4 @@
-"""Forward ``BasicLinear -> Bias -> AddExtraInput``: the residual add in the GEMM epilogue."""
+"""Forward ``BasicLinear [-> Bias] -> AddExtraInput``: the residual add in the GEMM epilogue."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ __all__ = ["ForwardLinearBiasAdd"]
 
 
 class ForwardLinearBiasAdd(FusedOperation):
-    """``y = x · wᵀ + b + residual`` with bias and residual applied in fp32 before the
-    one rounding to the compute dtype."""
+    """``y = x · wᵀ [+ b] + residual`` with bias and residual applied in fp32 before the
+    one rounding to the compute dtype (TransformerEngine's ``ForwardLinearBiasAdd``,
+    with or without its bias). With ``AddExtraInput(in_place=True)`` the sum is
+    written into the residual's buffer."""
 
     def fuser_forward(self, ctxs, x, extra_inputs):
-        (residual,) = extra_inputs[2]
+        (residual,) = extra_inputs[-1]
         return linear_bias_add_forward(ctxs, self.basic_ops, x, residual), [[] for _ in ctxs]
