@@ -41,6 +41,7 @@ OPS = {
     "ScaledSReLU": (lambda k: te.ops.ScaledSReLU(), 1, lambda shape: shape[:-1]),
     "LayerNorm": (lambda k: te.ops.LayerNorm(k), 0),
     "RMSNorm": (lambda k: te.ops.RMSNorm(k), 0),
+    "L2Normalization": (lambda k: te.ops.L2Normalization(eps=1e-3), 0),
     "Quantize": (lambda k: te.ops.Quantize(forward=True, backward=True), 0),
     "Identity": (lambda k: te.ops.Identity(), 0),
     "Reshape": (lambda k: te.ops.Reshape((-1, k)), 0),
@@ -75,6 +76,8 @@ def _reference(name, module, x, params, extras):
         return (torch.nn.functional.layer_norm(x, (x.shape[-1],), params["weight"], params["bias"], module.eps),)
     if name == "RMSNorm":
         return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps) * params["weight"],)
+    if name == "L2Normalization":
+        return (x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + module.eps),)
     if name == "Reshape":
         return (x.reshape(module.shape),)
     if name == "ConstantScale":

@@ -11,7 +11,7 @@ from .extra import AddExtraInput, MakeExtraOutput
 from .grouped_linear import GroupedLinear
 from .linear import BasicLinear
 from .misc import ConstantScale, Dropout, Identity, Quantize, Reshape
-from .norm import LayerNorm, RMSNorm
+from .norm import L2Normalization, LayerNorm, RMSNorm
 from .rotary import RotaryEmbedding
 
 __all__ = [
@@ -20,5 +20,5 @@ __all__ = [
     "ScaledSReLU",
     "Bias", "Linear", "BasicLinear", "GroupedLinear",
     "AddExtraInput", "MakeExtraOutput", "ConstantScale", "Dropout", "Identity", "Quantize",
-    "Reshape", "LayerNorm", "RMSNorm", "DotProductAttention", "RotaryEmbedding", "Embedding",
+    "Reshape", "LayerNorm", "RMSNorm", "L2Normalization", "DotProductAttention", "RotaryEmbedding", "Embedding",
 ]

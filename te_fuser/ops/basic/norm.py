@@ -1,4 +1,4 @@
-"""LayerNorm and RMSNorm over the last dim, computed in fp32.
+"""LayerNorm, RMSNorm and L2Normalization over the last dim, computed in fp32.
 
 RMSNorm runs the backend's ``rms_norm`` / ``rms_norm_grad`` kernels (on the GPU
 one Triton pass each, forward and backward; the reference in fp32 torch ops).
@@ -18,7 +18,7 @@ from torch import nn
 from ... import backend
 from ..op import BasicOperation
 
-__all__ = ["LayerNorm", "RMSNorm", "rms_norm_backward"]
+__all__ = ["LayerNorm", "RMSNorm", "L2Normalization", "rms_norm_backward"]
 
 
 class _Norm(BasicOperation):
@@ -132,3 +132,39 @@ def rms_norm_backward(ctx, op: RMSNorm, dy: torch.Tensor, grad_add: torch.Tensor
         dx2d, dw = grad(dy2d, x2d.float(), gamma, rstd, op.eps)  # dx in fp32
         dx2d = (dx2d + grad_add.reshape(-1, op.size)).to(x.dtype)
     return dx2d.reshape(x.shape), dw.reshape(op.weight.shape).to(op.weight.dtype)
+
+
+class L2Normalization(BasicOperation):
+    """``x / sqrt(sum(x**2) + eps)`` over the last dim, without parameters
+    (TransformerEngine's L2Normalization: query-key normalization in attention).
+
+    Computed in fp32 (float64 for float64 input) and rounded once to the compute
+    dtype; the backward, ``dx = r·dy - r³·x·Σ(dy·x)`` with ``r = 1/sqrt(Σx² + eps)``,
+    reads the forward's ``r``. ``seq_length`` and ``micro_batch_size`` (TE's JIT
+    warm-up sizes) are accepted and need nothing here.
+    """
+
+    module_type = "norm"
+
+    def __init__(self, *, eps: float = 1e-6, seq_length: int | None = None, micro_batch_size: int | None = None,
+                 name=None) -> None:
+        super().__init__(name)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+            raise ValueError(f"L2Normalization.eps: must be a finite float > 0, got {eps!r}")
+        self.eps = float(eps)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+    def op_forward(self, ctx, x, extra_inputs):
+        x32 = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        r = torch.rsqrt(x32.square().sum(dim=-1, keepdim=True) + self.eps)  # (..., 1)
+        if ctx.run.needs_backward:
+            ctx.saved["x"], ctx.saved["r"] = x, r
+        return (x32 * r).to(ctx.run.compute_dtype), []
+
+    def op_backward(self, ctx, dy, grad_extra_outputs):
+        x, r = ctx.saved["x"], ctx.saved["r"]
+        x32, dy32 = x.to(r.dtype), dy.to(r.dtype)
+        dx = r * dy32 - r.pow(3) * x32 * (dy32 * x32).sum(dim=-1, keepdim=True)
+        return dx.to(x.dtype), [], []
