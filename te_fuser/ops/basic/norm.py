@@ -61,6 +61,9 @@ class _Norm(BasicOperation):
     def check_shapes(self, in_shape, quantizers):
         k = len(self.normalized_shape)
         if tuple(in_shape[-k:]) != self.normalized_shape:
+            if k == 1:
+                raise ValueError(f"{self.describe()}: input's last dim is {in_shape[-1] if len(in_shape) else None}, "
+                                 f"expected {self.normalized_shape[0]}")
             raise ValueError(f"{self.describe()}: input's trailing dims are {tuple(in_shape[-k:])}, expected "
                              f"{self.normalized_shape}")
         return in_shape
