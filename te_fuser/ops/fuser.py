@@ -34,6 +34,7 @@ from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from ..quantization.amax_reduction import WORLD
 from ..quantization.float8_tensor import Float8Tensor
+from ..quantization.tensor import QuantizedTensor
 from ..recipe_agreement import check_ranks_agree
 from . import compiled, hot_guard
 from ..epoch import CHANGES as _EPOCH
@@ -329,6 +330,8 @@ class OperationFuser:
     def _run(self, x: torch.Tensor, training: bool, extra_inputs: tuple):
         # The guard's conditions (ops/guard.py), read as the guard reads them; plan_for compares them.
         if not isinstance(x, torch.Tensor):  # 2
+            if isinstance(x, QuantizedTensor):  # a quantizer's own output (TransformerEngine's usage): as a Float8Tensor
+                return self._run(Float8Tensor.from_quantized(x), training, extra_inputs)
             raise TypeError(f"op fuser ({self.ops[0].describe()}...): input must be a torch.Tensor, "
                             f"got {type(x).__name__}")
         if not self._params_current():  # behind 9: the ops' dicts, which the guard does not read

@@ -93,6 +93,20 @@ class QuantizedTensor:
         copies = [op for op in (self.rowwise, self.columnwise) if op is not None]
         return sum(op.data.nbytes + op.scale_inv.nbytes for op in copies)
 
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        """The values as a plain tensor, as ``torch.Tensor.to`` takes its arguments
+        (TransformerEngine's QuantizedTensor dequantizes so): a dtype is dequantized
+        into directly (one rounding), a device moves the result."""
+        dtype = kwargs.pop("dtype", None)
+        rest = []
+        for a in args:
+            if isinstance(a, torch.dtype) and dtype is None:
+                dtype = a
+            else:
+                rest.append(a)
+        out = self.dequantize(dtype)
+        return out.to(*rest, **kwargs) if (rest or kwargs) else out
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision tensor of the original shape, in ``dtype`` (default ``self.dtype``).
 
