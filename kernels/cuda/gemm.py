@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import ACTIVATION_CODES, ACTIVATIONS, EPILOGUE_ACTIVATIONS, Scaling
+from ..formats import ACTIVATION_CODES, ACTIVATIONS, Scaling
 from ..operand import ScaledOperand
-from ..reference.gemm import gemm_reference
+from ..reference.gemm import check_epilogue_activation, gemm_reference
 from ._build import extension, raw_stream
 from .cast import HP_CODES, aligned_contiguous, check_cuda_tensor, on_device
 
@@ -109,8 +109,7 @@ def _check_args(a, b, out_dtype, bias, activation, residual) -> tuple[int, int, 
         raise ValueError(f"gemm: out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
     if activation not in ACTIVATION_CODES:
         raise ValueError(f"gemm: activation must be None or one of {list(ACTIVATIONS)}, got {activation!r}")
-    if activation is not None and activation not in EPILOGUE_ACTIVATIONS:
-        raise ValueError(f"gemm: the epilogue applies {', '.join(EPILOGUE_ACTIVATIONS)}, not {activation!r}")
+    check_epilogue_activation(activation)
     m, k = a.shape
     n, k_b = b.shape
     if k != k_b:

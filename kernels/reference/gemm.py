@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import EPILOGUE_ACTIVATIONS
 from ..operand import ScaledOperand
 from .activation import activation_reference
 from .cast import dequantize_reference, quantize_tensorwise_reference
@@ -22,6 +23,13 @@ def _as_fp32(op: ScaledOperand | torch.Tensor) -> torch.Tensor:
     if isinstance(op, ScaledOperand):
         return dequantize_reference(op, torch.float32)
     return op.float()
+
+
+def check_epilogue_activation(activation: str | None) -> None:
+    """The check every backend's GEMM runs: its epilogue applies only
+    :data:`EPILOGUE_ACTIVATIONS` (the fusion rules run the other kinds as ops)."""
+    if activation is not None and activation not in EPILOGUE_ACTIVATIONS:
+        raise ValueError(f"gemm: the epilogue applies {', '.join(EPILOGUE_ACTIVATIONS)}, not {activation!r}")
 
 
 def gemm_reference(
@@ -41,6 +49,7 @@ def gemm_reference(
     apply here: the reference always accumulates in fp32.
     """
     del fast_accum
+    check_epilogue_activation(activation)
     a32, b32 = _as_fp32(a), _as_fp32(b)
     if a32.shape[1] != b32.shape[1]:
         raise ValueError(f"gemm: reduction dims differ: a is {tuple(a32.shape)}, b is {tuple(b32.shape)}")

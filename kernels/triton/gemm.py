@@ -36,8 +36,9 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..formats import EPILOGUE_ACTIVATIONS, Scaling
+from ..formats import Scaling
 from ..operand import ScaledOperand
+from ..reference.gemm import check_epilogue_activation
 from ._common import (abs_bits, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, hw_fp8, is_interpreted,
                       round_through, to_output)
 from .activation import activation_code, apply_activation, silu
@@ -371,8 +372,7 @@ def _check_epilogue(bias, residual, activation, out_dtype, m, n, device, fp8_sta
     if out_dtype not in (_TL_FP8_OUT if fp8_state is not None else _TL_OUT):
         raise ValueError(f"gemm: out_dtype must be one of {list(_TL_OUT)}, got {out_dtype}")
     code = activation_code(activation)
-    if activation is not None and activation not in EPILOGUE_ACTIVATIONS:
-        raise ValueError(f"gemm: the epilogue applies {', '.join(EPILOGUE_ACTIVATIONS)}, not {activation!r}")
+    check_epilogue_activation(activation)
     n_out = n
     if code == 4:
         if n % 2:
