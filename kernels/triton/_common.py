@@ -213,6 +213,23 @@ def fp8_to_float(q, IS_E4M3: tl.constexpr):
     return tl.where(special, special_bits.to(tl.float32, bitcast=True), v)
 
 
+# Triton's dtypes of the float tensors the kernels read and write.
+TL_FLOAT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+@triton.jit
+def load_k_tile(src, row0, rows, k0, K, stride, offs_k, USE_TMA: tl.constexpr):
+    """The (rows, BLOCK_K) tile of a K-major GEMM operand at columns k0...: through a
+    TMA descriptor (zero fill outside the matrix) or through pointers (``rows``
+    already inside the matrix, columns past K masked to zero)."""
+    if USE_TMA:
+        return src.load([row0, k0])
+    else:
+        cols = k0 + offs_k
+        return tl.load(src + rows[:, None] * stride + cols[None, :], mask=cols[None, :] < K, other=0.0)
+
+
 @triton.jit
 def bf16_grid(v):
     """fp32 ``v`` rounded to the nearest bf16 value (ties to even; past the largest

@@ -15,12 +15,10 @@ import triton
 import triton.language as tl
 
 from ..formats import ACTIVATION_CODES, GLU_GATES, activation_params
-from ._common import check_input, is_interpreted, round_through, sm_count
+from ._common import TL_FLOAT, check_input, is_interpreted, round_through, sm_count
 from .cast import CastPlan
 
 __all__ = ["activation", "activation_grad", "dact_dbias", "ACTIVATION_CODES"]
-
-_TL_FLOAT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def activation_code(kind: str | None) -> int:
@@ -425,7 +423,7 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, comput
     _dact_dbias_kernel[(col_blocks, splits)](
         dy2d, x2d, dx, partial, rows, cols, rows_per_split, KIND=activation_code(kind), GATED=kind in GLU_GATES,
         COMPUTE=tl_compute,
-        ROUND_TO=None if round_to is None else _TL_FLOAT[round_to], **_kernel_params(kind, params),
+        ROUND_TO=None if round_to is None else TL_FLOAT[round_to], **_kernel_params(kind, params),
         BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=plan.num_warps)
     return partial.sum(dim=0)

@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ..formats import E4M3
 from ..reference.attention import check_attention, check_attention_backward, check_attention_fp8
-from ._common import fp8_format, hw_fp8, is_interpreted, round_through, round_to_fp8_grid, to_output
+from ._common import TL_FLOAT, fp8_format, hw_fp8, is_interpreted, round_through, round_to_fp8_grid, to_output
 
 __all__ = [
     "attention_forward",
@@ -75,7 +75,6 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True)
@@ -486,7 +485,7 @@ def _dtype_meta(dtype: torch.dtype, t: torch.Tensor) -> dict:
     dots, and the dots' precision (fp32 operands: IEEE, not TF32)."""
     upcast = is_interpreted(t) and dtype != torch.float32
     precision = "ieee" if (dtype == torch.float32 or upcast) else None
-    return dict(UPCAST=upcast, P_DTYPE=_TL[dtype], PRECISION=precision)
+    return dict(UPCAST=upcast, P_DTYPE=TL_FLOAT[dtype], PRECISION=precision)
 
 
 def _unsupported(q: torch.Tensor, fp8: bool) -> str | None:
@@ -548,7 +547,7 @@ def _forward(q, k, v, causal, softmax_scale, out_dtype, scales, fp8: bool):
     args = [q, k, vk, o, lse, scales, float(softmax_scale) * LOG2E, H, H // Hkv, Tq, Tk,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             vk.stride(0), vk.stride(1), stride_vt, stride_vd, o.stride(0), o.stride(1), o.stride(2)]
-    meta.update(CAUSAL=causal, HEAD_DIM=D, OUT_DTYPE=_TL[out_dtype])
+    meta.update(CAUSAL=causal, HEAD_DIM=D, OUT_DTYPE=TL_FLOAT[out_dtype])
     _launch("fwd_fp8" if fp8 else "fwd", _attention_forward_kernel, Tq, B * H, D, q, args, meta)
     return o, lse
 
@@ -599,7 +598,7 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     if B * H * Tq == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
-    meta = dict(CAUSAL=causal, HEAD_DIM=D, OUT_DTYPE=_TL[q.dtype], **_dtype_meta(q.dtype, q))
+    meta = dict(CAUSAL=causal, HEAD_DIM=D, OUT_DTYPE=TL_FLOAT[q.dtype], **_dtype_meta(q.dtype, q))
     qk_scale, G = float(softmax_scale) * LOG2E, H // Hkv
     _launch("dq", _attention_dq_kernel, Tq, B * H, D, q,
             [q, k, v, o, do, lse, delta, dq, qk_scale, float(softmax_scale), H, G, Tq, Tk,

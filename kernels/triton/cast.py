@@ -42,6 +42,8 @@ from ..formats import Scaling, block_scaling, scaling_tile
 from ..operand import ScaledOperand, scale_grid_shape
 from ..reference.cast import check_given_amax, check_matrix
 from ._common import (
+    TL_FLOAT,
+    TL_FP8,
     abs_bits,
     check_epsilon,
     check_input,
@@ -70,16 +72,13 @@ __all__ = [
     "dequantize",
 ]
 
-_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
-_TL_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
 
 def _fp8_meta(fp8_dtype: torch.dtype, xk: torch.Tensor) -> dict:
     """The FP8 constexprs of a kernel reading ``xk``: the format, the encoding
     (HW_FP8) and whether xk's rows are contiguous (ROW_MAJOR: then the kernels
     load and store in one layout)."""
     fmax, mant_bits, min_step_exp, _ = fp8_format(fp8_dtype)
-    return dict(OUT_DTYPE=_TL_FP8[fp8_dtype], FMAX=fmax, MANT_BITS=mant_bits, MIN_STEP_EXP=min_step_exp,
+    return dict(OUT_DTYPE=TL_FP8[fp8_dtype], FMAX=fmax, MANT_BITS=mant_bits, MIN_STEP_EXP=min_step_exp,
                 HW_FP8=hw_fp8(xk), ROW_MAJOR=xk.stride(1) == 1)
 
 
@@ -677,8 +676,8 @@ def dequantize(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> tor
     """``data * scale_inv`` in fp32 (exact for representable values), then ``out_dtype``."""
     if not isinstance(op, ScaledOperand):
         raise TypeError(f"dequantize: op must be a ScaledOperand, got {type(op).__name__}")
-    if out_dtype not in _TL_OUT:
-        raise ValueError(f"dequantize: out_dtype must be one of {list(_TL_OUT)}, got {out_dtype}")
+    if out_dtype not in TL_FLOAT:
+        raise ValueError(f"dequantize: out_dtype must be one of {list(TL_FLOAT)}, got {out_dtype}")
     fp8_format(op.fp8_dtype)
     data = op.data.contiguous()
     M, N = data.shape
@@ -689,6 +688,6 @@ def dequantize(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> tor
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
         _dequantize_kernel[grid](
             data, op.scale_inv, out, M, N, stride_sm, stride_sn, TILE_R=tile_r, TILE_C=tile_c,
-            E8M0=op.scaling == Scaling.MX_32, IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn, OUT_DTYPE=_TL_OUT[out_dtype],
+            E8M0=op.scaling == Scaling.MX_32, IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn, OUT_DTYPE=TL_FLOAT[out_dtype],
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return out

@@ -39,15 +39,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.gemm import check_epilogue_activation
-from ._common import (abs_bits, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, hw_fp8, is_interpreted,
+from ._common import (TL_FLOAT, TL_FP8, abs_bits, load_k_tile, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, hw_fp8, is_interpreted,
                       round_through, to_output)
 from .activation import activation_code, apply_activation, silu
 from .cast import dequantize
 
 __all__ = ["gemm", "gemm_fp8_out"]
 
-_TL_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-_TL_FP8_OUT = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 _FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
@@ -67,18 +65,6 @@ def _tile_coords(M, N_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
     return pid_m * BLOCK_M, pid_n * BLOCK_N
-
-
-@triton.jit
-def _load_k_tile(src, row0, rows, k0, K, stride, offs_k, USE_TMA: tl.constexpr):
-    """The (rows, BLOCK_K) tile of a K-major operand at columns k0...: through a
-    TMA descriptor (zero fill outside the matrix) or through pointers (``rows``
-    already wrapped inside the matrix, columns past K masked to zero)."""
-    if USE_TMA:
-        return src.load([row0, k0])
-    else:
-        cols = k0 + offs_k
-        return tl.load(src + rows[:, None] * stride + cols[None, :], mask=cols[None, :] < K, other=0.0)
 
 
 @triton.jit
@@ -140,14 +126,14 @@ def _fp8_gemm_tensorwise_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = _load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
-        b = _load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
+        a = load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
+        b = load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
         if UPCAST:  # the interpreter multiplies bf16 as raw bits: widen first (exact)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=INPUT_PRECISION, max_num_imprecise_acc=PROMOTE_EVERY)
         if GATED:
-            b_up = _load_k_tile(b_src, HALF + n0, HALF + rows_b, k0, K, stride_bn, offs_k, USE_TMA)
+            b_up = load_k_tile(b_src, HALF + n0, HALF + rows_b, k0, K, stride_bn, offs_k, USE_TMA)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             acc_up = tl.dot(a, tl.trans(b_up), acc_up, input_precision=INPUT_PRECISION,
@@ -171,7 +157,7 @@ def _blockwise_partial(a, b_src, n0, rows_b, sa, sb_ptrs, k0, K, stride_bn, offs
                        USE_TMA: tl.constexpr):
     """One 128-deep block of a @ b.T, a fresh fp32 product promoted with its scales
     (B_SCALAR: the tile's columns share one B scale, ``sb_ptrs`` is one pointer)."""
-    b = _load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
+    b = load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
     partial = tl.dot(a, tl.trans(b))
     sb = tl.load(sb_ptrs + k0 // 128)
     if B_SCALAR:
@@ -207,7 +193,7 @@ def _fp8_gemm_blockwise_body(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = _load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
+        a = load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
         sa = tl.load(sa_ptrs + k0 // BLOCK_K)
         acc += _blockwise_partial(a, b_src, n0, rows_b, sa, sb_ptrs, k0, K, stride_bn, offs_k, B_SCALAR, USE_TMA)
         if GATED:
@@ -267,7 +253,7 @@ def _mx_partial(a, sa, b_src, n0, rows_b, sb_ptrs, k0, K, stride_bn, offs_k, s_o
                 DOT_DTYPE: tl.constexpr, DECODE_SPECIALS: tl.constexpr, USE_TMA: tl.constexpr):
     """a @ b.T for one BLOCK_K slice: ``tl.dot_scaled``, or the same products from
     tiles scaled in registers (FP8 times a power of two is exact in bf16)."""
-    b = _load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
+    b = load_k_tile(b_src, n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
     sb = tl.load(sb_ptrs, mask=s_ok, other=127)
     if DOT_SCALED:
         return tl.dot_scaled(a, sa, A_FORMAT, tl.trans(b), sb, B_FORMAT)
@@ -301,7 +287,7 @@ def _mxfp8_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         groups = k0 // 32 + offs_g
         s_ok = groups[None, :] < K // 32
-        a = _load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
+        a = load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
         sa = tl.load(sa_ptr + rows_a[:, None] * stride_sam + groups[None, :], mask=s_ok, other=127)
         sb_ptrs = sb_ptr + rows_b[:, None] * stride_sbn + groups[None, :]
         acc += _mx_partial(a, sa, b_src, n0, rows_b, sb_ptrs, k0, K, stride_bn, offs_k, s_ok,
@@ -369,8 +355,8 @@ def _tiles(device: torch.device, family: str, m: int, n_out: int, k: int, gated:
 
 
 def _check_epilogue(bias, residual, activation, out_dtype, m, n, device, fp8_state=None, round_to=None) -> _Epilogue:
-    if out_dtype not in (_TL_FP8_OUT if fp8_state is not None else _TL_OUT):
-        raise ValueError(f"gemm: out_dtype must be one of {list(_TL_OUT)}, got {out_dtype}")
+    if out_dtype not in (TL_FP8 if fp8_state is not None else TL_FLOAT):
+        raise ValueError(f"gemm: out_dtype must be one of {list(TL_FLOAT)}, got {out_dtype}")
     code = activation_code(activation)
     check_epilogue_activation(activation)
     n_out = n
@@ -389,8 +375,8 @@ def _check_epilogue(bias, residual, activation, out_dtype, m, n, device, fp8_sta
             raise ValueError(f"gemm: residual must be a ({m}, {n_out}) tensor on {device}, got {got}")
         if residual.stride(1) != 1:
             residual = residual.contiguous()
-    if round_to is not None and round_to not in _TL_OUT:
-        raise ValueError(f"gemm_fp8_out: round_to must be None or one of {list(_TL_OUT)}, got {round_to}")
+    if round_to is not None and round_to not in TL_FLOAT:
+        raise ValueError(f"gemm_fp8_out: round_to must be None or one of {list(TL_FLOAT)}, got {round_to}")
     round_to = None if round_to is torch.float32 else round_to
     return _Epilogue(bias, residual, code, n_out, n // 2 if code == 4 else 0, out_dtype, fp8_state, round_to)
 
@@ -430,8 +416,8 @@ def _launch_common(epi: _Epilogue, out: torch.Tensor, dummy: torch.Tensor) -> tu
     args = [epi.bias if epi.bias is not None else dummy, res if res is not None else dummy,
             out.view(torch.uint8) if fp8 else out, epi.fp8_state if fp8 else dummy]
     meta = dict(HAS_BIAS=epi.bias is not None, ACTIVATION=epi.activation, HAS_RESIDUAL=res is not None,
-                OUT_DTYPE=(_TL_FP8_OUT if fp8 else _TL_OUT)[epi.out_dtype], HW_FP8=fp8 and hw_fp8(out),
-                ROUND_TO=None if epi.round_to is None else _TL_OUT[epi.round_to])
+                OUT_DTYPE=(TL_FP8 if fp8 else TL_FLOAT)[epi.out_dtype], HW_FP8=fp8 and hw_fp8(out),
+                ROUND_TO=None if epi.round_to is None else TL_FLOAT[epi.round_to])
     return args, dict(stride_rm=res.stride(0) if res is not None else 0, stride_om=out.stride(0), **meta)
 
 

@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.grouped_gemm import check_grouped_gemm
-from ._common import fp8_format, is_interpreted, to_output
+from ._common import TL_FLOAT, fp8_format, is_interpreted, load_k_tile, to_output
 from .gemm import Tiles
 
 __all__ = ["grouped_gemm", "grouped_gemm_wgrad", "grouped_gemm_unsupported_reason",
@@ -41,20 +41,6 @@ __all__ = ["grouped_gemm", "grouped_gemm_wgrad", "grouped_gemm_unsupported_reaso
 
 # Tuning hook for the benchmarks: "fprop" / "wgrad" -> Tiles. Empty in normal use.
 TILE_OVERRIDES: dict[str, Tiles] = {}
-
-_TL_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _load_k_tile(src, row0, rows, k0, K, stride, offs_k, USE_TMA: tl.constexpr):
-    """The (rows, BLOCK_K) tile of a K-major operand at columns k0...: through a TMA
-    descriptor (zero fill outside the matrix) or through pointers (``rows`` inside
-    the matrix, columns past K masked to zero)."""
-    if USE_TMA:
-        return src.load([row0, k0])
-    else:
-        cols = k0 + offs_k
-        return tl.load(src + rows[:, None] * stride + cols[None, :], mask=cols[None, :] < K, other=0.0)
 
 
 @triton.jit
@@ -109,8 +95,8 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = _load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
-        b = _load_k_tile(b_src, b_row0 + n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
+        a = load_k_tile(a_src, m0, rows_a, k0, K, stride_am, offs_k, USE_TMA)
+        b = load_k_tile(b_src, b_row0 + n0, rows_b, k0, K, stride_bn, offs_k, USE_TMA)
         if UPCAST:  # the interpreter multiplies bf16 as raw bits: widen first (exact)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -211,8 +197,8 @@ def _operands(kernel: str, a, b, out_dtype: torch.dtype):
     reason = _unsupported(a, b)
     if reason is not None:
         raise ValueError(f"{kernel}: the Triton kernel does not take {reason}")
-    if out_dtype not in _TL_OUT:
-        raise ValueError(f"{kernel}: out_dtype must be one of {list(_TL_OUT)}, got {out_dtype}")
+    if out_dtype not in TL_FLOAT:
+        raise ValueError(f"{kernel}: out_dtype must be one of {list(TL_FLOAT)}, got {out_dtype}")
     scaled = isinstance(a, ScaledOperand)
     if scaled:
         for op in (a, b):
@@ -223,7 +209,7 @@ def _operands(kernel: str, a, b, out_dtype: torch.dtype):
         a_mat, b_mat, sa, sb = _k_major(a), _k_major(b), None, None
     upcast = a_mat.dtype == torch.bfloat16 and is_interpreted(a_mat)
     meta = dict(SCALED=scaled, A_ROW_SCALES=scaled and a.scaling == Scaling.ROW,
-                B_ROW_SCALES=scaled and b.scaling == Scaling.ROW, OUT_DTYPE=_TL_OUT[out_dtype],
+                B_ROW_SCALES=scaled and b.scaling == Scaling.ROW, OUT_DTYPE=TL_FLOAT[out_dtype],
                 INPUT_PRECISION="ieee" if (a_mat.dtype == torch.float32 or upcast) else None, UPCAST=upcast)
     return a_mat, b_mat, sa, sb, meta
 

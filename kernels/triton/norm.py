@@ -18,13 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_input, sm_count, to_output
+from ._common import TL_FLOAT, check_input, sm_count, to_output
 
 __all__ = ["rms_norm", "rms_norm_grad", "rms_norm_unsupported_reason", "rms_norm_grad_unsupported_reason",
            "MAX_N"]
 
 MAX_N = 8192
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -106,8 +105,8 @@ def rms_norm(
     """``(y (rows, N) in out_dtype (default x.dtype), rstd (rows,) fp32)`` for x (rows, N)."""
     _check(x, weight, "rms_norm")
     out_dtype = out_dtype or x.dtype
-    if out_dtype not in _TL:
-        raise ValueError(f"rms_norm: out_dtype must be one of {[str(d) for d in _TL]}, got {out_dtype}")
+    if out_dtype not in TL_FLOAT:
+        raise ValueError(f"rms_norm: out_dtype must be one of {[str(d) for d in TL_FLOAT]}, got {out_dtype}")
     x = _row_major(x)
     rows, n = x.shape
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
@@ -115,7 +114,7 @@ def rms_norm(
     if rows and n:
         block_n = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x, weight, y, rstd, n, x.stride(0), y.stride(0), float(eps),
-                                  OUT_DTYPE=_TL[out_dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
+                                  OUT_DTYPE=TL_FLOAT[out_dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
     return y, rstd
 
 
@@ -130,7 +129,7 @@ def rms_norm_grad(
     if rstd.shape != (x.shape[0],) or rstd.dtype != torch.float32:
         raise ValueError(f"rms_norm_grad: rstd must be float32 of shape ({x.shape[0]},), "
                          f"got {rstd.dtype} {tuple(rstd.shape)}")
-    if x.dtype not in _TL:
+    if x.dtype not in TL_FLOAT:
         raise ValueError(f"rms_norm_grad: x must be bf16, fp16 or fp32, got {x.dtype}")
     x, dy = _row_major(x), _row_major(dy)
     rows, n = x.shape
@@ -143,6 +142,6 @@ def rms_norm_grad(
     partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     block_n = triton.next_power_of_2(n)
     _rms_norm_grad_kernel[(programs,)](dy, x, weight, rstd, dx, partial, rows, n, dy.stride(0), x.stride(0),
-                                       dx.stride(0), ROWS=per_program, OUT_DTYPE=_TL[x.dtype], BLOCK_N=block_n,
+                                       dx.stride(0), ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n,
                                        num_warps=_warps(block_n))
     return dx, partial.sum(0)

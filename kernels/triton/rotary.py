@@ -17,11 +17,9 @@ import triton
 import triton.language as tl
 
 from ..reference.rotary import check_rotary
-from ._common import check_input, is_interpreted, to_output
+from ._common import TL_FLOAT, check_input, is_interpreted, to_output
 
 __all__ = ["rotary", "rotary_unsupported_reason"]
-
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -47,7 +45,7 @@ def _rotary_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, T, heads, rotated_heads, sign
 
 def rotary_unsupported_reason(x: torch.Tensor, cos: torch.Tensor) -> str | None:
     """Why :func:`rotary` would not run ``x`` (None: it runs)."""
-    if x.dtype not in _TL:
+    if x.dtype not in TL_FLOAT:
         return f"the triton rotary kernel takes bf16, fp16 or fp32, not {x.dtype}"
     half = x.shape[-1] // 2 if x.dim() == 4 else 0
     if half < 1 or half & (half - 1):
@@ -59,7 +57,7 @@ def rotary(x, cos, sin, rotated_heads, inverse, out_dtype):
     """RoPE as :func:`rotary_reference`, in one pass over ``x``."""
     check_rotary(x, cos, sin, rotated_heads, inverse, out_dtype)
     reason = rotary_unsupported_reason(x, cos)
-    if reason is not None or out_dtype not in _TL:
+    if reason is not None or out_dtype not in TL_FLOAT:
         raise ValueError(f"rotary: {reason or f'out_dtype {out_dtype} is not bf16, fp16 or fp32'}")
     check_input(x, "rotary", dims=4)
     B, T, heads, D = x.shape
@@ -74,5 +72,5 @@ def rotary(x, cos, sin, rotated_heads, inverse, out_dtype):
         options = {} if interpreted else {"enable_fp_fusion": False}
         _rotary_kernel[(B * T, triton.cdiv(heads, block_h))](
             x, y, cos.contiguous(), sin.contiguous(), T, heads, rotated_heads, -1.0 if inverse else 1.0,
-            HALF=D // 2, BLOCK_H=block_h, OUT_DTYPE=_TL[store], num_warps=4, **options)
+            HALF=D // 2, BLOCK_H=block_h, OUT_DTYPE=TL_FLOAT[store], num_warps=4, **options)
     return y if y.dtype == out_dtype else y.to(out_dtype)
