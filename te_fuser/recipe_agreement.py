@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from .callable_key import strip_fallback_tokens
 
-__all__ = ["check_ranks_agree", "AGREEMENT_TIMEOUT_S"]
+__all__ = ["check_ranks_agree", "different_recipes", "AGREEMENT_TIMEOUT_S"]
 
 # How long a rank that built a recipe's first training plan waits for every other
 # rank to build its own next one (seconds; a module attribute to set).
@@ -73,12 +73,18 @@ def check_ranks_agree(recipe_key: str) -> None:
                 f"rank the same recipe at the same step") from None
     keys = [store.get(name).decode() for name in names]
     if any(k != key for k in keys):
-        ranks_by_key: dict = {}
-        for r, k in enumerate(keys):
-            ranks_by_key.setdefault(k, []).append(r)
-        groups = " and ".join(f"ranks {ranks}" for ranks in ranks_by_key.values())
-        raise RuntimeError(
-            f"te_fuser: the ranks train under different recipes ({groups} hold different ones, compared when "
-            f"each first trained under it); this rank ({rank}) trains under {key}. Give every rank the same "
-            f"recipe at the same step")
+        raise different_recipes(keys, "when each first trained under it", rank, key)
     agreed.add(recipe_key)
+
+
+def different_recipes(values: list, compared: str, rank: int, mine) -> RuntimeError:
+    """The error of ranks found training under different recipes: ``values`` (a
+    recipe key or digest per rank, in rank order) grouped into sets of ranks, how
+    they were ``compared``, and this rank's own recipe ``mine``."""
+    ranks_by_value: dict = {}
+    for r, v in enumerate(values):
+        ranks_by_value.setdefault(v, []).append(r)
+    groups = " and ".join(f"ranks {ranks}" for ranks in ranks_by_value.values())
+    return RuntimeError(
+        f"te_fuser: the ranks train under different recipes ({groups} hold different ones, compared {compared}); "
+        f"this rank ({rank}) trains under {mine}. Give every rank the same recipe at the same step")

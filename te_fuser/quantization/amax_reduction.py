@@ -12,6 +12,8 @@ import zlib
 
 import torch
 
+from ..recipe_agreement import different_recipes
+
 __all__ = ["WORLD", "default_group", "PENDING", "flush_amax_reductions"]
 
 
@@ -72,14 +74,7 @@ def _compare_recipes() -> None:
         digests = host.tolist()
         if any(d != mine for d in digests):
             _CHECKS.clear()
-            ranks_by_digest: dict = {}
-            for r, d in enumerate(digests):
-                ranks_by_digest.setdefault(d, []).append(r)
-            groups = " and ".join(f"ranks {ranks}" for ranks in ranks_by_digest.values())
-            raise RuntimeError(
-                f"te_fuser: the ranks train under different recipes ({groups} hold different ones, compared "
-                f"by delayed scaling's amax reduction); this rank ({rank}) trains under "
-                f"{sorted({str(k) for k in keys})}. Give every rank the same recipe at the same step")
+            raise different_recipes(digests, "by delayed scaling's amax reduction", rank, sorted({str(k) for k in keys}))
     _CHECKS[:] = keep
 
 
