@@ -5,7 +5,9 @@ A grouped linear layer of G experts, weights ``w_g`` (N, K) stacked as one
 of one activation x (M, K) (``offsets`` the prefix sums of the split sizes, from
 0 to M; empty groups allowed):
 
-- fprop ``y_g  = x_g · w_gᵀ (+ b_g)``  :func:`grouped_gemm_reference`, a = x (M, K),  b = w   (G·N, K)
+- fprop ``y_g  = x_g · w_gᵀ (+ b_g)``  :func:`grouped_gemm_reference`, a = x (M, K),  b = w   (G·N, K);
+  with ``bias_scale`` (M,) each row's bias is ``b_g · bias_scale[row]`` (a router's
+  probabilities: TransformerEngine's ``scale_bias``)
 - dgrad ``dx_g = dy_g · w_g``           :func:`grouped_gemm_reference`, a = dy (M, N), b = wᵀ's (G·K, N)
 - wgrad ``dw_g = dy_gᵀ · x_g``          :func:`grouped_gemm_wgrad_reference`, a = dyᵀ (N, M), b = xᵀ (K, M)
 
@@ -23,7 +25,7 @@ import torch
 from ..operand import ScaledOperand
 from .cast import dequantize_reference
 
-__all__ = ["grouped_gemm_reference", "grouped_gemm_wgrad_reference", "check_grouped_gemm"]
+__all__ = ["grouped_gemm_reference", "grouped_gemm_wgrad_reference", "check_grouped_gemm", "check_grouped_bias"]
 
 
 def _as_fp32(op: ScaledOperand | torch.Tensor) -> torch.Tensor:
@@ -63,6 +65,27 @@ def check_grouped_gemm(kernel: str, a, b, offsets: torch.Tensor, wgrad: bool) ->
     return groups, a_mat.shape[0], b_mat.shape[0] // groups, a_mat.shape[1]
 
 
+def check_grouped_bias(kernel: str, bias, bias_scale, groups: int, p: int, q: int, device: torch.device):
+    """``(bias, bias_scale)`` contiguous, after checking them: bias (G, Q), bias_scale
+    (P,) of a floating dtype, only with a bias, both on ``device``."""
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (groups, q) or bias.device != device:
+            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"{kernel}: bias must be a ({groups}, {q}) tensor on {device}, got {got}")
+        bias = bias.contiguous()
+    if bias_scale is not None:
+        if bias is None:
+            raise ValueError(f"{kernel}: bias_scale scales the bias, and there is none")
+        if (not isinstance(bias_scale, torch.Tensor) or bias_scale.shape != (p,) or bias_scale.device != device
+                or not bias_scale.dtype.is_floating_point):
+            got = ((tuple(bias_scale.shape), bias_scale.dtype, str(bias_scale.device))
+                   if isinstance(bias_scale, torch.Tensor) else type(bias_scale).__name__)
+            raise ValueError(f"{kernel}: bias_scale must be a floating ({p},) tensor (one scale per row) on "
+                             f"{device}, got {got}")
+        bias_scale = bias_scale.contiguous()
+    return bias, bias_scale
+
+
 def _bounds(offsets: torch.Tensor, total: int, kernel: str) -> list[int]:
     bounds = [int(v) for v in offsets.tolist()]
     if bounds[0] != 0 or bounds[-1] != total or any(e < s for s, e in zip(bounds, bounds[1:])):
@@ -76,18 +99,24 @@ def grouped_gemm_reference(
     offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     bias: torch.Tensor | None = None,
+    bias_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out (P, Q)`` with rows ``offsets[g]:offsets[g+1]`` equal to
-    ``a[those rows] @ b[g·Q:(g+1)·Q].T + bias[g]`` in fp32, cast to ``out_dtype``;
-    a (P, R), b (G·Q, R), offsets (G+1,), bias (G, Q)."""
+    ``a[those rows] @ b[g·Q:(g+1)·Q].T + bias[g]`` in fp32 (the bias times
+    ``bias_scale[row]`` when given), cast to ``out_dtype``; a (P, R), b (G·Q, R),
+    offsets (G+1,), bias (G, Q), bias_scale (P,)."""
     groups, p, q, _ = check_grouped_gemm("grouped_gemm", a, b, offsets, wgrad=False)
+    a_mat = a.data if isinstance(a, ScaledOperand) else a
+    bias, bias_scale = check_grouped_bias("grouped_gemm", bias, bias_scale, groups, p, q, a_mat.device)
     bounds = _bounds(offsets, p, "grouped_gemm")
     a32, b32 = _as_fp32(a), _as_fp32(b)
     out = torch.empty(p, q, dtype=torch.float32, device=a32.device)
     for g in range(groups):
         s, e = bounds[g], bounds[g + 1]
         out[s:e] = a32[s:e] @ b32[g * q:(g + 1) * q].t()
-        if bias is not None:
+        if bias_scale is not None:
+            out[s:e] += bias[g].float() * bias_scale[s:e, None].float()
+        elif bias is not None:
             out[s:e] += bias[g].float()
     return out.to(out_dtype)
 
