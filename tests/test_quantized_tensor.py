@@ -21,7 +21,7 @@ _CURRENT = FP8_RECIPES["current"]
 
 def _f8(x, quantizer=None):
     quantizer = quantizer or Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
-    return Float8Tensor.from_quantized(quantizer(x, rowwise=True, columnwise=False), quantizer)
+    return Float8Tensor.from_quantized(quantizer.cast(x, rowwise=True, columnwise=False), quantizer)
 
 
 def _offcentre(*shape, seed=0):
@@ -76,7 +76,7 @@ def test_in_place_writes_cast_back_with_the_tensors_quantizer_and_reach_its_alia
 
 def test_an_fp8_activation_without_a_quantizer_refuses_writes():
     x = _offcentre(8, 32, seed=4)
-    q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(x)
+    q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn).cast(x)
     f = Float8Tensor.from_quantized(q)  # no quantizer: read-only
     with pytest.raises(RuntimeError, match="no quantizer"):
         f.add_(1.0)

@@ -389,7 +389,7 @@ def test_describe_and_columnwise_copy():
     custom = DelayedScalingQuantizer(E5M2, margin=2, amax_history_len=8, amax_compute_algo=second_newest)
     assert custom.describe() == "delayed(e5m2, hist=8, margin=2, amax=second_newest)"
     x = torch.arange(-48.0, 48.0).reshape(2, 3, 16)  # (6, 16) flattened
-    t = quantizer(x, rowwise=True, columnwise=True)
+    t = quantizer.cast(x, rowwise=True, columnwise=True)
     assert isinstance(t, QuantizedTensor) and t.shape == x.shape
     assert_bitwise(t.columnwise.data, t.rowwise.data.t().contiguous(), "columnwise = transposed rowwise")
     assert t.columnwise.scale_inv is t.rowwise.scale_inv

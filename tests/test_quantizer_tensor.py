@@ -20,7 +20,7 @@ def tensor_copy(rows: int, cols: int, scale_inv: float = 0.5) -> ScaledOperand:
 def test_dequantize_from_either_copy_restores_the_nd_shape():
     x = torch.linspace(-16.0, 16.0, 2 * 3 * 32).reshape(2, 3, 32).to(E4M3).float()  # exact at scale 16
     quantizer = Float8CurrentScalingQuantizer(E4M3, power_2_scales=True)
-    both = quantizer(x, rowwise=True, columnwise=True)
+    both = quantizer.cast(x, rowwise=True, columnwise=True)
     only_columnwise = QuantizedTensor(None, both.columnwise, both.shape, both.dtype)
     assert tuple(both.rowwise.data.shape) == (6, 32) and tuple(both.columnwise.data.shape) == (32, 6)
     assert_bitwise(both.dequantize(), x, "from rowwise")
@@ -35,7 +35,7 @@ def test_properties_and_nbytes():
     assert t.has_rowwise and t.has_columnwise and t.fp8_dtype is E4M3 and t.scaling == "tensor"
     assert t.nbytes == 2 * (4 * 64 + 4)  # FP8 bytes plus one fp32 scale per copy
     assert t.device == torch.device("cpu") and t.shape == torch.Size([4, 64])
-    mx = MXFP8Quantizer(E4M3)(torch.ones(4, 64))
+    mx = MXFP8Quantizer(E4M3).cast(torch.ones(4, 64))
     assert mx.nbytes == 4 * 64 + 4 * 2  # one E8M0 byte per 32 elements
     assert not mx.has_columnwise
 

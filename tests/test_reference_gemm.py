@@ -55,7 +55,7 @@ class FromQuantizer:
         self.quantizer = quantizer
 
     def copies(self, t):
-        q = self.quantizer(t, rowwise=True, columnwise=True)
+        q = self.quantizer.cast(t, rowwise=True, columnwise=True)
         return q.rowwise, q.columnwise
 
 

@@ -123,7 +123,7 @@ def make_fp8_parameter(weight: torch.Tensor, recipe: Recipe, role: QuantizerRole
     quantizer = _storage_quantizer(recipe, role)
     with torch.no_grad():
         w_hp = weight.detach()
-        q = quantizer(w_hp, rowwise=True, columnwise=False)
+        q = quantizer.cast(w_hp, rowwise=True, columnwise=False)
     param = nn.Parameter(Float8Tensor(Float8Storage(q, quantizer)), requires_grad=weight.requires_grad)
     if preserve:
         param._high_precision_init_val = w_hp.cpu().clone()
@@ -145,7 +145,7 @@ def _is_source(storage: Float8Storage, master: torch.Tensor) -> bool:
     if storage.quantizer is None or master.shape != q.shape or master.dtype is not q.dtype:
         return False
     with torch.no_grad():
-        cast = storage.quantizer(master.reshape(-1, master.shape[-1]), rowwise=True, columnwise=False)
+        cast = storage.quantizer.cast(master.reshape(-1, master.shape[-1]), rowwise=True, columnwise=False)
     same = torch.equal(cast.rowwise.data.view(torch.uint8), q.rowwise.data.view(torch.uint8)) and torch.equal(
         cast.rowwise.scale_inv, q.rowwise.scale_inv) if q.rowwise is not None else False
     if same:
@@ -241,7 +241,7 @@ def fp8_weight(quantizer, weight: Float8Tensor, need_columnwise: bool):
         master = master_of(weight)
         value = _high_precision(weight)
         if quantizer.STATE_TENSORS:  # delayed scaling: a cast of its own, every forward
-            return quantizer(value, rowwise=True, columnwise=need_columnwise)
+            return quantizer.cast(value, rowwise=True, columnwise=need_columnwise)
         storage.write(value, quantizer)  # the parameter moves to the plan's recipe
         if master is not None:
             _record(storage, master)
@@ -255,7 +255,7 @@ def _columnwise_copy(weight: Float8Tensor, q: QuantizedTensor) -> ScaledOperand:
     row = q.rowwise
     if row.scaling == Scaling.TENSOR:  # one scale: the column-wise copy is the transposed bytes
         return ScaledOperand(row.data.t().contiguous(), row.scale_inv, Scaling.TENSOR)  # (K, M)
-    return weight.fp8_storage.quantizer(_high_precision(weight), rowwise=False, columnwise=True).columnwise
+    return weight.fp8_storage.quantizer.cast(_high_precision(weight), rowwise=False, columnwise=True).columnwise
 
 
 # -- memory ------------------------------------------------------------------------------

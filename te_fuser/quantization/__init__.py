@@ -1,8 +1,10 @@
 """Quantizers and the quantized-tensor storage.
 
 ``quantizer_for(recipe, role)`` builds the quantizer a recipe prescribes for one
-tensor role; ``quantizer(x, rowwise=..., columnwise=...)`` returns a
-:class:`QuantizedTensor` (or ``x`` itself for :class:`IdentityQuantizer`).
+tensor role. ``quantizer.cast(x, rowwise=..., columnwise=...)`` returns the
+internal :class:`QuantizedTensor` the ops hand to the GEMMs (or ``x`` itself for
+:class:`IdentityQuantizer`); ``quantizer(x)``, TransformerEngine's call, returns
+a :class:`Float8Tensor` holding the same copies.
 """
 
 from .base import EpilogueCast, Quantizer

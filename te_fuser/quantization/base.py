@@ -6,7 +6,7 @@ tensor into a :class:`QuantizedTensor` by calling the cast kernels through
 ``te_fuser.backend.resolve`` — so the same quantizer runs on every backend. It
 never computes FP8 numerics itself.
 
-Ops call ``quantizer(x, rowwise=..., columnwise=...)`` and never branch on the
+Ops call ``quantizer.cast(x, rowwise=..., columnwise=...)`` and never branch on the
 recipe. Before a plan is published the fuser calls :meth:`Quantizer.check_shape`
 and :meth:`Quantizer.check_device`, which raise without changing any state.
 
@@ -114,9 +114,21 @@ class Quantizer:
     rowwise_usage, columnwise_usage = True, False
 
     def __call__(self, x: torch.Tensor, *, rowwise: bool | None = None,
-                 columnwise: bool | None = None) -> QuantizedTensor:
-        """Quantize ``x`` (any shape ``(..., K)``) as its 2-D flattening ``(M, K)``; a copy
-        not named takes the quantizer's usage flag (:meth:`set_usage`)."""
+                 columnwise: bool | None = None) -> torch.Tensor:
+        """TransformerEngine's call: ``x`` quantized as a
+        :class:`~te_fuser.quantization.float8_tensor.Float8Tensor`, a ``torch.Tensor``
+        that ops, autograd and optimizers take (``requires_grad_``, ``copy_`` and the
+        views work on it), holding :meth:`cast`'s copies. Writes into it are cast by
+        this quantizer. The ops call :meth:`cast` and hand its storage to the GEMMs."""
+        from .float8_tensor import Float8Tensor  # float8_tensor builds on this module's QuantizedTensor users
+
+        return Float8Tensor.from_quantized(self.cast(x, rowwise=rowwise, columnwise=columnwise), self)
+
+    def cast(self, x: torch.Tensor, *, rowwise: bool | None = None,
+             columnwise: bool | None = None) -> QuantizedTensor:
+        """Quantize ``x`` (any shape ``(..., K)``) as its 2-D flattening ``(M, K)``: the
+        internal :class:`QuantizedTensor` the GEMM kernels read; a copy not named takes
+        the quantizer's usage flag (:meth:`set_usage`)."""
         if rowwise is None:
             rowwise = self.rowwise_usage
         if columnwise is None:
@@ -161,7 +173,7 @@ class Quantizer:
         """The scale, FP8 format and amax slot with which a GEMM epilogue may cast
         this role's next tensor, when they are known before the tensor exists
         (one per-tensor scale); else ``None``, and the tensor goes through
-        ``quantizer(x)``. A non-None answer must be followed by
+        ``quantizer.cast(x)``. A non-None answer must be followed by
         :meth:`adopt_epilogue_cast` once the epilogue has run."""
         return None
 
@@ -180,7 +192,7 @@ class Quantizer:
         self, cast: EpilogueCast, data: torch.Tensor, shape: torch.Size, dtype: torch.dtype, columnwise: bool = False
     ) -> QuantizedTensor:
         """Take the amax the epilogue wrote into ``cast.amax`` into the scaling state,
-        exactly as ``quantizer(x)`` would have, and return the row-wise ``data`` (M, K)
+        exactly as ``quantizer.cast(x)`` would have, and return the row-wise ``data`` (M, K)
         (plus, when ``columnwise``, its column-wise copy) as the quantized tensor of
         ``shape``; ``dtype`` is the high-precision dtype it stands for."""
         raise RuntimeError(f"{self._who()}: epilogue_cast() gave no cast to adopt")

@@ -60,7 +60,7 @@ class Float8Storage:
             raise RuntimeError("Float8Tensor: this tensor has no quantizer to cast a write with (an FP8 activation "
                                "is read-only); dequantize() it and write the copy")
         columnwise = self.q.has_columnwise
-        self.q = quantizer(value.to(self.q.dtype) if value.dtype is not self.q.dtype else value,
+        self.q = quantizer.cast(value.to(self.q.dtype) if value.dtype is not self.q.dtype else value,
                            rowwise=True, columnwise=columnwise)
         self.quantizer = quantizer
         self.writes += 1
@@ -104,6 +104,32 @@ class Float8Tensor(torch.Tensor):
         if q.shape == self.shape:
             return q
         return QuantizedTensor(q.rowwise, q.columnwise, self.shape, q.dtype)
+
+    # The copies as the internal QuantizedTensor names them (a quantizer's call
+    # returns this tensor; code written against ``quantizer.cast`` reads the same).
+    @property
+    def rowwise(self) -> ScaledOperand | None:
+        return self._storage.q.rowwise
+
+    @property
+    def columnwise(self) -> ScaledOperand | None:
+        return self._storage.q.columnwise
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self._storage.q.rowwise is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self._storage.q.columnwise is not None
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self._storage.q.fp8_dtype
+
+    @property
+    def scaling(self) -> str:
+        return self._storage.q.scaling
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The values as a plain tensor of ``dtype`` (default the nominal dtype)."""

@@ -11,7 +11,7 @@ __all__ = ["IdentityQuantizer"]
 
 
 class IdentityQuantizer(Quantizer):
-    """Leaves tensors in high precision: ``quantizer(x) is x``.
+    """Leaves tensors in high precision: ``quantizer(x) is x`` and ``quantizer.cast(x) is x``.
 
     Needs no FP8 hardware, so :meth:`check_device` never fails, and accepts any
     shape.
@@ -24,6 +24,9 @@ class IdentityQuantizer(Quantizer):
         super().__init__(None, role)
 
     def __call__(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> torch.Tensor:
+        return x
+
+    def cast(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> torch.Tensor:
         return x
 
     def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False):

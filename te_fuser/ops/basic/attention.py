@@ -216,7 +216,7 @@ def probability_scale(quantizer, device: torch.device) -> torch.Tensor:
     amax 1, P's bound (it also records that amax, so delayed scaling's history
     holds it)."""
     bound = torch.ones((1, 1), dtype=torch.float32, device=device)
-    return torch.reciprocal(quantizer(bound, rowwise=True).rowwise.scale_inv)
+    return torch.reciprocal(quantizer.cast(bound, rowwise=True).rowwise.scale_inv)
 
 
 def _fp8_core(ctx: OpContext, op: DotProductAttention, x, batch: int, seq: int):
@@ -229,7 +229,7 @@ def _fp8_core(ctx: OpContext, op: DotProductAttention, x, batch: int, seq: int):
         x_q = x
     else:
         x_hp = x if x.dtype is dtype else x.to(dtype)
-        x_q = ctx.quantizers["qkv"](x_hp, rowwise=True)  # (M, W) E4M3, one scale
+        x_q = ctx.quantizers["qkv"].cast(x_hp, rowwise=True)  # (M, W) E4M3, one scale
     data, scale_inv = x_q.rowwise.data, x_q.rowwise.scale_inv
     q8, k8, v8 = (t.view(_E4M3) for t in op.split_heads(data.view(torch.uint8), batch, seq))
     p_scale = probability_scale(ctx.quantizers["s"], data.device)
@@ -271,7 +271,7 @@ def attention_forward(ctx: OpContext, op: DotProductAttention, x, hand_off: bool
             ctx.quantizers["s"].observe(torch.ones((1, 1), device=o_hp.device))
             ctx.quantizers["o"].observe(o_hp)
         return o_hp
-    o_q = ctx.quantizers["o"](o_hp, rowwise=True, columnwise=bool(hand_off))
+    o_q = ctx.quantizers["o"].cast(o_hp, rowwise=True, columnwise=bool(hand_off))
     return o_q if hand_off is not None else o_q.dequantize(dtype)
 
 
@@ -315,7 +315,7 @@ def attention_backward(ctx: OpContext, op: DotProductAttention, dy: torch.Tensor
         q, k, v = (_dequantized(t, scale[0], dtype) for t in (q, k, v))
     dy_hp = dy if dy.dtype is dtype else dy.to(dtype)
     if saved["fp8"] and run.fp8_backward:
-        dy_hp = ctx.quantizers["do"](dy_hp, rowwise=True).dequantize(dtype)
+        dy_hp = ctx.quantizers["do"].cast(dy_hp, rowwise=True).dequantize(dtype)
     B, H, T, D = o.shape
     do = dy_hp.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D), a view
     dq, dk, dv = _kernel("attention_backward", o.device)(q, k, v, o, lse, do, op.causal, op.softmax_scale)

@@ -42,7 +42,7 @@ class Quantize(BasicOperation):
     @staticmethod
     def _round_trip(quantizer, t: torch.Tensor) -> torch.Tensor:
         t2d = t.reshape(-1, t.shape[-1])  # (M, K)
-        q = quantizer(t2d, rowwise=True, columnwise=False)
+        q = quantizer.cast(t2d, rowwise=True, columnwise=False)
         out = q if isinstance(q, torch.Tensor) else q.dequantize(t.dtype)
         return out.reshape(t.shape)
 
@@ -51,7 +51,7 @@ class Quantize(BasicOperation):
             return x, []
         x = x.to(ctx.run.compute_dtype)
         if self.quantize_forward and ctx.run.quantizing:
-            q = ctx.quantizer("input")(x, rowwise=True, columnwise=False)
+            q = ctx.quantizer("input").cast(x, rowwise=True, columnwise=False)
             return (q if isinstance(q, torch.Tensor) else Float8Tensor.from_quantized(q)), []
         if self.quantize_forward and ctx.run.calibrating:
             ctx.quantizer("input").observe(x.reshape(-1, x.shape[-1]))
