@@ -102,7 +102,7 @@ class BasicLinear(BasicOperation):
         weight, cache = self.weight, self._weight_cache
         w_q = cache.lookup(quantizer, weight, w_hp.dtype, need_columnwise)
         if w_q is None:
-            w_q = quantizer(w_hp, rowwise=True, columnwise=need_columnwise)
+            w_q = quantizer.cast(w_hp, rowwise=True, columnwise=need_columnwise)
             cache.store(quantizer, weight, w_hp.dtype, need_columnwise, w_q)
         return w_q
 
@@ -252,7 +252,7 @@ def _fprop_operands(ctx: OpContext, op: BasicLinear, x2d: torch.Tensor, w_hp: to
     """``(x operand, w operand, whether the backward keeps their FP8 copies)``."""
     run = ctx.run
     if run.quantizing:
-        x_q = ctx.quantizers.get("input")(x2d, rowwise=True, columnwise=input_needs_columnwise(ctx, op))
+        x_q = ctx.quantizers.get("input").cast(x2d, rowwise=True, columnwise=input_needs_columnwise(ctx, op))
         w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, run.needs_backward and run.fp8_backward)
         return x_q, w_q, run.backward_override != "high_precision"
     if run.calibrating:
@@ -272,7 +272,7 @@ def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_d
         if column_sums:
             dy_q, sums = quantizer.quantize_with_column_sums(dy2d, rowwise=need_dx, columnwise=need_dw)
             return dy_q, x_s, w_s, sums
-        return quantizer(dy2d, rowwise=need_dx, columnwise=need_dw), x_s, w_s, None
+        return quantizer.cast(dy2d, rowwise=need_dx, columnwise=need_dw), x_s, w_s, None
     if isinstance(x_s, QuantizedTensor):  # 'dequantized'
         x_s = x_s.dequantize(run.compute_dtype)
     if isinstance(w_s, QuantizedTensor):
