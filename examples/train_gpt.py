@@ -1,10 +1,15 @@
 """Train the te_fuser GPT on the Python standard library's source, beside plain torch.
 
-Arms, each from the same initial weights and on the same batches:
+Arms, one after another, each from the same initial weights and on the same batches:
 
 - ``te``: ``te_fuser.models.GPT`` through a schedule of recipes, one per phase
-  (default ``bf16,delayed,current,block,mxfp8,bf16``; ``name:steps`` sets a
-  phase's length);
+  (``name:steps`` sets a phase's length). The model is te_fuser ops throughout
+  (``--attention te``, the default: rotary embeddings and ``DotProductAttention``),
+  and the default schedule is ``bf16,delayed,delayed_mha,current,current_dpa,
+  block,mxfp8,bf16``: each per-tensor recipe, then the same recipe with attention
+  in FP8 (``fp8_mha``, ``fp8_dpa``). ``--attention sdpa`` puts torch's SDPA between
+  the fused groups instead, with the default schedule
+  ``bf16,delayed,current,block,mxfp8,bf16`` (its FP8 attention phases are refused);
 - ``torch``: its plain-torch twin, ``TorchGPT``, in bf16 autocast throughout;
 - ``torchao``: the twin converted by ``torchao.float8.convert_to_float8_training``
   (tensorwise scaling), each block ``torch.compile``d; only on a GPU with torchao.
@@ -15,14 +20,41 @@ the optimizer is AdamW (fused where torch has it for the device, or
 phase (and every ``--eval-every`` steps) the validation loss is measured on a
 fixed set of batches, under the phase's recipe and in plain bf16.
 
+Only the arm in training holds its model, gradients and optimizer state on the
+device: the twins wait on the CPU until their turn, and the te model (made first:
+it is the weights' source) is dropped after its own. Each arm reports the bytes
+of its linear layers' weights and of all its parameters, read from the tensors as
+they are held (an FP8 parameter's data and scales), and on CUDA its peak memory:
+``torch.cuda.max_memory_allocated`` from a reset at the start of its training,
+its evaluations included.
+
+``--fp8-params`` makes the te arm's linear weights FP8 parameters
+(``te.quantized_model_init`` under the schedule's first FP8 recipe): the model
+holds one byte an element plus scales, a quarter of the fp32 weights' bytes, and
+each weight's fp32 master lives in AdamW's state, which every step updates and
+casts back. Every phase runs with them, as follows:
+
+- an FP8 phase trains bit for bit as the model whose fp32 weights are the masters.
+  Delayed scaling casts the master at every forward; current scaling, block and
+  MXFP8 re-cast the parameter from its master at the phase's first forward when
+  it was stored under another scheme, and it then keeps that recipe's layout and
+  scales (its bytes too: MXFP8 adds a scale per 32 elements) until another phase
+  re-casts it;
+- a bf16 phase computes in bf16 from the parameters' FP8 values, not from the
+  masters (the weights *are* FP8; the optimizer still updates the masters), so its
+  loss and every evaluation "in bf16" are those of the FP8 weights.
+
     python examples/train_gpt.py --size smoke --steps 20 --json gpt.json --png gpt.png
+    python examples/train_gpt.py --size gpu --fp8-params --arms te,torch --json gpt_fp8_params.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
+import gc
 import json
 import math
 import os
@@ -31,6 +63,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 import triton
@@ -40,6 +73,7 @@ import te_fuser as te
 from te_fuser.models import (
     GPT, VALIDATION_FRACTION, GPTConfig, TorchGPT, copy_weights, load_stdlib_corpus, sample_windows, split_corpus,
 )
+from te_fuser.quantization.float8_tensor import Float8Tensor
 
 RECIPES = {
     "bf16": None,
@@ -47,11 +81,15 @@ RECIPES = {
     "current": te.recipe.Float8CurrentScaling(),
     "block": te.recipe.Float8BlockScaling(),
     "mxfp8": te.recipe.MXFP8BlockScaling(),
-    # FP8 attention (needs --attention te; head dims of 32 or more)
+    # FP8 attention (--attention te; head dims 32, 64 or 128)
     "delayed_mha": te.recipe.DelayedScaling(fp8_mha=True),
     "current_dpa": te.recipe.Float8CurrentScaling(fp8_dpa=True),
 }
-DEFAULT_SCHEDULE = "bf16,delayed,current,block,mxfp8,bf16"
+DEFAULT_SCHEDULES = {  # per --attention: torch's SDPA has no FP8 attention phases
+    "te": "bf16,delayed,delayed_mha,current,current_dpa,block,mxfp8,bf16",
+    "sdpa": "bf16,delayed,current,block,mxfp8,bf16",
+}
+MIB = 2**20
 ARMS = ("te", "torch", "torchao")
 FIXED_NUMERICS = {"torch": "bf16", "torchao": "float8"}  # the arms that ignore the schedule's recipes
 ADAMW_KINDS = ("auto", "fused", "foreach", "for-loop")
@@ -142,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=SIZES, help="model and batch preset (default: gpu on CUDA, else smoke)")
     p.add_argument("--device", help="default: cuda when available, else cpu")
     p.add_argument("--steps", type=_positive_int, help="steps of a phase without its own count (default: per size)")
-    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="te arm's phases: name[:steps],... "
-                   f"with names from {', '.join(RECIPES)} (default: {DEFAULT_SCHEDULE})")
+    p.add_argument("--schedule", help="te arm's phases: name[:steps],... with names from "
+                   f"{', '.join(RECIPES)} (default: {DEFAULT_SCHEDULES['te']}; with --attention sdpa "
+                   f"{DEFAULT_SCHEDULES['sdpa']})")
     p.add_argument("--arms", type=_arm_list, default=list(ARMS), help="comma-separated (default: te,torch,torchao)")
     p.add_argument("--batch", type=_positive_int, help="batch size (default: per size)")
     p.add_argument("--seq-len", type=_positive_int, help="sequence length (default: per size)")
@@ -157,8 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also evaluate every N steps (0: at phase ends only)")
     p.add_argument("--eval-batches", type=_positive_int, help="validation batches (default: per size)")
     p.add_argument("--log-every", type=_positive_int, default=10, help="print a line every N steps")
-    p.add_argument("--attention", choices=("sdpa", "te"), default="sdpa",
-                   help="the GPT's attention: torch SDPA, or te_fuser ops (RoPE, DotProductAttention)")
+    p.add_argument("--attention", choices=("te", "sdpa"), default="te",
+                   help="the GPT's attention: te_fuser ops (RoPE, DotProductAttention), or torch's SDPA")
+    p.add_argument("--fp8-params", action="store_true",
+                   help="the te arm's linear weights as FP8 parameters, fp32 masters in AdamW's state")
     p.add_argument("--backend", choices=te.backend.BACKENDS, help="te_fuser kernel backend (default: the library's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the run's figures here")
@@ -187,14 +228,34 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.config = defaults.config.replace(batch_size=args.batch or defaults.config.batch_size,
                                               seq_len=args.seq_len or defaults.config.seq_len,
                                               attention=args.attention)
+        args.schedule = args.schedule or DEFAULT_SCHEDULES[args.attention]
         args.phases = parse_schedule(args.schedule, args.steps)
     except ValueError as err:
         parser.error(str(err))
+    _check_attention_phases(parser, args)
     _check_windows_fit(parser, args)
+    args.fp8_params_recipe = _fp8_params_recipe(args.phases) if args.fp8_params else None
     args.adamw = _resolve_adamw(parser, args.adamw, args.device)
     total = sum(p.steps for p in args.phases)
     args.warmup_steps = total // 10 if args.warmup_steps is None else args.warmup_steps
     return args
+
+
+def _check_attention_phases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """FP8 attention is te_fuser's attention ops': refuse its phases for the SDPA model."""
+    if args.attention == "te":
+        return
+    for phase in args.phases:
+        if phase.recipe is not None and phase.recipe.fp8_attention:
+            parser.error(f"--schedule: phase {phase.name!r} runs attention in FP8 (fp8_dpa / fp8_mha), which "
+                         f"te_fuser's attention ops do; --attention sdpa runs torch's SDPA (use --attention te, "
+                         f"or leave the phase out)")
+
+
+def _fp8_params_recipe(phases: list[Phase]) -> te.recipe.Recipe:
+    """The recipe FP8 parameters are first cast under: the schedule's first FP8 one
+    (te's default recipe for an all-bf16 schedule)."""
+    return next((p.recipe for p in phases if p.recipe is not None), te.DEFAULT_RECIPE)
 
 
 def _check_windows_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -260,16 +321,20 @@ def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
 
 @dataclass
 class Arm:
-    """One model under training, with its optimizer, data stream and records."""
+    """One model under training, with its optimizer, data stream and records. The
+    model and optimizer exist while the arm trains (``make`` builds the model when
+    the te arm's is not given) and are dropped after, its memory with them."""
 
     name: str
-    model: nn.Module
-    opt: torch.optim.Optimizer
     generator: torch.Generator
+    model: nn.Module | None = None
+    make: Callable[[], nn.Module] | None = None
+    opt: torch.optim.Optimizer | None = None
     losses: list[float] = field(default_factory=list)
     pending: list[torch.Tensor] = field(default_factory=list)  # losses not yet read back (no sync per step)
     phases: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
 
     def recipe(self, phase: Phase):
         """The te recipe of ``phase``: the schedule's for the te arm, None for the others."""
@@ -336,7 +401,7 @@ def evaluate(arm: Arm, run: Run, phase: Phase, step: int) -> dict:
 def _log(arm: Arm, step: int, total: int, phase: Phase, tokens_per_s: float) -> None:
     refusions = arm.refusions()
     tail = "" if refusions is None else f"  re-fusions {refusions}"
-    print(f"[{arm.name:<7}] step {step:>5}/{total} {arm.numerics(phase):<7} loss {arm.losses[-1]:.4f} bpb  "
+    print(f"[{arm.name:<7}] step {step:>5}/{total} {arm.numerics(phase):<11} loss {arm.losses[-1]:.4f} bpb  "
           f"{tokens_per_s / 1e3:8.1f}k tok/s{tail}", flush=True)
 
 
@@ -406,6 +471,7 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, first_step_ms: float,
     }
     if refusions_before is not None:
         record["refusions"] = arm.refusions() - refusions_before
+    record["weight_bytes"] = linear_weight_bytes(arm.model)  # FP8 parameters take each recipe's layout
     arm.phases.append(record)
     bf16 = "" if record["val_bpb_bf16"] is None else f", {record['val_bpb_bf16']:.4f} in bf16"
     speed = "" if tokens_per_s is None else f"; {tokens_per_s / 1e3:.1f}k tok/s"
@@ -414,68 +480,124 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, first_step_ms: float,
 
 
 def train_arm(arm: Arm, run: Run) -> None:
+    """Make the arm's model and optimizer, train it through the schedule, record its
+    memory, and drop them."""
+    args = run.args
+    arm.model = arm.model if arm.model is not None else arm.make()
+    arm.opt = make_adamw(arm.model, args.adamw, args.lr, args.weight_decay)
+    start_mib = _reset_peak_memory(args.device)
     step = 0
-    for phase in run.args.phases:
+    for phase in args.phases:
         train_phase(arm, run, phase, step)
         step += phase.steps
+    arm.memory = {
+        "fp8_parameters": any(type(p) is Float8Tensor for p in arm.model.parameters()),
+        "weight_bytes": linear_weight_bytes(arm.model),
+        "parameter_bytes": te.parameter_bytes(arm.model),
+        "start_mib": start_mib,
+        "peak_mib": _peak_memory(args.device),
+    }
+    arm.model = arm.make = arm.opt = None
+
+
+# -- memory ------------------------------------------------------------------------
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes the linear layers' weights hold, read from the tensors: an FP8
+    parameter's FP8 data and scales, a plain weight's storage."""
+    weights = [m.weight for m in model.modules() if isinstance(m, (te.ops.BasicLinear, nn.Linear))]
+    return sum(w.fp8_nbytes if type(w) is Float8Tensor else w.untyped_storage().nbytes() for w in weights)
+
+
+def _reset_peak_memory(device: torch.device) -> float | None:
+    """Free what nothing refers to any more (a previous arm's model, the warm-up's)
+    and start the peak count; the MiB allocated now. None off CUDA."""
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device) / MIB
+
+
+def _peak_memory(device: torch.device) -> float | None:
+    """The most MiB allocated since the reset. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / MIB
 
 
 # -- the arms ----------------------------------------------------------------------
 
 
-def _twin(te_model: GPT, args: argparse.Namespace) -> TorchGPT:
-    twin = TorchGPT(args.config, args.device)
-    copy_weights(te_model, twin)
-    return twin
+def _te_model(args: argparse.Namespace) -> GPT:
+    """The te GPT; with ``--fp8-params`` its linear weights are FP8 parameters."""
+    with te.quantized_model_init(enabled=args.fp8_params, recipe=args.fp8_params_recipe):
+        return GPT(args.config, args.device)
 
 
-def _torchao_model(te_model: GPT, args: argparse.Namespace) -> tuple[nn.Module | None, str | None]:
-    """The twin in torchao float8 (tensorwise), blocks compiled; or why not."""
+def _torchao_unavailable(args: argparse.Namespace) -> str | None:
+    """Why the torchao arm cannot run here, or None."""
     try:
-        from torchao.float8 import convert_to_float8_training
+        import torchao.float8  # noqa: F401
     except ImportError as err:
-        return None, f"torchao.float8.convert_to_float8_training is not importable ({err})"
+        return f"torchao.float8.convert_to_float8_training is not importable ({err})"
     if args.device.type != "cuda":
-        return None, "torchao float8 training needs a CUDA device"
-    model = convert_to_float8_training(_twin(te_model, args))
+        return "torchao float8 training needs a CUDA device"
+    return None
+
+
+def _torchao_model(twin: TorchGPT) -> nn.Module:
+    """The twin in torchao float8 (tensorwise), blocks compiled."""
+    from torchao.float8 import convert_to_float8_training
+
+    model = convert_to_float8_training(twin)
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block)
-    return model, None
+    return model
 
 
-def _warm_up_kernels(model: GPT, run: Run) -> None:
+def _warm_up_kernels(run: Run) -> None:
     """Compile the te model's kernels for every recipe of the schedule in advance,
-    so that no phase's first step pays for compilation (its state is left as it was)."""
+    so that no phase's first step pays for compilation. It runs on a model of its
+    own, made as the te arm's: te.warmup re-casts FP8 parameters into each recipe it
+    runs (it restores the other state), which would move the te arm's weights."""
     recipes = list({p.name: p.recipe for p in run.args.phases}.values())
     sample = run.val_batches[0][:, :-1]  # (B, T)
+    model = _te_model(run.args)
     with torch.autocast(run.args.device.type, dtype=torch.bfloat16):
         te.warmup(model, recipes, sample)
 
 
 def build_arms(run: Run) -> tuple[list[Arm], dict[str, str]]:
-    """The requested arms, all starting from one set of weights; and the skipped ones, with why."""
+    """The requested arms, all starting from one set of weights (the te model's,
+    FP8 parameters' values included); and the skipped ones, with why. The te model
+    is made on the device; the twins wait on the CPU until their arm trains."""
     args = run.args
     torch.manual_seed(args.seed)
-    te_model = GPT(args.config, args.device)
-    models, skipped = {}, {}
+    te_model = _te_model(args)
+    twin = TorchGPT(args.config, "cpu")
+    copy_weights(te_model, twin)
+    arms, skipped = [], {}
     for name in args.arms:
+        arm = Arm(name, torch.Generator().manual_seed(args.seed))
         if name == "te":
-            models[name] = te_model
+            arm.model = te_model
         elif name == "torch":
-            models[name] = _twin(te_model, args)
+            arm.make = lambda: copy.deepcopy(twin).to(args.device)
         else:
-            models[name], skipped_why = _torchao_model(te_model, args)
+            skipped_why = _torchao_unavailable(args)
             if skipped_why is not None:
                 skipped[name] = skipped_why
-                del models[name]
                 print(f"torchao arm skipped: {skipped_why}")
-    if "te" in models:
-        _warm_up_kernels(te_model, run)
-    arms = [
-        Arm(name, model, make_adamw(model, args.adamw, args.lr, args.weight_decay),
-            torch.Generator().manual_seed(args.seed))
-        for name, model in models.items()
-    ]
+                continue
+            arm.make = lambda: _torchao_model(copy.deepcopy(twin).to(args.device))
+        arms.append(arm)
+    del te_model  # the te arm holds it, or nothing does
+    if "te" in args.arms:
+        _warm_up_kernels(run)
     return arms, skipped
 
 
@@ -515,7 +637,9 @@ def _source_revision() -> str | None:
 def make_report(run: Run, arms: list[Arm], skipped: dict[str, str], corpus: dict) -> dict:
     args = run.args
     settings = {k: getattr(args, k) for k in ("size", "schedule", "lr", "warmup_steps", "weight_decay", "clip",
-                                               "adamw", "eval_every", "eval_batches", "seed", "backend")}
+                                               "adamw", "eval_every", "eval_batches", "seed", "backend",
+                                               "fp8_params")}
+    settings["fp8_params_recipe"] = None if args.fp8_params_recipe is None else str(args.fp8_params_recipe)
     return {
         "config": {**asdict(args.config), **settings, "phases": [_phase_entry(p) for p in args.phases]},
         "device": _device_name(args.device),
@@ -525,7 +649,7 @@ def make_report(run: Run, arms: list[Arm], skipped: dict[str, str], corpus: dict
         "arms": {
             arm.name: {
                 "losses": arm.losses, "phases": arm.phases, "evals": arm.evals,
-                "tokens_per_s": _overall_tokens_per_s(arm.phases),
+                "tokens_per_s": _overall_tokens_per_s(arm.phases), "memory": arm.memory,
             }
             for arm in arms
         },
@@ -547,13 +671,23 @@ def _overall_tokens_per_s(phases: list[dict]) -> float | None:
 
 
 def print_summary(arms: list[Arm]) -> None:
-    print(f"\n{'arm':<8} {'phase':<8} {'numerics':<8} {'val bpb':>8} {'in bf16':>8} {'k tok/s':>8} {'1st step ms':>11}")
+    print(f"\n{'arm':<8} {'phase':<11} {'numerics':<11} {'val bpb':>8} {'in bf16':>8} {'k tok/s':>8} "
+          f"{'1st step ms':>11}")
     for arm in arms:
         for p in arm.phases:
             bf16 = "-" if p["val_bpb_bf16"] is None else f"{p['val_bpb_bf16']:.4f}"
             speed = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s'] / 1e3:.1f}"
-            print(f"{arm.name:<8} {p['phase']:<8} {p['numerics']:<8} {p['val_bpb']:>8.4f} {bf16:>8} {speed:>8} "
+            print(f"{arm.name:<8} {p['phase']:<11} {p['numerics']:<11} {p['val_bpb']:>8.4f} {bf16:>8} {speed:>8} "
                   f"{p['first_step_ms']:>11.1f}")
+    print(f"\n{'arm':<8} {'held as':<12} {'weights MiB':>11} {'params MiB':>10} {'start MiB':>9} {'peak MiB':>9}")
+    for arm in arms:
+        m = arm.memory
+        held = "FP8 params" if m["fp8_parameters"] else "fp32"
+        start, peak = ("-" if v is None else f"{v:.1f}" for v in (m["start_mib"], m["peak_mib"]))
+        print(f"{arm.name:<8} {held:<12} {m['weight_bytes'] / MIB:>11.3f} {m['parameter_bytes'] / MIB:>10.3f} "
+              f"{start:>9} {peak:>9}")
+    print("(weights: the linear layers', as held; params: all parameters and buffers; start and peak: CUDA memory "
+          "allocated when the arm began training and at most while it trained)")
 
 
 def write_png(path: str, report: dict) -> None:
@@ -604,6 +738,8 @@ def main(argv=None) -> dict:
     run = Run(args, train, val_batches, total_steps=sum(p.steps for p in args.phases))
     print(f"GPT {args.size} on {_device_name(args.device)}: {args.config}; AdamW {args.adamw}; "
           f"corpus {corpus['bytes']} bytes; schedule {', '.join(f'{p.name}:{p.steps}' for p in args.phases)}")
+    if args.fp8_params:
+        print(f"te arm: linear weights as FP8 parameters, first cast under {args.fp8_params_recipe}")
     arms, skipped = build_arms(run)
     for arm in arms:
         train_arm(arm, run)

@@ -1,4 +1,4 @@
-"""The GPT built from te_fuser ops throughout (GPTConfig.attention="te": te.ops.Embedding,
+"""The GPT built from te_fuser ops throughout (GPTConfig.attention="te", the default: te.ops.Embedding,
 RotaryEmbedding, DotProductAttention): its plain-torch twin matches it, it trains,
 FP8 attention keeps loss parity, and a mid-training switch into fp8_dpa / fp8_mha is
 bit-identical to a fresh model on the target recipe."""

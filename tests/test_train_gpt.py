@@ -1,5 +1,6 @@
 """The GPT yardstick: its corpus, the te model against its torch twin, and the
-training script (examples/train_gpt.py) at the smoke size on the CPU."""
+training script (examples/train_gpt.py) at the smoke size on the CPU: its default
+schedule, and the te arm's linear weights as FP8 parameters."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from te_fuser.models import (
     GPT, GPTConfig, TorchGPT, copy_weights, load_stdlib_corpus, parameter_name_map, rename_state_dict,
     sample_windows, split_corpus, stdlib_source_files,
 )
+from te_fuser.ops.fp8_parameters import master_of
+from te_fuser.quantization.float8_tensor import Float8Tensor
 from tolerances import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -64,6 +67,98 @@ def test_smoke_run_trains_both_arms(smoke_run):
     assert all(p["refusions"] > 0 for p in te_phases)  # every phase switches recipe (and evaluates)
 
 
+def _run(argv):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        return train_gpt.main(argv), stdout.getvalue()
+
+
+@pytest.fixture(scope="module")
+def fp8_params_run(tmp_path_factory):
+    """The te arm of ``smoke_run`` again, its linear weights FP8 parameters."""
+    json_path = tmp_path_factory.mktemp("gpt_fp8_params") / "run.json"
+    argv = ["--size", "smoke", "--schedule", SCHEDULE, "--fp8-params", "--arms", "te", "--corpus-bytes", "300000",
+            "--eval-batches", "2", "--log-every", "100", "--json", str(json_path)]
+    report, stdout = _run(argv)
+    return report, json.loads(json_path.read_text()), stdout
+
+
+def test_the_default_is_te_attention_through_the_attention_recipes():
+    args = train_gpt.parse_args([])
+    assert args.config.attention == GPTConfig.smoke().attention == "te"
+    assert [p.name for p in args.phases] == ["bf16", "delayed", "delayed_mha", "current", "current_dpa", "block",
+                                             "mxfp8", "bf16"]
+    sdpa = train_gpt.parse_args(["--attention", "sdpa"])
+    assert sdpa.config.attention == "sdpa"
+    assert [p.name for p in sdpa.phases] == ["bf16", "delayed", "current", "block", "mxfp8", "bf16"]
+
+
+def test_the_sdpa_model_still_trains_through_the_script():
+    report, _ = _run(["--size", "smoke", "--attention", "sdpa", "--schedule", "bf16:3,delayed:3", "--arms", "te",
+                      "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100"])
+    assert report["config"]["attention"] == "sdpa"
+    for name, arm in report["arms"].items():
+        assert all(math.isfinite(v) for v in arm["losses"]) and arm["losses"][-1] < arm["losses"][0], name
+
+
+def test_fp8_params_hold_a_quarter_of_the_fp32_weight_bytes_and_keep_the_loss(fp8_params_run, smoke_run):
+    """The GPT trains fp32 weights under bf16 autocast; as FP8 parameters its linear
+    weights hold one byte an element plus scales: a quarter of the fp32 weights'
+    bytes (half of what bf16 weights would hold), read from the tensors. The loss
+    ends within the bf16 band of the same run with fp32 weights."""
+    report, written, stdout = fp8_params_run
+    fp8, fp32 = report["arms"]["te"], smoke_run[0]["arms"]["te"]  # the same model, schedule and batches
+    assert fp8["memory"]["fp8_parameters"] and not fp32["memory"]["fp8_parameters"]
+    assert written["arms"]["te"]["memory"] == fp8["memory"]
+    assert report["config"]["fp8_params"] and report["config"]["fp8_params_recipe"] == str(te.recipe.DelayedScaling())
+    for phase in fp8["phases"]:
+        ratio = phase["weight_bytes"] / fp32["memory"]["weight_bytes"]
+        assert 0.25 <= ratio <= 0.2502, (phase["phase"], ratio)  # per-tensor scales: 4 bytes a weight
+    assert fp8["memory"]["parameter_bytes"] < 0.4 * fp32["memory"]["parameter_bytes"]  # embeddings, norms: fp32
+    assert "FP8 params" in stdout
+    losses = fp8["losses"]
+    assert len(losses) == 12 and all(math.isfinite(v) for v in losses), losses
+    assert sum(losses[-3:]) < sum(losses[:3]) - 1.0, f"the loss did not fall: {losses}"
+    final = [torch.tensor([arm["phases"][-1]["val_bpb"]]) for arm in (fp8, fp32)]
+    assert_close(final[0], final[1], torch.bfloat16, "GPT smoke, FP8 parameters against fp32 weights, last validation")
+
+
+def test_fp8_params_train_as_their_masters_under_fp8_recipes_and_as_fp8_values_in_bf16():
+    """What the schedule does with FP8 parameters (train_gpt.py's docstring): each
+    FP8 phase trains bit for bit as the model whose fp32 weights are the masters; a
+    bf16 phase computes from the FP8 values."""
+    config = GPTConfig.smoke().replace(n_layer=1, seq_len=32, batch_size=2)
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=True, recipe=train_gpt.RECIPES["delayed"]):
+        model = GPT(config)
+    ref = GPT(config)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.copy_(p.dequantize() if type(p) is Float8Tensor else p)
+    cpu = torch.device("cpu")
+    opts = [train_gpt.make_adamw(m, "foreach", 2e-3, 0.1) for m in (model, ref)]
+    windows = sample_windows(load_stdlib_corpus(50_000), config.batch_size, config.seq_len,
+                             torch.Generator().manual_seed(0))
+    for name in ("delayed", "delayed_mha", "current", "current_dpa", "block", "mxfp8"):
+        recipe = train_gpt.RECIPES[name]
+        losses = []
+        for m, opt in zip((model, ref), opts):
+            loss = train_gpt.loss_bits_per_byte(m, windows, recipe, cpu)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), f"{name}: {losses}"
+    weights = [p for p in model.parameters() if type(p) is Float8Tensor]
+    assert weights and all(w.fp8_storage.q.scaling == "mx_32" for w in weights)  # the last phase's layout
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(master_of(p) if type(p) is Float8Tensor else p, q), "the masters are the weights"
+            q.copy_(p.dequantize() if type(p) is Float8Tensor else p)  # the FP8 values
+        bf16 = [train_gpt.loss_bits_per_byte(m, windows, None, cpu) for m in (model, ref)]
+    assert torch.equal(bf16[0], bf16[1])
+
+
 def test_smoke_run_writes_the_json(smoke_run):
     report, written, stdout, out = smoke_run
     assert written == json.loads(json.dumps(report))
@@ -74,14 +169,19 @@ def test_smoke_run_writes_the_json(smoke_run):
     for arm in written["arms"].values():
         assert {"losses", "phases", "evals", "tokens_per_s"} <= set(arm)
         assert arm["tokens_per_s"] > 0
-        assert {"val_bpb", "val_bpb_bf16", "tokens_per_s", "first_step_ms", "steps"} <= set(arm["phases"][0])
+        assert {"val_bpb", "val_bpb_bf16", "tokens_per_s", "first_step_ms", "steps", "weight_bytes"} <= set(
+            arm["phases"][0])
+        memory = arm["memory"]
+        assert not memory["fp8_parameters"] and memory["peak_mib"] is None  # the CPU has no CUDA memory figures
+        assert memory["weight_bytes"] < memory["parameter_bytes"]
     png_lines = [line for line in stdout.splitlines() if line.startswith("PNG ")]
     assert len(png_lines) == 1, stdout
     assert (out / "run.png").exists() == png_lines[0].startswith("PNG written")
 
 
-def test_te_in_bf16_matches_the_torch_twin_at_step_0():
-    config = GPTConfig.smoke()
+@pytest.mark.parametrize("attention", ["te", "sdpa"])
+def test_te_in_bf16_matches_the_torch_twin_at_step_0(attention):
+    config = GPTConfig.smoke().replace(attention=attention)
     torch.manual_seed(0)
     te_model = GPT(config)
     twin = TorchGPT(config)
@@ -90,11 +190,13 @@ def test_te_in_bf16_matches_the_torch_twin_at_step_0():
     windows = sample_windows(data, config.batch_size, config.seq_len, torch.Generator().manual_seed(0))
     te_loss = train_gpt.loss_bits_per_byte(te_model, windows, None, torch.device("cpu"))
     torch_loss = train_gpt.loss_bits_per_byte(twin, windows, None, torch.device("cpu"))
-    assert_close(te_loss.detach(), torch_loss.detach(), torch.bfloat16, "GPT smoke, bf16, step 0")
+    assert_close(te_loss.detach(), torch_loss.detach(), torch.bfloat16, f"GPT smoke, {attention} attention, bf16, "
+                 f"step 0")
 
 
-def test_state_dicts_convert_both_ways():
-    config = GPTConfig.smoke()
+@pytest.mark.parametrize("attention", ["te", "sdpa"])
+def test_state_dicts_convert_both_ways(attention):
+    config = GPTConfig.smoke().replace(attention=attention)
     torch.manual_seed(0)
     te_model, twin = GPT(config), TorchGPT(config)
     names = parameter_name_map(te_model, twin)
@@ -135,6 +237,8 @@ def test_corpus_is_the_stdlib_in_sorted_order():
         (["--seq-len", "4096", "--corpus-bytes", "10000"], "does not fit the validation split"),
         (["--arms", "te,jax"], "argument --arms: must be distinct names"),
         (["--lr", "-1"], "argument --lr: must be a positive number"),
+        (["--attention", "sdpa", "--schedule", "bf16,current_dpa"],
+         "phase 'current_dpa' runs attention in FP8 (fp8_dpa / fp8_mha), which te_fuser's attention ops do"),
     ],
 )
 def test_argument_errors_are_one_line(argv, message, capsys):

@@ -11,16 +11,16 @@
       attention: LayerNorm -> Linear(d, 3d) -> CausalSelfAttention -> Linear(d, d) -> + x
       MLP:       LayerNorm -> Linear(d, 4d) -> GELU (tanh) -> Linear(4d, d) -> + x
 
-  With ``GPTConfig.attention="sdpa"`` (the default) the attention core is a plain
-  ``nn.Module`` (torch's SDPA), run as it is between the fused groups, and the
-  embeddings are ``nn.Embedding`` tokens plus learned positions. With
-  ``attention="te"`` the whole model is te_fuser ops: ``te.ops.Embedding`` for the
-  tokens, rotary position embeddings instead of learned ones, and one
-  ``Sequential`` per attention sub-layer,
+  With ``GPTConfig.attention="te"`` (the default) the whole model is te_fuser ops:
+  ``te.ops.Embedding`` for the tokens, rotary position embeddings instead of
+  learned ones, and one ``Sequential`` per attention sub-layer,
 
       LayerNorm -> Linear(d, 3d) -> RotaryEmbedding -> DotProductAttention -> Linear(d, d) -> + x
 
   so that a recipe's ``fp8_dpa`` / ``fp8_mha`` reach attention and its boundaries.
+  With ``attention="sdpa"`` the attention core is a plain ``nn.Module`` (torch's
+  SDPA), run as it is between the fused groups, and the embeddings are
+  ``nn.Embedding`` tokens plus learned positions.
   With ``GPTConfig.layer="one_sequential"`` (and ``attention="te"``) a block is one
   ``Sequential`` called as ``layer(x)``, its two residuals on extra-tensor channels
   (``MakeExtraOutput(channel=...)`` ... ``AddExtraInput(channel=...)``).
@@ -71,7 +71,7 @@ class GPTConfig:
     seq_len: int
     batch_size: int
     vocab_size: int = VOCAB_SIZE
-    attention: str = "sdpa"  # "sdpa": torch's SDPA between the fused groups; "te": te_fuser ops throughout
+    attention: str = "te"  # "te": te_fuser ops throughout; "sdpa": torch's SDPA between the fused groups
     # "two_sequentials": each sub-layer a Sequential called as seq(x, x); "one_sequential" (attention="te"):
     # a block is one Sequential whose residuals stay inside on extra-tensor channels
     layer: str = "two_sequentials"
@@ -94,8 +94,8 @@ class GPTConfig:
 
     @classmethod
     def smoke(cls) -> "GPTConfig":
-        """A few seconds of training on a CPU."""
-        return cls(n_layer=2, d_model=64, n_head=4, d_ffn=256, seq_len=64, batch_size=8)
+        """A few seconds of training on a CPU; head dim 32, the smallest FP8 attention takes."""
+        return cls(n_layer=2, d_model=64, n_head=2, d_ffn=256, seq_len=64, batch_size=8)
 
     @classmethod
     def gpu(cls) -> "GPTConfig":
