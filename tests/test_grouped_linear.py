@@ -208,7 +208,6 @@ def test_scale_bias_follows_transformer_engine_without_a_bias_and_takes_leading_
     (torch.rand(20, 1), ValueError, r"shape \(21,\)"),
     (torch.rand(7), ValueError, r"shape \(21,\)"),
     (torch.ones(21, dtype=torch.int64), TypeError, "floating"),
-    ([0.5] * 21, TypeError, "as a tensor"),
 ])
 def test_bad_bias_scales_name_the_op_and_leave_the_scaling_state_alone(scales, error, match):
     op = te.ops.GroupedLinear(G, K, N, scale_bias=True, name="fc2")
@@ -227,6 +226,8 @@ def test_bad_bias_scales_name_the_op_and_leave_the_scaling_state_alone(scales, e
             assert torch.equal(q.state_dict()[k], v), (t, k)
     with pytest.raises(ValueError, match="extra input"):
         op(x, torch.tensor(SPLITS))  # the scales left out
+    with pytest.raises(TypeError, match="as a tensor"):
+        op.bias_scales([0.5] * sum(SPLITS), x)
 
 
 # --------------------------------------------------------------- dispatch
@@ -393,3 +394,34 @@ def test_bad_constructor_arguments_and_inputs_name_the_field():
         op(torch.randn(4, 6), torch.tensor([2, 2]))
     with pytest.raises(ValueError, match="integer tensor"):
         op(torch.randn(4, 8), torch.tensor([2.0, 2.0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scale_bias", [False, True], ids=["bias", "scale_bias"])
+def test_dispatch_on_the_gpu_loop_and_grouped_agree(scale_bias, monkeypatch):
+    """MoE sizes on CUDA: the default rule loops over cuBLASLt GEMMs (fprop, dgrad and,
+    with token counts multiples of 16, wgrad); forced to the grouped kernels the
+    results agree to the FP8 tensor cores' accumulation and the bf16 roundings,
+    relative to each tensor's largest element."""
+    splits, k, n = [1024, 0, 2048, 1024], 4096, 4096
+    gen = torch.Generator().manual_seed(1)
+    op = te.ops.GroupedLinear(G, k, n, scale_bias=scale_bias, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in op.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (k**-0.5 if p.dim() == 2 else 0.1))
+    x = torch.randn(sum(splits), k, generator=gen).bfloat16().cuda()
+    dy = torch.randn(sum(splits), n, generator=gen).bfloat16().cuda()
+    scales = torch.rand(sum(splits), generator=gen).cuda() if scale_bias else None
+    sizes = torch.tensor(splits)
+    recipe = te.recipe.Float8CurrentScaling()
+    dense_calls = []
+    monkeypatch.setattr(gl, "gemm", lambda *a, **kw: dense_calls.append(1) or gemm(*a, **kw))
+    looped = run(op, x, sizes, recipe=recipe, dy=dy, scales=scales)
+    assert len(dense_calls) == 9, "the default rule should loop over the 3 non-empty experts' 3 GEMMs"
+    monkeypatch.setattr(gl, "LOOP_RULE", gl.LoopRule(min_flop_per_gemm=float("inf")))
+    grouped = run(op, x, sizes, recipe=recipe, dy=dy, scales=scales)
+    assert len(dense_calls) == 9
+    for (a, b, what) in [(looped[0][0], grouped[0][0], "y")] + [(looped[1][key], grouped[1][key], key)
+                                                                for key in grouped[1]]:
+        assert_close(a, b, torch.bfloat16 if a.dtype is torch.bfloat16 else "fp8_gemm_tensor_core",
+                     f"GroupedLinear loop vs grouped {what} scale_bias={scale_bias}", scaled=True)
