@@ -94,7 +94,7 @@ def test_the_default_is_te_attention_through_the_attention_recipes():
 
 
 def test_the_sdpa_model_still_trains_through_the_script():
-    report, _ = _run(["--size", "smoke", "--attention", "sdpa", "--schedule", "bf16:3,delayed:3", "--arms", "te",
+    report, _ = _run(["--size", "smoke", "--attention", "sdpa", "--schedule", "bf16:2,delayed:2", "--arms", "te",
                       "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100"])
     assert report["config"]["attention"] == "sdpa"
     for name, arm in report["arms"].items():
