@@ -124,20 +124,6 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
     o8, _ = fp8_forward(*fp8_sets[0])
     diff = f"max|o - sdpa| {(o8.float() - o_sdpa.float()).abs().max().item():.2e}"
     row("fwd fp8", "triton", harness.time_ms(fp8_forward, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16", diff)
-    if not attn.FORWARD_TMA:  # the same kernels reading K and V through TMA descriptors
-        attn.FORWARD_TMA = True
-        try:
-            same = torch.equal(tk.attention_forward(q, k, v, causal, scale)[0], o)
-            row("fwd bf16 tma", "triton", harness.time_ms(
-                lambda q, k, v: tk.attention_forward(q, k, v, causal, scale), sets), fwd_flops, sdpa_ms, "sdpa bf16",
-                "bitwise = pointer loads" if same else "DIFFERS from the pointer loads")
-            same = torch.equal(fp8_forward(*fp8_sets[0])[0], o8)
-            row("fwd fp8 tma", "triton", harness.time_ms(fp8_forward, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16",
-                "bitwise = pointer loads" if same else "DIFFERS from the pointer loads")
-        except Exception as err:  # reported, not fatal: the pointer rows stand
-            print(f"  (tma: {type(err).__name__}: {str(err)[:100]})")
-        finally:
-            attn.FORWARD_TMA = False
     row("fwd fp8 + q/k/v casts", "triton",
         harness.time_ms(lambda q, k, v: fp8_forward(*_fp8(q), *_fp8(k), *_fp8(v)), sets), fwd_flops, sdpa_ms,
         "sdpa bf16")
@@ -172,32 +158,23 @@ def sweep(ceiling: float) -> list[Row]:
         "dkdv": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
     }
     rows = []
-    saved_tma = attn.FORWARD_TMA
     for kernel, configs in attn.AUTOTUNE_CONFIGS.items():
         fn, factor = calls[kernel]
         saved = attn.ATTENTION_PLANS.get((kernel, D))
-        for tma in ((False, True) if kernel.startswith("fwd") else (False,)):
-            attn.FORWARD_TMA = tma
-            for config in configs:
-                plan = attn.AttentionPlan(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
-                                          config.num_stages)
-                attn.ATTENTION_PLANS[(kernel, D)] = plan
-                try:
-                    out, note = fn()[0], ""
-                    if tma:  # the same tiles in the same order: the same bits as the pointer loads
-                        attn.FORWARD_TMA = False
-                        same = torch.equal(out, fn()[0])
-                        attn.FORWARD_TMA = True
-                        note = "bitwise = pointer loads" if same else "DIFFERS from the pointer loads"
-                    ms = harness.time_ms(fn)
-                except Exception as err:  # a shape that does not fit (shared memory, registers) is reported
-                    ms, note = float("nan"), f"{type(err).__name__}: {str(err)[:60]}"
-                rate = factor * _flops(B, H, T, D, causal) / (ms * 1e-3) / 1e12
-                case = (f"{kernel}{' tma' if tma else ''} {plan.block_m}x{plan.block_n} w{plan.num_warps} "
-                        f"s{plan.num_stages}" + (" (whole backward)" if kernel in ("dq", "dkdv") else ""))
-                rows.append(harness.progress(Row("attention-sweep", case, "triton", label, ms, rate, "TFLOP/s",
-                                                 of_ceiling=rate / ceiling, note=note)))
-        attn.FORWARD_TMA = saved_tma
+        for config in configs:
+            plan = attn.AttentionPlan(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
+                                      config.num_stages)
+            attn.ATTENTION_PLANS[(kernel, D)] = plan
+            try:
+                fn()
+                ms, note = harness.time_ms(fn), ""
+            except Exception as err:  # a shape that does not fit (shared memory, registers) is reported
+                ms, note = float("nan"), f"{type(err).__name__}: {str(err)[:60]}"
+            rate = factor * _flops(B, H, T, D, causal) / (ms * 1e-3) / 1e12
+            case = (f"{kernel} {plan.block_m}x{plan.block_n} w{plan.num_warps} s{plan.num_stages}"
+                    + (" (whole backward)" if kernel in ("dq", "dkdv") else ""))
+            rows.append(harness.progress(Row("attention-sweep", case, "triton", label, ms, rate, "TFLOP/s",
+                                             of_ceiling=rate / ceiling, note=note)))
         if saved is not None:
             attn.ATTENTION_PLANS[(kernel, D)] = saved
     return rows

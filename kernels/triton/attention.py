@@ -58,7 +58,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 import triton.language as tl
 
 from ..formats import E4M3
@@ -95,13 +94,14 @@ class AttentionPlan:
 # sm_90 builds (Triton's compiler run ahead of time for capability 9.0, with the
 # launch's specializations: 16-divisible pointers and strides): every entry
 # pipelines its loads (cp.async), runs its dots as wgmma and spills no registers
-# (dkdv at head dim 128: 6 spilled words); not yet timed on a GPU.
+# (dkdv at head dim 128: 6 spilled words); the FP8 forward's from the sweep
+# of bench_attention.py on an H200 (RESULTS.md run 56).
 ATTENTION_PLANS = {
     ("fwd", 128): AttentionPlan(128, 64, 8, 3),
     ("fwd", 64): AttentionPlan(128, 64, 4, 3),
     ("fwd", 32): AttentionPlan(128, 64, 4, 3),
-    ("fwd_fp8", 128): AttentionPlan(128, 128, 8, 3),
-    ("fwd_fp8", 64): AttentionPlan(128, 128, 8, 3),
+    ("fwd_fp8", 128): AttentionPlan(64, 128, 4, 3),  # run 56's sweep: 0.653 ms against 0.710 for 128x128 w8
+    ("fwd_fp8", 64): AttentionPlan(64, 128, 4, 3),
     ("dq", 128): AttentionPlan(128, 64, 8, 2),
     ("dq", 64): AttentionPlan(128, 32, 4, 3),
     ("dkdv", 128): AttentionPlan(32, 128, 8, 2),  # the fewest spills of the sm_90 builds tried (6 stores)
@@ -113,11 +113,6 @@ _INTERPRETED_PLANS = {  # small tiles: several per sequence at test sizes, both 
     "dq": AttentionPlan(32, 16, 4, 1),
     "dkdv": AttentionPlan(16, 32, 4, 1),
 }
-
-# True: the compiled forward reads K and V through TMA descriptors (4-D, zero fill
-# past the keys' end) where their strides allow it; False: through pointers. Not
-# with AUTOTUNE (the descriptors' block shape is the plan's).
-FORWARD_TMA = False
 
 # True: compiled kernels choose their launch shape with triton.autotune among
 # AUTOTUNE_CONFIGS (keyed by the sizes, causal and the head dim); never under the
@@ -160,29 +155,25 @@ def _plan(kernel: str, head_dim: int, t: torch.Tensor) -> AttentionPlan:
 
 @triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd, offs_m, offs_d, lo, hi, Tk,
-                   qk_scale, p_shift, b, hk, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                   qk_scale, p_shift, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                    FP8: tl.constexpr, HW_FP8: tl.constexpr, UPCAST: tl.constexpr, P_DTYPE: tl.constexpr,
                    PRECISION: tl.constexpr, P_FMAX: tl.constexpr, P_MANT_BITS: tl.constexpr,
-                   P_MIN_STEP_EXP: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr):
+                   P_MIN_STEP_EXP: tl.constexpr):
     """The key tiles ``[lo, hi)`` of one query block: the online softmax update.
     MASKED: scores of keys past ``Tk`` (and, CAUSAL, above the diagonal) are -inf;
     otherwise every key of every tile is seen by every query of the block.
     ``p_shift`` (FP8: log2 p_scale, else 0) scales the probabilities in the exponent:
     ``p · p_scale = exp2(s - (m - p_shift))``, so ``l`` and ``acc`` carry p_scale
-    and it cancels in ``acc / l``. USE_TMA: ``k_base`` and ``v_base`` are TMA
-    descriptors of the (B, Hkv, Tk, D) keys and of the values (FP8: transposed,
-    (B, Hkv, D, Tk)), which fill the rows past ``Tk`` with zeros."""
+    and it cancels in ``acc / l``."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if USE_TMA:
-            kt = tl.trans(tl.reshape(k_base.load([b, hk, start_n, 0]), (BLOCK_N, HEAD_DIM)))  # (D, BLOCK_N)
+        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]  # (D, BLOCK_N): kᵀ, D contiguous
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # (BLOCK_N, D)
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < Tk, other=0.0)
         else:
-            kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]  # (D, BLOCK_N): kᵀ, D contiguous
-            if MASKED:
-                kt = tl.load(kt_ptrs, mask=offs_n[None, :] < Tk, other=0.0)
-            else:
-                kt = tl.load(kt_ptrs)
+            kt = tl.load(kt_ptrs)
         if UPCAST:
             kt = kt.to(tl.float32)
         qk = tl.dot(q, kt, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N); times qk_scale: base-2 scores
@@ -196,17 +187,10 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, strid
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if USE_TMA:
-            if FP8:  # keys contiguous: the K-major operand of the FP8 product
-                v = tl.trans(tl.reshape(v_base.load([b, hk, 0, start_n]), (HEAD_DIM, BLOCK_N)))
-            else:
-                v = tl.reshape(v_base.load([b, hk, start_n, 0]), (BLOCK_N, HEAD_DIM))
+        if MASKED:
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < Tk, other=0.0)
         else:
-            v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # (BLOCK_N, D)
-            if MASKED:
-                v = tl.load(v_ptrs, mask=offs_n[:, None] < Tk, other=0.0)
-            else:
-                v = tl.load(v_ptrs)
+            v = tl.load(v_ptrs)
         if UPCAST:
             v = v.to(tl.float32)
         if FP8:  # p is p · p_scale here
@@ -237,10 +221,9 @@ def _attention_forward_kernel(
         CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr,
         UPCAST: tl.constexpr, P_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
         P_FMAX: tl.constexpr, P_MANT_BITS: tl.constexpr, P_MIN_STEP_EXP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``o`` and ``lse`` of BLOCK_M queries of one head (see the module docstring).
-    ``scales_ptr`` (FP8): q_scale_inv, k_scale_inv, v_scale_inv, p_scale. USE_TMA:
-    ``k_ptr`` and ``v_ptr`` are TMA descriptors (see :func:`_forward_tiles`)."""
+    ``scales_ptr`` (FP8): q_scale_inv, k_scale_inv, v_scale_inv, p_scale."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     if CAUSAL:
@@ -252,12 +235,8 @@ def _attention_forward_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    if USE_TMA:
-        k_base = k_ptr
-        v_base = v_ptr
-    else:
-        k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-        v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     row_ok = offs_m < Tq
     q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     if UPCAST:
@@ -279,11 +258,11 @@ def _attention_forward_kernel(
         lo = (Tk // BLOCK_N) * BLOCK_N
         hi = Tk
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd, offs_m, offs_d,
-                                   0, lo, Tk, qk_scale, p_shift, b, hk, False, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
-                                   P_DTYPE, PRECISION, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP, USE_TMA, HEAD_DIM)
+                                   0, lo, Tk, qk_scale, p_shift, False, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
+                                   P_DTYPE, PRECISION, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd, offs_m, offs_d,
-                                   lo, hi, Tk, qk_scale, p_shift, b, hk, True, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
-                                   P_DTYPE, PRECISION, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP, USE_TMA, HEAD_DIM)
+                                   lo, hi, Tk, qk_scale, p_shift, True, CAUSAL, BLOCK_N, FP8, HW_FP8, UPCAST,
+                                   P_DTYPE, PRECISION, P_FMAX, P_MANT_BITS, P_MIN_STEP_EXP)
     o = acc * (out_scale / l_i)[:, None]
     o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], to_output(o, OUT_DTYPE), mask=row_ok[:, None])
@@ -570,22 +549,8 @@ def _forward(q, k, v, causal, softmax_scale, out_dtype, scales, fp8: bool):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             vk.stride(0), vk.stride(1), stride_vt, stride_vd, o.stride(0), o.stride(1), o.stride(2)]
     meta.update(CAUSAL=causal, HEAD_DIM=D, OUT_DTYPE=TL_FLOAT[out_dtype])
-    kernel = "fwd_fp8" if fp8 else "fwd"
-    if FORWARD_TMA and not AUTOTUNE and not is_interpreted(q) and _tma_ok(k) and _tma_ok(vk):
-        block_n = _plan(kernel, D, q).block_n
-        args[1] = TensorDescriptor.from_tensor(k, [1, 1, block_n, D])
-        args[2] = TensorDescriptor.from_tensor(vk, [1, 1, D, block_n] if fp8 else [1, 1, block_n, D])
-        meta["USE_TMA"] = True
-    _launch(kernel, _attention_forward_kernel, Tq, B * H, D, q, args, meta)
+    _launch("fwd_fp8" if fp8 else "fwd", _attention_forward_kernel, Tq, B * H, D, q, args, meta)
     return o, lse
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    """Whether a TMA descriptor can address ``t``: 16-byte aligned base and strides,
-    its last dim contiguous."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s * size % 16 == 0 for s in t.stride()[:-1]))
 
 
 def attention_forward(q, k, v, causal, softmax_scale):
