@@ -242,12 +242,13 @@ META_RULE = gl.LoopRule(devices=("meta",), dense_backends=("reference",))  # the
 
 
 @pytest.mark.parametrize("splits, k, n, fprop, wgrad", [
-    ([2048] * 8, 4096, 4096, "loop", "loop"),  # 69 GFLOP per GEMM: the loop measured 1.45x faster
+    ([2048] * 8, 4096, 4096, "loop", "grouped"),  # 69 GFLOP per GEMM: the fprop loop measured 1.45x faster
     ([0, 3001, 1, 4095, 2048, 7000, 0, 239], 4096, 4096, "loop", "grouped"),  # 92 GFLOP; odd counts: no cuBLASLt wgrad
-    ([2048] * 8, 4096, 14336, "loop", "loop"),  # 241 GFLOP: 1.63x
+    ([2048] * 8, 4096, 14336, "loop", "loop"),  # 241 GFLOP: fprop 1.60x, wgrad 1.14x
     ([128] * 8, 1024, 1024, "grouped", "grouped"),  # 0.27 GFLOP: host-bound, the one launch wins
-    ([1024] * 8, 4096, 4096, "loop", "loop"),  # 2**35 FLOPs per GEMM: the threshold
-    ([512] * 8, 4096, 4096, "grouped", "grouped"),  # half of it
+    ([1024] * 8, 4096, 4096, "loop", "grouped"),  # 34 GFLOP: fprop 1.36x; the grouped wgrad 1.09x the loop
+    ([512] * 8, 4096, 4096, "loop", "grouped"),  # 2**34 FLOPs per GEMM: the fprop threshold
+    ([256] * 8, 4096, 4096, "grouped", "grouped"),  # half of it
     ([2048] * 8, 4096, 4104, "grouped", "grouped"),  # N not a multiple of 16: cuBLASLt declines
     ([0] * 8, 4096, 4096, "grouped", "grouped"),  # nothing to loop over
 ])
@@ -272,7 +273,7 @@ def test_loop_rule_declines_off_cuda_off_cublaslt_and_for_two_e5m2_operands():
     assert gl.fprop_path(x, w, groups, META_RULE) == "loop"
 
 
-LOOP_EVERYWHERE = gl.LoopRule(min_flop_per_gemm=0, devices=("cpu", "cuda"), dense_backends=gl.LoopRule().dense_backends
+LOOP_EVERYWHERE = gl.LoopRule(min_flop_per_gemm=0, min_flop_per_wgrad_gemm=0, devices=("cpu", "cuda"), dense_backends=gl.LoopRule().dense_backends
                               + ("reference", "triton"))
 
 
@@ -399,8 +400,8 @@ def test_bad_constructor_arguments_and_inputs_name_the_field():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("scale_bias", [False, True], ids=["bias", "scale_bias"])
 def test_dispatch_on_the_gpu_loop_and_grouped_agree(scale_bias, monkeypatch):
-    """MoE sizes on CUDA: the default rule loops over cuBLASLt GEMMs (fprop, dgrad and,
-    with token counts multiples of 16, wgrad); forced to the grouped kernels the
+    """MoE sizes on CUDA: the rule loops over cuBLASLt GEMMs (fprop and dgrad by default;
+    the wgrad too, token counts multiples of 16, with its threshold at 0); forced to the grouped kernels the
     results agree to the FP8 tensor cores' accumulation and the bf16 roundings,
     relative to each tensor's largest element."""
     splits, k, n = [1024, 0, 2048, 1024], 4096, 4096
@@ -416,9 +417,14 @@ def test_dispatch_on_the_gpu_loop_and_grouped_agree(scale_bias, monkeypatch):
     recipe = te.recipe.Float8CurrentScaling()
     dense_calls = []
     monkeypatch.setattr(gl, "gemm", lambda *a, **kw: dense_calls.append(1) or gemm(*a, **kw))
+    run(op, x, sizes, recipe=recipe, dy=dy, scales=scales)
+    assert len(dense_calls) == 6, "the default rule should loop over the 3 non-empty experts' fprop and dgrad"
+    dense_calls.clear()
+    monkeypatch.setattr(gl, "LOOP_RULE", gl.LoopRule(min_flop_per_wgrad_gemm=0))
     looped = run(op, x, sizes, recipe=recipe, dy=dy, scales=scales)
-    assert len(dense_calls) == 9, "the default rule should loop over the 3 non-empty experts' 3 GEMMs"
-    monkeypatch.setattr(gl, "LOOP_RULE", gl.LoopRule(min_flop_per_gemm=float("inf")))
+    assert len(dense_calls) == 9, "this rule should loop over the 3 non-empty experts' 3 GEMMs"
+    monkeypatch.setattr(gl, "LOOP_RULE", gl.LoopRule(min_flop_per_gemm=float("inf"),
+                                                     min_flop_per_wgrad_gemm=float("inf")))
     grouped = run(op, x, sizes, recipe=recipe, dy=dy, scales=scales)
     assert len(dense_calls) == 9
     for (a, b, what) in [(looped[0][0], grouped[0][0], "y")] + [(looped[1][key], grouped[1][key], key)

@@ -23,21 +23,21 @@ as one (G·N, K) operand) or as a loop of the dense FP8 GEMM, one per non-empty
 group (:func:`grouped_gemm_dispatch`, :func:`grouped_gemm_wgrad_dispatch`).
 :data:`LOOP_RULE` picks per call, from the split sizes the host holds anyway: the
 loop needs a launch per group, so it pays only when each GEMM keeps the GPU busy
-longer than the host takes to launch the next. On one H200 (ms, G = 8, bf16 out):
+longer than the host takes to launch the next. On one H200 (ms, GPU time, G = 8,
+bf16 out; the kernels alone, RESULTS.md run 56):
 
-| case | grouped (Triton) | loop of cuBLASLt FP8 GEMMs |
-|---|---|---|
-| 8 x 2048 tokens, K = N = 4096 (69 GFLOP per GEMM) | 0.654 | 0.452 |
-| skewed splits, same dims (92 GFLOP per non-empty GEMM) | 0.679 | 0.457 |
-| 8 x 2048 tokens, K = 4096, N = 14336 (241 GFLOP) | 2.684 | 1.642 |
-| 8 x 128 tokens, K = N = 1024 (0.27 GFLOP) | 0.119 | 0.272 |
+| case (FLOPs per GEMM) | fprop grouped (Triton) | fprop loop (cuBLASLt) | wgrad grouped | wgrad loop |
+|---|---|---|---|---|
+| 8 x 2048 tokens, K = 4096, N = 14336 (241 G) | 2.754 | 1.724 | 2.522 | 2.217 |
+| 8 x 1024 tokens, K = N = 4096 (34 G) | 0.361 | 0.265 | 0.440 | 0.479 |
+| 8 x 512 tokens, K = N = 4096 (17 G) | 0.175 | 0.129 | 0.316 | 0.357 |
+| 8 x 128 tokens, K = N = 1024 (0.27 G) | 0.058 | 0.179 | 0.020 | 0.324 |
 
-The loop's host cost is about 34 us per GEMM (the last row: 0.272 ms for 8) and
-the grouped kernel runs at about 840 TFLOP/s, so the loop's launches hide behind
-the GPU from about 34e-6 · 840e12 = 29 GFLOP per GEMM: the rule takes 2**35 (34
-GFLOP) per non-empty GEMM on average, on CUDA, when the dense GEMM runs on
-cuBLASLt (the ``cuda`` backend) and cuBLASLt takes the shapes (dims multiples of
-16; in the wgrad each group's token count too). The loop multiplies as the
+So the rule takes the loop from 2**34 FLOPs (17 G) per non-empty GEMM on average
+for the fprop and dgrad, and from 2**37 (137 G) for the wgrad, whose grouped
+kernel keeps up longer; on CUDA, when the dense GEMM runs on cuBLASLt (the
+``cuda`` backend) and cuBLASLt takes the shapes (dims multiples of 16; in the
+wgrad each group's token count too). The loop multiplies as the
 grouped kernel does (no fast accumulation: products promoted to fp32 as
 cuBLASLt's default); results agree to the FP8 tensor cores' accumulation
 (``fp8_gemm_tensor_core`` in the tests' table), and bit for bit where both sum
@@ -270,19 +270,23 @@ class LoopRule:
     """When a grouped GEMM runs as a loop of dense FP8 GEMMs (one per non-empty
     group) instead of one grouped launch: on ``devices``, with the dense GEMM on one
     of ``dense_backends``, when the GEMMs average at least ``min_flop_per_gemm``
-    FLOPs (the module doc gives the measurements behind the defaults)."""
+    FLOPs (``min_flop_per_wgrad_gemm`` for the wgrad; the module doc gives the
+    measurements behind the defaults)."""
 
-    min_flop_per_gemm: float = 2.0**35
+    min_flop_per_gemm: float = 2.0**34
     devices: tuple[str, ...] = ("cuda",)
     dense_backends: tuple[str, ...] = ("cuda",)
+    min_flop_per_wgrad_gemm: float = 2.0**37
 
-    def path(self, device: torch.device, flop: int, gemms: int, dense_takes_them: bool) -> str:
+    def path(self, device: torch.device, flop: int, gemms: int, dense_takes_them: bool,
+             wgrad: bool = False) -> str:
         """'loop' or 'grouped' for ``gemms`` non-empty GEMMs of ``flop`` FLOPs in all."""
         if gemms == 0 or not dense_takes_them or device.type not in self.devices:
             return "grouped"
         if backend.resolve("gemm", device).backend not in self.dense_backends:
             return "grouped"
-        return "loop" if flop >= self.min_flop_per_gemm * gemms else "grouped"
+        least = self.min_flop_per_wgrad_gemm if wgrad else self.min_flop_per_gemm
+        return "loop" if flop >= least * gemms else "grouped"
 
 
 LOOP_RULE = LoopRule()
@@ -306,7 +310,7 @@ def wgrad_path(a: ScaledOperand, b: ScaledOperand, groups: Groups, rule: LoopRul
     spans = groups.spans()
     (q, p), r = a.data.shape, b.data.shape[0]
     takes = _dense_takes(a, b, (q, r, *(e - s for _, s, e in spans)))
-    return (rule or LOOP_RULE).path(a.data.device, 2 * p * q * r, len(spans), takes)
+    return (rule or LOOP_RULE).path(a.data.device, 2 * p * q * r, len(spans), takes, wgrad=True)
 
 
 def grouped_gemm_dispatch(a: ScaledOperand, b: Experts, groups: Groups, out_dtype: torch.dtype,
