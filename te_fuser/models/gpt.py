@@ -6,21 +6,17 @@
   byte windows with a seeded generator.
 - :class:`GPT` is a pre-norm decoder. Each block is two ``te.ops.Sequential``
   sub-layers, each called as ``sub(x, x)`` so that its last op, ``AddExtraInput``,
-  adds the residual:
+  adds the residual. With ``GPTConfig.attention="te"`` (the default) the whole
+  model is te_fuser ops, ``te.ops.Embedding`` for the tokens and rotary position
+  embeddings in attention:
 
-      attention: LayerNorm -> Linear(d, 3d) -> CausalSelfAttention -> Linear(d, d) -> + x
+      attention: LayerNorm -> Linear(d, 3d) -> RotaryEmbedding -> DotProductAttention -> Linear(d, d) -> + x
       MLP:       LayerNorm -> Linear(d, 4d) -> GELU (tanh) -> Linear(4d, d) -> + x
 
-  With ``GPTConfig.attention="te"`` (the default) the whole model is te_fuser ops:
-  ``te.ops.Embedding`` for the tokens, rotary position embeddings instead of
-  learned ones, and one ``Sequential`` per attention sub-layer,
-
-      LayerNorm -> Linear(d, 3d) -> RotaryEmbedding -> DotProductAttention -> Linear(d, d) -> + x
-
   so that a recipe's ``fp8_dpa`` / ``fp8_mha`` reach attention and its boundaries.
-  With ``attention="sdpa"`` the attention core is a plain ``nn.Module`` (torch's
-  SDPA), run as it is between the fused groups, and the embeddings are
-  ``nn.Embedding`` tokens plus learned positions.
+  With ``attention="sdpa"`` the attention core is ``CausalSelfAttention``, a plain
+  ``nn.Module`` (torch's SDPA) run as it is between the fused groups, and the
+  embeddings are ``nn.Embedding`` tokens plus learned positions.
   With ``GPTConfig.layer="one_sequential"`` (and ``attention="te"``) a block is one
   ``Sequential`` called as ``layer(x)``, its two residuals on extra-tensor channels
   (``MakeExtraOutput(channel=...)`` ... ``AddExtraInput(channel=...)``).
