@@ -172,7 +172,11 @@ def test_smoke_run_writes_the_json(smoke_run):
         assert {"val_bpb", "val_bpb_bf16", "tokens_per_s", "first_step_ms", "steps", "weight_bytes"} <= set(
             arm["phases"][0])
         memory = arm["memory"]
-        assert not memory["fp8_parameters"] and memory["peak_mib"] is None  # the CPU has no CUDA memory figures
+        assert not memory["fp8_parameters"]
+        if torch.cuda.is_available():  # the run's default device
+            assert 0 < memory["start_mib"] < memory["peak_mib"], memory
+        else:
+            assert memory["start_mib"] is None and memory["peak_mib"] is None  # no CUDA memory figures
         assert memory["weight_bytes"] < memory["parameter_bytes"]
     png_lines = [line for line in stdout.splitlines() if line.startswith("PNG ")]
     assert len(png_lines) == 1, stdout
