@@ -4,7 +4,8 @@
 
 Runs one forward and backward of ``model`` on ``sample_input`` under each recipe,
 so that Triton and CUDA kernels for those recipes, shapes and dtypes are compiled
-and cached; then puts everything back as it was: parameters (never written),
+and cached; then puts everything back as it was: parameters (never written; an
+FP8 parameter that a recipe's plan re-cast into its layout gets its bytes back),
 gradients, buffers, the RNG state, every op's installed quantizers, their scaling
 state (amax histories included), published plans and fusion statistics (a weight
 cast kept by ``te.reuse_quantized_weights()`` is dropped: the next forward casts
@@ -23,6 +24,7 @@ from torch import nn
 from .autocast import autocast
 from .epoch import CHANGES as _EPOCH
 from .ops.find import fusers_of
+from .ops.fp8_parameters import restore_fp8_parameter_snapshot, snapshot_fp8_parameters
 from .ops.op import BasicOperation
 from .recipe import Recipe
 
@@ -38,6 +40,7 @@ class _Snapshot:
         for p in model.parameters():
             p.grad = None  # the warm-up's gradients go to fresh tensors, dropped afterwards
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.fp8_parameters = snapshot_fp8_parameters(model)  # a recipe's plan may re-cast them into its layout
         self.ops = [(op, op.snapshot_quantizers()) for op in model.modules() if isinstance(op, BasicOperation)]
         self.fusers = [(f, f.snapshot()) for f in fusers_of(model)]
         self.epoch = _EPOCH[0]
@@ -48,6 +51,7 @@ class _Snapshot:
         with torch.no_grad():
             for b, saved in self.buffers:
                 b.copy_(saved)
+        restore_fp8_parameter_snapshot(self.fp8_parameters)
         for p, g in self.grads:
             p.grad = g
         for op, quantizers in self.ops:

@@ -82,3 +82,32 @@ def test_a_fuser_restores_its_plan_and_counters():
     with te.autocast(recipe=delayed):
         model(x)
     assert (fuser.stats.builds, fuser.stats.hits) == (builds, hits + 1)  # the restored plan, a hit
+
+
+def test_warmup_gives_fp8_parameters_their_bytes_back():
+    """A plan of another recipe re-casts an FP8 parameter into its layout; te.warmup
+    puts the stored bytes, quantizer and master back, and training on is unchanged."""
+    from te_fuser.ops.fp8_parameters import master_of
+    from te_fuser.quantization.float8_tensor import Float8Tensor
+
+    def fp8_model():
+        torch.manual_seed(0)
+        with te.quantized_model_init(enabled=True, recipe=R.Float8CurrentScaling()):
+            return te.ops.Sequential(te.ops.Linear(64, 64), te.ops.GELU(), te.ops.Linear(64, 64))
+
+    model, twin = fp8_model(), fp8_model()
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
+    x = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for m, o in ((model, opt), (twin, twin_opt)):
+        train_step(m, x[0], R.Float8CurrentScaling(), o)
+        o.zero_grad()
+    weights = [p for p in model.parameters() if type(p) is Float8Tensor]
+    before = [(w.fp8_storage.q, w.fp8_storage.quantizer, master_of(w)) for w in weights]
+    assert len(weights) == 2 and all(m is not None for _, _, m in before)
+    te.warmup(model, [R.MXFP8BlockScaling(), R.Float8BlockScaling(), None], x[1])
+    after = [(w.fp8_storage.q, w.fp8_storage.quantizer, master_of(w)) for w in weights]
+    assert all(a[0] is b[0] and a[1] is b[1] and a[2] is b[2] for a, b in zip(after, before))
+    for step in (1, 2):
+        got = train_step(model, x[step], R.Float8CurrentScaling(), opt)
+        want = train_step(twin, x[step], R.Float8CurrentScaling(), twin_opt)
+        assert torch.equal(got, want), f"step {step}"

@@ -59,7 +59,8 @@ from ..quantization.tensor import QuantizedTensor
 from ..recipe import Recipe
 
 __all__ = ["quantized_model_init", "fp8_model_init", "fp8_init_recipe", "make_fp8_parameter", "fp8_weight",
-           "parameter_bytes", "restore_fp8_parameters", "master_of"]
+           "parameter_bytes", "restore_fp8_parameters", "master_of", "snapshot_fp8_parameters",
+           "restore_fp8_parameter_snapshot"]
 
 
 class _InitState:
@@ -218,6 +219,24 @@ def restore_fp8_parameters(optimizer) -> None:
 
 _PRE_HOOK = register_optimizer_step_pre_hook(_before_step)
 _POST_HOOK = register_optimizer_step_post_hook(_after_step)
+
+
+# -- a run that must leave no trace (te.warmup) ------------------------------------------
+def snapshot_fp8_parameters(module: nn.Module) -> list:
+    """What a forward may change in ``module``'s FP8 parameters: each storage's
+    copies, its quantizer and its known master (a plan of another recipe re-casts
+    the parameter into its layout); :func:`restore_fp8_parameter_snapshot` puts
+    them back."""
+    return [(p.fp8_storage, p.fp8_storage.q, p.fp8_storage.quantizer, master_of(p))
+            for p in module.parameters() if type(p) is Float8Tensor]
+
+
+def restore_fp8_parameter_snapshot(saved: list) -> None:
+    for storage, q, quantizer, master in saved:
+        if storage.q is not q or storage.quantizer is not quantizer:
+            storage.adopt(q, quantizer)  # the bytes as they were; ``writes`` moves on, so caches look again
+        if master is not None:
+            _record(storage, master)
 
 
 # -- the forward's FP8 weight --------------------------------------------------------------
