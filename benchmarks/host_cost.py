@@ -189,7 +189,7 @@ def linear_rows(calls: int, repeats: int, profile: int) -> list[tuple[str, float
 def gpt_rows(steps: int) -> list[tuple[str, float]]:
     from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights
 
-    config = GPTConfig.gpu().replace(d_model=64, n_head=4, d_ffn=256, seq_len=64, batch_size=4)
+    config = GPTConfig.gpu().replace(d_model=64, n_head=4, d_ffn=256, seq_len=64, batch_size=4, attention="sdpa")
     torch.manual_seed(0)
     batch = torch.randint(0, 256, (config.batch_size, config.seq_len + 1), device="cuda")
     te_model, twin = GPT(config, device="cuda"), TorchGPT(config, device="cuda")
