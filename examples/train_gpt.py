@@ -29,7 +29,8 @@ they are held (an FP8 parameter's data and scales), and on CUDA its peak memory:
 its evaluations included.
 
 ``--fp8-params`` makes the te arm's linear weights FP8 parameters
-(``te.quantized_model_init`` under the schedule's first FP8 recipe): the model
+(``te.quantized_model_init`` under the schedule's first FP8 recipe, keeping the
+initial fp32 values on the CPU until the first step makes them the masters): the model
 holds one byte an element plus scales, a quarter of the fp32 weights' bytes, and
 each weight's fp32 master lives in AdamW's state, which every step updates and
 casts back. Every phase runs with them, as follows:
@@ -534,7 +535,9 @@ def _peak_memory(device: torch.device) -> float | None:
 
 def _te_model(args: argparse.Namespace) -> GPT:
     """The te GPT; with ``--fp8-params`` its linear weights are FP8 parameters."""
-    with te.quantized_model_init(enabled=args.fp8_params, recipe=args.fp8_params_recipe):
+    # the initial fp32 values wait on the CPU for the first step's masters: a start on the FP8 grid trains slower
+    with te.quantized_model_init(enabled=args.fp8_params, recipe=args.fp8_params_recipe,
+                                 preserve_high_precision_init_val=args.fp8_params):
         return GPT(args.config, args.device)
 
 

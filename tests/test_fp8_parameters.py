@@ -241,3 +241,44 @@ def test_preserve_high_precision_init_val_keeps_the_initial_value_on_the_cpu():
     assert init is not None and init.device.type == "cpu" and torch.equal(init, plain.weight.detach())
     layer.weight.clear_high_precision_init_val()
     assert layer.weight.get_high_precision_init_val() is None
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "block", "mxfp8"])
+def test_a_preserved_initial_value_is_the_first_masters_start(recipe_name):
+    """With ``preserve_high_precision_init_val`` the first step's master is the
+    initial fp32 value, so training is the fp32-weight model's from the same init,
+    bit for bit (a stateless recipe casts the stored and the fp32 weight alike);
+    without it the master starts on the FP8 grid, and the runs differ."""
+    recipe = FP8_RECIPES[recipe_name]
+    batches = _batches(4)
+    torch.manual_seed(0)
+    with quantized_model_init(enabled=True, recipe=recipe, preserve_high_precision_init_val=True):
+        kept = _model()
+    on_grid = _fp8_model(recipe)
+    torch.manual_seed(0)
+    plain = _model()
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (kept, on_grid, plain)]  # they hold the masters
+    runs = [_train(m, opt, batches, recipe) for m, opt in zip((kept, on_grid, plain), opts)]
+    assert runs[0] == runs[2], f"{recipe_name}: {runs[0]} != {runs[2]}"
+    assert runs[1] != runs[2]
+    weights = [p for p in kept.parameters() if type(p) is Float8Tensor]
+    assert weights and all(w.get_high_precision_init_val() is None for w in weights)  # the master holds it now
+    for w, p in zip(weights, [p for p in plain.parameters() if p.dim() == 2]):
+        assert torch.equal(master_of(w), p.detach())
+
+
+def test_a_preserved_initial_value_that_no_longer_casts_to_the_weight_is_not_used():
+    """A write before the first step makes the written value the start."""
+    recipe = FP8_RECIPES["current"]
+    torch.manual_seed(0)
+    with quantized_model_init(enabled=True, recipe=recipe, preserve_high_precision_init_val=True):
+        layer = te.ops.BasicLinear(64, 32)
+    written = torch.randn(32, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        layer.weight.copy_(written)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    x = torch.randn(8, 64)
+    with te.autocast(recipe=recipe):
+        layer(x).sum().backward()
+    opt.step()
+    assert torch.equal(master_of(layer.weight), layer.weight.dequantize())  # the written value's FP8 cast
