@@ -50,6 +50,8 @@ _MODULES = {
 _state: dict[str, Any] = {"backend": None}  # None: not yet resolved from the environment
 _override: list[str] = []
 _resolved: dict[tuple[str, str, torch.device], "KernelChoice"] = {}
+# (kernel, device as given) -> the choice under the global backend, no autocast override in force
+_global_choices: dict[tuple, "KernelChoice"] = {}
 _auto_table: dict[str, Any] | None = None
 
 
@@ -74,6 +76,7 @@ def set_backend(name: str) -> None:
     """Choose the kernel backend for the whole process (published plans made for
     another one are rebuilt at their next call)."""
     _state["backend"] = check_name(name)
+    _global_choices.clear()
     epoch.bump()
 
 
@@ -187,6 +190,17 @@ def resolve(kernel: str, device: torch.device | str, backend: str | None = None)
     Raises ``RuntimeError`` naming the backend and the missing requirement when an
     explicitly chosen backend cannot run there.
     """
+    if backend is None and not _override:  # the hot path: the global backend's choice, one look-up
+        hit = _global_choices.get((kernel, device))
+        if hit is not None:
+            return hit
+        choice = _resolve(kernel, device, None)
+        _global_choices[(kernel, device)] = choice
+        return choice
+    return _resolve(kernel, device, backend)
+
+
+def _resolve(kernel: str, device: torch.device | str, backend: str | None) -> KernelChoice:
     if not isinstance(device, torch.device):
         device = torch.device(device)
     requested = backend or (_override[-1] if _override else _state["backend"]) or get_backend()

@@ -151,6 +151,9 @@ class FusionPlan:
     build_phases: dict = field(default_factory=dict)  # seconds per phase of the candidate's build
     in_shape: torch.Size | None = None  # the input shape of the last call (validated)
     shapes: dict = field(default_factory=dict)  # validated input shape -> output shape (bounded)
+    # forward and backward as run_forward and run_backward run them, made at the first call
+    forward_steps: tuple | None = field(default=None, repr=False, compare=False)
+    backward_steps: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:  # the key's fields, unpacked for the hot path
         key = self.key
@@ -170,7 +173,7 @@ _any_autocast = torch._C._is_any_autocast_enabled
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
+    device = "cuda" if x.is_cuda else x.device.type
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return x.dtype
@@ -196,7 +199,8 @@ class OperationFuser:
             m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks))
         self._n_extra_in = [op.num_extra_inputs for op in self.ops]
         self._n_extra_out = [op.num_extra_outputs for op in self.ops]
-        self._branches = sum(self._n_extra_in) > 0 or sum(self._n_extra_out) > 0
+        self._has_extra_outputs = sum(self._n_extra_out) > 0
+        self._branches = sum(self._n_extra_in) > 0 or self._has_extra_outputs
         # Extra tensors on named channels stay inside (ops/basic/extra.py): routes is None
         # when no op binds one; else the call's extra inputs and outputs are the public slots.
         self.routes = resolve_channels(self.ops)
@@ -301,7 +305,22 @@ class OperationFuser:
             if self.hook_modules and self._hooks_present():
                 return self._run_hooked(x, training, extra_inputs, compiled.compiled_call)
             return compiled.compiled_call(self, x, training, extra_inputs)
-        return self.run(x, training, extra_inputs) if extra_inputs else self.entry(x, training)
+        return self.entry_with_extras(x, training, extra_inputs) if extra_inputs else self.entry(x, training)
+
+    def entry_with_extras(self, x: torch.Tensor, training: bool, extra_inputs: tuple):
+        """The hot path of a call with extra inputs (a residual ``seq(x, x)``): the
+        guard's check of ``x`` and the parameters (``guard.matches``), then the extra
+        inputs' share of condition 5 (one that requires grad needs a plan with a
+        backward), and the plan runs; anything else goes to the miss path, which
+        arms the guard with its decision. Nothing of the guard's decision reads the
+        extra inputs but their ``requires_grad``: the ops check their shapes."""
+        guard = self._guard
+        if guard is not None and guard.matches(x, training):
+            plan = self._plan  # the armed plan: publishing another disarms the guard
+            if plan.needs_backward or not _any_requires_grad(extra_inputs):
+                self._stats.hits += 1
+                return apply_plan(x, (self, plan), *self._flat_params, *extra_inputs)
+        return self._run_and_arm(x, training, extra_inputs) if guard is not None else self.run(x, training, extra_inputs)
 
     def output_meta(self, shape, dtype: torch.dtype, compute: torch.dtype, extra_dtypes: list):
         """``(output shape, output dtype, [(shape, dtype) of each extra output])`` for an
@@ -345,7 +364,7 @@ class OperationFuser:
         )
         dtype = compute_dtype(x) if _any_autocast() else x.dtype  # 6
         plan = self.plan_for(x, training, needs_backward, dtype, state, raw)
-        return _FuserFunction.apply(x, (self, plan), *self._flat_params, *extra_inputs)
+        return apply_plan(x, (self, plan), *self._flat_params, *extra_inputs)
 
     def plan_for(self, x: torch.Tensor, training: bool, needs_backward: bool, dtype: torch.dtype, state, raw):
         """The plan a call with these conditions runs: the published one when it
@@ -390,16 +409,16 @@ class OperationFuser:
         self._resolved = (state, resolved)
         return resolved
 
-    def _run_and_arm(self, x: torch.Tensor, training: bool):
+    def _run_and_arm(self, x: torch.Tensor, training: bool, extra_inputs: tuple = ()):
         """The guard's miss: :meth:`run` decides (building if needed) and runs; the
         guard is then armed with its decision (a ``guard.Decision``), for the calls
-        that repeat it."""
-        out = self.run(x, training)
+        that repeat it (with extra inputs, through :meth:`entry_with_extras`)."""
+        out = self.run(x, training, extra_inputs)
         plan, state, guard = self._plan, self._last_state, self._guard
         if plan is not None and state is not None and guard is not None and not _PROBE and not (
                 self.hook_modules and self._hooks_present()):  # hooks: every call takes the Python path
             guard.arm(Decision(state, plan.training, plan.needs_backward, tuple(self._flat_params), plan.dtype,
-                               plan.is_cuda, plan.in_shape, plan.epoch, _FuserFunction.apply, (self, plan)))
+                               plan.is_cuda, plan.in_shape, plan.epoch, plan_entry(), (self, plan)))
         return out
 
     # -- parameters, read live -------------------------------------------------------
@@ -424,6 +443,7 @@ class OperationFuser:
         # Per op: its slice of the autograd inputs (x, fuser and plan, *params, *extra inputs)
         # and of the flat parameter gradients, computed once for every backward.
         self._grad_slices = _grad_slices([len(ps) for ps in params], self._n_public_in)
+        self._grad_flag_memo: dict = {}  # autograd's flags -> each op context's (see _grad_flags)
 
     # -- forward hooks of the ops ------------------------------------------------------
     def _hooks_present(self) -> bool:
@@ -712,6 +732,13 @@ def _post_hooks(module: torch.nn.Module, x, out):
     return out
 
 
+def _any_requires_grad(tensors: tuple) -> bool:
+    for t in tensors:
+        if t.requires_grad:
+            return True
+    return False
+
+
 def _split(items: Sequence, counts: Sequence[int]) -> list[list]:
     out, i = [], 0
     for n in counts:
@@ -730,34 +757,89 @@ def _grad_slices(param_counts: Sequence[int], extra_counts: Sequence[int]) -> li
     return out
 
 
+class _ForwardStep(NamedTuple):
+    """One forward step as :func:`run_forward` runs it (``FusionPlan.forward_steps``)."""
+
+    executor: object  # BasicOperation | FusedOperation
+    lo: int  # the step's ops are fuser.ops[lo:hi]
+    hi: int
+    plain_input: bool  # its first op's kernels read plain tensors (a Float8Tensor input is dequantized first)
+    extras: tuple  # without channels: per op, its (start, stop) among the call's extra inputs
+    basic: bool  # a basic op with the base class's fuser_forward: its op_forward is called directly
+
+
+class _BackwardStep(NamedTuple):
+    """One backward step as :func:`run_backward` runs it, in the order it runs."""
+
+    executor: object
+    lo: int
+    hi: int
+    no_extras: tuple  # the steps' output-gradient lists when the fuser has no extra outputs
+    basic: bool  # a basic op with the base class's fuser_backward: its op_backward is called directly
+
+
+def _forward_steps(fuser: OperationFuser, plan: FusionPlan) -> tuple:
+    offsets, start = [], 0
+    for n in fuser._n_extra_in:
+        offsets.append((start, start + n))
+        start += n
+    steps = tuple(_ForwardStep(step.executor, step.indices[0], step.indices[-1] + 1,
+                               not fuser.ops[step.indices[0]].accepts_fp8_input,
+                               tuple(offsets[i] for i in step.indices),
+                               type(step.executor).fuser_forward is BasicOperation.fuser_forward)
+                  for step in plan.forward)
+    plan.forward_steps = steps
+    return steps
+
+
+def _backward_steps(plan: FusionPlan) -> tuple:
+    steps = tuple(_BackwardStep(step.executor, step.indices[0], step.indices[-1] + 1, _NO_EXTRAS[len(step.indices)],
+                                type(step.executor).fuser_backward is BasicOperation.fuser_backward)
+                  for step in reversed(plan.backward))
+    plan.backward_steps = steps
+    return steps
+
+
 def run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
     run = plan.run
     ctxs = [OpContext(op, qs, run) for op, qs in zip(fuser.ops, plan.quantizers)]
+    steps = plan.forward_steps or _forward_steps(fuser, plan)
     if not fuser._branches:  # no extra inputs or outputs: the common case, kept short
         if extra_inputs:
             raise ValueError(f"op fuser: expected 0 extra input(s), got {len(extra_inputs)}")
-        for step in plan.forward:
-            idx = step.indices
-            if type(x) is Float8Tensor and not fuser.ops[idx[0]].accepts_fp8_input:
+        for executor, lo, hi, plain_input, _, basic in steps:
+            if plain_input and type(x) is Float8Tensor:
                 x = x.dequantize()  # its kernels read plain tensors
-            x, _ = step.executor.fuser_forward(ctxs[idx[0] : idx[-1] + 1], x, _NO_EXTRAS[len(idx)])
+            if basic:
+                x, _ = executor.op_forward(ctxs[lo], x, ())
+            else:
+                x, _ = executor.fuser_forward(ctxs[lo:hi], x, _NO_EXTRAS[hi - lo])
         return ctxs, x, []
-    if len(extra_inputs) != fuser.num_extra_inputs:
+    if len(extra_inputs) != fuser._num_extra_inputs:
         raise ValueError(f"op fuser: expected {fuser.num_extra_inputs} extra input(s), got {len(extra_inputs)}")
     routes = fuser.routes
+    if routes is None and not fuser._has_extra_outputs:  # extra inputs only (a residual add): kept short
+        for executor, lo, hi, plain_input, extras, basic in steps:
+            if plain_input and type(x) is Float8Tensor:
+                x = x.dequantize()
+            if basic:
+                a, b = extras[0]
+                x, _ = executor.op_forward(ctxs[lo], x, extra_inputs[a:b])
+            else:
+                x, _ = executor.fuser_forward(ctxs[lo:hi], x, [extra_inputs[a:b] for a, b in extras])
+        return ctxs, x, []
     extras_in = _split(extra_inputs, fuser._n_extra_in) if routes is None else \
         routes.place_inputs(fuser._n_extra_in, extra_inputs)
     extras_out: list[list] = [[] for _ in fuser.ops]
-    for step in plan.forward:
-        idx = step.indices
+    for executor, lo, hi, plain_input, _, _ in steps:
         if routes is not None:  # channel reads: the writers ran in earlier steps (rules.match keeps them apart)
-            for i in idx:
+            for i in range(lo, hi):
                 for k, w, o in routes.reads[i]:
                     extras_in[i][k] = extras_out[w][o]
-        if type(x) is Float8Tensor and not fuser.ops[idx[0]].accepts_fp8_input:
+        if plain_input and type(x) is Float8Tensor:
             x = x.dequantize()  # its kernels read plain tensors
-        x, outs = step.executor.fuser_forward([ctxs[i] for i in idx], x, [extras_in[i] for i in idx])
-        for i, o in zip(idx, outs):
+        x, outs = executor.fuser_forward(ctxs[lo:hi], x, extras_in[lo:hi])
+        for i, o in zip(range(lo, hi), outs):
             extras_out[i] = o
     if routes is not None:
         return ctxs, x, [extras_out[i][o] for i, o in routes.public_outputs]
@@ -794,8 +876,7 @@ class _FuserFunction(torch.autograd.Function):
         extra_inputs = tensors[len(fuser._flat_params):]
         ctxs, y, extra_outputs = run_forward(fuser, plan, x, extra_inputs)
         fctx.save_for_backward(_GRAPH_TOKEN)  # autograd frees it with the graph: a second backward then raises
-        fctx.fuser, fctx.plan, fctx.ctxs = fuser, plan, ctxs
-        fctx.x_dtype = x.dtype
+        fctx.state = (fuser, plan, ctxs, x.dtype)
         if not extra_outputs:
             return y
         seen = {id(x), id(y), *(id(t) for t in tensors)}
@@ -808,10 +889,61 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def backward(fctx, dy, *grad_extra_outputs):
         fctx.saved_tensors  # noqa: B018 (raises, as torch does, when the graph was freed by an earlier backward)
-        fuser, plan, ctxs = fctx.fuser, fctx.plan, fctx.ctxs
+        fuser, plan, ctxs, x_dtype = fctx.state
         if not keep_graph():
-            fctx.ctxs = None  # the saved tensors go with this backward, as autograd's own do
-        return run_backward(fuser, plan, ctxs, fctx.needs_input_grad, fctx.x_dtype, dy, grad_extra_outputs)
+            fctx.state = None  # the saved tensors go with this backward, as autograd's own do
+        return run_backward(fuser, plan, ctxs, fctx.needs_input_grad, x_dtype, dy, grad_extra_outputs)
+
+
+# torch's C entry of Function.apply, bound to _FuserFunction (torch's Python apply ends in it)
+_function_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _FuserFunction)
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_OWN_ATTRIBUTES = _FuserFunction.__dict__  # a live view: shows an ``apply`` assigned to the class
+
+
+def plan_entry():
+    """What runs a plan, ``entry(x, (fuser, plan), *parameters, *extra_inputs)``:
+    torch's C entry of ``Function.apply`` without its Python wrapper, whose work
+    the function does not need (it has no ``setup_context``; under functorch's
+    transforms the C entry refuses it as the wrapper would), or a stand-in
+    assigned to ``_FuserFunction.apply`` (a benchmark's plan that does nothing).
+    A guard is armed with it."""
+    return _FuserFunction.apply if "apply" in _OWN_ATTRIBUTES else _function_apply
+
+
+def apply_plan(x, fuser_and_plan, *tensors):
+    """:func:`plan_entry`'s call, with ``x`` and the extra inputs (after the
+    parameters) unwrapped when they are tensors of a finished functorch transform,
+    as ``Function.apply`` does (the parameters are the ops' own). Under a
+    transform, ``Function.apply`` itself, which says why it refuses."""
+    if "apply" in _OWN_ATTRIBUTES or _functorch_active():
+        return _FuserFunction.apply(x, fuser_and_plan, *tensors)
+    n = len(fuser_and_plan[0]._flat_params)
+    if len(tensors) > n:
+        try:
+            tensors = tensors[:n] + tuple(map(_unwrap_if_dead, tensors[n:]))
+        except TypeError:  # an extra input that is not a tensor: torch's own entry, which passes it on
+            return _FuserFunction.apply(x, fuser_and_plan, *tensors)
+    return _function_apply(_unwrap_if_dead(x), fuser_and_plan, *tensors)
+
+
+def _grad_flags(fuser: OperationFuser, needs: tuple) -> tuple:
+    """Per op, ``(needs_input_grad, param_needs_grad)`` of its context for a backward
+    whose autograd flags are ``needs``: an op needs its input's gradient when
+    anything before it (the input, a parameter, an extra input) needs one.
+    Remembered per ``needs`` (a few distinct values per fuser)."""
+    flags = fuser._grad_flag_memo.get(needs)
+    if flags is None:
+        out, upstream = [], needs[0]
+        for p_slice, e_slice, _ in fuser._grad_slices:
+            p_need = needs[p_slice]
+            out.append((upstream, p_need))
+            upstream = upstream or any(p_need) or any(needs[e_slice])
+        if len(fuser._grad_flag_memo) >= _MAX_SHAPES:
+            fuser._grad_flag_memo.clear()
+        flags = fuser._grad_flag_memo[needs] = tuple(out)
+    return flags
 
 
 def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tuple, x_dtype: torch.dtype, dy,
@@ -819,30 +951,30 @@ def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tup
     """The plan's backward steps from ``dy``: ``(dx, None, *parameter gradients,
     *extra-input gradients)`` aligned with ``needs``, the needs-input-grad flags of
     ``(x, fuser and plan, *parameters, *extra inputs)``."""
-    upstream = needs[0]
-    for ctx, (p_slice, e_slice, _) in zip(ctxs, fuser._grad_slices):
-        p_need = needs[p_slice]
-        ctx.needs_input_grad = upstream
+    needs = tuple(needs)
+    for ctx, (need_input, p_need) in zip(ctxs, _grad_flags(fuser, needs)):
+        ctx.needs_input_grad = need_input
         ctx.param_needs_grad = p_need
-        upstream = upstream or any(p_need) or any(needs[e_slice])
     branches, routes = fuser._branches, fuser.routes
     if routes is None:
-        d_extra_out = _split(grad_extra_outputs, fuser._n_extra_out) if branches else None
+        d_extra_out = _split(grad_extra_outputs, fuser._n_extra_out) if fuser._has_extra_outputs else None
     else:
         d_extra_out = routes.place_output_grads(fuser._n_extra_out, grad_extra_outputs)
         channel_grads: dict = {}  # writer's (op, slot) -> the sum of its readers' gradients so far
-    d_extra_in: list[list] = [[None] * n for n in fuser._n_extra_in]
+    d_extra_in: list[list] | None = [[None] * n for n in fuser._n_extra_in] if branches else None
     pgrads: list = [None] * len(fuser._flat_params)
     slices = fuser._grad_slices
     dx = dy
-    for step in reversed(plan.backward):
-        idx = step.indices
+    for executor, lo, hi, no_extras, basic in plan.backward_steps or _backward_steps(plan):
         if routes is not None and channel_grads:  # a writer's step: its readers' backward steps ran before
-            _take_channel_grads(idx, channel_grads, d_extra_out)
-        step_ctxs = ctxs[idx[0] : idx[-1] + 1]
-        step_d_extra = [d_extra_out[i] for i in idx] if branches else _NO_EXTRAS[len(idx)]
-        dx, step_pgrads, step_dextra = step.executor.fuser_backward(step_ctxs, dx, step_d_extra)
-        for i, g, d in zip(idx, step_pgrads, step_dextra):
+            _take_channel_grads(range(lo, hi), channel_grads, d_extra_out)
+        step_d_extra = no_extras if d_extra_out is None else d_extra_out[lo:hi]
+        if basic:
+            dx, g, d = executor.op_backward(ctxs[lo], dx, step_d_extra[0])
+            step_pgrads, step_dextra = (g,), (d,)
+        else:
+            dx, step_pgrads, step_dextra = executor.fuser_backward(ctxs[lo:hi], dx, step_d_extra)
+        for i, g, d in zip(range(lo, hi), step_pgrads, step_dextra):
             if g:
                 p_slice, _, first = slices[i]
                 for j, (need, grad) in enumerate(zip(needs[p_slice], g), first):
@@ -855,11 +987,15 @@ def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tup
                         if g is not None:
                             prev = channel_grads.get((w, o))
                             channel_grads[(w, o)] = g if prev is None else prev + g
+        if not ctxs[lo].needs_input_grad:  # nothing before this step needs a gradient: the earlier steps are idle
+            break
     if dx is not None and needs[0]:
         if dx.dtype is not x_dtype:
             dx = dx.to(x_dtype)
     else:
         dx = None
+    if not branches:
+        return (dx, None, *pgrads)
     if routes is not None:
         return (dx, None, *pgrads, *[d_extra_in[i][k] for i, k in routes.public_inputs])
     return (dx, None, *pgrads, *[g for gs in d_extra_in for g in gs])

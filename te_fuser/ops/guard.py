@@ -36,6 +36,14 @@ identity only):
 On a hit the guard counts one (:meth:`take_hits` hands the count to the fuser's
 statistics) and returns ``apply(x, plan_arg, *params)``.
 
+A call with extra inputs (a residual, ``seq(x, x)``) takes the same decision
+through ``OperationFuser.entry_with_extras``: ``matches(x, training)`` (conditions
+1-9, read from ``x`` and the parameters alone), then the extra inputs' share of
+condition 5 (one that requires grad needs an armed plan with a backward), and
+``apply(x, plan_arg, *params, *extra_inputs)``; its miss path arms the guard as
+the other's does. Nothing else of a decision reads the extra inputs: the ops
+check their shapes when they run.
+
 Condition 9 stands for everything the guard does not read itself: the counter is
 bumped when any op installs quantizers (another model sharing the op, or
 ``te.warmup``), when a Parameter or module hook of an op is registered or removed

@@ -49,8 +49,8 @@ class RunConfig:
 
     __slots__ = (
         "recipe", "calibrating", "compute_dtype", "needs_backward", "training", "key",
-        "quantizing", "backward_override", "fp8_backward", "fast_accum_fprop", "fast_accum_dgrad",
-        "fast_accum_wgrad",
+        "quantizing", "backward_override", "fp8_backward", "keep_fp8", "from_master", "fast_accum_fprop",
+        "fast_accum_dgrad", "fast_accum_wgrad",
     )
 
     def __init__(self, recipe, calibrating, compute_dtype, needs_backward, training, key):
@@ -64,6 +64,10 @@ class RunConfig:
         self.backward_override: str | None = None if recipe is None else recipe.backward_override
         # FP8 backward GEMMs: quantizing, with no backward_override
         self.fp8_backward: bool = self.quantizing and self.backward_override is None
+        # the backward may read the forward's FP8 operands (all but backward_override='high_precision')
+        self.keep_fp8: bool = self.backward_override != "high_precision"
+        # an FP8 weight is cast from the parameter itself (see linear_forward)
+        self.from_master: bool = self.quantizing and self.keep_fp8
         self.fast_accum_fprop: bool = recipe is not None and recipe.fast_accum("fprop")
         self.fast_accum_dgrad: bool = recipe is not None and recipe.fast_accum("dgrad")
         self.fast_accum_wgrad: bool = recipe is not None and recipe.fast_accum("wgrad")
@@ -71,7 +75,9 @@ class RunConfig:
 
 class OpContext:
     """One basic op's state for one forward/backward: its quantizers (those of the
-    plan that ran the forward), the run configuration, and saved tensors."""
+    plan that ran the forward), the run configuration, and saved tensors. The
+    backward's flags, ``needs_input_grad`` (a bool) and ``param_needs_grad`` (one
+    bool per parameter), are set by the fuser before the op's backward runs."""
 
     __slots__ = ("op", "quantizers", "run", "saved", "needs_input_grad", "param_needs_grad")
 
@@ -80,8 +86,6 @@ class OpContext:
         self.quantizers = quantizers
         self.run = run
         self.saved: dict[str, Any] = {}
-        self.needs_input_grad = True
-        self.param_needs_grad: tuple[bool, ...] = ()
 
     def quantizer(self, tensor_type: str) -> "Quantizer | None":
         return self.quantizers.get(tensor_type)
@@ -442,6 +446,8 @@ class FusedOperation:
 
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         self._basic_ops = list(basic_ops)
+        # the per-op extra outputs (or extra-input gradients) of ops that have none
+        self.no_extras: tuple = ((),) * len(self._basic_ops)
 
     @property
     def basic_ops(self) -> list[BasicOperation]:

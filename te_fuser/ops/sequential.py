@@ -82,6 +82,8 @@ def _explain_channels_across_modules(groups: list) -> None:
 
 
 class Sequential(nn.Module):
+    _fast_extra_inputs = -1  # the extra inputs its one fuser takes (-1: it has several groups, or extra outputs)
+
     def __init__(self, *modules: nn.Module, fuse: bool = True, rules: RuleTable | None = None) -> None:
         super().__init__()
         if not isinstance(fuse, bool):
@@ -202,18 +204,20 @@ class Sequential(nn.Module):
                     group.own_recipe = self.__dict__.get("_own_recipe")
             _explain_channels_across_modules(groups)
             self._groups = groups
-            single = (
-                len(groups) == 1 and isinstance(groups[0], OperationFuser) and groups[0].num_extra_inputs == 0
-                and groups[0].num_extra_outputs == 0
-            )
+            single = len(groups) == 1 and isinstance(groups[0], OperationFuser) and groups[0].num_extra_outputs == 0
             self._fast_fuser = groups[0] if single else None
+            self._fast_extra_inputs = groups[0].num_extra_inputs if single else -1
         return self._groups
 
     # -- running -------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
         fast = self._fast_fuser
-        if fast is not None and not extra_inputs and not _is_compiling():  # one group, no branches, kept short
-            return fast.entry(x, self.training)
+        if fast is not None and not _is_compiling():  # one group without extra outputs, kept short
+            if not extra_inputs:
+                if not self._fast_extra_inputs:
+                    return fast.entry(x, self.training)
+            elif len(extra_inputs) == self._fast_extra_inputs:  # a residual, seq(x, x)
+                return fast.entry_with_extras(x, self.training, extra_inputs)
         return self._forward_groups(x, *extra_inputs)
 
     @property
@@ -228,26 +232,26 @@ class Sequential(nn.Module):
 
     def _forward_groups(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
         groups = self._groups if self._groups is not None else self.groups()
-        extra_in = list(extra_inputs)
-        extra_out: list[torch.Tensor] = []
+        training = self.training
+        used, extra_out = 0, []
         for group in groups:
             if not isinstance(group, OperationFuser):
                 x = group(x)
                 continue
-            n = group.num_extra_inputs
-            if n > len(extra_in):
+            n = group._num_extra_inputs
+            if used + n > len(extra_inputs):
                 raise ValueError(
                     f"Sequential: ops need {sum(g.num_extra_inputs for g in self._fusers())} extra input(s), "
                     f"got {len(extra_inputs)}"
                 )
-            taken, extra_in = extra_in[:n], extra_in[n:]
-            out = group.call(x, self.training, tuple(taken))
+            out = group.call(x, training, extra_inputs[used : used + n]) if n else group.call(x, training)
+            used += n
             if isinstance(out, tuple):
                 x, extra_out = out[0], extra_out + list(out[1:])
             else:
                 x = out
-        if extra_in:
-            raise ValueError(f"Sequential: {len(extra_in)} extra input(s) left unused")
+        if used < len(extra_inputs):
+            raise ValueError(f"Sequential: {len(extra_inputs) - used} extra input(s) left unused")
         return (x, *extra_out) if extra_out else x
 
     def prepare(self, x: torch.Tensor, *extra_inputs: torch.Tensor, recipe=None, calibrating: bool = False,

@@ -10,6 +10,6 @@ __all__ = ["BackwardActivationBias"]
 
 class BackwardActivationBias(FusedOperation):
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
-        bias = self.basic_ops[0]
+        bias = self._basic_ops[0]
         dx, db = activation_bias_backward(ctxs[1], bias, dy)
-        return dx, [[db], []], [[] for _ in ctxs]
+        return dx, [[db], []], self.no_extras

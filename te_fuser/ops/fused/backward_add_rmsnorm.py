@@ -12,6 +12,6 @@ __all__ = ["BackwardAddRMSNorm"]
 class BackwardAddRMSNorm(FusedOperation):
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
         (d_branch,) = grad_extra_outputs[0]
-        _, norm = self.basic_ops
+        _, norm = self._basic_ops
         dx, dw = rms_norm_backward(ctxs[1], norm, dy, grad_add=d_branch)
-        return dx, [[], [dw]], [[] for _ in ctxs]
+        return dx, [[], [dw]], self.no_extras

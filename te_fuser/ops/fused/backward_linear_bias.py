@@ -20,7 +20,7 @@ __all__ = ["BackwardLinearBias"]
 
 class BackwardLinearBias(FusedOperation):
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
-        linear, bias = self.basic_ops
+        linear, bias = self._basic_ops
         needs = ctxs[1].param_needs_grad
         need_db = not needs or needs[0]
         if not need_db or dy.dtype is not ctxs[0].run.compute_dtype:
@@ -30,4 +30,4 @@ class BackwardLinearBias(FusedOperation):
         else:
             dx, dw, sums = linear_backward_with_column_sums(ctxs[0], linear, dy)
             db = sums if sums.dtype is bias.bias.dtype else sums.to(bias.bias.dtype)
-        return dx, [[dw], [db]], [[] for _ in ctxs]
+        return dx, [[dw], [db]], self.no_extras

@@ -13,7 +13,7 @@ __all__ = ["BackwardLinearBiasActivation"]
 
 class BackwardLinearBiasActivation(FusedOperation):
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
-        linear, bias, _act = self.basic_ops
+        linear, bias, _act = self._basic_ops
         d_pre, db = activation_bias_backward(ctxs[2], bias, dy)
         dx, dw = linear_backward(ctxs[0], linear, d_pre)
-        return dx, [[dw], [db], []], [[] for _ in ctxs]
+        return dx, [[dw], [db], []], self.no_extras

@@ -17,6 +17,6 @@ class BackwardLinearScale(FusedOperation):
     as the unfused ops do."""
 
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
-        linear, scale = self.basic_ops
+        linear, scale = self._basic_ops
         dx, dw = linear_backward(ctxs[0], linear, dy, dy_scale=scale.scale)
-        return dx, [[dw], []], [[] for _ in ctxs]
+        return dx, [[dw], []], self.no_extras

@@ -31,5 +31,5 @@ class ForwardDPALinear(FusedOperation):
     """``y = linear(attention(x)) [+ b] [+ residual]`` with attention's FP8 O as the linear's input."""
 
     def fuser_forward(self, ctxs, x, extra_inputs):
-        residual = extra_inputs[-1][0] if isinstance(self.basic_ops[-1], AddExtraInput) else None
-        return attention_linear_forward(ctxs, self.basic_ops, x, residual), [[] for _ in ctxs]
+        residual = extra_inputs[-1][0] if isinstance(self._basic_ops[-1], AddExtraInput) else None
+        return attention_linear_forward(ctxs, self._basic_ops, x, residual), self.no_extras

@@ -16,4 +16,4 @@ class ForwardLinearBiasAdd(FusedOperation):
 
     def fuser_forward(self, ctxs, x, extra_inputs):
         (residual,) = extra_inputs[-1]
-        return linear_bias_add_forward(ctxs, self.basic_ops, x, residual), [[] for _ in ctxs]
+        return linear_bias_add_forward(ctxs, self._basic_ops, x, residual), self.no_extras

@@ -44,7 +44,7 @@ class ForwardLinearBiasDPALinear(FusedOperation):
 
     def fuser_forward(self, ctxs, x, extra_inputs):
         n = self._split
-        head, tail = self.basic_ops[:n], self.basic_ops[n:]
+        head, tail = self._basic_ops[:n], self._basic_ops[n:]
         qkv = _qkv_hand_off(ctxs[:n], head, ctxs[n], x)
         if qkv is None:  # this call cannot cast in the epilogue: the unfused equivalent
             qkv = linear_bias_activation_forward(ctxs[:n], head, x)
@@ -53,7 +53,7 @@ class ForwardLinearBiasDPALinear(FusedOperation):
         else:
             residual = extra_inputs[-1][0] if isinstance(tail[-1], AddExtraInput) else None
             y = attention_linear_forward(ctxs[n:], tail, qkv, residual)
-        return y, [[] for _ in ctxs]
+        return y, self.no_extras
 
 
 def _qkv_hand_off(ctxs, head, ctx_attention, x):

@@ -43,7 +43,7 @@ class ForwardLinearBiasLinear(FusedOperation):
 
     def fuser_forward(self, ctxs, x, extra_inputs):
         n = self._split
-        head, tail = self.basic_ops[:n], self.basic_ops[n:]
+        head, tail = self._basic_ops[:n], self._basic_ops[n:]
         hidden = _hand_off(ctxs[:n], head, ctxs[n], tail[0], x)
         if hidden is None:  # this call cannot cast in the epilogue: the unfused equivalent
             hidden = linear_bias_activation_forward(ctxs[:n], head, x)
@@ -52,7 +52,7 @@ class ForwardLinearBiasLinear(FusedOperation):
             y = linear_bias_add_forward(ctxs[n:], tail, hidden, residual)
         else:
             y = linear_bias_activation_forward(ctxs[n:], tail, hidden)
-        return y, [[] for _ in ctxs]
+        return y, self.no_extras
 
 
 def _hand_off(ctxs, head, ctx_next, linear_next, x):

@@ -18,6 +18,6 @@ class ForwardLinearScaleAdd(FusedOperation):
     first."""
 
     def fuser_forward(self, ctxs, x, extra_inputs):
-        _linear, scale, _add = self.basic_ops
+        _linear, scale, _add = self._basic_ops
         (residual,) = extra_inputs[2]
-        return linear_bias_add_forward(ctxs, self.basic_ops, x, residual, scale=scale.scale), [[] for _ in ctxs]
+        return linear_bias_add_forward(ctxs, self._basic_ops, x, residual, scale=scale.scale), self.no_extras
