@@ -76,7 +76,8 @@ def gemm(
         fn = backend.resolve("gemm", a.data.device).fn
         return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual, fast_accum=fast_accum)
     compute = out_dtype if compute_dtype is None else compute_dtype
-    a_hp, b_hp = _high_precision(a, compute), _high_precision(b, compute)
+    a_hp = _high_precision(a, compute) if isinstance(a, ScaledOperand) or a.dtype is not compute else a
+    b_hp = _high_precision(b, compute) if isinstance(b, ScaledOperand) or b.dtype is not compute else b
     if residual is not None and compute in _NARROW:
         return _gemm_residual_rounded_once(a_hp, b_hp, out_dtype, bias, activation, residual)
     if bias is not None and bias.dtype is not compute:
@@ -102,7 +103,7 @@ def _gemm_residual_rounded_once(a_hp, b_hp, out_dtype, bias, activation, residua
     else:
         out = a_hp.float() @ b_hp.float().t()  # exact products, fp32 sums
     if bias is not None:
-        out += bias.float()
+        out += bias  # in fp32: a narrower bias is widened exactly, in the add's own read
     if activation is not None:
         out = apply_activation(out, activation)
     out += residual

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["WeightCache", "reuse_quantized_weights", "optimizer_steps", "scope_token"]
+__all__ = ["WeightCache", "reuse_quantized_weights", "optimizer_steps", "scope_token", "reuse_scope_open"]
 
 # Optimizer steps taken in this process, by any torch optimizer.
 _OPTIMIZER_STEPS = [0]
@@ -59,6 +59,12 @@ def optimizer_steps() -> int:
 def scope_token() -> int:
     """The token of the outermost ``reuse_quantized_weights()`` in force (0: none)."""
     return _Scope.token
+
+
+def reuse_scope_open() -> bool:
+    """Whether a ``reuse_quantized_weights()`` is in force (outside one, a lookup
+    finds nothing and a store keeps nothing)."""
+    return _Scope.token != 0
 
 
 class _Scope:

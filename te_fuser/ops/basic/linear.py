@@ -53,7 +53,7 @@ from ..fp8_all_gather import GatheredWeight
 from ..fp8_parameters import fp8_init_recipe, fp8_weight, make_fp8_parameter
 from ...quantization.float8_tensor import Float8Tensor
 from ...quantization.role import QuantizerRole
-from ..weight_cache import WeightCache
+from ..weight_cache import WeightCache, reuse_scope_open
 
 __all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_columnwise", "linear_bias_activation_forward",
            "linear_bias_add_forward"]
@@ -91,15 +91,17 @@ class BasicLinear(BasicOperation):
     def drop_caches(self) -> None:
         self._weight_cache.clear()
 
-    def quantized_weight(self, quantizer, w_hp: torch.Tensor, need_columnwise: bool):
+    def quantized_weight(self, quantizer, w_hp: torch.Tensor, need_columnwise: bool, weight=None):
         """The weight cast by ``quantizer``: cast now, or a cast kept inside
         ``te.reuse_quantized_weights()`` while the weight is unchanged (see
-        ``ops/weight_cache.py``)."""
+        ``ops/weight_cache.py``). ``weight``: ``self.weight``, when the caller holds it."""
         if type(w_hp) is GatheredWeight:  # gathered by FSDP2 in FP8, cast by this quantizer before it
             return w_hp.quantized(quantizer, need_columnwise)
         if type(w_hp) is Float8Tensor:  # an FP8 parameter: its own copy where it casts alike
             return fp8_weight(quantizer, w_hp, need_columnwise)
-        weight, cache = self.weight, self._weight_cache
+        if not reuse_scope_open():  # outside te.reuse_quantized_weights() nothing is kept: cast
+            return quantizer.cast(w_hp, rowwise=True, columnwise=need_columnwise)
+        weight, cache = self.weight if weight is None else weight, self._weight_cache
         w_q = cache.lookup(quantizer, weight, w_hp.dtype, need_columnwise)
         if w_q is None:
             w_q = quantizer.cast(w_hp, rowwise=True, columnwise=need_columnwise)
@@ -166,12 +168,12 @@ def linear_forward(
     cast in the epilogue after rounding to the compute dtype."""
     run = ctx.run
     dtype = run.compute_dtype
-    weight = op.weight
+    param = weight = op.weight
     x_shape = x.shape
     # An FP8 weight is cast from the parameter itself (an fp32 master weight in one
     # rounding, without a compute-dtype copy first); the compute-dtype copy is made
     # only where it is used: a high-precision GEMM or a high-precision backward.
-    from_master = run.quantizing and run.backward_override != "high_precision"
+    from_master = run.from_master
     if type(weight) is GatheredWeight:  # FSDP2 gathered it, in FP8 where this plan's quantizer cast it
         weight = weight.for_plan(ctx.quantizers.get("weight") if from_master else None)
     w_hp = weight if (weight.dtype is dtype or from_master) else weight.to(dtype)  # (N, K)
@@ -182,20 +184,20 @@ def linear_forward(
         x = _fp8_input(ctx, op, x)
     if isinstance(x, QuantizedTensor):  # cast by the previous GEMM's epilogue (never for a high-precision backward)
         x2d = x_q = x
-        w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, needs_backward and run.fp8_backward)
-        keep_fp8 = run.backward_override != "high_precision"
+        w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, needs_backward and run.fp8_backward, param)
+        keep_fp8 = run.keep_fp8
     else:
         x2d = x if (len(x_shape) == 2 and x_shape[1] == op.in_features) else x.reshape(-1, op.in_features)  # (M, K)
         if x2d.dtype is not dtype:
             x2d = x2d.to(dtype)
-        x_q, w_q, keep_fp8 = _fprop_operands(ctx, op, x2d, w_hp)
+        x_q, w_q, keep_fp8 = _fprop_operands(ctx, op, x2d, w_hp, param)
     if out_cast is not None:
         y2d = gemm_fp8_out(rowwise(x_q), rowwise(w_q), out_cast, dtype, bias=bias, activation=activation,
                            fast_accum=run.fast_accum_fprop)  # (M, N) FP8
     else:
         res2d = None if residual is None else residual.reshape(-1, op.out_features)
         # with a residual, the sum has torch's promoted dtype (an fp32 residual stream stays fp32)
-        out_dtype = dtype if residual is None else torch.promote_types(dtype, residual.dtype)
+        out_dtype = dtype if residual is None else _promoted(dtype, residual.dtype)
         x_op, w_op = rowwise(x_q), rowwise(w_q)
         if weight_scale is not None and not (_per_tensor(x_op) and _per_tensor(w_op)):
             y2d = torch.add(res2d.float(), _gemm_fp32(x_op, w_op, run.fast_accum_fprop),
@@ -210,10 +212,23 @@ def linear_forward(
         saved["x"] = x_q if keep_fp8 else x2d
         saved["w"] = w_q if keep_fp8 else w_hp
         saved["x_shape"] = x_shape
-        saved["w_dtype"], saved["w_requires_grad"] = weight.dtype, op.weight.requires_grad
+        saved["w_dtype"], saved["w_requires_grad"] = weight.dtype, param.requires_grad
     if out_cast is not None or len(x_shape) == 2:
         return y2d
     return y2d.reshape(*x_shape[:-1], y2d.shape[-1])
+
+
+_PROMOTED: dict = {}
+
+
+def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(a, b)``, remembered (torch's call dispatches like an op)."""
+    if a is b:
+        return a
+    out = _PROMOTED.get((a, b))
+    if out is None:
+        out = _PROMOTED[(a, b)] = torch.promote_types(a, b)
+    return out
 
 
 def _gemm_fp32(a, b, fast_accum: bool = False) -> torch.Tensor:
@@ -248,13 +263,16 @@ def _fp8_input(ctx: OpContext, op: BasicLinear, x: Float8Tensor) -> "QuantizedTe
     return QuantizedTensor(row, col, row.data.shape, q.dtype)
 
 
-def _fprop_operands(ctx: OpContext, op: BasicLinear, x2d: torch.Tensor, w_hp: torch.Tensor):
-    """``(x operand, w operand, whether the backward keeps their FP8 copies)``."""
+def _fprop_operands(ctx: OpContext, op: BasicLinear, x2d: torch.Tensor, w_hp: torch.Tensor, param: torch.Tensor):
+    """``(x operand, w operand, whether the backward keeps their FP8 copies)``;
+    ``param`` is ``op.weight``."""
     run = ctx.run
     if run.quantizing:
-        x_q = ctx.quantizers.get("input").cast(x2d, rowwise=True, columnwise=input_needs_columnwise(ctx, op))
-        w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, run.needs_backward and run.fp8_backward)
-        return x_q, w_q, run.backward_override != "high_precision"
+        quantizers = ctx.quantizers
+        fp8_backward = run.needs_backward and run.fp8_backward  # the backward GEMMs read column-wise copies
+        x_q = quantizers.get("input").cast(x2d, rowwise=True, columnwise=fp8_backward and param.requires_grad)
+        w_q = op.quantized_weight(quantizers.get("weight"), w_hp, fp8_backward, param)
+        return x_q, w_q, run.keep_fp8
     if run.calibrating:
         ctx.quantizer("input").observe(x2d)
         ctx.quantizer("weight").observe(w_hp)
@@ -327,7 +345,7 @@ def linear_backward_with_column_sums(
     dx = dw = None
     if need_dx:
         res = None if grad_residual is None else grad_residual.reshape(-1, op.in_features)
-        dx2d = gemm(rowwise(dy_q), columnwise(w_s), dtype, residual=res, fast_accum=run.fast_accum_dgrad)  # (M, K)
+        dx2d = _gemm_columnwise(rowwise(dy_q), w_s, dtype, residual=res, fast_accum=run.fast_accum_dgrad)  # (M, K)
         x_shape = ctx.saved["x_shape"]
         dx = dx2d if dx2d.shape == x_shape else dx2d.reshape(x_shape)
     if need_dw and op.accumulate_into_main_grad:
@@ -338,10 +356,27 @@ def linear_backward_with_column_sums(
         # precision runs on the compute dtype's tensor cores and converts after, as
         # torch.autocast's backward of a linear does (never an fp32 GEMM of bf16 data)
         out_dtype = w_dtype if run.fp8_backward else dtype
-        dw = gemm(columnwise(dy_q), columnwise(x_s), out_dtype, fast_accum=run.fast_accum_wgrad)  # (N, K)
+        dw = _gemm_columnwise(columnwise(dy_q), x_s, out_dtype, fast_accum=run.fast_accum_wgrad)  # (N, K)
         if dw.dtype is not w_dtype:
             dw = dw.to(w_dtype)
     return dx, dw, sums
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)  # tensors torch's own mm takes as they are (no subclass to consult)
+
+
+def _gemm_columnwise(a, b, out_dtype: torch.dtype, residual: torch.Tensor | None = None, fast_accum: bool = False):
+    """``gemm(a, columnwise(b), ...)``: a backward GEMM of ``a`` (P, R) and the saved
+    ``b`` (R, Q) (dgrad ``dy · w``, wgrad ``dyᵀ · x``). Plain ``a`` and ``b`` in
+    ``out_dtype`` without a residual are ``torch.mm(a, b)``: the very call that
+    ``gemm`` makes for ``b.t()`` (``b.t().t()`` has ``b``'s own layout), without its
+    two transposes."""
+    if type(b) is QuantizedTensor:
+        return gemm(a, b.columnwise, out_dtype, residual=residual, fast_accum=fast_accum)
+    if residual is None and type(a) in _PLAIN and type(b) in _PLAIN and a.dtype is out_dtype \
+            and b.dtype is out_dtype:
+        return torch.mm(a, b)
+    return gemm(a, columnwise(b), out_dtype, residual=residual, fast_accum=fast_accum)
 
 
 def _main_grad(op: BasicLinear) -> torch.Tensor:

@@ -21,6 +21,10 @@ from ..op import BasicOperation
 __all__ = ["LayerNorm", "RMSNorm", "L2Normalization", "rms_norm_backward"]
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.float32 else t.float()
+
+
 class _Norm(BasicOperation):
     """Normalizes over the trailing ``normalized_shape`` dims (an int: the last dim).
 
@@ -51,7 +55,9 @@ class _Norm(BasicOperation):
     def gamma(self) -> torch.Tensor:
         """The scale the norm applies, flattened (N,): the weight, or ``weight + 1`` in
         fp32 under ``zero_centered_gamma``."""
-        w = self.weight.reshape(self.size)
+        w = self.weight
+        if w.dim() != 1:
+            w = w.reshape(self.size)
         return w.float() + 1.0 if self.zero_centered_gamma else w
 
     def extra_repr(self) -> str:
@@ -76,27 +82,32 @@ class LayerNorm(_Norm):
                  zero_centered_gamma: bool = False) -> None:
         super().__init__(normalized_shape, eps, True, device, dtype, name, zero_centered_gamma)
 
+    def _scale(self, weight: torch.Tensor) -> torch.Tensor:
+        """The scale in fp32, in ``normalized_shape``: the weight, or ``weight + 1``."""
+        return weight.float() + 1.0 if self.zero_centered_gamma else _fp32(weight)
+
     def op_forward(self, ctx, x, extra_inputs):
-        dtype = ctx.run.compute_dtype
-        x2d = x.reshape(-1, self.size)  # (M, N)
-        y, mean, rstd = torch.native_layer_norm(x2d.float(), (self.size,), self.gamma().float(),
-                                                self.bias.reshape(self.size).float(), self.eps)  # fp32; stats (M, 1)
-        if ctx.run.needs_backward:
-            ctx.saved["x"], ctx.saved["stats"] = x2d, (mean, rstd)
-        y = y.reshape(x.shape)
+        # torch's kernel normalizes the trailing normalized_shape dims of x as they are,
+        # as over x flattened to (M, N): the same kernel on the same contiguous data
+        run = ctx.run
+        y, mean, rstd = torch.native_layer_norm(_fp32(x), self.normalized_shape, self._scale(self.weight),
+                                                _fp32(self.bias), self.eps)  # fp32, x's shape; stats (..., 1)
+        if run.needs_backward:
+            ctx.saved["x"], ctx.saved["stats"] = x, (mean, rstd)
+        dtype = run.compute_dtype
         return (y if y.dtype is dtype else y.to(dtype)), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         """torch's LayerNorm gradient in fp32 from the saved input and statistics (no
-        autograd: it also runs inside custom ops, below it)."""
+        autograd: it also runs inside custom ops, below it); dweight and dbias come in
+        the parameters' shape."""
         x, (mean, rstd) = ctx.saved["x"], ctx.saved["stats"]
         weight, bias = self.weight, self.bias
         need_w, need_b = ctx.param_needs_grad or (weight.requires_grad, bias.requires_grad)
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy.reshape(-1, self.size).float(), x.float(), (self.size,), mean, rstd, self.gamma().float(),
-            bias.reshape(self.size).float(), [True, need_w, need_b])
-        pgrads = [g if g is None else g.reshape(p.shape).to(p.dtype) for g, p in ((dw, weight), (db, bias))]
-        dx = dx.reshape(dy.shape)
+            _fp32(dy).contiguous(), _fp32(x), self.normalized_shape, mean, rstd, self._scale(weight), _fp32(bias),
+            [True, need_w, need_b])
+        pgrads = [g if (g is None or g.dtype is p.dtype) else g.to(p.dtype) for g, p in ((dw, weight), (db, bias))]
         return (dx if dx.dtype is x.dtype else dx.to(x.dtype)), pgrads, []
 
 
