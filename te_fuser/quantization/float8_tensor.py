@@ -174,11 +174,15 @@ class Float8Tensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _ALIASES:
             (t,) = args
-            return Float8Tensor(t._storage, t.shape)
+            # made outside inference mode: autograd then gives the alias its source's
+            # version counter (an inference tensor has none to take)
+            with torch.inference_mode(False):
+                return Float8Tensor(t._storage, t.shape)
         if func in _VIEWS:
             t, shape = args[0], _infer(args[1], args[0].numel())
             if shape and t.shape and shape[-1] == t.shape[-1]:
-                return Float8Tensor(t._storage, shape)
+                with torch.inference_mode(False):  # a view: the version counter as for an alias
+                    return Float8Tensor(t._storage, shape)
         if func is aten.clone.default and type(args[0]) is Float8Tensor:
             t = args[0]
             return Float8Tensor(Float8Storage(t.quantized(), t._storage.quantizer), t.shape)

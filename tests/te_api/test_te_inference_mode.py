@@ -57,3 +57,27 @@ def test_a_weight_written_in_inference_mode_is_never_served_stale():
         second = model(x)
     assert not torch.equal(first, second)
     assert_close(second, _reference(model, x), torch.float8_e4m3fn, "after the write", scaled=True)
+
+
+def test_fp8_parameters_read_under_inference_mode():
+    """TransformerEngine's inference stage reads an FP8 weight with ``detach()`` and
+    views under ``torch.inference_mode()``: the aliases keep the FP8 values (before,
+    making them raised "Cannot set version_counter for inference tensor")."""
+    from te_fuser.quantization.float8_tensor import Float8Tensor
+
+    recipe = te.recipe.Float8CurrentScaling()
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        op = te.ops.Linear(32, 16)
+    x = torch.randn(4, 32)
+    with te.autocast(recipe=recipe):
+        want = op(x).detach()
+    with torch.inference_mode():
+        alias, view = op.weight.detach(), op.weight.view(2, 8, 32)
+        assert type(alias) is Float8Tensor and type(view) is Float8Tensor
+        assert torch.equal(alias.dequantize(), op.weight.dequantize())
+        assert torch.equal(view.dequantize().reshape(16, 32), op.weight.dequantize())
+        with te.autocast(recipe=recipe):
+            got = op(x)
+    assert torch.equal(got, want)
+    assert op.weight.detach()._version == op.weight._version  # outside, an alias shares the counter
