@@ -192,6 +192,20 @@ def print_table(rows: Sequence[Row], title: str = "") -> None:
             print("  ".join("-" * width for width in widths))
 
 
+def print_own_times(prof, steps: int, top: int, indent: str = "  ") -> None:
+    """The cProfile ``prof`` of ``steps`` steps: own time per step in all, then the
+    ``top`` functions by own time (us per step, calls per step)."""
+    import pstats
+
+    stats = pstats.Stats(prof).stats
+    total = sum(tt for (_, _, tt, _, _) in stats.values()) / steps * 1e6
+    rows = sorted(((tt / steps * 1e6, nc / steps, f"{name} ({file.rsplit('/', 1)[-1]}:{line})")
+                   for (file, line, name), (_, nc, tt, _, _) in stats.items()), reverse=True)
+    print(f"{indent}profiled: {total:.0f} us of own time per step; the top functions (us per step, calls per step):")
+    for us, n, name in rows[:top]:
+        print(f"{indent}{us:8.1f} {n:7.1f}  {name}")
+
+
 def default_backends(kernel: str) -> list[str]:
     """triton, plus cuda when that backend module exposes ``kernel``, plus auto
     (which must never be slower than the best of them beyond noise)."""

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import te_fuser as te
-from te_fuser import backend
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+import te_fuser as te  # noqa: E402
+from te_fuser import backend  # noqa: E402
 
 SLEEP_CYCLES = 2_000_000_000  # about a second at H200 clocks: longer than any timed loop
 
@@ -69,7 +74,6 @@ def step_profile(step, calls: int, top: int) -> None:
     """cProfile of ``calls`` steps with the backward on this thread (autograd's device
     threads off, so its Python is seen) while the GPU sleeps: own time per step."""
     import cProfile
-    import pstats
 
     torch.autograd.set_multithreading_enabled(False)
     try:
@@ -84,13 +88,7 @@ def step_profile(step, calls: int, top: int) -> None:
         torch.cuda.synchronize()
     finally:
         torch.autograd.set_multithreading_enabled(True)
-    stats = pstats.Stats(prof).stats
-    total = sum(tt for (_, _, tt, _, _) in stats.values()) / calls * 1e6
-    rows = sorted(((tt / calls * 1e6, nc / calls, f"{name} ({file.rsplit('/', 1)[-1]}:{line})")
-                   for (file, line, name), (_, nc, tt, _, _) in stats.items()), reverse=True)
-    print(f"    profiled: {total:.0f} us of own time per step; the top functions (us per step, calls per step):")
-    for us, n, name in rows[:top]:
-        print(f"    {us:8.1f} {n:6.1f}  {name}")
+    harness.print_own_times(prof, calls, top, indent="    ")
 
 
 def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:

@@ -40,15 +40,19 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import pstats
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import te_fuser as te
-from te_fuser import backend
-from te_fuser.kernels.operand import ScaledOperand
-from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+import te_fuser as te  # noqa: E402
+from te_fuser import backend  # noqa: E402
+from te_fuser.kernels.operand import ScaledOperand  # noqa: E402
+from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights  # noqa: E402
 
 RECIPES = {"bf16": None, "current": te.recipe.Float8CurrentScaling(), "delayed": te.recipe.DelayedScaling()}
 GPT_CONFIG = GPTConfig(n_layer=8, d_model=64, n_head=4, d_ffn=256, seq_len=32, batch_size=1, attention="sdpa")
@@ -173,13 +177,7 @@ def profile(step, steps: int, top: int) -> None:
         prof.disable()
     finally:
         torch.autograd.set_multithreading_enabled(True)
-    stats = pstats.Stats(prof).stats
-    total = sum(tt for (_, _, tt, _, _) in stats.values()) / steps * 1e6
-    rows = sorted(((tt / steps * 1e6, nc / steps, f"{name} ({file.rsplit('/', 1)[-1]}:{line})")
-                   for (file, line, name), (_, nc, tt, _, _) in stats.items()), reverse=True)
-    print(f"  profiled: {total:.0f} us of own time per step; top functions (us per step, calls per step):")
-    for us, n, name in rows[:top]:
-        print(f"  {us:8.1f} {n:7.1f}  {name}")
+    harness.print_own_times(prof, steps, top)
 
 
 def main(argv=None) -> None:
