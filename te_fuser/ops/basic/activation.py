@@ -80,6 +80,36 @@ def _finite(owner: str, name: str, value, positive: bool = False) -> float:
     return float(value)
 
 
+class _ClampedGLUArgs:
+    """The clamped SwiGLU's arguments (``limit`` finite and positive, ``alpha``,
+    ``glu_linear_offset`` finite), checked, and the kernel parameters they make:
+    shared by :class:`ClampedSwiGLU` and :class:`ScaledClampedQGeGLU`."""
+
+    def _set_clamp(self, limit, alpha, glu_linear_offset) -> None:
+        owner = type(self).__name__
+        self.limit = _finite(owner, "limit", limit, positive=True)
+        self.alpha = _finite(owner, "alpha", alpha)
+        self.glu_linear_offset = _finite(owner, "glu_linear_offset", glu_linear_offset)
+
+    @property
+    def params(self) -> tuple[float, ...]:
+        return (self.limit, self.alpha, self.glu_linear_offset)
+
+
+class _SoftCapArgs:
+    """SiTUGLU's soft caps ``beta1``, ``beta2`` (finite and positive), checked, and
+    its kernel parameters: shared by :class:`SiTUGLU` and :class:`ScaledSiTUGLU`."""
+
+    def _set_caps(self, beta1, beta2) -> None:
+        owner = type(self).__name__
+        self.beta1 = _finite(owner, "beta1", beta1, positive=True)
+        self.beta2 = _finite(owner, "beta2", beta2, positive=True)
+
+    @property
+    def params(self) -> tuple[float, ...]:
+        return (self.beta1, self.beta2)
+
+
 class Activation(BasicOperation):
     """Elementwise activation ``kind``; saves its input for the backward.
 
@@ -212,7 +242,7 @@ class SwiGLU(Activation):
     kind = "swiglu"
 
 
-class ClampedSwiGLU(Activation):
+class ClampedSwiGLU(_ClampedGLUArgs, Activation):
     """GPT-OSS's SwiGLU, as TransformerEngine's: with ``a, b`` the halves,
     ``c = min(a, limit)``, ``c·sigmoid(alpha·c) · (clamp(b, -limit, limit) +
     glu_linear_offset)``. The gradient is the clamps' (zero for ``a > limit`` and
@@ -226,17 +256,10 @@ class ClampedSwiGLU(Activation):
                  name: str | None = None) -> None:
         super().__init__(cache_quantized_input=cache_quantized_input, glu_interleave_size=glu_interleave_size,
                          name=name)
-        owner = type(self).__name__
-        self.limit = _finite(owner, "limit", limit, positive=True)
-        self.alpha = _finite(owner, "alpha", alpha)
-        self.glu_linear_offset = _finite(owner, "glu_linear_offset", glu_linear_offset)
-
-    @property
-    def params(self) -> tuple[float, ...]:
-        return (self.limit, self.alpha, self.glu_linear_offset)
+        self._set_clamp(limit, alpha, glu_linear_offset)
 
 
-class SiTUGLU(Activation):
+class SiTUGLU(_SoftCapArgs, Activation):
     """Kimi K3's soft-capped SiLU GLU, as TransformerEngine's:
     ``beta1·tanh(a/beta1)·sigmoid(a) · beta2·tanh(b/beta2)`` (``beta1``, ``beta2``
     finite and positive)."""
@@ -247,13 +270,7 @@ class SiTUGLU(Activation):
                  glu_interleave_size: int | None = None, name: str | None = None) -> None:
         super().__init__(cache_quantized_input=cache_quantized_input, glu_interleave_size=glu_interleave_size,
                          name=name)
-        owner = type(self).__name__
-        self.beta1 = _finite(owner, "beta1", beta1, positive=True)
-        self.beta2 = _finite(owner, "beta2", beta2, positive=True)
-
-    @property
-    def params(self) -> tuple[float, ...]:
-        return (self.beta1, self.beta2)
+        self._set_caps(beta1, beta2)
 
 
 class ScaledActivation(BasicOperation):
@@ -332,7 +349,7 @@ class ScaledSwiGLU(ScaledActivation):
     kind = "swiglu"
 
 
-class ScaledSiTUGLU(ScaledActivation):
+class ScaledSiTUGLU(_SoftCapArgs, ScaledActivation):
     """``scales[..., None] * SiTUGLU(x)`` (TransformerEngine's ScaledSiTUGLU)."""
 
     kind = "situglu"
@@ -340,16 +357,10 @@ class ScaledSiTUGLU(ScaledActivation):
     def __init__(self, glu_interleave_size: int | None = None, *, activation_recompute_in_mlp: bool = False,
                  beta1: float = 4.0, beta2: float = 25.0, name: str | None = None) -> None:
         super().__init__(glu_interleave_size, activation_recompute_in_mlp=activation_recompute_in_mlp, name=name)
-        owner = type(self).__name__
-        self.beta1 = _finite(owner, "beta1", beta1, positive=True)
-        self.beta2 = _finite(owner, "beta2", beta2, positive=True)
-
-    @property
-    def params(self) -> tuple[float, ...]:
-        return (self.beta1, self.beta2)
+        self._set_caps(beta1, beta2)
 
 
-class ScaledClampedQGeGLU(ScaledActivation):
+class ScaledClampedQGeGLU(_ClampedGLUArgs, ScaledActivation):
     """``scales[..., None] * ClampedSwiGLU(x)`` (TransformerEngine's
     ScaledClampedQGeGLU: the clamped GLU's numerics, its defaults limit 7, alpha
     1.702, glu_linear_offset 1)."""
@@ -360,14 +371,7 @@ class ScaledClampedQGeGLU(ScaledActivation):
                  limit: float = 7.0, alpha: float = 1.702, glu_linear_offset: float = 1.0,
                  name: str | None = None) -> None:
         super().__init__(glu_interleave_size, activation_recompute_in_mlp=activation_recompute_in_mlp, name=name)
-        owner = type(self).__name__
-        self.limit = _finite(owner, "limit", limit, positive=True)
-        self.alpha = _finite(owner, "alpha", alpha)
-        self.glu_linear_offset = _finite(owner, "glu_linear_offset", glu_linear_offset)
-
-    @property
-    def params(self) -> tuple[float, ...]:
-        return (self.limit, self.alpha, self.glu_linear_offset)
+        self._set_clamp(limit, alpha, glu_linear_offset)
 
 
 class ScaledSReLU(ScaledActivation):
