@@ -23,8 +23,8 @@ SPLITS = [0, 7, 3, 11]  # an empty group, odd sizes
 MX_SPLITS = [0, 64, 32, 32]  # MXFP8 scales 32 rows of each group's column-wise copies
 
 
-def _module(dtype, gen, bias=True, k=K, n=N):
-    op = te.ops.GroupedLinear(G, k, n, bias=bias).to(dtype)
+def _module(dtype, gen, bias=True, k=K, n=N, scale_bias=False):
+    op = te.ops.GroupedLinear(G, k, n, bias=bias, scale_bias=scale_bias).to(dtype)
     with torch.no_grad():
         for p in op.parameters():
             p.copy_(representable(*p.shape, generator=gen, scale_exp=-2 if p.dim() == 1 else 0))
@@ -125,10 +125,7 @@ def test_scale_bias_matches_float64_reference(recipe_name, backend, dtype):
     gen = torch.Generator().manual_seed(11)
     mx = recipe_name == "mxfp8"
     splits, k, n = (MX_SPLITS, 64, 96) if mx else (SPLITS, K, N)
-    op = te.ops.GroupedLinear(G, k, n, scale_bias=True).to(dtype)
-    with torch.no_grad():
-        for p in op.parameters():
-            p.copy_(representable(*p.shape, generator=gen, scale_exp=-2 if p.dim() == 1 else 0))
+    op = _module(dtype, gen, k=k, n=n, scale_bias=True)
     x = representable(sum(splits), k, generator=gen, dtype=dtype)
     dy = representable(sum(splits), n, generator=gen, dtype=dtype)
     scales = _probabilities(sum(splits), gen, dtype)
@@ -290,10 +287,7 @@ def test_loop_and_grouped_paths_agree_bit_for_bit(recipe_name, dtype, splits, sc
     recipe = RECIPES[recipe_name]
     gen = torch.Generator().manual_seed(7)
     k, n = 48, 32
-    op = te.ops.GroupedLinear(G, k, n, scale_bias=scale_bias).to(dtype)
-    with torch.no_grad():
-        for p in op.parameters():
-            p.copy_(representable(*p.shape, generator=gen, scale_exp=-2 if p.dim() == 1 else 0))
+    op = _module(dtype, gen, k=k, n=n, scale_bias=scale_bias)
     x = representable(sum(splits), k, generator=gen, dtype=dtype)
     dy = representable(sum(splits), n, generator=gen, dtype=dtype)
     scales = _probabilities(sum(splits), gen, dtype) if scale_bias else None
