@@ -25,6 +25,7 @@ import torch
 from .. import backend
 from ..fp8 import FP8_MAX, short_name, torch_dtype
 from ..kernels.operand import ScaledOperand
+from .float8_tensor import Float8Tensor
 from .role import QuantizerRole
 from .tensor import QuantizedTensor, flat_2d_shape
 
@@ -120,8 +121,6 @@ class Quantizer:
         that ops, autograd and optimizers take (``requires_grad_``, ``copy_`` and the
         views work on it), holding :meth:`cast`'s copies. Writes into it are cast by
         this quantizer. The ops call :meth:`cast` and hand its storage to the GEMMs."""
-        from .float8_tensor import Float8Tensor  # float8_tensor builds on this module's QuantizedTensor users
-
         return Float8Tensor.from_quantized(self.cast(x, rowwise=rowwise, columnwise=columnwise), self)
 
     def cast(self, x: torch.Tensor, *, rowwise: bool | None = None,
