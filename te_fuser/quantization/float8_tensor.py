@@ -174,15 +174,11 @@ class Float8Tensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _ALIASES:
             (t,) = args
-            # made outside inference mode: autograd then gives the alias its source's
-            # version counter (an inference tensor has none to take)
-            with torch.inference_mode(False):
-                return Float8Tensor(t._storage, t.shape)
+            return _alias(t._storage, t.shape)
         if func in _VIEWS:
             t, shape = args[0], _infer(args[1], args[0].numel())
             if shape and t.shape and shape[-1] == t.shape[-1]:
-                with torch.inference_mode(False):  # a view: the version counter as for an alias
-                    return Float8Tensor(t._storage, shape)
+                return _alias(t._storage, shape)
         if func is aten.clone.default and type(args[0]) is Float8Tensor:
             t = args[0]
             return Float8Tensor(Float8Storage(t.quantized(), t._storage.quantizer), t.shape)
@@ -195,6 +191,16 @@ class Float8Tensor(torch.Tensor):
         if written:
             return _write_through(func, args, kwargs, written)
         return func(*tree_map(dequantized, args), **tree_map(dequantized, kwargs))
+
+
+def _alias(storage: Float8Storage, shape) -> Float8Tensor:
+    """A Float8Tensor of ``storage`` (a detach, alias or view). Under inference mode
+    it is made outside it, so autograd can give it its source's version counter (an
+    inference tensor has none to take)."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return Float8Tensor(storage, shape)
+    return Float8Tensor(storage, shape)
 
 
 def dequantized(x):
