@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from harness import Row  # noqa: E402
 
+from te_fuser.kernels import cuda as ck  # noqa: E402
 from te_fuser.kernels import triton as tk  # noqa: E402
 
 attn = importlib.import_module("te_fuser.kernels.triton.attention")  # the module (the package exports the kernels)
@@ -42,6 +43,7 @@ CASES = {
     "d64": (4, 16, 16, 4096, 64, True),
     "gqa": (4, 16, 4, 4096, 128, True),
     "small": (1, 4, 4, 256, 64, True),  # launch-bound
+    "gpt": (16, 16, 16, 1024, 64, True),  # the yardstick GPT's attention (examples/train_gpt.py --size gpu)
 }
 
 
@@ -115,6 +117,12 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
     diff = f"max|o - sdpa| {(o.float() - o_sdpa.float()).abs().max().item():.2e}"
     row("fwd bf16", "triton", harness.time_ms(lambda q, k, v: tk.attention_forward(q, k, v, causal, scale), sets),
         fwd_flops, sdpa_ms, "sdpa bf16", diff)
+    cudnn = ck.attention_forward_unsupported_reason(q, k) is None  # the cuda backend's kernels (cuDNN)
+    if cudnn:
+        o_c, lse_c = ck.attention_forward(q, k, v, causal, scale)
+        diff = f"max|o - sdpa| {(o_c.float() - o_sdpa.float()).abs().max().item():.2e}"
+        row("fwd bf16", "cuda", harness.time_ms(lambda q, k, v: ck.attention_forward(q, k, v, causal, scale), sets),
+            fwd_flops, sdpa_ms, "sdpa bf16", diff)
     fp8_sets = [tuple(x for t in s for x in _fp8(t)) for s in sets]  # (q8, qsi, k8, ksi, v8, vsi)
     p_scale = torch.tensor(448.0, device="cuda")
 
@@ -138,6 +146,19 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
     diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
     row("bwd bf16", "triton", harness.time_ms(lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)),
         bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
+    if cudnn:
+        try:
+            with torch.enable_grad():
+                o_cg = _sdpa(qg, kg, vg, causal, "cudnn")
+            row("bwd bf16", "torch sdpa cudnn", harness.time_ms(
+                lambda: torch.autograd.grad(o_cg, (qg, kg, vg), do, retain_graph=True)), bwd_flops, sdpa_bwd_ms,
+                "sdpa bf16")
+        except RuntimeError as err:
+            print(f"  (sdpa cudnn backward: {str(err)[:80]})")
+        dq = ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)[0]
+        diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
+        row("bwd bf16", "cuda", harness.time_ms(lambda: ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)),
+            bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
     return rows
 
 

@@ -17,7 +17,9 @@ for bit):
   block;
 - ``gemm``: ``torch._scaled_mm`` (cuBLASLt) plus one fused epilogue kernel;
   operand pairs cuBLASLt cannot run go to the reference GEMM
-  (:func:`gemm_unsupported_reason` says why).
+  (:func:`gemm_unsupported_reason` says why);
+- ``attention_forward``, ``attention_backward``: cuDNN's fused flash attention
+  (bf16, fp16) through torch's SDPA operators; other operands go to Triton.
 
 Not provided (the dispatcher falls back to ``reference`` and says so):
 ``quantize_block``, ``dequantize``, ``activation``, ``activation_grad``.
@@ -30,6 +32,8 @@ what is missing (:func:`unavailable_reason`).
 
 from ._build import extension as load_extension
 from ._build import is_loaded, unavailable_reason
+from .attention import (attention_backward, attention_backward_unsupported_reason, attention_forward,
+                        attention_forward_unsupported_reason)
 from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp8, quantize_rowwise,
                    quantize_tensorwise, quantize_tensorwise_column_sums)
 from .gemm import block_scaled_mm_available, gemm, gemm_unsupported_reason
@@ -43,6 +47,10 @@ __all__ = [
     "quantize_rowwise",
     "quantize_mxfp8",
     "delayed_scale_update",
+    "attention_forward",
+    "attention_backward",
+    "attention_forward_unsupported_reason",
+    "attention_backward_unsupported_reason",
     "gemm",
     "gemm_unsupported_reason",
     "block_scaled_mm_available",

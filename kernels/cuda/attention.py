@@ -1,0 +1,99 @@
+"""High-precision flash attention on cuDNN, through torch's SDPA operators.
+
+``attention_forward`` and ``attention_backward`` with the references' signatures
+and results: the forward returns o (B, H, T, D) and the natural log-sum-exp lse
+(B, H, T) in fp32; the backward takes them (or the Triton FP8 forward's, which
+use the same convention) and returns dq, dk, dv. cuDNN's fused attention is
+faster than our Triton kernels on Hopper at the shapes a transformer runs
+(``benchmarks/RESULTS.md``), so the auto table sends bf16 and fp16 attention
+here; the FP8 forward stays Triton's.
+
+Layouts. q, k, v are the op's views of the fused QKV tensor (B, T, H + 2·Hkv, D);
+cuDNN writes o in q's stride order, so o's (B, T, H·D) merge is a view. Its
+gradients come back dense (B, heads, T, D); they are copied into one
+(B, T, H + 2·Hkv, D) buffer, the fused input's gradient, which the op then takes
+without a concatenation (one pass where merging and concatenating take two).
+
+What cuDNN does not take goes to the Triton kernels per call
+(:func:`attention_forward_unsupported_reason`): dtypes other than bf16 and fp16,
+a GPU before sm_80, a torch without cuDNN attention, and causal attention with
+Tq != Tk (both libraries align the mask top-left, but only Tq == Tk is tested
+here on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference.attention import check_attention, check_attention_backward
+
+__all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
+           "attention_backward_unsupported_reason"]
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
+
+
+def _unsupported(q, k) -> str | None:
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return None  # the check names the argument
+    if q.dtype not in _DTYPES:
+        return f"cuDNN attention takes bf16 and fp16, got {q.dtype}"
+    if q.device.type != "cuda":
+        return f"cuDNN attention needs CUDA tensors, got {q.device.type}"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "cuDNN fused attention needs sm_80 or later"
+    if not torch.backends.cudnn.is_available() or torch.backends.cudnn.version() < 90000:
+        return "cuDNN attention needs cuDNN 9 or later"
+    if q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
+        return "queries and keys of different lengths go to the triton kernels"
+    return None
+
+
+def attention_forward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why :func:`attention_forward` would not run these operands (None: it runs)."""
+    return _unsupported(q, k)
+
+
+def attention_backward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    return _unsupported(q, k)
+
+
+def _require_supported(q, k, kernel: str) -> None:
+    reason = _unsupported(q, k)
+    if reason is not None:
+        raise ValueError(f"{kernel}: {reason}")
+
+
+def attention_forward(q, k, v, causal, softmax_scale):
+    """``(o, lse)`` as :func:`attention_forward_reference`, on cuDNN."""
+    B, H, _, Tq, _, _ = check_attention(q, k, v, causal, softmax_scale)
+    _require_supported(q, k, "attention_forward")
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                             scale=float(softmax_scale))
+    return out[0], out[1].reshape(B, H, Tq)
+
+
+def _rng_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    pair = _no_rng.get(device)
+    if pair is None:
+        pair = _no_rng[device] = (torch.zeros((), dtype=torch.int64, device=device),
+                                  torch.zeros((), dtype=torch.int64, device=device))
+    return pair
+
+
+def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
+    """``(dq, dk, dv)`` as :func:`attention_backward_reference`, on cuDNN: views of
+    one (B, T, H + 2·Hkv, D) buffer."""
+    B, H, Hkv, Tq, Tk, D = check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    _require_supported(q, k, "attention_backward")
+    seed, offset = _rng_placeholders(q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do, q, k, v, o, lse.unsqueeze(-1), seed, offset, None, None, None, Tq, Tk, 0.0, causal,
+        scale=float(softmax_scale))
+    fused = torch.empty(B, Tq, H + 2 * Hkv, D, dtype=q.dtype, device=q.device)
+    views = (fused[:, :, :H].transpose(1, 2), fused[:, :, H:H + Hkv].transpose(1, 2),
+             fused[:, :, H + Hkv:].transpose(1, 2))
+    for view, g in zip(views, (dq, dk, dv)):
+        view.copy_(g)
+    return views

@@ -1,0 +1,121 @@
+"""The cuda backend's attention (cuDNN's fused flash attention through torch's
+SDPA operators): forward, lse and gradients against float64 on representable
+inputs, the Triton FP8 forward's o and lse through its backward (the FP8
+recipe's pairing), the fused gradient layout, what goes to Triton per call, and
+which backend the auto table picks. GPU only: cuDNN has no CPU kernels."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from te_fuser import backend
+from te_fuser.kernels import cuda as ck
+from te_fuser.kernels import reference as ref
+from te_fuser.kernels import triton as tk
+from te_fuser.ops.basic.attention import _fused_gradient
+from test_attention_kernels import SHAPES, _context, _randn, dequantized, exact_attention, fp8_qkv, qkv
+from tolerances import assert_close
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on a CUDA GPU")
+
+_KEYS = {torch.bfloat16: "attention_bf16", torch.float16: "attention_fp16"}
+# Tq == Tk (what cuDNN is sent): grouped heads 2:1 and 4:1 and none, odd lengths
+SHAPES_SQUARE = [(1, 4, 2, 67, 67, 64), (2, 8, 2, 45, 45, 128), (1, 4, 4, 33, 33, 32)]
+
+
+def _check(shape, dtype, causal, seed=0):
+    q, k, v, do = qkv(*shape, dtype, seed)
+    scale = 1 / math.sqrt(shape[-1])
+    o, lse = ck.attention_forward(q, k, v, causal, scale)
+    o_exact, lse_exact, grads = exact_attention(q, k, v, causal, scale, do)
+    key = _KEYS[dtype]
+    assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    assert_close(o, o_exact, key, _context("cuda o", shape, dtype, causal), scaled=True)
+    assert_close(lse, lse_exact, "attention_fp32", _context("cuda lse", shape, dtype, causal))
+    got = ck.attention_backward(q, k, v, o, lse, do, causal, scale)
+    for name, g, want, like in zip(("dq", "dk", "dv"), got, grads, (q, k, v)):
+        assert g.dtype == dtype and g.shape == like.shape, name
+        assert_close(g, want, key, _context(f"cuda {name}", shape, dtype, causal), scaled=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES_SQUARE)
+def test_cudnn_bf16_forward_and_backward_against_float64(shape, causal):
+    _check(shape, torch.bfloat16, causal)
+
+
+def test_cudnn_fp16_against_float64():
+    _check(SHAPES_SQUARE[0], torch.float16, True)
+
+
+def test_the_op_layout_in_and_out():
+    """q, k, v as views of one fused (B, T, H + 2·Hkv, D) tensor (what the op passes):
+    o's merge is a view, and the gradients are the fused input's gradient."""
+    B, H, Hkv, T, D = 2, 8, 2, 61, 64
+    x = _randn((B, T, H + 2 * Hkv, D), 5, torch.bfloat16)
+    heads = x.transpose(1, 2)
+    q, k, v = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
+    o, lse = ck.attention_forward(q, k, v, True, 0.125)
+    assert o.transpose(1, 2).is_contiguous()  # (B, T, H, D) storage
+    do = _randn((B, T, H, D), 6, torch.bfloat16).transpose(1, 2)
+    got = ck.attention_backward(q, k, v, o, lse, do, True, 0.125)
+    fused = _fused_gradient(*got)
+    assert fused is not None and tuple(fused.shape) == (B, T, H + 2 * Hkv, D)
+    want = ref.attention_backward_reference(*(t.float() for t in (q, k, v, o)), lse, do.float(), True, 0.125)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, w, "attention_bf16", f"fused-layout {name}", scaled=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_fp8_forward_then_cudnn_backward(causal):
+    """The FP8 recipe's pairing: the Triton FP8 forward's o and lse (natural log, as
+    cuDNN's) into cuDNN's backward on the dequantized operands."""
+    shape = (1, 4, 2, 67, 67, 64)
+    fp8s, scale_invs = fp8_qkv(*shape, seed=3, scale_invs=(2.0**-5, 2.0**-5, 2.0**-3))
+    scale = 1 / math.sqrt(shape[-1])
+    o, lse = tk.attention_forward_fp8(*fp8s, *scale_invs, torch.tensor(448.0, device="cuda"), causal, scale,
+                                      torch.bfloat16)
+    q, k, v = dequantized(fp8s, scale_invs, torch.bfloat16)
+    do = _randn(o.shape, 11, torch.bfloat16)
+    _, _, grads = exact_attention(q, k, v, causal, scale, do)
+    for name, g, want in zip(("dq", "dk", "dv"), ck.attention_backward(q, k, v, o, lse, do, causal, scale), grads):
+        assert_close(g, want, "attention_fp8_backward", _context(f"fp8 forward, cuDNN {name}", shape, "bf16", causal),
+                     scaled=True)
+
+
+@pytest.mark.parametrize("T,D,causal", [(1000, 64, True), (4096, 128, True), (1024, 64, False)])
+def test_cudnn_at_real_sizes(T, D, causal):
+    shape = (1, 8, 2, T, T, D)
+    q, k, v, do = qkv(*shape, torch.bfloat16, seed=T + D)
+    scale = 1 / math.sqrt(D)
+    o, lse = ck.attention_forward(q, k, v, causal, scale)
+    q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
+    o32, lse32 = ref.attention_forward_reference(q32, k32, v32, causal, scale)
+    assert_close(o, o32, "attention_bf16", _context("gpu cuda o", shape, "bf16", causal), scaled=True)
+    assert_close(lse, lse32, "attention_fp32", _context("gpu cuda lse", shape, "bf16", causal))
+    got = ck.attention_backward(q, k, v, o, lse, do, causal, scale)
+    want = ref.attention_backward_reference(q32, k32, v32, o32, lse32, do32, causal, scale)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, w, "attention_bf16", _context(f"gpu cuda {name}", shape, "bf16", causal), scaled=True)
+
+
+def test_what_cudnn_does_not_take_goes_to_triton():
+    q, k, v, do = qkv(*SHAPES[1], torch.bfloat16)  # Tq 67, Tk 45
+    assert "different lengths" in ck.attention_forward_unsupported_reason(q, k)
+    assert "takes bf16 and fp16" in ck.attention_forward_unsupported_reason(q.float(), k.float())
+    fwd = backend.resolve("attention_forward", "cuda", backend="cuda").fn
+    o, lse = fwd(q, k, v, True, 0.125)
+    o_t, lse_t = tk.attention_forward(q, k, v, True, 0.125)
+    assert torch.equal(o, o_t) and torch.equal(lse, lse_t)
+    with pytest.raises(ValueError, match="attention_forward: queries and keys of different lengths"):
+        ck.attention_forward(q, k, v, True, 0.125)
+
+
+def test_auto_sends_bf16_attention_to_cudnn():
+    with backend.use_backend("auto"):
+        assert backend.resolve("attention_forward", "cuda").backend == "cuda"
+        assert backend.resolve("attention_backward", "cuda").backend == "cuda"
+        assert backend.resolve("attention_forward_fp8", "cuda").backend == "triton"
