@@ -45,6 +45,14 @@ casts back. Every phase runs with them, as follows:
   masters (the weights *are* FP8; the optimizer still updates the masters), so its
   loss and every evaluation "in bf16" are those of the FP8 weights.
 
+``--graphed`` runs the te arm's training steps through ``te.make_graphed_step``
+(CUDA only): forward, loss, backward, clipping and the AdamW step replay from one
+CUDA graph per recipe, the first two steps of each phase running eagerly (the
+fuser builds the phase's plan, then the graph is captured). AdamW is then
+``capturable`` with its learning rate a device tensor that the schedule fills
+before each step. The numbers are the eager step's; the host's launch cost is
+gone, so the rows show what the GPU work of the step costs.
+
     python examples/train_gpt.py --size smoke --steps 20 --json gpt.json --png gpt.png
     python examples/train_gpt.py --size gpu --fp8-params --arms te,torch --json gpt_fp8_params.json
 """
@@ -201,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the GPT's attention: te_fuser ops (RoPE, DotProductAttention), or torch's SDPA")
     p.add_argument("--fp8-params", action="store_true",
                    help="the te arm's linear weights as FP8 parameters, fp32 masters in AdamW's state")
+    p.add_argument("--graphed", action="store_true",
+                   help="the te arm's steps replayed from CUDA graphs (te.make_graphed_step; CUDA only)")
     p.add_argument("--backend", choices=te.backend.BACKENDS, help="te_fuser kernel backend (default: the library's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the run's figures here")
@@ -235,6 +245,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(str(err))
     _check_attention_phases(parser, args)
     _check_windows_fit(parser, args)
+    if args.graphed and args.device.type != "cuda":
+        parser.error(f"--graphed: CUDA graphs need a CUDA device, got {args.device}")
+    if args.graphed and args.fp8_params:
+        parser.error("--graphed: not with --fp8-params (their re-casts between phases are not captured)")
     args.fp8_params_recipe = _fp8_params_recipe(args.phases) if args.fp8_params else None
     args.adamw = _resolve_adamw(parser, args.adamw, args.device)
     total = sum(p.steps for p in args.phases)
@@ -304,11 +318,18 @@ def loss_bits_per_byte(model: nn.Module, windows: torch.Tensor, recipe, device: 
     return nats / math.log(2)
 
 
-def make_adamw(model: nn.Module, kind: str, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def make_adamw(model: nn.Module, kind: str, lr: float, weight_decay: float,
+               capturable: bool = False) -> torch.optim.AdamW:
+    """AdamW on ``model``, decaying only its matrices. ``capturable``: the state and a
+    tensor learning rate on the device, so that a CUDA graph can replay the step."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}]
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kind]
+    if capturable:
+        device = next(model.parameters()).device
+        return torch.optim.AdamW(groups, lr=torch.tensor(lr, device=device), betas=(0.9, 0.95), capturable=True,
+                                 **flags)
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **flags)
 
 
@@ -336,6 +357,8 @@ class Arm:
     phases: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
+    graphed: Callable | None = None  # te.make_graphed_step's step (--graphed), called with the batch
+    step_recipe: object = None  # the recipe the graphed step computes under (read at eager steps and capture)
 
     def recipe(self, phase: Phase):
         """The te recipe of ``phase``: the schedule's for the te arm, None for the others."""
@@ -365,16 +388,31 @@ class Run:
 
 def train_step(arm: Arm, run: Run, recipe, step: int) -> None:
     args, config = run.args, run.args.config
+    lr = learning_rate(step, run.total_steps, args.lr, args.warmup_steps)
     for group in arm.opt.param_groups:
-        group["lr"] = learning_rate(step, run.total_steps, args.lr, args.warmup_steps)
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)  # the graphed step's AdamW reads it on the device
+        else:
+            group["lr"] = lr
     windows = sample_windows(run.train, config.batch_size, config.seq_len, arm.generator)  # (B, T+1)
-    loss = loss_bits_per_byte(arm.model, windows, recipe, args.device)
+    if arm.graphed is not None:
+        arm.step_recipe = recipe
+        with te.autocast(enabled=recipe is not None, recipe=recipe):  # the graph's key reads the recipe here
+            arm.pending.append(arm.graphed(windows.to(args.device)))
+        return
     arm.opt.zero_grad(set_to_none=True)
+    arm.pending.append(_loss_backward_step(arm, run, windows, recipe))
+
+
+def _loss_backward_step(arm: Arm, run: Run, windows: torch.Tensor, recipe) -> torch.Tensor:
+    """The loss of ``windows``, its backward, clipping and the optimizer's step, on
+    gradients that start at None; returns the loss, detached."""
+    loss = loss_bits_per_byte(arm.model, windows, recipe, run.args.device)
     loss.backward()
-    if args.clip > 0:
-        nn.utils.clip_grad_norm_(arm.model.parameters(), args.clip)
+    if run.args.clip > 0:
+        nn.utils.clip_grad_norm_(arm.model.parameters(), run.args.clip)
     arm.opt.step()
-    arm.pending.append(loss.detach())
+    return loss.detach()
 
 
 @torch.no_grad()
@@ -485,7 +523,11 @@ def train_arm(arm: Arm, run: Run) -> None:
     memory, and drop them."""
     args = run.args
     arm.model = arm.model if arm.model is not None else arm.make()
-    arm.opt = make_adamw(arm.model, args.adamw, args.lr, args.weight_decay)
+    graphed = args.graphed and arm.name == "te"
+    arm.opt = make_adamw(arm.model, args.adamw, args.lr, args.weight_decay, capturable=graphed)
+    if graphed:
+        arm.graphed = te.make_graphed_step(lambda windows: _loss_backward_step(arm, run, windows, arm.step_recipe),
+                                           arm.model)
     start_mib = _reset_peak_memory(args.device)
     step = 0
     for phase in args.phases:
@@ -498,7 +540,7 @@ def train_arm(arm: Arm, run: Run) -> None:
         "start_mib": start_mib,
         "peak_mib": _peak_memory(args.device),
     }
-    arm.model = arm.make = arm.opt = None
+    arm.model = arm.make = arm.opt = arm.graphed = None
 
 
 # -- memory ------------------------------------------------------------------------
@@ -641,7 +683,7 @@ def make_report(run: Run, arms: list[Arm], skipped: dict[str, str], corpus: dict
     args = run.args
     settings = {k: getattr(args, k) for k in ("size", "schedule", "lr", "warmup_steps", "weight_decay", "clip",
                                                "adamw", "eval_every", "eval_batches", "seed", "backend",
-                                               "fp8_params")}
+                                               "fp8_params", "graphed")}
     settings["fp8_params_recipe"] = None if args.fp8_params_recipe is None else str(args.fp8_params_recipe)
     return {
         "config": {**asdict(args.config), **settings, "phases": [_phase_entry(p) for p in args.phases]},

@@ -243,6 +243,7 @@ def test_corpus_is_the_stdlib_in_sorted_order():
         (["--lr", "-1"], "argument --lr: must be a positive number"),
         (["--attention", "sdpa", "--schedule", "bf16,current_dpa"],
          "phase 'current_dpa' runs attention in FP8 (fp8_dpa / fp8_mha), which te_fuser's attention ops do"),
+        (["--graphed", "--device", "cpu"], "--graphed: CUDA graphs need a CUDA device, got cpu"),
     ],
 )
 def test_argument_errors_are_one_line(argv, message, capsys):
@@ -251,3 +252,17 @@ def test_argument_errors_are_one_line(argv, message, capsys):
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphed_steps_train_as_the_eager_steps():
+    """``--graphed``: the te arm's steps replayed from one CUDA graph per recipe give
+    the eager run's losses (the same kernels on the same data), through a switch."""
+    argv = ["--size", "smoke", "--device", "cuda", "--schedule", "bf16:5,delayed:5,current:5", "--arms", "te",
+            "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100", "--adamw", "fused"]
+    eager, _ = _run(argv)
+    graphed, _ = _run(argv + ["--graphed"])
+    assert graphed["config"]["graphed"] is True
+    a, b = eager["arms"]["te"]["losses"], graphed["arms"]["te"]["losses"]
+    assert len(a) == len(b) == 15
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)

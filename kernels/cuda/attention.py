@@ -82,11 +82,34 @@ def _rng_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     return pair
 
 
+def _in_layout_of(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (q's shape) stored densely in q's stride order, the layout cuDNN's forward
+    gives o: a copy only when ``t`` is stored otherwise."""
+    order = sorted(range(4), key=lambda d: -q.stride(d))
+    dense = [0] * 4
+    step = 1
+    for d in reversed(order):
+        dense[d] = step
+        step *= q.shape[d]
+    if list(t.stride()) == dense or t.numel() == 0:
+        return t
+    out = torch.empty_strided(q.shape, dense, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     """``(dq, dk, dv)`` as :func:`attention_backward_reference`, on cuDNN: views of
-    one (B, T, H + 2·Hkv, D) buffer."""
+    one (B, T, H + 2·Hkv, D) buffer.
+
+    o and do are handed to cuDNN in q's stride order (copied when they are stored
+    otherwise, e.g. an FP8 forward's o beside dequantized, contiguous q, k, v):
+    torch keeps one cuDNN plan per q, k, v layout, and a plan built for one o
+    layout reads another o wrongly (measured: dq of a one-key row, which is 0,
+    came out 2.3)."""
     B, H, Hkv, Tq, Tk, D = check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
     _require_supported(q, k, "attention_backward")
+    o, do = _in_layout_of(q, o), _in_layout_of(q, do)
     seed, offset = _rng_placeholders(q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         do, q, k, v, o, lse.unsqueeze(-1), seed, offset, None, None, None, Tq, Tk, 0.0, causal,
