@@ -405,3 +405,20 @@ def test_backward_writes_the_fused_qkv_gradient_layout():
                                                                                     1 / math.sqrt(D))], dim=2)
     assert_close(fused, want, "attention_fp32", "fused dq|dk|dv", scaled=True)
     assert _fused_gradient(*(t.clone() for t in (dq, dk, dv))) is None  # separate tensors: concatenated
+
+
+@pytest.mark.parametrize("B,H,Hkv,T,D,dtype", [(2, 4, 2, 37, 32, torch.bfloat16), (1, 2, 2, 20, 64, torch.float32)])
+def test_merge_head_gradients_copies_the_bytes_into_the_fused_layout(B, H, Hkv, T, D, dtype):
+    """The cuda backend's backward hands cuDNN's dense dq, dk, dv to one launch that
+    writes the fused (B, T, H + 2·Hkv, D) gradient: the bytes of the three, in place."""
+    from te_fuser.kernels.triton.attention import merge_head_gradients
+    from te_fuser.ops.basic.attention import _fused_gradient
+
+    dq = _randn((B, H, T, D), 1, dtype)
+    dk = _randn((B, Hkv, T, D), 2, dtype)
+    dv = _randn((B, Hkv, T, D), 3, dtype).transpose(1, 2).contiguous().transpose(1, 2)  # any strides
+    got = merge_head_gradients(dq, dk, dv)
+    fused = _fused_gradient(*got)
+    assert fused is not None and tuple(fused.shape) == (B, T, H + 2 * Hkv, D)
+    want = torch.cat([t.transpose(1, 2) for t in (dq, dk, dv)], dim=2)
+    assert_bitwise(fused, want, "merged dq | dk | dv")

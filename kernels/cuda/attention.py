@@ -10,9 +10,9 @@ here; the FP8 forward stays Triton's.
 
 Layouts. q, k, v are the op's views of the fused QKV tensor (B, T, H + 2·Hkv, D);
 cuDNN writes o in q's stride order, so o's (B, T, H·D) merge is a view. Its
-gradients come back dense (B, heads, T, D); they are copied into one
-(B, T, H + 2·Hkv, D) buffer, the fused input's gradient, which the op then takes
-without a concatenation (one pass where merging and concatenating take two).
+gradients come back dense (B, heads, T, D); one Triton launch copies them into
+one (B, T, H + 2·Hkv, D) buffer, the fused input's gradient, which the op then
+takes without a concatenation (:func:`merge_head_gradients`).
 
 What cuDNN does not take goes to the Triton kernels per call
 (:func:`attention_forward_unsupported_reason`): dtypes other than bf16 and fp16,
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.attention import check_attention, check_attention_backward
+from ..triton.attention import merge_head_gradients
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason"]
@@ -114,9 +115,4 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         do, q, k, v, o, lse.unsqueeze(-1), seed, offset, None, None, None, Tq, Tk, 0.0, causal,
         scale=float(softmax_scale))
-    fused = torch.empty(B, Tq, H + 2 * Hkv, D, dtype=q.dtype, device=q.device)
-    views = (fused[:, :, :H].transpose(1, 2), fused[:, :, H:H + Hkv].transpose(1, 2),
-             fused[:, :, H + Hkv:].transpose(1, 2))
-    for view, g in zip(views, (dq, dk, dv)):
-        view.copy_(g)
-    return views
+    return merge_head_gradients(dq, dk, dv)

@@ -613,3 +613,48 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
              dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2)], meta)
     return dq, dk, dv
 
+
+
+# ------------------------------------------------ the fused gradient's layout
+
+
+@triton.jit
+def _merge_heads_kernel(dq_ptr, dk_ptr, dv_ptr, out_ptr, T, H, Hkv,
+                        s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
+                        HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One (BLOCK_T tokens, head) tile of dq | dk | dv into the fused (B, T, H + 2·Hkv, D)
+    gradient: head n < H from dq, then Hkv heads from dk, then from dv (bytes copied)."""
+    n_heads = H + 2 * Hkv
+    bn = tl.program_id(1)
+    b, n = bn // n_heads, bn % n_heads
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_t[:, None].to(tl.int64)
+    mask = (offs_t < T)[:, None]
+    if n < H:
+        src = dq_ptr + b.to(tl.int64) * s_qb + n.to(tl.int64) * s_qh + rows * s_qt + offs_d[None, :]
+    elif n < H + Hkv:
+        src = dk_ptr + b.to(tl.int64) * s_kb + (n - H).to(tl.int64) * s_kh + rows * s_kt + offs_d[None, :]
+    else:
+        src = dv_ptr + b.to(tl.int64) * s_vb + (n - H - Hkv).to(tl.int64) * s_vh + rows * s_vt + offs_d[None, :]
+    vals = tl.load(src, mask=mask)
+    dst = out_ptr + (b.to(tl.int64) * T + rows) * (n_heads * HEAD_DIM) + n * HEAD_DIM + offs_d[None, :]
+    tl.store(dst, vals, mask=mask)
+
+
+def merge_head_gradients(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+    """dq (B, H, T, D), dk and dv (B, Hkv, T, D), each with a contiguous head dim, as
+    views of one (B, T, H + 2·Hkv, D) tensor (the fused QKV input's gradient, which
+    DotProductAttention takes without a concatenation): one launch that copies
+    the bytes, where torch's three permuted copies run at half the bandwidth."""
+    B, H, T, D = dq.shape
+    Hkv = dk.shape[1]
+    dq, dk, dv = (_inner(t) for t in (dq, dk, dv))
+    fused = torch.empty(B, T, H + 2 * Hkv, D, dtype=dq.dtype, device=dq.device)
+    if fused.numel():
+        block_t = 16 if is_interpreted(dq) else 64
+        _merge_heads_kernel[(triton.cdiv(T, block_t), B * (H + 2 * Hkv))](
+            dq, dk, dv, fused, T, H, Hkv, dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1),
+            dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), HEAD_DIM=D, BLOCK_T=block_t, num_warps=4)
+    return (fused[:, :, :H].transpose(1, 2), fused[:, :, H:H + Hkv].transpose(1, 2),
+            fused[:, :, H + Hkv:].transpose(1, 2))
