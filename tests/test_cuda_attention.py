@@ -114,8 +114,36 @@ def test_what_cudnn_does_not_take_goes_to_triton():
         ck.attention_forward(q, k, v, True, 0.125)
 
 
-def test_auto_sends_bf16_attention_to_cudnn():
+def test_auto_sends_the_bf16_forward_to_cudnn_and_keeps_the_deterministic_backward():
     with backend.use_backend("auto"):
         assert backend.resolve("attention_forward", "cuda").backend == "cuda"
-        assert backend.resolve("attention_backward", "cuda").backend == "cuda"
+        assert backend.resolve("attention_backward", "cuda").backend == "triton"
         assert backend.resolve("attention_forward_fp8", "cuda").backend == "triton"
+
+
+def test_cudnn_forward_then_triton_backward_against_float64():
+    """What auto runs: cuDNN's o (in q's stride order) and lse into the Triton backward."""
+    shape = SHAPES_SQUARE[1]
+    q, k, v, do = qkv(*shape, torch.bfloat16, seed=7)
+    scale = 1 / math.sqrt(shape[-1])
+    o, lse = ck.attention_forward(q, k, v, True, scale)
+    _, _, grads = exact_attention(q, k, v, True, scale, do)
+    for name, g, want in zip(("dq", "dk", "dv"), tk.attention_backward(q, k, v, o, lse, do, True, scale), grads):
+        assert_close(g, want, "attention_bf16", _context(f"cuDNN forward, triton {name}", shape, "bf16", True),
+                     scaled=True)
+
+
+def test_deterministic_mode_keeps_the_backward_off_cudnn():
+    q, k, v, do = qkv(*SHAPES_SQUARE[0], torch.bfloat16)
+    o, lse = ck.attention_forward(q, k, v, True, 0.125)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert "not deterministic" in ck.attention_backward_unsupported_reason(q, k)
+        with pytest.raises(ValueError, match="attention_backward: cuDNN's attention backward is not deterministic"):
+            ck.attention_backward(q, k, v, o, lse, do, True, 0.125)
+        bwd = backend.resolve("attention_backward", "cuda", backend="cuda").fn
+        got = bwd(q, k, v, o, lse, do, True, 0.125)
+        want = tk.attention_backward(q, k, v, o, lse, do, True, 0.125)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    finally:
+        torch.use_deterministic_algorithms(False)

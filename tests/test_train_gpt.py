@@ -256,9 +256,11 @@ def test_argument_errors_are_one_line(argv, message, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graphed_steps_train_as_the_eager_steps(monkeypatch):
-    """``--graphed``: the te arm's steps replayed from one CUDA graph per recipe give
-    the eager run's losses bit for bit (the same kernels on the same data, the
-    eager run given the graphed run's capturable AdamW), through two switches."""
+    """``--graphed``: the te arm's steps replayed from one CUDA graph per recipe train
+    as the eager steps (the eager run given the graphed run's capturable AdamW),
+    through two switches. Not bit for bit: two eager GPU runs of this script
+    already differ in the last bits after the first evaluation (RESULTS.md, run
+    62), so the losses are held to 2e-3 relative."""
     argv = ["--size", "smoke", "--device", "cuda", "--schedule", "bf16:5,delayed:5,current:5", "--arms", "te",
             "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100", "--adamw", "fused"]
     graphed, _ = _run(argv + ["--graphed"])
@@ -268,4 +270,4 @@ def test_graphed_steps_train_as_the_eager_steps(monkeypatch):
     assert graphed["config"]["graphed"] is True and eager["config"]["graphed"] is False
     a, b = eager["arms"]["te"]["losses"], graphed["arms"]["te"]["losses"]
     assert len(a) == len(b) == 15
-    assert a == b, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=2e-3, atol=0)

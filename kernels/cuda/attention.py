@@ -5,8 +5,15 @@ and results: the forward returns o (B, H, T, D) and the natural log-sum-exp lse
 (B, H, T) in fp32; the backward takes them (or the Triton FP8 forward's, which
 use the same convention) and returns dq, dk, dv. cuDNN's fused attention is
 faster than our Triton kernels on Hopper at the shapes a transformer runs
-(``benchmarks/RESULTS.md``), so the auto table sends bf16 and fp16 attention
+(``benchmarks/RESULTS.md``), so the auto table sends the bf16 and fp16 forward
 here; the FP8 forward stays Triton's.
+
+The backward is not deterministic: cuDNN accumulates dq across key tiles with
+atomics, so two runs of one training step may differ in the last bits (and a
+recipe switch would no longer be bit-identical to a fresh model). The auto table
+therefore keeps the backward on the Triton kernels, which sum in registers
+(deterministic; slower, see RESULTS.md); the ``cuda`` backend chosen explicitly
+runs cuDNN's backward, except under ``torch.use_deterministic_algorithms(True)``.
 
 Layouts. q, k, v are the op's views of the fused QKV tensor (B, T, H + 2·Hkv, D);
 cuDNN writes o in q's stride order, so o's (B, T, H·D) merge is a view. Its
@@ -26,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from ..reference.attention import check_attention, check_attention_backward
-from ..triton.attention import merge_head_gradients
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason"]
@@ -57,6 +63,8 @@ def attention_forward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> st
 
 
 def attention_backward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    if torch.are_deterministic_algorithms_enabled():
+        return "cuDNN's attention backward is not deterministic (torch.use_deterministic_algorithms is on)"
     return _unsupported(q, k)
 
 
@@ -109,10 +117,14 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     layout reads another o wrongly (measured: dq of a one-key row, which is 0,
     came out 2.3)."""
     B, H, Hkv, Tq, Tk, D = check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
-    _require_supported(q, k, "attention_backward")
+    reason = attention_backward_unsupported_reason(q, k)
+    if reason is not None:
+        raise ValueError(f"attention_backward: {reason}")
     o, do = _in_layout_of(q, o), _in_layout_of(q, do)
     seed, offset = _rng_placeholders(q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         do, q, k, v, o, lse.unsqueeze(-1), seed, offset, None, None, None, Tq, Tk, 0.0, causal,
         scale=float(softmax_scale))
+    from ..triton.attention import merge_head_gradients  # here: importing this backend loads no triton
+
     return merge_head_gradients(dq, dk, dv)
