@@ -9,7 +9,11 @@ called on its own like ``torch.nn.Embedding``, whose constructor, state-dict key
 
 The forward is the gather; the backward a scatter-add of the output gradient
 into the rows of the tokens that were read, accumulated in fp32 and written in
-the weight's dtype. The output has the weight's dtype (as torch's lookup, which
+the weight's dtype. The scatter-add is torch's embedding backward, which sorts
+the token ids and sums each row's gradients in one fixed order: deterministic on
+the GPU, where ``index_add_`` adds with atomics in whatever order the threads
+arrive (a token that appears thousands of times in a batch then gets different
+last bits from run to run, and so does every later step). The output has the weight's dtype (as torch's lookup, which
 ``torch.autocast`` leaves alone).
 
 Tied weights: the weight is read live from the module's parameter dict at every
@@ -39,8 +43,8 @@ class _Lookup(torch.autograd.Function):
     def backward(fctx, dy: torch.Tensor):
         (idx,) = fctx.saved_tensors
         shape, dtype = fctx.weight_meta
-        dw = torch.zeros(shape, dtype=torch.float32, device=dy.device)
-        dw.index_add_(0, idx.reshape(-1), dy.reshape(-1, shape[1]).float())  # (num, dim)
+        dw = torch.ops.aten.embedding_dense_backward(dy.reshape(-1, shape[1]).float(), idx.reshape(-1), shape[0],
+                                                     -1, False)  # (num, dim) fp32; no padding row, no scaling
         return None, (dw if dtype is torch.float32 else dw.to(dtype))
 
 
