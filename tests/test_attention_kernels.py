@@ -108,8 +108,9 @@ def test_reference_computes_in_fp32_and_rounds_once(dtype):
 # --------------------------------------------------------------------- triton
 
 
-def _check_triton(shape, dtype, causal, scale=None, seed=0, offcentre=False, layout="contiguous", true_grads=True):
-    """o and lse against float64 attention; the gradients against the float64
+def check_kernels(shape, dtype, causal, scale=None, seed=0, offcentre=False, layout="contiguous", true_grads=True,
+                  kernels=tk, name="triton"):
+    """``kernels``' (a backend module's) o and lse against float64 attention; the gradients against the float64
     reference backward fed the kernel's own o and lse (the backward's error alone)
     and, with ``true_grads``, against float64 autograd (also o's rounding, which
     reaches dq and dk through delta = rowsum(o · do))."""
@@ -117,30 +118,30 @@ def _check_triton(shape, dtype, causal, scale=None, seed=0, offcentre=False, lay
     if layout == "bthd":  # (B, T, H, D) storage seen as (B, H, T, D), as a fused projection leaves it
         q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
     scale = 1 / math.sqrt(shape[-1]) if scale is None else scale
-    o, lse = tk.attention_forward(q, k, v, causal, scale)
+    o, lse = kernels.attention_forward(q, k, v, causal, scale)
     o_exact, lse_exact, grads = exact_attention(q, k, v, causal, scale, do)
     key = _KEYS[dtype]
     assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
-    assert_close(o, o_exact, key, _context("triton o", shape, dtype, causal), scaled=True)
-    assert_close(lse, lse_exact, "attention_fp32", _context("triton lse", shape, dtype, causal))
-    got = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
+    assert_close(o, o_exact, key, _context(f"{name} o", shape, dtype, causal), scaled=True)
+    assert_close(lse, lse_exact, "attention_fp32", _context(f"{name} lse", shape, dtype, causal))
+    got = kernels.attention_backward(q, k, v, o, lse, do, causal, scale)
     same_o = ref.attention_backward_reference(*(t.double() for t in (q, k, v, o, lse, do)), causal, scale)
-    for name, g, want, want_same_o, like in zip(("dq", "dk", "dv"), got, grads, same_o, (q, k, v)):
-        assert g.dtype == dtype and g.shape == like.shape, name
-        assert_close(g, want_same_o, key, _context(f"triton {name} (its o)", shape, dtype, causal), scaled=True)
+    for grad, g, want, want_same_o, like in zip(("dq", "dk", "dv"), got, grads, same_o, (q, k, v)):
+        assert g.dtype == dtype and g.shape == like.shape, grad
+        assert_close(g, want_same_o, key, _context(f"{name} {grad} (its o)", shape, dtype, causal), scaled=True)
         if true_grads:
-            assert_close(g, want, key, _context(f"triton {name}", shape, dtype, causal), scaled=True)
+            assert_close(g, want, key, _context(f"{name} {grad}", shape, dtype, causal), scaled=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_bf16_forward_and_backward_against_float64(shape, causal):
-    _check_triton(shape, torch.bfloat16, causal)
+    check_kernels(shape, torch.bfloat16, causal)
 
 
 @pytest.mark.parametrize("dtype,causal", [(torch.float16, True), (torch.float32, False)])
 def test_triton_fp16_fp32_against_float64(dtype, causal):
-    _check_triton(SHAPES[1], dtype, causal)
+    check_kernels(SHAPES[1], dtype, causal)
 
 
 @pytest.mark.parametrize("shape,dtype,causal,layout", [
@@ -149,7 +150,7 @@ def test_triton_fp16_fp32_against_float64(dtype, causal):
     ((2, 4, 2, 35, 35, 32), torch.bfloat16, False, "bthd"),         # strided heads, no copies
 ])
 def test_triton_other_head_dims_and_layouts(shape, dtype, causal, layout):
-    _check_triton(shape, dtype, causal, layout=layout)
+    check_kernels(shape, dtype, causal, layout=layout)
 
 
 def test_triton_offcentre_peaked_scores():
@@ -158,7 +159,7 @@ def test_triton_offcentre_peaked_scores():
     ill-conditioned here (dp - delta cancels to a few percent of delta, so o's bf16
     rounding is amplified: 3% of max|dq| in the reference fed a bf16 o too); the
     backward is held to the float64 reference fed its own o."""
-    _check_triton(SHAPES[0], torch.bfloat16, True, scale=0.5, offcentre=True, true_grads=False)
+    check_kernels(SHAPES[0], torch.bfloat16, True, scale=0.5, offcentre=True, true_grads=False)
 
 
 def test_backend_sends_float64_to_the_reference_and_bf16_to_triton():
@@ -358,20 +359,25 @@ GPU_CASES = [(T, D, causal) for T in (1000, 4096) for D in (64, 128) for causal 
 @gpu
 @pytest.mark.parametrize("T,D,causal", GPU_CASES)
 def test_gpu_bf16_at_real_sizes(T, D, causal):
-    """bf16 kernels against the reference computed in fp32 from the same values."""
+    check_bf16_at_real_size(tk, T, D, causal)
+
+
+def check_bf16_at_real_size(kernels, T, D, causal, name: str = "gpu"):
+    """``kernels``' bf16 forward and backward (B 1, 8:2 heads, T, D) against the
+    reference computed in fp32 from the same values."""
     shape = (1, 8, 2, T, T, D)
     q, k, v, do = qkv(*shape, torch.bfloat16, seed=T + D)
     scale = 1 / math.sqrt(D)
-    o, lse = tk.attention_forward(q, k, v, causal, scale)
+    o, lse = kernels.attention_forward(q, k, v, causal, scale)
     q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
     o32, lse32 = ref.attention_forward_reference(q32, k32, v32, causal, scale)
-    assert_close(o, o32, "attention_bf16", _context("gpu o", shape, "bf16", causal), scaled=True)
-    assert_close(lse, lse32, "attention_fp32", _context("gpu lse", shape, "bf16", causal))
-    got = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
+    assert_close(o, o32, "attention_bf16", _context(f"{name} o", shape, "bf16", causal), scaled=True)
+    assert_close(lse, lse32, "attention_fp32", _context(f"{name} lse", shape, "bf16", causal))
+    got = kernels.attention_backward(q, k, v, o, lse, do, causal, scale)
     want = ref.attention_backward_reference(q32, k32, v32, o32, lse32, do32, causal, scale)
     del o32, lse32
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        assert_close(g, w, "attention_bf16", _context(f"gpu {name}", shape, "bf16", causal), scaled=True)
+    for grad, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, w, "attention_bf16", _context(f"{name} {grad}", shape, "bf16", causal), scaled=True)
 
 
 @gpu

@@ -16,39 +16,24 @@ from te_fuser.kernels import cuda as ck
 from te_fuser.kernels import reference as ref
 from te_fuser.kernels import triton as tk
 from te_fuser.ops.basic.attention import _fused_gradient
-from test_attention_kernels import SHAPES, _context, _randn, dequantized, exact_attention, fp8_qkv, qkv
+from test_attention_kernels import (SHAPES, _context, _randn, check_bf16_at_real_size, check_kernels, dequantized,
+                                    exact_attention, fp8_qkv, qkv)
 from tolerances import assert_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on a CUDA GPU")
 
-_KEYS = {torch.bfloat16: "attention_bf16", torch.float16: "attention_fp16"}
 # Tq == Tk (what cuDNN is sent): grouped heads 2:1 and 4:1 and none, odd lengths
 SHAPES_SQUARE = [(1, 4, 2, 67, 67, 64), (2, 8, 2, 45, 45, 128), (1, 4, 4, 33, 33, 32)]
-
-
-def _check(shape, dtype, causal, seed=0):
-    q, k, v, do = qkv(*shape, dtype, seed)
-    scale = 1 / math.sqrt(shape[-1])
-    o, lse = ck.attention_forward(q, k, v, causal, scale)
-    o_exact, lse_exact, grads = exact_attention(q, k, v, causal, scale, do)
-    key = _KEYS[dtype]
-    assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
-    assert_close(o, o_exact, key, _context("cuda o", shape, dtype, causal), scaled=True)
-    assert_close(lse, lse_exact, "attention_fp32", _context("cuda lse", shape, dtype, causal))
-    got = ck.attention_backward(q, k, v, o, lse, do, causal, scale)
-    for name, g, want, like in zip(("dq", "dk", "dv"), got, grads, (q, k, v)):
-        assert g.dtype == dtype and g.shape == like.shape, name
-        assert_close(g, want, key, _context(f"cuda {name}", shape, dtype, causal), scaled=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES_SQUARE)
 def test_cudnn_bf16_forward_and_backward_against_float64(shape, causal):
-    _check(shape, torch.bfloat16, causal)
+    check_kernels(shape, torch.bfloat16, causal, kernels=ck, name="cuda")
 
 
 def test_cudnn_fp16_against_float64():
-    _check(SHAPES_SQUARE[0], torch.float16, True)
+    check_kernels(SHAPES_SQUARE[0], torch.float16, True, kernels=ck, name="cuda")
 
 
 def test_the_op_layout_in_and_out():
@@ -88,18 +73,7 @@ def test_triton_fp8_forward_then_cudnn_backward(causal):
 
 @pytest.mark.parametrize("T,D,causal", [(1000, 64, True), (4096, 128, True), (1024, 64, False)])
 def test_cudnn_at_real_sizes(T, D, causal):
-    shape = (1, 8, 2, T, T, D)
-    q, k, v, do = qkv(*shape, torch.bfloat16, seed=T + D)
-    scale = 1 / math.sqrt(D)
-    o, lse = ck.attention_forward(q, k, v, causal, scale)
-    q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
-    o32, lse32 = ref.attention_forward_reference(q32, k32, v32, causal, scale)
-    assert_close(o, o32, "attention_bf16", _context("gpu cuda o", shape, "bf16", causal), scaled=True)
-    assert_close(lse, lse32, "attention_fp32", _context("gpu cuda lse", shape, "bf16", causal))
-    got = ck.attention_backward(q, k, v, o, lse, do, causal, scale)
-    want = ref.attention_backward_reference(q32, k32, v32, o32, lse32, do32, causal, scale)
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        assert_close(g, w, "attention_bf16", _context(f"gpu cuda {name}", shape, "bf16", causal), scaled=True)
+    check_bf16_at_real_size(ck, T, D, causal, "gpu cuda")
 
 
 def test_what_cudnn_does_not_take_goes_to_triton():
