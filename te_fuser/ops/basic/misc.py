@@ -16,8 +16,9 @@ class Quantize(BasicOperation):
     """Casts the tensor to the recipe's FP8 format: with ``forward`` the output is
     a :class:`~te_fuser.quantization.float8_tensor.Float8Tensor` (FP8 values of the
     compute dtype, which a following linear takes as its FP8 input and every other
-    function reads dequantized); with ``backward`` the gradient is rounded onto the
-    FP8 grid. Without a recipe it passes tensors through, and a recipe's
+    function reads dequantized); with ``backward`` the gradient is cast too, and
+    handed on as a Float8Tensor (the input's ``.grad`` is one when Quantize is the
+    first op). Without a recipe it passes tensors through, and a recipe's
     ``backward_override`` keeps the gradient in high precision (as
     TransformerEngine's ``Quantize``). An input that is already FP8 is passed on."""
 
@@ -39,13 +40,6 @@ class Quantize(BasicOperation):
                 quantizers[tensor_type].check_shape((rows, in_shape[-1]), rowwise=True, columnwise=False)
         return in_shape
 
-    @staticmethod
-    def _round_trip(quantizer, t: torch.Tensor) -> torch.Tensor:
-        t2d = t.reshape(-1, t.shape[-1])  # (M, K)
-        q = quantizer.cast(t2d, rowwise=True, columnwise=False)
-        out = q if isinstance(q, torch.Tensor) else q.dequantize(t.dtype)
-        return out.reshape(t.shape)
-
     def op_forward(self, ctx, x, extra_inputs):
         if type(x) is Float8Tensor and self.quantize_forward and ctx.run.quantizing:
             return x, []
@@ -58,8 +52,11 @@ class Quantize(BasicOperation):
         return x, []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
-        if self.quantize_backward and ctx.run.fp8_backward:
-            return self._round_trip(ctx.quantizer("grad_output"), dy), [], []
+        if self.quantize_backward and ctx.run.fp8_backward and type(dy) is not Float8Tensor:
+            t2d = dy.reshape(-1, dy.shape[-1])  # (M, K)
+            q = ctx.quantizer("grad_output").cast(t2d, rowwise=True, columnwise=False)
+            dx = q if isinstance(q, torch.Tensor) else Float8Tensor.from_quantized(q)
+            return dx.reshape(dy.shape), [], []
         return dy, [], []
 
 
