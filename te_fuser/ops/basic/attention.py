@@ -238,7 +238,7 @@ def _fp8_core(ctx: OpContext, op: DotProductAttention, x, batch: int, seq: int):
     if run.backward_override == "high_precision":  # never with an input cast by the GEMM (the rule declines)
         saved = op.split_heads(x_hp, batch, seq)
     else:
-        saved = (q8, k8, v8, scale_inv)
+        saved = (data, scale_inv)  # the fused (M, W) FP8 bytes: one dequantization in the backward
     return o, lse, saved
 
 
@@ -299,10 +299,10 @@ def attention_linear_forward(ctxs, ops, qkv, residual: torch.Tensor | None = Non
 # -- the backward ---------------------------------------------------------------------
 
 
-def _dequantized(t8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    shape = t8.shape
-    operand = ScaledOperand(t8.reshape(-1, shape[-1]), scale_inv, Scaling.TENSOR)  # (B·heads·T, D)
-    return backend.resolve("dequantize", t8.device).fn(operand, dtype).reshape(shape)
+def _dequantized(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (M, W) FP8 QKV bytes with their one scale in ``dtype``."""
+    operand = ScaledOperand(data, scale_inv, Scaling.TENSOR)
+    return backend.resolve("dequantize", data.device).fn(operand, dtype)
 
 
 def attention_backward(ctx: OpContext, op: DotProductAttention, dy: torch.Tensor) -> torch.Tensor | None:
@@ -310,9 +310,10 @@ def attention_backward(ctx: OpContext, op: DotProductAttention, dy: torch.Tensor
     run, saved = ctx.run, ctx.saved
     dtype = run.compute_dtype
     o, lse, x_shape = saved["o"], saved["lse"], saved["x_shape"]
-    q, k, v, *scale = saved["qkv"]
-    if scale:  # the FP8 forward's bytes
-        q, k, v = (_dequantized(t, scale[0], dtype) for t in (q, k, v))
+    if len(saved["qkv"]) == 2:  # the FP8 forward's fused bytes and scale: dequantized once, split as views
+        q, k, v = op.split_heads(_dequantized(*saved["qkv"], dtype), *op.batch_and_seq(x_shape))
+    else:
+        q, k, v = saved["qkv"]
     dy_hp = dy if dy.dtype is dtype else dy.to(dtype)
     if saved["fp8"] and run.fp8_backward:
         dy_hp = ctx.quantizers["do"].cast(dy_hp, rowwise=True).dequantize(dtype)
