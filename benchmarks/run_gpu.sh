@@ -30,8 +30,8 @@ for part in $parts; do
       timeout 60 python3 examples/graphed_step.py 2>&1 | tee -a "$OUT/step.log" | tail -4 ;;
     small) timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24 ;;
     mlp) timeout 200 python3 benchmarks/bench_layers.py --cases mlp 2>&1 | tee "$OUT/mlp.log" | tail -16 ;;
-    gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation
-      timeout ${GPT_TIMEOUT:-420} python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} --json "$OUT/gpt.json" 2>&1 \
+    gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation (GPT_GRAPHED=1: te's steps graphed)
+      timeout ${GPT_TIMEOUT:-420} python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} ${GPT_GRAPHED:+--graphed} --json "$OUT/gpt.json" 2>&1 \
         | tee "$OUT/gpt.log" | tail -30 ;;
     profgpt) timeout 300 python3 benchmarks/profile_gpt.py --recipes ${PROF_RECIPES:-bf16 delayed current} --timed 5 --steps 2 ${PROF_HOST:+--host} ${PROF_HOSTONLY:+--host-only} ${PROF_ATTENTION:+--attention $PROF_ATTENTION} ${PROF_COMPILE:+--compile} 2>&1 | tee "$OUT/profgpt.log" | tail -80 ;;
     new)  # this stop's tests on the GPU: the CUDA casts and state update, the row-wise recipe, the guard, training
