@@ -453,6 +453,7 @@ class PhaseClock:
     first_step_ms: float | None = None
     timed_s: float = 0.0
     timed_steps: int = 0
+    last_window: tuple[float, int] | None = None  # (seconds, steps) between the last two sync points
     _t0: float = 0.0
     _steps: int = 0
 
@@ -471,10 +472,19 @@ class PhaseClock:
             self.first_step_ms = 1e3 * elapsed
         else:
             self.timed_s, self.timed_steps = self.timed_s + elapsed, self.timed_steps + self._steps
+            self.last_window = (elapsed, self._steps)
         return elapsed, self._steps
 
     def tokens_per_s(self, tokens_per_step: int) -> float | None:
         return self.timed_steps * tokens_per_step / self.timed_s if self.timed_steps else None
+
+    def steady_tokens_per_s(self, tokens_per_step: int) -> float | None:
+        """The rate of the phase's last window (its last ``--log-every`` steps or fewer):
+        past the first steps of a switch, a graph's capture among them."""
+        if self.last_window is None:
+            return None
+        elapsed, steps = self.last_window
+        return steps * tokens_per_step / elapsed
 
 
 def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
@@ -497,15 +507,17 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
             if eval_due:
                 evaluate(arm, run, phase, done)
             clock.restart()
-    _finish_phase(arm, phase, first_step, clock.first_step_ms, clock.tokens_per_s(tokens_per_step), refusions_before)
+    _finish_phase(arm, phase, first_step, clock, tokens_per_step, refusions_before)
 
 
-def _finish_phase(arm: Arm, phase: Phase, first_step: int, first_step_ms: float, tokens_per_s: float | None,
+def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, tokens_per_step: int,
                   refusions_before: int | None) -> None:
     recipe, last_eval = arm.recipe(phase), arm.evals[-1]
+    first_step_ms, tokens_per_s = clock.first_step_ms, clock.tokens_per_s(tokens_per_step)
     record = {
         "phase": phase.name, "numerics": arm.numerics(phase), "recipe": None if recipe is None else str(recipe),
         "steps": phase.steps, "first_step_ms": first_step_ms, "tokens_per_s": tokens_per_s,
+        "steady_tokens_per_s": clock.steady_tokens_per_s(tokens_per_step),
         "val_bpb": last_eval["val_bpb"], "val_bpb_bf16": last_eval["val_bpb_bf16"],
     }
     if refusions_before is not None:
@@ -717,13 +729,15 @@ def _overall_tokens_per_s(phases: list[dict]) -> float | None:
 
 def print_summary(arms: list[Arm]) -> None:
     print(f"\n{'arm':<8} {'phase':<11} {'numerics':<11} {'val bpb':>8} {'in bf16':>8} {'k tok/s':>8} "
-          f"{'1st step ms':>11}")
+          f"{'steady':>8} {'1st step ms':>11}")
     for arm in arms:
         for p in arm.phases:
             bf16 = "-" if p["val_bpb_bf16"] is None else f"{p['val_bpb_bf16']:.4f}"
-            speed = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s'] / 1e3:.1f}"
+            speed, steady = ("-" if v is None else f"{v / 1e3:.1f}" for v in (p["tokens_per_s"],
+                                                                              p["steady_tokens_per_s"]))
             print(f"{arm.name:<8} {p['phase']:<11} {p['numerics']:<11} {p['val_bpb']:>8.4f} {bf16:>8} {speed:>8} "
-                  f"{p['first_step_ms']:>11.1f}")
+                  f"{steady:>8} {p['first_step_ms']:>11.1f}")
+    print("(k tok/s: a phase's steps after its first; steady: its last --log-every window)")
     print(f"\n{'arm':<8} {'held as':<12} {'weights MiB':>11} {'params MiB':>10} {'start MiB':>9} {'peak MiB':>9}")
     for arm in arms:
         m = arm.memory

@@ -169,8 +169,10 @@ def test_smoke_run_writes_the_json(smoke_run):
     for arm in written["arms"].values():
         assert {"losses", "phases", "evals", "tokens_per_s"} <= set(arm)
         assert arm["tokens_per_s"] > 0
-        assert {"val_bpb", "val_bpb_bf16", "tokens_per_s", "first_step_ms", "steps", "weight_bytes"} <= set(
-            arm["phases"][0])
+        assert {"val_bpb", "val_bpb_bf16", "tokens_per_s", "steady_tokens_per_s", "first_step_ms", "steps",
+                "weight_bytes"} <= set(arm["phases"][0])
+        for phase in arm["phases"]:  # 4-step phases logged every 4: one window after the first step
+            assert phase["steady_tokens_per_s"] == phase["tokens_per_s"] > 0
         memory = arm["memory"]
         assert not memory["fp8_parameters"]
         if torch.cuda.is_available():  # the run's default device
