@@ -274,3 +274,16 @@ def test_graphed_steps_train_as_the_eager_steps(monkeypatch):
     a, b = eager["arms"]["te"]["losses"], graphed["arms"]["te"]["losses"]
     assert len(a) == len(b) == 15
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=2e-3, atol=0)
+
+
+def test_the_determinism_check_finds_two_runs_identical(capsys):
+    """``benchmarks/check_determinism.py``: the te arm trained twice in one process,
+    through an evaluation between phases of one recipe and a switch, gives the same
+    loss bits (on the GPU it also compares a graphed run: ``run_gpu.sh determinism``)."""
+    spec = importlib.util.spec_from_file_location("check_determinism", ROOT / "benchmarks" / "check_determinism.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.first_difference([1.0, 2.0], [1.0, 2.5]) == (1, 2.0, 2.5)
+    assert check.first_difference([1.0], [1.0]) is None
+    assert check.main(["--schedule", "bf16:3,bf16:2,delayed:2", "--device", "cpu"]) == 0
+    assert "eager 2  identical to eager 1" in capsys.readouterr().out
