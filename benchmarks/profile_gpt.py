@@ -105,8 +105,9 @@ def main(argv=None):
     p.add_argument("--timed", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--host", action="store_true", help="also profile the host's Python per arm (cProfile)")
-    p.add_argument("--attention", choices=["sdpa", "te"], default="sdpa",
-                   help="the GPT's attention: torch SDPA between the fused groups, or te_fuser's attention ops")
+    p.add_argument("--attention", choices=["sdpa", "te"], default="te",
+                   help="the GPT's attention: te_fuser's attention ops (the default, as in train_gpt.py), "
+                        "or torch SDPA between the fused groups")
     p.add_argument("--host-only", action="store_true",
                    help="time each arm at a tiny width with the same layers: the GPU work is negligible, so the step "
                         "time is the host's (what the host costs per step at full size, when it is not hidden)")
