@@ -30,6 +30,8 @@ here on the GPU).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..reference.attention import check_attention, check_attention_backward
@@ -41,20 +43,27 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
 
 
+@functools.lru_cache(maxsize=None)
+def _device_reason(device: torch.device) -> str | None:
+    """What the device or the build lacks (asked once per device)."""
+    if device.type != "cuda":
+        return f"cuDNN attention needs CUDA tensors, got {device.type}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "cuDNN fused attention needs sm_80 or later"
+    if not torch.backends.cudnn.is_available() or torch.backends.cudnn.version() < 90000:
+        return "cuDNN attention needs cuDNN 9 or later"
+    return None
+
+
 def _unsupported(q, k) -> str | None:
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return None  # the check names the argument
     if q.dtype not in _DTYPES:
         return f"cuDNN attention takes bf16 and fp16, got {q.dtype}"
-    if q.device.type != "cuda":
-        return f"cuDNN attention needs CUDA tensors, got {q.device.type}"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
-        return "cuDNN fused attention needs sm_80 or later"
-    if not torch.backends.cudnn.is_available() or torch.backends.cudnn.version() < 90000:
-        return "cuDNN attention needs cuDNN 9 or later"
-    if q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
+    reason = _device_reason(q.device)
+    if reason is None and q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
         return "queries and keys of different lengths go to the triton kernels"
-    return None
+    return reason
 
 
 def attention_forward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -68,19 +77,33 @@ def attention_backward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> s
     return _unsupported(q, k)
 
 
-def _require_supported(q, k, kernel: str) -> None:
-    reason = _unsupported(q, k)
+def _require(reason: str | None, kernel: str) -> None:
     if reason is not None:
         raise ValueError(f"{kernel}: {reason}")
 
 
 def attention_forward(q, k, v, causal, softmax_scale):
     """``(o, lse)`` as :func:`attention_forward_reference`, on cuDNN."""
-    B, H, _, Tq, _, _ = check_attention(q, k, v, causal, softmax_scale)
-    _require_supported(q, k, "attention_forward")
+    check_attention(q, k, v, causal, softmax_scale)
+    _require(attention_forward_unsupported_reason(q, k), "attention_forward")
+    return _cudnn_forward(q, k, v, causal, softmax_scale)
+
+
+def _forward_supported(q, k, v, causal, softmax_scale):
+    """:func:`attention_forward` for operands whose reason ``te_fuser.backend`` has
+    already asked: the argument checks without a second one."""
+    check_attention(q, k, v, causal, softmax_scale)
+    return _cudnn_forward(q, k, v, causal, softmax_scale)
+
+
+def _cudnn_forward(q, k, v, causal, softmax_scale):
+    B, H, Tq = q.shape[:3]
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                              scale=float(softmax_scale))
     return out[0], out[1].reshape(B, H, Tq)
+
+
+attention_forward.when_supported = _forward_supported
 
 
 def _rng_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,15 +139,27 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     torch keeps one cuDNN plan per q, k, v layout, and a plan built for one o
     layout reads another o wrongly (measured: dq of a one-key row, which is 0,
     came out 2.3)."""
-    B, H, Hkv, Tq, Tk, D = check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
-    reason = attention_backward_unsupported_reason(q, k)
-    if reason is not None:
-        raise ValueError(f"attention_backward: {reason}")
+    check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    _require(attention_backward_unsupported_reason(q, k), "attention_backward")
+    return _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale)
+
+
+def _backward_supported(q, k, v, o, lse, do, causal, softmax_scale):
+    """:func:`attention_backward` without the second look at its reason (see
+    :func:`_forward_supported`)."""
+    check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    return _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale)
+
+
+def _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale):
     o, do = _in_layout_of(q, o), _in_layout_of(q, do)
     seed, offset = _rng_placeholders(q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        do, q, k, v, o, lse.unsqueeze(-1), seed, offset, None, None, None, Tq, Tk, 0.0, causal,
+        do, q, k, v, o, lse.unsqueeze(-1), seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
         scale=float(softmax_scale))
     from ..triton.attention import merge_head_gradients  # here: importing this backend loads no triton
 
     return merge_head_gradients(dq, dk, dv)
+
+
+attention_backward.when_supported = _backward_supported
