@@ -20,26 +20,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import train_gpt  # noqa: E402
+
 DEFAULT_SCHEDULE = "bf16:5,bf16:3,delayed:4,current:4"
 
 
-def _train_gpt():
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def losses(train_gpt, argv: list[str]) -> list[float]:
+def losses(argv: list[str]) -> list[float]:
     with contextlib.redirect_stdout(io.StringIO()):
         return train_gpt.main(argv)["arms"]["te"]["losses"]
 
@@ -62,16 +55,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < (1 if args.graphed else 2):
         parser.error("--repeats: at least 2 eager runs to compare (1 with --graphed)")
-    train_gpt = _train_gpt()
     base = ["--size", args.size, "--device", args.device, "--schedule", args.schedule, "--arms", "te",
             "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100", "--adamw", "fused"]
+    make_adamw = train_gpt.make_adamw
     if args.graphed:  # the eager runs on the graphed run's optimizer
-        make_adamw = train_gpt.make_adamw
         train_gpt.make_adamw = lambda *a, capturable=False: make_adamw(*a, capturable=True)
-    runs = [("eager 1", losses(train_gpt, base))]
-    runs += [(f"eager {i + 2}", losses(train_gpt, base)) for i in range(args.repeats - 1)]
-    if args.graphed:
-        runs.append(("graphed", losses(train_gpt, base + ["--graphed"])))
+    try:
+        runs = [(f"eager {i + 1}", losses(base)) for i in range(args.repeats)]
+        if args.graphed:
+            runs.append(("graphed", losses(base + ["--graphed"])))
+    finally:
+        train_gpt.make_adamw = make_adamw
     print(f"{args.size} GPT on {args.device}, schedule {args.schedule}: {len(runs[0][1])} steps, "
           f"torch {torch.__version__}")
     failed = False

@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from profile_gpt import step_fn  # noqa: E402
 
 import te_fuser as te  # noqa: E402
 from te_fuser import backend  # noqa: E402
@@ -85,18 +86,7 @@ def gpt_step(recipe, te_arm: bool):
         model = twin
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as the GPU run (CPU has a fused AdamW too)
     batch = torch.randint(0, 256, (GPT_CONFIG.batch_size, GPT_CONFIG.seq_len + 1))
-    x, y = batch[:, :-1], batch[:, 1:]
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST["bf16"]), \
-                te.autocast(enabled=recipe is not None, recipe=recipe):
-            logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return step_fn(model, opt, recipe, batch, "cpu", AUTOCAST["bf16"])
 
 
 MODELS = {"linear": linear_step, "gpt": gpt_step}

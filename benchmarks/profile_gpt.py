@@ -35,11 +35,14 @@ RECIPES = {"bf16": None, "delayed": te.recipe.DelayedScaling(), "current": te.re
            "delayed_mha": te.recipe.DelayedScaling(fp8_mha=True)}
 
 
-def step_fn(model, opt, recipe, batch):
+def step_fn(model, opt, recipe, batch, device_type: str = "cuda", bf16_autocast: bool = True):
+    """One training step of ``model`` on ``batch`` (B, T+1): forward under bf16
+    autocast (``bf16_autocast``) and ``recipe``, cross-entropy, backward, ``opt``."""
     x, y = batch[:, :-1], batch[:, 1:]
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16_autocast), \
+                te.autocast(enabled=recipe is not None, recipe=recipe):
             logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
