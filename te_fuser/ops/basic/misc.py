@@ -45,19 +45,21 @@ class Quantize(BasicOperation):
             return x, []
         x = x.to(ctx.run.compute_dtype)
         if self.quantize_forward and ctx.run.quantizing:
-            q = ctx.quantizer("input").cast(x, rowwise=True, columnwise=False)
-            return (q if isinstance(q, torch.Tensor) else Float8Tensor.from_quantized(q)), []
+            return _float8(ctx.quantizer("input"), x), []
         if self.quantize_forward and ctx.run.calibrating:
             ctx.quantizer("input").observe(x.reshape(-1, x.shape[-1]))
         return x, []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         if self.quantize_backward and ctx.run.fp8_backward and type(dy) is not Float8Tensor:
-            t2d = dy.reshape(-1, dy.shape[-1])  # (M, K)
-            q = ctx.quantizer("grad_output").cast(t2d, rowwise=True, columnwise=False)
-            dx = q if isinstance(q, torch.Tensor) else Float8Tensor.from_quantized(q)
-            return dx.reshape(dy.shape), [], []
+            return _float8(ctx.quantizer("grad_output"), dy), [], []
         return dy, [], []
+
+
+def _float8(quantizer, t: torch.Tensor) -> torch.Tensor:
+    """``t`` cast by ``quantizer`` (its row-wise copy), as a Float8Tensor of ``t``'s shape."""
+    q = quantizer.cast(t, rowwise=True, columnwise=False)
+    return q if isinstance(q, torch.Tensor) else Float8Tensor.from_quantized(q)
 
 
 class _PassesDtype(BasicOperation):
