@@ -43,6 +43,7 @@ KERNELS = (
     "rms_norm",
     "rms_norm_grad",
     "delayed_scale_update",            # delayed scaling's history, scale and counters in one step
+    "delayed_scale_update_many",       # the same for many quantizers of one configuration, in one pass
     "rotary",                          # rotary position embedding of the leading heads (forward or inverse)
     "attention_forward",               # flash attention: o and the rows' log-sum-exp (causal, grouped kv heads)
     "attention_backward",              # its gradients dq, dk, dv from o and the log-sum-exp

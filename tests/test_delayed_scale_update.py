@@ -11,6 +11,7 @@ GPU the last tests run it compiled on CUDA tensors at the default history length
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -27,7 +28,27 @@ FLT_MAX = torch.finfo(torch.float32).max
 INF, NAN = math.inf, math.nan
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-IMPLEMENTATIONS = {"reference": ref.delayed_scale_update_reference, "triton": tk.delayed_scale_update}
+
+
+def _many_as_one(amax_history, amax, scale, nonfinite_count, fp8_dtype, margin=0, algo="max", many=None):
+    """``delayed_scale_update_many`` on this case between two others (the same
+    configuration; another history, amax, scale and count each), row 1 returned;
+    the neighbours' rows are checked against the one-quantizer reference, so a
+    mix-up of rows shows."""
+    others = [(amax_history.flip(0), amax * 2, scale * 3, nonfinite_count + 1),
+              (amax_history * 0.5, torch.full_like(amax, INF), scale * 0.5, nonfinite_count + 2)]
+    rows = [others[0], (amax_history, amax, scale, nonfinite_count), others[1]]
+    out = (many or ref.delayed_scale_update_many_reference)(*map(list, zip(*rows)), fp8_dtype, margin, algo)
+    for i in (0, 2):
+        want = ref.delayed_scale_update_reference(*rows[i], fp8_dtype, margin, algo)
+        for field, got, w in zip(("history", "scale", "scale_inv", "count"), (o[i] for o in out), want):
+            assert_bitwise(got, w, f"delayed_scale_update_many: neighbour row {i} {field}")
+    return tuple(o[1] for o in out)
+
+
+IMPLEMENTATIONS = {"reference": ref.delayed_scale_update_reference, "triton": tk.delayed_scale_update,
+                   "many": _many_as_one,
+                   "triton many": functools.partial(_many_as_one, many=tk.delayed_scale_update_many)}
 if cuda.unavailable_reason() is None:  # a Hopper GPU with the CUDA build: the CUDA kernel too
     IMPLEMENTATIONS["cuda"] = cuda.delayed_scale_update
 
@@ -239,7 +260,7 @@ def test_old_state_is_not_written():
     write it (nor any input) in place."""
     from te_fuser.quantization import DelayedScalingQuantizer
 
-    for name in IMPLEMENTATIONS:
+    for name in [n for n in IMPLEMENTATIONS if n in ("reference", "triton", "cuda")]:  # the backends
         with _backend(name):
             q = DelayedScalingQuantizer(E4M3, amax_history_len=3)
             first = q(torch.full((4, 16), 2.0, device=DEVICE))
@@ -314,7 +335,7 @@ def test_compiled_update_in_a_quantizer_matches_reference():
     inputs = [torch.randn(64, 256, device="cuda", generator=gen).bfloat16() * s for s in (1, 30, 0.01, 0, 4, 1e4)]
     inputs[4][3, 7] = INF
     runs = {}
-    for name in IMPLEMENTATIONS:
+    for name in [n for n in IMPLEMENTATIONS if n in ("reference", "triton", "cuda")]:  # the backends
         with _backend(name):
             q = DelayedScalingQuantizer(E4M3, margin=1)
             runs[name] = []

@@ -427,14 +427,67 @@ def _resolved_kernels(monkeypatch) -> list:
 
 @pytest.mark.parametrize("algo", ["max", "most_recent", second_newest])
 def test_a_call_updates_the_state_in_one_kernel(monkeypatch, algo):
-    """``"max"`` and ``"most_recent"`` update the state with one delayed_scale_update call
-    (one launch on a GPU); a callable algorithm runs torch ops instead."""
+    """A cast leaves its update waiting until the state is read; then ``"max"`` and
+    ``"most_recent"`` update with one delayed_scale_update call (one launch on a
+    GPU), a callable algorithm with torch ops."""
     quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3, amax_compute_algo=algo)
     quantizer(with_amax(2.0))
+    quantizer.scale  # noqa: B018 -- applies the first update
     names = _resolved_kernels(monkeypatch)
     quantizer(with_amax(4.0))
+    assert names == ["quantize_tensorwise"], names
+    assert_bitwise(quantizer.amax_history[:2], torch.tensor([4.0, 2.0]), "the read applied the update")
     fused = isinstance(algo, str)
     assert names == ["quantize_tensorwise"] + (["delayed_scale_update"] if fused else []), names
+
+
+def _quantizer_set():
+    """Quantizers of three configurations: two of ``BATCH_FROM`` or more alike (one
+    batch each), one of fewer (one update each); one with a callable algorithm."""
+    from te_fuser.quantization.delayed import BATCH_FROM
+
+    same = [DelayedScalingQuantizer(E4M3, amax_history_len=4) for _ in range(BATCH_FROM + 1)]
+    other = [DelayedScalingQuantizer(E5M2, amax_history_len=4, margin=2) for _ in range(BATCH_FROM)]
+    few = [DelayedScalingQuantizer(E4M3, amax_history_len=2, amax_compute_algo="most_recent")
+           for _ in range(BATCH_FROM - 1)]
+    callable_algo = [DelayedScalingQuantizer(E4M3, amax_history_len=3, amax_compute_algo=second_newest)]
+    return same + other + few + callable_algo
+
+
+@pytest.mark.parametrize("backend_name", ["auto", "triton"])
+def test_waiting_updates_run_as_one_batch_per_configuration_bit_for_bit(monkeypatch, backend_name):
+    """Casts of many quantizers between two reads of the state: the alike ones
+    update with one ``delayed_scale_update_many`` per configuration, and every
+    cast, scale and history is bit for bit what an update after each cast gives
+    (inf, NaN, 0 and tiny amaxes included; the first cast seeds)."""
+    import te_fuser as te
+
+    special = [3.0, 0.5, INF, 7.0, 1e-40, 2.0, 0.0, NAN, 9.0, 1e30, 0.125, 6.0, 1.5]
+    n = len(_quantizer_set())
+    amaxes = [[special[(i * 5 + step * 3) % len(special)] for i in range(n)] for step in range(4)]
+    previous = te.get_backend()
+    te.set_backend(backend_name)
+    try:
+        _batch_against_one_by_one(monkeypatch, amaxes)
+    finally:
+        te.set_backend(previous)
+
+
+def _batch_against_one_by_one(monkeypatch, amaxes):
+    batched, one_by_one = _quantizer_set(), _quantizer_set()
+    names = _resolved_kernels(monkeypatch)
+    for step, row in enumerate(amaxes):
+        inputs = [with_amax(a).to(DEVICE) for a in row]
+        got = [q(x) for q, x in zip(batched, inputs)]  # their updates wait
+        for i, (q, x) in enumerate(zip(one_by_one, inputs)):
+            want = q(x)
+            q.scale  # noqa: B018 -- each updates after its cast (the first read also applies the batch's)
+            assert_bitwise(got[i].rowwise.data, want.rowwise.data, f"step {step} quantizer {i} FP8 data")
+            assert_bitwise(got[i].rowwise.scale_inv, want.rowwise.scale_inv, f"step {step} quantizer {i} scale_inv")
+        assert names.count("delayed_scale_update_many") == 2 * (step + 1), names
+    for i, (a, b) in enumerate(zip(batched, one_by_one)):
+        for name in DelayedScalingQuantizer.STATE_TENSORS:
+            assert_bitwise(a.state_tensors()[name], b.state_tensors()[name], f"quantizer {i} {name}")
 
 
 def _drive(backend_name: str, algo, margin: int, fp8_dtype) -> list:

@@ -32,13 +32,14 @@ keep the ``scale_inv`` they were cast with).
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
 from ..formats import fp8_max
 from .cast import FLT_MAX
 
-__all__ = ["delayed_scale_update_reference", "check_update_arguments"]
+__all__ = ["delayed_scale_update_reference", "delayed_scale_update_many_reference", "check_update_arguments"]
 
 AMAX_ALGOS = ("max", "most_recent")
 
@@ -107,3 +108,50 @@ def delayed_scale_update_reference(
     new_scale, _ = guarded_scale(quotient, history_amax, scale)
     new_scale = torch.where(recorded, new_scale, scale)  # a skipped call keeps the scale
     return history, new_scale, torch.reciprocal(new_scale), nonfinite_count + recorded.logical_not()
+
+
+def delayed_scale_update_many_reference(
+    amax_histories: Sequence[torch.Tensor],
+    amaxes: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    nonfinite_counts: Sequence[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    algo: str = "max",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``delayed_scale_update`` of ``N`` quantizers that share a history length,
+    FP8 format, margin and algorithm, in one pass over their stacked state: row
+    ``i`` of ``(histories (N, L), scales (N,), scale_invs (N,), counts (N,))`` is
+    what ``delayed_scale_update`` gives for the ``i``-th arguments, bit for bit.
+    The same few ops whatever ``N``: what a step's deferred updates cost is then
+    one batch, not one launch per cast."""
+    n = len(amax_histories)
+    if not (n == len(amaxes) == len(scales) == len(nonfinite_counts)) or n == 0:
+        raise ValueError(
+            "delayed_scale_update_many: amax_histories, amaxes, scales and nonfinite_counts must be equally long "
+            f"and not empty, got {n}, {len(amaxes)}, {len(scales)}, {len(nonfinite_counts)}"
+        )
+    if algo not in AMAX_ALGOS:
+        raise ValueError(f"delayed_scale_update_many: algo must be one of {list(AMAX_ALGOS)}, got {algo!r}")
+    try:
+        history = torch.stack(list(amax_histories))  # (N, L)
+        amax = torch.cat([a.reshape(1) for a in amaxes])  # (N,)
+        scale = torch.stack([s.reshape(()) for s in scales])
+        count = torch.stack([c.reshape(()) for c in nonfinite_counts])
+    except RuntimeError as err:
+        raise ValueError(f"delayed_scale_update_many: the quantizers' states do not stack ({err})") from None
+    if history.dim() != 2 or history.shape[1] == 0 or history.dtype != torch.float32 or amax.dtype != torch.float32 \
+            or scale.dtype != torch.float32 or count.dtype != torch.int64:
+        raise ValueError(
+            "delayed_scale_update_many: needs 1-D fp32 histories of one length, one-element fp32 amaxes and scales "
+            f"and int64 counts, got histories {tuple(history.shape)} {history.dtype}, amaxes {amax.dtype}, "
+            f"scales {scale.dtype}, counts {count.dtype}"
+        )
+    recorded = amax < math.inf  # (N,): False for inf and NaN
+    shifted = torch.cat((amax.unsqueeze(1), history[:, :-1]), dim=1)
+    history = torch.where(recorded.unsqueeze(1), shifted, history)
+    history_amax = history.amax(dim=1) if algo == "max" else history[:, 0]
+    quotient = divide_by_power_of_2(torch.div(fp8_max(fp8_dtype), history_amax), margin)
+    new_scale, _ = guarded_scale(quotient, history_amax, scale)
+    new_scale = torch.where(recorded, new_scale, scale)
+    return history, new_scale, torch.reciprocal(new_scale), count + recorded.logical_not()

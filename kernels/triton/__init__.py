@@ -8,7 +8,7 @@ to FP8 with a given scale and reduces its amax) and :func:`dact_dbias` (activati
 gradient and bias gradient in one pass). :func:`rms_norm` and
 :func:`rms_norm_grad` make one pass each over the data. :func:`delayed_scale_update`
 is the whole delayed-scaling state update (history, scale, scale_inv, count) in one
-launch. :func:`amax_column_sums` reads a gradient once for its current-scaling amax
+launch; :func:`delayed_scale_update_many` that of many quantizers, one program each. :func:`amax_column_sums` reads a gradient once for its current-scaling amax
 and its bias gradient (:func:`quantize_current_column_sums` then casts it); :func:`quantize_tensorwise_column_sums` is the delayed-scaling
 cast that also returns the bias gradient from its one read. :func:`attention_forward`,
 :func:`attention_backward` and :func:`attention_forward_fp8` are flash attention
@@ -28,7 +28,7 @@ from .grouped_gemm import (grouped_gemm, grouped_gemm_unsupported_reason, groupe
                            grouped_gemm_wgrad_unsupported_reason)
 from .norm import rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason
 from .rotary import rotary, rotary_unsupported_reason
-from .scaling import delayed_scale_update
+from .scaling import delayed_scale_update, delayed_scale_update_many
 
 __all__ = [
     "quantize_tensorwise",
@@ -54,6 +54,7 @@ __all__ = [
     "rms_norm_unsupported_reason",
     "rms_norm_grad_unsupported_reason",
     "delayed_scale_update",
+    "delayed_scale_update_many",
     "rotary",
     "rotary_unsupported_reason",
     "attention_forward",

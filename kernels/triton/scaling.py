@@ -1,7 +1,8 @@
-"""The delayed-scaling state update in one Triton program.
+"""The delayed-scaling state update, one Triton program per quantizer.
 
-The rules are those of :mod:`te_fuser.kernels.reference.scaling`. One program
-walks the amax history in blocks: it writes the new history and, for
+The rules are those of :mod:`te_fuser.kernels.reference.scaling`. A program
+walks one quantizer's amax history in blocks (``delayed_scale_update``: one
+program; ``delayed_scale_update_many``: one per row of the stacked states): it writes the new history and, for
 ``algo="max"``, reduces its maximum (NaN when any entry is NaN, as ``torch.amax``);
 then it writes the next scale, its reciprocal and the non-finite count. The new
 history is the old one read at an offset of one (slot 0 = this call's amax) when
@@ -18,14 +19,16 @@ steps any fp32 value is 0, inf or NaN, so more steps change nothing.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
-from ..reference.scaling import AMAX_ALGOS, check_update_arguments
+from ..reference.scaling import AMAX_ALGOS, check_update_arguments, delayed_scale_update_many_reference
 from ._common import fp8_format
 
-__all__ = ["delayed_scale_update"]
+__all__ = ["delayed_scale_update", "delayed_scale_update_many"]
 
 _MAX_BLOCK = 1024
 _MARGIN_STEPS = 6  # a finite fp32 is below 2**128: 2**128 / 2**(64 * 5) rounds to 0
@@ -35,6 +38,15 @@ _MARGIN_STEPS = 6  # a finite fp32 is below 2**128: 2**128 / 2**(64 * 5) rounds 
 def _delayed_scale_update_kernel(history_ptr, amax_ptr, scale_ptr, count_ptr, new_history_ptr, new_scale_ptr,
                                  new_scale_inv_ptr, new_count_ptr, L, margin_steps, margin_rest,
                                  FMAX: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # the quantizer: row of the stacked states (0 for one)
+    history_ptr += row * L
+    new_history_ptr += row * L
+    amax_ptr += row
+    scale_ptr += row
+    count_ptr += row
+    new_scale_ptr += row
+    new_scale_inv_ptr += row
+    new_count_ptr += row
     amax = tl.load(amax_ptr)
     recorded = amax < float("inf")  # False for inf and NaN: the call is skipped
     shift = tl.where(recorded, 1, 0)  # recorded: the history moves up one slot; skipped: a copy
@@ -92,7 +104,6 @@ def delayed_scale_update(
         fits = False
     if not fits:
         check_update_arguments(amax_history, amax, scale, nonfinite_count, margin, algo)
-    fmax = fp8_format(fp8_dtype)[0]
     if not amax_history.is_contiguous():
         amax_history = amax_history.contiguous()
     length = amax_history.numel()
@@ -100,10 +111,52 @@ def delayed_scale_update(
     new_scale = torch.empty((), dtype=torch.float32, device=device)
     new_scale_inv = torch.empty((), dtype=torch.float32, device=device)
     count = torch.empty((), dtype=torch.int64, device=device)
+    _launch(1, amax_history, amax, scale, nonfinite_count, history, new_scale, new_scale_inv, count, length,
+            fp8_dtype, margin, algo)
+    return history, new_scale, new_scale_inv, count
+
+
+def _launch(rows, history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length, fp8_dtype,
+            margin, algo) -> None:
     steps, rest = divmod(margin, 64)
-    _delayed_scale_update_kernel[(1,)](
-        amax_history, amax, scale, nonfinite_count, history, new_scale, new_scale_inv, count, length,
-        min(steps, _MARGIN_STEPS), float(2**rest), FMAX=fmax, ALGO_MAX=algo == "max",
+    _delayed_scale_update_kernel[(rows,)](
+        history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length,
+        min(steps, _MARGIN_STEPS), float(2**rest), FMAX=fp8_format(fp8_dtype)[0], ALGO_MAX=algo == "max",
         BLOCK=max(32, min(triton.next_power_of_2(length), _MAX_BLOCK)), num_warps=4,
     )  # fmt: skip
-    return history, new_scale, new_scale_inv, count
+
+
+def delayed_scale_update_many(
+    amax_histories: Sequence[torch.Tensor],
+    amaxes: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    nonfinite_counts: Sequence[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    algo: str = "max",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The updates of ``N`` quantizers of one configuration: the states stacked,
+    then one launch of one program per quantizer; ``(histories (N, L), scales (N,),
+    scale_invs (N,), counts (N,))``, see
+    :func:`~te_fuser.kernels.reference.delayed_scale_update_many_reference`."""
+    n = len(amax_histories)
+    if not (n == len(amaxes) == len(scales) == len(nonfinite_counts)) or n == 0 or algo not in AMAX_ALGOS \
+            or isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        # the reference names what is wrong
+        return delayed_scale_update_many_reference(amax_histories, amaxes, scales, nonfinite_counts, fp8_dtype,
+                                                   margin, algo)
+    try:
+        history = torch.stack(list(amax_histories))  # (N, L), contiguous
+        amax = torch.cat([a.reshape(1) for a in amaxes])
+        scale = torch.stack([s.reshape(()) for s in scales])
+        count = torch.stack([c.reshape(()) for c in nonfinite_counts])
+    except RuntimeError as err:
+        raise ValueError(f"delayed_scale_update_many: the quantizers' states do not stack ({err})") from None
+    if history.dim() != 2 or history.shape[1] == 0 or history.dtype != torch.float32 or amax.dtype != torch.float32 \
+            or scale.dtype != torch.float32 or count.dtype != torch.int64:
+        return delayed_scale_update_many_reference(amax_histories, amaxes, scales, nonfinite_counts, fp8_dtype,
+                                                   margin, algo)  # which it names
+    new_history, new_scale, new_scale_inv, new_count = (torch.empty_like(t) for t in (history, scale, scale, count))
+    _launch(n, history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, history.shape[1],
+            fp8_dtype, margin, algo)
+    return new_history, new_scale, new_scale_inv, new_count

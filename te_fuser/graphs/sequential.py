@@ -61,6 +61,7 @@ from ..kernels.operand import ScaledOperand
 from ..ops.fuser import compute_dtype
 from ..ops.sequential import Sequential
 from ..ops.weight_cache import optimizer_steps, reuse_quantized_weights, scope_token
+from ..quantization.amax_reduction import discard_pending, flush_amax_reductions
 from ..quantization.tensor import QuantizedTensor
 from .core import (CaptureGuard, GraphStats, StateSlot, drop_weight_caches, quantizers_seeded, reduces_amax,
                    state_slots, weight_casting_ops)
@@ -267,14 +268,21 @@ class GraphedSequential(nn.Module):
         # Captured inside a reuse scope: the cast pair's forward keeps the FP8 weights
         # it writes, which the cached pair then reads in place.
         with reuse_quantized_weights():
-            self._warm_up(graphs, linears)
-            drop_weight_caches(linears)  # the cast pair casts the weights itself
-            pool = torch.cuda.graph_pool_handle()
-            self._capture_pair(graphs, graphs.cast, pool,
-                               after_forward=lambda: _keep_weights(graphs, linears, dtype))
-            self._capture_pair(graphs, graphs.cached, pool, before_forward=lambda: [
-                op.cache_weight(w_q, columnwise, w_dtype) for op, w_dtype, columnwise, w_q in graphs.cast_weights])
-            drop_weight_caches(linears)  # the graphs' memory is rewritten by every replay: eager must not read it
+            try:
+                self._warm_up(graphs, linears)
+                drop_weight_caches(linears)  # the cast pair casts the weights itself
+                pool = torch.cuda.graph_pool_handle()
+                self._capture_pair(graphs, graphs.cast, pool,
+                                   after_forward=lambda: _keep_weights(graphs, linears, dtype))
+                self._capture_pair(graphs, graphs.cached, pool, before_forward=lambda: [
+                    op.cache_weight(w_q, columnwise, w_dtype) for op, w_dtype, columnwise, w_q in graphs.cast_weights])
+            except BaseException:
+                discard_pending()  # amaxes of a capture that failed were never computed
+                for slot in slots:
+                    slot.rebind()
+                raise
+            finally:
+                drop_weight_caches(linears)  # the graphs' memory is rewritten by every replay: eager must not read it
         for op, kept in eager_casts:  # (kept only inside the caller's own reuse scope)
             if kept is not None:
                 op.cache_weight(kept[1], kept[0], dtype)
@@ -299,6 +307,7 @@ class GraphedSequential(nn.Module):
                     raise TypeError("make_graphed: the model must return one tensor")
                 torch.autograd.grad(y, inputs, grad_outputs=torch.ones_like(y), allow_unused=True)
                 del y
+            flush_amax_reductions()  # the warm-up's own updates, on its stream
         torch.cuda.current_stream(x.device).wait_stream(side)
         for slot in graphs.slots:  # the warm-up runs rebound the state; their updates are discarded
             slot.rebind()
@@ -317,6 +326,7 @@ class GraphedSequential(nn.Module):
                 static_y = model(static_x)
                 if after_forward is not None:
                     after_forward()
+                flush_amax_reductions()  # the forward's state updates, inside its graph
             if not isinstance(static_y, torch.Tensor):
                 raise TypeError("make_graphed: the model must return one tensor")
             pair.forward_updates = [(s.home, s.live()) for s in slots if not s.bound()]

@@ -75,6 +75,7 @@ from .. import backend
 from ..autocast import current_state
 from ..epoch import APPLIED as _APPLIED
 from ..ops.fuser import RUN_WATCH
+from ..quantization.amax_reduction import discard_pending
 from .core import (CaptureGuard, GraphStats, drop_weight_caches, quantizers_seeded, reduces_amax, state_slots,
                    weight_casting_ops)
 
@@ -233,6 +234,7 @@ class GraphedStep:
 
     def _undo_capture(self, slots, saved_grads) -> None:
         """A failed capture ran nothing on the GPU: put back what its Python changed."""
+        discard_pending()  # the capture's amaxes were never computed
         for slot in slots:
             slot.rebind()
         for p, g in zip(self._params, saved_grads):

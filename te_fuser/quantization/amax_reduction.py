@@ -1,9 +1,15 @@
-"""Delayed scaling's amax reduction across ranks: which group, and one collective
-per pass for all of a step's amaxes (with the ranks' recipe keys compared in it).
+"""Delayed scaling's deferred state updates: one batch per pass for all of a
+step's amaxes, and across ranks one collective for them (with the ranks' recipe
+keys compared in it).
 
-A delayed-scaling quantizer under a reduction group records its amax here
-(:data:`PENDING`) instead of updating its state at once; :func:`flush_amax_reductions`
-reduces every pending amax and hands each back to its quantizer's ``_update``.
+A delayed-scaling quantizer records each cast's amax here (:data:`PENDING`)
+instead of updating its state at once; :func:`flush_amax_reductions` reduces the
+amaxes of quantizers under a reduction group over their group, then updates every
+waiting quantizer: those of one configuration (history length, format, margin,
+algorithm) with one ``delayed_scale_update_many`` over their stacked state, a
+quantizer alone or with a callable algorithm through its own ``_update``. A
+quantizer flushes before it reads or shows its state, so every cast sees the
+scale an update at once would have given, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import torch
 
 from ..recipe_agreement import different_recipes
 
-__all__ = ["WORLD", "default_group", "PENDING", "flush_amax_reductions"]
+__all__ = ["WORLD", "default_group", "PENDING", "flush_amax_reductions", "discard_pending"]
 
 
 # The default process group, whichever is initialized when a cast runs (a name,
@@ -31,13 +37,13 @@ def default_group():
 
 
 class _PendingAmaxes:
-    """Amaxes recorded under a reduction group but not reduced yet, with their
-    quantizers, in record order. :func:`flush_amax_reductions` reduces them all in
-    one collective per group and applies the updates in that order. It runs when
-    a te.autocast region ends (the forward's casts), when a backward that cast
-    ends (an engine callback), and before any quantizer with a pending amax uses
-    or shows its state: every rank runs the same model, so every rank flushes at
-    the same points and the collectives match."""
+    """Amaxes recorded but not applied yet, with their quantizers and reduction
+    groups (None: none), in record order. :func:`flush_amax_reductions` reduces
+    them in one collective per group and applies the updates. It runs when a
+    te.autocast region ends (the forward's casts), when a backward that cast under
+    a group ends (an engine callback), and before any quantizer with a pending
+    amax uses or shows its state: every rank runs the same model, so every rank
+    flushes at the same points and the collectives match."""
 
     def __init__(self) -> None:
         self.entries: list = []  # (quantizer, amax (1,) fp32, group)
@@ -46,7 +52,9 @@ class _PendingAmaxes:
     def add(self, quantizer, amax: torch.Tensor, group) -> None:
         self.entries.append((quantizer, amax, group))
         quantizer._pending += 1
-        if not self.callback_queued and torch._C._current_graph_task_id() != -1:  # inside a backward
+        # Under a group every rank must flush at the same points: also when a backward
+        # ends. Without one the next use of the state flushes, on the stream that uses it.
+        if group is not None and not self.callback_queued and torch._C._current_graph_task_id() != -1:
             torch.autograd.Variable._execution_engine.queue_callback(flush_amax_reductions)
             self.callback_queued = True
 
@@ -90,11 +98,31 @@ def flush_amax_reductions() -> None:
     _compare_recipes()
     if not entries:
         return
+    reduced = [amax for _, amax, _ in entries]
+    if any(group is not None for _, _, group in entries):
+        _reduce(entries, reduced)
+    _apply(entries, reduced)
+    _compare_recipes()  # host-side digests (gloo on CPU) are there already
+
+
+def discard_pending() -> None:
+    """Drop every waiting amax unapplied: what a failed CUDA-graph capture recorded
+    (its tensors were never computed)."""
+    for quantizer, _, _ in PENDING.entries:
+        quantizer._pending -= 1
+    PENDING.entries = []
+    PENDING.callback_queued = False
+
+
+def _reduce(entries: list, reduced: list) -> None:
+    """All-reduce (max) the amaxes of the entries under a group, one collective
+    per group and device, each carrying the ranks' recipe digests; ``reduced[i]``
+    becomes entry ``i``'s reduced amax."""
     dist = torch.distributed
     batches: dict = {}  # (group, device) -> indices, in first-appearance order
     for i, (_, amax, group) in enumerate(entries):
-        batches.setdefault((id(group), amax.device), (group, []))[1].append(i)
-    reduced = [amax for _, amax, _ in entries]
+        if group is not None:
+            batches.setdefault((id(group), amax.device), (group, []))[1].append(i)
     for group, indices in batches.values():
         keys = [entries[i][0].recipe_key for i in indices]
         mine, rank, world = _keys_digest(keys), dist.get_rank(group), dist.get_world_size(group)
@@ -114,7 +142,19 @@ def flush_amax_reductions() -> None:
             _CHECKS.append((digests, None, mine, keys, rank))
         for j, i in enumerate(indices):
             reduced[i] = buffer[j : j + 1]
-    for (quantizer, _, _), amax in zip(entries, reduced):
+
+
+def _apply(entries: list, amaxes: list) -> None:
+    """Update each entry's quantizer with its amax, in record order per quantizer.
+    A quantizer waits with at most one amax in the usual case (it flushes before
+    its next cast); any later ones of the same quantizer follow, round by round."""
+    for quantizer, _, _ in entries:
         quantizer._pending -= 1
-        quantizer._update(amax)
-    _compare_recipes()  # host-side digests (gloo on CPU) are there already
+    pairs = [(quantizer, amax) for (quantizer, _, _), amax in zip(entries, amaxes)]
+    while pairs:
+        seen, first, later = set(), [], []
+        for quantizer, amax in pairs:
+            (later if id(quantizer) in seen else first).append((quantizer, amax))
+            seen.add(id(quantizer))
+        type(first[0][0]).update_together(first)  # the delayed-scaling quantizers record here
+        pairs = later

@@ -58,6 +58,11 @@ __all__ = ["DelayedScalingQuantizer"]
 
 _STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_count")
 
+# Alike quantizers waiting at a flush from which they update as one batch: fewer
+# update one launch each, which on a GPU costs about what a batch's few torch ops
+# and stacking cost for that many (a step of the GPT has about 50 a pass).
+BATCH_FROM = 8
+
 
 class DelayedScalingQuantizer(Quantizer):
     """Delayed scaling (see the module docstring).
@@ -113,24 +118,73 @@ class DelayedScalingQuantizer(Quantizer):
 
     STATE_TENSORS = ("scale", "scale_inv", "amax_history", "nonfinite_amax_count")
 
+    # The state as users and holders see it: any amax still waiting (see _record) is
+    # applied first. The methods below read the stored tensors after their own _flush.
+    @property
+    def scale(self) -> torch.Tensor:
+        self._flush()
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: torch.Tensor) -> None:
+        self._flush()
+        self._scale = value
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        self._flush()
+        return self._scale_inv
+
+    @scale_inv.setter
+    def scale_inv(self, value: torch.Tensor) -> None:
+        self._flush()
+        self._scale_inv = value
+
+    @property
+    def amax_history(self) -> torch.Tensor:
+        self._flush()
+        return self._amax_history
+
+    @amax_history.setter
+    def amax_history(self, value: torch.Tensor) -> None:
+        self._flush()
+        self._amax_history = value
+
+    @property
+    def nonfinite_amax_count(self) -> torch.Tensor:
+        self._flush()
+        return self._nonfinite_amax_count
+
+    @nonfinite_amax_count.setter
+    def nonfinite_amax_count(self, value: torch.Tensor) -> None:
+        self._flush()
+        self._nonfinite_amax_count = value
+
+    def __getstate__(self) -> dict:
+        """A copy or a pickle holds the state with every waiting amax applied (the
+        waiting list names this object, not the copy)."""
+        self._flush()
+        return self.__dict__.copy()
+
     def _checked_int(self, name: str, value: Any, minimum: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"DelayedScalingQuantizer.{name}: must be an integer >= {minimum}, got {value!r}")
         return value
 
     def _reset(self, device: torch.device) -> None:
-        self.scale = torch.ones((), dtype=torch.float32, device=device)
-        self.scale_inv = torch.ones((), dtype=torch.float32, device=device)
-        self.amax_history = torch.zeros(self.amax_history_len, dtype=torch.float32, device=device)
-        self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
+        self._flush()  # a waiting amax belongs to the state being replaced
+        self._scale = torch.ones((), dtype=torch.float32, device=device)
+        self._scale_inv = torch.ones((), dtype=torch.float32, device=device)
+        self._amax_history = torch.zeros(self.amax_history_len, dtype=torch.float32, device=device)
+        self._nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
         self.seeded = False
 
     def _move_state(self, device: torch.device) -> None:
-        if self.scale.device != device:  # once, on first use on a device
+        if self._scale.device != device:  # once, on first use on a device
             # host -> device copies need no wait; a device -> host copy must complete
-            non_blocking = device.type == "cuda" and self.scale.device.type == "cpu"
+            non_blocking = device.type == "cuda" and self._scale.device.type == "cpu"
             for name in self.STATE_TENSORS:
-                setattr(self, name, getattr(self, name).to(device, non_blocking=non_blocking))
+                setattr(self, f"_{name}", getattr(self, f"_{name}").to(device, non_blocking=non_blocking))
 
     # -- quantization ----------------------------------------------------------
     def _quantize(
@@ -153,10 +207,10 @@ class DelayedScalingQuantizer(Quantizer):
         if not self.seeded:
             self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn)
         cast = backend.resolve(kernel, device).fn
-        scale_inv = self.scale_inv  # the state is rebound, never written in place
+        scale_inv = self._scale_inv  # the state is rebound, never written in place
         amax = torch.empty(1, dtype=torch.float32, device=device)  # the cast writes (not accumulates) it
         x_fp8, x_fp8_t, _, *sums = cast(
-            x_hp, self.scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax
+            x_hp, self._scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax
         )
         self._record(amax)
         rowwise_op = ScaledOperand(x_fp8, scale_inv, Scaling.TENSOR) if rowwise else None  # (M, K)
@@ -171,7 +225,7 @@ class DelayedScalingQuantizer(Quantizer):
         if not self.seeded:
             return None
         amax = torch.empty(1, dtype=torch.float32, device=device)  # the epilogue writes (not accumulates) it
-        return EpilogueCast(self.scale, self.fp8_dtype, amax, self.scale_inv)
+        return EpilogueCast(self._scale, self.fp8_dtype, amax, self._scale_inv)
 
     def adopt_epilogue_cast(
         self, cast: EpilogueCast, data: torch.Tensor, shape: torch.Size, dtype: torch.dtype, columnwise: bool = False
@@ -205,9 +259,9 @@ class DelayedScalingQuantizer(Quantizer):
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
             self._seed_from_amax(amax)
         cast = backend.resolve("quantize_tensorwise", device).fn
-        scale_inv = self.scale_inv  # the state is rebound, never written in place
+        scale_inv = self._scale_inv  # the state is rebound, never written in place
         amax = torch.empty(1, dtype=torch.float32, device=device)
-        data, _, _ = cast(shard, self.scale, self.fp8_dtype, rowwise=True, columnwise=False, amax_out=amax)
+        data, _, _ = cast(shard, self._scale, self.fp8_dtype, rowwise=True, columnwise=False, amax_out=amax)
         if not self._reduces_over(group):
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
         self._record(amax)
@@ -231,7 +285,7 @@ class DelayedScalingQuantizer(Quantizer):
         self._move_state(x_hp.device)
         cast = backend.resolve("quantize_tensorwise", x_hp.device).fn
         amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
-        cast(x_hp, self.scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
+        cast(x_hp, self._scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
         self.seeded = True
         self._record(amax)
 
@@ -243,7 +297,7 @@ class DelayedScalingQuantizer(Quantizer):
         host sync); the same call's :meth:`_record` skips that amax and counts it
         once, and the next finite tensor (cast with scale 1) sets the scale."""
         amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
-        cast(x_hp, self.scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
+        cast(x_hp, self._scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
         self._seed_from_amax(amax)
 
     def _seed_from_amax(self, amax: torch.Tensor) -> None:
@@ -254,22 +308,51 @@ class DelayedScalingQuantizer(Quantizer):
             # "most_recent": the scale from this amax alone (kept at 1 for inf or NaN); seeding records
             # no history and counts nothing (the record that follows counts)
             update = backend.resolve("delayed_scale_update", amax.device).fn
-            _, self.scale, self.scale_inv, _ = update(
-                self.amax_history, amax, self.scale, self.nonfinite_amax_count, self.fp8_dtype, self.margin,
+            _, self._scale, self._scale_inv, _ = update(
+                self._amax_history, amax, self._scale, self._nonfinite_amax_count, self.fp8_dtype, self.margin,
                 "most_recent")  # fmt: skip
         else:
-            scale, _ = self._next_scale(amax.reshape(()), self.scale)
+            scale, _ = self._next_scale(amax.reshape(()), self._scale)
             self._set_scale(scale)
         self.seeded = True
 
     def _record(self, amax: torch.Tensor) -> None:
-        """Record ``amax`` (one element, fp32): now, or, under a reduction group, once
-        it is reduced with the other pending ones (see :class:`_PendingAmaxes`)."""
-        group = self._group()
-        if group is None:
-            self._update(amax)
-        else:
-            PENDING.add(self, amax, group)
+        """Record ``amax`` (one element, fp32) once the waiting amaxes are applied
+        together (see :class:`_PendingAmaxes`): at the latest before this
+        quantizer's state is used or shown, so no cast sees an older scale than an
+        update at once would give; under a reduction group, reduced first."""
+        PENDING.add(self, amax, self._group())
+
+    @staticmethod
+    def update_together(pairs: list) -> None:
+        """Apply waiting amaxes, ``(quantizer, amax)`` with each quantizer once:
+        :data:`BATCH_FROM` or more quantizers of one configuration (device, history
+        length, format, margin, algorithm) with one ``delayed_scale_update_many``
+        over their stacked state, the others (and callable algorithms) each with
+        its own update. Bit for bit the same state either way."""
+        groups: dict = {}
+        for q, amax in pairs:
+            if q.scaling_factor_compute_algo is None and q.amax_compute_algo.__class__ is str:
+                key = (q._amax_history.device, q.amax_history_len, q.fp8_dtype, q.margin, q.amax_compute_algo)
+                members = groups.get(key)
+                if members is None:
+                    groups[key] = [(q, amax)]
+                else:
+                    members.append((q, amax))
+            else:
+                q._update(amax)
+        for (device, _, fp8_dtype, margin, algo), members in groups.items():
+            if len(members) < BATCH_FROM:
+                for q, amax in members:
+                    q._update(amax)
+                continue
+            qs = [q for q, _ in members]
+            update = backend.resolve("delayed_scale_update_many", device).fn
+            histories, scales, scale_invs, counts = update(
+                [q._amax_history for q in qs], [amax for _, amax in members], [q._scale for q in qs],
+                [q._nonfinite_amax_count for q in qs], fp8_dtype, margin, algo)  # fmt: skip
+            for q, h, s, si, c in zip(qs, histories.unbind(), scales.unbind(), scale_invs.unbind(), counts.unbind()):
+                q._amax_history, q._scale, q._scale_inv, q._nonfinite_amax_count = h, s, si, c
 
     def _group(self):
         """The process group its amaxes are reduced over now (None: no reduction)."""
@@ -286,19 +369,19 @@ class DelayedScalingQuantizer(Quantizer):
         ``delayed_scale_update`` kernel, or torch ops for a callable."""
         if self.scaling_factor_compute_algo is None and isinstance(self.amax_compute_algo, str):
             update = backend.resolve("delayed_scale_update", amax.device).fn
-            self.amax_history, self.scale, self.scale_inv, self.nonfinite_amax_count = update(
-                self.amax_history, amax, self.scale, self.nonfinite_amax_count, self.fp8_dtype, self.margin,
+            self._amax_history, self._scale, self._scale_inv, self._nonfinite_amax_count = update(
+                self._amax_history, amax, self._scale, self._nonfinite_amax_count, self.fp8_dtype, self.margin,
                 self.amax_compute_algo)  # fmt: skip
             return
         # the kernel's rules in torch ops: an inf or NaN amax is skipped (history and scale
         # kept, counted), selected on the device; the callables still run, their result unused
         recorded = amax.reshape(()) < torch.inf  # False for inf and NaN
-        shifted = torch.cat((amax.reshape(1), self.amax_history[:-1]))
-        history = torch.where(recorded, shifted, self.amax_history)
-        scale, _ = self._next_scale(self._history_amax(history), self.scale)
-        self.amax_history = history
-        self._set_scale(torch.where(recorded, scale, self.scale))
-        self.nonfinite_amax_count = self.nonfinite_amax_count + recorded.logical_not()
+        shifted = torch.cat((amax.reshape(1), self._amax_history[:-1]))
+        history = torch.where(recorded, shifted, self._amax_history)
+        scale, _ = self._next_scale(self._history_amax(history), self._scale)
+        self._amax_history = history
+        self._set_scale(torch.where(recorded, scale, self._scale))
+        self._nonfinite_amax_count = self._nonfinite_amax_count + recorded.logical_not()
 
     def _reduce_amax(self, amax: torch.Tensor) -> None:
         group = self._group()
@@ -327,13 +410,13 @@ class DelayedScalingQuantizer(Quantizer):
         return guarded_scale(scale, amax, prev_scale)
 
     def _set_scale(self, scale: torch.Tensor) -> None:
-        self.scale = scale
-        self.scale_inv = torch.reciprocal(scale)  # an IEEE fp32 division, on CPU and CUDA alike
+        self._scale = scale
+        self._scale_inv = torch.reciprocal(scale)  # an IEEE fp32 division, on CPU and CUDA alike
 
     @property
     def nonfinite_amax_events(self) -> int:
         """How many scale updates an inf/NaN amax skipped (reads the device: syncs)."""
-        return int(self.nonfinite_amax_count.item())
+        return int(self._nonfinite_amax_count.item())
 
     # -- state -----------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -343,11 +426,11 @@ class DelayedScalingQuantizer(Quantizer):
     def state_dict(self) -> dict[str, Any]:
         self._flush()
         return {
-            "scale": self.scale.clone(),
-            "scale_inv": self.scale_inv.clone(),
-            "amax_history": self.amax_history.clone(),
+            "scale": self._scale.clone(),
+            "scale_inv": self._scale_inv.clone(),
+            "amax_history": self._amax_history.clone(),
             "seeded": self.seeded,
-            "nonfinite_amax_count": self.nonfinite_amax_count.clone(),
+            "nonfinite_amax_count": self._nonfinite_amax_count.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -362,13 +445,13 @@ class DelayedScalingQuantizer(Quantizer):
                 f"{self._who()}: state_dict amax_history has shape {tuple(history.shape)}, this quantizer "
                 f"keeps ({self.amax_history_len},); use continue_from_state to resize a history"
             )
-        device = self.scale.device
-        self.amax_history = history.to(device=device, dtype=torch.float32, copy=True)
-        self.scale = torch.as_tensor(state["scale"]).to(device=device, dtype=torch.float32, copy=True).reshape(())
+        device = self._scale.device
+        self._amax_history = history.to(device=device, dtype=torch.float32, copy=True)
+        self._scale = torch.as_tensor(state["scale"]).to(device=device, dtype=torch.float32, copy=True).reshape(())
         scale_inv = torch.as_tensor(state["scale_inv"])
-        self.scale_inv = scale_inv.to(device=device, dtype=torch.float32, copy=True).reshape(())
+        self._scale_inv = scale_inv.to(device=device, dtype=torch.float32, copy=True).reshape(())
         count = torch.as_tensor(state["nonfinite_amax_count"])
-        self.nonfinite_amax_count = count.to(device=device, dtype=torch.int64, copy=True).reshape(())
+        self._nonfinite_amax_count = count.to(device=device, dtype=torch.int64, copy=True).reshape(())
         self.seeded = bool(state["seeded"])
 
     def carry_state_from(self, previous: Quantizer | None) -> None:
@@ -383,7 +466,7 @@ class DelayedScalingQuantizer(Quantizer):
             return
         if not isinstance(previous, DelayedScalingQuantizer):
             if self.seeded:  # a fresh quantizer is already in that state
-                self._reset(self.scale.device)
+                self._reset(self._scale.device)
             return
         previous._flush()
         self._continue(previous.amax_history, previous.scale, previous.nonfinite_amax_count, previous.seeded)
@@ -395,7 +478,7 @@ class DelayedScalingQuantizer(Quantizer):
         missing = sorted(set(_STATE_KEYS) - set(state))
         if missing:
             raise ValueError(f"{self._who()}: state_dict keys: missing {missing}")
-        device = self.scale.device
+        device = self._scale.device
         history = torch.as_tensor(state["amax_history"]).to(device=device, dtype=torch.float32).reshape(-1)
         scale = torch.as_tensor(state["scale"]).to(device=device, dtype=torch.float32).reshape(())
         count = torch.as_tensor(state["nonfinite_amax_count"]).to(device=device, dtype=torch.int64).reshape(())
@@ -407,11 +490,11 @@ class DelayedScalingQuantizer(Quantizer):
         one, kept where the history gives none)."""
         self._reset(history.device)
         kept = min(history.numel(), self.amax_history_len)
-        self.amax_history[:kept] = history[:kept]
-        self.nonfinite_amax_count = count.clone()
+        self._amax_history[:kept] = history[:kept]
+        self._nonfinite_amax_count = count.clone()
         self.seeded = seeded
         if seeded:
-            new_scale, _ = self._next_scale(self._history_amax(self.amax_history), scale)
+            new_scale, _ = self._next_scale(self._history_amax(self._amax_history), scale)
             self._set_scale(new_scale)
 
     # -- text --------------------------------------------------------------------
