@@ -75,7 +75,7 @@ from .. import backend
 from ..autocast import current_state
 from ..epoch import APPLIED as _APPLIED
 from ..ops.fuser import RUN_WATCH
-from ..quantization.amax_reduction import discard_pending
+from ..quantization.amax_reduction import discard_pending, flush_amax_reductions
 from .core import (CaptureGuard, GraphStats, drop_weight_caches, quantizers_seeded, reduces_amax, state_slots,
                    weight_casting_ops)
 
@@ -199,6 +199,7 @@ class GraphedStep:
         ran: set = set()
         RUN_WATCH.append(ran)
         try:
+            flush_amax_reductions()  # a capture's flush may hold only what it recorded itself: not another model's
             with torch.cuda.graph(graph.graph):
                 out = self.step(*call_args)
                 for slot in slots:  # the step's scaling-state updates, into the tensors the next replay reads

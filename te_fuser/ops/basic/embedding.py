@@ -9,11 +9,12 @@ called on its own like ``torch.nn.Embedding``, whose constructor, state-dict key
 
 The forward is the gather; the backward a scatter-add of the output gradient
 into the rows of the tokens that were read, accumulated in fp32 and written in
-the weight's dtype. The scatter-add is torch's embedding backward, which sorts
-the token ids and sums each row's gradients in one fixed order: deterministic on
-the GPU, where ``index_add_`` adds with atomics in whatever order the threads
-arrive (a token that appears thousands of times in a batch then gets different
-last bits from run to run, and so does every later step). The output has the weight's dtype (as torch's lookup, which
+the weight's dtype. The scatter-add is torch's accumulating ``index_put_``, which
+on the GPU sorts the token ids (stably) and adds each row's gradients one after
+another in token order: the same bits on every run, as on the CPU. Both
+``index_add_`` and torch's embedding backward add with atomics on the GPU, in
+whatever order the threads arrive (a token read thousands of times in a batch
+then gets different last bits from run to run, and so does every later step). The output has the weight's dtype (as torch's lookup, which
 ``torch.autocast`` leaves alone).
 
 Tied weights: the weight is read live from the module's parameter dict at every
@@ -43,8 +44,8 @@ class _Lookup(torch.autograd.Function):
     def backward(fctx, dy: torch.Tensor):
         (idx,) = fctx.saved_tensors
         shape, dtype = fctx.weight_meta
-        dw = torch.ops.aten.embedding_dense_backward(dy.reshape(-1, shape[1]).float(), idx.reshape(-1), shape[0],
-                                                     -1, False)  # (num, dim) fp32; no padding row, no scaling
+        dw = torch.zeros(shape, dtype=torch.float32, device=dy.device)  # (num, dim)
+        dw.index_put_((idx.reshape(-1),), dy.reshape(-1, shape[1]).float(), accumulate=True)
         return None, (dw if dtype is torch.float32 else dw.to(dtype))
 
 
