@@ -488,6 +488,8 @@ def _batch_against_one_by_one(monkeypatch, amaxes):
     for i, (a, b) in enumerate(zip(batched, one_by_one)):
         for name in DelayedScalingQuantizer.STATE_TENSORS:
             assert_bitwise(a.state_tensors()[name], b.state_tensors()[name], f"quantizer {i} {name}")
+        # where a GEMM reads a scale (cuBLASLt: 16-byte aligned; else it copies the scale per call)
+        assert a.scale.data_ptr() % 16 == 0 and a.scale_inv.data_ptr() % 16 == 0, f"quantizer {i}"
 
 
 def _drive(backend_name: str, algo, margin: int, fp8_dtype) -> list:

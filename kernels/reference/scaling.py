@@ -39,7 +39,8 @@ import torch
 from ..formats import fp8_max
 from .cast import FLT_MAX
 
-__all__ = ["delayed_scale_update_reference", "delayed_scale_update_many_reference", "check_update_arguments"]
+__all__ = ["delayed_scale_update_reference", "delayed_scale_update_many_reference", "check_update_arguments",
+           "stack_update_state"]
 
 AMAX_ALGOS = ("max", "most_recent")
 
@@ -123,21 +124,44 @@ def delayed_scale_update_many_reference(
     FP8 format, margin and algorithm, in one pass over their stacked state: row
     ``i`` of ``(histories (N, L), scales (N,), scale_invs (N,), counts (N,))`` is
     what ``delayed_scale_update`` gives for the ``i``-th arguments, bit for bit.
-    The same few ops whatever ``N``: what a step's deferred updates cost is then
-    one batch, not one launch per cast."""
+    ``scales`` and ``scale_invs`` hold their elements 16 bytes apart (stride 4), so
+    each row's scalar sits where a GEMM reads a scale: at a 16-byte aligned
+    address. The same few ops whatever ``N``: what a step's deferred updates cost
+    is then one batch, not one launch per cast."""
+    history, amax, scale, count = stack_update_state(amax_histories, amaxes, scales, nonfinite_counts, algo, margin)
+    recorded = amax < math.inf  # (N,): False for inf and NaN
+    shifted = torch.cat((amax.unsqueeze(1), history[:, :-1]), dim=1)
+    history = torch.where(recorded.unsqueeze(1), shifted, history)
+    history_amax = history.amax(dim=1) if algo == "max" else history[:, 0]
+    quotient = divide_by_power_of_2(torch.div(fp8_max(fp8_dtype), history_amax), margin)
+    new_scale, _ = guarded_scale(quotient, history_amax, scale)
+    padded = torch.empty(2, len(scale), 4, dtype=torch.float32, device=scale.device)  # 16 bytes a row
+    new_scale = torch.where(recorded, new_scale, scale, out=padded[0, :, 0])
+    return history, new_scale, torch.reciprocal(new_scale, out=padded[1, :, 0]), count + recorded.logical_not()
+
+
+def stack_update_state(amax_histories, amaxes, scales, nonfinite_counts, algo, margin):
+    """The ``N`` quantizers' state as ``(histories (N, L), amaxes (N,), scales (N,),
+    counts (N,))``, each argument named when it does not fit."""
     n = len(amax_histories)
     if not (n == len(amaxes) == len(scales) == len(nonfinite_counts)) or n == 0:
         raise ValueError(
             "delayed_scale_update_many: amax_histories, amaxes, scales and nonfinite_counts must be equally long "
-            f"and not empty, got {n}, {len(amaxes)}, {len(scales)}, {len(nonfinite_counts)}"
+            f"and not empty, got {n}, {len(amax_histories)}, {len(amaxes)}, {len(scales)}, {len(nonfinite_counts)}"
         )
     if algo not in AMAX_ALGOS:
         raise ValueError(f"delayed_scale_update_many: algo must be one of {list(AMAX_ALGOS)}, got {algo!r}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"delayed_scale_update_many: margin must be an integer >= 0, got {margin!r}")
     try:
         history = torch.stack(list(amax_histories))  # (N, L)
-        amax = torch.cat([a.reshape(1) for a in amaxes])  # (N,)
-        scale = torch.stack([s.reshape(()) for s in scales])
-        count = torch.stack([c.reshape(()) for c in nonfinite_counts])
+        amax = torch.cat(list(amaxes))  # (1,) each: (N,)
+        scale = torch.stack(list(scales))  # 0-d each: (N,)
+        count = torch.stack(list(nonfinite_counts))
+        if amax.shape != (n,) or scale.shape != (n,) or count.shape != (n,):  # other one-element shapes
+            amax = torch.cat([a.reshape(1) for a in amaxes])
+            scale = torch.stack([s.reshape(()) for s in scales])
+            count = torch.stack([c.reshape(()) for c in nonfinite_counts])
     except RuntimeError as err:
         raise ValueError(f"delayed_scale_update_many: the quantizers' states do not stack ({err})") from None
     if history.dim() != 2 or history.shape[1] == 0 or history.dtype != torch.float32 or amax.dtype != torch.float32 \
@@ -147,11 +171,4 @@ def delayed_scale_update_many_reference(
             f"and int64 counts, got histories {tuple(history.shape)} {history.dtype}, amaxes {amax.dtype}, "
             f"scales {scale.dtype}, counts {count.dtype}"
         )
-    recorded = amax < math.inf  # (N,): False for inf and NaN
-    shifted = torch.cat((amax.unsqueeze(1), history[:, :-1]), dim=1)
-    history = torch.where(recorded.unsqueeze(1), shifted, history)
-    history_amax = history.amax(dim=1) if algo == "max" else history[:, 0]
-    quotient = divide_by_power_of_2(torch.div(fp8_max(fp8_dtype), history_amax), margin)
-    new_scale, _ = guarded_scale(quotient, history_amax, scale)
-    new_scale = torch.where(recorded, new_scale, scale)
-    return history, new_scale, torch.reciprocal(new_scale), count + recorded.logical_not()
+    return history, amax, scale, count

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.scaling import AMAX_ALGOS, check_update_arguments, delayed_scale_update_many_reference
+from ..reference.scaling import AMAX_ALGOS, check_update_arguments, stack_update_state
 from ._common import fp8_format
 
 __all__ = ["delayed_scale_update", "delayed_scale_update_many"]
@@ -36,7 +36,7 @@ _MARGIN_STEPS = 6  # a finite fp32 is below 2**128: 2**128 / 2**(64 * 5) rounds 
 
 @triton.jit
 def _delayed_scale_update_kernel(history_ptr, amax_ptr, scale_ptr, count_ptr, new_history_ptr, new_scale_ptr,
-                                 new_scale_inv_ptr, new_count_ptr, L, margin_steps, margin_rest,
+                                 new_scale_inv_ptr, new_count_ptr, L, new_scale_stride, margin_steps, margin_rest,
                                  FMAX: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)  # the quantizer: row of the stacked states (0 for one)
     history_ptr += row * L
@@ -44,8 +44,8 @@ def _delayed_scale_update_kernel(history_ptr, amax_ptr, scale_ptr, count_ptr, ne
     amax_ptr += row
     scale_ptr += row
     count_ptr += row
-    new_scale_ptr += row
-    new_scale_inv_ptr += row
+    new_scale_ptr += row * new_scale_stride  # the new scales 16 bytes apart (stride 4) in a batch
+    new_scale_inv_ptr += row * new_scale_stride
     new_count_ptr += row
     amax = tl.load(amax_ptr)
     recorded = amax < float("inf")  # False for inf and NaN: the call is skipped
@@ -111,16 +111,16 @@ def delayed_scale_update(
     new_scale = torch.empty((), dtype=torch.float32, device=device)
     new_scale_inv = torch.empty((), dtype=torch.float32, device=device)
     count = torch.empty((), dtype=torch.int64, device=device)
-    _launch(1, amax_history, amax, scale, nonfinite_count, history, new_scale, new_scale_inv, count, length,
+    _launch(1, amax_history, amax, scale, nonfinite_count, history, new_scale, new_scale_inv, count, length, 1,
             fp8_dtype, margin, algo)
     return history, new_scale, new_scale_inv, count
 
 
-def _launch(rows, history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length, fp8_dtype,
-            margin, algo) -> None:
+def _launch(rows, history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length,
+            new_scale_stride, fp8_dtype, margin, algo) -> None:
     steps, rest = divmod(margin, 64)
     _delayed_scale_update_kernel[(rows,)](
-        history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length,
+        history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length, new_scale_stride,
         min(steps, _MARGIN_STEPS), float(2**rest), FMAX=fp8_format(fp8_dtype)[0], ALGO_MAX=algo == "max",
         BLOCK=max(32, min(triton.next_power_of_2(length), _MAX_BLOCK)), num_warps=4,
     )  # fmt: skip
@@ -139,24 +139,11 @@ def delayed_scale_update_many(
     then one launch of one program per quantizer; ``(histories (N, L), scales (N,),
     scale_invs (N,), counts (N,))``, see
     :func:`~te_fuser.kernels.reference.delayed_scale_update_many_reference`."""
-    n = len(amax_histories)
-    if not (n == len(amaxes) == len(scales) == len(nonfinite_counts)) or n == 0 or algo not in AMAX_ALGOS \
-            or isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-        # the reference names what is wrong
-        return delayed_scale_update_many_reference(amax_histories, amaxes, scales, nonfinite_counts, fp8_dtype,
-                                                   margin, algo)
-    try:
-        history = torch.stack(list(amax_histories))  # (N, L), contiguous
-        amax = torch.cat([a.reshape(1) for a in amaxes])
-        scale = torch.stack([s.reshape(()) for s in scales])
-        count = torch.stack([c.reshape(()) for c in nonfinite_counts])
-    except RuntimeError as err:
-        raise ValueError(f"delayed_scale_update_many: the quantizers' states do not stack ({err})") from None
-    if history.dim() != 2 or history.shape[1] == 0 or history.dtype != torch.float32 or amax.dtype != torch.float32 \
-            or scale.dtype != torch.float32 or count.dtype != torch.int64:
-        return delayed_scale_update_many_reference(amax_histories, amaxes, scales, nonfinite_counts, fp8_dtype,
-                                                   margin, algo)  # which it names
-    new_history, new_scale, new_scale_inv, new_count = (torch.empty_like(t) for t in (history, scale, scale, count))
-    _launch(n, history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, history.shape[1],
-            fp8_dtype, margin, algo)
+    history, amax, scale, count = stack_update_state(amax_histories, amaxes, scales, nonfinite_counts, algo, margin)
+    n, length = history.shape
+    new_history, new_count = torch.empty_like(history), torch.empty_like(count)
+    padded = torch.empty(2, n, 4, dtype=torch.float32, device=history.device)  # 16 bytes a row, as GEMMs read scales
+    new_scale, new_scale_inv = padded[0, :, 0], padded[1, :, 0]
+    _launch(n, history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length, 4, fp8_dtype,
+            margin, algo)
     return new_history, new_scale, new_scale_inv, new_count
