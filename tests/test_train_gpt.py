@@ -260,10 +260,7 @@ def test_argument_errors_are_one_line(argv, message, capsys):
 def test_graphed_steps_train_as_the_eager_steps(monkeypatch):
     """``--graphed``: the te arm's steps replayed from one CUDA graph per recipe train
     as the eager steps (the eager run given the graphed run's capturable AdamW),
-    through two switches. Not bit for bit yet: two eager GPU runs of this script
-    differed in the last bits after the first evaluation (RESULTS.md, run 63;
-    likely the embedding backward's atomics, since replaced), so the losses are
-    held to 2e-3 relative."""
+    through two switches, bit for bit: every default kernel sums in a fixed order."""
     argv = ["--size", "smoke", "--device", "cuda", "--schedule", "bf16:5,delayed:5,current:5", "--arms", "te",
             "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100", "--adamw", "fused"]
     graphed, _ = _run(argv + ["--graphed"])
@@ -273,7 +270,7 @@ def test_graphed_steps_train_as_the_eager_steps(monkeypatch):
     assert graphed["config"]["graphed"] is True and eager["config"]["graphed"] is False
     a, b = eager["arms"]["te"]["losses"], graphed["arms"]["te"]["losses"]
     assert len(a) == len(b) == 15
-    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=2e-3, atol=0)
+    assert b == a
 
 
 def test_the_determinism_check_finds_two_runs_identical(capsys):
