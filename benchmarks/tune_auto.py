@@ -203,14 +203,16 @@ def bench_epilogue(bench: Bench, modules) -> None:
 
 def choose(totals: dict, kernels, previous: dict | None = None) -> dict:
     """The fastest backend per kernel; entries of ``previous`` that split by size
-    (measured at a small and a large shape, see te_fuser/backend.py) are kept."""
+    (measured at a small and a large shape, see te_fuser/backend.py) are kept, and
+    so is the entry of a kernel this script does not measure (attention, the
+    state updates: chosen by their own benchmarks)."""
     table = {}
     for kernel in kernels:
         if isinstance((previous or {}).get(kernel), dict):
             table[kernel] = previous[kernel]
             continue
         measured = totals.get(kernel, {})
-        table[kernel] = min(measured, key=measured.get) if measured else "triton"
+        table[kernel] = min(measured, key=measured.get) if measured else (previous or {}).get(kernel, "triton")
     return table
 
 

@@ -54,3 +54,18 @@ def test_bench_handoff_imports_and_asks_for_a_gpu_on_cpu():
                          timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "needs a GPU" in run.stdout
+
+
+def test_tune_auto_keeps_the_entries_it_does_not_measure():
+    """Rewriting the auto table from the casts and GEMMs it measured leaves the
+    kernels chosen by other benchmarks (attention, the state updates) as they were."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import tune_auto
+
+    previous = json.loads((ROOT / "kernels" / "auto_table.json").read_text())
+    totals = {"gemm": {"triton": 2.0, "cuda": 1.0}, "quantize_current": {"triton": 1.0, "cuda": 3.0}}
+    table = tune_auto.choose(totals, list(previous) + ["a_new_kernel"], previous)
+    assert table["gemm"] == "cuda" and table["quantize_current"] == "triton"
+    for kernel in ("attention_forward", "delayed_scale_update", "delayed_scale_update_many", "quantize_mxfp8"):
+        assert table[kernel] == previous[kernel], kernel
+    assert table["a_new_kernel"] == "triton"
