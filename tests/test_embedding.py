@@ -66,6 +66,29 @@ def test_bad_inputs_are_named():
         te.ops.Embedding(0, 4)
 
 
+def test_each_row_sums_its_gradients_in_token_order_on_every_run():
+    """A batch that reads each of 16 rows about 256 times, with several CPU threads:
+    the weight gradient is the fp32 sum of each row's gradients taken one after
+    another in token order, bit for bit, on every backward (torch's CPU
+    ``index_put_`` adds from several threads, in no fixed order)."""
+    emb = te.ops.Embedding(16, 64)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 16, (4096,), generator=gen)
+    dy = torch.randn(4096, 64, generator=gen)
+    want = torch.zeros(16, 64)
+    for i in range(idx.numel()):
+        want[idx[i]] += dy[i]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        for _ in range(3):
+            emb.weight.grad = None
+            emb(idx).backward(dy)
+            assert torch.equal(emb.weight.grad, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="atomics' order varies on a GPU only")
 def test_the_gradient_is_the_same_bits_every_run_on_the_gpu():
     """A batch that reads each of 256 rows about 64 times (a byte-level model's

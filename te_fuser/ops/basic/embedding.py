@@ -9,12 +9,14 @@ called on its own like ``torch.nn.Embedding``, whose constructor, state-dict key
 
 The forward is the gather; the backward a scatter-add of the output gradient
 into the rows of the tokens that were read, accumulated in fp32 and written in
-the weight's dtype. The scatter-add is torch's accumulating ``index_put_``, which
-on the GPU sorts the token ids (stably) and adds each row's gradients one after
-another in token order: the same bits on every run, as on the CPU. Both
-``index_add_`` and torch's embedding backward add with atomics on the GPU, in
-whatever order the threads arrive (a token read thousands of times in a batch
-then gets different last bits from run to run, and so does every later step). The output has the weight's dtype (as torch's lookup, which
+the weight's dtype. Each row's gradients are added one
+after another in token order, the same bits on every run: on the GPU through
+torch's accumulating ``index_put_`` (it sorts the token ids stably), on the CPU
+through torch's embedding backward. Each of these is the other device's
+nondeterministic choice: on the GPU ``index_add_`` and the embedding backward add
+with atomics in whatever order the threads arrive (a token read thousands of
+times in a batch then gets different last bits from run to run, and so does
+every later step), and on the CPU ``index_put_`` adds from several threads. The output has the weight's dtype (as torch's lookup, which
 ``torch.autocast`` leaves alone).
 
 Tied weights: the weight is read live from the module's parameter dict at every
@@ -44,8 +46,11 @@ class _Lookup(torch.autograd.Function):
     def backward(fctx, dy: torch.Tensor):
         (idx,) = fctx.saved_tensors
         shape, dtype = fctx.weight_meta
-        dw = torch.zeros(shape, dtype=torch.float32, device=dy.device)  # (num, dim)
-        dw.index_put_((idx.reshape(-1),), dy.reshape(-1, shape[1]).float(), accumulate=True)
+        ids, rows = idx.reshape(-1), dy.reshape(-1, shape[1]).float()
+        if rows.is_cuda:  # sorted ids, each row's gradients added in token order
+            dw = torch.zeros(shape, dtype=torch.float32, device=dy.device).index_put_((ids,), rows, accumulate=True)
+        else:  # the same order; the CPU's index_put_ adds from several threads at once
+            dw = torch.ops.aten.embedding_dense_backward(rows, ids, shape[0], -1, False)  # (num, dim) fp32
         return None, (dw if dtype is torch.float32 else dw.to(dtype))
 
 
