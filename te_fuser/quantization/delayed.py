@@ -64,6 +64,22 @@ _STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_c
 BATCH_FROM = 8
 
 
+def _flushed_state(name: str) -> property:
+    """The state tensor ``name``, stored as ``_name``, read and written after the
+    quantizer's waiting amaxes are applied."""
+    stored = f"_{name}"
+
+    def read(self) -> torch.Tensor:
+        self._flush()
+        return getattr(self, stored)
+
+    def write(self, value: torch.Tensor) -> None:
+        self._flush()
+        setattr(self, stored, value)
+
+    return property(read, write, doc=f"``{name}``, with every waiting update applied")
+
+
 class DelayedScalingQuantizer(Quantizer):
     """Delayed scaling (see the module docstring).
 
@@ -120,45 +136,10 @@ class DelayedScalingQuantizer(Quantizer):
 
     # The state as users and holders see it: any amax still waiting (see _record) is
     # applied first. The methods below read the stored tensors after their own _flush.
-    @property
-    def scale(self) -> torch.Tensor:
-        self._flush()
-        return self._scale
-
-    @scale.setter
-    def scale(self, value: torch.Tensor) -> None:
-        self._flush()
-        self._scale = value
-
-    @property
-    def scale_inv(self) -> torch.Tensor:
-        self._flush()
-        return self._scale_inv
-
-    @scale_inv.setter
-    def scale_inv(self, value: torch.Tensor) -> None:
-        self._flush()
-        self._scale_inv = value
-
-    @property
-    def amax_history(self) -> torch.Tensor:
-        self._flush()
-        return self._amax_history
-
-    @amax_history.setter
-    def amax_history(self, value: torch.Tensor) -> None:
-        self._flush()
-        self._amax_history = value
-
-    @property
-    def nonfinite_amax_count(self) -> torch.Tensor:
-        self._flush()
-        return self._nonfinite_amax_count
-
-    @nonfinite_amax_count.setter
-    def nonfinite_amax_count(self, value: torch.Tensor) -> None:
-        self._flush()
-        self._nonfinite_amax_count = value
+    scale = _flushed_state("scale")
+    scale_inv = _flushed_state("scale_inv")
+    amax_history = _flushed_state("amax_history")
+    nonfinite_amax_count = _flushed_state("nonfinite_amax_count")
 
     def __getstate__(self) -> dict:
         """A copy or a pickle holds the state with every waiting amax applied (the
