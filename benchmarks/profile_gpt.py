@@ -63,8 +63,10 @@ def step_ms(step, steps: int) -> float:
     return statistics.median(times)
 
 
-def kernel_table(step, steps: int, top: int) -> tuple[list[tuple[str, float, int]], float]:
-    """(name, GPU ms per step, calls per step) of the ``top`` kernels, and the total."""
+def kernel_table(step, steps: int, top: int) -> tuple[list[tuple[str, float, int]], float, int]:
+    """(name, GPU ms per step, calls per step) of the ``top`` kernels, the total GPU
+    ms per step and the kernels launched per step (memsets and copies included):
+    the launch count does not move with the host's speed, as its time does."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -78,8 +80,9 @@ def kernel_table(step, steps: int, top: int) -> tuple[list[tuple[str, float, int
             entry[0] += ev.device_time_total / 1e3
             entry[1] += 1
     total = sum(v[0] for v in by_name.values()) / steps
+    launches = sum(v[1] for v in by_name.values()) // steps
     rows = sorted(((n, v[0] / steps, v[1] // steps) for n, v in by_name.items()), key=lambda r: -r[1])
-    return rows[:top], total
+    return rows[:top], total, launches
 
 
 def host_profile(step, steps: int, top: int) -> None:
@@ -139,17 +142,18 @@ def main(argv=None):
         for _ in range(3):
             step()
         ms = step_ms(step, args.timed)
-        rows, total = kernel_table(step, args.steps, args.top)
-        results.append((label, ms))
-        print(f"\n== {label}: {ms:.2f} ms/step ({tokens / ms:.0f}k tokens/s), GPU kernels {total:.2f} ms/step")
+        rows, total, launches = kernel_table(step, args.steps, args.top)
+        results.append((label, ms, launches))
+        print(f"\n== {label}: {ms:.2f} ms/step ({tokens / ms:.0f}k tokens/s), GPU kernels {total:.2f} ms/step, "
+              f"{launches} launches/step")
         for name, kms, calls in rows:
             print(f"  {kms:8.3f} ms {calls:5d}x  {name}")
         if args.host:
             host_profile(step, args.steps, 2 * args.top)
     base = results[0][1]
-    print("\narm                 ms/step   tokens/s   vs torch bf16")
-    for label, ms in results:
-        print(f"{label:<18} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x")
+    print("\narm                 ms/step   tokens/s   vs torch bf16   launches/step")
+    for label, ms, launches in results:
+        print(f"{label:<18} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x {launches:15d}")
 
 
 if __name__ == "__main__":
