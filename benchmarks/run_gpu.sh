@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt determinism profgpt attn grouped
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist determinism profgpt attn grouped
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -33,6 +33,14 @@ for part in $parts; do
     gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation (GPT_GRAPHED=1: te's steps graphed)
       timeout ${GPT_TIMEOUT:-420} python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} ${GPT_GRAPHED:+--graphed} --json "$OUT/gpt.json" 2>&1 \
         | tee "$OUT/gpt.log" | tail -30 ;;
+    dist)  # the GPT under FSDP2 on every GPU of the machine over NCCL (one GPU: a group of size 1, a smoke run);
+      # NVLink multicast stays off, as the machines require
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      for recipe in ${DIST_RECIPES:-current delayed}; do
+        timeout ${DIST_TIMEOUT:-300} torchrun --standalone --nproc-per-node "$ngpu" benchmarks/bench_distributed.py \
+          --recipe "$recipe" --json "$OUT/dist_$recipe.json" 2>&1 | tee -a "$OUT/dist.log" | tail -8
+      done ;;
     determinism)  # the smoke GPT trained three times eagerly and once graphed: the same loss bits
       timeout 200 python3 benchmarks/check_determinism.py --graphed --repeats 3 2>&1 | tee "$OUT/determinism.log" | tail -6 ;;
     profgpt) timeout 300 python3 benchmarks/profile_gpt.py --recipes ${PROF_RECIPES:-bf16 delayed current} --timed 5 --steps 2 ${PROF_HOST:+--host} ${PROF_HOSTONLY:+--host-only} ${PROF_ATTENTION:+--attention $PROF_ATTENTION} ${PROF_COMPILE:+--compile} 2>&1 | tee "$OUT/profgpt.log" | tail -80 ;;
