@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist determinism profgpt attn grouped
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn grouped
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -41,6 +41,10 @@ for part in $parts; do
         timeout ${DIST_TIMEOUT:-300} torchrun --standalone --nproc-per-node "$ngpu" benchmarks/bench_distributed.py \
           --recipe "$recipe" --json "$OUT/dist_$recipe.json" 2>&1 | tee -a "$OUT/dist.log" | tail -8
       done ;;
+    disttests)  # the DDP / FSDP2 / DCP tests on the machine's GPUs over NCCL (a test of more ranks than GPUs skips)
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      TE_FUSER_TEST_DIST=nccl timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/test_distributed.py \
+        tests/test_fsdp.py 2>&1 | tee "$OUT/disttests.log" | tail -12 ;;
     determinism)  # the smoke GPT trained three times eagerly and once graphed: the same loss bits
       timeout 200 python3 benchmarks/check_determinism.py --graphed --repeats 3 2>&1 | tee "$OUT/determinism.log" | tail -6 ;;
     profgpt) timeout 300 python3 benchmarks/profile_gpt.py --recipes ${PROF_RECIPES:-bf16 delayed current} --timed 5 --steps 2 ${PROF_HOST:+--host} ${PROF_HOSTONLY:+--host-only} ${PROF_ATTENTION:+--attention $PROF_ATTENTION} ${PROF_COMPILE:+--compile} 2>&1 | tee "$OUT/profgpt.log" | tail -80 ;;

@@ -1,6 +1,6 @@
 """Delayed scaling's amax reduction under torch.distributed, two CPU processes on
-gloo, trained as users train: a te_fuser model in DDP, fused AdamW-style steps on
-each rank's own half of the batch.
+gloo (or GPUs on NCCL, see ``dist_testing``), trained as users train: a te_fuser
+model in DDP, fused AdamW-style steps on each rank's own half of the batch.
 
 With ``reduce_amax=True`` (the default) and no group given, the amaxes are
 all-reduced over the default process group, so every rank holds the same scaling
@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dist_testing import gathered, spawned
+from dist_testing import device, device_type, gathered, init, spawned
 
 WORLD = 2
 CASES = ("default", "no_reduction", "given_group", "initialized_late")
@@ -32,7 +32,8 @@ def _model():
     import te_fuser as te
 
     torch.manual_seed(0)
-    return te.ops.Sequential(te.ops.LayerNorm(32), te.ops.Linear(32, 64), te.ops.GELU(), te.ops.Linear(64, 32))
+    return te.ops.Sequential(te.ops.LayerNorm(32), te.ops.Linear(32, 64), te.ops.GELU(),
+                             te.ops.Linear(64, 32)).to(device())
 
 
 def _scaling_state(model) -> torch.Tensor:
@@ -55,6 +56,7 @@ def _train(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]
     group = dist.new_group(list(range(WORLD))) if case == "given_group" else None
     data = torch.randn(4, WORLD, 16, 32, generator=torch.Generator().manual_seed(7))
     data[:, 1] *= 3.0  # rank 1's inputs (and so its gradients) are larger: unreduced amaxes differ
+    data = data.to(device())
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     calls, all_reduce = [], dist.all_reduce
@@ -88,7 +90,7 @@ def _mismatch(rank: int) -> str:
     try:
         for _ in range(2):
             with te.autocast(recipe=recipe):
-                model(torch.randn(16, 32)).square().mean().backward()
+                model(torch.randn(16, 32, device=device())).square().mean().backward()
     except RuntimeError as err:
         return str(err)
     return "no error"
@@ -103,10 +105,12 @@ def _late(rank: int, store_file: str) -> tuple[torch.Tensor, torch.Tensor]:
     model = _model()
     recipe = te.recipe.DelayedScaling(amax_history_len=4)
     with te.autocast(recipe=recipe):
-        model(torch.randn(16, 32, generator=torch.Generator().manual_seed(rank)) * (1 + 2 * rank))
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
+        model(torch.randn(16, 32, generator=torch.Generator().manual_seed(rank)).to(device()) * (1 + 2 * rank))
+    folder, name = os.path.split(store_file)
+    init(rank, WORLD, folder, name)
     data = torch.randn(5, WORLD, 16, 32, generator=torch.Generator().manual_seed(9))
     data[:, 1] *= 3.0
+    data = data.to(device())
     for step in range(5):
         with te.autocast(recipe=recipe):
             model(data[step, rank]).square().mean().backward()
@@ -114,8 +118,7 @@ def _late(rank: int, store_file: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _worker(rank: int, folder: str, results) -> None:
-    store = os.path.join(folder, "store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    init(rank, WORLD, folder)
     try:
         for case in CASES[:-1]:
             state, weights, calls = _train(rank, case)
@@ -142,7 +145,7 @@ def _worker(rank: int, folder: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    return spawned(_worker, WORLD)
+    return spawned(_worker, WORLD, gpus=True)
 
 
 def test_the_default_group_reduces_the_amaxes(results):
@@ -219,10 +222,11 @@ def _dcp_round_trip(rank: int, folder: str, world: int = WORLD) -> tuple[bool, b
 
     import te_fuser as te
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device_type(), (world,))
     recipe = te.recipe.DelayedScaling(amax_history_len=4)
     data = torch.randn(4, world, 16, 32, generator=torch.Generator().manual_seed(3))
     data *= torch.arange(1, world + 1).reshape(1, world, 1, 1)  # every rank's amaxes differ
+    data = data.to(device())
     model = te.apply_recipe(_fsdp_model(mesh), recipe, example_inputs=(data[0, rank],))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
@@ -242,8 +246,7 @@ def _dcp_round_trip(rank: int, folder: str, world: int = WORLD) -> tuple[bool, b
 
 
 def _dcp_worker(rank: int, folder: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'dcp_store')}", rank=rank,
-                            world_size=WORLD)
+    init(rank, WORLD, folder, "dcp_store")
     try:
         outcome = _dcp_round_trip(rank, folder)
         outcomes = [None] * WORLD
@@ -257,7 +260,7 @@ def _dcp_worker(rank: int, folder: str, results) -> None:
 
 
 def test_fsdp2_per_layer_checkpoints_through_dcp_with_the_scaling_state():
-    outcomes = spawned(_dcp_worker, WORLD)["dcp"]
+    outcomes = spawned(_dcp_worker, WORLD, gpus=True)["dcp"]
     for rank, (state, weights, loss) in enumerate(outcomes):
         assert weights, f"rank {rank}: the loaded weights differ"
         assert state, f"rank {rank}: the loaded scaling state differs"
@@ -278,8 +281,7 @@ def _four_worker(rank: int, folder: str, results) -> None:
     import te_fuser as te
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store4')}", rank=rank,
-                            world_size=FOUR)
+    init(rank, FOUR, folder, "store4")
     try:
         model = _model()
         ddp = DDP(model)
@@ -287,6 +289,7 @@ def _four_worker(rank: int, folder: str, results) -> None:
         recipe = te.recipe.DelayedScaling(amax_history_len=4)
         data = torch.randn(3, FOUR, 8, 32, generator=torch.Generator().manual_seed(5))
         data *= torch.arange(1, FOUR + 1).reshape(1, FOUR, 1, 1)  # every rank's amaxes differ
+        data = data.to(device())
         for step in range(3):
             with te.autocast(recipe=recipe):
                 ddp(data[step, rank]).square().mean().backward()
@@ -318,7 +321,7 @@ def _four_worker(rank: int, folder: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def four():
-    return spawned(_four_worker, FOUR)
+    return spawned(_four_worker, FOUR, gpus=True)
 
 
 def test_four_ranks_in_fsdp2_per_layer_checkpoint_through_dcp_with_the_scaling_state(four):
@@ -348,7 +351,7 @@ def _phase(name: str):
     import te_fuser as te
 
     if name == "bf16":
-        return te.autocast(enabled=False), torch.autocast("cpu", dtype=torch.bfloat16)
+        return te.autocast(enabled=False), torch.autocast(device_type(), dtype=torch.bfloat16)
     recipe = {"delayed": _DELAYED, "current": _CURRENT}[name]
     return te.autocast(recipe=recipe), contextlib.nullcontext()
 
@@ -372,12 +375,13 @@ def _schedule_run(rank: int, how: str) -> tuple[torch.Tensor, torch.Tensor]:
     if how == "ddp":
         run = DDP(model)
     elif how == "fsdp2":
-        run = model = _fsdp_model(init_device_mesh("cpu", (WORLD,)))
+        run = model = _fsdp_model(init_device_mesh(device_type(), (WORLD,)))
     else:
         run = model
     opt = torch.optim.SGD(model.parameters(), lr=_LR)
     data = torch.randn(len(SCHEDULE), WORLD * 16, 32, generator=torch.Generator().manual_seed(11))
     data[:, 16:] *= 3.0  # rank 1's half is larger: its current-scaling amaxes are the global ones
+    data = data.to(device())
     losses = []
     for step, name in enumerate(SCHEDULE):
         x = data[step] if how == "one" else data[step].chunk(WORLD)[rank]
@@ -391,7 +395,7 @@ def _schedule_run(rank: int, how: str) -> tuple[torch.Tensor, torch.Tensor]:
             loss = sum(gathered(loss.detach().reshape(1))) / WORLD  # the halves are equal: the global mean
         losses.append(loss.detach().reshape(()))
     weights = [p.full_tensor() if how == "fsdp2" else p for p in model.parameters()]
-    return torch.stack(losses), torch.cat([w.detach().reshape(-1) for w in weights])
+    return torch.stack(losses).cpu(), torch.cat([w.detach().reshape(-1) for w in weights]).cpu()
 
 
 # -- FSDP2 per layer under every recipe ---------------------------------------------------
@@ -409,11 +413,13 @@ def _every_recipe(rank: int) -> dict:
 
     def build():
         torch.manual_seed(0)
-        return te.ops.Sequential(te.ops.LayerNorm(128), te.ops.Linear(128, 256), te.ops.GELU(), te.ops.Linear(256, 128))
+        return te.ops.Sequential(te.ops.LayerNorm(128), te.ops.Linear(128, 256), te.ops.GELU(),
+                                 te.ops.Linear(256, 128)).to(device())
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(device_type(), (WORLD,))
     data = torch.randn(2, WORLD, 128, 128, generator=torch.Generator().manual_seed(5))
     data[:, 1] *= 2.0
+    data = data.to(device())
     outcome = {}
     for name, recipe in RECIPES.items():
         runs = []
@@ -436,7 +442,7 @@ def _every_recipe(rank: int) -> dict:
             weights = [p.full_tensor() if sharded else p for p in model.parameters()]
             state = _scaling_state(model) if any(
                 q.state_tensors() for op in model.modules() for q in getattr(op, "installed_quantizers", {}).values()
-            ) else torch.zeros(1)
+            ) else torch.zeros(1, device=device())
             runs.append((torch.stack(losses), torch.cat([w.detach().reshape(-1) for w in weights]), state))
         (f_losses, f_weights, f_state), (d_losses, d_weights, _) = runs
         outcome[name] = (torch.equal(f_losses, d_losses), torch.equal(f_weights, d_weights),
@@ -445,8 +451,7 @@ def _every_recipe(rank: int) -> dict:
 
 
 def _schedule_worker(rank: int, folder: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
-                            world_size=WORLD)
+    init(rank, WORLD, folder)
     try:
         _recipes()
         runs = {how: _schedule_run(rank, how) for how in ("one", "ddp", "fsdp2")}
@@ -462,7 +467,7 @@ def _schedule_worker(rank: int, folder: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def schedule():
-    return spawned(_schedule_worker, WORLD)
+    return spawned(_schedule_worker, WORLD, gpus=True)
 
 
 @pytest.mark.parametrize("how", ["ddp", "fsdp2"])

@@ -1,4 +1,5 @@
-"""FSDP2 over te_fuser models, two CPU processes on gloo: ``fully_shard`` on the
+"""FSDP2 over te_fuser models, two CPU processes on gloo (or two GPUs on NCCL, see
+``dist_testing``): ``fully_shard`` on the
 root alone, and on every op then the root, before or after a first forward,
 trains exactly as one process training on the whole batch.
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_testing import init, spawned
+from dist_testing import device, device_type, init, spawned
 
 WORLD = 2
 CONFIGS = [  # (recipe name, shard every op too, one forward before sharding)
@@ -24,7 +25,8 @@ def _build():
     import te_fuser as te
 
     torch.manual_seed(0)
-    return te.ops.Sequential(te.ops.LayerNorm(64), te.ops.Linear(64, 128), te.ops.GELU(), te.ops.Linear(128, 64))
+    return te.ops.Sequential(te.ops.LayerNorm(64), te.ops.Linear(64, 128), te.ops.GELU(),
+                             te.ops.Linear(128, 64)).to(device())
 
 
 def _run(rank: int, recipe_name: str, per_op: bool, warm: bool) -> float:
@@ -35,9 +37,9 @@ def _run(rank: int, recipe_name: str, per_op: bool, warm: bool) -> float:
 
     recipe = {"none": None, "current": te.recipe.Float8CurrentScaling(), "block": te.recipe.Float8BlockScaling(),
               "mxfp8": te.recipe.MXFP8BlockScaling()}[recipe_name]
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(device_type(), (WORLD,))
     model, twin = _build(), _build()
-    x = torch.randn(3, 64, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 64, 64, generator=torch.Generator().manual_seed(1)).to(device())
     if warm:
         with te.autocast(enabled=recipe is not None, recipe=recipe):
             model(x[0, :32])
@@ -85,7 +87,7 @@ def _worker(rank: int, folder: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    return spawned(_worker, WORLD)
+    return spawned(_worker, WORLD, gpus=True)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{'per_op' if c[1] else 'root'}"
