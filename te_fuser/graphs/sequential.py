@@ -259,7 +259,9 @@ class GraphedSequential(nn.Module):
     def _capture(self, x: torch.Tensor, key) -> _Graphs:
         start = time.perf_counter()
         model = self.model
-        flush_amax_reductions()  # from here on the pending list holds only this capture's amaxes
+        # From here on the pending list holds only this capture's amaxes: a capture's own
+        # flush must not take another model's updates into its graph.
+        flush_amax_reductions()
         quantizers, slots = state_slots(model)
         graphs = _Graphs(key, tuple(model.parameters()), slots, quantizers)
         graphs.static_x = x.detach().clone().requires_grad_(x.requires_grad)
@@ -323,7 +325,6 @@ class GraphedSequential(nn.Module):
             if before_forward is not None:
                 before_forward()
             inputs = ((static_x,) if static_x.requires_grad else ()) + tuple(map(aliases, graphs.params))
-            flush_amax_reductions()  # a capture's flush may hold only what it recorded itself: not another model's
             with torch.cuda.graph(pair.fwd, pool=pool):
                 static_y = model(static_x)
                 if after_forward is not None:
@@ -333,7 +334,6 @@ class GraphedSequential(nn.Module):
                 raise TypeError("make_graphed: the model must return one tensor")
             pair.forward_updates = [(s.home, s.live()) for s in slots if not s.bound()]
             static_dy = torch.empty_like(static_y)
-            flush_amax_reductions()
             with torch.cuda.graph(pair.bwd, pool=pool):
                 static_grads = torch.autograd.grad(static_y, inputs, grad_outputs=static_dy, allow_unused=True)
                 packs = self._pack_grads(static_grads, static_x.requires_grad)

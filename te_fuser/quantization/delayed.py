@@ -313,13 +313,9 @@ class DelayedScalingQuantizer(Quantizer):
         its own update. Bit for bit the same state either way."""
         groups: dict = {}
         for q, amax in pairs:
-            if q.scaling_factor_compute_algo is None and q.amax_compute_algo.__class__ is str:
+            if q._kernel_update:
                 key = (q._amax_history.device, q.amax_history_len, q.fp8_dtype, q.margin, q.amax_compute_algo)
-                members = groups.get(key)
-                if members is None:
-                    groups[key] = [(q, amax)]
-                else:
-                    members.append((q, amax))
+                groups.setdefault(key, []).append((q, amax))
             else:
                 q._update(amax)
         for (device, _, fp8_dtype, margin, algo), members in groups.items():
@@ -335,6 +331,12 @@ class DelayedScalingQuantizer(Quantizer):
             for q, h, s, si, c in zip(qs, histories.unbind(), scales.unbind(), scale_invs.unbind(), counts.unbind()):
                 q._amax_history, q._scale, q._scale_inv, q._nonfinite_amax_count = h, s, si, c
 
+    @property
+    def _kernel_update(self) -> bool:
+        """Whether the update is the ``delayed_scale_update`` kernel's (a named amax
+        algorithm, the built-in scale): else torch ops run the callables."""
+        return self.scaling_factor_compute_algo is None and isinstance(self.amax_compute_algo, str)
+
     def _group(self):
         """The process group its amaxes are reduced over now (None: no reduction)."""
         group = self.amax_reduction_group
@@ -348,7 +350,7 @@ class DelayedScalingQuantizer(Quantizer):
     def _update(self, amax: torch.Tensor) -> None:
         """Record ``amax`` as the newest history entry and update the scale: one
         ``delayed_scale_update`` kernel, or torch ops for a callable."""
-        if self.scaling_factor_compute_algo is None and isinstance(self.amax_compute_algo, str):
+        if self._kernel_update:
             update = backend.resolve("delayed_scale_update", amax.device).fn
             self._amax_history, self._scale, self._scale_inv, self._nonfinite_amax_count = update(
                 self._amax_history, amax, self._scale, self._nonfinite_amax_count, self.fp8_dtype, self.margin,

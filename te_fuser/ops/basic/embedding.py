@@ -9,15 +9,15 @@ called on its own like ``torch.nn.Embedding``, whose constructor, state-dict key
 
 The forward is the gather; the backward a scatter-add of the output gradient
 into the rows of the tokens that were read, accumulated in fp32 and written in
-the weight's dtype. Each row's gradients are added one
-after another in token order, the same bits on every run: on the GPU through
-torch's accumulating ``index_put_`` (it sorts the token ids stably), on the CPU
-through torch's embedding backward. Each of these is the other device's
-nondeterministic choice: on the GPU ``index_add_`` and the embedding backward add
-with atomics in whatever order the threads arrive (a token read thousands of
-times in a batch then gets different last bits from run to run, and so does
-every later step), and on the CPU ``index_put_`` adds from several threads. The output has the weight's dtype (as torch's lookup, which
-``torch.autocast`` leaves alone).
+the weight's dtype. Each row's gradients are added one after another in token
+order, the same bits on every run: on the GPU through torch's accumulating
+``index_put_`` (it sorts the token ids stably), on the CPU through torch's
+embedding backward. Each is the other device's nondeterministic choice: on the
+GPU ``index_add_`` and the embedding backward add with atomics in whatever order
+the threads arrive (a token read thousands of times in a batch then gets
+different last bits from run to run, and so does every later step), and on the
+CPU ``index_put_`` adds from several threads. The output has the weight's dtype
+(as torch's lookup, which ``torch.autocast`` leaves alone).
 
 Tied weights: the weight is read live from the module's parameter dict at every
 call, so a Parameter assigned later (``head.linear.weight = embedding.weight``,
