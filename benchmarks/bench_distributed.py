@@ -14,10 +14,11 @@ reduce_dtype=fp32)``, under ``torch.autocast(bf16)`` and fused AdamW. Arms:
   linears' weights gathered in FP8.
 
 Per arm: tokens/s per GPU (median step time), and per rank and step the bytes its
-all-gathers send (counted at ``torch.distributed.all_gather_single``, which
-FSDP2's all-gather and the FP8 all-gather's own call) and their time (on CUDA the
-GPU time of the NCCL all-gather kernels in a profiled step; on CPU the time the
-calls take). Rank 0 prints the table and appends rows to
+all-gathers send (counted at the one-tensor all-gather that FSDP2 and the FP8
+all-gather call: ``torch.distributed.all_gather_single``, or
+``all_gather_into_tensor`` where torch lacks it) and their time (on CUDA the GPU
+time of the NCCL all-gather kernels in a profiled step; on CPU the time the calls
+take). Rank 0 prints the table and appends rows to
 ``benchmarks/out/results.csv``; ``--json`` writes the figures.
 """
 
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import te_fuser as te  # noqa: E402
 from te_fuser.models.gpt import GPT, GPTConfig  # noqa: E402
+from te_fuser.ops.fp8_all_gather import ALL_GATHER_NAME  # noqa: E402
 
 ARMS = ("bf16", "fp8", "fp8_all_gather")
 
@@ -50,7 +52,7 @@ class _Sent:
 
     def __init__(self) -> None:
         self.bytes, self.calls, self.seconds = 0, 0, 0.0
-        self._original = dist.all_gather_single
+        self._original = getattr(dist, ALL_GATHER_NAME)
 
     def __enter__(self):
         def counted(output_tensor, input_tensor, *args, **kwargs):
@@ -62,11 +64,11 @@ class _Sent:
             finally:
                 self.seconds += time.perf_counter() - t0
 
-        dist.all_gather_single = counted
+        setattr(dist, ALL_GATHER_NAME, counted)
         return self
 
     def __exit__(self, *exc) -> None:
-        dist.all_gather_single = self._original
+        setattr(dist, ALL_GATHER_NAME, self._original)
 
 
 def build(arm: str, config: GPTConfig, device: torch.device, mesh):

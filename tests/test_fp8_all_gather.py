@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from dist_testing import init, spawned
 
+from te_fuser.ops.fp8_all_gather import ALL_GATHER_NAME
+
 WORLD = 2
 
 
@@ -52,17 +54,17 @@ def _sharded(model, fp8_all_gather: bool, per_op: bool = True, mp_policy=None):
 @contextlib.contextmanager
 def _counted_all_gathers(sent: list):
     """Every all-gather's input bytes (what a rank puts on the wire), appended to ``sent``."""
-    all_gather = dist.all_gather_single
+    all_gather = getattr(dist, ALL_GATHER_NAME)
 
     def counted(output_tensor, input_tensor, *args, **kwargs):
         sent.append(input_tensor.numel() * input_tensor.element_size())
         return all_gather(output_tensor, input_tensor, *args, **kwargs)
 
-    dist.all_gather_single = counted
+    setattr(dist, ALL_GATHER_NAME, counted)
     try:
         yield
     finally:
-        dist.all_gather_single = all_gather
+        setattr(dist, ALL_GATHER_NAME, all_gather)
 
 
 def _recipe_context(recipe):

@@ -69,6 +69,18 @@ from ..quantization.tensor import QuantizedTensor
 
 __all__ = ["enable_fsdp_fp8_all_gather", "fp8_all_gather_stats", "Float8AllGatherShard", "GatheredWeight"]
 
+
+# the one-tensor all-gather that FSDP2 calls: ``all_gather_single`` where torch has
+# it (2.13 does), ``all_gather_into_tensor`` where not (2.11). Looked up at each
+# call, so a wrapper put in its place (to count the bytes sent) sees ours too.
+ALL_GATHER_NAME = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """``input`` of every rank of ``group``, concatenated along dim 0 into ``output``."""
+    getattr(torch.distributed, ALL_GATHER_NAME)(output, input, group=group)
+
+
 aten = torch.ops.aten
 
 # What FSDP2 does to a sharded local tensor (chunk, pad, move, view) keeps the subclass.
@@ -187,7 +199,7 @@ class Float8AllGatherShard(torch.Tensor):
         head = hp[: shard.numel()]  # its first byte per element: FSDP2's all-gather
         tail = hp[shard.numel():]
         tails = torch.empty(world * tail.numel(), dtype=torch.uint8, device=shard.device)
-        torch.distributed.all_gather_single(tails, tail, group=group)
+        all_gather(tails, tail, group)
         if not again:
             g.kind = "hp"
             g.stats["high_precision"] += 1
@@ -297,7 +309,7 @@ class GatheredWeight(torch.Tensor):
         g.stats["regathered"] += 1
         shard = g.padded.to(g.param_dtype)
         whole = torch.empty((g.group.size() * shard.shape[0], shard.shape[1]), dtype=shard.dtype, device=shard.device)
-        torch.distributed.all_gather_single(whole, shard, group=g.group)
+        all_gather(whole, shard, g.group)
         return whole[: g.rows].view(self.shape)
 
     def quantized(self, quantizer, columnwise: bool) -> QuantizedTensor:
