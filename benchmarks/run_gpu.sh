@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn grouped
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn grouped norm
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -91,6 +91,9 @@ for part in $parts; do
     attn)  # flash attention: its tests (CPU sizes compiled, then T=1000/4096), then beside torch SDPA bf16 with the launch-shape sweep
       timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py 2>&1 | tee "$OUT/attn_tests.log" | tail -15
       timeout 260 python3 benchmarks/bench_attention.py --sweep 2>&1 | tee "$OUT/attn.log" | tail -70 ;;
+    norm)  # LayerNorm / RMSNorm: the kernels' tests at the GPT's sizes, the backends side by side, the op beside torch
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_norm.py 2>&1 | tee "$OUT/norm_tests.log" | tail -4
+      timeout 150 python3 benchmarks/bench_norm.py 2>&1 | tee "$OUT/norm.log" | tail -24 ;;
     grouped)  # GroupedLinear's grouped FP8 GEMMs: their tests (MoE sizes on the GPU), then beside a loop of GEMMs and bf16
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_kernel.py tests/test_grouped_linear.py \
         2>&1 | tee "$OUT/grouped_tests.log" | tail -12

@@ -40,6 +40,8 @@ KERNELS = (
     "activation",
     "activation_grad",
     "dact_dbias",                      # an activation's backward with the bias gradient
+    "layer_norm",                      # LayerNorm in fp32 from operands of any float dtype, with mean and rstd
+    "layer_norm_grad",                 # its dx, dweight, dbias from the forward's mean and rstd
     "rms_norm",
     "rms_norm_grad",
     "delayed_scale_update",            # delayed scaling's history, scale and counters in one step

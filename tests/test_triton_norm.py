@@ -88,3 +88,110 @@ def test_rmsnorm_op_on_the_triton_backend_matches_the_reference_backend(dtype):
         assert got.dtype == want.dtype and got.shape == want.shape, what
         key = dtype if dtype == torch.bfloat16 else "norm_grad_fp32"
         assert_close(got, want, key, f"RMSNorm op {what} {dtype}", scaled=True)
+
+
+def _layer_norm_float64(x, w, b, dy, eps):
+    """y, dx, dweight, dbias of LayerNorm in float64 (autograd through torch's op)."""
+    x64 = x.double().requires_grad_()
+    w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+    y = torch.nn.functional.layer_norm(x64, (x.shape[1],), w64, b64, eps)
+    y.backward(dy.double())
+    mean = x64.detach().mean(1)
+    rstd = torch.rsqrt(x64.detach().var(1, unbiased=False) + eps)
+    return y.detach(), mean, rstd, x64.grad, w64.grad, b64.grad
+
+
+@pytest.mark.parametrize("rows,n", [(13, 96), (7, 200), (33, 17)])
+@pytest.mark.parametrize("x_dtype,dy_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.float32, torch.bfloat16)], ids=str)
+def test_layer_norm_forward_and_backward_match_float64(rows, n, x_dtype, dy_dtype):
+    """The Triton LayerNorm and the reference, each against float64 on the same
+    (representable) inputs: the fp32 residual stream with a bf16 gradient is the
+    GPT's case, read in its own dtypes."""
+    x, w, dy = _inputs(rows, n, x_dtype)
+    gen = torch.Generator().manual_seed(1)
+    b = (0.1 * torch.randn(n, generator=gen)).to(DEVICE)
+    w, dy = w.float(), dy.to(dy_dtype)
+    eps = 1e-5
+    y64, mean64, rstd64, dx64, dw64, db64 = _layer_norm_float64(x, w, b, dy, eps)
+    for name, kernels in (("triton", (tk.layer_norm, tk.layer_norm_grad)),
+                          ("reference", (ref.layer_norm_reference, ref.layer_norm_grad_reference))):
+        forward, backward = kernels
+        context = f"layer_norm {name} {rows}x{n} x {x_dtype} dy {dy_dtype}"
+        y, mean, rstd = forward(x, w, b, eps, torch.bfloat16 if dy_dtype == torch.bfloat16 else None)
+        out_dtype = torch.bfloat16 if dy_dtype == torch.bfloat16 else x_dtype
+        assert y.dtype == out_dtype and mean.dtype == rstd.dtype == torch.float32, context
+        assert_close(mean, mean64, torch.float32, context + " mean", scaled=True)
+        assert_close(rstd, rstd64, torch.float32, context + " rstd")
+        assert_close(y, y64, out_dtype, context + " y", scaled=True)
+        dx, dw, db = backward(dy, x, w, mean, rstd)
+        assert dx.dtype == x_dtype and dw.dtype == db.dtype == torch.float32, context
+        assert_close(dx, dx64, "norm_grad_fp32" if x_dtype == torch.float32 else x_dtype, context + " dx", scaled=True)
+        assert_close(dw, dw64, "norm_grad_fp32", context + " dweight", scaled=True)
+        assert_close(db, db64, "norm_grad_fp32", context + " dbias", scaled=True)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GPT's sizes: on the GPU")
+@pytest.mark.parametrize("rows,n", [(16384, 1024), (1000, 4096)])
+def test_layer_norm_at_the_gpt_sizes_matches_float64(rows, n):
+    """The compiled kernel at real sizes, in the GPT's dtypes: x fp32, y and dy bf16."""
+    x, w, dy = _inputs(rows, n, torch.float32)
+    b = (0.1 * torch.randn(n, generator=torch.Generator().manual_seed(2))).to(DEVICE)
+    dy = dy.to(torch.bfloat16)
+    y64, mean64, rstd64, dx64, dw64, db64 = _layer_norm_float64(x, w, b, dy, 1e-5)
+    y, mean, rstd = tk.layer_norm(x, w, b, 1e-5, torch.bfloat16)
+    context = f"layer_norm {rows}x{n}"
+    assert_close(y, y64, torch.bfloat16, context + " y", scaled=True)
+    assert_close(rstd, rstd64, torch.float32, context + " rstd")
+    dx, dw, db = tk.layer_norm_grad(dy, x, w, mean, rstd)
+    assert_close(dx, dx64, "norm_grad_fp32", context + " dx", scaled=True)
+    assert_close(dw, dw64, "norm_grad_fp32", context + " dweight", scaled=True)
+    assert_close(db, db64, "norm_grad_fp32", context + " dbias", scaled=True)
+
+
+def test_layer_norm_errors_name_the_constraint():
+    x, w, dy = _inputs(4, 32, torch.float32)
+    b = torch.zeros(32, device=DEVICE)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        tk.layer_norm(x, w, b[:16], 1e-5)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        ref.layer_norm_reference(x, w, b[:16], 1e-5)
+    with pytest.raises(ValueError, match=f"up to {tk.MAX_N} wide"):
+        wide = torch.ones(tk.MAX_N + 1, device=DEVICE)
+        tk.layer_norm(torch.zeros(1, tk.MAX_N + 1, device=DEVICE), wide, wide, 1e-5)
+    assert tk.layer_norm_unsupported_reason(torch.zeros(1, tk.MAX_N + 1), None) is not None
+    _, mean, rstd = tk.layer_norm(x, w, b, 1e-5)
+    with pytest.raises(ValueError, match="mean must be float32"):
+        tk.layer_norm_grad(dy, x, w, mean[:2], rstd)
+    with pytest.raises(ValueError, match="rstd must be float32"):
+        ref.layer_norm_grad_reference(dy, x, w, mean, rstd.double())
+    with pytest.raises(ValueError, match="dy must have x's shape"):
+        tk.layer_norm_grad(dy[:2], x, w, mean, rstd)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layernorm_op_on_the_triton_backend_matches_the_reference_backend(dtype, zero_centered):
+    """The op over two trailing dims (normalized as one row), zero-centred or not,
+    under both backends: output, input gradient and both parameter gradients."""
+    import te_fuser as te
+
+    torch.manual_seed(0)
+    norm = te.ops.LayerNorm((4, 12), eps=1e-6, zero_centered_gamma=zero_centered).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(0.1 * torch.randn(4, 12) + (0.0 if zero_centered else 1.0))
+        norm.bias.copy_(0.1 * torch.randn(4, 12))
+    x = (-1.0 + torch.randn(3, 5, 4, 12)).to(DEVICE, dtype)
+    dy = torch.randn(3, 5, 4, 12).to(DEVICE, dtype)
+    results = {}
+    for name in ("reference", "triton"):
+        xi = x.clone().requires_grad_()
+        with te.autocast(enabled=False, backend=name):
+            y = norm(xi)
+        y.backward(dy)
+        results[name] = (y.detach(), xi.grad, norm.weight.grad.clone(), norm.bias.grad.clone())
+        norm.weight.grad = norm.bias.grad = None
+    for what, got, want in zip(("y", "dx", "dweight", "dbias"), results["triton"], results["reference"]):
+        assert got.dtype == want.dtype and got.shape == want.shape, what
+        key = dtype if dtype == torch.bfloat16 else "norm_grad_fp32"
+        assert_close(got, want, key, f"LayerNorm op {what} {dtype}", scaled=True)

@@ -1,7 +1,13 @@
-"""Reference RMSNorm forward and backward over the last dim, in fp32.
+"""Reference LayerNorm and RMSNorm, forward and backward over the last dim, in fp32.
 
-``y = x * rstd * weight`` with ``rstd = 1 / sqrt(mean(x**2) + eps)`` per row. The
-backward recomputes ``rstd`` in fp32 from the saved input and applies the
+LayerNorm: ``y = (x - mean) * rstd * weight + bias`` with ``rstd = 1 / sqrt(var +
+eps)`` per row (the biased variance), as torch's own fp32 kernels compute it
+(``native_layer_norm`` and ``native_layer_norm_backward``, which reads the
+forward's mean and rstd), each operand taken to fp32 first and the result rounded
+once to its dtype.
+
+RMSNorm: ``y = x * rstd * weight`` with ``rstd = 1 / sqrt(mean(x**2) + eps)`` per
+row. The backward recomputes ``rstd`` in fp32 from the saved input and applies the
 gradient's closed form (no autograd: it also runs inside custom ops, below it):
 
     dweight = sum_rows(dy * x * rstd)
@@ -12,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm_reference", "rms_norm_grad_reference"]
+__all__ = ["layer_norm_reference", "layer_norm_grad_reference", "rms_norm_reference", "rms_norm_grad_reference"]
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> None:
@@ -20,6 +26,47 @@ def _check(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> None:
         raise ValueError(f"{kernel}: x must be 2-D (rows, N), got shape {tuple(x.shape)}")
     if weight.shape != (x.shape[1],):
         raise ValueError(f"{kernel}: weight must have shape ({x.shape[1]},), got {tuple(weight.shape)}")
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.float32 else t.float()
+
+
+def _check_layer_norm(x: torch.Tensor, weight: torch.Tensor, kernel: str, mean=None, rstd=None) -> None:
+    _check(x, weight, kernel)
+    for name, stat in (("mean", mean), ("rstd", rstd)):
+        if stat is not None and (stat.shape != (x.shape[0],) or stat.dtype != torch.float32):
+            raise ValueError(f"{kernel}: {name} must be float32 of shape ({x.shape[0]},), "
+                             f"got {stat.dtype} {tuple(stat.shape)}")
+
+
+def layer_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y (rows, N) in out_dtype (default x.dtype), mean (rows,), rstd (rows,))``
+    for x (rows, N), weight and bias (N,); the statistics in fp32."""
+    _check_layer_norm(x, weight, "layer_norm")
+    if bias.shape != weight.shape:
+        raise ValueError(f"layer_norm: bias must have shape {tuple(weight.shape)}, got {tuple(bias.shape)}")
+    y, mean, rstd = torch.native_layer_norm(_fp32(x), (x.shape[1],), _fp32(weight), _fp32(bias), eps)
+    out_dtype = out_dtype or x.dtype
+    return (y if y.dtype is out_dtype else y.to(out_dtype)), mean.reshape(-1), rstd.reshape(-1)
+
+
+def layer_norm_grad_reference(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx (rows, N) in x.dtype, dweight (N,), dbias (N,))`` from the forward's
+    ``mean`` and ``rstd``; the parameter gradients in fp32."""
+    _check_layer_norm(x, weight, "layer_norm_grad", mean, rstd)
+    if dy.shape != x.shape:
+        raise ValueError(f"layer_norm_grad: dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    w32 = _fp32(weight)
+    # the bias does not enter the gradient: torch reads only its shape and dtype, for dbias
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        _fp32(dy).contiguous(), _fp32(x), (x.shape[1],), mean.reshape(-1, 1), rstd.reshape(-1, 1), w32, w32,
+        [True, True, True])
+    return (dx if dx.dtype is x.dtype else dx.to(x.dtype)), dw, db
 
 
 def rms_norm_reference(

@@ -5,8 +5,9 @@ Same names, signatures and return types as :mod:`te_fuser.kernels.reference`
 and on CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported).
 Extra fused kernels: :func:`gemm_fp8_out` (the GEMM epilogue also casts its result
 to FP8 with a given scale and reduces its amax) and :func:`dact_dbias` (activation
-gradient and bias gradient in one pass). :func:`rms_norm` and
-:func:`rms_norm_grad` make one pass each over the data. :func:`delayed_scale_update`
+gradient and bias gradient in one pass). :func:`layer_norm`,
+:func:`layer_norm_grad`, :func:`rms_norm` and :func:`rms_norm_grad` make one pass
+each over the data. :func:`delayed_scale_update`
 is the whole delayed-scaling state update (history, scale, scale_inv, count) in one
 launch; :func:`delayed_scale_update_many` that of many quantizers, one program each. :func:`amax_column_sums` reads a gradient once for its current-scaling amax
 and its bias gradient (:func:`quantize_current_column_sums` then casts it); :func:`quantize_tensorwise_column_sums` is the delayed-scaling
@@ -26,7 +27,8 @@ from .cast import (amax_column_sums, dequantize, quantize_block, quantize_curren
 from .gemm import gemm, gemm_fp8_out
 from .grouped_gemm import (grouped_gemm, grouped_gemm_unsupported_reason, grouped_gemm_wgrad,
                            grouped_gemm_wgrad_unsupported_reason)
-from .norm import rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason
+from .norm import (layer_norm, layer_norm_grad, layer_norm_grad_unsupported_reason, layer_norm_unsupported_reason,
+                   rms_norm, rms_norm_grad, rms_norm_grad_unsupported_reason, rms_norm_unsupported_reason)
 from .rotary import rotary, rotary_unsupported_reason
 from .scaling import delayed_scale_update, delayed_scale_update_many
 
@@ -49,6 +51,10 @@ __all__ = [
     "activation",
     "activation_grad",
     "dact_dbias",
+    "layer_norm",
+    "layer_norm_grad",
+    "layer_norm_unsupported_reason",
+    "layer_norm_grad_unsupported_reason",
     "rms_norm",
     "rms_norm_grad",
     "rms_norm_unsupported_reason",

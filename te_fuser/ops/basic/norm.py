@@ -1,11 +1,13 @@
 """LayerNorm, RMSNorm and L2Normalization over the last dim, computed in fp32.
 
-RMSNorm runs the backend's ``rms_norm`` / ``rms_norm_grad`` kernels (on the GPU
-one Triton pass each, forward and backward; the reference in fp32 torch ops).
-LayerNorm runs torch's own fp32 kernels: ``native_layer_norm`` forward (which
-also returns the rows' mean and reciprocal standard deviation, saved for the
-backward) and ``native_layer_norm_backward`` (dx, dweight and dbias from those
-statistics, without recomputing them): one kernel each way on the GPU.
+LayerNorm runs the backend's ``layer_norm`` / ``layer_norm_grad`` kernels, RMSNorm
+its ``rms_norm`` / ``rms_norm_grad``: on the GPU one Triton pass each, forward and
+backward, reading the operands in their own dtypes (an fp32 residual stream, a
+bf16 gradient) and writing the output in the compute dtype, so no fp32 copy goes
+in and no dtype copy comes out; the reference is torch's own fp32 ops
+(``native_layer_norm`` and ``native_layer_norm_backward`` for LayerNorm). The
+forward keeps the rows' statistics (mean and reciprocal standard deviation) for
+the backward, which does not recompute them.
 """
 
 from __future__ import annotations
@@ -19,10 +21,6 @@ from ... import backend
 from ..op import BasicOperation
 
 __all__ = ["LayerNorm", "RMSNorm", "L2Normalization", "rms_norm_backward"]
-
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype is torch.float32 else t.float()
 
 
 class _Norm(BasicOperation):
@@ -83,32 +81,33 @@ class LayerNorm(_Norm):
         super().__init__(normalized_shape, eps, True, device, dtype, name, zero_centered_gamma)
 
     def _scale(self, weight: torch.Tensor) -> torch.Tensor:
-        """The scale in fp32, in ``normalized_shape``: the weight, or ``weight + 1``."""
-        return weight.float() + 1.0 if self.zero_centered_gamma else _fp32(weight)
+        """The scale, flattened (N,): the weight as it is (the kernels widen it to
+        fp32), or ``weight + 1`` in fp32."""
+        return (weight.float() + 1.0 if self.zero_centered_gamma else weight).reshape(-1)
 
     def op_forward(self, ctx, x, extra_inputs):
-        # torch's kernel normalizes the trailing normalized_shape dims of x as they are,
-        # as over x flattened to (M, N): the same kernel on the same contiguous data
+        # the trailing normalized_shape dims of x normalized as x flattened to (M, N)
         run = ctx.run
-        y, mean, rstd = torch.native_layer_norm(_fp32(x), self.normalized_shape, self._scale(self.weight),
-                                                _fp32(self.bias), self.eps)  # fp32, x's shape; stats (..., 1)
+        norm = backend.resolve("layer_norm", x.device).fn
+        y2d, mean, rstd = norm(x.reshape(-1, self.size), self._scale(self.weight),
+                               self.bias.reshape(-1), self.eps, run.compute_dtype)
         if run.needs_backward:
             ctx.saved["x"], ctx.saved["stats"] = x, (mean, rstd)
-        dtype = run.compute_dtype
-        return (y if y.dtype is dtype else y.to(dtype)), []
+        return y2d.reshape(x.shape), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
-        """torch's LayerNorm gradient in fp32 from the saved input and statistics (no
+        """The LayerNorm gradient in fp32 from the saved input and statistics (no
         autograd: it also runs inside custom ops, below it); dweight and dbias come in
-        the parameters' shape."""
+        the parameters' shape and dtype."""
         x, (mean, rstd) = ctx.saved["x"], ctx.saved["stats"]
         weight, bias = self.weight, self.bias
         need_w, need_b = ctx.param_needs_grad or (weight.requires_grad, bias.requires_grad)
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            _fp32(dy).contiguous(), _fp32(x), self.normalized_shape, mean, rstd, self._scale(weight), _fp32(bias),
-            [True, need_w, need_b])
-        pgrads = [g if (g is None or g.dtype is p.dtype) else g.to(p.dtype) for g, p in ((dw, weight), (db, bias))]
-        return (dx if dx.dtype is x.dtype else dx.to(x.dtype)), pgrads, []
+        grad = backend.resolve("layer_norm_grad", x.device).fn
+        dx, dw, db = grad(dy.reshape(-1, self.size), x.reshape(-1, self.size), self._scale(weight), mean,
+                          rstd)
+        pgrads = [None if not need else g.reshape(p.shape).to(p.dtype)
+                  for g, p, need in ((dw, weight, need_w), (db, bias, need_b))]
+        return dx.reshape(x.shape), pgrads, []
 
 
 class RMSNorm(_Norm):
