@@ -1,5 +1,6 @@
-"""Triton RMSNorm forward and backward against the reference (fp32 math on both
-sides; they differ only in the order of the row sums and in one rounding)."""
+"""Triton RMSNorm and LayerNorm (and the CUDA LayerNorm, on a GPU) forward and
+backward against the reference and float64 (fp32 math everywhere; they differ only
+in the order of the row sums and in one rounding)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,17 @@ def _layer_norm_float64(x, w, b, dy, eps):
     return y.detach(), mean, rstd, x64.grad, w64.grad, b64.grad
 
 
+def _layer_norm_kernels() -> dict:
+    """Every backend's LayerNorm (forward, backward) that runs here."""
+    kernels = {"triton": (tk.layer_norm, tk.layer_norm_grad),
+               "reference": (ref.layer_norm_reference, ref.layer_norm_grad_reference)}
+    if DEVICE == "cuda":
+        from te_fuser.kernels import cuda
+
+        kernels["cuda"] = (cuda.layer_norm, cuda.layer_norm_grad)
+    return kernels
+
+
 @pytest.mark.parametrize("rows,n", [(13, 96), (7, 200), (33, 17)])
 @pytest.mark.parametrize("x_dtype,dy_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                               (torch.float32, torch.bfloat16)], ids=str)
@@ -114,9 +126,7 @@ def test_layer_norm_forward_and_backward_match_float64(rows, n, x_dtype, dy_dtyp
     w, dy = w.float(), dy.to(dy_dtype)
     eps = 1e-5
     y64, mean64, rstd64, dx64, dw64, db64 = _layer_norm_float64(x, w, b, dy, eps)
-    for name, kernels in (("triton", (tk.layer_norm, tk.layer_norm_grad)),
-                          ("reference", (ref.layer_norm_reference, ref.layer_norm_grad_reference))):
-        forward, backward = kernels
+    for name, (forward, backward) in _layer_norm_kernels().items():
         context = f"layer_norm {name} {rows}x{n} x {x_dtype} dy {dy_dtype}"
         y, mean, rstd = forward(x, w, b, eps, torch.bfloat16 if dy_dtype == torch.bfloat16 else None)
         out_dtype = torch.bfloat16 if dy_dtype == torch.bfloat16 else x_dtype
@@ -139,14 +149,17 @@ def test_layer_norm_at_the_gpt_sizes_matches_float64(rows, n):
     b = (0.1 * torch.randn(n, generator=torch.Generator().manual_seed(2))).to(DEVICE)
     dy = dy.to(torch.bfloat16)
     y64, mean64, rstd64, dx64, dw64, db64 = _layer_norm_float64(x, w, b, dy, 1e-5)
-    y, mean, rstd = tk.layer_norm(x, w, b, 1e-5, torch.bfloat16)
-    context = f"layer_norm {rows}x{n}"
-    assert_close(y, y64, torch.bfloat16, context + " y", scaled=True)
-    assert_close(rstd, rstd64, torch.float32, context + " rstd")
-    dx, dw, db = tk.layer_norm_grad(dy, x, w, mean, rstd)
-    assert_close(dx, dx64, "norm_grad_fp32", context + " dx", scaled=True)
-    assert_close(dw, dw64, "norm_grad_fp32", context + " dweight", scaled=True)
-    assert_close(db, db64, "norm_grad_fp32", context + " dbias", scaled=True)
+    for name, (forward, backward) in _layer_norm_kernels().items():
+        y, mean, rstd = forward(x, w, b, 1e-5, torch.bfloat16)
+        context = f"layer_norm {name} {rows}x{n}"
+        assert_close(y, y64, torch.bfloat16, context + " y", scaled=True)
+        assert_close(rstd, rstd64, torch.float32, context + " rstd")
+        dx, dw, db = backward(dy, x, w, mean, rstd)
+        assert_close(dx, dx64, "norm_grad_fp32", context + " dx", scaled=True)
+        assert_close(dw, dw64, "norm_grad_fp32", context + " dweight", scaled=True)
+        assert_close(db, db64, "norm_grad_fp32", context + " dbias", scaled=True)
+        again = backward(dy, x, w, mean, rstd)
+        assert all(torch.equal(a, b) for a, b in zip((dx, dw, db), again)), context + ": not reproducible"
 
 
 def test_layer_norm_errors_name_the_constraint():
@@ -171,7 +184,7 @@ def test_layer_norm_errors_name_the_constraint():
 
 @pytest.mark.parametrize("zero_centered", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_layernorm_op_on_the_triton_backend_matches_the_reference_backend(dtype, zero_centered):
+def test_layernorm_op_on_every_backend_matches_the_reference_backend(dtype, zero_centered):
     """The op over two trailing dims (normalized as one row), zero-centred or not,
     under both backends: output, input gradient and both parameter gradients."""
     import te_fuser as te
@@ -184,14 +197,15 @@ def test_layernorm_op_on_the_triton_backend_matches_the_reference_backend(dtype,
     x = (-1.0 + torch.randn(3, 5, 4, 12)).to(DEVICE, dtype)
     dy = torch.randn(3, 5, 4, 12).to(DEVICE, dtype)
     results = {}
-    for name in ("reference", "triton"):
+    for name in _layer_norm_kernels():
         xi = x.clone().requires_grad_()
         with te.autocast(enabled=False, backend=name):
             y = norm(xi)
         y.backward(dy)
         results[name] = (y.detach(), xi.grad, norm.weight.grad.clone(), norm.bias.grad.clone())
         norm.weight.grad = norm.bias.grad = None
-    for what, got, want in zip(("y", "dx", "dweight", "dbias"), results["triton"], results["reference"]):
-        assert got.dtype == want.dtype and got.shape == want.shape, what
-        key = dtype if dtype == torch.bfloat16 else "norm_grad_fp32"
-        assert_close(got, want, key, f"LayerNorm op {what} {dtype}", scaled=True)
+    for name in set(results) - {"reference"}:
+        for what, got, want in zip(("y", "dx", "dweight", "dbias"), results[name], results["reference"]):
+            assert got.dtype == want.dtype and got.shape == want.shape, what
+            key = dtype if dtype == torch.bfloat16 else "norm_grad_fp32"
+            assert_close(got, want, key, f"LayerNorm op on {name}: {what} {dtype}", scaled=True)

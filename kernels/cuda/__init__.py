@@ -15,6 +15,8 @@ for bit):
 - ``quantize_mxfp8``: MXFP8 (E8M0 scale per 32 elements along the last dim);
 - ``delayed_scale_update``: delayed scaling's history, scale and count in one
   block;
+- ``layer_norm``, ``layer_norm_grad``: LayerNorm, a warp per row (the backward
+  with a column-tiled kernel for the parameter gradients), launched from C++;
 - ``gemm``: ``torch._scaled_mm`` (cuBLASLt) plus one fused epilogue kernel;
   operand pairs cuBLASLt cannot run go to the reference GEMM
   (:func:`gemm_unsupported_reason` says why);
@@ -37,6 +39,7 @@ from .attention import (attention_backward, attention_backward_unsupported_reaso
 from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp8, quantize_rowwise,
                    quantize_tensorwise, quantize_tensorwise_column_sums)
 from .gemm import block_scaled_mm_available, gemm, gemm_unsupported_reason
+from .norm import layer_norm, layer_norm_grad
 from .scaling import delayed_scale_update
 
 __all__ = [
@@ -47,6 +50,8 @@ __all__ = [
     "quantize_rowwise",
     "quantize_mxfp8",
     "delayed_scale_update",
+    "layer_norm",
+    "layer_norm_grad",
     "attention_forward",
     "attention_backward",
     "attention_forward_unsupported_reason",

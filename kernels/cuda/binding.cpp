@@ -159,6 +159,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update(
   return {new_history, new_scale, new_scale_inv, new_count};
 }
 
+int hp_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: throw std::invalid_argument("te_fuser norm kernels: a float32, bfloat16 or float16 tensor is needed");
+  }
+}
+
+// LayerNorm: (y in out_dtype, mean, rstd), new tensors (x row-major, weight and bias fp32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm(const at::Tensor& x, const at::Tensor& weight,
+                                                          const at::Tensor& bias, double eps, at::ScalarType out_dtype,
+                                                          int64_t stream) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor y = at::empty({rows, n}, x.options().dtype(out_dtype));
+  at::Tensor stats = at::empty({2, rows}, x.options().dtype(at::kFloat));
+  at::Tensor mean = stats.select(0, 0), rstd = stats.select(0, 1);
+  if (rows > 0 && n > 0) {
+    te_fuser::launch_layer_norm(x.data_ptr(), hp_code(x.scalar_type()), weight.data_ptr<float>(),
+                                bias.data_ptr<float>(), y.data_ptr(), hp_code(out_dtype), mean.data_ptr<float>(),
+                                rstd.data_ptr<float>(), rows, n, static_cast<float>(eps), as_stream(stream));
+  }
+  return {y, mean, rstd};
+}
+
+// Its backward: (dx in x's dtype, dweight, dbias), new tensors; the chunks' partial
+// sums of the parameter gradients are added here, in one reduction.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grad(const at::Tensor& dy, const at::Tensor& x,
+                                                               const at::Tensor& weight, const at::Tensor& mean,
+                                                               const at::Tensor& rstd, int64_t stream) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor dx = at::empty_like(x);
+  if (rows == 0 || n == 0) {
+    at::Tensor zeros = at::zeros({2, n}, x.options().dtype(at::kFloat));
+    return {dx, zeros.select(0, 0), zeros.select(0, 1)};
+  }
+  const int64_t chunks = te_fuser::layer_norm_grad_chunks(rows, n);
+  at::Tensor partial = at::empty({2, chunks, n}, x.options().dtype(at::kFloat));
+  te_fuser::launch_layer_norm_grad(dy.data_ptr(), hp_code(dy.scalar_type()), x.data_ptr(), hp_code(x.scalar_type()),
+                                   weight.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                                   dx.data_ptr(), partial.data_ptr<float>(), rows, n, chunks, as_stream(stream));
+  at::Tensor sums = chunks == 1 ? partial.select(1, 0) : partial.sum(1);
+  return {dx, sums.select(0, 0), sums.select(0, 1)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -170,6 +215,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_tensorwise", &cast_tensorwise, "delayed scaling's cast with a given scale, outputs allocated here");
   m.def("quantize_rowwise", &quantize_rowwise, "FP8 cast with one scale per row");
   m.def("quantize_mxfp8", &quantize_mxfp8, "MXFP8 cast: one E8M0 scale per 32 elements");
+  m.def("layer_norm", &layer_norm, "LayerNorm forward, one warp per row, outputs allocated here");
+  m.def("layer_norm_grad", &layer_norm_grad, "LayerNorm backward: dx, dweight, dbias, outputs allocated here");
   m.def("epilogue", &epilogue, "bias + activation + residual over a GEMM result");
   m.def("fp8_gemm_tensorwise", &te_fuser::fp8_gemm_tensorwise,
         "tensor-scaled FP8 GEMM through cuBLASLt, its descriptors and algorithm kept per problem");

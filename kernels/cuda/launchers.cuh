@@ -71,4 +71,18 @@ void launch_delayed_scale_update(const float* history, const float* amax, const 
                                  int64_t length, int margin_steps, float margin_rest, float fmax, bool algo_max,
                                  void* stream);
 
+// LayerNorm of x (rows, n), row-major, with fp32 weight and bias (n,): y (rows, n),
+// mean and rstd (rows,) fp32.
+void launch_layer_norm(const void* x, int x_type, const float* weight, const float* bias, void* y, int y_type,
+                       float* mean, float* rstd, int64_t rows, int64_t n, float eps, void* stream);
+
+// The row chunks of a LayerNorm backward: partial holds (2, chunks, n) fp32.
+int64_t layer_norm_grad_chunks(int64_t rows, int64_t n);
+
+// Its dx (rows, n) in x's type, and per chunk of rows the partial sums of dweight
+// (partial[0]) and dbias (partial[1]), from the forward's mean and rstd.
+void launch_layer_norm_grad(const void* dy, int dy_type, const void* x, int x_type, const float* weight,
+                            const float* mean, const float* rstd, void* dx, float* partial, int64_t rows, int64_t n,
+                            int64_t chunks, void* stream);
+
 }  // namespace te_fuser

@@ -1,0 +1,67 @@
+"""Launchers of the CUDA LayerNorm forward and backward: check, then one C++ call
+that allocates the outputs and launches (``norm_kernels.cu``; the backward's two
+kernels and the sum of its partial parameter gradients).
+
+Same names, signatures and results as the reference
+(:func:`te_fuser.kernels.reference.layer_norm_reference`, ``layer_norm_grad_reference``)
+within the norm tolerances: the row sums add in another (fixed) order. What a
+C++ launch saves over Triton's launcher is host time: a model of many norms that
+waits on its host pays about a tenth of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference.norm import _check_layer_norm
+from ._build import extension, raw_stream
+from .cast import HP_CODES, aligned_contiguous, check_cuda_tensor, on_device
+
+__all__ = ["layer_norm", "layer_norm_grad"]
+
+
+def _fp32_param(t: torch.Tensor) -> torch.Tensor:
+    t = t if t.dtype is torch.float32 else t.float()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _check_operands(kernel: str, x: torch.Tensor, weight: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, t in (("x", x), ("weight", weight), *others.items()):
+        check_cuda_tensor(t, kernel, name)
+        if t.dtype not in HP_CODES:
+            raise TypeError(f"{kernel}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{kernel}: {name} is on {t.device} but x is on {x.device}")
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y (rows, N) in out_dtype (default x.dtype), mean (rows,), rstd (rows,))``;
+    see the reference."""
+    _check_layer_norm(x, weight, "layer_norm")
+    _check_operands("layer_norm", x, weight, bias=bias)
+    if bias.shape != weight.shape:
+        raise ValueError(f"layer_norm: bias must have shape {tuple(weight.shape)}, got {tuple(bias.shape)}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in HP_CODES:
+        raise ValueError(f"layer_norm: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    device = x.device
+    with on_device(device):
+        return extension().layer_norm(aligned_contiguous(x), _fp32_param(weight), _fp32_param(bias), float(eps),
+                                      out_dtype, raw_stream(device))
+
+
+def layer_norm_grad(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx (rows, N) in x.dtype, dweight (N,), dbias (N,))`` from the forward's
+    ``mean`` and ``rstd``; see the reference."""
+    _check_layer_norm(x, weight, "layer_norm_grad", mean, rstd)
+    _check_operands("layer_norm_grad", x, weight, dy=dy, mean=mean, rstd=rstd)
+    if dy.shape != x.shape:
+        raise ValueError(f"layer_norm_grad: dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    device = x.device
+    with on_device(device):
+        return extension().layer_norm_grad(aligned_contiguous(dy), aligned_contiguous(x), _fp32_param(weight),
+                                           mean.contiguous(), rstd.contiguous(), raw_stream(device))
