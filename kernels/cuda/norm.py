@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.norm import _check_layer_norm
+from ..reference.norm import check_layer_norm
 from ._build import extension, raw_stream
 from .cast import HP_CODES, aligned_contiguous, check_cuda_tensor, on_device
 
@@ -39,7 +39,7 @@ def layer_norm(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y (rows, N) in out_dtype (default x.dtype), mean (rows,), rstd (rows,))``;
     see the reference."""
-    _check_layer_norm(x, weight, "layer_norm")
+    check_layer_norm(x, weight, "layer_norm")
     _check_operands("layer_norm", x, weight, bias=bias)
     if bias.shape != weight.shape:
         raise ValueError(f"layer_norm: bias must have shape {tuple(weight.shape)}, got {tuple(bias.shape)}")
@@ -57,7 +57,7 @@ def layer_norm_grad(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx (rows, N) in x.dtype, dweight (N,), dbias (N,))`` from the forward's
     ``mean`` and ``rstd``; see the reference."""
-    _check_layer_norm(x, weight, "layer_norm_grad", mean, rstd)
+    check_layer_norm(x, weight, "layer_norm_grad", mean, rstd)
     _check_operands("layer_norm_grad", x, weight, dy=dy, mean=mean, rstd=rstd)
     if dy.shape != x.shape:
         raise ValueError(f"layer_norm_grad: dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")

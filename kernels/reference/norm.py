@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["layer_norm_reference", "layer_norm_grad_reference", "rms_norm_reference", "rms_norm_grad_reference"]
+__all__ = ["layer_norm_reference", "layer_norm_grad_reference", "rms_norm_reference", "rms_norm_grad_reference",
+           "check_layer_norm"]
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> None:
@@ -32,7 +33,9 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.float32 else t.float()
 
 
-def _check_layer_norm(x: torch.Tensor, weight: torch.Tensor, kernel: str, mean=None, rstd=None) -> None:
+def check_layer_norm(x: torch.Tensor, weight: torch.Tensor, kernel: str, mean=None, rstd=None) -> None:
+    """Raise naming the argument unless x is (rows, N), weight (N,) and the statistics
+    (when given) fp32 (rows,): the checks every backend's LayerNorm runs first."""
     _check(x, weight, kernel)
     for name, stat in (("mean", mean), ("rstd", rstd)):
         if stat is not None and (stat.shape != (x.shape[0],) or stat.dtype != torch.float32):
@@ -45,7 +48,7 @@ def layer_norm_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y (rows, N) in out_dtype (default x.dtype), mean (rows,), rstd (rows,))``
     for x (rows, N), weight and bias (N,); the statistics in fp32."""
-    _check_layer_norm(x, weight, "layer_norm")
+    check_layer_norm(x, weight, "layer_norm")
     if bias.shape != weight.shape:
         raise ValueError(f"layer_norm: bias must have shape {tuple(weight.shape)}, got {tuple(bias.shape)}")
     y, mean, rstd = torch.native_layer_norm(_fp32(x), (x.shape[1],), _fp32(weight), _fp32(bias), eps)
@@ -58,7 +61,7 @@ def layer_norm_grad_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx (rows, N) in x.dtype, dweight (N,), dbias (N,))`` from the forward's
     ``mean`` and ``rstd``; the parameter gradients in fp32."""
-    _check_layer_norm(x, weight, "layer_norm_grad", mean, rstd)
+    check_layer_norm(x, weight, "layer_norm_grad", mean, rstd)
     if dy.shape != x.shape:
         raise ValueError(f"layer_norm_grad: dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     w32 = _fp32(weight)
