@@ -351,3 +351,46 @@ def test_enabling_twice_keeps_the_weights_and_a_model_without_linears_is_an_erro
         te.enable_fsdp_fp8_all_gather(torch.nn.Linear(4, 4))
     model = te.enable_fsdp_fp8_all_gather(_model())
     assert te.enable_fsdp_fp8_all_gather(model) is model  # twice: the same weights
+
+
+def _one_rank_worker(rank, folder, results):
+    """cast_shard over a group of one rank: the bytes and scaling state of a cast of
+    the whole tensor, and no collective (the one shard is the whole tensor)."""
+    import te_fuser as te
+    from te_fuser.quantization import QuantizerRole
+
+    init(rank, 1, folder)
+    try:
+        calls = []
+        all_reduce = dist.all_reduce
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return all_reduce(*args, **kwargs)
+
+        x = torch.randn(48, 32, generator=torch.Generator().manual_seed(3))
+        same = {}
+        for name, recipe in (("delayed", te.recipe.DelayedScaling()), ("current", te.recipe.Float8CurrentScaling())):
+            sharded, whole = (recipe.make_quantizer(QuantizerRole("linear", "weight")) for _ in range(2))
+            dist.all_reduce = counted
+            try:
+                for _ in range(3):  # unseeded, then seeded (delayed): each cast records into the state
+                    data, scale_inv = sharded.cast_shard(x, dist.group.WORLD)
+                    expected = whole.cast(x, rowwise=True, columnwise=False)
+                    same.setdefault(name, []).append(
+                        torch.equal(data.view(torch.uint8), expected.rowwise.data.view(torch.uint8))
+                        and torch.equal(scale_inv, expected.rowwise.scale_inv))
+            finally:
+                dist.all_reduce = all_reduce
+            if name == "delayed":
+                same[name].append(torch.equal(sharded.scale, whole.scale))
+        results["same"], results["collectives"] = same, len(calls)
+        results[f"done {rank}"] = True
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_of_one_rank_casts_its_shard_as_the_whole_tensor_without_a_collective():
+    got = spawned(_one_rank_worker, 1)
+    assert got["same"] == {"delayed": [True, True, True, True], "current": [True, True, True]}, got["same"]
+    assert got["collectives"] == 0, got

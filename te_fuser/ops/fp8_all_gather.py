@@ -55,6 +55,7 @@ the fp32 shard (one rounding), where the non-gathered path casts the bf16 copy.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -232,6 +233,11 @@ class Float8AllGatherShard(torch.Tensor):
             return None
         shape = (rows, *self.shape[1:])
         return GatheredWeight(*payload, shape, param_dtype, g), g.inner
+
+
+# FSDP2 reads the hook's signature at every all-gather (inspect.signature, tens of
+# microseconds a call); a function's own __signature__ is what inspect returns at once.
+Float8AllGatherShard.fsdp_pre_all_gather.__signature__ = inspect.signature(Float8AllGatherShard.fsdp_pre_all_gather)
 
 
 def _predicted_quantizer(module, g: _WeightGather):

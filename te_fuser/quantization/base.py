@@ -52,6 +52,14 @@ def shard_amax(x_hp: torch.Tensor) -> torch.Tensor:
     return amax
 
 
+def max_over(amax: torch.Tensor, group) -> torch.Tensor:
+    """``amax`` all-reduced (max) in place over the process ``group``: the whole
+    tensor's amax from its shards' (a group of one rank already holds it)."""
+    if torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    return amax
+
+
 class EpilogueCast(NamedTuple):
     """How a GEMM epilogue casts its result as a quantizer would (see
     :meth:`Quantizer.epilogue_cast`): the saturating cast of ``result * scale`` to

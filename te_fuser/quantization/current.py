@@ -8,7 +8,7 @@ from .. import backend
 from ..fp8 import short_name
 from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
-from .base import Quantizer, shard_amax
+from .base import Quantizer, max_over, shard_amax
 from .role import QuantizerRole
 
 __all__ = ["Float8CurrentScalingQuantizer"]
@@ -62,8 +62,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     def cast_shard(self, shard: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
         """The shard's amax, all-reduced (max) over ``group``: the whole tensor's amax,
         from which every rank computes the same scale; then the cast with it."""
-        amax = shard_amax(shard)
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        amax = max_over(shard_amax(shard), group)
         cast = backend.resolve("quantize_current", shard.device).fn
         data, _, _scale, scale_inv, _amax = cast(
             shard, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, True, False, amax)

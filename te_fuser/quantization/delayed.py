@@ -49,7 +49,7 @@ from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
 from ..kernels.reference.scaling import AMAX_ALGOS, divide_by_power_of_2, guarded_scale
 from .amax_reduction import PENDING, default_group, flush_amax_reductions
-from .base import EpilogueCast, Quantizer, shard_amax
+from .base import EpilogueCast, Quantizer, max_over, shard_amax
 from .role import QuantizerRole
 from .tensor import QuantizedTensor
 
@@ -236,15 +236,13 @@ class DelayedScalingQuantizer(Quantizer):
         self._flush()
         self._move_state(device)
         if not self.seeded:
-            amax = shard_amax(shard)
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-            self._seed_from_amax(amax)
+            self._seed_from_amax(max_over(shard_amax(shard), group))
         cast = backend.resolve("quantize_tensorwise", device).fn
         scale_inv = self._scale_inv  # the state is rebound, never written in place
         amax = torch.empty(1, dtype=torch.float32, device=device)
         data, _, _ = cast(shard, self._scale, self.fp8_dtype, rowwise=True, columnwise=False, amax_out=amax)
         if not self._reduces_over(group):
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+            max_over(amax, group)
         self._record(amax)
         return data, scale_inv
 
