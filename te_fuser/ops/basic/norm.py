@@ -83,31 +83,34 @@ class LayerNorm(_Norm):
     def _scale(self, weight: torch.Tensor) -> torch.Tensor:
         """The scale, flattened (N,): the weight as it is (the kernels widen it to
         fp32), or ``weight + 1`` in fp32."""
-        return (weight.float() + 1.0 if self.zero_centered_gamma else weight).reshape(-1)
+        scale = weight.float() + 1.0 if self.zero_centered_gamma else weight
+        return scale if scale.dim() == 1 else scale.reshape(-1)
 
     def op_forward(self, ctx, x, extra_inputs):
         # the trailing normalized_shape dims of x normalized as x flattened to (M, N)
         run = ctx.run
+        x2d = x if x.dim() == 2 and len(self.normalized_shape) == 1 else x.reshape(-1, self.size)
+        bias = self.bias
         norm = backend.resolve("layer_norm", x.device).fn
-        y2d, mean, rstd = norm(x.reshape(-1, self.size), self._scale(self.weight),
-                               self.bias.reshape(-1), self.eps, run.compute_dtype)
+        y2d, mean, rstd = norm(x2d, self._scale(self.weight), bias if bias.dim() == 1 else bias.reshape(-1),
+                               self.eps, run.compute_dtype)
         if run.needs_backward:
-            ctx.saved["x"], ctx.saved["stats"] = x, (mean, rstd)
-        return y2d.reshape(x.shape), []
+            ctx.saved["x"], ctx.saved["stats"] = x2d, (mean, rstd)
+        return (y2d if x2d is x else y2d.reshape(x.shape)), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         """The LayerNorm gradient in fp32 from the saved input and statistics (no
         autograd: it also runs inside custom ops, below it); dweight and dbias come in
         the parameters' shape and dtype."""
-        x, (mean, rstd) = ctx.saved["x"], ctx.saved["stats"]
+        x2d, (mean, rstd) = ctx.saved["x"], ctx.saved["stats"]  # x as (M, N)
         weight, bias = self.weight, self.bias
         need_w, need_b = ctx.param_needs_grad or (weight.requires_grad, bias.requires_grad)
-        grad = backend.resolve("layer_norm_grad", x.device).fn
-        dx, dw, db = grad(dy.reshape(-1, self.size), x.reshape(-1, self.size), self._scale(weight), mean,
-                          rstd)
-        pgrads = [None if not need else g.reshape(p.shape).to(p.dtype)
+        grad = backend.resolve("layer_norm_grad", x2d.device).fn
+        dx, dw, db = grad(dy if dy.dim() == 2 and dy.shape == x2d.shape else dy.reshape(x2d.shape), x2d,
+                          self._scale(weight), mean, rstd)
+        pgrads = [None if not need else (g if g.dim() == p.dim() else g.reshape(p.shape)).to(p.dtype)
                   for g, p, need in ((dw, weight, need_w), (db, bias, need_b))]
-        return dx.reshape(x.shape), pgrads, []
+        return (dx if dx.shape == dy.shape else dx.reshape(dy.shape)), pgrads, []
 
 
 class RMSNorm(_Norm):
