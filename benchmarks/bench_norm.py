@@ -1,20 +1,22 @@
 """LayerNorm and RMSNorm kernels on the GPU: the backends side by side, and the op beside torch.
 
-    python benchmarks/bench_norm.py [--rows 16384] [--n 1024 4096]
+    python benchmarks/bench_norm.py [--rows 16384 256] [--n 1024 4096]
 
-Per width N (rows x N, the GPT's 16k tokens by default), in the GPT's dtypes (an
-fp32 residual stream normalized into a bf16 output; a bf16 gradient coming back,
-an fp32 input gradient going out):
+Per shape (rows x N: the GPT's 16k tokens, and 256 rows, where the launches'
+host cost is what shows), in the GPT's dtypes (an fp32 residual stream
+normalized into a bf16 output; a bf16 gradient coming back, an fp32 input
+gradient going out):
 
 - the kernels ``layer_norm`` / ``layer_norm_grad`` (and ``rms_norm`` /
   ``rms_norm_grad``) on each backend: the reference (torch's fp32 kernels with
-  the dtype copies around them) and triton; GB/s counts the bytes the kernel must
+  the dtype copies around them), triton, cuda where it has them, and auto; GB/s counts the bytes the kernel must
   move (x and y forward; x, dy and dx backward);
 - ``te.ops.LayerNorm`` forward + backward under ``torch.autocast(bf16)``, auto
   backend, beside ``torch.nn.LayerNorm`` followed by the cast to bf16 that the
   next bf16 GEMM makes (what a torch model pays).
 
-Times are medians from Python, L2 flushed between runs; rows go to
+Times are medians from Python, L2 flushed between runs; "of ceil" is the rate
+over the device copy rate measured in the same run. Rows go to
 ``benchmarks/out/results.csv``.
 """
 
@@ -33,7 +35,7 @@ import te_fuser as te  # noqa: E402
 from te_fuser import backend  # noqa: E402
 
 
-def _kernel_rows(rows: int, n: int) -> list:
+def _kernel_rows(rows: int, n: int, ceiling_tbs: float) -> list:
     dev = torch.device("cuda")
     x = torch.randn(rows, n, device=dev) * 2 - 1  # fp32 residual stream
     w, b = 1 + 0.1 * torch.randn(n, device=dev), 0.1 * torch.randn(n, device=dev)
@@ -61,11 +63,12 @@ def _kernel_rows(rows: int, n: int) -> list:
                                            ("bwd", b_ms, bwd_bytes, base and base[1])):
                 out.append(harness.progress(harness.Row(
                     "norm", f"{norm} {what} (x fp32, {'y' if what == 'fwd' else 'dy'} bf16)", name, shape, t,
-                    nbytes / t / 1e6, "GB/s", vs_peer=ref_t / t if ref_t else None, peer="reference")))
+                    nbytes / t / 1e6, "GB/s", of_ceiling=nbytes / t / 1e9 / ceiling_tbs,
+                    vs_peer=ref_t / t if ref_t else None, peer="reference")))
     return out
 
 
-def _op_rows(rows: int, n: int) -> list:
+def _op_rows(rows: int, n: int, ceiling_tbs: float) -> list:
     dev = torch.device("cuda")
     te_norm = te.ops.LayerNorm(n, device=dev)
     torch_norm = torch.nn.LayerNorm(n, device=dev)
@@ -85,20 +88,23 @@ def _op_rows(rows: int, n: int) -> list:
     t_torch, t_te = harness.time_ms(torch_step), harness.time_ms(te_step)
     fb = rows * n * (4 + 2 + 4 + 2 + 4)
     return [harness.progress(harness.Row("norm", "LayerNorm op fwd+bwd (autocast bf16)", label, f"{rows}x{n}", t,
-                                         fb / t / 1e6, "GB/s", vs_peer=t_torch / t, peer="torch"))
+                                         fb / t / 1e6, "GB/s", of_ceiling=fb / t / 1e9 / ceiling_tbs,
+                                         vs_peer=t_torch / t, peer="torch"))
             for label, t in (("torch", t_torch), ("te auto", t_te))]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=16384)
+    p.add_argument("--rows", type=int, nargs="+", default=[16384, 256], help="256 rows: launch-bound")
     p.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_norm.py: needs a CUDA GPU")
+    ceiling = harness.copy_ceiling_tbs()
     rows = []
-    for n in args.n:
-        rows += _kernel_rows(args.rows, n) + _op_rows(args.rows, n)
+    for m in args.rows:
+        for n in args.n:
+            rows += _kernel_rows(m, n, ceiling) + _op_rows(m, n, ceiling)
     harness.print_table(rows, "LayerNorm / RMSNorm (vs peer: the reference's time over this one's)")
     harness.append_csv(rows)
 
