@@ -1,8 +1,9 @@
 """LayerNorm, RMSNorm and L2Normalization over the last dim, computed in fp32.
 
 LayerNorm runs the backend's ``layer_norm`` / ``layer_norm_grad`` kernels, RMSNorm
-its ``rms_norm`` / ``rms_norm_grad``: on the GPU one Triton pass each, forward and
-backward, reading the operands in their own dtypes (an fp32 residual stream, a
+its ``rms_norm`` / ``rms_norm_grad``: on the GPU one pass each, forward and
+backward (Triton; a LayerNorm of fewer than 32M elements CUDA launched from C++,
+whose launch costs the host less), reading the operands in their own dtypes (an fp32 residual stream, a
 bf16 gradient) and writing the output in the compute dtype, so no fp32 copy goes
 in and no dtype copy comes out; the reference is torch's own fp32 ops
 (``native_layer_norm`` and ``native_layer_norm_backward`` for LayerNorm). The
