@@ -2,12 +2,12 @@
 
 LayerNorm runs the backend's ``layer_norm`` / ``layer_norm_grad`` kernels, RMSNorm
 its ``rms_norm`` / ``rms_norm_grad``: on the GPU one pass each, forward and
-backward (Triton; a LayerNorm of fewer than 32M elements CUDA launched from C++,
-whose launch costs the host less), reading the operands in their own dtypes (an fp32 residual stream, a
-bf16 gradient) and writing the output in the compute dtype, so no fp32 copy goes
-in and no dtype copy comes out; the reference is torch's own fp32 ops
-(``native_layer_norm`` and ``native_layer_norm_backward`` for LayerNorm). The
-forward keeps the rows' statistics (mean and reciprocal standard deviation) for
+backward (Triton; a LayerNorm of fewer than 32M elements CUDA launched from
+C++, whose launch costs the host less), reading the operands in their own dtypes
+(an fp32 residual stream, a bf16 gradient) and writing the output in the compute
+dtype, so no fp32 copy goes in and no dtype copy comes out; the reference is
+torch's own fp32 ops (``native_layer_norm`` and ``native_layer_norm_backward``
+for LayerNorm). The forward keeps the rows' statistics (mean and reciprocal standard deviation) for
 the backward, which does not recompute them.
 """
 
