@@ -40,7 +40,7 @@ from ..formats import fp8_max
 from .cast import FLT_MAX
 
 __all__ = ["delayed_scale_update_reference", "delayed_scale_update_many_reference", "check_update_arguments",
-           "stack_update_state"]
+           "stack_update_state", "padded_scales"]
 
 AMAX_ALGOS = ("max", "most_recent")
 
@@ -135,9 +135,17 @@ def delayed_scale_update_many_reference(
     history_amax = history.amax(dim=1) if algo == "max" else history[:, 0]
     quotient = divide_by_power_of_2(torch.div(fp8_max(fp8_dtype), history_amax), margin)
     new_scale, _ = guarded_scale(quotient, history_amax, scale)
-    padded = torch.empty(2, len(scale), 4, dtype=torch.float32, device=scale.device)  # 16 bytes a row
-    new_scale = torch.where(recorded, new_scale, scale, out=padded[0, :, 0])
-    return history, new_scale, torch.reciprocal(new_scale, out=padded[1, :, 0]), count + recorded.logical_not()
+    scale_out, scale_inv_out = padded_scales(len(scale), scale.device)
+    new_scale = torch.where(recorded, new_scale, scale, out=scale_out)
+    return history, new_scale, torch.reciprocal(new_scale, out=scale_inv_out), count + recorded.logical_not()
+
+
+def padded_scales(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fp32 ``(n,)`` outputs (the scales and their reciprocals) whose elements
+    lie 16 bytes apart (stride 4), each where a GEMM reads a scale: at a 16-byte
+    aligned address (cuBLASLt copies a misaligned one first)."""
+    padded = torch.empty(2, n, 4, dtype=torch.float32, device=device)
+    return padded[0, :, 0], padded[1, :, 0]
 
 
 def stack_update_state(amax_histories, amaxes, scales, nonfinite_counts, algo, margin):

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.scaling import AMAX_ALGOS, check_update_arguments, stack_update_state
+from ..reference.scaling import AMAX_ALGOS, check_update_arguments, padded_scales, stack_update_state
 from ._common import fp8_format
 
 __all__ = ["delayed_scale_update", "delayed_scale_update_many"]
@@ -142,8 +142,7 @@ def delayed_scale_update_many(
     history, amax, scale, count = stack_update_state(amax_histories, amaxes, scales, nonfinite_counts, algo, margin)
     n, length = history.shape
     new_history, new_count = torch.empty_like(history), torch.empty_like(count)
-    padded = torch.empty(2, n, 4, dtype=torch.float32, device=history.device)  # 16 bytes a row, as GEMMs read scales
-    new_scale, new_scale_inv = padded[0, :, 0], padded[1, :, 0]
+    new_scale, new_scale_inv = padded_scales(n, history.device)
     _launch(n, history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length, 4, fp8_dtype,
             margin, algo)
     return new_history, new_scale, new_scale_inv, new_count

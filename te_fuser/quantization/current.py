@@ -47,8 +47,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, amax: torch.Tensor | None = None
     ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
         if amax is None and self.sequence_parallel_group is not None:
-            amax = shard_amax(x_hp.reshape(-1, x_hp.shape[-1]))
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.sequence_parallel_group)
+            amax = max_over(shard_amax(x_hp.reshape(-1, x_hp.shape[-1])), self.sequence_parallel_group)
         cast = backend.resolve("quantize_current", x_hp.device).fn
         x_fp8, x_fp8_t, _scale, scale_inv, _amax = cast(
             x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise, amax
