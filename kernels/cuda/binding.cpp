@@ -29,12 +29,26 @@ P* as_ptr(int64_t address) {
 
 void* as_stream(int64_t stream) { return reinterpret_cast<void*>(static_cast<intptr_t>(stream)); }
 
-void amax(int64_t x, int hp_type, int64_t numel, int64_t amax_out, int64_t stream) {
-  te_fuser::launch_amax(as_ptr<const void>(x), hp_type, numel, as_ptr<float>(amax_out), as_stream(stream));
+// A contiguous tensor of `dtype` and `sizes` on base's storage, `byte_offset` bytes
+// past base's data (a multiple of dtype's size), made without the dispatcher:
+// select() or view() each cost microseconds a call, and a cast returns up to five
+// such pieces of one allocation. The piece shares base's memory, not its
+// version counter or autograd history (base is a fresh allocation here).
+at::Tensor piece_of(const at::Tensor& base, int64_t byte_offset, at::ScalarType dtype, at::IntArrayRef sizes) {
+  const caffe2::TypeMeta meta = c10::scalarTypeToTypeMeta(dtype);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(base.storage()),
+                                                   base.key_set(), meta);
+  const int64_t base_bytes = base.storage_offset() * static_cast<int64_t>(base.dtype().itemsize());
+  impl->set_storage_offset((base_bytes + byte_offset) / static_cast<int64_t>(meta.itemsize()));
+  impl->set_sizes_contiguous(sizes);
+  return at::Tensor(std::move(impl));
 }
 
-void amax_raw(const at::Tensor& x, int hp_type, const at::Tensor& amax_out, int64_t stream) {
-  te_fuser::launch_amax(x.data_ptr(), hp_type, x.numel(), amax_out.data_ptr<float>(), as_stream(stream));
+// Bytes rounded up to a multiple of 16 (cuBLASLt wants 16-byte aligned scales).
+constexpr int64_t aligned16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+void amax(int64_t x, int hp_type, int64_t numel, int64_t amax_out, int64_t stream) {
+  te_fuser::launch_amax(as_ptr<const void>(x), hp_type, numel, as_ptr<float>(amax_out), as_stream(stream));
 }
 
 void cast(int64_t x, int hp_type, int fp8_type, int64_t rows, int64_t cols, int64_t out, int64_t out_t,
@@ -97,26 +111,40 @@ CastOutputs cast_outputs(const at::Tensor& x, int fp8_type, int64_t rows, int64_
 
 uint8_t* bytes_of(const MaybeTensor& t) { return t ? static_cast<uint8_t*>(t->data_ptr()) : nullptr; }
 
-MaybeTensor summed(const MaybeTensor& partials) {
+// The tiles' column sums added up over the row tiles (a new (cols,) fp32 tensor:
+// a gradient that outlives the partials), in one launch.
+MaybeTensor summed(const MaybeTensor& partials, int64_t stream) {
   if (!partials) return std::nullopt;
-  return partials->size(0) == 1 ? partials->select(0, 0) : partials->sum(0);
+  const int64_t tiles = partials->size(0), cols = partials->size(1);
+  at::Tensor sums = at::empty({cols}, partials->options());
+  te_fuser::launch_sum_rows(partials->data_ptr<float>(), 1, tiles, cols, sums.data_ptr<float>(), as_stream(stream));
+  return sums;
 }
 
 // Current scaling: (data, data_t, scale, scale_inv, amax, column sums); amax_given
 // skips the amax pass. x is contiguous, 16-byte aligned, on the current device.
+// amax, scale and scale_inv are 16-byte aligned pieces of one allocation (cuBLASLt
+// refuses scale pointers that are not, CUBLAS_STATUS_NOT_SUPPORTED), followed by
+// the amax pass's per-block maxima, which the cast reduces: nothing is zeroed first.
 std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTensor> cast_current(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, bool power_2, double epsilon,
     bool rowwise, bool columnwise, const MaybeTensor& amax_given, bool sums, int64_t stream) {
-  // amax, scale, scale_inv in one allocation, each 16-byte aligned: cuBLASLt
-  // refuses (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not.
-  const at::Tensor stats = at::empty({3, 4}, x.options().dtype(at::kFloat));
-  at::Tensor amax = amax_given ? amax_given->reshape({}) : stats.select(1, 0).select(0, 0);
-  const at::Tensor scale = stats.select(1, 0).select(0, 1);
-  const at::Tensor scale_inv = stats.select(1, 0).select(0, 2);
+  const int64_t partial_count = amax_given ? 0 : te_fuser::amax_partial_count(x.numel());
+  const at::Tensor stats = at::empty({12 + partial_count}, x.options().dtype(at::kFloat));
+  const at::Tensor amax = amax_given ? amax_given->reshape({}) : piece_of(stats, 0, at::kFloat, {});
+  const at::Tensor scale = piece_of(stats, 16, at::kFloat, {});
+  const at::Tensor scale_inv = piece_of(stats, 32, at::kFloat, {});
   const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums);
-  if (!amax_given) amax_raw(x, hp_type, amax, stream);
   te_fuser::CastScaling scaling;
-  scaling.amax_in = amax.data_ptr<float>();
+  if (amax_given) {
+    scaling.amax_in = amax_given->data_ptr<float>();
+  } else {
+    uint32_t* partials = reinterpret_cast<uint32_t*>(stats.data_ptr<float>() + 12);
+    te_fuser::launch_amax_partials(x.data_ptr(), hp_type, x.numel(), partials, as_stream(stream));
+    scaling.amax_partials = partials;
+    scaling.amax_partial_count = partial_count;
+    scaling.amax_total_out = amax.data_ptr<float>();
+  }
   scaling.scale_out = scale.data_ptr<float>();
   scaling.scale_inv_out = scale_inv.data_ptr<float>();
   scaling.epsilon = static_cast<float>(epsilon);  // rounds as torch.tensor(epsilon, dtype=float32)
@@ -124,7 +152,7 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
   scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream));
-  return {out.data, out.data_t, scale, scale_inv, amax, summed(out.partials)};
+  return {out.data, out.data_t, scale, scale_inv, amax, summed(out.partials, stream)};
 }
 
 // Delayed scaling with the given scale: (data, data_t, column sums); amax(|x|) is
@@ -139,22 +167,26 @@ std::tuple<MaybeTensor, MaybeTensor, MaybeTensor> cast_tensorwise(
   scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream));
-  return {out.data, out.data_t, summed(out.partials)};
+  return {out.data, out.data_t, summed(out.partials, stream)};
 }
 
-// Delayed scaling's state update: (history, scale, scale_inv, count), new tensors.
+// Delayed scaling's state update: (history, scale, scale_inv, count), new tensors,
+// pieces of one allocation: the history, then scale and scale_inv 16 bytes apart
+// (as cuBLASLt wants them), then the count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update(
     const at::Tensor& history, const at::Tensor& amax, const at::Tensor& scale, const at::Tensor& count,
     int64_t margin_steps, double margin_rest, double fmax, bool algo_max, int64_t stream) {
-  at::Tensor new_history = at::empty_like(history);
-  const at::Tensor scales = at::empty({2, 4}, history.options());  // each 16-byte aligned, as cuBLASLt wants
-  at::Tensor new_scale = scales.select(1, 0).select(0, 0);
-  at::Tensor new_scale_inv = scales.select(1, 0).select(0, 1);
-  at::Tensor new_count = at::empty({}, count.options());
+  const int64_t length = history.numel();
+  const int64_t scales_at = aligned16(length * 4);
+  const at::Tensor state = at::empty({scales_at + 48}, history.options().dtype(at::kByte));
+  at::Tensor new_history = piece_of(state, 0, at::kFloat, {length});
+  at::Tensor new_scale = piece_of(state, scales_at, at::kFloat, {});
+  at::Tensor new_scale_inv = piece_of(state, scales_at + 16, at::kFloat, {});
+  at::Tensor new_count = piece_of(state, scales_at + 32, at::kLong, {});
   te_fuser::launch_delayed_scale_update(
       history.data_ptr<float>(), amax.data_ptr<float>(), scale.data_ptr<float>(), count.data_ptr<int64_t>(),
       new_history.data_ptr<float>(), new_scale.data_ptr<float>(), new_scale_inv.data_ptr<float>(),
-      new_count.data_ptr<int64_t>(), history.numel(), static_cast<int>(margin_steps),
+      new_count.data_ptr<int64_t>(), length, static_cast<int>(margin_steps),
       static_cast<float>(margin_rest), static_cast<float>(fmax), algo_max, as_stream(stream));
   return {new_history, new_scale, new_scale_inv, new_count};
 }
@@ -174,8 +206,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm(const at::Tensor& x, c
                                                           int64_t stream) {
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor y = at::empty({rows, n}, x.options().dtype(out_dtype));
-  at::Tensor stats = at::empty({2, rows}, x.options().dtype(at::kFloat));
-  at::Tensor mean = stats.select(0, 0), rstd = stats.select(0, 1);
+  at::Tensor stats = at::empty({2 * rows}, x.options().dtype(at::kFloat));
+  at::Tensor mean = piece_of(stats, 0, at::kFloat, {rows}), rstd = piece_of(stats, rows * 4, at::kFloat, {rows});
   if (rows > 0 && n > 0) {
     te_fuser::launch_layer_norm(x.data_ptr(), hp_code(x.scalar_type()), weight.data_ptr<float>(),
                                 bias.data_ptr<float>(), y.data_ptr(), hp_code(out_dtype), mean.data_ptr<float>(),
@@ -192,16 +224,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grad(const at::Tensor&
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor dx = at::empty_like(x);
   if (rows == 0 || n == 0) {
-    at::Tensor zeros = at::zeros({2, n}, x.options().dtype(at::kFloat));
-    return {dx, zeros.select(0, 0), zeros.select(0, 1)};
+    at::Tensor zeros = at::zeros({2 * n}, x.options().dtype(at::kFloat));
+    return {dx, piece_of(zeros, 0, at::kFloat, {n}), piece_of(zeros, n * 4, at::kFloat, {n})};
   }
   const int64_t chunks = te_fuser::layer_norm_grad_chunks(rows, n);
   at::Tensor partial = at::empty({2, chunks, n}, x.options().dtype(at::kFloat));
   te_fuser::launch_layer_norm_grad(dy.data_ptr(), hp_code(dy.scalar_type()), x.data_ptr(), hp_code(x.scalar_type()),
                                    weight.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
                                    dx.data_ptr(), partial.data_ptr<float>(), rows, n, chunks, as_stream(stream));
-  at::Tensor sums = chunks == 1 ? partial.select(1, 0) : partial.sum(1);
-  return {dx, sums.select(0, 0), sums.select(0, 1)};
+  at::Tensor sums = at::empty({2 * n}, x.options().dtype(at::kFloat));  // the chunks added up, in chunk order
+  te_fuser::launch_sum_rows(partial.data_ptr<float>(), 2, chunks, n, sums.data_ptr<float>(), as_stream(stream));
+  return {dx, piece_of(sums, 0, at::kFloat, {n}), piece_of(sums, n * 4, at::kFloat, {n})};
 }
 
 }  // namespace

@@ -19,19 +19,31 @@ constexpr int kTileWords = kTile / 4 + 1;     // staged FP8 tile row: 32 words +
 constexpr int kThreadsPerTileRow = kTile / 8;  // each thread loads 8 consecutive elements
 constexpr int kTileRowsPerPass = kThreads / kThreadsPerTileRow;
 
-// The scale of a tensor-scaled cast: given (delayed) or derived from amax_in (current).
-template <int FP8, bool CURRENT>
-__device__ __forceinline__ float cast_scale(const CastScaling& s) {
-  if (CURRENT) return scale_from_amax(*s.amax_in, Fp8Traits<FP8>::fmax, s.power_2, s.epsilon);
-  return *s.scale;
+// Current scaling's amax: given (amax_in), or the maximum of the amax pass's
+// per-block partials, which every block of the cast reduces itself (so no amax
+// needs zeroing first). All threads of the block take part; block (0, 0)'s
+// first thread publishes the total.
+__device__ __forceinline__ float current_amax(const CastScaling& s, uint32_t* scratch) {
+  if (s.amax_partials == nullptr) return *s.amax_in;
+  uint32_t bits = 0u;
+  for (int64_t i = threadIdx.x; i < s.amax_partial_count; i += blockDim.x) bits = max(bits, s.amax_partials[i]);
+  return __uint_as_float(block_max_bits(bits, scratch));
 }
 
-template <bool CURRENT>
-__device__ __forceinline__ void publish_scale(const CastScaling& s, float scale, bool first_thread) {
-  if (CURRENT && first_thread) {
+// The scale of a tensor-scaled cast: given (delayed) or derived from the amax
+// (current), whose scale, reciprocal and (reduced from partials) total the first
+// thread writes once.
+template <int FP8, bool CURRENT>
+__device__ __forceinline__ float cast_scale(const CastScaling& s, uint32_t* scratch, bool first_thread) {
+  if (!CURRENT) return *s.scale;
+  const float amax = current_amax(s, scratch);
+  const float scale = scale_from_amax(amax, Fp8Traits<FP8>::fmax, s.power_2, s.epsilon);
+  if (first_thread) {
     *s.scale_out = scale;
     *s.scale_inv_out = __fdiv_rn(1.0f, scale);
+    if (s.amax_partials != nullptr) *s.amax_total_out = amax;
   }
+  return scale;
 }
 
 // Reduce the block's amax bits and fold them into the tensor's amax.
@@ -57,8 +69,12 @@ __device__ __forceinline__ void load_chunks(const T* __restrict__ x, int64_t c0,
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x, int64_t numel, float* amax_out) {
+// amax(|x|): folded into amax_out (zeroed first) with an atomic, or with PARTIALS
+// each block's maximum (fp32 bits) written to partials[blockIdx.x], for the cast
+// that follows to reduce.
+template <typename T, bool PARTIALS>
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const T* __restrict__ x, int64_t numel, float* amax_out, uint32_t* partials) {
   __shared__ uint32_t scratch[33];
   uint32_t amax = 0u;
   const int64_t chunks = numel / kChunk;
@@ -78,7 +94,24 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x,
   if (blockIdx.x == 0 && threadIdx.x < tail) {
     amax = max(amax, __float_as_uint(to_float(x[chunks * kChunk + threadIdx.x])) & kAbsMask);
   }
-  commit_amax(amax, amax_out, scratch);
+  if (PARTIALS) {
+    amax = block_max_bits(amax, scratch);
+    if (threadIdx.x == 0) partials[blockIdx.x] = amax;
+  } else {
+    commit_amax(amax, amax_out, scratch);
+  }
+}
+
+// Sums the rows of partials (batches, rows, cols), fp32, one thread per column of
+// a batch (blockIdx.y) adding the rows in order: the same bits on every run.
+__global__ void __launch_bounds__(kThreads)
+    sum_rows_kernel(const float* __restrict__ partials, int64_t rows, int64_t cols, float* __restrict__ out) {
+  const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= cols) return;
+  const float* batch = partials + int64_t(blockIdx.y) * rows * cols;
+  float total = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) total += batch[r * cols + col];
+  out[int64_t(blockIdx.y) * cols + col] = total;
 }
 
 // Flat cast of `numel` elements (no transposed copy). `out` may be null.
@@ -86,8 +119,7 @@ template <typename T, int FP8, bool CURRENT>
 __global__ void __launch_bounds__(kThreads)
     cast_flat_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, int64_t numel, CastScaling s) {
   __shared__ uint32_t scratch[33];
-  const float scale = cast_scale<FP8, CURRENT>(s);
-  publish_scale<CURRENT>(s, scale, blockIdx.x == 0 && threadIdx.x == 0);
+  const float scale = cast_scale<FP8, CURRENT>(s, scratch, blockIdx.x == 0 && threadIdx.x == 0);
   uint32_t amax = 0u;
   const int64_t chunks = numel / kChunk;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -196,8 +228,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t scratch[33];
   __shared__ float column_sums[SUMS ? kTileRowsPerPass * kTile : 1];
   float sums[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  const float scale = cast_scale<FP8, CURRENT>(s);
-  publish_scale<CURRENT>(s, scale, blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0);
+  const float scale = cast_scale<FP8, CURRENT>(s, scratch, blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0);
   const int64_t row0 = int64_t(blockIdx.y) * kTile;
   const int64_t col0 = int64_t(blockIdx.x) * kTile;
   const bool vector_ok = cols % 8 == 0;
@@ -332,6 +363,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Blocks of the amax pass and of the flat cast.
+unsigned amax_grid(int64_t numel) { return grid_for((numel / kChunk + kUnroll - 1) / kUnroll, kThreads); }
+
 }  // namespace
 
 void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, void* stream_ptr) {
@@ -340,16 +374,39 @@ void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, voi
   if (numel == 0) return;
   dispatch_hp(hp_type, "amax", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const unsigned grid = grid_for((numel / kChunk + kUnroll - 1) / kUnroll, kThreads);
-    amax_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), numel, amax_out);
+    amax_kernel<T, false><<<amax_grid(numel), kThreads, 0, stream>>>(static_cast<const T*>(x), numel, amax_out,
+                                                                     nullptr);
   });
   check_launch("amax");
+}
+
+int64_t amax_partial_count(int64_t numel) { return numel == 0 ? 0 : int64_t(amax_grid(numel)); }
+
+void launch_amax_partials(const void* x, int hp_type, int64_t numel, uint32_t* partials, void* stream_ptr) {
+  if (numel == 0) return;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  dispatch_hp(hp_type, "amax", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    amax_kernel<T, true><<<amax_grid(numel), kThreads, 0, stream>>>(static_cast<const T*>(x), numel, nullptr,
+                                                                    partials);
+  });
+  check_launch("amax");
+}
+
+void launch_sum_rows(const float* partials, int64_t batches, int64_t rows, int64_t cols, float* out,
+                     void* stream_ptr) {
+  if (cols == 0 || batches == 0) return;
+  if (batches > 65535) throw std::invalid_argument("sum_rows: at most 65535 batches");
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const dim3 grid(unsigned((cols + kThreads - 1) / kThreads), unsigned(batches));
+  sum_rows_kernel<<<grid, kThreads, 0, stream>>>(partials, rows, cols, out);
+  check_launch("sum_rows");
 }
 
 void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols, uint8_t* out, uint8_t* out_t,
                  const CastScaling& scaling, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const bool current = scaling.amax_in != nullptr;
+  const bool current = scaling.amax_in != nullptr || scaling.amax_partials != nullptr;
   const int64_t numel = rows * cols;
   const bool transpose = out_t != nullptr && numel > 0;
   if (scaling.column_partials != nullptr && !transpose) {
@@ -379,7 +436,7 @@ void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t
                                                                                     scaling);
         }
       } else {
-        const unsigned grid = grid_for((numel / kChunk + kUnroll - 1) / kUnroll, kThreads);
+        const unsigned grid = amax_grid(numel);
         if (current) {
           cast_flat_kernel<T, FP8, true><<<grid, kThreads, 0, stream>>>(xt, out, numel, scaling);
         } else {

@@ -20,9 +20,14 @@ struct CastScaling {
   // (zeroed first, then reduced into).
   const float* scale = nullptr;
   float* amax_out = nullptr;
-  // Current scaling: amax(|x|) from launch_amax; the cast derives the scale from
-  // it and writes the scale and its reciprocal once.
+  // Current scaling: amax(|x|) given (amax_in), or the per-block partial maxima
+  // of launch_amax_partials (fp32 bits), which the cast reduces and whose total
+  // it writes to amax_total_out. The cast derives the scale from the amax and
+  // writes the scale and its reciprocal once.
   const float* amax_in = nullptr;
+  const uint32_t* amax_partials = nullptr;
+  int64_t amax_partial_count = 0;
+  float* amax_total_out = nullptr;
   float* scale_out = nullptr;
   float* scale_inv_out = nullptr;
   float epsilon = 0.0f;
@@ -35,6 +40,15 @@ struct CastScaling {
 
 // amax(|x|) of `numel` elements into amax_out (fp32, one element).
 void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, void* stream);
+
+// The same pass without zeroing anything first: each block's maximum (fp32 bits)
+// into partials[0, amax_partial_count(numel)), for a current-scaling cast to reduce.
+int64_t amax_partial_count(int64_t numel);
+void launch_amax_partials(const void* x, int hp_type, int64_t numel, uint32_t* partials, void* stream);
+
+// out (batches, cols) = partials (batches, rows, cols) summed over the rows, fp32,
+// each column's rows added in order (the same bits on every run).
+void launch_sum_rows(const float* partials, int64_t batches, int64_t rows, int64_t cols, float* out, void* stream);
 
 // Tensor-scaled cast of x (rows, cols), row-major. `out` (rows, cols) and / or
 // `out_t` (cols, rows) may be null. Current scaling when scaling.amax_in is set,
