@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..formats import ACTIVATION_CODES, GLU_GATES, activation_params
+from ._launch import launch
 from ._common import TL_FLOAT, check_input, is_interpreted, round_through, sm_count
 from .cast import CastPlan
 
@@ -366,8 +367,8 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
     if y.numel():
         plan = _plan(x, "elementwise")
         grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
-        _activation_kernel[grid](x2d, y, rows, cols, KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute,
-                                 **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
+        launch(_activation_kernel, grid, x2d, y, rows, cols, KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute,
+               **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y.reshape(*x.shape[:-1], cols)
@@ -400,9 +401,9 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str, params: tuple 
     if dx.numel():
         plan = _plan(x, "elementwise")
         grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
-        _activation_grad_kernel[grid](dy2d, x2d, dx, rows, cols, KIND=activation_code(kind),
-                                      GATED=kind in GLU_GATES, COMPUTE=tl_compute, **consts, BLOCK_R=plan.block_m,
-                                      BLOCK_C=plan.block_n, num_warps=plan.num_warps)
+        launch(_activation_grad_kernel, grid, dy2d, x2d, dx, rows, cols, KIND=activation_code(kind),
+               GATED=kind in GLU_GATES, COMPUTE=tl_compute, **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n,
+               num_warps=plan.num_warps)
     return dx.reshape(x.shape)
 
 
@@ -420,7 +421,7 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, comput
     rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
     splits = triton.cdiv(rows, rows_per_split)
     partial = torch.empty((splits, cols_dx), dtype=torch_compute, device=x2d.device)
-    _dact_dbias_kernel[(col_blocks, splits)](
+    launch(_dact_dbias_kernel, (col_blocks, splits),
         dy2d, x2d, dx, partial, rows, cols, rows_per_split, KIND=activation_code(kind), GATED=kind in GLU_GATES,
         COMPUTE=tl_compute,
         ROUND_TO=None if round_to is None else TL_FLOAT[round_to], **_kernel_params(kind, params),

@@ -41,6 +41,7 @@ import triton.language as tl
 from ..formats import Scaling, block_scaling, scaling_tile
 from ..operand import ScaledOperand, scale_grid_shape
 from ..reference.cast import check_given_amax, check_matrix
+from ._launch import launch
 from ._common import (
     TL_FLOAT,
     TL_FP8,
@@ -326,13 +327,13 @@ def _tensorwise(kernel: str, x, scale, fp8_dtype, rowwise: bool, columnwise: boo
             xk, plan = x2d, (_INTERPRETED_PLAN if is_interpreted(x2d) else CAST_PLANS["transpose"])
         else:
             xk, plan = _cast_plan(x2d, columnwise)
-        programs, launch = _launch_meta(xk, plan)
+        programs, shared = _launch_meta(xk, plan)
         work = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
         partials = (torch.empty((triton.cdiv(xk.shape[0], plan.block_m), xk.shape[1]), dtype=torch.float32,
                                 device=x.device) if sums else work)  # (tiles_m, N)
-        _quantize_tensorwise_kernel[(programs,)](
+        launch(_quantize_tensorwise_kernel, (programs,),
             xk, scale, _u8(q, work), _u8(qt, work), amax, work, partials, *xk.shape, xk.stride(0), xk.stride(1),
-            ROWWISE=rowwise, COLUMNWISE=columnwise, SUMS=sums, **launch, **_fp8_meta(fp8_dtype, xk))
+            ROWWISE=rowwise, COLUMNWISE=columnwise, SUMS=sums, **shared, **_fp8_meta(fp8_dtype, xk))
         if sums:
             column_sums = partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
     if q is not None and x.dim() != 2:
@@ -368,16 +369,16 @@ def quantize_current(
         scale.fill_(1.0), scale_inv.fill_(1.0), amax_out.fill_(0.0)
     else:
         xk, plan = _cast_plan(x2d, columnwise)
-        programs, launch = _launch_meta(xk, plan)
+        programs, shared = _launch_meta(xk, plan)
         if amax is None:
             partials = torch.empty(programs, dtype=torch.int32, device=x.device)
-            _amax_partials_kernel[(programs,)](xk, partials, *xk.shape, xk.stride(0), xk.stride(1), **launch)
+            launch(_amax_partials_kernel, (programs,), xk, partials, *xk.shape, xk.stride(0), xk.stride(1), **shared)
         else:  # one partial: the given amax's bits, with the sign cleared as |x|'s are
             partials = amax.reshape(1).view(torch.int32) & 0x7FFFFFFF
-        _quantize_current_kernel[(programs,)](
+        launch(_quantize_current_kernel, (programs,),
             xk, partials, partials.numel(), _u8(q, partials), _u8(qt, partials), scale, scale_inv, amax_out,
             *xk.shape, xk.stride(0), xk.stride(1), POWER_2=bool(power_2), EPSILON=epsilon, ROWWISE=rowwise,
-            COLUMNWISE=columnwise, PARTIALS=max(2, triton.next_power_of_2(partials.numel())), **launch,
+            COLUMNWISE=columnwise, PARTIALS=max(2, triton.next_power_of_2(partials.numel())), **shared,
             **_fp8_meta(fp8_dtype, xk))
     amax = amax_out
     if q is not None and x.dim() != 2:
@@ -430,7 +431,7 @@ def amax_column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     row_blocks = triton.cdiv(M, rows_per_program)
     amax_partials = torch.empty(row_blocks * col_blocks, dtype=torch.int32, device=x.device)
     sums = torch.empty((row_blocks, N), dtype=torch.float32, device=x.device)
-    _amax_column_sums_kernel[(col_blocks, row_blocks)](
+    launch(_amax_column_sums_kernel, (col_blocks, row_blocks),
         x, amax_partials, sums, M, N, x.stride(0), x.stride(1), rows_per_program,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     amax = amax_partials.max().view(torch.float32)
@@ -520,7 +521,7 @@ def quantize_rowwise(
     scale_inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M and N:
         block_m, block_n, single_pass, warps = _rowwise_blocks(x)
-        _quantize_rowwise_kernel[(triton.cdiv(M, block_m),)](
+        launch(_quantize_rowwise_kernel, (triton.cdiv(M, block_m),),
             x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), POWER_2=bool(power_2),
             EPSILON=epsilon, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single_pass, num_warps=warps, **meta)
     elif M:
@@ -581,7 +582,7 @@ def quantize_block(
     rows_per_program = 128 if tile_rows == 128 else (16 if is_interpreted(x) else 32)
     if M and N:
         grid = (triton.cdiv(M, rows_per_program), triton.cdiv(N, 128))
-        _quantize_block_kernel[grid](
+        launch(_quantize_block_kernel, grid,
             x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), scale_inv.stride(0),
             TILE_ROWS=tile_rows, ROWS_PER_PROGRAM=rows_per_program, POWER_2=bool(power_2), EPSILON=epsilon,
             EVEN=M % rows_per_program == 0 and N % 128 == 0,
@@ -634,7 +635,7 @@ def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
     if M and N:
         block_m, block_n = (16, 64) if is_interpreted(x) else (32, 128)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-        _quantize_mxfp8_kernel[grid](
+        launch(_quantize_mxfp8_kernel, grid,
             x, q.view(torch.uint8), scale, M, N, x.stride(0), x.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
             EVEN=M % block_m == 0 and N % block_n == 0,
             FP8_EMAX=fp8_format(fp8_dtype)[3], num_warps=4, **meta)
@@ -686,8 +687,9 @@ def dequantize(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> tor
         tile_r, tile_c, stride_sm, stride_sn = _scale_lookup(op)
         block_m, block_n = (16, 64) if is_interpreted(data) else (32, 128)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-        _dequantize_kernel[grid](
+        launch(_dequantize_kernel, grid,
             data, op.scale_inv, out, M, N, stride_sm, stride_sn, TILE_R=tile_r, TILE_C=tile_c,
-            E8M0=op.scaling == Scaling.MX_32, IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn, OUT_DTYPE=TL_FLOAT[out_dtype],
+            E8M0=op.scaling == Scaling.MX_32, IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn,
+            OUT_DTYPE=TL_FLOAT[out_dtype],
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return out

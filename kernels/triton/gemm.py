@@ -39,6 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.gemm import check_epilogue_activation
+from ._launch import launch
 from ._common import (TL_FLOAT, TL_FP8, abs_bits, load_k_tile, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, hw_fp8, is_interpreted,
                       round_through, to_output)
 from .activation import activation_code, apply_activation, silu
@@ -437,7 +438,7 @@ def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tupl
     # shorter), whatever the tile's depth: a 256-deep tile promotes twice per block
     promote = min(t.block_k, 128) if (a.dtype.itemsize == 1 and k >= t.block_k and not fast_accum) else None
     a_src, b_src, use_tma = _sources(a, b, t)
-    _fp8_gemm_tensorwise_kernel[_grid(m, epi, t)](
+    launch(_fp8_gemm_tensorwise_kernel, _grid(m, epi, t),
         a_src, b_src, sa if sa is not None else out, sb if sb is not None else out, *args, m, epi.n_out, k,
         epi.half, a.stride(0), b.stride(0), SCALED=sa is not None, A_ROW_SCALES=kind[0] == Scaling.ROW,
         B_ROW_SCALES=kind[1] == Scaling.ROW, INPUT_PRECISION=precision, PROMOTE_EVERY=promote, UPCAST=upcast,
@@ -480,7 +481,7 @@ def _gemm_mxfp8(a: ScaledOperand, b: ScaledOperand, epi: _Epilogue, out: torch.T
     a_data, b_data = _k_major(a.data), _k_major(b.data)
     sa, sb = a.scale_inv.contiguous(), b.scale_inv.contiguous()
     a_src, b_src, use_tma = _sources(a_data, b_data, t)
-    _mxfp8_gemm_kernel[_grid(m, epi, t)](
+    launch(_mxfp8_gemm_kernel, _grid(m, epi, t),
         a_src, b_src, sa, sb, *args, m, epi.n_out, k, epi.half, a_data.stride(0), b_data.stride(0),
         sa.stride(0), sb.stride(0), A_FORMAT=_FP8_NAMES[a.fp8_dtype], B_FORMAT=_FP8_NAMES[b.fp8_dtype],
         DOT_SCALED=MXFP8_DOT_SCALED, DOT_DTYPE=tl.float32 if is_interpreted(a_data) else tl.bfloat16,

@@ -44,6 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.grouped_gemm import check_grouped_bias, check_grouped_gemm
+from ._launch import launch
 from ._common import TL_FLOAT, fp8_format, is_interpreted, load_k_tile, to_output
 from .gemm import Tiles
 
@@ -310,7 +311,7 @@ def grouped_gemm(
     a_src, b_src, use_tma = _sources(a_mat, b_mat, t)
     slots = triton.cdiv(p, t.block_m) + groups  # each group may end in a partial tile
     grid = (slots * triton.cdiv(q, t.block_n),)
-    _grouped_gemm_kernel[grid](
+    launch(_grouped_gemm_kernel, grid,
         a_src, b_src, offsets, sa if sa is not None else out, sb if sb is not None else out,
         bias if bias is not None else out, bias_scale if bias_scale is not None else out, out, groups, p, q, k,
         a_mat.stride(0), b_mat.stride(0), out.stride(0), HAS_BIAS=bias is not None,
@@ -337,7 +338,7 @@ def grouped_gemm_wgrad(
     t = _tiles(a_mat.device, "wgrad", a_mat.dtype.itemsize == 1, 2 * p * q * r)
     a_src, b_src, use_tma = _sources(a_mat, b_mat, t)
     grid = (triton.cdiv(q, t.block_m) * triton.cdiv(r, t.block_n), groups)
-    _grouped_gemm_wgrad_kernel[grid](
+    launch(_grouped_gemm_wgrad_kernel, grid,
         a_src, b_src, offsets, sa if sa is not None else out, sb if sb is not None else out, out, p, q, r,
         a_mat.stride(0), b_mat.stride(0), out.stride(0), PROMOTE_EVERY=_promote(a_mat, t), USE_TMA=use_tma,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch
 from ._common import TL_FLOAT, check_input, sm_count, to_output
 
 __all__ = ["layer_norm", "layer_norm_grad", "layer_norm_unsupported_reason", "layer_norm_grad_unsupported_reason",
@@ -212,8 +213,8 @@ def layer_norm(
     stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
     if rows and n:
         block_n = triton.next_power_of_2(n)
-        _layer_norm_kernel[(rows,)](x, weight, bias, y, stats[0], stats[1], n, x.stride(0), y.stride(0), float(eps),
-                                    OUT_DTYPE=TL_FLOAT[out_dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
+        launch(_layer_norm_kernel, (rows,), x, weight, bias, y, stats[0], stats[1], n, x.stride(0), y.stride(0),
+               float(eps), OUT_DTYPE=TL_FLOAT[out_dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
     return y, stats[0], stats[1]
 
 
@@ -234,9 +235,9 @@ def layer_norm_grad(
     programs, per_program = _grad_grid(x)
     partial = torch.empty((2, programs, n), dtype=torch.float32, device=x.device)
     block_n = triton.next_power_of_2(n)
-    _layer_norm_grad_kernel[(programs,)](dy, x, weight, mean, rstd, dx, partial, rows, n, programs, dy.stride(0),
-                                         x.stride(0), dx.stride(0), ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype],
-                                         BLOCK_N=block_n, num_warps=_warps(block_n))
+    launch(_layer_norm_grad_kernel, (programs,), dy, x, weight, mean, rstd, dx, partial, rows, n, programs,
+           dy.stride(0), x.stride(0), dx.stride(0), ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n,
+           num_warps=_warps(block_n))
     sums = partial.sum(1)
     return dx, sums[0], sums[1]
 
@@ -255,8 +256,8 @@ def rms_norm(
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows and n:
         block_n = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows,)](x, weight, y, rstd, n, x.stride(0), y.stride(0), float(eps),
-                                  OUT_DTYPE=TL_FLOAT[out_dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
+        launch(_rms_norm_kernel, (rows,), x, weight, y, rstd, n, x.stride(0), y.stride(0), float(eps),
+               OUT_DTYPE=TL_FLOAT[out_dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
     return y, rstd
 
 
@@ -275,7 +276,6 @@ def rms_norm_grad(
     programs, per_program = _grad_grid(x)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     block_n = triton.next_power_of_2(n)
-    _rms_norm_grad_kernel[(programs,)](dy, x, weight, rstd, dx, partial, rows, n, dy.stride(0), x.stride(0),
-                                       dx.stride(0), ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n,
-                                       num_warps=_warps(block_n))
+    launch(_rms_norm_grad_kernel, (programs,), dy, x, weight, rstd, dx, partial, rows, n, dy.stride(0), x.stride(0),
+           dx.stride(0), ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
     return dx, partial.sum(0)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..reference.scaling import AMAX_ALGOS, check_update_arguments, padded_scales, stack_update_state
+from ._launch import launch
 from ._common import fp8_format
 
 __all__ = ["delayed_scale_update", "delayed_scale_update_many"]
@@ -119,7 +120,7 @@ def delayed_scale_update(
 def _launch(rows, history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length,
             new_scale_stride, fp8_dtype, margin, algo) -> None:
     steps, rest = divmod(margin, 64)
-    _delayed_scale_update_kernel[(rows,)](
+    launch(_delayed_scale_update_kernel, (rows,),
         history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length, new_scale_stride,
         min(steps, _MARGIN_STEPS), float(2**rest), FMAX=fp8_format(fp8_dtype)[0], ALGO_MAX=algo == "max",
         BLOCK=max(32, min(triton.next_power_of_2(length), _MAX_BLOCK)), num_warps=4,
