@@ -83,3 +83,24 @@ def test_the_interpreter_takes_the_jits_path():
     for _ in range(2):
         assert torch.equal(_run(x, 128, 1, 3.0, False), _want(x, 128, 1, 3.0, False))
     assert tl_launch.direct_launches() == before
+
+
+def test_the_key_tells_apart_what_triton_specializes_on():
+    """Two argument lists get one key only when Triton would compile them alike."""
+    key = tl_launch._arg_key
+    x = torch.empty(64, dtype=torch.float32)
+    same = [(x, 32, 2.5), (x[4:], 48, -1.0)]  # aligned tensors, i32 multiples of 16, floats
+    assert key(same[0]) == key(same[1])
+    differ = [
+        (x[1:], 32, 2.5),  # 4 bytes off a 16-byte boundary
+        (x.to(torch.bfloat16), 32, 2.5),  # another dtype
+        (x, 1, 2.5),  # the value 1
+        (x, 33, 2.5),  # not a multiple of 16
+        (x, 2**32, 2.5),  # i64
+        (x, 2**63 + 16, 2.5),  # u64
+        (x, 32, 2),  # an int where a float was
+    ]
+    keys = [key(same[0])] + [key(a) for a in differ]
+    assert len(set(keys)) == len(keys)
+    assert key((x, True)) != key((x, False)) and key((x, None)) != key((x, 0))
+    assert key((x, "a string")) is None  # another kind: the JIT decides

@@ -35,6 +35,7 @@ try:
 except ImportError:  # pragma: no cover - Triton before 3.4
     _knobs = None
 
+_Tensor = torch.Tensor
 _I32 = 2**31
 _U64 = 2**63
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -59,20 +60,29 @@ def direct_launches() -> int:
 
 def _arg_key(args: tuple):
     """What Triton specializes the positional ``args`` on (or finer); None: an
-    argument of another kind, for which only the JIT decides."""
+    argument of another kind, for which only the JIT decides. An integer is a code:
+    1 for the value 1, else its width class (i32, i64, u64) and whether 16 divides it."""
     key = []
+    add = key.append
     for a in args:
         t = type(a)
-        if t is torch.Tensor:
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif t is int:
-            key.append((a == 1, a % 16 == 0, -_I32 <= a < _I32, a >= _U64))
+        if t is int:
+            if a == 1:
+                add(1)
+            elif -_I32 <= a < _I32:
+                add(2 if a % 16 == 0 else 3)
+            elif a < _U64:
+                add(4 if a % 16 == 0 else 5)
+            else:
+                add(6 if a % 16 == 0 else 7)
+        elif t is _Tensor:
+            add((a.dtype, a.data_ptr() % 16 == 0))
         elif t is float:
-            key.append(float)
+            add(0)
         elif t is bool or a is None:
-            key.append((t, a))
-        elif isinstance(a, torch.Tensor):  # a Parameter
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
+            add((t, a))
+        elif isinstance(a, _Tensor):  # a Parameter
+            add((a.dtype, a.data_ptr() % 16 == 0))
         else:
             return None
     return tuple(key)
