@@ -9,7 +9,10 @@ overlapping as in training), then a ``torch.profiler`` trace of a few steps
 summarised as the kernels with the most GPU time, grouped by name, and the GPU
 time of the optimizer step. ``--host`` adds, per arm, the Python functions with
 the most own time over a few steps (cProfile, with autograd's device threads off so
-that the backward's Python runs on the calling thread and is seen). ``--host-only``
+that the backward's Python runs on the calling thread and is seen). ``--interleave N``
+then times every arm again, each on a model of its own, the arms taking turns step
+by step for N rounds: the host of the GPU machine drifts in speed faster than one
+arm's timing, and taking turns makes the drift touch every arm alike. ``--host-only``
 builds every arm at a tiny width with the same layers and ops, so that the GPU's
 work is negligible and the step time is what the host spends launching it.
 """
@@ -117,6 +120,9 @@ def main(argv=None):
     p.add_argument("--host-only", action="store_true",
                    help="time each arm at a tiny width with the same layers: the GPU work is negligible, so the step "
                         "time is the host's (what the host costs per step at full size, when it is not hidden)")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="then time every arm again on a model of its own, the arms taking turns step by step for "
+                        "ROUNDS rounds (medians): a drift of the host's speed touches every arm alike")
     p.add_argument("--compile", action="store_true",
                    help="also time each te arm through torch.compile(model) (inductor), beside its eager steps")
     args = p.parse_args(argv)
@@ -154,6 +160,34 @@ def main(argv=None):
     print("\narm                 ms/step   tokens/s   vs torch bf16   launches/step")
     for label, ms, launches in results:
         print(f"{label:<18} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x {launches:15d}")
+    if args.interleave:
+        steps = {"torch bf16": step_fn(twin, torch.optim.AdamW(twin.parameters(), lr=1e-4, fused=True), None, batch)}
+        for name in args.recipes:  # a model each: taking turns on one model would time recipe switches
+            torch.manual_seed(0)
+            model = GPT(config, device="cuda")
+            steps[f"te {name}"] = step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
+                                          RECIPES[name], batch)
+        medians = interleaved_ms(steps, args.interleave)
+        base = medians["torch bf16"]
+        print(f"\ninterleaved ({args.interleave} rounds)  ms/step   tokens/s   vs torch bf16")
+        for label, ms in medians.items():
+            print(f"{label:<22} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x")
+
+
+def interleaved_ms(steps: dict, rounds: int) -> dict:
+    """Median ms per step of each arm, the arms taking turns one step at a time."""
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    times: dict = {label: [] for label in steps}
+    for _ in range(rounds):
+        for label, step in steps.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times[label].append((time.perf_counter() - t0) * 1e3)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 if __name__ == "__main__":
