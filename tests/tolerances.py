@@ -34,6 +34,8 @@ TOLERANCES = {
     # Column sums in fp32 (a bias gradient) in another order than float64's: each
     # partial sum rounds once per level of its tree. Used with scaled=True.
     "column_sums_fp32": dict(rtol=1e-5, atol=1e-6),
+    # The same in float64 (a kernel's fp64 partial sums added in row order).
+    "column_sums_fp64": dict(rtol=1e-13, atol=1e-15),
     # Flash attention on representable bf16 inputs against float64: the probabilities
     # P (forward, dv) and dS (dq, dk) enter the tensor-core products rounded to bf16
     # (2^-9 each) and the output is rounded once more; the errors are those roundings

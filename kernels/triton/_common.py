@@ -390,3 +390,39 @@ def sm_count(t: torch.Tensor) -> int:
     if t.device.type != "cuda":
         return 4
     return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+# --------------------------------------------------------------------- reductions
+
+
+@triton.jit
+def _sum_rows_kernel(src_ptr, out_ptr, rows, cols, BLOCK: tl.constexpr):
+    """out[b, c] = the sum over r of src[b, r, c], for one block of columns of batch
+    b (program axis 1), adding the rows in order in src's dtype."""
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < cols
+    ptrs = src_ptr + b * rows * cols + offs
+    acc = tl.zeros([BLOCK], dtype=src_ptr.dtype.element_ty)
+    for _ in range(0, rows):
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+        ptrs += cols
+    tl.store(out_ptr + b * cols + offs, acc, mask=ok)
+
+
+def sum_rows(partial: torch.Tensor) -> torch.Tensor:
+    """A kernel's partial sums added up: ``partial`` (rows, cols) -> (cols,), or
+    (batches, rows, cols) -> (batches, cols), each column's rows added in order, in
+    one launch (a torch reduction costs the host several times a launch). fp32 or
+    fp64, contiguous."""
+    from ._launch import launch
+
+    if not partial.is_contiguous():
+        partial = partial.contiguous()
+    batches, (rows, cols) = (partial.shape[0] if partial.dim() == 3 else 1), partial.shape[-2:]
+    out = torch.empty((*partial.shape[:-2], cols), dtype=partial.dtype, device=partial.device)
+    if out.numel():
+        block = min(1024, max(32, triton.next_power_of_2(cols)))
+        launch(_sum_rows_kernel, (triton.cdiv(cols, block), batches), partial, out, rows, cols, BLOCK=block,
+               num_warps=4)
+    return out

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..formats import ACTIVATION_CODES, GLU_GATES, activation_params
 from ._launch import launch
-from ._common import TL_FLOAT, check_input, is_interpreted, round_through, sm_count
+from ._common import TL_FLOAT, check_input, is_interpreted, round_through, sm_count, sum_rows
 from .cast import CastPlan
 
 __all__ = ["activation", "activation_grad", "dact_dbias", "ACTIVATION_CODES"]
@@ -427,7 +427,7 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, comput
         ROUND_TO=None if round_to is None else TL_FLOAT[round_to], **_kernel_params(kind, params),
         BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=plan.num_warps)
-    return partial.sum(dim=0)
+    return sum_rows(partial)
 
 
 def dact_dbias(

@@ -60,6 +60,7 @@ from ._common import (
     reciprocal,
     scale_from_amax,
     sm_count,
+    sum_rows,
     to_output,
 )
 
@@ -335,7 +336,7 @@ def _tensorwise(kernel: str, x, scale, fp8_dtype, rowwise: bool, columnwise: boo
             xk, scale, _u8(q, work), _u8(qt, work), amax, work, partials, *xk.shape, xk.stride(0), xk.stride(1),
             ROWWISE=rowwise, COLUMNWISE=columnwise, SUMS=sums, **shared, **_fp8_meta(fp8_dtype, xk))
         if sums:
-            column_sums = partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
+            column_sums = partials[0] if partials.shape[0] == 1 else sum_rows(partials)
     if q is not None and x.dim() != 2:
         q = q.reshape(x.shape)
     return q, qt, amax, column_sums
@@ -435,7 +436,7 @@ def amax_column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, amax_partials, sums, M, N, x.stride(0), x.stride(1), rows_per_program,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     amax = amax_partials.max().view(torch.float32)
-    return amax, (sums[0] if row_blocks == 1 else sums.sum(dim=0))
+    return amax, (sums[0] if row_blocks == 1 else sum_rows(sums))
 
 
 def quantize_current_column_sums(

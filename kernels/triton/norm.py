@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch
-from ._common import TL_FLOAT, check_input, sm_count, to_output
+from ._common import TL_FLOAT, check_input, sm_count, sum_rows, to_output
 
 __all__ = ["layer_norm", "layer_norm_grad", "layer_norm_unsupported_reason", "layer_norm_grad_unsupported_reason",
            "rms_norm", "rms_norm_grad", "rms_norm_unsupported_reason", "rms_norm_grad_unsupported_reason", "MAX_N"]
@@ -238,7 +238,7 @@ def layer_norm_grad(
     launch(_layer_norm_grad_kernel, (programs,), dy, x, weight, mean, rstd, dx, partial, rows, n, programs,
            dy.stride(0), x.stride(0), dx.stride(0), ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n,
            num_warps=_warps(block_n))
-    sums = partial.sum(1)
+    sums = sum_rows(partial)  # (2, N)
     return dx, sums[0], sums[1]
 
 
@@ -278,4 +278,4 @@ def rms_norm_grad(
     block_n = triton.next_power_of_2(n)
     launch(_rms_norm_grad_kernel, (programs,), dy, x, weight, rstd, dx, partial, rows, n, dy.stride(0), x.stride(0),
            dx.stride(0), ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
-    return dx, partial.sum(0)
+    return dx, sum_rows(partial)
