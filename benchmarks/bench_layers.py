@@ -239,10 +239,11 @@ def graphed_step(model, x, dy, recipe=None):
 
 def bench_loops(base, model, x, dy, shape, total, rows, steps: int = 100, rounds: int = 7) -> None:
     """Training-loop throughput of the host-bound small case: bf16 eager, te_fuser
-    through ``make_graphed`` and through ``make_graphed_step`` (bf16 too, for
+    eager, through ``make_graphed`` and through ``make_graphed_step`` (bf16 too, for
     reference), in interleaved rounds (the host's speed drifts), median."""
     runs = {"bf16 eager": fwd_bwd(base, x, dy), "bf16 graphed step": graphed_step(copy.deepcopy(base), x, dy)}
     for name in ("current", "delayed"):
+        runs[f"te_fuser {name} eager"] = fwd_bwd(copy.deepcopy(model), x, dy, RECIPES[name])
         runs[f"te_fuser {name} graphed"] = fwd_bwd(te.make_graphed(copy.deepcopy(model)), x, dy, RECIPES[name])
         runs[f"te_fuser {name} graphed step"] = graphed_step(copy.deepcopy(model), x, dy, RECIPES[name])
     for run in runs.values():

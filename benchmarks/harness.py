@@ -4,6 +4,9 @@
   ``triton.testing.do_bench`` (CUDA events; the L2 cache is flushed before every
   timed run), cycling through several input sets so that repeated runs never
   find their inputs in the cache.
+- :func:`interleaved_ms`: host-bound arms timed taking turns, so a drift of the
+  host's speed (the GPU machine's host moves by tens of percent within a minute)
+  touches every arm alike.
 - :func:`copy_ceiling_tbs`: the device-copy bandwidth measured in this run (bytes
   read plus bytes written), the ceiling of memory-bound kernels.
 - :class:`Row`, :func:`append_csv`, :func:`print_table`: every script reports rows
@@ -45,6 +48,30 @@ def time_ms(fn: Callable[..., object], inputs: Sequence[tuple] = ((),), warmup_m
         return fn(*next(cycle))
 
     return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def interleaved_ms(arms: dict, rounds: int, steps: int = 1, sync: Callable[[], object] | None = None,
+                   warmup: int = 3) -> dict:
+    """Per arm, the median over ``rounds`` of the milliseconds per call of
+    ``steps`` back-to-back calls, the arms taking turns round by round; ``sync``
+    (e.g. ``torch.cuda.synchronize``) runs before and after each arm's calls."""
+    import statistics
+    import time
+
+    sync = sync or (lambda: None)
+    for fn in arms.values():
+        for _ in range(warmup):
+            fn()
+    times: dict = {label: [] for label in arms}
+    for _ in range(rounds):
+        for label, fn in arms.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            sync()
+            times[label].append((time.perf_counter() - t0) * 1e3 / steps)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def graph_time_ms(fn: Callable[..., object], inputs: Sequence[tuple] = ((),), rep_ms: int = 100) -> float:

@@ -24,12 +24,17 @@ import cProfile
 import dataclasses
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import te_fuser as te
-from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+import te_fuser as te  # noqa: E402
+from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights  # noqa: E402
 
 RECIPES = {"bf16": None, "delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling(),
            "block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling(),
@@ -167,27 +172,12 @@ def main(argv=None):
             model = GPT(config, device="cuda")
             steps[f"te {name}"] = step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
                                           RECIPES[name], batch)
-        medians = interleaved_ms(steps, args.interleave)
+        medians = harness.interleaved_ms(steps, args.interleave, sync=torch.cuda.synchronize)
         base = medians["torch bf16"]
         print(f"\ninterleaved ({args.interleave} rounds)  ms/step   tokens/s   vs torch bf16")
         for label, ms in medians.items():
             print(f"{label:<22} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x")
 
-
-def interleaved_ms(steps: dict, rounds: int) -> dict:
-    """Median ms per step of each arm, the arms taking turns one step at a time."""
-    for step in steps.values():
-        for _ in range(3):
-            step()
-    times: dict = {label: [] for label in steps}
-    for _ in range(rounds):
-        for label, step in steps.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times[label].append((time.perf_counter() - t0) * 1e3)
-    return {label: statistics.median(t) for label, t in times.items()}
 
 
 if __name__ == "__main__":

@@ -69,3 +69,15 @@ def test_tune_auto_keeps_the_entries_it_does_not_measure():
     for kernel in ("attention_forward", "delayed_scale_update", "delayed_scale_update_many", "quantize_mxfp8"):
         assert table[kernel] == previous[kernel], kernel
     assert table["a_new_kernel"] == "triton"
+
+
+def test_interleaved_timing_takes_turns_and_reports_per_call_medians():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import harness
+
+    order, synced = [], []
+    arms = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    ms = harness.interleaved_ms(arms, rounds=3, steps=2, sync=lambda: synced.append(1), warmup=1)
+    assert set(ms) == {"a", "b"} and all(v >= 0 for v in ms.values())
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3  # the warm-up, then the arms in turn each round
+    assert len(synced) == 2 * 2 * 3
