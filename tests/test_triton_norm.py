@@ -141,6 +141,36 @@ def test_layer_norm_forward_and_backward_match_float64(rows, n, x_dtype, dy_dtyp
         assert_close(db, db64, "norm_grad_fp32", context + " dbias", scaled=True)
 
 
+@pytest.mark.parametrize("x_dtype,add_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)], ids=str)
+def test_layer_norm_grad_adds_another_uses_gradient_before_its_one_rounding(x_dtype, add_dtype):
+    """With ``grad_add`` (the gradient of a residual branch that also read x), dx is
+    the norm's gradient plus it against float64; an fp32 x gets the same bits as
+    the norm's dx and an fp32 add after it (nothing rounds in between), and every
+    backend's parameter gradients are those without it."""
+    rows, n = 37, 160
+    x, w, dy = _inputs(rows, n, x_dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    b = (0.1 * torch.randn(n, generator=gen)).to(DEVICE)
+    add = (torch.randn(rows, n, generator=gen) * 3.0).to(add_dtype).to(DEVICE)
+    add[0, : n // 2] = -1e3  # a large term that the norm's gradient does not cancel
+    w, eps = w.float(), 1e-5
+    _, _, _, dx64, _, _ = _layer_norm_float64(x, w, b, dy, eps)
+    for name, (forward, backward) in _layer_norm_kernels().items():
+        context = f"layer_norm_grad {name} x {x_dtype} grad_add {add_dtype}"
+        _, mean, rstd = forward(x, w, b, eps)
+        dx, dw, db = backward(dy, x, w, mean, rstd, grad_add=add)
+        plain, dw0, db0 = backward(dy, x, w, mean, rstd)
+        assert dx.dtype == x_dtype, context
+        assert torch.equal(dw, dw0) and torch.equal(db, db0), context
+        want = dx64 + add.double()
+        assert_close(dx, want, "norm_grad_fp32" if x_dtype == torch.float32 else x_dtype, context, scaled=True)
+        if x_dtype == torch.float32:
+            assert torch.equal(dx, plain + add.float()), context
+    with pytest.raises(ValueError, match="grad_add must be a float tensor of x's shape"):
+        tk.layer_norm_grad(dy, x, w, mean, rstd, grad_add=add[1:])
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the GPT's sizes: on the GPU")
 @pytest.mark.parametrize("rows,n", [(16384, 1024), (1000, 4096)])
 def test_layer_norm_at_the_gpt_sizes_matches_float64(rows, n):

@@ -217,10 +217,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm(const at::Tensor& x, c
 }
 
 // Its backward: (dx in x's dtype, dweight, dbias), new tensors; the chunks' partial
-// sums of the parameter gradients are added here, in one reduction.
+// sums of the parameter gradients are added here, in one reduction. grad_add (x's
+// shape, row-major) is added to dx in fp32 before its rounding.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grad(const at::Tensor& dy, const at::Tensor& x,
                                                                const at::Tensor& weight, const at::Tensor& mean,
-                                                               const at::Tensor& rstd, int64_t stream) {
+                                                               const at::Tensor& rstd,
+                                                               const std::optional<at::Tensor>& grad_add,
+                                                               int64_t stream) {
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor dx = at::empty_like(x);
   if (rows == 0 || n == 0) {
@@ -231,7 +234,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grad(const at::Tensor&
   at::Tensor partial = at::empty({2, chunks, n}, x.options().dtype(at::kFloat));
   te_fuser::launch_layer_norm_grad(dy.data_ptr(), hp_code(dy.scalar_type()), x.data_ptr(), hp_code(x.scalar_type()),
                                    weight.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-                                   dx.data_ptr(), partial.data_ptr<float>(), rows, n, chunks, as_stream(stream));
+                                   grad_add ? grad_add->data_ptr() : nullptr,
+                                   grad_add ? hp_code(grad_add->scalar_type()) : 0, dx.data_ptr(),
+                                   partial.data_ptr<float>(), rows, n, chunks, as_stream(stream));
   at::Tensor sums = at::empty({2 * n}, x.options().dtype(at::kFloat));  // the chunks added up, in chunk order
   te_fuser::launch_sum_rows(partial.data_ptr<float>(), 2, chunks, n, sums.data_ptr<float>(), as_stream(stream));
   return {dx, piece_of(sums, 0, at::kFloat, {n}), piece_of(sums, n * 4, at::kFloat, {n})};

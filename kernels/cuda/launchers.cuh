@@ -94,9 +94,11 @@ void launch_layer_norm(const void* x, int x_type, const float* weight, const flo
 int64_t layer_norm_grad_chunks(int64_t rows, int64_t n);
 
 // Its dx (rows, n) in x's type, and per chunk of rows the partial sums of dweight
-// (partial[0]) and dbias (partial[1]), from the forward's mean and rstd.
+// (partial[0]) and dbias (partial[1]), from the forward's mean and rstd. add (rows,
+// n) of add_type, or null: another use's gradient of x, added to dx in fp32 before
+// its rounding.
 void launch_layer_norm_grad(const void* dy, int dy_type, const void* x, int x_type, const float* weight,
-                            const float* mean, const float* rstd, void* dx, float* partial, int64_t rows, int64_t n,
-                            int64_t chunks, void* stream);
+                            const float* mean, const float* rstd, const void* add, int add_type, void* dx,
+                            float* partial, int64_t rows, int64_t n, int64_t chunks, void* stream);
 
 }  // namespace te_fuser

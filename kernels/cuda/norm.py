@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.norm import check_layer_norm
+from ..reference.norm import check_grad_add, check_layer_norm
 from ._build import extension, raw_stream
 from .cast import HP_CODES, aligned_contiguous, check_cuda_tensor, on_device
 
@@ -54,15 +54,20 @@ def layer_norm(
 
 
 def layer_norm_grad(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+    grad_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx (rows, N) in x.dtype, dweight (N,), dbias (N,))`` from the forward's
-    ``mean`` and ``rstd``; see the reference."""
+    ``mean`` and ``rstd``, ``grad_add`` added to dx in fp32; see the reference."""
     check_layer_norm(x, weight, "layer_norm_grad", mean, rstd)
     _check_operands("layer_norm_grad", x, weight, dy=dy, mean=mean, rstd=rstd)
     if dy.shape != x.shape:
         raise ValueError(f"layer_norm_grad: dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    check_grad_add(grad_add, x, "layer_norm_grad")
+    if grad_add is not None:
+        _check_operands("layer_norm_grad", x, weight, grad_add=grad_add)
+        grad_add = aligned_contiguous(grad_add)
     device = x.device
     with on_device(device):
         return extension().layer_norm_grad(aligned_contiguous(dy), aligned_contiguous(x), _fp32_param(weight),
-                                           mean.contiguous(), rstd.contiguous(), raw_stream(device))
+                                           mean.contiguous(), rstd.contiguous(), grad_add, raw_stream(device))

@@ -58,11 +58,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
-template <typename TX, typename TD>
+// dx of one row a warp; with TA, plus add (another use's gradient of x) in fp32
+// before the one rounding to TX.
+template <typename TX, typename TD, typename TA>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     layer_norm_dx_kernel(const TD* __restrict__ dy, const TX* __restrict__ x, const float* __restrict__ weight,
-                         const float* __restrict__ mean_in, const float* __restrict__ rstd_in, TX* __restrict__ dx,
-                         int64_t rows, int64_t n) {
+                         const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
+                         const TA* __restrict__ add, TX* __restrict__ dx, int64_t rows, int64_t n) {
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -80,7 +82,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   TX* dxr = dx + row * n;
   for (int64_t i = lane; i < n; i += 32) {
     const float x_hat = (to_float(xr[i]) - mean) * rstd;
-    dxr[i] = from_float<TX>(rstd * (to_float(dyr[i]) * weight[i] - c_g - x_hat * c_gx));
+    float v = rstd * (to_float(dyr[i]) * weight[i] - c_g - x_hat * c_gx);
+    if (add != nullptr) v += to_float(add[row * n + i]);
+    dxr[i] = from_float<TX>(v);
   }
 }
 
@@ -141,8 +145,8 @@ int64_t layer_norm_grad_chunks(int64_t rows, int64_t n) {
 }
 
 void launch_layer_norm_grad(const void* dy, int dy_type, const void* x, int x_type, const float* weight,
-                            const float* mean, const float* rstd, void* dx, float* partial, int64_t rows, int64_t n,
-                            int64_t chunks, void* stream_ptr) {
+                            const float* mean, const float* rstd, const void* add, int add_type, void* dx,
+                            float* partial, int64_t rows, int64_t n, int64_t chunks, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
   const dim3 tiles(unsigned((n + kColumns - 1) / kColumns), unsigned(chunks));
@@ -150,8 +154,12 @@ void launch_layer_norm_grad(const void* dy, int dy_type, const void* x, int x_ty
     using TX = typename decltype(xt)::type;
     dispatch_hp(dy_type, "layer_norm_grad dy", [&](auto dt) {
       using TD = typename decltype(dt)::type;
-      layer_norm_dx_kernel<TX, TD><<<row_blocks(rows), kWarpsPerBlock * 32, 0, stream>>>(
-          static_cast<const TD*>(dy), static_cast<const TX*>(x), weight, mean, rstd, static_cast<TX*>(dx), rows, n);
+      dispatch_hp(add == nullptr ? x_type : add_type, "layer_norm_grad grad_add", [&](auto at) {
+        using TA = typename decltype(at)::type;
+        layer_norm_dx_kernel<TX, TD, TA><<<row_blocks(rows), kWarpsPerBlock * 32, 0, stream>>>(
+            static_cast<const TD*>(dy), static_cast<const TX*>(x), weight, mean, rstd, static_cast<const TA*>(add),
+            static_cast<TX*>(dx), rows, n);
+      });
       layer_norm_dparams_kernel<TX, TD><<<tiles, dim3(kColumns, kRowLanes), 0, stream>>>(
           static_cast<const TD*>(dy), static_cast<const TX*>(x), mean, rstd, partial, rows, n, rows_per_chunk);
     });

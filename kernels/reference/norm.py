@@ -56,19 +56,36 @@ def layer_norm_reference(
     return (y if y.dtype is out_dtype else y.to(out_dtype)), mean.reshape(-1), rstd.reshape(-1)
 
 
+def check_grad_add(grad_add, x: torch.Tensor, kernel: str) -> None:
+    """``grad_add`` (when given) is a float tensor of x's shape on x's device."""
+    if grad_add is None:
+        return
+    if not isinstance(grad_add, torch.Tensor):
+        raise TypeError(f"{kernel}: grad_add must be a tensor or None, got {type(grad_add).__name__}")
+    if grad_add.shape != x.shape or not grad_add.dtype.is_floating_point or grad_add.device != x.device:
+        raise ValueError(f"{kernel}: grad_add must be a float tensor of x's shape {tuple(x.shape)} on {x.device}, "
+                         f"got {grad_add.dtype} {tuple(grad_add.shape)} on {grad_add.device}")
+
+
 def layer_norm_grad_reference(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+    grad_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx (rows, N) in x.dtype, dweight (N,), dbias (N,))`` from the forward's
-    ``mean`` and ``rstd``; the parameter gradients in fp32."""
+    ``mean`` and ``rstd``; the parameter gradients in fp32. With ``grad_add`` (x's
+    shape: the gradient of another use of x), dx is the norm's gradient plus it,
+    added in fp32 and rounded once to x's dtype."""
     check_layer_norm(x, weight, "layer_norm_grad", mean, rstd)
     if dy.shape != x.shape:
         raise ValueError(f"layer_norm_grad: dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    check_grad_add(grad_add, x, "layer_norm_grad")
     w32 = _fp32(weight)
     # the bias does not enter the gradient: torch reads only its shape and dtype, for dbias
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
         _fp32(dy).contiguous(), _fp32(x), (x.shape[1],), mean.reshape(-1, 1), rstd.reshape(-1, 1), w32, w32,
         [True, True, True])
+    if grad_add is not None:
+        dx = dx + _fp32(grad_add)
     return (dx if dx.dtype is x.dtype else dx.to(x.dtype)), dw, db
 
 

@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ..reference.norm import check_grad_add
 from ._common import TL_FLOAT, check_input, sm_count, sum_rows, to_output
+from ._launch import launch
 
 __all__ = ["layer_norm", "layer_norm_grad", "layer_norm_unsupported_reason", "layer_norm_grad_unsupported_reason",
            "rms_norm", "rms_norm_grad", "rms_norm_unsupported_reason", "rms_norm_grad_unsupported_reason", "MAX_N"]
@@ -63,8 +64,9 @@ def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride
 
 
 @triton.jit
-def _layer_norm_grad_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, M, N, programs, stride_dy,
-                            stride_x, stride_dx, ROWS, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _layer_norm_grad_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, add_ptr, M, N, programs,
+                            stride_dy, stride_x, stride_dx, stride_add, ROWS, OUT_DTYPE: tl.constexpr,
+                            BLOCK_N: tl.constexpr, ADD: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -84,6 +86,8 @@ def _layer_norm_grad_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, pa
         c_g = tl.sum(g, axis=0) / N
         c_gx = tl.sum(g * x_hat, axis=0) / N
         dx = rstd * (g - c_g - x_hat * c_gx)
+        if ADD:  # another use's gradient of x, added in fp32 before the one rounding
+            dx += tl.load(add_ptr + row * stride_add + cols, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(dx_ptr + row * stride_dx + cols, to_output(dx, OUT_DTYPE), mask=row_ok)
         dw += dy * x_hat
         db += dy
@@ -219,14 +223,18 @@ def layer_norm(
 
 
 def layer_norm_grad(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+    grad_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx (rows, N) in x.dtype, dweight (N,), dbias (N,))`` from the forward's
-    ``mean`` and ``rstd``; the parameter gradients in fp32."""
+    ``mean`` and ``rstd``; the parameter gradients in fp32; ``grad_add`` added to dx
+    in fp32 before its rounding (see the reference)."""
     _check(x, weight, "layer_norm_grad")
     _check_grad(dy, x, "layer_norm_grad")
     _check_stats(x, "layer_norm_grad", mean=mean, rstd=rstd)
+    check_grad_add(grad_add, x, "layer_norm_grad")
     x, dy = _row_major(x), _row_major(dy)
+    add = _row_major(grad_add) if grad_add is not None else None
     rows, n = x.shape
     dx = torch.empty_like(x)
     if rows == 0 or n == 0:
@@ -235,8 +243,9 @@ def layer_norm_grad(
     programs, per_program = _grad_grid(x)
     partial = torch.empty((2, programs, n), dtype=torch.float32, device=x.device)
     block_n = triton.next_power_of_2(n)
-    launch(_layer_norm_grad_kernel, (programs,), dy, x, weight, mean, rstd, dx, partial, rows, n, programs,
-           dy.stride(0), x.stride(0), dx.stride(0), ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n,
+    launch(_layer_norm_grad_kernel, (programs,), dy, x, weight, mean, rstd, dx, partial, dx if add is None else add,
+           rows, n, programs, dy.stride(0), x.stride(0), dx.stride(0), 0 if add is None else add.stride(0),
+           ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n, ADD=add is not None,
            num_warps=_warps(block_n))
     sums = sum_rows(partial)  # (2, N)
     return dx, sums[0], sums[1]

@@ -876,7 +876,7 @@ class _FuserFunction(torch.autograd.Function):
         extra_inputs = tensors[len(fuser._flat_params):]
         ctxs, y, extra_outputs = run_forward(fuser, plan, x, extra_inputs)
         fctx.save_for_backward(_GRAPH_TOKEN)  # autograd frees it with the graph: a second backward then raises
-        fctx.state = (fuser, plan, ctxs, x.dtype)
+        fctx.state = (fuser, plan, ctxs, x.dtype, _input_as_extra(fuser, x, extra_inputs))
         if not extra_outputs:
             return y
         seen = {id(x), id(y), *(id(t) for t in tensors)}
@@ -889,10 +889,11 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def backward(fctx, dy, *grad_extra_outputs):
         fctx.saved_tensors  # noqa: B018 (raises, as torch does, when the graph was freed by an earlier backward)
-        fuser, plan, ctxs, x_dtype = fctx.state
+        fuser, plan, ctxs, x_dtype, input_as_extra = fctx.state
         if not keep_graph():
             fctx.state = None  # the saved tensors go with this backward, as autograd's own do
-        return run_backward(fuser, plan, ctxs, fctx.needs_input_grad, x_dtype, dy, grad_extra_outputs)
+        return run_backward(fuser, plan, ctxs, fctx.needs_input_grad, x_dtype, dy, grad_extra_outputs,
+                            input_as_extra)
 
 
 # torch's C entry of Function.apply, bound to _FuserFunction (torch's Python apply ends in it)
@@ -946,11 +947,34 @@ def _grad_flags(fuser: OperationFuser, needs: tuple) -> tuple:
     return flags
 
 
+def _input_as_extra(fuser: OperationFuser, x: torch.Tensor, extra_inputs) -> "tuple[int, int] | None":
+    """``(op, slot)`` of the one extra input that is ``x`` itself (a residual,
+    ``seq(x, x)``) when the first op can add its gradient into its own input
+    gradient: a plain residual fuser, an fp32 ``x`` (the sum then rounds once, as
+    autograd's own addition of the two would) and an op that ``adds_input_grad``.
+    Else None, and autograd adds the two gradients."""
+    if not extra_inputs or fuser.routes is not None or fuser._has_extra_outputs or x.dtype is not torch.float32 \
+            or not fuser.ops[0].adds_input_grad:
+        return None
+    found = None
+    slot = 0
+    for i, n in enumerate(fuser._n_extra_in):
+        for k in range(n):
+            if extra_inputs[slot] is x:
+                if found is not None:
+                    return None  # two uses: autograd adds them in its own order
+                found = (i, k)
+            slot += 1
+    return found if found is not None and found[0] > 0 else None
+
+
 def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tuple, x_dtype: torch.dtype, dy,
-                 grad_extra_outputs) -> tuple:
+                 grad_extra_outputs, input_as_extra: "tuple[int, int] | None" = None) -> tuple:
     """The plan's backward steps from ``dy``: ``(dx, None, *parameter gradients,
     *extra-input gradients)`` aligned with ``needs``, the needs-input-grad flags of
-    ``(x, fuser and plan, *parameters, *extra inputs)``."""
+    ``(x, fuser and plan, *parameters, *extra inputs)``. ``input_as_extra``: the
+    (op, slot) of an extra input that is x itself (:func:`_input_as_extra`); its
+    gradient is added into dx by the first op's backward, and none is returned for it."""
     needs = tuple(needs)
     for ctx, (need_input, p_need) in zip(ctxs, _grad_flags(fuser, needs)):
         ctx.needs_input_grad = need_input
@@ -969,7 +993,13 @@ def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tup
         if routes is not None and channel_grads:  # a writer's step: its readers' backward steps ran before
             _take_channel_grads(range(lo, hi), channel_grads, d_extra_out)
         step_d_extra = no_extras if d_extra_out is None else d_extra_out[lo:hi]
-        if basic:
+        if basic and lo == 0 and input_as_extra is not None and needs[0] \
+                and d_extra_in[input_as_extra[0]][input_as_extra[1]] is not None:
+            i, k = input_as_extra
+            dx, g = executor.op_backward_adding(ctxs[0], dx, d_extra_in[i][k])
+            d_extra_in[i][k] = None  # in dx now
+            step_pgrads, step_dextra = (g,), ([],)
+        elif basic:
             dx, g, d = executor.op_backward(ctxs[lo], dx, step_d_extra[0])
             step_pgrads, step_dextra = (g,), (d,)
         else:

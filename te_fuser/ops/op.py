@@ -407,6 +407,17 @@ class BasicOperation(WatchedModule):
         with ``self.parameters()`` (``None`` where no gradient is needed)."""
         raise NotImplementedError
 
+    # Whether :meth:`op_backward_adding` adds another gradient into dx inside the op's
+    # own kernel. The fuser hands it the gradient of an extra input that is the
+    # fuser's input itself (a residual, ``seq(x, x)``) when this op comes first, so
+    # autograd does not add the two in a kernel of their own.
+    adds_input_grad = False
+
+    def op_backward_adding(self, ctx: OpContext, dy: torch.Tensor, grad_add: torch.Tensor):
+        """``(dx + grad_add, param_grads)``, added in fp32 before dx's one rounding (an
+        op without extra inputs or outputs; only where :attr:`adds_input_grad`)."""
+        raise NotImplementedError
+
     # Uniform interface with FusedOperation: lists with one entry per basic op.
     def fuser_forward(self, ctxs, x, extra_inputs):
         y, extra_out = self.op_forward(ctxs[0], x, extra_inputs[0])

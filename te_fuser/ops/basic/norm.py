@@ -8,7 +8,9 @@ C++, whose launch costs the host less), reading the operands in their own dtypes
 dtype, so no fp32 copy goes in and no dtype copy comes out; the reference is
 torch's own fp32 ops (``native_layer_norm`` and ``native_layer_norm_backward``
 for LayerNorm). The forward keeps the rows' statistics (mean and reciprocal standard deviation) for
-the backward, which does not recompute them.
+the backward, which does not recompute them. LayerNorm's backward can also add a
+residual branch's gradient of its input in its kernel (``op_backward_adding``; the
+fuser uses it for ``seq(x, x)``).
 """
 
 from __future__ import annotations
@@ -103,15 +105,24 @@ class LayerNorm(_Norm):
         """The LayerNorm gradient in fp32 from the saved input and statistics (no
         autograd: it also runs inside custom ops, below it); dweight and dbias come in
         the parameters' shape and dtype."""
+        dx, pgrads = self.op_backward_adding(ctx, dy, None)
+        return dx, pgrads, []
+
+    adds_input_grad = True
+
+    def op_backward_adding(self, ctx, dy, grad_add):
+        """:meth:`op_backward`'s dx and parameter gradients, with ``grad_add`` (x's
+        shape, or None) added to dx by the kernel in fp32 before its rounding."""
         x2d, (mean, rstd) = ctx.saved["x"], ctx.saved["stats"]  # x as (M, N)
         weight, bias = self.weight, self.bias
         need_w, need_b = ctx.param_needs_grad or (weight.requires_grad, bias.requires_grad)
         grad = backend.resolve("layer_norm_grad", x2d.device).fn
-        dx, dw, db = grad(dy if dy.dim() == 2 and dy.shape == x2d.shape else dy.reshape(x2d.shape), x2d,
-                          self._scale(weight), mean, rstd)
+        as_x = (lambda t: t if t.dim() == 2 and t.shape == x2d.shape else t.reshape(x2d.shape))  # (M, N)
+        dx, dw, db = grad(as_x(dy), x2d, self._scale(weight), mean, rstd,
+                          grad_add=None if grad_add is None else as_x(grad_add))
         pgrads = [None if not need else (g if g.dim() == p.dim() else g.reshape(p.shape)).to(p.dtype)
                   for g, p, need in ((dw, weight, need_w), (db, bias, need_b))]
-        return (dx if dx.shape == dy.shape else dx.reshape(dy.shape)), pgrads, []
+        return (dx if dx.shape == dy.shape else dx.reshape(dy.shape)), pgrads
 
 
 class RMSNorm(_Norm):
