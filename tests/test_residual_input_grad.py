@@ -5,7 +5,9 @@ kernel of their own. With an fp32 input that is the same sum, rounded once as
 autograd's addition rounds it: every gradient equals the run where the extra
 input is a copy of x (autograd then adds them), bit for bit, under every recipe.
 Elsewhere (a bf16 input, a first op that cannot add, two uses of x) autograd
-adds, as before."""
+adds, as before. The GPT trained as a user trains it (fused AdamW, evaluations
+without FP8, a checkpoint resumed, recipe switches) gives the same loss bits
+either way."""
 
 from __future__ import annotations
 
@@ -78,3 +80,56 @@ def test_elsewhere_autograd_adds_and_the_gradients_are_the_same(adds):
     apart = grads(residual_mlp("linear"), x, None, alias=False)
     assert all(torch.equal(a, b) for a, b in zip(fused, apart))
     assert adds == [], "a bf16 input or a first op that cannot add: autograd adds"
+
+
+def _train(adding: bool, monkeypatch) -> list:
+    """The smoke GPT through a recipe schedule as a user trains it: fused AdamW, an
+    evaluation without FP8 after every step, a checkpoint saved mid-way and resumed
+    into a fresh model and optimizer, recipe switches. Every loss, as float bits."""
+    import io
+
+    from te_fuser.models.gpt import GPT, GPTConfig
+
+    monkeypatch.setattr(norm_module.LayerNorm, "adds_input_grad", adding)  # read when the fusers are made
+    config = GPTConfig.smoke()
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (config.batch_size, config.seq_len + 1), generator=gen) for _ in range(6)]
+    schedule = [None, te.recipe.DelayedScaling(), te.recipe.DelayedScaling(), te.recipe.Float8CurrentScaling(),
+                te.recipe.Float8CurrentScaling(), None]
+
+    def fresh():
+        torch.manual_seed(0)
+        model = GPT(config)
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+
+    model, opt = fresh()
+    losses = []
+    for step, (batch, recipe) in enumerate(zip(batches, schedule)):
+        x, y = batch[:, :-1], batch[:, 1:]
+        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+            loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            val = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        model.train()
+        losses += [loss.item(), val.item()]
+        if step == 2:  # a checkpoint, resumed into a new model and optimizer
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+            buffer.seek(0)
+            state = torch.load(buffer, weights_only=False)
+            model, opt = fresh()
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+    return losses
+
+
+def test_a_training_loop_keeps_every_loss_bit_with_the_norm_adding(monkeypatch, adds):
+    with_adding = _train(True, monkeypatch)
+    handed = len(adds)
+    assert handed, "the GPT's residual sub-layers hand their gradient to the norm"
+    assert with_adding == _train(False, monkeypatch)
+    assert len(adds) == handed, "without adds_input_grad autograd adds"

@@ -60,12 +60,12 @@ def layer_norm_grad(
     """``(dx (rows, N) in x.dtype, dweight (N,), dbias (N,))`` from the forward's
     ``mean`` and ``rstd``, ``grad_add`` added to dx in fp32; see the reference."""
     check_layer_norm(x, weight, "layer_norm_grad", mean, rstd)
-    _check_operands("layer_norm_grad", x, weight, dy=dy, mean=mean, rstd=rstd)
+    check_grad_add(grad_add, x, "layer_norm_grad")
+    added = {} if grad_add is None else {"grad_add": grad_add}
+    _check_operands("layer_norm_grad", x, weight, dy=dy, mean=mean, rstd=rstd, **added)
     if dy.shape != x.shape:
         raise ValueError(f"layer_norm_grad: dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
-    check_grad_add(grad_add, x, "layer_norm_grad")
     if grad_add is not None:
-        _check_operands("layer_norm_grad", x, weight, grad_add=grad_add)
         grad_add = aligned_contiguous(grad_add)
     device = x.device
     with on_device(device):

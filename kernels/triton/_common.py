@@ -37,6 +37,7 @@ import triton.language as tl
 from .. import env as _env
 from ..formats import FP8_FORMATS
 from ..formats import fp8_format as checked_format
+from ._launch import launch
 
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 FP8_DTYPES = tuple(FP8_FORMATS)
@@ -415,8 +416,6 @@ def sum_rows(partial: torch.Tensor) -> torch.Tensor:
     (batches, rows, cols) -> (batches, cols), each column's rows added in order, in
     one launch (a torch reduction costs the host several times a launch). fp32 or
     fp64, contiguous."""
-    from ._launch import launch
-
     if not partial.is_contiguous():
         partial = partial.contiguous()
     batches, (rows, cols) = (partial.shape[0] if partial.dim() == 3 else 1), partial.shape[-2:]

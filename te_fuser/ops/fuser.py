@@ -210,6 +210,11 @@ class OperationFuser:
         self._num_extra_inputs = sum(self._n_public_in)
         self._num_extra_outputs = (sum(self._n_extra_out) if self.routes is None
                                    else len(self.routes.public_outputs))
+        # (op, slot) of each extra input, in call order, where a residual seq(x, x) may hand
+        # its gradient to the first op's backward (_input_as_extra); () where none may
+        residual = self.routes is None and not self._has_extra_outputs and self.ops[0].adds_input_grad
+        self._residual_slots = tuple((i, k) for i, n in enumerate(self._n_extra_in) for k in range(n)) \
+            if residual else ()
         self._refresh_params()
         self._plan: FusionPlan | None = None
         self._last_recipe = None
@@ -950,21 +955,19 @@ def _grad_flags(fuser: OperationFuser, needs: tuple) -> tuple:
 def _input_as_extra(fuser: OperationFuser, x: torch.Tensor, extra_inputs) -> "tuple[int, int] | None":
     """``(op, slot)`` of the one extra input that is ``x`` itself (a residual,
     ``seq(x, x)``) when the first op can add its gradient into its own input
-    gradient: a plain residual fuser, an fp32 ``x`` (the sum then rounds once, as
-    autograd's own addition of the two would) and an op that ``adds_input_grad``.
-    Else None, and autograd adds the two gradients."""
-    if not extra_inputs or fuser.routes is not None or fuser._has_extra_outputs or x.dtype is not torch.float32 \
-            or not fuser.ops[0].adds_input_grad:
+    gradient: a plain residual fuser whose first op ``adds_input_grad``
+    (``fuser._residual_slots``) and an fp32 ``x`` (the sum then rounds once, as
+    autograd's own addition of the two would). Else None, and autograd adds the
+    two gradients."""
+    slots = fuser._residual_slots
+    if not slots or x.dtype is not torch.float32:
         return None
     found = None
-    slot = 0
-    for i, n in enumerate(fuser._n_extra_in):
-        for k in range(n):
-            if extra_inputs[slot] is x:
-                if found is not None:
-                    return None  # two uses: autograd adds them in its own order
-                found = (i, k)
-            slot += 1
+    for slot, t in zip(slots, extra_inputs):
+        if t is x:
+            if found is not None:
+                return None  # two uses: autograd adds them in its own order
+            found = slot
     return found if found is not None and found[0] > 0 else None
 
 
