@@ -15,11 +15,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for part in $parts; do
   case $part in
     tests)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_triton_launch.py tests/test_triton_sum_rows.py tests/test_residual_input_grad.py tests/test_triton_activation.py \
+      # GPU_TESTS="tests/a.py tests/b.py" runs those files instead of the list below
+      timeout ${GPU_TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_ops_gpu.py tests/test_triton_launch.py tests/test_triton_sum_rows.py tests/test_residual_input_grad.py tests/test_triton_activation.py \
         tests/test_weight_cache.py tests/test_training.py tests/test_train_gpt.py tests/test_torch_contracts.py \
         tests/test_fuser.py tests/test_cuda_gemm.py tests/test_cuda_cast.py tests/test_cuda_backend.py \
         tests/test_graphs.py tests/test_graphed_step.py tests/test_hot_guard.py tests/test_amax_column_sums.py tests/test_quantize_tensorwise_column_sums.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
-        tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py tests/test_quantizer_rowwise.py \
+        tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py tests/test_quantizer_rowwise.py} \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
     dbias)  # the output gradient's cast with its bias gradient, separate and fused (16384x7168)
       timeout 150 python3 benchmarks/bench_cast.py --bias-grad --sweep 2>&1 | tee "$OUT/dbias.log" | tail -16 ;;
