@@ -104,3 +104,26 @@ def test_the_key_tells_apart_what_triton_specializes_on():
     assert len(set(keys)) == len(keys)
     assert key((x, True)) != key((x, False)) and key((x, None)) != key((x, 0))
     assert key((x, "a string")) is None  # another kind: the JIT decides
+
+
+def test_an_empty_chain_of_launch_hooks_is_no_hook():
+    """Newer Triton keeps its launch hooks as chains that are always there; only a
+    chain holding a hook (or a plain hook) sends launches through the JIT."""
+    knobs = pytest.importorskip("triton.knobs")
+    runtime = knobs.runtime
+    assert not tl_launch._hooked()
+    hook = lambda *args, **kwargs: None  # noqa: E731
+    chain = runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert tl_launch._hooked()
+        finally:
+            chain.remove(hook)
+    else:  # Triton whose hook is a plain attribute
+        runtime.launch_enter_hook = hook
+        try:
+            assert tl_launch._hooked()
+        finally:
+            runtime.launch_enter_hook = chain
+    assert not tl_launch._hooked()

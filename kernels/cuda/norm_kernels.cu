@@ -83,7 +83,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   for (int64_t i = lane; i < n; i += 32) {
     const float x_hat = (to_float(xr[i]) - mean) * rstd;
     float v = rstd * (to_float(dyr[i]) * weight[i] - c_g - x_hat * c_gx);
-    if (add != nullptr) v += to_float(add[row * n + i]);
+    // __fadd_rn: never contracted with the product above into one FMA, so the sum
+    // is rounded as autograd's separate addition of the two gradients rounds it
+    if (add != nullptr) v = __fadd_rn(v, to_float(add[row * n + i]));
     dxr[i] = from_float<TX>(v);
   }
 }

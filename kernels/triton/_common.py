@@ -139,6 +139,26 @@ _CVT_E5M2_LANES = tl.constexpr(_cvt_asm("e5m2", lanes=True))
 
 
 @triton.jit
+def add_rounded(a, b, HW: tl.constexpr):
+    """``a + b`` in fp32 as an addition of its own, rounded once. On the GPU it is
+    ``add.rn.f32``: an addition with its rounding named is never contracted with the
+    multiply that made ``a`` into one FMA, which would round the product and the sum
+    together and so differ from the separate addition autograd makes. Under the
+    interpreter (``HW`` False) a plain ``+``, which numpy never contracts."""
+    if HW:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a + b
+
+
+def compiled_for_gpu(t: torch.Tensor) -> bool:
+    """True where a kernel for ``t`` is compiled for a CUDA GPU (inline PTX runs), False
+    under the interpreter."""
+    return t.device.type == "cuda" and not _INTERPRETER
+
+
+@triton.jit
 def fp8_bytes_hw(v, OUT_DTYPE: tl.constexpr):
     """:func:`fp8_bytes_exact`'s bytes through the GPU's conversion instruction
     (sm_89 and later; never under the interpreter), for bytes stored in the layout

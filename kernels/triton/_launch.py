@@ -88,9 +88,18 @@ def _arg_key(args: tuple):
     return tuple(key)
 
 
+def _set(hook) -> bool:
+    """A launch hook is set: not None and, for Triton's chains of hooks
+    (``HookChain``, always present in newer Triton), holding at least one."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def _hooked() -> bool:
     runtime = getattr(_knobs, "runtime", None)
-    return runtime is not None and (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None)
+    return runtime is not None and (_set(runtime.launch_enter_hook) or _set(runtime.launch_exit_hook))
 
 
 def launch(kernel, grid: tuple, *args, **meta) -> None:

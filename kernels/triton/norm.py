@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..reference.norm import check_grad_add
-from ._common import TL_FLOAT, check_input, sm_count, sum_rows, to_output
+from ._common import TL_FLOAT, add_rounded, check_input, compiled_for_gpu, sm_count, sum_rows, to_output
 from ._launch import launch
 
 __all__ = ["layer_norm", "layer_norm_grad", "layer_norm_unsupported_reason", "layer_norm_grad_unsupported_reason",
@@ -66,7 +66,7 @@ def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride
 @triton.jit
 def _layer_norm_grad_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, add_ptr, M, N, programs,
                             stride_dy, stride_x, stride_dx, stride_add, ROWS, OUT_DTYPE: tl.constexpr,
-                            BLOCK_N: tl.constexpr, ADD: tl.constexpr):
+                            BLOCK_N: tl.constexpr, ADD: tl.constexpr, HW_ADD: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -87,7 +87,8 @@ def _layer_norm_grad_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, pa
         c_gx = tl.sum(g * x_hat, axis=0) / N
         dx = rstd * (g - c_g - x_hat * c_gx)
         if ADD:  # another use's gradient of x, added in fp32 before the one rounding
-            dx += tl.load(add_ptr + row * stride_add + cols, mask=row_ok, other=0.0).to(tl.float32)
+            dx = add_rounded(dx, tl.load(add_ptr + row * stride_add + cols, mask=row_ok, other=0.0).to(tl.float32),
+                             HW_ADD)
         tl.store(dx_ptr + row * stride_dx + cols, to_output(dx, OUT_DTYPE), mask=row_ok)
         dw += dy * x_hat
         db += dy
@@ -246,7 +247,7 @@ def layer_norm_grad(
     launch(_layer_norm_grad_kernel, (programs,), dy, x, weight, mean, rstd, dx, partial, dx if add is None else add,
            rows, n, programs, dy.stride(0), x.stride(0), dx.stride(0), 0 if add is None else add.stride(0),
            ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n, ADD=add is not None,
-           num_warps=_warps(block_n))
+           HW_ADD=add is not None and compiled_for_gpu(x), num_warps=_warps(block_n))
     sums = sum_rows(partial)  # (2, N)
     return dx, sums[0], sums[1]
 
