@@ -128,3 +128,16 @@ def test_an_empty_chain_of_launch_hooks_is_no_hook():
         finally:
             runtime.launch_enter_hook = chain
     assert not tl_launch._hooked()
+
+
+def test_the_launchers_host_helpers_agree_with_triton():
+    """The launchers size their grids and blocks with plain-Python ``cdiv`` and
+    ``next_power_of_2`` (Triton's are ``ConstexprFunction``s, microseconds a call):
+    the same values as Triton's own on every size a launcher meets."""
+    from te_fuser.kernels.triton._common import cdiv, next_power_of_2
+
+    sizes = [0, 1, 2, 3, 15, 16, 17, 31, 32, 33, 1000, 1023, 1024, 1025, 4096, 2**31 - 1, 2**31, 2**33 + 5]
+    for n in sizes:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 16, 64, 128, 1000):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

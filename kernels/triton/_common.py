@@ -376,6 +376,18 @@ def check_epsilon(epsilon: float, kernel: str) -> float:
     return epsilon
 
 
+def cdiv(x: int, div: int) -> int:
+    """``triton.cdiv`` for the launchers' host code: newer Triton makes its helper a
+    ``ConstexprFunction``, whose call costs microseconds where this costs nanoseconds,
+    and a step calls it about a hundred times."""
+    return (x + div - 1) // div
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (see :func:`cdiv`); 0 for n <= 0, as Triton's."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def is_interpreted(t: torch.Tensor) -> bool:
     """Tensors on the CPU only run under ``TRITON_INTERPRET=1``."""
     return t.device.type == "cpu"
@@ -441,7 +453,7 @@ def sum_rows(partial: torch.Tensor) -> torch.Tensor:
     batches, (rows, cols) = (partial.shape[0] if partial.dim() == 3 else 1), partial.shape[-2:]
     out = torch.empty((*partial.shape[:-2], cols), dtype=partial.dtype, device=partial.device)
     if out.numel():
-        block = min(1024, max(32, triton.next_power_of_2(cols)))
-        launch(_sum_rows_kernel, (triton.cdiv(cols, block), batches), partial, out, rows, cols, BLOCK=block,
+        block = min(1024, max(32, next_power_of_2(cols)))
+        launch(_sum_rows_kernel, (cdiv(cols, block), batches), partial, out, rows, cols, BLOCK=block,
                num_warps=4)
     return out

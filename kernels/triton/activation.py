@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..formats import ACTIVATION_CODES, GLU_GATES, activation_params
 from ._launch import launch
-from ._common import TL_FLOAT, check_input, is_interpreted, round_through, sm_count, sum_rows
+from ._common import TL_FLOAT, cdiv, check_input, is_interpreted, round_through, sm_count, sum_rows
 from .cast import CastPlan
 
 __all__ = ["activation", "activation_grad", "dact_dbias", "ACTIVATION_CODES"]
@@ -366,7 +366,7 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
     y = torch.empty((rows, cols), dtype=store_dtype, device=x.device)
     if y.numel():
         plan = _plan(x, "elementwise")
-        grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
+        grid = (cdiv(rows, plan.block_m), cdiv(cols, plan.block_n))
         launch(_activation_kernel, grid, x2d, y, rows, cols, KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute,
                **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     if out_dtype is not None and y.dtype != out_dtype:
@@ -400,7 +400,7 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str, params: tuple 
     dx = torch.empty(x2d.shape, dtype=compute, device=x.device)
     if dx.numel():
         plan = _plan(x, "elementwise")
-        grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(cols, plan.block_n))
+        grid = (cdiv(rows, plan.block_m), cdiv(cols, plan.block_n))
         launch(_activation_grad_kernel, grid, dy2d, x2d, dx, rows, cols, KIND=activation_code(kind),
                GATED=kind in GLU_GATES, COMPUTE=tl_compute, **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n,
                num_warps=plan.num_warps)
@@ -415,11 +415,11 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, comput
     rows, cols_dx = x2d.shape
     plan = _plan(x2d, "dact_dbias")
     block_r, block_c = plan.block_m, plan.block_n
-    col_blocks = triton.cdiv(cols, block_c)
+    col_blocks = cdiv(cols, block_c)
     in_flight = plan.programs_per_sm * sm_count(x2d)
-    splits = max(1, min(triton.cdiv(rows, block_r), in_flight // col_blocks))
-    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
-    splits = triton.cdiv(rows, rows_per_split)
+    splits = max(1, min(cdiv(rows, block_r), in_flight // col_blocks))
+    rows_per_split = cdiv(cdiv(rows, splits), block_r) * block_r
+    splits = cdiv(rows, rows_per_split)
     partial = torch.empty((splits, cols_dx), dtype=torch_compute, device=x2d.device)
     launch(_dact_dbias_kernel, (col_blocks, splits),
         dy2d, x2d, dx, partial, rows, cols, rows_per_split, KIND=activation_code(kind), GATED=kind in GLU_GATES,

@@ -63,7 +63,7 @@ import triton.language as tl
 from ..formats import E4M3
 from ..reference.attention import check_attention, check_attention_backward, check_attention_fp8
 from ._launch import launch
-from ._common import TL_FLOAT, fp8_format, hw_fp8, is_interpreted, round_through, round_to_fp8_grid, to_output
+from ._common import TL_FLOAT, cdiv, fp8_format, hw_fp8, is_interpreted, round_through, round_to_fp8_grid, to_output
 
 __all__ = [
     "attention_forward",
@@ -468,11 +468,11 @@ def _launch(kernel: str, jit_fn, rows: int, batch_heads: int, head_dim: int, t: 
     triton.autotune pick it (:data:`AUTOTUNE`, compiled kernels only)."""
     if AUTOTUNE and not is_interpreted(t):
         block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"
-        _autotuned(kernel)[lambda m: (triton.cdiv(rows, m[block]), batch_heads)](*args, **meta)
+        _autotuned(kernel)[lambda m: (cdiv(rows, m[block]), batch_heads)](*args, **meta)
         return
     plan = _plan(kernel, head_dim, t)
     block = plan.block_n if kernel == "dkdv" else plan.block_m
-    launch(jit_fn, (triton.cdiv(rows, block), batch_heads), *args, **meta, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+    launch(jit_fn, (cdiv(rows, block), batch_heads), *args, **meta, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
            num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
@@ -654,7 +654,7 @@ def merge_head_gradients(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
     fused = torch.empty(B, T, H + 2 * Hkv, D, dtype=dq.dtype, device=dq.device)
     if fused.numel():
         block_t = 16 if is_interpreted(dq) else 64
-        launch(_merge_heads_kernel, (triton.cdiv(T, block_t), B * (H + 2 * Hkv)),
+        launch(_merge_heads_kernel, (cdiv(T, block_t), B * (H + 2 * Hkv)),
             dq, dk, dv, fused, T, H, Hkv, dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1),
             dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), HEAD_DIM=D, BLOCK_T=block_t, num_warps=4)
     return (fused[:, :, :H].transpose(1, 2), fused[:, :, H:H + Hkv].transpose(1, 2),

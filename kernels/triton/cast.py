@@ -46,6 +46,7 @@ from ._common import (
     TL_FLOAT,
     TL_FP8,
     abs_bits,
+    cdiv,
     check_epsilon,
     check_input,
     check_scale,
@@ -57,6 +58,7 @@ from ._common import (
     fp8_to_float,
     hw_fp8,
     is_interpreted,
+    next_power_of_2,
     reciprocal,
     scale_from_amax,
     sm_count,
@@ -126,7 +128,7 @@ def _cast_plan(x2d: torch.Tensor, columnwise: bool) -> tuple[torch.Tensor, CastP
 def _launch_meta(xk: torch.Tensor, plan: CastPlan) -> tuple[int, dict]:
     """(number of persistent programs, shared launch arguments) for kernel view xk."""
     M, N = xk.shape
-    n_tiles = triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n)
+    n_tiles = cdiv(M, plan.block_m) * cdiv(N, plan.block_n)
     programs = min(n_tiles, plan.programs_per_sm * sm_count(xk))
     even = M % plan.block_m == 0 and N % plan.block_n == 0
     return programs, dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, EVEN=even, num_warps=plan.num_warps)
@@ -330,7 +332,7 @@ def _tensorwise(kernel: str, x, scale, fp8_dtype, rowwise: bool, columnwise: boo
             xk, plan = _cast_plan(x2d, columnwise)
         programs, shared = _launch_meta(xk, plan)
         work = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
-        partials = (torch.empty((triton.cdiv(xk.shape[0], plan.block_m), xk.shape[1]), dtype=torch.float32,
+        partials = (torch.empty((cdiv(xk.shape[0], plan.block_m), xk.shape[1]), dtype=torch.float32,
                                 device=x.device) if sums else work)  # (tiles_m, N)
         launch(_quantize_tensorwise_kernel, (programs,),
             xk, scale, _u8(q, work), _u8(qt, work), amax, work, partials, *xk.shape, xk.stride(0), xk.stride(1),
@@ -379,7 +381,7 @@ def quantize_current(
         launch(_quantize_current_kernel, (programs,),
             xk, partials, partials.numel(), _u8(q, partials), _u8(qt, partials), scale, scale_inv, amax_out,
             *xk.shape, xk.stride(0), xk.stride(1), POWER_2=bool(power_2), EPSILON=epsilon, ROWWISE=rowwise,
-            COLUMNWISE=columnwise, PARTIALS=max(2, triton.next_power_of_2(partials.numel())), **shared,
+            COLUMNWISE=columnwise, PARTIALS=max(2, next_power_of_2(partials.numel())), **shared,
             **_fp8_meta(fp8_dtype, xk))
     amax = amax_out
     if q is not None and x.dim() != 2:
@@ -425,11 +427,11 @@ def amax_column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                                                                   device=x.device)
     plan = _INTERPRETED_COLUMN_SUMS if is_interpreted(x) else CAST_PLANS["column_sums"]
     block_m, block_n, num_warps = plan.block_m, plan.block_n, plan.num_warps
-    col_blocks = triton.cdiv(N, block_n)
+    col_blocks = cdiv(N, block_n)
     target = plan.programs_per_sm * (1 if is_interpreted(x) else sm_count(x))  # programs in flight
-    row_blocks = max(1, min(triton.cdiv(M, block_m), target // col_blocks))
-    rows_per_program = triton.cdiv(triton.cdiv(M, row_blocks), block_m) * block_m
-    row_blocks = triton.cdiv(M, rows_per_program)
+    row_blocks = max(1, min(cdiv(M, block_m), target // col_blocks))
+    rows_per_program = cdiv(cdiv(M, row_blocks), block_m) * block_m
+    row_blocks = cdiv(M, rows_per_program)
     amax_partials = torch.empty(row_blocks * col_blocks, dtype=torch.int32, device=x.device)
     sums = torch.empty((row_blocks, N), dtype=torch.float32, device=x.device)
     launch(_amax_column_sums_kernel, (col_blocks, row_blocks),
@@ -504,7 +506,7 @@ def _rowwise_blocks(x: torch.Tensor) -> tuple[int, int, bool, int]:
     N = x.shape[1]
     limit, sweep = (256, 64) if is_interpreted(x) else (8192, 1024)
     if N <= limit:
-        block_n = triton.next_power_of_2(N)
+        block_n = next_power_of_2(N)
         return max(1, 4096 // block_n), block_n, True, 8 if block_n >= 4096 else 4
     return 4, sweep, False, 4
 
@@ -522,7 +524,7 @@ def quantize_rowwise(
     scale_inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M and N:
         block_m, block_n, single_pass, warps = _rowwise_blocks(x)
-        launch(_quantize_rowwise_kernel, (triton.cdiv(M, block_m),),
+        launch(_quantize_rowwise_kernel, (cdiv(M, block_m),),
             x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), POWER_2=bool(power_2),
             EPSILON=epsilon, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single_pass, num_warps=warps, **meta)
     elif M:
@@ -582,7 +584,7 @@ def quantize_block(
     scale_inv = torch.empty(scale_grid_shape(scaling, M, N), dtype=torch.float32, device=x.device)
     rows_per_program = 128 if tile_rows == 128 else (16 if is_interpreted(x) else 32)
     if M and N:
-        grid = (triton.cdiv(M, rows_per_program), triton.cdiv(N, 128))
+        grid = (cdiv(M, rows_per_program), cdiv(N, 128))
         launch(_quantize_block_kernel, grid,
             x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), scale_inv.stride(0),
             TILE_ROWS=tile_rows, ROWS_PER_PROGRAM=rows_per_program, POWER_2=bool(power_2), EPSILON=epsilon,
@@ -635,7 +637,7 @@ def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
     scale = torch.empty((M, N // 32), dtype=torch.uint8, device=x.device)
     if M and N:
         block_m, block_n = (16, 64) if is_interpreted(x) else (32, 128)
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+        grid = (cdiv(M, block_m), cdiv(N, block_n))
         launch(_quantize_mxfp8_kernel, grid,
             x, q.view(torch.uint8), scale, M, N, x.stride(0), x.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
             EVEN=M % block_m == 0 and N % block_n == 0,
@@ -687,7 +689,7 @@ def dequantize(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> tor
     if M and N:
         tile_r, tile_c, stride_sm, stride_sn = _scale_lookup(op)
         block_m, block_n = (16, 64) if is_interpreted(data) else (32, 128)
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+        grid = (cdiv(M, block_m), cdiv(N, block_n))
         launch(_dequantize_kernel, grid,
             data, op.scale_inv, out, M, N, stride_sm, stride_sn, TILE_R=tile_r, TILE_C=tile_c,
             E8M0=op.scaling == Scaling.MX_32, IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn,

@@ -40,8 +40,9 @@ from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.gemm import check_epilogue_activation
 from ._launch import launch
-from ._common import (TL_FLOAT, TL_FP8, abs_bits, load_k_tile, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, hw_fp8, is_interpreted,
-                      round_through, to_output)
+from ._common import (
+    TL_FLOAT, TL_FP8, abs_bits, cdiv, e8m0_value, fp8_bytes_as, fp8_format, fp8_to_float, hw_fp8, is_interpreted,
+    load_k_tile, round_through, to_output)
 from .activation import activation_code, apply_activation, silu
 from .cast import dequantize
 
@@ -423,7 +424,7 @@ def _launch_common(epi: _Epilogue, out: torch.Tensor, dummy: torch.Tensor) -> tu
 
 
 def _grid(m: int, epi: _Epilogue, t: Tiles) -> tuple[int]:
-    return (triton.cdiv(m, t.block_m) * triton.cdiv(epi.n_out, t.block_n),)
+    return (cdiv(m, t.block_m) * cdiv(epi.n_out, t.block_n),)
 
 
 def _gemm_tensorwise(a, b, sa, sb, epi: _Epilogue, out: torch.Tensor, kind: tuple[str, str],

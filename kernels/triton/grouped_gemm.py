@@ -45,7 +45,7 @@ from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.grouped_gemm import check_grouped_bias, check_grouped_gemm
 from ._launch import launch
-from ._common import TL_FLOAT, fp8_format, is_interpreted, load_k_tile, to_output
+from ._common import TL_FLOAT, cdiv, fp8_format, is_interpreted, load_k_tile, next_power_of_2, to_output
 from .gemm import Tiles
 
 __all__ = ["grouped_gemm", "grouped_gemm_wgrad", "grouped_gemm_unsupported_reason",
@@ -309,14 +309,14 @@ def grouped_gemm(
         k = 1
     t = _tiles(a_mat.device, "fprop", a_mat.dtype.itemsize == 1, 2 * p * q * k)
     a_src, b_src, use_tma = _sources(a_mat, b_mat, t)
-    slots = triton.cdiv(p, t.block_m) + groups  # each group may end in a partial tile
-    grid = (slots * triton.cdiv(q, t.block_n),)
+    slots = cdiv(p, t.block_m) + groups  # each group may end in a partial tile
+    grid = (slots * cdiv(q, t.block_n),)
     launch(_grouped_gemm_kernel, grid,
         a_src, b_src, offsets, sa if sa is not None else out, sb if sb is not None else out,
         bias if bias is not None else out, bias_scale if bias_scale is not None else out, out, groups, p, q, k,
         a_mat.stride(0), b_mat.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BIAS_SCALE=bias_scale is not None, PROMOTE_EVERY=_promote(a_mat, t), USE_TMA=use_tma,
-        G_PAD=max(2, triton.next_power_of_2(groups)), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        G_PAD=max(2, next_power_of_2(groups)), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.num_warps, num_stages=t.num_stages, **meta)
     return out
 
@@ -337,7 +337,7 @@ def grouped_gemm_wgrad(
         return out
     t = _tiles(a_mat.device, "wgrad", a_mat.dtype.itemsize == 1, 2 * p * q * r)
     a_src, b_src, use_tma = _sources(a_mat, b_mat, t)
-    grid = (triton.cdiv(q, t.block_m) * triton.cdiv(r, t.block_n), groups)
+    grid = (cdiv(q, t.block_m) * cdiv(r, t.block_n), groups)
     launch(_grouped_gemm_wgrad_kernel, grid,
         a_src, b_src, offsets, sa if sa is not None else out, sb if sb is not None else out, out, p, q, r,
         a_mat.stride(0), b_mat.stride(0), out.stride(0), PROMOTE_EVERY=_promote(a_mat, t), USE_TMA=use_tma,

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from ..reference.norm import check_grad_add
-from ._common import TL_FLOAT, add_rounded, check_input, compiled_for_gpu, sm_count, sum_rows, to_output
+from ._common import (
+    TL_FLOAT, add_rounded, cdiv, check_input, compiled_for_gpu, next_power_of_2, sm_count, sum_rows, to_output)
 from ._launch import launch
 
 __all__ = ["layer_norm", "layer_norm_grad", "layer_norm_unsupported_reason", "layer_norm_grad_unsupported_reason",
@@ -198,8 +199,8 @@ def _grad_grid(x: torch.Tensor) -> tuple[int, int]:
     adding its rows into its own partial sums."""
     rows = x.shape[0]
     programs = min(rows, 4 * sm_count(x))
-    per_program = triton.cdiv(rows, programs)
-    return triton.cdiv(rows, per_program), per_program
+    per_program = cdiv(rows, programs)
+    return cdiv(rows, per_program), per_program
 
 
 def layer_norm(
@@ -217,7 +218,7 @@ def layer_norm(
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
     if rows and n:
-        block_n = triton.next_power_of_2(n)
+        block_n = next_power_of_2(n)
         launch(_layer_norm_kernel, (rows,), x, weight, bias, y, stats[0], stats[1], n, x.stride(0), y.stride(0),
                float(eps), OUT_DTYPE=TL_FLOAT[out_dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
     return y, stats[0], stats[1]
@@ -243,7 +244,7 @@ def layer_norm_grad(
         return dx, zeros[0], zeros[1]
     programs, per_program = _grad_grid(x)
     partial = torch.empty((2, programs, n), dtype=torch.float32, device=x.device)
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     launch(_layer_norm_grad_kernel, (programs,), dy, x, weight, mean, rstd, dx, partial, dx if add is None else add,
            rows, n, programs, dy.stride(0), x.stride(0), dx.stride(0), 0 if add is None else add.stride(0),
            ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n, ADD=add is not None,
@@ -265,7 +266,7 @@ def rms_norm(
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows and n:
-        block_n = triton.next_power_of_2(n)
+        block_n = next_power_of_2(n)
         launch(_rms_norm_kernel, (rows,), x, weight, y, rstd, n, x.stride(0), y.stride(0), float(eps),
                OUT_DTYPE=TL_FLOAT[out_dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
     return y, rstd
@@ -285,7 +286,7 @@ def rms_norm_grad(
         return dx, torch.zeros(n, dtype=torch.float32, device=x.device)
     programs, per_program = _grad_grid(x)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     launch(_rms_norm_grad_kernel, (programs,), dy, x, weight, rstd, dx, partial, rows, n, dy.stride(0), x.stride(0),
            dx.stride(0), ROWS=per_program, OUT_DTYPE=TL_FLOAT[x.dtype], BLOCK_N=block_n, num_warps=_warps(block_n))
     return dx, sum_rows(partial)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..reference.rotary import check_rotary
 from ._launch import launch
-from ._common import TL_FLOAT, check_input, is_interpreted, to_output
+from ._common import TL_FLOAT, cdiv, check_input, is_interpreted, next_power_of_2, to_output
 
 __all__ = ["rotary", "rotary_unsupported_reason"]
 
@@ -69,9 +69,9 @@ def rotary(x, cos, sin, rotated_heads, inverse, out_dtype):
     store = torch.float32 if interpreted and out_dtype == torch.float16 else out_dtype
     y = torch.empty((B, T, heads, D), dtype=store, device=x.device)
     if y.numel():
-        block_h = min(triton.next_power_of_2(heads), max(1, 2048 // D))
+        block_h = min(next_power_of_2(heads), max(1, 2048 // D))
         options = {} if interpreted else {"enable_fp_fusion": False}
-        launch(_rotary_kernel, (B * T, triton.cdiv(heads, block_h)),
+        launch(_rotary_kernel, (B * T, cdiv(heads, block_h)),
             x, y, cos.contiguous(), sin.contiguous(), T, heads, rotated_heads, -1.0 if inverse else 1.0,
             HALF=D // 2, BLOCK_H=block_h, OUT_DTYPE=TL_FLOAT[store], num_warps=4, **options)
     return y if y.dtype == out_dtype else y.to(out_dtype)

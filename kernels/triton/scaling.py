@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..reference.scaling import AMAX_ALGOS, check_update_arguments, padded_scales, stack_update_state
 from ._launch import launch
-from ._common import fp8_format
+from ._common import fp8_format, next_power_of_2
 
 __all__ = ["delayed_scale_update", "delayed_scale_update_many"]
 
@@ -123,7 +123,7 @@ def _launch(rows, history, amax, scale, count, new_history, new_scale, new_scale
     launch(_delayed_scale_update_kernel, (rows,),
         history, amax, scale, count, new_history, new_scale, new_scale_inv, new_count, length, new_scale_stride,
         min(steps, _MARGIN_STEPS), float(2**rest), FMAX=fp8_format(fp8_dtype)[0], ALGO_MAX=algo == "max",
-        BLOCK=max(32, min(triton.next_power_of_2(length), _MAX_BLOCK)), num_warps=4,
+        BLOCK=max(32, min(next_power_of_2(length), _MAX_BLOCK)), num_warps=4,
     )  # fmt: skip
 
 
