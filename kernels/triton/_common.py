@@ -152,12 +152,6 @@ def add_rounded(a, b, HW: tl.constexpr):
         return a + b
 
 
-def compiled_for_gpu(t: torch.Tensor) -> bool:
-    """True where a kernel for ``t`` is compiled for a CUDA GPU (inline PTX runs), False
-    under the interpreter."""
-    return t.device.type == "cuda" and not _INTERPRETER
-
-
 @triton.jit
 def fp8_bytes_hw(v, OUT_DTYPE: tl.constexpr):
     """:func:`fp8_bytes_exact`'s bytes through the GPU's conversion instruction
@@ -397,6 +391,12 @@ def is_interpreted(t: torch.Tensor) -> bool:
 _INTERPRETER = _env.triton_interpreted()
 
 
+def compiled_for_gpu(t: torch.Tensor) -> bool:
+    """True where a kernel for ``t`` is compiled for a CUDA GPU (inline PTX runs), False
+    under the interpreter."""
+    return t.device.type == "cuda" and not _INTERPRETER
+
+
 @functools.lru_cache(maxsize=None)
 def _has_fp8_conversion(index: int) -> bool:
     """sm_89 and later convert fp32 pairs to FP8 in one instruction."""
@@ -407,10 +407,10 @@ def hw_fp8(t: torch.Tensor) -> bool:
     """The ``HW_FP8`` constexpr of a kernel writing FP8 for data on ``t``'s device:
     True for compiled kernels on a CUDA GPU with FP8 conversions, unless
     ``EXACT_FP8``; False under the interpreter (CPU tensors)."""
-    device = t.device
-    if device.type != "cuda" or EXACT_FP8 or _INTERPRETER:
+    if EXACT_FP8 or not compiled_for_gpu(t):
         return False
-    return _has_fp8_conversion(device.index if device.index is not None else torch.cuda.current_device())
+    index = t.device.index
+    return _has_fp8_conversion(index if index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
