@@ -93,7 +93,7 @@ def kernel_table(step, steps: int, top: int) -> tuple[list[tuple[str, float, int
     return rows[:top], total, launches
 
 
-def host_profile(step, steps: int, top: int) -> None:
+def host_profile(step, steps: int, top: int, dump: str | None = None) -> None:
     torch.autograd.set_multithreading_enabled(False)
     try:
         profiler = cProfile.Profile()
@@ -109,6 +109,8 @@ def host_profile(step, steps: int, top: int) -> None:
         torch.autograd.set_multithreading_enabled(True)
     print(f"  host: {host_ms:.2f} ms per step under cProfile (backward on this thread)")
     stats = pstats.Stats(profiler)
+    if dump:
+        stats.dump_stats(dump)  # for pstats' callers and callees, read anywhere
     stats.sort_stats("tottime").print_stats(top)
 
 
@@ -119,6 +121,8 @@ def main(argv=None):
     p.add_argument("--timed", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--host", action="store_true", help="also profile the host's Python per arm (cProfile)")
+    p.add_argument("--dump", metavar="DIR", help="with --host: write each arm's cProfile statistics to DIR "
+                                                  "(host_<arm>.prof, for pstats)")
     p.add_argument("--attention", choices=["sdpa", "te"], default="te",
                    help="the GPT's attention: te_fuser's attention ops (the default, as in train_gpt.py), "
                         "or torch SDPA between the fused groups")
@@ -160,7 +164,8 @@ def main(argv=None):
         for name, kms, calls in rows:
             print(f"  {kms:8.3f} ms {calls:5d}x  {name}")
         if args.host:
-            host_profile(step, args.steps, 2 * args.top)
+            dump = args.dump and str(Path(args.dump) / f"host_{label.replace(' ', '_')}.prof")
+            host_profile(step, args.steps, 2 * args.top, dump)
     base = results[0][1]
     print("\narm                 ms/step   tokens/s   vs torch bf16   launches/step")
     for label, ms, launches in results:
