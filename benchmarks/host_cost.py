@@ -131,7 +131,31 @@ def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
         with te.autocast(recipe=recipe):
             pass
 
-    rows = [
+    # one cast and one GEMM, layer by layer: the binding's call alone, the launcher,
+    # the quantizer / the ops' gemm, and pieces each of them pays
+    from te_fuser.kernels.cuda._build import extension, raw_stream
+    from te_fuser.ops.gemm import gemm as ops_gemm
+    from te_fuser.quantization import Float8CurrentScalingQuantizer
+
+    ext, stream, s16 = extension(), raw_stream(a.device), one.reshape(1).clone()
+    quantizer = Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=dev)
+    a3 = a.reshape(16, 64, 1024)
+    f32 = torch.randn(1024, device=dev)
+    layers = [
+        ("binding: fp8_gemm_plans (a call, no work)", lambda: ext.fp8_gemm_plans()),
+        ("binding: cast_current, with T", lambda: ext.cast_current(a, 1, 0, 1024, 1024, False, 0.0, True, True, None,
+                                                                   False, stream)),
+        ("launcher: quantize_current, with T", lambda: current(a, torch.float8_e4m3fn, False, 0.0, True, True, None)),
+        ("quantizer.cast (current), with T", lambda: quantizer.cast(a, rowwise=True, columnwise=True)),
+        ("binding: fp8_gemm_tensorwise", lambda: ext.fp8_gemm_tensorwise(xq, wq, s16, s16, None, torch.bfloat16, False,
+                                                                         stream)),
+        ("ops gemm (te_fuser.ops.gemm.gemm)", lambda: ops_gemm(xo, wo, torch.bfloat16)),
+        ("x.reshape (3-D -> 2-D)", lambda: a3.reshape(-1, 1024)),
+        ("fp32 (1024,) .to(bf16)", lambda: f32.to(torch.bfloat16)),
+        ("torch._C._cuda_getDevice", lambda: torch._C._cuda_getDevice()),
+        ("raw_stream", lambda: raw_stream(a.device)),
+    ]
+    rows = layers + [
         ("torch.empty (1024x1024 bf16)", lambda: torch.empty(1024, 1024, device=dev, dtype=torch.bfloat16)),
         ("torch.mm bf16", lambda: torch.mm(a, b)),
         ("torch._scaled_mm tensorwise", lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)),
