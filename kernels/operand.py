@@ -20,7 +20,7 @@ import torch
 from .formats import SCALING_TILES as SCALINGS
 from .formats import Scaling
 
-__all__ = ["ScaledOperand", "SCALINGS", "scale_grid_shape"]
+__all__ = ["ScaledOperand", "SCALINGS", "scale_grid_shape", "tensor_scaled"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -69,3 +69,17 @@ class ScaledOperand:
     @property
     def fp8_dtype(self) -> torch.dtype:
         return self.data.dtype
+
+
+_new, _set = object.__new__, object.__setattr__
+
+
+def tensor_scaled(data: torch.Tensor, scale_inv: torch.Tensor) -> ScaledOperand:
+    """``ScaledOperand(data, scale_inv, Scaling.TENSOR)`` without the checks, for
+    what a per-tensor cast kernel has just returned (2-D data, a 0-d fp32 scale):
+    the casts' hot path builds one or two per call."""
+    op = _new(ScaledOperand)
+    _set(op, "data", data)
+    _set(op, "scale_inv", scale_inv)
+    _set(op, "scaling", Scaling.TENSOR)
+    return op

@@ -172,8 +172,16 @@ def _fallback(kernel: str, failed: str, device: torch.device) -> "KernelChoice":
     return KernelChoice(kernel, "reference", getattr(_module("reference"), f"{kernel}_reference"))
 
 
-def _per_call_fallback(fn: Callable, unsupported_reason: Callable, fallback_fn: Callable) -> Callable:
-    """``fn`` where ``unsupported_reason(*args)`` is None, else ``fallback_fn``."""
+# A kernel's lean entries, which hand any case they do not take back to the kernel
+# itself: ``prepare`` (the constant arguments checked once, a call that does the
+# rest) and ``tensorwise`` (the GEMM of two per-tensor scaled operands, or None).
+LEAN_ENTRIES = ("prepare", "tensorwise")
+
+
+def _per_call_fallback(fn: Callable, unsupported_reason: Callable, fallback_fn: Callable,
+                       lean_from: Callable | None = None) -> Callable:
+    """``fn`` where ``unsupported_reason(*args)`` is None, else ``fallback_fn``; the
+    lean entries of ``lean_from`` (see :data:`LEAN_ENTRIES`) are kept on it."""
 
     def dispatch(*args, **kwargs):
         if unsupported_reason(*args[:2]) is None:
@@ -181,6 +189,10 @@ def _per_call_fallback(fn: Callable, unsupported_reason: Callable, fallback_fn: 
         return fallback_fn(*args, **kwargs)
 
     dispatch.__name__ = getattr(fn, "__name__", "dispatch")
+    for name in LEAN_ENTRIES:
+        entry = getattr(lean_from, name, None)
+        if entry is not None:
+            setattr(dispatch, name, entry)
     return dispatch
 
 
@@ -235,7 +247,8 @@ def _resolve(kernel: str, device: torch.device | str, backend: str | None) -> Ke
         elif hasattr(module, f"{kernel}_unsupported_reason"):
             fallback = _fallback(kernel, chosen, device)
             dispatch = _per_call_fallback(
-                getattr(fn, "when_supported", fn), getattr(module, f"{kernel}_unsupported_reason"), fallback.fn
+                getattr(fn, "when_supported", fn), getattr(module, f"{kernel}_unsupported_reason"), fallback.fn,
+                lean_from=fn,
             )
             dispatch.__name__ = getattr(fn, "__name__", "dispatch")
             fn = dispatch

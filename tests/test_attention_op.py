@@ -258,13 +258,13 @@ def test_the_fp8_mha_hand_offs_skip_the_separate_casts(monkeypatch):
     from te_fuser.quantization.delayed import DelayedScalingQuantizer
 
     casts = []
-    real = DelayedScalingQuantizer._quantize
+    real = DelayedScalingQuantizer._cast  # every cast of a tensor passes here
 
-    def recording(self, x_hp, rowwise, columnwise):
+    def recording(self, x_hp, rowwise, columnwise, kernel):
         casts.append(str(self.role))
-        return real(self, x_hp, rowwise, columnwise)
+        return real(self, x_hp, rowwise, columnwise, kernel)
 
-    monkeypatch.setattr(DelayedScalingQuantizer, "_quantize", recording)
+    monkeypatch.setattr(DelayedScalingQuantizer, "_cast", recording)
     model = _trained_model()
     x = representable(B, 16, 64, scale_exp=-3)
     run(model, x, recipe=RECIPES["delayed_mha"])  # seeds the qkv quantizer

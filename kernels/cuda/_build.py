@@ -148,6 +148,15 @@ def extension():
 _get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def _stream_of_index(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# The cudaStream_t of the current stream on the CUDA device of that index (an int):
+# torch's C entry where it has one (the launchers' hot path), else its Python call.
+stream_of_index = _get_raw_stream if _get_raw_stream is not None else _stream_of_index
+
+
 def raw_stream(device: torch.device) -> int:
     """The cudaStream_t of the current stream on ``device``, as an integer."""
     if _get_raw_stream is not None:

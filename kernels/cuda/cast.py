@@ -8,21 +8,24 @@ fp32 CUDA tensors; a non-contiguous or misaligned input is copied first.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from ..formats import Scaling
 from ..operand import ScaledOperand
 from ..reference.cast import check_given_amax, check_matrix
-from ._build import extension, raw_stream
+from ._build import extension, raw_stream, stream_of_index
 
 __all__ = ["quantize_tensorwise", "quantize_tensorwise_column_sums", "quantize_current", "quantize_current_column_sums",
            "quantize_rowwise", "quantize_mxfp8"]
 
 HP_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
-_ALIGNMENT = 16  # bytes: the kernels use 16-byte vector accesses
+ALIGNMENT = 16  # bytes: the kernels use 16-byte vector accesses
 _current_device = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device() without its checks
+# The index of the current CUDA device: torch's C entry where it has one, else its Python call.
+current_device_index = _current_device if _current_device is not None else torch.cuda.current_device
 
 
 def _fp8_code(fp8_dtype: torch.dtype, op: str) -> int:
@@ -43,7 +46,7 @@ def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous tensor whose data starts on a 16-byte boundary."""
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.data_ptr() % _ALIGNMENT:
+    if t.data_ptr() % ALIGNMENT:
         t = t.clone()
     return t
 
@@ -166,6 +169,38 @@ def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, a
     return data, data_t, amax, column_sums
 
 
+def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
+    """:func:`quantize_tensorwise` (``sums``: :func:`quantize_tensorwise_column_sums`)
+    of a 2-D ``x`` with the format checked once: ``cast(x, scale, amax_out, rowwise,
+    columnwise) -> (data or None, data_t or None, sums or None)``, the same bits, the
+    amax written into ``amax_out``. ``scale`` and ``amax_out`` are fp32 one-element
+    tensors on x's device (a quantizer's state); any other case goes through the
+    checked launcher, whose checks say what is wrong."""
+    op = "quantize_tensorwise_column_sums" if sums else "quantize_tensorwise"
+    code = _fp8_code(fp8_dtype, op)
+    call = extension().cast_tensorwise
+    codes, fp32 = HP_CODES, torch.float32
+    checked = quantize_tensorwise_column_sums if sums else quantize_tensorwise
+
+    def cast(x: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, rowwise: bool, columnwise: bool):
+        hp = codes.get(x.dtype)
+        index = x.get_device()
+        if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
+                or scale.dtype is not fp32 or amax_out.dtype is not fp32 or scale.get_device() != index
+                or amax_out.get_device() != index or scale.numel() != 1 or amax_out.numel() != 1):
+            out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax_out)
+            return out[0], out[1], (out[3] if sums else None)
+        if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
+            x = aligned_contiguous(x)
+        rows, cols = x.shape
+        if index == current_device_index():
+            return call(x, hp, code, rows, cols, scale, amax_out, rowwise, columnwise, sums, stream_of_index(index))
+        with torch.cuda.device(index):
+            return call(x, hp, code, rows, cols, scale, amax_out, rowwise, columnwise, sums, stream_of_index(index))
+
+    return cast
+
+
 def quantize_current(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -219,6 +254,84 @@ def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise:
     with on_device(device):
         return extension().cast_current(x, HP_CODES[x.dtype], code, rows, cols, bool(power_2), epsilon, rowwise,
                                         columnwise, given, sums, raw_stream(device))
+
+
+def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0):
+    """:func:`quantize_current` of a 2-D ``x`` with its constant arguments checked
+    once: ``cast(x, rowwise, columnwise) -> (data or None, data_t or None, scale_inv)``,
+    the same bits. A call does only what the launch needs (x's dtype code, a
+    contiguous 16-byte aligned x, its device current); an x it does not take as
+    it is (not a CUDA tensor, not 2-D, not a high-precision dtype) goes through
+    :func:`quantize_current`, whose checks say what is wrong."""
+    op = "quantize_current"
+    code = _fp8_code(fp8_dtype, op)
+    epsilon = _check_epsilon(epsilon, op)
+    power_2 = bool(power_2)
+    call = extension().cast_current
+    codes = HP_CODES
+
+    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
+        hp = codes.get(x.dtype)
+        if hp is None or not x.is_cuda or x.dim() != 2:
+            data, data_t, _, scale_inv, _ = quantize_current(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
+            return data, data_t, scale_inv
+        if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
+            x = aligned_contiguous(x)
+        rows, cols = x.shape
+        index = x.get_device()
+        if index == current_device_index():
+            out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, False,
+                       stream_of_index(index))
+        else:
+            with torch.cuda.device(index):
+                out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, False,
+                           stream_of_index(index))
+        return out[0], out[1], out[3]
+
+    return cast
+
+
+quantize_current.prepare = _prepared_current
+
+
+def _prepared_current_column_sums(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0):
+    """:func:`quantize_current_column_sums` with its constant arguments checked once:
+    ``cast(x, rowwise, columnwise) -> (data or None, data_t or None, scale_inv, sums)``,
+    the same bits (see :func:`_prepared_current`); the case without the transposed
+    copy (torch sums apart) and any x it does not take as it is go through
+    :func:`quantize_current_column_sums`."""
+    op = "quantize_current_column_sums"
+    code = _fp8_code(fp8_dtype, op)
+    epsilon = _check_epsilon(epsilon, op)
+    power_2 = bool(power_2)
+    call = extension().cast_current
+    codes = HP_CODES
+
+    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
+        hp = codes.get(x.dtype)
+        if hp is None or not columnwise or not x.is_cuda or x.dim() != 2 or x.numel() == 0:
+            data, data_t, _, scale_inv, _, sums = quantize_current_column_sums(x, fp8_dtype, power_2, epsilon,
+                                                                               rowwise, columnwise)
+            return data, data_t, scale_inv, sums
+        if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
+            x = aligned_contiguous(x)
+        rows, cols = x.shape
+        index = x.get_device()
+        if index == current_device_index():
+            out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, True,
+                       stream_of_index(index))
+        else:
+            with torch.cuda.device(index):
+                out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, True,
+                           stream_of_index(index))
+        return out[0], out[1], out[3], out[5]
+
+    return cast
+
+
+quantize_current_column_sums.prepare = _prepared_current_column_sums
+quantize_tensorwise.prepare = _prepared_tensorwise
+quantize_tensorwise_column_sums.prepare = functools.partial(_prepared_tensorwise, sums=True)
 
 
 def quantize_rowwise(

@@ -40,8 +40,8 @@ import torch
 from ..formats import ACTIVATION_CODES, ACTIVATIONS, Scaling
 from ..operand import ScaledOperand
 from ..reference.gemm import check_epilogue_activation, gemm_reference
-from ._build import extension, raw_stream
-from .cast import HP_CODES, aligned_contiguous, check_cuda_tensor, on_device
+from ._build import extension, raw_stream, stream_of_index
+from .cast import ALIGNMENT, HP_CODES, aligned_contiguous, check_cuda_tensor, current_device_index, on_device
 
 __all__ = ["gemm", "gemm_unsupported_reason", "block_scaled_mm_available"]
 
@@ -214,6 +214,51 @@ def _gemm_supported(
 
 
 gemm.when_supported = _gemm_supported
+
+_E5M2 = torch.float8_e5m2
+
+
+def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, fast_accum: bool = False):
+    """:func:`gemm` of two per-tensor scaled operands without activation or residual,
+    with the checks a launch needs and no more: the cuBLASLt GEMM's result, the same
+    bits, or None for a case it does not take as it is (any other scaling, two E5M2
+    operands, K or N not a multiple of 16, operands apart or not on a GPU, a bias
+    the GEMM cannot add itself, an unusual dtype), which then goes through
+    :func:`gemm` and its checks. The ops' GEMMs call it first (``gemm.tensorwise``)."""
+    if a.scaling != Scaling.TENSOR or b.scaling != Scaling.TENSOR:
+        return None
+    x, w = a.data, b.data
+    xs, ws = x.shape, w.shape
+    if len(xs) != 2 or len(ws) != 2:
+        return None
+    m, k = xs
+    n, k_b = ws
+    if k != k_b or k % 16 or n % 16 or (x.dtype is _E5M2 and w.dtype is _E5M2) or out_dtype not in OUT_DTYPES:
+        return None
+    if not x.is_cuda or not w.is_cuda:
+        return None
+    index = x.get_device()
+    if w.get_device() != index:
+        return None
+    if bias is not None and (bias.dtype is not out_dtype or out_dtype is torch.float32 or bias.shape != (n,)
+                             or not bias.is_cuda or bias.get_device() != index or not bias.is_contiguous()):
+        return None
+    sa, sb = a.scale_inv, b.scale_inv
+    if sa.dtype is not torch.float32 or sa.data_ptr() % 16:
+        sa = _scale_16(sa)
+    if sb.dtype is not torch.float32 or sb.data_ptr() % 16:
+        sb = _scale_16(sb)
+    if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
+        x = aligned_contiguous(x)
+    if not w.is_contiguous() or w.data_ptr() % ALIGNMENT:
+        w = aligned_contiguous(w)
+    if index == current_device_index():
+        return extension().fp8_gemm_tensorwise(x, w, sa, sb, bias, out_dtype, fast_accum, stream_of_index(index))
+    with torch.cuda.device(index):
+        return extension().fp8_gemm_tensorwise(x, w, sa, sb, bias, out_dtype, fast_accum, stream_of_index(index))
+
+
+gemm.tensorwise = _tensorwise
 
 
 def _gemm_cublaslt(a, b, out_dtype, bias, activation, residual, fast_accum) -> torch.Tensor:

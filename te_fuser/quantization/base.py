@@ -33,7 +33,9 @@ __all__ = ["Quantizer", "EpilogueCast", "FP8_MIN_COMPUTE_CAPABILITY", "shard_ama
 
 # FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
-_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+# The dtypes a quantizer casts from.
+HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors without a subclass's own behaviour
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,6 +149,45 @@ class Quantizer:
         x_hp = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
         rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise)
         return QuantizedTensor(rowwise_op, columnwise_op, shape, x.dtype)
+
+    # -- the lean path of the ops' calls (schemes that define one) -------------
+    _kept_casters = None  # kernel -> (the backend's fn, the constant arguments, the caster)
+
+    def __getstate__(self) -> dict:
+        """A copy or a pickle without the kept casters (functions bound to this
+        process's kernels; the copy prepares its own on first use)."""
+        state = self.__dict__.copy()
+        state.pop("_kept_casters", None)
+        return state
+
+    def _caster_args(self) -> tuple:
+        """The constant arguments a scheme's prepared cast binds (see :meth:`_caster`)."""
+        return (self.fp8_dtype,)
+
+    def _caster(self, kernel: str, device: torch.device, generic):
+        """The backend's ``kernel`` on ``device`` with :meth:`_caster_args` bound: the
+        kernel's ``prepare`` entry where it has one, else ``generic(fn, *args)``;
+        kept while the backend's choice and the arguments stay the same."""
+        fn = backend.resolve(kernel, device).fn
+        args = self._caster_args()
+        kept = self._kept_casters
+        if kept is None:
+            kept = self._kept_casters = {}
+        hit = kept.get(kernel)
+        if hit is not None and hit[0] is fn and hit[1] == args:
+            return hit[2]
+        prepare = getattr(fn, "prepare", None)
+        caster = prepare(*args) if prepare is not None else generic(fn, *args)
+        kept[kernel] = (fn, args, caster)
+        return caster
+
+    def _lean(self, x, rowwise, columnwise) -> bool:
+        """Whether a cast call may take a scheme's lean path: both copies named, a
+        plain high-precision tensor of at least one dim, no shape constraint of a
+        subclass. Anything else takes the checked path, which names what is wrong."""
+        return (rowwise is not None and columnwise is not None and (rowwise or columnwise)
+                and type(x) in _PLAIN and x.dtype in HIGH_PRECISION and x.dim() > 0
+                and not self._constrains_shape)
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
@@ -315,10 +356,10 @@ class Quantizer:
     def _check_input(self, x: Any, rowwise: bool, columnwise: bool) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self._who()}: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _HIGH_PRECISION:
+        if x.dtype not in HIGH_PRECISION:
             raise TypeError(
                 f"{self._who()}: input dtype must be one of "
-                f"{[short_name(d) for d in _HIGH_PRECISION]}, got {x.dtype}"
+                f"{[short_name(d) for d in HIGH_PRECISION]}, got {x.dtype}"
             )
         if not x.shape:
             raise ValueError(f"{self._who()}: cannot quantize a 0-d tensor; give it at least one dimension")

@@ -7,11 +7,34 @@ import torch
 from .. import backend
 from ..fp8 import short_name
 from ..kernels.formats import Scaling
-from ..kernels.operand import ScaledOperand
-from .base import Quantizer, max_over, shard_amax
+from ..kernels.operand import ScaledOperand, tensor_scaled
+from .base import HIGH_PRECISION, Quantizer, max_over, shard_amax
 from .role import QuantizerRole
+from .tensor import QuantizedTensor
 
 __all__ = ["Float8CurrentScalingQuantizer"]
+
+
+def _generic_caster(fn, fp8_dtype: torch.dtype, power_2: bool, epsilon: float):
+    """``cast(x, rowwise, columnwise) -> (data, data_t, scale_inv)`` through a
+    ``quantize_current`` kernel without a ``prepare`` entry of its own."""
+
+    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
+        data, data_t, _scale, scale_inv, _amax = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None)
+        return data, data_t, scale_inv
+
+    return cast
+
+
+def _generic_sums_caster(fn, fp8_dtype: torch.dtype, power_2: bool, epsilon: float):
+    """``cast(x, rowwise, columnwise) -> (data, data_t, scale_inv, sums)`` through a
+    ``quantize_current_column_sums`` kernel without a ``prepare`` entry."""
+
+    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
+        data, data_t, _scale, scale_inv, _amax, sums = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
+        return data, data_t, scale_inv, sums
+
+    return cast
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -42,6 +65,37 @@ class Float8CurrentScalingQuantizer(Quantizer):
         # all-reduced (max) over it first, so every rank casts its rows with the one
         # scale of the whole tensor. None: the tensor's own amax.
         self.sequence_parallel_group = None
+
+    # -- the ops' casts: a lean path for the common call ------------------------
+    def _caster_args(self) -> tuple:
+        return (self.fp8_dtype, self.power_2_scales, self.amax_epsilon)
+
+    def _lean(self, x, rowwise, columnwise) -> bool:
+        return self.sequence_parallel_group is None and super()._lean(x, rowwise, columnwise)
+
+    def cast(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None):
+        """:meth:`Quantizer.cast`; the ops' calls (both copies named, a plain tensor)
+        skip the generic checks, with the same result."""
+        if not self._lean(x, rowwise, columnwise):
+            return super().cast(x, rowwise=rowwise, columnwise=columnwise)
+        shape = x.shape
+        x2d = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
+        data, data_t, scale_inv = self._caster("quantize_current", x2d.device, _generic_caster)(
+            x2d, rowwise, columnwise)
+        return QuantizedTensor.of_cast(tensor_scaled(data, scale_inv) if rowwise else None,
+                                       tensor_scaled(data_t, scale_inv) if columnwise else None, shape, x.dtype)
+
+    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False):
+        """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as :meth:`cast`."""
+        if not self._lean(x, rowwise, columnwise):
+            return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise)
+        shape = x.shape
+        x2d = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
+        data, data_t, scale_inv, sums = self._caster("quantize_current_column_sums", x2d.device,
+                                                     _generic_sums_caster)(x2d, rowwise, columnwise)
+        q = QuantizedTensor.of_cast(tensor_scaled(data, scale_inv) if rowwise else None,
+                                    tensor_scaled(data_t, scale_inv) if columnwise else None, shape, x.dtype)
+        return q, sums
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, amax: torch.Tensor | None = None

@@ -46,7 +46,7 @@ import torch
 from .. import backend
 from ..fp8 import FP8_MAX, short_name
 from ..kernels.formats import Scaling
-from ..kernels.operand import ScaledOperand
+from ..kernels.operand import ScaledOperand, tensor_scaled
 from ..kernels.reference.scaling import AMAX_ALGOS, divide_by_power_of_2, guarded_scale
 from .amax_reduction import PENDING, default_group, flush_amax_reductions
 from .base import EpilogueCast, Quantizer, max_over, shard_amax
@@ -55,6 +55,19 @@ from .tensor import QuantizedTensor
 
 
 __all__ = ["DelayedScalingQuantizer"]
+
+
+def _generic_tensorwise(fn, fp8_dtype: torch.dtype):
+    """``cast(x, scale, amax_out, rowwise, columnwise) -> (data, data_t, sums or None)``
+    through a tensor-scaled cast kernel without a ``prepare`` entry of its own."""
+
+    def cast(x: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, rowwise: bool, columnwise: bool):
+        data, data_t, _amax, *sums = fn(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise,
+                                        amax_out=amax_out)
+        return data, data_t, (sums[0] if sums else None)
+
+    return cast
+
 
 _STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_count")
 
@@ -145,7 +158,7 @@ class DelayedScalingQuantizer(Quantizer):
         """A copy or a pickle holds the state with every waiting amax applied (the
         waiting list names this object, not the copy)."""
         self._flush()
-        return self.__dict__.copy()
+        return super().__getstate__()
 
     def _checked_int(self, name: str, value: Any, minimum: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -168,6 +181,25 @@ class DelayedScalingQuantizer(Quantizer):
                 setattr(self, f"_{name}", getattr(self, f"_{name}").to(device, non_blocking=non_blocking))
 
     # -- quantization ----------------------------------------------------------
+    def cast(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None):
+        """:meth:`Quantizer.cast`; the ops' calls (both copies named, a plain tensor)
+        skip the generic checks, with the same result."""
+        if not self._lean(x, rowwise, columnwise):
+            return super().cast(x, rowwise=rowwise, columnwise=columnwise)
+        shape = x.shape
+        x2d = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
+        rowwise_op, columnwise_op, _ = self._cast(x2d, rowwise, columnwise, "quantize_tensorwise")
+        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, shape, x.dtype)
+
+    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False):
+        """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as :meth:`cast`."""
+        if not self._lean(x, rowwise, columnwise):
+            return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise)
+        shape = x.shape
+        x2d = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
+        rowwise_op, columnwise_op, sums = self._cast(x2d, rowwise, columnwise, "quantize_tensorwise_column_sums")
+        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, shape, x.dtype), sums
+
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
     ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
@@ -187,16 +219,14 @@ class DelayedScalingQuantizer(Quantizer):
         self._move_state(device)
         if not self.seeded:
             self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn)
-        cast = backend.resolve(kernel, device).fn
+        cast = self._caster(kernel, device, _generic_tensorwise)
         scale_inv = self._scale_inv  # the state is rebound, never written in place
         amax = torch.empty(1, dtype=torch.float32, device=device)  # the cast writes (not accumulates) it
-        x_fp8, x_fp8_t, _, *sums = cast(
-            x_hp, self._scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax
-        )
+        x_fp8, x_fp8_t, sums = cast(x_hp, self._scale, amax, rowwise, columnwise)
         self._record(amax)
-        rowwise_op = ScaledOperand(x_fp8, scale_inv, Scaling.TENSOR) if rowwise else None  # (M, K)
-        columnwise_op = ScaledOperand(x_fp8_t, scale_inv, Scaling.TENSOR) if columnwise else None  # (K, M)
-        return rowwise_op, columnwise_op, (sums[0] if sums else None)
+        rowwise_op = tensor_scaled(x_fp8, scale_inv) if rowwise else None  # (M, K)
+        columnwise_op = tensor_scaled(x_fp8_t, scale_inv) if columnwise else None  # (K, M)
+        return rowwise_op, columnwise_op, sums
 
     def epilogue_cast(self, device: torch.device) -> EpilogueCast | None:
         """The current scale, the FP8 format and a buffer for the tensor's amax; ``None``

@@ -24,6 +24,8 @@ from ..kernels.operand import ScaledOperand
 
 __all__ = ["QuantizedTensor", "flat_2d_shape"]
 
+_new = object.__new__
+
 
 def flat_2d_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     """``(M, K)`` of the 2-D flattening of ``shape``: ``M = prod(shape[:-1])``."""
@@ -54,6 +56,15 @@ class QuantizedTensor:
             self._check_copy("rowwise", rowwise, (rows, cols))
         if columnwise is not None:
             self._check_copy("columnwise", columnwise, (cols, rows))
+
+    @classmethod
+    def of_cast(cls, rowwise: ScaledOperand | None, columnwise: ScaledOperand | None, shape: torch.Size,
+                dtype: torch.dtype) -> "QuantizedTensor":
+        """``QuantizedTensor(rowwise, columnwise, shape, dtype)`` without the checks, for
+        a cast's own copies of a tensor of ``shape`` (a ``torch.Size``)."""
+        q = _new(cls)
+        q.rowwise, q.columnwise, q.shape, q.dtype = rowwise, columnwise, shape, dtype
+        return q
 
     def _check_copy(self, name: str, op: ScaledOperand, expected: tuple[int, int]) -> None:
         if not isinstance(op, ScaledOperand):

@@ -1,0 +1,139 @@
+"""The cuda backend's lean entries against the checked launchers, bit for bit
+(needs a Hopper GPU): the prepared current-scaling casts (``prepare``) and the
+per-tensor GEMM (``tensorwise``), which hand every case they do not take as it is
+back to the checked path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerances import assert_bitwise
+
+from te_fuser import backend
+from te_fuser.kernels import cuda
+from te_fuser.kernels.operand import ScaledOperand
+from te_fuser.ops.gemm import gemm as ops_gemm
+
+REASON = cuda.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cuda backend unavailable: {REASON}")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _x(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (0.7 + 3 * torch.randn(shape, generator=g)).to(dtype).cuda()
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (67, 1000), (1, 16)])
+@pytest.mark.parametrize("hp", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rowwise,columnwise", [(True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("fp8,power_2,eps", [(E4M3, False, 0.0), (E5M2, True, 1e-3)])
+def test_prepared_current_cast_equals_quantize_current(shape, hp, rowwise, columnwise, fp8, power_2, eps):
+    x = _x(shape, hp)
+    data, data_t, _, scale_inv, _ = cuda.quantize_current(x, fp8, power_2, eps, rowwise, columnwise)
+    got = cuda.quantize_current.prepare(fp8, power_2, eps)(x, rowwise, columnwise)
+    for a, b in ((got[0], data), (got[1], data_t)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_bitwise(a, b)
+    assert_bitwise(got[2], scale_inv)
+    assert got[2].data_ptr() % 16 == 0  # cuBLASLt reads it
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (300, 130), (128, 16)])
+@pytest.mark.parametrize("rowwise", [True, False])
+@pytest.mark.parametrize("columnwise", [True, False])
+def test_prepared_current_column_sums_equals_the_launcher(shape, rowwise, columnwise):
+    if not (rowwise or columnwise):
+        pytest.skip("no copy asked for")
+    x = _x(shape, torch.bfloat16, seed=1)
+    want = cuda.quantize_current_column_sums(x, E5M2, False, 0.0, rowwise, columnwise)
+    got = cuda.quantize_current_column_sums.prepare(E5M2, False, 0.0)(x, rowwise, columnwise)
+    for a, b in ((got[0], want[0]), (got[1], want[1]), (got[2], want[3]), (got[3], want[5])):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_bitwise(a, b)
+
+
+def test_prepared_cast_copies_views_and_hands_odd_inputs_back():
+    cast = cuda.quantize_current.prepare(E4M3)
+    base = _x((64, 129), torch.bfloat16)
+    view = base[:, 1:]  # not contiguous
+    want = cuda.quantize_current(view.contiguous(), E4M3, rowwise=True, columnwise=True)
+    got = cast(view, True, True)
+    assert_bitwise(got[0], want[0])
+    assert_bitwise(got[1], want[1])
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        cast(view.cpu(), True, False)  # the checked launcher names it
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        cast(view.to(torch.float64), True, False)
+
+
+def _operand(rows, k, fp8, seed):
+    x = _x((rows, k), torch.bfloat16, seed)
+    data, _, _, scale_inv, _ = cuda.quantize_current(x, fp8)
+    return ScaledOperand(data, scale_inv, "tensor")
+
+
+@pytest.mark.parametrize("m,n,k", [(256, 512, 128), (67, 48, 1024), (16, 16, 16)])
+@pytest.mark.parametrize("fp8_pair", [(E4M3, E4M3), (E5M2, E4M3)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias,fast_accum", [(False, False), (True, True)])
+def test_tensorwise_gemm_equals_the_checked_gemm(m, n, k, fp8_pair, out_dtype, with_bias, fast_accum):
+    a, b = _operand(m, k, fp8_pair[0], 2), _operand(n, k, fp8_pair[1], 3)
+    bias = _x((n,), out_dtype, 4) if with_bias else None
+    want = cuda.gemm(a, b, out_dtype, bias=bias, fast_accum=fast_accum)
+    got = cuda.gemm.tensorwise(a, b, out_dtype, bias, fast_accum)
+    if with_bias and out_dtype is torch.float32:
+        assert got is None  # an fp32 output adds its bias in the epilogue kernel: the checked path's
+        return
+    assert_bitwise(got, want)
+
+
+def test_tensorwise_gemm_declines_what_it_does_not_take():
+    a, b = _operand(64, 64, E4M3, 5), _operand(48, 64, E4M3, 6)
+    lean = cuda.gemm.tensorwise
+    assert lean(_operand(64, 64, E5M2, 7), _operand(48, 64, E5M2, 8), torch.bfloat16) is None  # two E5M2
+    assert lean(a, _operand(40, 64, E4M3, 9), torch.bfloat16) is None  # N not a multiple of 16
+    assert lean(a, b, torch.bfloat16, _x((48,), torch.float32, 1)) is None  # a bias of another dtype
+    rows = ScaledOperand(a.data, torch.ones(64, 1, device="cuda"), "row")
+    assert lean(rows, b, torch.bfloat16) is None  # row scales
+    # the ops' gemm takes the lean entry when it applies and the checked path otherwise, alike
+    fn = backend.resolve("gemm", a.data.device).fn
+    assert getattr(fn, "tensorwise", None) is lean
+    bias = _x((48,), torch.float32, 1)
+    assert_bitwise(ops_gemm(a, b, torch.bfloat16, bias=bias), cuda.gemm(a, b, torch.bfloat16, bias=bias))
+    assert_bitwise(ops_gemm(a, b, torch.bfloat16), cuda.gemm(a, b, torch.bfloat16))
+
+
+def test_quantizer_takes_the_prepared_cast_on_the_gpu():
+    from te_fuser.quantization import Float8CurrentScalingQuantizer
+
+    q = Float8CurrentScalingQuantizer(E4M3, device="cuda")
+    x = _x((4, 16, 256), torch.bfloat16, 9)
+    got = q.cast(x, rowwise=True, columnwise=True)
+    data, data_t, _, scale_inv, _ = cuda.quantize_current(x.reshape(-1, 256), E4M3, rowwise=True, columnwise=True)
+    assert_bitwise(got.rowwise.data, data)
+    assert_bitwise(got.columnwise.data, data_t)
+    assert_bitwise(got.rowwise.scale_inv, scale_inv)
+    assert got.shape == x.shape
+    fn = backend.resolve("quantize_current", x.device).fn
+    assert q._kept_casters["quantize_current"][0] is fn
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (67, 1000)])
+@pytest.mark.parametrize("rowwise,columnwise", [(True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("sums", [False, True])
+def test_prepared_tensorwise_cast_equals_the_launcher(shape, rowwise, columnwise, sums):
+    x = _x(shape, torch.bfloat16, 11)
+    scale = torch.full((), 0.37, device="cuda")
+    amax_want, amax_got = (torch.empty(1, device="cuda") for _ in range(2))
+    checked = cuda.quantize_tensorwise_column_sums if sums else cuda.quantize_tensorwise
+    want = checked(x, scale, E4M3, rowwise, columnwise, amax_want)
+    got = checked.prepare(E4M3)(x, scale, amax_got, rowwise, columnwise)
+    assert_bitwise(amax_got, amax_want)
+    for a, b in ((got[0], want[0]), (got[1], want[1]), (got[2], want[3] if sums else None)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_bitwise(a, b)
