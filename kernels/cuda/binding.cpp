@@ -94,18 +94,42 @@ at::ScalarType fp8_scalar_type(int fp8_type) {
 
 using MaybeTensor = std::optional<at::Tensor>;
 
-// The FP8 copies of x and, with sums, the tiles' column sums (rows, cols as the kernel sees x).
+// Bytes rounded up to a multiple of 256: where a fresh allocation would start, so a
+// piece is as aligned as its own allocation would be (cuBLASLt keeps a GEMM's plan
+// per operand alignment and picks its kernel by it).
+constexpr int64_t aligned256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// A cast's outputs as pieces of one allocation (one allocator call where there
+// were up to four): the FP8 copies of x and, with sums, the tiles' column sums
+// (rows, cols as the kernel sees x), then `stats_floats` fp32 statistics. The
+// pieces live as long as the longest-lived of them; a cast's copies and scales are
+// kept and freed together (a backward keeps both copies of what it saved), and the
+// column sums' partials are a tile row per 128 rows of x.
 struct CastOutputs {
   MaybeTensor data, data_t, partials;
+  at::Tensor stats;
 };
 
 CastOutputs cast_outputs(const at::Tensor& x, int fp8_type, int64_t rows, int64_t cols, bool rowwise,
-                         bool columnwise, bool sums) {
-  const auto fp8 = x.options().dtype(fp8_scalar_type(fp8_type));
+                         bool columnwise, bool sums, int64_t stats_floats) {
+  const int64_t bytes = rows * cols;  // one byte per FP8 element
+  const int64_t tiles = (rows + kTile - 1) / kTile;
+  int64_t end = 0;
+  const int64_t data_at = end;
+  if (rowwise) end += aligned256(bytes);
+  const int64_t data_t_at = end;
+  if (columnwise) end += aligned256(bytes);
+  const int64_t partials_at = end;
+  if (sums) end += aligned256(tiles * cols * 4);
+  const int64_t stats_at = end;
+  end += stats_floats * 4;
+  const at::Tensor base = at::empty({end > 0 ? end : 1}, x.options().dtype(at::kByte));
+  const at::ScalarType fp8 = fp8_scalar_type(fp8_type);
   CastOutputs out;
-  if (rowwise) out.data = at::empty(x.sizes(), fp8);
-  if (columnwise) out.data_t = at::empty({cols, rows}, fp8);
-  if (sums) out.partials = at::empty({(rows + kTile - 1) / kTile, cols}, x.options().dtype(at::kFloat));
+  if (rowwise) out.data = piece_of(base, data_at, fp8, x.sizes());
+  if (columnwise) out.data_t = piece_of(base, data_t_at, fp8, {cols, rows});
+  if (sums) out.partials = piece_of(base, partials_at, at::kFloat, {tiles, cols});
+  if (stats_floats > 0) out.stats = piece_of(base, stats_at, at::kFloat, {stats_floats});
   return out;
 }
 
@@ -123,18 +147,19 @@ MaybeTensor summed(const MaybeTensor& partials, int64_t stream) {
 
 // Current scaling: (data, data_t, scale, scale_inv, amax, column sums); amax_given
 // skips the amax pass. x is contiguous, 16-byte aligned, on the current device.
-// amax, scale and scale_inv are 16-byte aligned pieces of one allocation (cuBLASLt
-// refuses scale pointers that are not, CUBLAS_STATUS_NOT_SUPPORTED), followed by
-// the amax pass's per-block maxima, which the cast reduces: nothing is zeroed first.
+// amax, scale and scale_inv are 16-byte aligned pieces of the outputs' allocation
+// (cuBLASLt refuses scale pointers that are not, CUBLAS_STATUS_NOT_SUPPORTED),
+// followed by the amax pass's per-block maxima, which the cast reduces: nothing is
+// zeroed first.
 std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTensor> cast_current(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, bool power_2, double epsilon,
     bool rowwise, bool columnwise, const MaybeTensor& amax_given, bool sums, int64_t stream) {
   const int64_t partial_count = amax_given ? 0 : te_fuser::amax_partial_count(x.numel());
-  const at::Tensor stats = at::empty({12 + partial_count}, x.options().dtype(at::kFloat));
+  const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, 12 + partial_count);
+  const at::Tensor& stats = out.stats;
   const at::Tensor amax = amax_given ? amax_given->reshape({}) : piece_of(stats, 0, at::kFloat, {});
   const at::Tensor scale = piece_of(stats, 16, at::kFloat, {});
   const at::Tensor scale_inv = piece_of(stats, 32, at::kFloat, {});
-  const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums);
   te_fuser::CastScaling scaling;
   if (amax_given) {
     scaling.amax_in = amax_given->data_ptr<float>();
@@ -160,7 +185,7 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
 std::tuple<MaybeTensor, MaybeTensor, MaybeTensor> cast_tensorwise(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, const at::Tensor& scale,
     const at::Tensor& amax_out, bool rowwise, bool columnwise, bool sums, int64_t stream) {
-  const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums);
+  const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, 0);
   te_fuser::CastScaling scaling;
   scaling.scale = scale.data_ptr<float>();
   scaling.amax_out = amax_out.data_ptr<float>();
