@@ -180,19 +180,22 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
   return {out.data, out.data_t, scale, scale_inv, amax, summed(out.partials, stream)};
 }
 
-// Delayed scaling with the given scale: (data, data_t, column sums); amax(|x|) is
-// written into amax_out (fp32, one element).
-std::tuple<MaybeTensor, MaybeTensor, MaybeTensor> cast_tensorwise(
+// Delayed scaling with the given scale: (data, data_t, column sums, amax); amax(|x|)
+// is written into amax_out (fp32, one element), or without one into a new (1,)
+// tensor of its own (it outlives the copies' allocation: a delayed update reads it
+// after they may be gone).
+std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor> cast_tensorwise(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, const at::Tensor& scale,
-    const at::Tensor& amax_out, bool rowwise, bool columnwise, bool sums, int64_t stream) {
+    const MaybeTensor& amax_out, bool rowwise, bool columnwise, bool sums, int64_t stream) {
   const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, 0);
+  const at::Tensor amax = amax_out ? *amax_out : at::empty({1}, x.options().dtype(at::kFloat));
   te_fuser::CastScaling scaling;
   scaling.scale = scale.data_ptr<float>();
-  scaling.amax_out = amax_out.data_ptr<float>();
+  scaling.amax_out = amax.data_ptr<float>();
   scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream));
-  return {out.data, out.data_t, summed(out.partials, stream)};
+  return {out.data, out.data_t, summed(out.partials, stream), amax};
 }
 
 // Delayed scaling's state update: (history, scale, scale_inv, count), new tensors,

@@ -162,7 +162,7 @@ def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, a
     scale = _scale_tensor(scale, device, op)
     amax = _amax_target(amax_out, device, op)
     with on_device(device):
-        data, data_t, column_sums = extension().cast_tensorwise(
+        data, data_t, column_sums, _ = extension().cast_tensorwise(
             x, HP_CODES[x.dtype], code, rows, cols, scale, amax, rowwise, columnwise, sums, raw_stream(device))
     if amax_out is not None and amax is not amax_out:
         amax = amax_out.copy_(amax.reshape(amax_out.shape))
@@ -171,32 +171,32 @@ def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, a
 
 def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
     """:func:`quantize_tensorwise` (``sums``: :func:`quantize_tensorwise_column_sums`)
-    of a 2-D ``x`` with the format checked once: ``cast(x, scale, amax_out, rowwise,
-    columnwise) -> (data or None, data_t or None, sums or None)``, the same bits, the
-    amax written into ``amax_out``. ``scale`` and ``amax_out`` are fp32 one-element
-    tensors on x's device (a quantizer's state); any other case goes through the
-    checked launcher, whose checks say what is wrong."""
+    of a 2-D ``x`` with the format checked once: ``cast(x, scale, rowwise, columnwise)
+    -> (data or None, data_t or None, sums or None, amax)``, the same bits, with
+    amax(|x|) in a new (1,) fp32 tensor. ``scale`` is an fp32 one-element tensor on
+    x's device (a quantizer's state); any other case goes through the checked
+    launcher, whose checks say what is wrong."""
     op = "quantize_tensorwise_column_sums" if sums else "quantize_tensorwise"
     code = _fp8_code(fp8_dtype, op)
     call = extension().cast_tensorwise
     codes, fp32 = HP_CODES, torch.float32
     checked = quantize_tensorwise_column_sums if sums else quantize_tensorwise
 
-    def cast(x: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, rowwise: bool, columnwise: bool):
+    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool):
         hp = codes.get(x.dtype)
         index = x.get_device()
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
-                or scale.dtype is not fp32 or amax_out.dtype is not fp32 or scale.get_device() != index
-                or amax_out.get_device() != index or scale.numel() != 1 or amax_out.numel() != 1):
-            out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax_out)
-            return out[0], out[1], (out[3] if sums else None)
+                or scale.dtype is not fp32 or scale.get_device() != index or scale.numel() != 1):
+            amax = torch.empty(1, dtype=fp32, device=x.device)  # the checked launcher names what is wrong
+            out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax)
+            return out[0], out[1], (out[3] if sums else None), out[2]
         if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
             x = aligned_contiguous(x)
         rows, cols = x.shape
         if index == current_device_index():
-            return call(x, hp, code, rows, cols, scale, amax_out, rowwise, columnwise, sums, stream_of_index(index))
+            return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, stream_of_index(index))
         with torch.cuda.device(index):
-            return call(x, hp, code, rows, cols, scale, amax_out, rowwise, columnwise, sums, stream_of_index(index))
+            return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, stream_of_index(index))
 
     return cast
 

@@ -58,13 +58,14 @@ __all__ = ["DelayedScalingQuantizer"]
 
 
 def _generic_tensorwise(fn, fp8_dtype: torch.dtype):
-    """``cast(x, scale, amax_out, rowwise, columnwise) -> (data, data_t, sums or None)``
-    through a tensor-scaled cast kernel without a ``prepare`` entry of its own."""
+    """``cast(x, scale, rowwise, columnwise) -> (data, data_t, sums or None, amax)``,
+    amax(|x|) in a new (1,) fp32 tensor, through a tensor-scaled cast kernel without
+    a ``prepare`` entry of its own."""
 
-    def cast(x: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, rowwise: bool, columnwise: bool):
-        data, data_t, _amax, *sums = fn(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise,
-                                        amax_out=amax_out)
-        return data, data_t, (sums[0] if sums else None)
+    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool):
+        amax = torch.empty(1, dtype=torch.float32, device=x.device)  # the cast writes (not accumulates) it
+        data, data_t, _amax, *sums = fn(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax)
+        return data, data_t, (sums[0] if sums else None), amax
 
     return cast
 
@@ -221,8 +222,7 @@ class DelayedScalingQuantizer(Quantizer):
             self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn)
         cast = self._caster(kernel, device, _generic_tensorwise)
         scale_inv = self._scale_inv  # the state is rebound, never written in place
-        amax = torch.empty(1, dtype=torch.float32, device=device)  # the cast writes (not accumulates) it
-        x_fp8, x_fp8_t, sums = cast(x_hp, self._scale, amax, rowwise, columnwise)
+        x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise)
         self._record(amax)
         rowwise_op = tensor_scaled(x_fp8, scale_inv) if rowwise else None  # (M, K)
         columnwise_op = tensor_scaled(x_fp8_t, scale_inv) if columnwise else None  # (K, M)
