@@ -85,9 +85,19 @@ def test_tensorwise_gemm_equals_the_checked_gemm(m, n, k, fp8_pair, out_dtype, w
     bias = _x((n,), out_dtype, 4) if with_bias else None
     want = cuda.gemm(a, b, out_dtype, bias=bias, fast_accum=fast_accum)
     got = cuda.gemm.tensorwise(a, b, out_dtype, bias, fast_accum)
-    if with_bias and out_dtype is torch.float32:
-        assert got is None  # an fp32 output adds its bias in the epilogue kernel: the checked path's
-        return
+    assert_bitwise(got, want)  # an fp32 output adds its bias in the epilogue kernel, as the checked path
+
+
+@pytest.mark.parametrize("activation", [None, "gelu", "relu"])
+@pytest.mark.parametrize("residual_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_tensorwise_gemm_epilogues_equal_the_checked_gemm(activation, residual_dtype, bias_dtype):
+    m, n, k = 96, 64, 128
+    a, b = _operand(m, k, E4M3, 12), _operand(n, k, E4M3, 13)
+    bias = None if bias_dtype is None else _x((n,), bias_dtype, 14)
+    residual = None if residual_dtype is None else _x((m, n), residual_dtype, 15)
+    want = cuda.gemm(a, b, torch.bfloat16, bias=bias, activation=activation, residual=residual, fast_accum=True)
+    got = cuda.gemm.tensorwise(a, b, torch.bfloat16, bias, True, activation, residual)
     assert_bitwise(got, want)
 
 
@@ -96,7 +106,9 @@ def test_tensorwise_gemm_declines_what_it_does_not_take():
     lean = cuda.gemm.tensorwise
     assert lean(_operand(64, 64, E5M2, 7), _operand(48, 64, E5M2, 8), torch.bfloat16) is None  # two E5M2
     assert lean(a, _operand(40, 64, E4M3, 9), torch.bfloat16) is None  # N not a multiple of 16
-    assert lean(a, b, torch.bfloat16, _x((48,), torch.float32, 1)) is None  # a bias of another dtype
+    assert lean(a, b, torch.bfloat16, _x((40,), torch.bfloat16, 1)) is None  # a bias of another shape
+    assert lean(a, b, torch.bfloat16, None, False, "swiglu") is None  # halves the columns
+    assert lean(a, b, torch.bfloat16, None, False, None, _x((64, 40), torch.bfloat16, 2)) is None
     rows = ScaledOperand(a.data, torch.ones(64, 1, device="cuda"), "row")
     assert lean(rows, b, torch.bfloat16) is None  # row scales
     # the ops' gemm takes the lean entry when it applies and the checked path otherwise, alike

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import ACTIVATION_CODES, ACTIVATIONS, Scaling
+from ..formats import ACTIVATION_CODES, ACTIVATIONS, EPILOGUE_ACTIVATIONS, Scaling
 from ..operand import ScaledOperand
 from ..reference.gemm import check_epilogue_activation, gemm_reference
 from ._build import extension, raw_stream, stream_of_index
@@ -216,15 +216,20 @@ def _gemm_supported(
 gemm.when_supported = _gemm_supported
 
 _E5M2 = torch.float8_e5m2
+# the epilogue activations whose output keeps the GEMM's column count (swiglu halves it)
+_SAME_WIDTH = tuple(a for a in EPILOGUE_ACTIVATIONS if a != "swiglu")
 
 
-def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, fast_accum: bool = False):
-    """:func:`gemm` of two per-tensor scaled operands without activation or residual,
-    with the checks a launch needs and no more: the cuBLASLt GEMM's result, the same
-    bits, or None for a case it does not take as it is (any other scaling, two E5M2
-    operands, K or N not a multiple of 16, operands apart or not on a GPU, a bias
-    the GEMM cannot add itself, an unusual dtype), which then goes through
-    :func:`gemm` and its checks. The ops' GEMMs call it first (``gemm.tensorwise``)."""
+def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, fast_accum: bool = False,
+                activation: str | None = None, residual: torch.Tensor | None = None):
+    """:func:`gemm` of two per-tensor scaled operands with the checks a launch needs
+    and no more: the same bits, or None for a case it does not take as it is (any
+    other scaling, two E5M2 operands, K or N not a multiple of 16, operands apart or
+    not on a GPU, an unusual dtype, swiglu, a bias or residual of another shape or
+    device), which then goes through :func:`gemm` and its checks. A bias of the
+    output's dtype is cuBLASLt's epilogue; an activation, a residual or another
+    bias take the fp32 product through the epilogue kernel, as :func:`gemm` does.
+    The ops' GEMMs call it first (``gemm.tensorwise``)."""
     if a.scaling != Scaling.TENSOR or b.scaling != Scaling.TENSOR:
         return None
     x, w = a.data, b.data
@@ -240,9 +245,17 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     index = x.get_device()
     if w.get_device() != index:
         return None
-    if bias is not None and (bias.dtype is not out_dtype or out_dtype is torch.float32 or bias.shape != (n,)
-                             or not bias.is_cuda or bias.get_device() != index or not bias.is_contiguous()):
+    fused = activation is not None or residual is not None
+    if activation is not None and activation not in _SAME_WIDTH:
         return None
+    if residual is not None and (residual.shape != (m, n) or residual.dtype not in HP_CODES or not residual.is_cuda
+                                 or residual.get_device() != index):
+        return None
+    if bias is not None and (bias.shape != (n,) or bias.dtype not in HP_CODES or not bias.is_cuda
+                             or bias.get_device() != index):
+        return None
+    in_gemm = bias is not None and not fused and out_dtype is not torch.float32 and bias.dtype is out_dtype
+    epilogue = fused or (bias is not None and not in_gemm)
     sa, sb = a.scale_inv, b.scale_inv
     if sa.dtype is not torch.float32 or sa.data_ptr() % 16:
         sa = _scale_16(sa)
@@ -252,10 +265,15 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
         x = aligned_contiguous(x)
     if not w.is_contiguous() or w.data_ptr() % ALIGNMENT:
         w = aligned_contiguous(w)
+    gemm_bias = (bias if bias.is_contiguous() else bias.contiguous()) if in_gemm else None
+    gemm_dtype = torch.float32 if epilogue else out_dtype
     if index == current_device_index():
-        return extension().fp8_gemm_tensorwise(x, w, sa, sb, bias, out_dtype, fast_accum, stream_of_index(index))
+        y = extension().fp8_gemm_tensorwise(x, w, sa, sb, gemm_bias, gemm_dtype, fast_accum,
+                                            stream_of_index(index))  # (M, N)
+        return _epilogue(y, bias, activation, residual, out_dtype) if epilogue else y
     with torch.cuda.device(index):
-        return extension().fp8_gemm_tensorwise(x, w, sa, sb, bias, out_dtype, fast_accum, stream_of_index(index))
+        y = extension().fp8_gemm_tensorwise(x, w, sa, sb, gemm_bias, gemm_dtype, fast_accum, stream_of_index(index))
+        return _epilogue(y, bias, activation, residual, out_dtype) if epilogue else y
 
 
 gemm.tensorwise = _tensorwise

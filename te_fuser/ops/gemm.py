@@ -74,12 +74,11 @@ def gemm(
     torch's promoted dtype before the result becomes ``out_dtype``."""
     if isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand):
         fn = backend.resolve("gemm", a.data.device).fn
-        if activation is None and residual is None:
-            tensorwise = getattr(fn, "tensorwise", None)  # the kernel's lean entry, where it has one
-            if tensorwise is not None:
-                out = tensorwise(a, b, out_dtype, bias, fast_accum)
-                if out is not None:
-                    return out
+        tensorwise = getattr(fn, "tensorwise", None)  # the kernel's lean entry, where it has one
+        if tensorwise is not None:
+            out = tensorwise(a, b, out_dtype, bias, fast_accum, activation, residual)
+            if out is not None:
+                return out
         return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual, fast_accum=fast_accum)
     compute = out_dtype if compute_dtype is None else compute_dtype
     a_hp = _high_precision(a, compute) if isinstance(a, ScaledOperand) or a.dtype is not compute else a
