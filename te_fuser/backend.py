@@ -160,6 +160,14 @@ def _by_size(kernel: str, device: torch.device, split: dict) -> "KernelChoice":
         return (large_fn if x.numel() >= limit else small_fn)(x, *args, **kwargs)
 
     dispatch.__name__ = getattr(large_fn, "__name__", "dispatch")
+    small_lean, large_lean = getattr(small_fn, "lean", None), getattr(large_fn, "lean", None)
+    if small_lean is not None or large_lean is not None:  # the lean entry of the kernel the size picks
+
+        def lean(x, *args, **kwargs):
+            entry = large_lean if x.numel() >= limit else small_lean
+            return None if entry is None else entry(x, *args, **kwargs)
+
+        dispatch.lean = lean
     note = f"tensors of {limit} elements or more go to {large.backend}, smaller ones to {small.backend}"
     return KernelChoice(kernel, large.backend, dispatch, note)
 
@@ -174,8 +182,9 @@ def _fallback(kernel: str, failed: str, device: torch.device) -> "KernelChoice":
 
 # A kernel's lean entries, which hand any case they do not take back to the kernel
 # itself: ``prepare`` (the constant arguments checked once, a call that does the
-# rest) and ``tensorwise`` (the GEMM of two per-tensor scaled operands, or None).
-LEAN_ENTRIES = ("prepare", "tensorwise")
+# rest), ``tensorwise`` (the GEMM of two per-tensor scaled operands, or None) and
+# ``lean`` (the kernel's own call with the launch's checks only, or None).
+LEAN_ENTRIES = ("prepare", "tensorwise", "lean")
 
 
 def _per_call_fallback(fn: Callable, unsupported_reason: Callable, fallback_fn: Callable,

@@ -121,6 +121,34 @@ def test_auto_split_by_size_sends_each_call_by_its_element_count(monkeypatch):
     assert choice.backend == "triton" and "64 elements or more go to triton" in choice.note
 
 
+def test_auto_split_by_size_keeps_the_lean_entry_of_the_kernel_the_size_picks(monkeypatch):
+    from te_fuser.kernels import reference, triton as tk
+
+    def small(x, *a, **k):
+        return "small"
+
+    small.lean = lambda x, *a, **k: ("small lean", x.numel())
+    monkeypatch.setattr(reference, "quantize_rowwise_reference", small)
+    monkeypatch.setattr(tk, "quantize_rowwise", lambda x, *a, **k: "large")  # no lean entry
+    monkeypatch.setattr(backend, "_resolved", {})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    choice = backend._by_size("quantize_rowwise", device,
+                              {"small": "reference", "large": "triton", "min_elements": 64})
+    assert choice.fn.lean(torch.zeros(7, 9)) == ("small lean", 63)
+    assert choice.fn.lean(torch.zeros(8, 8)) is None  # the large kernel has none: its checked call decides
+    assert choice.fn(torch.zeros(8, 8)) == "large"
+
+
+def test_per_call_fallback_keeps_the_kernels_lean_entries():
+    def primary(a, b, **kw):
+        return "primary"
+
+    primary.tensorwise = lambda *args: "lean"
+    dispatch = backend._per_call_fallback(primary, lambda a, b: None, lambda *a, **k: "fallback", lean_from=primary)
+    assert dispatch.tensorwise() == "lean"
+    assert not hasattr(dispatch, "prepare")
+
+
 def test_tune_auto_script_runs_its_help():
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "tune_auto.py"), "--help"], capture_output=True, text=True

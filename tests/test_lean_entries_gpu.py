@@ -150,3 +150,25 @@ def test_prepared_tensorwise_cast_equals_the_launcher(shape, rowwise, columnwise
         assert (a is None) == (b is None)
         if a is not None:
             assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("shape", [(256, 1024), (67, 200)])
+@pytest.mark.parametrize("hp,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_lean_layer_norm_equals_the_checked_launchers(shape, hp, out_dtype, with_add):
+    x = _x(shape, hp, 21)
+    w, b = _x(shape[1:], torch.float32, 22), _x(shape[1:], torch.float32, 23)
+    want = cuda.layer_norm(x, w, b, 1e-5, out_dtype)
+    got = cuda.layer_norm.lean(x, w, b, 1e-5, out_dtype)
+    for a, c in zip(got, want):
+        assert_bitwise(a, c)
+    dy = _x(shape, hp, 24)
+    add = _x(shape, torch.float32, 25) if with_add else None
+    want = cuda.layer_norm_grad(dy, x, w, want[1], want[2], add)
+    got = cuda.layer_norm_grad.lean(dy, x, w, got[1], got[2], add)
+    for a, c in zip(got, want):
+        assert_bitwise(a, c)
+    assert cuda.layer_norm.lean(x[:, 1:], w[1:], b[1:], 1e-5) is None  # a view: the checked path copies it
+    assert cuda.layer_norm.lean(x, w.bfloat16(), b, 1e-5) is None
+    fn = backend.resolve("layer_norm", x.device).fn
+    assert getattr(fn, "lean", None) is not None  # kept on the auto table's size split
