@@ -256,14 +256,16 @@ def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise:
                                         columnwise, given, sums, raw_stream(device))
 
 
-def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0):
-    """:func:`quantize_current` of a 2-D ``x`` with its constant arguments checked
-    once: ``cast(x, rowwise, columnwise) -> (data or None, data_t or None, scale_inv)``,
-    the same bits. A call does only what the launch needs (x's dtype code, a
-    contiguous 16-byte aligned x, its device current); an x it does not take as
-    it is (not a CUDA tensor, not 2-D, not a high-precision dtype) goes through
-    :func:`quantize_current`, whose checks say what is wrong."""
-    op = "quantize_current"
+def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0, sums: bool = False):
+    """:func:`quantize_current` (``sums``: :func:`quantize_current_column_sums`) of a
+    2-D ``x`` with its constant arguments checked once: ``cast(x, rowwise, columnwise)
+    -> (data or None, data_t or None, scale_inv, sums or None)``, the same bits. A
+    call does only what the launch needs (x's dtype code, a contiguous 16-byte
+    aligned x, its device current). An x it does not take as it is (not a CUDA
+    tensor, not 2-D, not a high-precision dtype) goes through the checked launcher,
+    whose checks say what is wrong; so do the column sums without the transposed
+    copy (torch sums apart) or of an empty x."""
+    op = "quantize_current_column_sums" if sums else "quantize_current"
     code = _fp8_code(fp8_dtype, op)
     epsilon = _check_epsilon(epsilon, op)
     power_2 = bool(power_2)
@@ -272,64 +274,31 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
 
     def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
         hp = codes.get(x.dtype)
-        if hp is None or not x.is_cuda or x.dim() != 2:
+        if hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0)):
+            if sums:
+                data, data_t, _, scale_inv, _, col = quantize_current_column_sums(x, fp8_dtype, power_2, epsilon,
+                                                                                  rowwise, columnwise)
+                return data, data_t, scale_inv, col
             data, data_t, _, scale_inv, _ = quantize_current(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
-            return data, data_t, scale_inv
+            return data, data_t, scale_inv, None
         if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
             x = aligned_contiguous(x)
         rows, cols = x.shape
         index = x.get_device()
         if index == current_device_index():
-            out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, False,
+            out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums,
                        stream_of_index(index))
         else:
             with torch.cuda.device(index):
-                out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, False,
+                out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums,
                            stream_of_index(index))
-        return out[0], out[1], out[3]
+        return out[0], out[1], out[3], out[5]  # out[5]: None without sums
 
     return cast
 
 
 quantize_current.prepare = _prepared_current
-
-
-def _prepared_current_column_sums(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0):
-    """:func:`quantize_current_column_sums` with its constant arguments checked once:
-    ``cast(x, rowwise, columnwise) -> (data or None, data_t or None, scale_inv, sums)``,
-    the same bits (see :func:`_prepared_current`); the case without the transposed
-    copy (torch sums apart) and any x it does not take as it is go through
-    :func:`quantize_current_column_sums`."""
-    op = "quantize_current_column_sums"
-    code = _fp8_code(fp8_dtype, op)
-    epsilon = _check_epsilon(epsilon, op)
-    power_2 = bool(power_2)
-    call = extension().cast_current
-    codes = HP_CODES
-
-    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
-        hp = codes.get(x.dtype)
-        if hp is None or not columnwise or not x.is_cuda or x.dim() != 2 or x.numel() == 0:
-            data, data_t, _, scale_inv, _, sums = quantize_current_column_sums(x, fp8_dtype, power_2, epsilon,
-                                                                               rowwise, columnwise)
-            return data, data_t, scale_inv, sums
-        if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
-            x = aligned_contiguous(x)
-        rows, cols = x.shape
-        index = x.get_device()
-        if index == current_device_index():
-            out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, True,
-                       stream_of_index(index))
-        else:
-            with torch.cuda.device(index):
-                out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, True,
-                           stream_of_index(index))
-        return out[0], out[1], out[3], out[5]
-
-    return cast
-
-
-quantize_current_column_sums.prepare = _prepared_current_column_sums
+quantize_current_column_sums.prepare = functools.partial(_prepared_current, sums=True)
 quantize_tensorwise.prepare = _prepared_tensorwise
 quantize_tensorwise_column_sums.prepare = functools.partial(_prepared_tensorwise, sums=True)
 

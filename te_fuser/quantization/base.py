@@ -189,6 +189,11 @@ class Quantizer:
                 and type(x) in _PLAIN and x.dtype in HIGH_PRECISION and x.dim() > 0
                 and not self._constrains_shape)
 
+    @staticmethod
+    def _flat(x: torch.Tensor) -> torch.Tensor:
+        """``x`` as its 2-D flattening (M, K) (itself when it is 2-D)."""
+        return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
     ) -> tuple[ScaledOperand | None, ScaledOperand | None]:

@@ -2,39 +2,37 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import backend
 from ..fp8 import short_name
 from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand, tensor_scaled
-from .base import HIGH_PRECISION, Quantizer, max_over, shard_amax
+from .base import Quantizer, max_over, shard_amax
 from .role import QuantizerRole
 from .tensor import QuantizedTensor
 
 __all__ = ["Float8CurrentScalingQuantizer"]
 
 
-def _generic_caster(fn, fp8_dtype: torch.dtype, power_2: bool, epsilon: float):
-    """``cast(x, rowwise, columnwise) -> (data, data_t, scale_inv)`` through a
-    ``quantize_current`` kernel without a ``prepare`` entry of its own."""
+def _generic_caster(fn, fp8_dtype: torch.dtype, power_2: bool, epsilon: float, sums: bool = False):
+    """``cast(x, rowwise, columnwise) -> (data, data_t, scale_inv, sums or None)``
+    through a ``quantize_current`` (``sums``: ``quantize_current_column_sums``)
+    kernel without a ``prepare`` entry of its own."""
 
     def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
+        if sums:
+            data, data_t, _scale, scale_inv, _amax, col = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
+            return data, data_t, scale_inv, col
         data, data_t, _scale, scale_inv, _amax = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None)
-        return data, data_t, scale_inv
+        return data, data_t, scale_inv, None
 
     return cast
 
 
-def _generic_sums_caster(fn, fp8_dtype: torch.dtype, power_2: bool, epsilon: float):
-    """``cast(x, rowwise, columnwise) -> (data, data_t, scale_inv, sums)`` through a
-    ``quantize_current_column_sums`` kernel without a ``prepare`` entry."""
-
-    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
-        data, data_t, _scale, scale_inv, _amax, sums = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
-        return data, data_t, scale_inv, sums
-
-    return cast
+_generic_sums_caster = functools.partial(_generic_caster, sums=True)
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -78,23 +76,21 @@ class Float8CurrentScalingQuantizer(Quantizer):
         skip the generic checks, with the same result."""
         if not self._lean(x, rowwise, columnwise):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
-        shape = x.shape
-        x2d = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
-        data, data_t, scale_inv = self._caster("quantize_current", x2d.device, _generic_caster)(
-            x2d, rowwise, columnwise)
-        return QuantizedTensor.of_cast(tensor_scaled(data, scale_inv) if rowwise else None,
-                                       tensor_scaled(data_t, scale_inv) if columnwise else None, shape, x.dtype)
+        return self._lean_cast(x, rowwise, columnwise, "quantize_current", _generic_caster)[0]
 
     def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False):
         """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as :meth:`cast`."""
         if not self._lean(x, rowwise, columnwise):
             return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise)
-        shape = x.shape
-        x2d = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
-        data, data_t, scale_inv, sums = self._caster("quantize_current_column_sums", x2d.device,
-                                                     _generic_sums_caster)(x2d, rowwise, columnwise)
+        return self._lean_cast(x, rowwise, columnwise, "quantize_current_column_sums", _generic_sums_caster)
+
+    def _lean_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, generic):
+        """The lean path's cast of ``x`` flattened to (M, K) through ``kernel``:
+        (the copies, the column sums or None)."""
+        x2d = self._flat(x)  # (M, K)
+        data, data_t, scale_inv, sums = self._caster(kernel, x2d.device, generic)(x2d, rowwise, columnwise)
         q = QuantizedTensor.of_cast(tensor_scaled(data, scale_inv) if rowwise else None,
-                                    tensor_scaled(data_t, scale_inv) if columnwise else None, shape, x.dtype)
+                                    tensor_scaled(data_t, scale_inv) if columnwise else None, x.shape, x.dtype)
         return q, sums
 
     def _quantize(

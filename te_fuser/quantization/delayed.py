@@ -187,19 +187,16 @@ class DelayedScalingQuantizer(Quantizer):
         skip the generic checks, with the same result."""
         if not self._lean(x, rowwise, columnwise):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
-        shape = x.shape
-        x2d = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
-        rowwise_op, columnwise_op, _ = self._cast(x2d, rowwise, columnwise, "quantize_tensorwise")
-        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, shape, x.dtype)
+        rowwise_op, columnwise_op, _ = self._cast(self._flat(x), rowwise, columnwise, "quantize_tensorwise")
+        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, x.dtype)
 
     def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False):
         """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as :meth:`cast`."""
         if not self._lean(x, rowwise, columnwise):
             return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise)
-        shape = x.shape
-        x2d = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
-        rowwise_op, columnwise_op, sums = self._cast(x2d, rowwise, columnwise, "quantize_tensorwise_column_sums")
-        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, shape, x.dtype), sums
+        rowwise_op, columnwise_op, sums = self._cast(self._flat(x), rowwise, columnwise,
+                                                     "quantize_tensorwise_column_sums")
+        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, x.dtype), sums
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
