@@ -159,6 +159,4 @@ stream_of_index = _get_raw_stream if _get_raw_stream is not None else _stream_of
 
 def raw_stream(device: torch.device) -> int:
     """The cudaStream_t of the current stream on ``device``, as an integer."""
-    if _get_raw_stream is not None:
-        return _get_raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
+    return stream_of_index(device.index)

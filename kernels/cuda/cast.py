@@ -23,9 +23,9 @@ __all__ = ["quantize_tensorwise", "quantize_tensorwise_column_sums", "quantize_c
 HP_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 ALIGNMENT = 16  # bytes: the kernels use 16-byte vector accesses
-_current_device = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device() without its checks
-# The index of the current CUDA device: torch's C entry where it has one, else its Python call.
-current_device_index = _current_device if _current_device is not None else torch.cuda.current_device
+# The index of the current CUDA device: torch's C entry (torch.cuda.current_device()
+# without its checks) where it has one, else its Python call.
+current_device_index = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def _fp8_code(fp8_dtype: torch.dtype, op: str) -> int:
@@ -64,8 +64,7 @@ _NO_SWITCH = contextlib.nullcontext()  # reusable: a nullcontext holds no state
 def on_device(device: torch.device):
     """Make ``device`` current for the launch (a no-op when it already is)."""
     index = device.index
-    current = _current_device() if _current_device is not None else torch.cuda.current_device()
-    if index is None or index == current:
+    if index is None or index == current_device_index():
         return _NO_SWITCH
     return torch.cuda.device(device)
 
@@ -174,8 +173,8 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
     of a 2-D ``x`` with the format checked once: ``cast(x, scale, rowwise, columnwise)
     -> (data or None, data_t or None, sums or None, amax)``, the same bits, with
     amax(|x|) in a new (1,) fp32 tensor. ``scale`` is an fp32 one-element tensor on
-    x's device (a quantizer's state); any other case goes through the checked
-    launcher, whose checks say what is wrong."""
+    x's device (a quantizer's state); any other case, or another device current,
+    goes through the checked launcher, whose checks say what is wrong."""
     op = "quantize_tensorwise_column_sums" if sums else "quantize_tensorwise"
     code = _fp8_code(fp8_dtype, op)
     call = extension().cast_tensorwise
@@ -186,17 +185,15 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
         hp = codes.get(x.dtype)
         index = x.get_device()
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
-                or scale.dtype is not fp32 or scale.get_device() != index or scale.numel() != 1):
+                or scale.dtype is not fp32 or scale.get_device() != index or scale.numel() != 1
+                or index != current_device_index()):
             amax = torch.empty(1, dtype=fp32, device=x.device)  # the checked launcher names what is wrong
             out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax)
             return out[0], out[1], (out[3] if sums else None), out[2]
         if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
             x = aligned_contiguous(x)
         rows, cols = x.shape
-        if index == current_device_index():
-            return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, stream_of_index(index))
-        with torch.cuda.device(index):
-            return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, stream_of_index(index))
+        return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, stream_of_index(index))
 
     return cast
 
@@ -261,8 +258,8 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
     2-D ``x`` with its constant arguments checked once: ``cast(x, rowwise, columnwise)
     -> (data or None, data_t or None, scale_inv, sums or None)``, the same bits. A
     call does only what the launch needs (x's dtype code, a contiguous 16-byte
-    aligned x, its device current). An x it does not take as it is (not a CUDA
-    tensor, not 2-D, not a high-precision dtype) goes through the checked launcher,
+    aligned x). An x it does not take as it is (not a CUDA tensor, not 2-D, not a
+    high-precision dtype, not on the current device) goes through the checked launcher,
     whose checks say what is wrong; so do the column sums without the transposed
     copy (torch sums apart) or of an empty x."""
     op = "quantize_current_column_sums" if sums else "quantize_current"
@@ -274,7 +271,9 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
 
     def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
         hp = codes.get(x.dtype)
-        if hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0)):
+        index = x.get_device()
+        if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
+                or index != current_device_index()):
             if sums:
                 data, data_t, _, scale_inv, _, col = quantize_current_column_sums(x, fp8_dtype, power_2, epsilon,
                                                                                   rowwise, columnwise)
@@ -284,14 +283,7 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
         if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
             x = aligned_contiguous(x)
         rows, cols = x.shape
-        index = x.get_device()
-        if index == current_device_index():
-            out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums,
-                       stream_of_index(index))
-        else:
-            with torch.cuda.device(index):
-                out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums,
-                           stream_of_index(index))
+        out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums, stream_of_index(index))
         return out[0], out[1], out[3], out[5]  # out[5]: None without sums
 
     return cast

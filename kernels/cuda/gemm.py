@@ -225,7 +225,7 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     """:func:`gemm` of two per-tensor scaled operands with the checks a launch needs
     and no more: the same bits, or None for a case it does not take as it is (any
     other scaling, two E5M2 operands, K or N not a multiple of 16, operands apart or
-    not on a GPU, an unusual dtype, swiglu, a bias or residual of another shape or
+    not on the current GPU, an unusual dtype, swiglu, a bias or residual of another shape or
     device), which then goes through :func:`gemm` and its checks. A bias of the
     output's dtype is cuBLASLt's epilogue; an activation, a residual or another
     bias take the fp32 product through the epilogue kernel, as :func:`gemm` does.
@@ -243,7 +243,7 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     if not x.is_cuda or not w.is_cuda:
         return None
     index = x.get_device()
-    if w.get_device() != index:
+    if w.get_device() != index or index != current_device_index():
         return None
     fused = activation is not None or residual is not None
     if activation is not None and activation not in _SAME_WIDTH:
@@ -266,14 +266,9 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     if not w.is_contiguous() or w.data_ptr() % ALIGNMENT:
         w = aligned_contiguous(w)
     gemm_bias = (bias if bias.is_contiguous() else bias.contiguous()) if in_gemm else None
-    gemm_dtype = torch.float32 if epilogue else out_dtype
-    if index == current_device_index():
-        y = extension().fp8_gemm_tensorwise(x, w, sa, sb, gemm_bias, gemm_dtype, fast_accum,
-                                            stream_of_index(index))  # (M, N)
-        return _epilogue(y, bias, activation, residual, out_dtype) if epilogue else y
-    with torch.cuda.device(index):
-        y = extension().fp8_gemm_tensorwise(x, w, sa, sb, gemm_bias, gemm_dtype, fast_accum, stream_of_index(index))
-        return _epilogue(y, bias, activation, residual, out_dtype) if epilogue else y
+    y = extension().fp8_gemm_tensorwise(x, w, sa, sb, gemm_bias, torch.float32 if epilogue else out_dtype,
+                                        fast_accum, stream_of_index(index))  # (M, N)
+    return _epilogue(y, bias, activation, residual, out_dtype) if epilogue else y
 
 
 gemm.tensorwise = _tensorwise
