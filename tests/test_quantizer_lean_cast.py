@@ -140,3 +140,24 @@ def test_delayed_lean_cast_equals_the_checked_cast_and_updates_alike(sums):
     for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count"):
         assert_bitwise(getattr(lean, name), getattr(checked, name))
     assert lean._kept_casters and checked._kept_casters  # both casts go through the prepared call
+
+
+def test_a_training_loop_keeps_every_loss_bit_on_the_lean_path(monkeypatch):
+    """The smoke GPT trained as users train it (fused AdamW, evaluations without FP8,
+    a checkpoint resumed, recipe switches bf16 -> delayed -> current -> bf16): every
+    loss the same bits with the casts' lean path as with the checked path, and the
+    lean path taken by both FP8 recipes."""
+    from training_loops import gpt_losses
+
+    lean_calls = []
+    real = Quantizer._caster
+
+    def counting(self, kernel, device, generic):
+        lean_calls.append(kernel)
+        return real(self, kernel, device, generic)
+
+    monkeypatch.setattr(Quantizer, "_caster", counting)
+    lean = gpt_losses()
+    assert {"quantize_current", "quantize_current_column_sums", "quantize_tensorwise"} <= set(lean_calls)
+    monkeypatch.setattr(Quantizer, "_lean", lambda self, x, rowwise, columnwise: False)
+    assert gpt_losses() == lean

@@ -16,6 +16,7 @@ import torch
 
 import te_fuser as te
 from te_fuser.ops.basic import norm as norm_module
+from training_loops import gpt_losses
 
 H, F, ROWS = 32, 64, 48
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,48 +84,10 @@ def test_elsewhere_autograd_adds_and_the_gradients_are_the_same(adds):
 
 
 def _train(adding: bool, monkeypatch) -> list:
-    """The smoke GPT through a recipe schedule as a user trains it: fused AdamW, an
-    evaluation without FP8 after every step, a checkpoint saved mid-way and resumed
-    into a fresh model and optimizer, recipe switches. Every loss, as float bits."""
-    import io
-
-    from te_fuser.models.gpt import GPT, GPTConfig
-
+    """The smoke GPT as a user trains it (``training_loops.gpt_losses``) with the
+    norms adding the residual's gradient or not."""
     monkeypatch.setattr(norm_module.LayerNorm, "adds_input_grad", adding)  # read when the fusers are made
-    config = GPTConfig.smoke()
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 256, (config.batch_size, config.seq_len + 1), generator=gen) for _ in range(6)]
-    schedule = [None, te.recipe.DelayedScaling(), te.recipe.DelayedScaling(), te.recipe.Float8CurrentScaling(),
-                te.recipe.Float8CurrentScaling(), None]
-
-    def fresh():
-        torch.manual_seed(0)
-        model = GPT(config)
-        return model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
-
-    model, opt = fresh()
-    losses = []
-    for step, (batch, recipe) in enumerate(zip(batches, schedule)):
-        x, y = batch[:, :-1], batch[:, 1:]
-        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
-            loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.eval()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            val = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        model.train()
-        losses += [loss.item(), val.item()]
-        if step == 2:  # a checkpoint, resumed into a new model and optimizer
-            buffer = io.BytesIO()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
-            buffer.seek(0)
-            state = torch.load(buffer, weights_only=False)
-            model, opt = fresh()
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["opt"])
-    return losses
+    return gpt_losses()
 
 
 def test_a_training_loop_keeps_every_loss_bit_with_the_norm_adding(monkeypatch, adds):
