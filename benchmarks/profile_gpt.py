@@ -71,10 +71,11 @@ def step_ms(step, steps: int) -> float:
     return statistics.median(times)
 
 
-def kernel_table(step, steps: int, top: int) -> tuple[list[tuple[str, float, int]], float, int]:
+def kernel_table(step, steps: int, top: int):
     """(name, GPU ms per step, calls per step) of the ``top`` kernels, the total GPU
-    ms per step and the kernels launched per step (memsets and copies included):
-    the launch count does not move with the host's speed, as its time does."""
+    ms per step, the kernels launched per step (memsets and copies included: the
+    launch count does not move with the host's speed, as its time does), and the
+    GPU's idle gaps (:func:`idle_gaps`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -82,15 +83,39 @@ def kernel_table(step, steps: int, top: int) -> tuple[list[tuple[str, float, int
             step()
         torch.cuda.synchronize()
     by_name: dict[str, list[float]] = {}
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             entry = by_name.setdefault(ev.name[:90], [0.0, 0])
             entry[0] += ev.device_time_total / 1e3
             entry[1] += 1
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name[:90]))
     total = sum(v[0] for v in by_name.values()) / steps
     launches = sum(v[1] for v in by_name.values()) // steps
     rows = sorted(((n, v[0] / steps, v[1] // steps) for n, v in by_name.items()), key=lambda r: -r[1])
-    return rows[:top], total, launches
+    return rows[:top], total, launches, idle_gaps(spans, steps, top)
+
+
+def idle_gaps(spans, steps: int, top: int):
+    """Where the GPU waited inside the profiled steps: ``(idle ms per step, rows)``,
+    the rows ``(kernel, ms per step, gaps per step)`` grouping each gap of 5 µs or
+    more by the kernel that ended it (the launch the GPU waited for), the most idle
+    first. The gaps between the profiled steps (the host's synchronize) are left out:
+    a gap longer than 5 ms is taken for one."""
+    spans.sort()
+    by_next: dict[str, list[float]] = {}
+    idle = 0.0
+    busy_until = spans[0][1] if spans else 0.0
+    for start, end, name in spans[1:]:
+        gap = start - busy_until
+        if 5.0 <= gap < 5000.0:  # µs
+            entry = by_next.setdefault(name, [0.0, 0])
+            entry[0] += gap / 1e3
+            entry[1] += 1
+            idle += gap / 1e3
+        busy_until = max(busy_until, end)
+    rows = sorted(((n, v[0] / steps, v[1] / steps) for n, v in by_next.items()), key=lambda r: -r[1])
+    return idle / steps, rows[:top]
 
 
 def host_profile(step, steps: int, top: int, dump: str | None = None) -> None:
@@ -157,12 +182,15 @@ def main(argv=None):
         for _ in range(3):
             step()
         ms = step_ms(step, args.timed)
-        rows, total, launches = kernel_table(step, args.steps, args.top)
+        rows, total, launches, (idle, gaps) = kernel_table(step, args.steps, args.top)
         results.append((label, ms, launches))
         print(f"\n== {label}: {ms:.2f} ms/step ({tokens / ms:.0f}k tokens/s), GPU kernels {total:.2f} ms/step, "
               f"{launches} launches/step")
         for name, kms, calls in rows:
             print(f"  {kms:8.3f} ms {calls:5d}x  {name}")
+        print(f"  GPU idle inside the step: {idle:.2f} ms/step, by the kernel it waited for:")
+        for name, gms, count in gaps:
+            print(f"  {gms:8.3f} ms {count:5.0f}x  {name}")
         if args.host:
             dump = args.dump and str(Path(args.dump) / f"host_{label.replace(' ', '_')}.prof")
             host_profile(step, args.steps, 2 * args.top, dump)
