@@ -144,7 +144,7 @@ def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
     layers = [
         ("binding: fp8_gemm_plans (a call, no work)", lambda: ext.fp8_gemm_plans()),
         ("binding: cast_current, with T", lambda: ext.cast_current(a, 1, 0, 1024, 1024, False, 0.0, True, True, None,
-                                                                   False, stream)),
+                                                                   False, False, stream)),
         ("launcher: quantize_current, with T", lambda: current(a, torch.float8_e4m3fn, False, 0.0, True, True, None)),
         ("quantizer.cast (current), with T", lambda: quantizer.cast(a, rowwise=True, columnwise=True)),
         ("binding: fp8_gemm_tensorwise", lambda: ext.fp8_gemm_tensorwise(xq, wq, s16, s16, None, torch.bfloat16, False,

@@ -153,7 +153,7 @@ MaybeTensor summed(const MaybeTensor& partials, int64_t stream) {
 // zeroed first.
 std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTensor> cast_current(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, bool power_2, double epsilon,
-    bool rowwise, bool columnwise, const MaybeTensor& amax_given, bool sums, int64_t stream) {
+    bool rowwise, bool columnwise, const MaybeTensor& amax_given, bool sums, bool round_bf16, int64_t stream) {
   const int64_t partial_count = amax_given ? 0 : te_fuser::amax_partial_count(x.numel());
   const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, 12 + partial_count);
   const at::Tensor& stats = out.stats;
@@ -175,6 +175,7 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
   scaling.epsilon = static_cast<float>(epsilon);  // rounds as torch.tensor(epsilon, dtype=float32)
   scaling.power_2 = power_2;
   scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
+  scaling.round_bf16 = round_bf16;
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream));
   return {out.data, out.data_t, scale, scale_inv, amax, summed(out.partials, stream)};
@@ -186,13 +187,14 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
 // after they may be gone).
 std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor> cast_tensorwise(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, const at::Tensor& scale,
-    const MaybeTensor& amax_out, bool rowwise, bool columnwise, bool sums, int64_t stream) {
+    const MaybeTensor& amax_out, bool rowwise, bool columnwise, bool sums, bool round_bf16, int64_t stream) {
   const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, 0);
   const at::Tensor amax = amax_out ? *amax_out : at::empty({1}, x.options().dtype(at::kFloat));
   te_fuser::CastScaling scaling;
   scaling.scale = scale.data_ptr<float>();
   scaling.amax_out = amax.data_ptr<float>();
   scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
+  scaling.round_bf16 = round_bf16;
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream));
   return {out.data, out.data_t, summed(out.partials, stream), amax};

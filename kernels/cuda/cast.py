@@ -136,24 +136,45 @@ def quantize_tensorwise_column_sums(
     rowwise: bool = True,
     columnwise: bool = False,
     amax_out: torch.Tensor | None = None,
+    round_bf16: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quantize_tensorwise` of 2-D ``x`` (M, N), and ``x`` summed over its rows
     in fp32 (N,), a bias gradient. With the transposed copy, from the cast's one
     read: each 128x128 tile's column sums, then their sum over the row tiles;
-    without it (no tile kernel runs), torch sums apart.
+    without it (no tile kernel runs), torch sums apart. ``round_bf16``: the cast
+    and its amax read x rounded to bf16, the sums x as given (without the
+    transposed copy, the cast is of ``x.to(torch.bfloat16)``).
 
     Returns ``(data or None, data_t or None, amax, sums)``.
     """
     op = "quantize_tensorwise_column_sums"
     check_matrix(x, op)
     if not columnwise or x.numel() == 0:
-        data, data_t, amax, _ = _tensorwise(op, x, scale, fp8_dtype, rowwise, columnwise, amax_out, False)
+        xc = _through_bf16(x, round_bf16, op)
+        data, data_t, amax, _ = _tensorwise(op, xc, scale, fp8_dtype, rowwise, columnwise, amax_out, False)
         return data, data_t, amax, x.sum(dim=0, dtype=torch.float32)
-    return _tensorwise(op, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True)
+    return _tensorwise(op, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True, bool(round_bf16))
 
 
-def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool):
-    """The delayed-scaling cast; with ``sums`` (x 2-D, ``columnwise``), also the column sums."""
+def _through_bf16(x: torch.Tensor, round_bf16: bool, op: str) -> torch.Tensor:
+    """``x`` converted to bf16 with ``round_bf16`` (a cast without the tile kernel,
+    which is the one that rounds as it reads), else as it is."""
+    if not round_bf16:
+        return x
+    check_cuda_tensor(x, op, "x")
+    return x.to(torch.bfloat16)
+
+
+def _check_no_rounding(round_bf16: bool, op: str) -> None:
+    """Only the column-sums casts read x through bf16 (a gradient that arrives in fp32)."""
+    if round_bf16:
+        raise ValueError(f"{op}: round_bf16 is an argument of the column-sums casts only")
+
+
+def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool,
+                round_bf16: bool = False):
+    """The delayed-scaling cast; with ``sums`` (x 2-D, ``columnwise``), also the column
+    sums, and with ``round_bf16`` of x rounded to bf16."""
     code = _fp8_code(fp8_dtype, op)
     x = _hp_input(x, op)
     device = x.device
@@ -162,7 +183,8 @@ def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, a
     amax = _amax_target(amax_out, device, op)
     with on_device(device):
         data, data_t, column_sums, _ = extension().cast_tensorwise(
-            x, HP_CODES[x.dtype], code, rows, cols, scale, amax, rowwise, columnwise, sums, raw_stream(device))
+            x, HP_CODES[x.dtype], code, rows, cols, scale, amax, rowwise, columnwise, sums, round_bf16,
+            raw_stream(device))
     if amax_out is not None and amax is not amax_out:
         amax = amax_out.copy_(amax.reshape(amax_out.shape))
     return data, data_t, amax, column_sums
@@ -170,30 +192,39 @@ def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, a
 
 def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
     """:func:`quantize_tensorwise` (``sums``: :func:`quantize_tensorwise_column_sums`)
-    of a 2-D ``x`` with the format checked once: ``cast(x, scale, rowwise, columnwise)
-    -> (data or None, data_t or None, sums or None, amax)``, the same bits, with
-    amax(|x|) in a new (1,) fp32 tensor. ``scale`` is an fp32 one-element tensor on
-    x's device (a quantizer's state); any other case, or another device current,
-    goes through the checked launcher, whose checks say what is wrong."""
+    of a 2-D ``x`` with the format checked once: ``cast(x, scale, rowwise, columnwise,
+    round_bf16=False) -> (data or None, data_t or None, sums or None, amax)``, the
+    same bits, with amax(|x|) in a new (1,) fp32 tensor (``round_bf16``, with the
+    column sums only: see :func:`quantize_tensorwise_column_sums`). ``scale`` is an
+    fp32 one-element tensor on x's device (a quantizer's state); any other case, or
+    another device current, goes through the checked launcher, whose checks say
+    what is wrong."""
     op = "quantize_tensorwise_column_sums" if sums else "quantize_tensorwise"
     code = _fp8_code(fp8_dtype, op)
     call = extension().cast_tensorwise
     codes, fp32 = HP_CODES, torch.float32
     checked = quantize_tensorwise_column_sums if sums else quantize_tensorwise
 
-    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool):
+    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
         hp = codes.get(x.dtype)
         index = x.get_device()
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
                 or scale.dtype is not fp32 or scale.get_device() != index or scale.numel() != 1
                 or index != current_device_index()):
             amax = torch.empty(1, dtype=fp32, device=x.device)  # the checked launcher names what is wrong
+            if sums:
+                out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax, round_bf16)
+                return out[0], out[1], out[3], out[2]
+            _check_no_rounding(round_bf16, op)
             out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax)
-            return out[0], out[1], (out[3] if sums else None), out[2]
+            return out[0], out[1], None, out[2]
+        if round_bf16 and not sums:
+            _check_no_rounding(round_bf16, op)
         if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
             x = aligned_contiguous(x)
         rows, cols = x.shape
-        return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, stream_of_index(index))
+        return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, round_bf16,
+                    stream_of_index(index))
 
     return cast
 
@@ -222,25 +253,31 @@ def quantize_current_column_sums(
     epsilon: float = 0.0,
     rowwise: bool = True,
     columnwise: bool = False,
+    round_bf16: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_current` of 2-D ``x`` (M, N) and ``x`` summed over its rows in
     fp32 (N,), a bias gradient. With the transposed copy the sums come from the
     cast pass's read (each 128x128 tile's column sums, then their sum over the row
-    tiles); without it, torch sums apart.
+    tiles); without it, torch sums apart. ``round_bf16``: the cast (its amax, scale
+    and copies) of x rounded to bf16, the sums of x as given (without the
+    transposed copy, the cast is of ``x.to(torch.bfloat16)``).
 
     Returns ``(data or None, data_t or None, scale, scale_inv, amax, sums)``.
     """
     op = "quantize_current_column_sums"
     check_matrix(x, op)
     if not columnwise or x.numel() == 0:
-        out = _current(op, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None, False)[:5]
+        xc = _through_bf16(x, round_bf16, op)
+        out = _current(op, xc, fp8_dtype, power_2, epsilon, rowwise, columnwise, None, False)[:5]
         return (*out, x.sum(dim=0, dtype=torch.float32))
-    return _current(op, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None, True)
+    return _current(op, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None, True, bool(round_bf16))
 
 
-def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise: bool, given, sums: bool):
+def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise: bool, given, sums: bool,
+             round_bf16: bool = False):
     """Current scaling's two passes (one C++ call that also allocates the outputs);
-    with ``sums`` (x 2-D, ``columnwise``), also the column sums from the cast pass."""
+    with ``sums`` (x 2-D, ``columnwise``), also the column sums from the cast pass,
+    and with ``round_bf16`` of x rounded to bf16."""
     code = _fp8_code(fp8_dtype, op)
     epsilon = _check_epsilon(epsilon, op)
     x = _hp_input(x, op)
@@ -250,13 +287,14 @@ def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise:
         check_given_amax(given, x, op)
     with on_device(device):
         return extension().cast_current(x, HP_CODES[x.dtype], code, rows, cols, bool(power_2), epsilon, rowwise,
-                                        columnwise, given, sums, raw_stream(device))
+                                        columnwise, given, sums, round_bf16, raw_stream(device))
 
 
 def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0, sums: bool = False):
     """:func:`quantize_current` (``sums``: :func:`quantize_current_column_sums`) of a
-    2-D ``x`` with its constant arguments checked once: ``cast(x, rowwise, columnwise)
-    -> (data or None, data_t or None, scale_inv, sums or None)``, the same bits. A
+    2-D ``x`` with its constant arguments checked once: ``cast(x, rowwise, columnwise,
+    round_bf16=False) -> (data or None, data_t or None, scale_inv, sums or None)``,
+    the same bits (``round_bf16``: with the column sums only). A
     call does only what the launch needs (x's dtype code, a contiguous 16-byte
     aligned x). An x it does not take as it is (not a CUDA tensor, not 2-D, not a
     high-precision dtype, not on the current device) goes through the checked launcher,
@@ -269,21 +307,25 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
     call = extension().cast_current
     codes = HP_CODES
 
-    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
+    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
         hp = codes.get(x.dtype)
         index = x.get_device()
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
                 or index != current_device_index()):
             if sums:
                 data, data_t, _, scale_inv, _, col = quantize_current_column_sums(x, fp8_dtype, power_2, epsilon,
-                                                                                  rowwise, columnwise)
+                                                                                  rowwise, columnwise, round_bf16)
                 return data, data_t, scale_inv, col
+            _check_no_rounding(round_bf16, op)
             data, data_t, _, scale_inv, _ = quantize_current(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
             return data, data_t, scale_inv, None
+        if round_bf16 and not sums:
+            _check_no_rounding(round_bf16, op)
         if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
             x = aligned_contiguous(x)
         rows, cols = x.shape
-        out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums, stream_of_index(index))
+        out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums, round_bf16,
+                   stream_of_index(index))
         return out[0], out[1], out[3], out[5]  # out[5]: None without sums
 
     return cast

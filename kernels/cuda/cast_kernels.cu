@@ -36,7 +36,8 @@ __device__ __forceinline__ float current_amax(const CastScaling& s, uint32_t* sc
 template <int FP8, bool CURRENT>
 __device__ __forceinline__ float cast_scale(const CastScaling& s, uint32_t* scratch, bool first_thread) {
   if (!CURRENT) return *s.scale;
-  const float amax = current_amax(s, scratch);
+  // read through bf16, the amax of the rounded x: rounding is monotonic, so that is x's amax rounded
+  const float amax = s.round_bf16 ? bf16_value(current_amax(s, scratch)) : current_amax(s, scratch);
   const float scale = scale_from_amax(amax, Fp8Traits<FP8>::fmax, s.power_2, s.epsilon);
   if (first_thread) {
     *s.scale_out = scale;
@@ -151,6 +152,12 @@ __global__ void __launch_bounds__(kThreads)
   if (!CURRENT) commit_amax(amax, s.amax_out, scratch);
 }
 
+// Eight values rounded to bf16 in place (bf16_value).
+__device__ __forceinline__ void round8_bf16(float (&v)[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = bf16_value(v[j]);
+}
+
 // How many of the next 8 elements exist, given `remaining` elements to the end of the row.
 __device__ __forceinline__ int elements_left(int64_t remaining) {
   return remaining <= 0 ? 0 : (remaining >= 8 ? 8 : int(remaining));
@@ -217,7 +224,8 @@ __device__ __forceinline__ void cast_tile_piece(const float (&v)[8], float scale
 // tiles go element by element.
 // SUMS: each thread also adds up its 8 columns over its rows, the block adds the
 // threads of each column in a fixed order, and the tile's column sums go to row
-// blockIdx.y of s.column_partials.
+// blockIdx.y of s.column_partials. s.round_bf16: the cast and the amax read each
+// value rounded to bf16, the sums the value as loaded.
 template <typename T, int FP8, bool CURRENT, bool SUMS>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t rows,
@@ -247,11 +255,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int p = 0; p < kGroup; ++p) {
         const int r = (g + p) * kTileRowsPerPass + r_first;
-        if (!CURRENT) amax = amax_bits8(v[p], amax);
         if (SUMS) {
 #pragma unroll
           for (int j = 0; j < 8; ++j) sums[j] += v[p][j];
         }
+        if (s.round_bf16) round8_bf16(v[p]);
+        if (!CURRENT) amax = amax_bits8(v[p], amax);
         cast_tile_piece<FP8>(v[p], scale, 8, true, out, (row0 + r) * cols + col0 + c, tile, r, c);
       }
     }
@@ -269,11 +278,12 @@ __global__ void __launch_bounds__(kThreads)
       } else {
         load8_partial(x + offset, count, v);
       }
-      if (!CURRENT) amax = amax_bits8(v, amax);
       if (SUMS) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) sums[j] += v[j];  // zeros past the edge
       }
+      if (s.round_bf16) round8_bf16(v);
+      if (!CURRENT) amax = amax_bits8(v, amax);
       cast_tile_piece<FP8>(v, scale, count, vector_ok, out, offset, tile, r, c);
     }
   }
@@ -411,6 +421,9 @@ void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t
   const bool transpose = out_t != nullptr && numel > 0;
   if (scaling.column_partials != nullptr && !transpose) {
     throw std::invalid_argument("cast: column sums come with a cast that writes the transposed copy");
+  }
+  if (scaling.round_bf16 && !transpose) {
+    throw std::invalid_argument("cast: a cast through bf16 (round_bf16) is one that writes the transposed copy");
   }
   if (!current) check_cuda(cudaMemsetAsync(scaling.amax_out, 0, sizeof(float), stream), "cast (zeroing amax)");
   dispatch_hp(hp_type, "cast", [&](auto tag) {

@@ -164,6 +164,15 @@ __device__ __forceinline__ bool is_nan_bits(uint32_t bits) { return (bits & kAbs
 // The byte torch writes for a NaN: 0x7F with the sign of the input.
 __device__ __forceinline__ uint32_t nan_byte(uint32_t bits) { return 0x7Fu | ((bits >> 24) & 0x80u); }
 
+// fp32 v as v.to(bfloat16) holds it, widened back: the nearest bf16 value, ties
+// to even (past the largest bf16, inf), in integer arithmetic; every NaN the NaN
+// of CUDA's conversion (bf16 0x7FFF). The same bits as the Triton bf16_value.
+__device__ __forceinline__ float bf16_value(float v) {
+  const uint32_t bits = __float_as_uint(v);
+  if (is_nan_bits(bits)) return __uint_as_float(0x7FFF0000u);
+  return __uint_as_float((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
+}
+
 // Two fp32 values -> two FP8 bytes (low byte from a), saturating, ties to even.
 template <int FP8>
 __device__ __forceinline__ uint32_t fp8x2_from_float(float a, float b) {

@@ -36,6 +36,9 @@ struct CastScaling {
   // (fp32, (row tiles, cols), row tile i holding rows [128 i, 128 i + 128)),
   // which the caller adds up over the row tiles (a bias gradient).
   float* column_partials = nullptr;
+  // The cast reads x rounded to bf16 (bf16_value): the copies and the amax are those
+  // of x.to(bfloat16), the column sums those of x as given. Transposing casts only.
+  bool round_bf16 = false;
 };
 
 // amax(|x|) of `numel` elements into amax_out (fp32, one element).

@@ -9,6 +9,11 @@ this order, which the Triton and CUDA kernels reproduce bit for bit:
   or NaN gives 1; an infinite quotient gives the largest finite fp32; with
   power-of-2 scales the mantissa is cleared (rounds down to a power of two);
   ``scale_inv = 1 / scale`` (IEEE division);
+- ``round_bf16`` (the column-sums casts of a gradient that arrives in fp32 while the
+  GEMMs compute in bf16): the cast reads each value rounded to bf16 first (nearest,
+  ties to even; a NaN becomes the NaN 0x7FFF, as CUDA's conversion makes it), exactly
+  as a cast of ``x.to(torch.bfloat16)`` on the GPU would, amax included; the column
+  sums are of ``x`` as given, as a bias's own sum would be;
 - an MXFP8 block's E8M0 exponent is the smallest that keeps ``amax / 2**e <= fmax``:
   ``e = ceil(log2(amax / fmax))``, found exactly from the bits of amax; clamped to
   the E8M0 range; a block whose amax is inf or NaN gets the NaN byte 255 and NaN
@@ -31,6 +36,7 @@ __all__ = [
     "quantize_current_reference",
     "amax_column_sums_reference",
     "quantize_current_column_sums_reference",
+    "bf16_copy_reference",
     "quantize_rowwise_reference",
     "quantize_block_reference",
     "quantize_mxfp8_reference",
@@ -98,16 +104,36 @@ def quantize_tensorwise_column_sums_reference(
     rowwise: bool = True,
     columnwise: bool = False,
     amax_out: torch.Tensor | None = None,
+    round_bf16: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quantize_tensorwise_reference` of 2-D ``x`` (M, N), and ``x`` summed over
     its rows in fp32 (N,): the delayed-scaling cast of a gradient and the bias
-    gradient, which the kernels take from one read of ``x``.
+    gradient, which the kernels take from one read of ``x``. ``round_bf16``: the
+    cast (and its amax) of ``x`` rounded to bf16, the sums of ``x`` as given.
 
     Returns ``(data or None, data_t or None, amax, sums)``.
     """
     check_matrix(x, "quantize_tensorwise_column_sums")
-    q, qt, amax = quantize_tensorwise_reference(x, scale, fp8_dtype, rowwise, columnwise, amax_out)
+    q, qt, amax = quantize_tensorwise_reference(_rounded(x, round_bf16), scale, fp8_dtype, rowwise, columnwise,
+                                                amax_out)
     return q, qt, amax, x.sum(dim=0, dtype=torch.float32)
+
+
+_BF16_NAN = 0x7FFF  # the NaN of a CUDA conversion to bf16, whatever the NaN converted
+
+
+def bf16_copy_reference(x: torch.Tensor) -> torch.Tensor:
+    """``x.to(torch.bfloat16)`` as the GPU computes it: every NaN becomes the one NaN
+    0x7FFF (torch's CPU conversion writes 0xFFFF or 0x7FC0 by code path). What a
+    cast through bf16 reads."""
+    b = x.to(torch.bfloat16)
+    nan = torch.tensor(_BF16_NAN, dtype=torch.int16, device=b.device).view(torch.bfloat16)
+    return torch.where(torch.isnan(b), nan, b)
+
+
+def _rounded(x: torch.Tensor, round_bf16: bool) -> torch.Tensor:
+    """``x`` as the cast reads it: rounded to bf16 with ``round_bf16``, else as it is."""
+    return bf16_copy_reference(x) if round_bf16 else x
 
 
 def quantize_current_reference(
@@ -154,15 +180,20 @@ def quantize_current_column_sums_reference(
     epsilon: float = 0.0,
     rowwise: bool = True,
     columnwise: bool = False,
+    round_bf16: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_current_reference` of 2-D ``x`` (M, N) and ``x`` summed over its
     rows in fp32 (N,): a gradient's current-scaling cast with its bias gradient,
-    which the kernels take from the same reads.
+    which the kernels take from the same reads. ``round_bf16``: the cast (amax,
+    scale and data) of ``x`` rounded to bf16, the sums of ``x`` as given.
 
     Returns ``(data, data_t, scale, scale_inv, amax, sums)``.
     """
-    amax, sums = amax_column_sums_reference(x)
-    return (*quantize_current_reference(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax), sums)
+    check_matrix(x, "quantize_current_column_sums")
+    xc = _rounded(x, round_bf16)
+    amax = amax_column_sums_reference(xc)[0]
+    return (*quantize_current_reference(xc, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax),
+            x.sum(dim=0, dtype=torch.float32))
 
 
 def check_matrix(x, kernel: str) -> None:

@@ -255,6 +255,17 @@ def bf16_grid(v):
 
 
 @triton.jit
+def bf16_value(v):
+    """fp32 ``v`` as ``v.to(bfloat16)`` on a GPU holds it, widened back to fp32:
+    :func:`bf16_grid`, with every NaN the NaN of CUDA's conversion (bf16 0x7FFF), so
+    that a cast reading values through bf16 writes the bits (NaN bytes, a NaN amax)
+    of the same cast of the bf16 tensor."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return tl.where(v != v, 0x7FFF0000, rounded).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to_bf16(v):
     """fp32 ``v`` rounded to the nearest bf16 (ties to even) in integer arithmetic
     and converted; the final conversion is then exact in any rounding mode."""

@@ -46,6 +46,7 @@ from ._common import (
     TL_FLOAT,
     TL_FP8,
     abs_bits,
+    bf16_value,
     cdiv,
     check_epsilon,
     check_input,
@@ -139,12 +140,14 @@ def _launch_meta(xk: torch.Tensor, plan: CastPlan) -> tuple[int, dict]:
 
 @triton.jit
 def _cast_tile(x_ptr, q_ptr, qt_ptr, sums_ptr, scale, tile, M, N, stride_xm, stride_xn,
-               ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SUMS: tl.constexpr, BLOCK_M: tl.constexpr,
+               ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SUMS: tl.constexpr, ROUND: tl.constexpr,
+               BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
                MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Cast one (BLOCK_M, BLOCK_N) tile of x; return |x| of the tile as int32 bits
     (zero where masked), for the caller's running maximum. SUMS: also store the
     tile's column sums in fp32 as row ``tile // tiles_n`` of the (tiles_m, N) partials.
+    ROUND: the cast reads x rounded to bf16 (the sums and nothing else read x as given).
     EVEN: the tiles cover x exactly (no masks). ROW_MAJOR: x's rows are contiguous,
     so the row-wise copy is stored in the layout it is computed in (packed bytes
     with HW_FP8); the transposed copy's bytes change layout (``tl.trans``), so with
@@ -161,6 +164,10 @@ def _cast_tile(x_ptr, q_ptr, qt_ptr, sums_ptr, scale, tile, M, N, stride_xm, str
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         x = tl.load(x_ptrs, mask=mask, other=0.0)
     x = x.to(tl.float32)
+    if SUMS:  # masked elements were loaded as zeros
+        tl.store(sums_ptr + (tile // tiles_n) * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
+    if ROUND:
+        x = bf16_value(x)
     if ROWWISE:
         q = fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
         tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
@@ -170,22 +177,21 @@ def _cast_tile(x_ptr, q_ptr, qt_ptr, sums_ptr, scale, tile, M, N, stride_xm, str
             tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt)
         else:
             tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt, mask=tl.trans(mask))
-    if SUMS:  # masked elements were loaded as zeros
-        tl.store(sums_ptr + (tile // tiles_n) * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
     return abs_bits(x)
 
 
 @triton.jit
 def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_ptr, sums_ptr, M, N, stride_xm,
                                 stride_xn, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SUMS: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                                ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
                                 OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
                                 MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Cast with a given scale; program p casts tiles p, p + P, ... The amax is
     reduced with integer atomics on the bits of |x| in ``work[0]``, and the last
     program to finish writes it out. Each program keeps an elementwise running
     maximum over its tiles and reduces it across threads once, after the loop.
-    SUMS: each tile also stores its column sums (see ``_cast_tile``)."""
+    SUMS: each tile also stores its column sums; ROUND: x is read rounded to bf16
+    (see ``_cast_tile``), the amax too."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -193,8 +199,8 @@ def _quantize_tensorwise_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, work_
     running = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for tile in range(pid, n_tiles, n_programs):
         tile_bits = _cast_tile(x_ptr, q_ptr, qt_ptr, sums_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE,
-                               COLUMNWISE, SUMS, BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP,
-                               HW_FP8, ROW_MAJOR)
+                               COLUMNWISE, SUMS, ROUND, BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS,
+                               MIN_STEP_EXP, HW_FP8, ROW_MAJOR)
         running = tl.maximum(running, tile_bits)
     amax_bits = tl.max(tl.max(running, axis=1), axis=0)
     tl.atomic_max(work_ptr, amax_bits)
@@ -228,22 +234,25 @@ def _amax_partials_kernel(x_ptr, partials_ptr, M, N, stride_xm, stride_xn,
 @triton.jit
 def _quantize_current_kernel(x_ptr, partials_ptr, n_partials, q_ptr, qt_ptr, scale_ptr, scale_inv_ptr, amax_ptr,
                              M, N, stride_xm, stride_xn, POWER_2: tl.constexpr, EPSILON: tl.constexpr,
-                             ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PARTIALS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                             ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, ROUND: tl.constexpr,
+                             PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
                              OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr,
                              MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Pass 2 of current scaling: reduce the amax partials, derive the scale, and
-    cast tiles p, p + P, ..."""
+    cast tiles p, p + P, ... ROUND: x is read rounded to bf16, and so is the amax
+    (rounding is monotonic: the amax of the rounded x is the rounded amax of x)."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     offs = tl.arange(0, PARTIALS)
     amax_bits = tl.max(tl.load(partials_ptr + offs, mask=offs < n_partials, other=0), axis=0)
     amax = amax_bits.to(tl.float32, bitcast=True)
+    if ROUND:
+        amax = bf16_value(amax)
     scale = scale_from_amax(amax, FMAX, POWER_2, EPSILON)
     for tile in range(pid, n_tiles, n_programs):
         _cast_tile(x_ptr, q_ptr, qt_ptr, x_ptr, scale, tile, M, N, stride_xm, stride_xn, ROWWISE, COLUMNWISE, False,
-                   BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, ROW_MAJOR)
+                   ROUND, BLOCK_M, BLOCK_N, EVEN, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, ROW_MAJOR)
     if pid == 0:
         tl.store(scale_ptr, scale)
         tl.store(scale_inv_ptr, reciprocal(scale))
@@ -297,20 +306,24 @@ def quantize_tensorwise_column_sums(
     rowwise: bool = True,
     columnwise: bool = False,
     amax_out: torch.Tensor | None = None,
+    round_bf16: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quantize_tensorwise` of 2-D ``x`` (M, N), and ``x`` summed over its rows
     in fp32 (N,), a bias gradient, from the cast's one read: each tile stores its
     column sums, and a small second pass adds the tiles' rows in order.
+    ``round_bf16``: the cast and its amax read x rounded to bf16, the sums x as given.
 
     Returns ``(data or None, data_t or None, amax, sums)``.
     """
     kernel = "quantize_tensorwise_column_sums"
     check_matrix(x, kernel)
-    return _tensorwise(kernel, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True)
+    return _tensorwise(kernel, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True, bool(round_bf16))
 
 
-def _tensorwise(kernel: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool):
-    """The one-pass delayed-scaling cast, with the column sums when ``sums`` (x 2-D)."""
+def _tensorwise(kernel: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool,
+                round_bf16: bool = False):
+    """The one-pass delayed-scaling cast, with the column sums when ``sums`` (x 2-D);
+    ``round_bf16``: of x rounded to bf16."""
     check_input(x, kernel, dims=None)
     check_scale(scale, kernel, x.device)
     fp8_format(fp8_dtype)
@@ -336,7 +349,8 @@ def _tensorwise(kernel: str, x, scale, fp8_dtype, rowwise: bool, columnwise: boo
                                 device=x.device) if sums else work)  # (tiles_m, N)
         launch(_quantize_tensorwise_kernel, (programs,),
             xk, scale, _u8(q, work), _u8(qt, work), amax, work, partials, *xk.shape, xk.stride(0), xk.stride(1),
-            ROWWISE=rowwise, COLUMNWISE=columnwise, SUMS=sums, **shared, **_fp8_meta(fp8_dtype, xk))
+            ROWWISE=rowwise, COLUMNWISE=columnwise, SUMS=sums, ROUND=round_bf16, **shared,
+            **_fp8_meta(fp8_dtype, xk))
         if sums:
             column_sums = partials[0] if partials.shape[0] == 1 else sum_rows(partials)
     if q is not None and x.dim() != 2:
@@ -358,7 +372,12 @@ def quantize_current(
 
     Returns ``(data, data_t, scale, scale_inv, amax)``, the last three 0-d fp32.
     """
-    kernel = "quantize_current"
+    return _current("quantize_current", x, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax, False)
+
+
+def _current(kernel: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise: bool, amax, round_bf16: bool):
+    """Current scaling's passes; ``round_bf16``: the cast of x rounded to bf16 (the
+    given amax, x's own, rounded too)."""
     check_input(x, kernel, dims=None)
     epsilon = check_epsilon(epsilon, kernel)
     fp8_format(fp8_dtype)
@@ -381,7 +400,7 @@ def quantize_current(
         launch(_quantize_current_kernel, (programs,),
             xk, partials, partials.numel(), _u8(q, partials), _u8(qt, partials), scale, scale_inv, amax_out,
             *xk.shape, xk.stride(0), xk.stride(1), POWER_2=bool(power_2), EPSILON=epsilon, ROWWISE=rowwise,
-            COLUMNWISE=columnwise, PARTIALS=max(2, next_power_of_2(partials.numel())), **shared,
+            COLUMNWISE=columnwise, ROUND=round_bf16, PARTIALS=max(2, next_power_of_2(partials.numel())), **shared,
             **_fp8_meta(fp8_dtype, xk))
     amax = amax_out
     if q is not None and x.dim() != 2:
@@ -448,14 +467,19 @@ def quantize_current_column_sums(
     epsilon: float = 0.0,
     rowwise: bool = True,
     columnwise: bool = False,
+    round_bf16: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_current` of 2-D ``x`` with its column sums: the amax pass
     (:func:`amax_column_sums`) also sums the columns, the cast pass takes its amax.
+    ``round_bf16``: the cast of x rounded to bf16 (the amax rounded with it), the
+    sums of x as given.
 
     Returns ``(data, data_t, scale, scale_inv, amax, sums)``.
     """
+    kernel = "quantize_current_column_sums"
+    check_matrix(x, kernel)
     amax, sums = amax_column_sums(x)
-    return (*quantize_current(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax), sums)
+    return (*_current(kernel, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax, bool(round_bf16)), sums)
 
 
 # ------------------------------------------------------------ per row / tile

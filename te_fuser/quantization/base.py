@@ -201,22 +201,38 @@ class Quantizer:
         raise NotImplementedError(f"{type(self).__name__} does not implement _quantize")
 
     def quantize_with_column_sums(
-        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
+        as_dtype: torch.dtype | None = None,
     ) -> tuple[QuantizedTensor, torch.Tensor]:
         """``self(x)`` and ``x``'s 2-D flattening summed over its rows, in fp32 (a
         bias gradient). A scheme whose cast reads ``x`` anyway may compute the sums
-        from the same read; by default they take a pass of their own."""
+        from the same read; by default they take a pass of their own.
+
+        ``as_dtype`` (a high-precision dtype): the copies are those of ``x.to(as_dtype)``
+        and stand for a tensor of that dtype, while the sums are of ``x`` as it is: a
+        gradient that arrives in fp32 for GEMMs that compute in bf16, whose bias
+        sums it as it arrives. A scheme may round as it reads (no converted copy)."""
         self._check_input(x, rowwise, columnwise)
+        as_dtype = self._checked_as_dtype(as_dtype, x)
         shape = x.shape
         if self._constrains_shape:
             self.check_shape(tuple(shape), rowwise=rowwise, columnwise=columnwise)
         x_hp = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
-        rowwise_op, columnwise_op, sums = self._quantize_with_column_sums(x_hp, rowwise, columnwise)
-        return QuantizedTensor(rowwise_op, columnwise_op, shape, x.dtype), sums
+        rowwise_op, columnwise_op, sums = self._quantize_with_column_sums(x_hp, rowwise, columnwise, as_dtype)
+        return QuantizedTensor(rowwise_op, columnwise_op, shape, as_dtype), sums
 
-    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
-        rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise)
-        return rowwise_op, columnwise_op, x_hp.sum(dim=0, dtype=torch.float32)  # (K,)
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool,
+                                   as_dtype: torch.dtype):
+        sums = x_hp.sum(dim=0, dtype=torch.float32)  # (K,)
+        rowwise_op, columnwise_op = self._quantize(x_hp if as_dtype is x_hp.dtype else x_hp.to(as_dtype), rowwise,
+                                                   columnwise)
+        return rowwise_op, columnwise_op, sums
+
+    @staticmethod
+    def _rounds_to_bf16(x: torch.Tensor, as_dtype: torch.dtype | None) -> bool:
+        """Whether a column-sums cast of ``x`` with ``as_dtype`` is the one the
+        per-tensor kernels round as they read (``round_bf16``): fp32 to bf16."""
+        return as_dtype is torch.bfloat16 and x.dtype is torch.float32
 
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record what the scaling state needs from ``x`` without casting."""
@@ -357,6 +373,15 @@ class Quantizer:
         if not isinstance(value, bool):
             raise TypeError(f"{type(self).__name__}.{name}: must be True or False, got {value!r}")
         return value
+
+    def _checked_as_dtype(self, as_dtype: Any, x: torch.Tensor) -> torch.dtype:
+        """``as_dtype`` of :meth:`quantize_with_column_sums`: x's own dtype when None."""
+        if as_dtype is None:
+            return x.dtype
+        if as_dtype not in HIGH_PRECISION:
+            raise TypeError(f"{self._who()}: as_dtype must be None or one of "
+                            f"{[short_name(d) for d in HIGH_PRECISION]}, got {as_dtype!r}")
+        return as_dtype
 
     def _check_input(self, x: Any, rowwise: bool, columnwise: bool) -> None:
         if not isinstance(x, torch.Tensor):

@@ -18,13 +18,15 @@ __all__ = ["Float8CurrentScalingQuantizer"]
 
 
 def _generic_caster(fn, fp8_dtype: torch.dtype, power_2: bool, epsilon: float, sums: bool = False):
-    """``cast(x, rowwise, columnwise) -> (data, data_t, scale_inv, sums or None)``
-    through a ``quantize_current`` (``sums``: ``quantize_current_column_sums``)
-    kernel without a ``prepare`` entry of its own."""
+    """``cast(x, rowwise, columnwise, round_bf16=False) -> (data, data_t, scale_inv,
+    sums or None)`` through a ``quantize_current`` (``sums``:
+    ``quantize_current_column_sums``, which alone takes ``round_bf16``) kernel
+    without a ``prepare`` entry of its own."""
 
-    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool):
+    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
         if sums:
-            data, data_t, _scale, scale_inv, _amax, col = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
+            data, data_t, _scale, scale_inv, _amax, col = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise,
+                                                             round_bf16)
             return data, data_t, scale_inv, col
         data, data_t, _scale, scale_inv, _amax = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None)
         return data, data_t, scale_inv, None
@@ -78,19 +80,28 @@ class Float8CurrentScalingQuantizer(Quantizer):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
         return self._lean_cast(x, rowwise, columnwise, "quantize_current", _generic_caster)[0]
 
-    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False):
-        """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as :meth:`cast`."""
-        if not self._lean(x, rowwise, columnwise):
-            return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise)
-        return self._lean_cast(x, rowwise, columnwise, "quantize_current_column_sums", _generic_sums_caster)
+    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
+                                  as_dtype: torch.dtype | None = None):
+        """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as
+        :meth:`cast`; fp32 ``x`` cast as bf16 is rounded as the kernel reads it."""
+        rounds = self._rounds_to_bf16(x, as_dtype)
+        if not self._lean(x, rowwise, columnwise) or not (rounds or as_dtype is None or as_dtype is x.dtype):
+            return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise, as_dtype=as_dtype)
+        return self._lean_cast(x, rowwise, columnwise, "quantize_current_column_sums", _generic_sums_caster, rounds)
 
-    def _lean_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, generic):
+    def _lean_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, generic,
+                   round_bf16: bool = False):
         """The lean path's cast of ``x`` flattened to (M, K) through ``kernel``:
-        (the copies, the column sums or None)."""
+        (the copies, the column sums or None); ``round_bf16``: of x read as bf16."""
         x2d = self._flat(x)  # (M, K)
-        data, data_t, scale_inv, sums = self._caster(kernel, x2d.device, generic)(x2d, rowwise, columnwise)
+        caster = self._caster(kernel, x2d.device, generic)
+        if round_bf16:
+            data, data_t, scale_inv, sums = caster(x2d, rowwise, columnwise, True)
+        else:
+            data, data_t, scale_inv, sums = caster(x2d, rowwise, columnwise)
         q = QuantizedTensor.of_cast(tensor_scaled(data, scale_inv) if rowwise else None,
-                                    tensor_scaled(data_t, scale_inv) if columnwise else None, x.shape, x.dtype)
+                                    tensor_scaled(data_t, scale_inv) if columnwise else None, x.shape,
+                                    torch.bfloat16 if round_bf16 else x.dtype)
         return q, sums
 
     def _quantize(
@@ -117,16 +128,18 @@ class Float8CurrentScalingQuantizer(Quantizer):
             shard, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, True, False, amax)
         return data, scale_inv
 
-    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool,
+                                   as_dtype: torch.dtype):
         """The cast also sums the columns (from its amax pass or its cast pass, as the
         backend's kernel reads them; under a sequence-parallel group the cast takes
-        the reduced amax and the sums are a pass of their own)."""
-        if self.sequence_parallel_group is not None:
-            rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise)
-            return rowwise_op, columnwise_op, x_hp.reshape(-1, x_hp.shape[-1]).sum(dim=0, dtype=torch.float32)
+        the reduced amax and the sums are a pass of their own). fp32 cast as bf16:
+        the kernel rounds as it reads; another ``as_dtype``: a converted copy."""
+        rounds = self._rounds_to_bf16(x_hp, as_dtype)
+        if self.sequence_parallel_group is not None or not (rounds or as_dtype is x_hp.dtype):
+            return super()._quantize_with_column_sums(x_hp, rowwise, columnwise, as_dtype)
         cast = backend.resolve("quantize_current_column_sums", x_hp.device).fn
         x_fp8, x_fp8_t, _scale, scale_inv, _amax, sums = cast(
-            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise
+            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise, rounds
         )
         rowwise_op = ScaledOperand(x_fp8, scale_inv, Scaling.TENSOR) if rowwise else None
         columnwise_op = ScaledOperand(x_fp8_t, scale_inv, Scaling.TENSOR) if columnwise else None

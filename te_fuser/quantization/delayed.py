@@ -58,13 +58,16 @@ __all__ = ["DelayedScalingQuantizer"]
 
 
 def _generic_tensorwise(fn, fp8_dtype: torch.dtype):
-    """``cast(x, scale, rowwise, columnwise) -> (data, data_t, sums or None, amax)``,
-    amax(|x|) in a new (1,) fp32 tensor, through a tensor-scaled cast kernel without
-    a ``prepare`` entry of its own."""
+    """``cast(x, scale, rowwise, columnwise, round_bf16=False) -> (data, data_t, sums
+    or None, amax)``, amax(|x|) in a new (1,) fp32 tensor, through a tensor-scaled
+    cast kernel without a ``prepare`` entry of its own (``round_bf16``: the
+    column-sums kernel's)."""
 
-    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool):
+    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
         amax = torch.empty(1, dtype=torch.float32, device=x.device)  # the cast writes (not accumulates) it
-        data, data_t, _amax, *sums = fn(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax)
+        rounding = {"round_bf16": True} if round_bf16 else {}
+        data, data_t, _amax, *sums = fn(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax,
+                                        **rounding)
         return data, data_t, (sums[0] if sums else None), amax
 
     return cast
@@ -190,13 +193,17 @@ class DelayedScalingQuantizer(Quantizer):
         rowwise_op, columnwise_op, _ = self._cast(self._flat(x), rowwise, columnwise, "quantize_tensorwise")
         return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, x.dtype)
 
-    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False):
-        """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as :meth:`cast`."""
-        if not self._lean(x, rowwise, columnwise):
-            return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise)
+    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
+                                  as_dtype: torch.dtype | None = None):
+        """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as
+        :meth:`cast`; fp32 ``x`` cast as bf16 is rounded as the kernel reads it."""
+        rounds = self._rounds_to_bf16(x, as_dtype)
+        if not self._lean(x, rowwise, columnwise) or not (rounds or as_dtype is None or as_dtype is x.dtype):
+            return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise, as_dtype=as_dtype)
         rowwise_op, columnwise_op, sums = self._cast(self._flat(x), rowwise, columnwise,
-                                                     "quantize_tensorwise_column_sums")
-        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, x.dtype), sums
+                                                     "quantize_tensorwise_column_sums", rounds)
+        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape,
+                                       torch.bfloat16 if rounds else x.dtype), sums
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
@@ -204,22 +211,33 @@ class DelayedScalingQuantizer(Quantizer):
         rowwise_op, columnwise_op, _ = self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise")
         return rowwise_op, columnwise_op
 
-    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool):
-        """The one-pass cast also sums the columns (the same state update as a plain cast)."""
-        return self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise_column_sums")
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool,
+                                   as_dtype: torch.dtype):
+        """The one-pass cast also sums the columns (the same state update as a plain
+        cast); fp32 cast as bf16: the kernel rounds as it reads; another ``as_dtype``:
+        a converted copy."""
+        rounds = self._rounds_to_bf16(x_hp, as_dtype)
+        if not (rounds or as_dtype is x_hp.dtype):
+            return super()._quantize_with_column_sums(x_hp, rowwise, columnwise, as_dtype)
+        return self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise_column_sums", rounds)
 
-    def _cast(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str):
+    def _cast(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool = False):
         """Cast with the current scale through ``kernel`` (returning the data, the
         transposed data, the amax and, for the column-sums kernel, the sums), then
-        record the amax: (row-wise operand, column-wise operand, sums or None)."""
+        record the amax: (row-wise operand, column-wise operand, sums or None).
+        ``round_bf16`` (the column-sums kernel): the cast and its amax of x read as bf16."""
         device = x_hp.device
         self._flush()
         self._move_state(device)
-        if not self.seeded:
-            self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn)
+        if not self.seeded:  # the first scale from the amax of what is cast
+            self._seed(x_hp.to(torch.bfloat16) if round_bf16 else x_hp,
+                       backend.resolve("quantize_tensorwise", device).fn)
         cast = self._caster(kernel, device, _generic_tensorwise)
         scale_inv = self._scale_inv  # the state is rebound, never written in place
-        x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise)
+        if round_bf16:
+            x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise, True)
+        else:
+            x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise)
         self._record(amax)
         rowwise_op = tensor_scaled(x_fp8, scale_inv) if rowwise else None  # (M, K)
         columnwise_op = tensor_scaled(x_fp8_t, scale_inv) if columnwise else None  # (K, M)

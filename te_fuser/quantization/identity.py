@@ -29,9 +29,12 @@ class IdentityQuantizer(Quantizer):
     def cast(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> torch.Tensor:
         return x
 
-    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False):
+    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
+                                  as_dtype: torch.dtype | None = None):
+        """``x`` (converted to ``as_dtype`` when given) and the column sums of ``x`` as it is."""
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
-        return x, x2d.sum(dim=0, dtype=torch.float32)
+        sums = x2d.sum(dim=0, dtype=torch.float32)
+        return (x if as_dtype is None or as_dtype is x.dtype else x.to(as_dtype)), sums
 
     def check_shape(self, shape: tuple[int, ...], *, rowwise: bool = True, columnwise: bool = False) -> None:
         return None

@@ -279,16 +279,19 @@ def _fprop_operands(ctx: OpContext, op: BasicLinear, x2d: torch.Tensor, w_hp: to
     return x2d, w_hp, False
 
 
-def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool, column_sums: bool = False):
+def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool, column_sums: bool = False,
+                       as_dtype: torch.dtype | None = None):
     """dy, x and w in the form the backward GEMMs take, per ``backward_override``;
     with ``column_sums``, also dy's column sums in fp32, from the dy cast's own read
-    where its scheme allows (else None)."""
+    where its scheme allows (else None), the cast as of ``dy2d.to(as_dtype)`` when
+    ``as_dtype`` is given (FP8 backward only)."""
     run, saved = ctx.run, ctx.saved
     x_s, w_s = saved["x"], saved["w"]
     if run.fp8_backward:
         quantizer = ctx.quantizers.get("grad_output")
         if column_sums:
-            dy_q, sums = quantizer.quantize_with_column_sums(dy2d, rowwise=need_dx, columnwise=need_dw)
+            dy_q, sums = quantizer.quantize_with_column_sums(dy2d, rowwise=need_dx, columnwise=need_dw,
+                                                             as_dtype=as_dtype)
             return dy_q, x_s, w_s, sums
         return quantizer.cast(dy2d, rowwise=need_dx, columnwise=need_dw), x_s, w_s, None
     if isinstance(x_s, QuantizedTensor):  # 'dequantized'
@@ -334,12 +337,18 @@ def linear_backward_with_column_sums(
     dtype = run.compute_dtype
     dy_shape = dy.shape
     dy2d = dy if (len(dy_shape) == 2 and dy_shape[1] == op.out_features) else dy.reshape(-1, op.out_features)  # (M, N)
+    as_dtype = None
     if dy2d.dtype is not dtype:
-        dy2d = dy2d.to(dtype)
+        if column_sums and run.fp8_backward and dy_scale is None:
+            # dy's cast reads dy as it came and casts it as the compute dtype would hold
+            # it (a scheme that can rounds as it reads); the sums are of dy as it came
+            as_dtype = dtype
+        else:
+            dy2d = dy2d.to(dtype)
     need_dx = ctx.needs_input_grad
     need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else ctx.saved["w_requires_grad"]
     if dy_scale is None:
-        dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums)
+        dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums, as_dtype)
     else:
         dy_q, x_s, w_s, sums = _scaled_operands(ctx, dy2d, need_dx, need_dw, dy_scale)
     dx = dw = None

@@ -6,7 +6,10 @@ quantizer reads it again (under current scaling, twice: amax, then cast). A
 quantizer whose cast reads the tensor anyway returns the column sums with it
 (``Quantizer.quantize_with_column_sums``: current scaling from its amax pass,
 delayed scaling from its one-pass cast); the others sum in a pass of their own,
-which is the unfused computation.
+which is the unfused computation. A dy that arrives in another dtype than the
+compute dtype (fp32 from a residual stream kept in fp32) is summed as it came,
+as the unfused bias sums it, and cast as the compute dtype would hold it: the
+per-tensor schemes round it to bf16 as they read it, with no converted copy.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ class BackwardLinearBias(FusedOperation):
         linear, bias = self._basic_ops
         needs = ctxs[1].param_needs_grad
         need_db = not needs or needs[0]
-        if not need_db or dy.dtype is not ctxs[0].run.compute_dtype:
-            # the unfused bias sums dy as it arrives, before the cast to the compute dtype
+        run = ctxs[0].run
+        if not need_db or (dy.dtype is not run.compute_dtype and not run.fp8_backward):
+            # the unfused bias sums dy as it arrives, before the cast to the compute dtype;
+            # with an FP8 backward the dy cast does too (its sums of dy as it came)
             db = bias_grad(dy, bias.bias.dtype) if need_db else None
             dx, dw = linear_backward(ctxs[0], linear, dy)
         else:
