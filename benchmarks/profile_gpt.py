@@ -118,6 +118,48 @@ def idle_gaps(spans, steps: int, top: int):
     return idle / steps, rows[:top]
 
 
+_RUNTIME_CALLS = {"cudaMemsetAsync": "memset", "cudaMemcpyAsync": "copy", "cudaLaunchKernel": "kernel",
+                  "cuLaunchKernel": "kernel", "cuLaunchKernelEx": "kernel", "cudaLaunchKernelExC": "kernel"}
+_OWN_SOURCE = ("te_fuser/", "kernels/", "examples/", "benchmarks/", "models/")
+
+
+def launch_sources(step, steps: int, top: int) -> list[tuple[str, str, float]]:
+    """Where the step's GPU work is launched from: ``(what, source, per step)``, the
+    runtime calls (kernel launches, memsets, copies) grouped by the innermost frame
+    of this project's own code above them (or the torch op, for torch's own work),
+    the most frequent first. Memsets and copies are the ones worth a look: each is a
+    launch, and one that a kernel could do is host time for nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.autograd.set_multithreading_enabled(False)  # the backward's Python frames on this thread, seen
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    counts: dict[tuple[str, str], int] = {}
+    for ev in prof.events():
+        what = _RUNTIME_CALLS.get(ev.name)
+        if what is None:
+            continue
+        source, op, parent = "(no frame)", None, ev.cpu_parent
+        while parent is not None:
+            name = parent.name
+            if op is None and name.startswith("aten::"):
+                op = name
+            if any(tag in name for tag in _OWN_SOURCE) and "site-packages" not in name:
+                source = name
+                break
+            parent = parent.cpu_parent
+        if op is not None:
+            source = f"{source} <- {op}"
+        counts[(what, source)] = counts.get((what, source), 0) + 1
+    rows = sorted(((w, src, n / steps) for (w, src), n in counts.items()), key=lambda r: -r[2])
+    return rows[:top]
+
+
 def host_profile(step, steps: int, top: int, dump: str | None = None) -> None:
     torch.autograd.set_multithreading_enabled(False)
     try:
@@ -157,6 +199,9 @@ def main(argv=None):
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                    help="then time every arm again on a model of its own, the arms taking turns step by step for "
                         "ROUNDS rounds (medians): a drift of the host's speed touches every arm alike")
+    p.add_argument("--sources", type=int, default=0, metavar="N",
+                   help="also list, per arm, the N most frequent sources of GPU work: the runtime calls (kernels, "
+                        "memsets, copies) grouped by the project's frame (and torch op) that made them")
     p.add_argument("--compile", action="store_true",
                    help="also time each te arm through torch.compile(model) (inductor), beside its eager steps")
     args = p.parse_args(argv)
@@ -191,6 +236,12 @@ def main(argv=None):
         print(f"  GPU idle inside the step: {idle:.2f} ms/step, by the kernel it waited for:")
         for name, gms, count in gaps:
             print(f"  {gms:8.3f} ms {count:5.0f}x  {name}")
+        if args.sources:
+            print("  launches by source (per step; memsets and copies first):")
+            rows = launch_sources(step, args.steps, 10 * args.sources)
+            rows.sort(key=lambda r: (r[0] == "kernel", -r[2]))
+            for what, source, per_step in rows[:args.sources]:
+                print(f"  {per_step:7.1f}  {what:6s}  {source[:150]}")
         if args.host:
             dump = args.dump and str(Path(args.dump) / f"host_{label.replace(' ', '_')}.prof")
             host_profile(step, args.steps, 2 * args.top, dump)
