@@ -60,6 +60,42 @@ def step_fn(model, opt, recipe, batch, device_type: str = "cuda", bf16_autocast:
     return step
 
 
+def phase_ms(model, opt, recipe, batch, steps: int, bf16_autocast: bool = True) -> dict[str, tuple[float, float]]:
+    """Per phase of a training step (forward with the loss, backward, optimizer step),
+    ``(host ms, GPU ms)``, medians over ``steps`` steps, each step started on an idle
+    GPU as the timed steps are: the host's time to issue the phase and the time from
+    the GPU's start of the phase (an event recorded as the host reaches it) to its
+    end. A phase whose GPU time is close to its host time kept the GPU waiting on the
+    host; one whose GPU time is longer had work queued ahead of the host."""
+    x, y = batch[:, :-1], batch[:, 1:]
+    names = ("forward", "backward", "optimizer")
+    host: dict[str, list[float]] = {n: [] for n in names}
+    gpu: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(steps):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize()
+        stamps = [time.perf_counter()]
+        events[0].record()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16_autocast), \
+                te.autocast(enabled=recipe is not None, recipe=recipe):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        stamps.append(time.perf_counter())
+        events[1].record()
+        loss.backward()
+        stamps.append(time.perf_counter())
+        events[2].record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+        events[3].record()
+        torch.cuda.synchronize()
+        for i, name in enumerate(names):
+            host[name].append((stamps[i + 1] - stamps[i]) * 1e3)
+            gpu[name].append(events[i].elapsed_time(events[i + 1]))
+    return {n: (statistics.median(host[n]), statistics.median(gpu[n])) for n in names}
+
+
 def step_ms(step, steps: int) -> float:
     times = []
     for _ in range(steps):
@@ -199,6 +235,9 @@ def main(argv=None):
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                    help="then time every arm again on a model of its own, the arms taking turns step by step for "
                         "ROUNDS rounds (medians): a drift of the host's speed touches every arm alike")
+    p.add_argument("--phases", action="store_true",
+                   help="also time, per arm, the host and the GPU in each phase of the step (forward, backward, "
+                        "optimizer): where the GPU waits on the host")
     p.add_argument("--sources", type=int, default=0, metavar="N",
                    help="also list, per arm, the N most frequent sources of GPU work: the runtime calls (kernels, "
                         "memsets, copies) grouped by the project's frame (and torch op) that made them")
@@ -236,6 +275,11 @@ def main(argv=None):
         print(f"  GPU idle inside the step: {idle:.2f} ms/step, by the kernel it waited for:")
         for name, gms, count in gaps:
             print(f"  {gms:8.3f} ms {count:5.0f}x  {name}")
+        if args.phases:
+            phases = phase_ms(model, opt, recipe, batch, args.timed)
+            print("  phase        host ms   GPU ms (from the host's start of the phase to the GPU's end of it)")
+            for name, (host_ms, gpu_ms) in phases.items():
+                print(f"  {name:<10} {host_ms:8.2f} {gpu_ms:8.2f}")
         if args.sources:
             print("  launches by source (per step; memsets and copies first):")
             rows = launch_sources(step, args.steps, 10 * args.sources)
