@@ -274,3 +274,43 @@ def test_input_errors_name_the_problem():
         cuda.quantize_current(x, E4M3, epsilon=-1.0)
     with pytest.raises(RuntimeError, match="CUDA device"):
         cuda.quantize_mxfp8(x.cpu(), E4M3)
+
+
+@pytest.mark.parametrize("shape", [(16384, 4096), (67, 1408), (4096, 4096), (1, 16), (300, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("hp", HP, ids=str)
+@pytest.mark.parametrize("kind", ["current", "current_sums", "delayed", "delayed_sums", "current_given_amax"])
+def test_the_one_launch_cast_is_the_separate_launches(shape, hp, kind):
+    """The transposing cast as one cooperative launch (the default) against the
+    separate launches (amax pass, cast, sum of the tiles' column sums; delayed
+    scaling's zeroed amax), bit for bit: copies, scales, amax and sums. (16384, 4096)
+    has more tiles than the GPU holds blocks at once, so blocks cast several."""
+    from te_fuser.kernels.cuda._build import extension
+
+    x = _data(shape, hp, seed=3)
+    if hp is torch.float32 and kind.endswith("sums"):
+        x = x * 1.0001  # values off the bf16 grid, for the reads through bf16 below
+    scale = torch.tensor(0.5, device="cuda")
+
+    def cast():
+        if kind == "current":
+            return cuda.quantize_current(x, E4M3, False, 0.0, True, True)
+        if kind == "current_given_amax":
+            return cuda.quantize_current(x, E5M2, True, 0.0, False, True, x.float().abs().amax())
+        if kind == "current_sums":
+            return cuda.quantize_current_column_sums(x, E4M3, False, 0.0, True, True, hp is torch.float32)
+        if kind == "delayed":
+            return cuda.quantize_tensorwise(x, scale, E4M3, True, True)
+        return cuda.quantize_tensorwise_column_sums(x, scale, E5M2, True, True, None, hp is torch.float32)
+
+    one = cast()
+    previous = extension().one_launch_casts(False)
+    try:
+        separate = cast()
+    finally:
+        extension().one_launch_casts(previous)
+    assert previous is True
+    for i, (a, b) in enumerate(zip(one, separate)):
+        assert (a is None) == (b is None), f"{kind} output {i}"
+        if b is not None:
+            assert_bitwise(a, b, f"{kind} {shape} {hp} output {i}")

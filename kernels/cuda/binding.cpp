@@ -145,6 +145,21 @@ MaybeTensor summed(const MaybeTensor& partials, int64_t stream) {
   return sums;
 }
 
+// A cast that runs as one launch of `blocks` blocks (blocks > 0): its blocks set on
+// `scaling`, and with column sums the (cols,) tensor the launch writes them into
+// (a gradient that outlives the partials); nothing otherwise.
+MaybeTensor one_launch(te_fuser::CastScaling& scaling, int64_t blocks, const CastOutputs& out, int64_t cols,
+                       const at::Tensor& x) {
+  if (blocks <= 0) return std::nullopt;
+  scaling.one_launch_blocks = blocks;
+  if (!out.partials) return std::nullopt;
+  at::Tensor sums = at::empty({cols}, x.options().dtype(at::kFloat));
+  scaling.sums_out = sums.data_ptr<float>();
+  return sums;
+}
+
+bool one_launch_casts(bool enable) { return te_fuser::set_one_launch_casts(enable); }
+
 // Current scaling: (data, data_t, scale, scale_inv, amax, column sums); amax_given
 // skips the amax pass. x is contiguous, 16-byte aligned, on the current device.
 // amax, scale and scale_inv are 16-byte aligned pieces of the outputs' allocation
@@ -154,7 +169,9 @@ MaybeTensor summed(const MaybeTensor& partials, int64_t stream) {
 std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTensor> cast_current(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, bool power_2, double epsilon,
     bool rowwise, bool columnwise, const MaybeTensor& amax_given, bool sums, bool round_bf16, int64_t stream) {
-  const int64_t partial_count = amax_given ? 0 : te_fuser::amax_partial_count(x.numel());
+  const int64_t one = columnwise ? te_fuser::cast_one_launch_blocks(hp_type, fp8_type, true, sums, rows, cols,
+                                                                    as_stream(stream)) : 0;
+  const int64_t partial_count = amax_given ? 0 : (one > 0 ? one : te_fuser::amax_partial_count(x.numel()));
   const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, 12 + partial_count);
   const at::Tensor& stats = out.stats;
   const at::Tensor amax = amax_given ? amax_given->reshape({}) : piece_of(stats, 0, at::kFloat, {});
@@ -165,11 +182,16 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
     scaling.amax_in = amax_given->data_ptr<float>();
   } else {
     uint32_t* partials = reinterpret_cast<uint32_t*>(stats.data_ptr<float>() + 12);
-    te_fuser::launch_amax_partials(x.data_ptr(), hp_type, x.numel(), partials, as_stream(stream));
+    if (one > 0) {
+      scaling.block_partials = partials;  // the one launch's own amax pass fills them
+    } else {
+      te_fuser::launch_amax_partials(x.data_ptr(), hp_type, x.numel(), partials, as_stream(stream));
+    }
     scaling.amax_partials = partials;
     scaling.amax_partial_count = partial_count;
     scaling.amax_total_out = amax.data_ptr<float>();
   }
+  const MaybeTensor one_launch_sums = one_launch(scaling, one, out, cols, x);
   scaling.scale_out = scale.data_ptr<float>();
   scaling.scale_inv_out = scale_inv.data_ptr<float>();
   scaling.epsilon = static_cast<float>(epsilon);  // rounds as torch.tensor(epsilon, dtype=float32)
@@ -178,7 +200,7 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
   scaling.round_bf16 = round_bf16;
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream));
-  return {out.data, out.data_t, scale, scale_inv, amax, summed(out.partials, stream)};
+  return {out.data, out.data_t, scale, scale_inv, amax, one > 0 ? one_launch_sums : summed(out.partials, stream)};
 }
 
 // Delayed scaling with the given scale: (data, data_t, column sums, amax); amax(|x|)
@@ -188,16 +210,20 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
 std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor> cast_tensorwise(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, const at::Tensor& scale,
     const MaybeTensor& amax_out, bool rowwise, bool columnwise, bool sums, bool round_bf16, int64_t stream) {
-  const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, 0);
+  const int64_t one = columnwise ? te_fuser::cast_one_launch_blocks(hp_type, fp8_type, false, sums, rows, cols,
+                                                                    as_stream(stream)) : 0;
+  const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, one);  // the blocks' maxima
   const at::Tensor amax = amax_out ? *amax_out : at::empty({1}, x.options().dtype(at::kFloat));
   te_fuser::CastScaling scaling;
   scaling.scale = scale.data_ptr<float>();
   scaling.amax_out = amax.data_ptr<float>();
   scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
   scaling.round_bf16 = round_bf16;
+  if (one > 0) scaling.block_partials = reinterpret_cast<uint32_t*>(out.stats.data_ptr<float>());
+  const MaybeTensor one_launch_sums = one_launch(scaling, one, out, cols, x);
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream));
-  return {out.data, out.data_t, summed(out.partials, stream), amax};
+  return {out.data, out.data_t, one > 0 ? one_launch_sums : summed(out.partials, stream), amax};
 }
 
 // Delayed scaling's state update: (history, scale, scale_inv, count), new tensors,
@@ -281,6 +307,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_current", &cast_current, "current scaling's amax and cast, outputs allocated here");
   m.def("delayed_scale_update", &delayed_scale_update, "delayed scaling's history, scale and count in one launch");
   m.def("cast_tensorwise", &cast_tensorwise, "delayed scaling's cast with a given scale, outputs allocated here");
+  m.def("one_launch_casts", &one_launch_casts,
+        "turn the transposing casts' one cooperative launch on or off; returns the previous state");
   m.def("quantize_rowwise", &quantize_rowwise, "FP8 cast with one scale per row");
   m.def("quantize_mxfp8", &quantize_mxfp8, "MXFP8 cast: one E8M0 scale per 32 elements");
   m.def("layer_norm", &layer_norm, "LayerNorm forward, one warp per row, outputs allocated here");

@@ -4,6 +4,12 @@
 // Numerics follow kernels/reference/cast.py bit for bit (see fp8_common.cuh).
 // Inputs are contiguous and 16-byte aligned (the Python launchers ensure it);
 // vector accesses are 16 bytes per thread wherever the shape allows.
+#include <cooperative_groups.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "dispatch.cuh"
 #include "fp8_common.cuh"
 #include "launchers.cuh"
@@ -73,10 +79,10 @@ __device__ __forceinline__ void load_chunks(const T* __restrict__ x, int64_t c0,
 // amax(|x|): folded into amax_out (zeroed first) with an atomic, or with PARTIALS
 // each block's maximum (fp32 bits) written to partials[blockIdx.x], for the cast
 // that follows to reduce.
-template <typename T, bool PARTIALS>
-__global__ void __launch_bounds__(kThreads)
-    amax_kernel(const T* __restrict__ x, int64_t numel, float* amax_out, uint32_t* partials) {
-  __shared__ uint32_t scratch[33];
+// This thread's share of amax(|x|) over `numel` elements (fp32 bits): grid-stride
+// 16-element chunks, block 0 taking the tail.
+template <typename T>
+__device__ __forceinline__ uint32_t amax_share(const T* __restrict__ x, int64_t numel) {
   uint32_t amax = 0u;
   const int64_t chunks = numel / kChunk;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -95,6 +101,14 @@ __global__ void __launch_bounds__(kThreads)
   if (blockIdx.x == 0 && threadIdx.x < tail) {
     amax = max(amax, __float_as_uint(to_float(x[chunks * kChunk + threadIdx.x])) & kAbsMask);
   }
+  return amax;
+}
+
+template <typename T, bool PARTIALS>
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const T* __restrict__ x, int64_t numel, float* amax_out, uint32_t* partials) {
+  __shared__ uint32_t scratch[33];
+  uint32_t amax = amax_share(x, numel);
   if (PARTIALS) {
     amax = block_max_bits(amax, scratch);
     if (threadIdx.x == 0) partials[blockIdx.x] = amax;
@@ -218,27 +232,24 @@ __device__ __forceinline__ void cast_tile_piece(const float (&v)[8], float scale
   tile[r * kTileWords + c / 4 + 1] = q.y;
 }
 
-// Cast of a (rows, cols) tile with a transposed copy: out (rows, cols) may be
-// null, out_t (cols, rows) is not. One kTile x kTile tile per block. Whole
-// tiles issue kGroup 16-byte loads per thread before using any of them; edge
-// tiles go element by element.
-// SUMS: each thread also adds up its 8 columns over its rows, the block adds the
-// threads of each column in a fixed order, and the tile's column sums go to row
-// blockIdx.y of s.column_partials. s.round_bf16: the cast and the amax read each
-// value rounded to bf16, the sums the value as loaded.
+// Cast of the kTile x kTile tile at (row0, col0) of x (rows, cols) with a
+// transposed copy, by one block: out (rows, cols) may be null, out_t (cols, rows)
+// is not; the FP8 bytes are staged in the shared `tile`. Whole tiles issue kGroup
+// 16-byte loads per thread before using any of them; edge tiles go element by
+// element. SUMS: each thread also adds up its 8 columns over its rows, the block
+// adds the threads of each column in a fixed order (through the shared
+// `column_sums`), and the tile's column sums go to row `tile_row` of
+// s.column_partials. s.round_bf16: the cast and the amax read each value rounded to
+// bf16, the sums the value as loaded. Returns this thread's amax bits of the tile
+// under delayed scaling (zero under current scaling, whose amax comes first).
 template <typename T, int FP8, bool CURRENT, bool SUMS>
-__global__ void __launch_bounds__(kThreads)
-    cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t rows,
-                          int64_t cols, CastScaling s) {
+__device__ __forceinline__ uint32_t cast_tile(const T* __restrict__ x, uint8_t* __restrict__ out,
+                                              uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
+                                              const CastScaling& s, float scale, int64_t row0, int64_t col0,
+                                              int64_t tile_row, uint32_t* tile, float* column_sums) {
   constexpr int kPasses = kTile / kTileRowsPerPass;
   constexpr int kGroup = 4;
-  __shared__ uint32_t tile[kTile * kTileWords];
-  __shared__ uint32_t scratch[33];
-  __shared__ float column_sums[SUMS ? kTileRowsPerPass * kTile : 1];
   float sums[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  const float scale = cast_scale<FP8, CURRENT>(s, scratch, blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0);
-  const int64_t row0 = int64_t(blockIdx.y) * kTile;
-  const int64_t col0 = int64_t(blockIdx.x) * kTile;
   const bool vector_ok = cols % 8 == 0;
   const bool whole_tile = vector_ok && row0 + kTile <= rows && col0 + kTile <= cols;
   const int c = (threadIdx.x % kThreadsPerTileRow) * 8;  // column of this thread's 8 elements in the tile
@@ -296,10 +307,79 @@ __global__ void __launch_bounds__(kThreads)
     float total = 0.0f;
 #pragma unroll
     for (int r = 0; r < kTileRowsPerPass; ++r) total += column_sums[r * kTile + threadIdx.x];
-    s.column_partials[int64_t(blockIdx.y) * cols + col0 + threadIdx.x] = total;
+    s.column_partials[tile_row * cols + col0 + threadIdx.x] = total;
   }
   write_transposed_tile(tile, out_t, rows, cols, row0, col0);
+  return amax;
+}
+
+// One kTile x kTile tile per block (blockIdx.x: column tile, blockIdx.y: row tile);
+// delayed scaling's amax folded into s.amax_out (zeroed first) with an atomic.
+template <typename T, int FP8, bool CURRENT, bool SUMS>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t rows,
+                          int64_t cols, CastScaling s) {
+  __shared__ uint32_t tile[kTile * kTileWords];
+  __shared__ uint32_t scratch[33];
+  __shared__ float column_sums[SUMS ? kTileRowsPerPass * kTile : 1];
+  const float scale = cast_scale<FP8, CURRENT>(s, scratch, blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0);
+  const uint32_t amax = cast_tile<T, FP8, CURRENT, SUMS>(x, out, out_t, rows, cols, s, scale, int64_t(blockIdx.y) * kTile,
+                                                         int64_t(blockIdx.x) * kTile, blockIdx.y, tile, column_sums);
   if (!CURRENT) commit_amax(amax, s.amax_out, scratch);
+}
+
+// The whole transposing cast in one cooperative launch (every block resident, so
+// the grid can wait on itself): under current scaling without a given amax, the
+// amax pass, each block's maximum into s.block_partials, and a grid barrier; then
+// the blocks cast tiles blockIdx.x, + gridDim.x, ... Under delayed scaling the
+// blocks' maxima go to s.block_partials and block 0 writes their maximum to
+// s.amax_out (nothing zeroed first); with SUMS, after a grid barrier, the tiles'
+// column sums added up over the row tiles in order into s.sums_out (the bits of
+// sum_rows_kernel). The bits of the separate launches, with one launch.
+template <typename T, int FP8, bool CURRENT, bool SUMS>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_one_launch_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                                     int64_t rows, int64_t cols, CastScaling s) {
+  __shared__ uint32_t tile[kTile * kTileWords];
+  __shared__ uint32_t scratch[33];
+  __shared__ float column_sums[SUMS ? kTileRowsPerPass * kTile : 1];
+  cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+  if (CURRENT && s.amax_in == nullptr) {
+    const uint32_t bits = block_max_bits(amax_share(x, rows * cols), scratch);
+    if (threadIdx.x == 0) s.block_partials[blockIdx.x] = bits;
+    grid.sync();  // (cast_scale then reads them as s.amax_partials)
+  }
+  const float scale = cast_scale<FP8, CURRENT>(s, scratch, blockIdx.x == 0 && threadIdx.x == 0);
+  const int64_t col_tiles = (cols + kTile - 1) / kTile;
+  const int64_t tiles = (rows + kTile - 1) / kTile * col_tiles;
+  uint32_t amax = 0u;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t tile_row = t / col_tiles;
+    amax = max(amax, cast_tile<T, FP8, CURRENT, SUMS>(x, out, out_t, rows, cols, s, scale, tile_row * kTile,
+                                                      (t % col_tiles) * kTile, tile_row, tile, column_sums));
+    __syncthreads();  // the next tile reuses the shared tile
+  }
+  if (CURRENT && !SUMS) return;
+  if (!CURRENT) {
+    amax = block_max_bits(amax, scratch);
+    if (threadIdx.x == 0) s.block_partials[blockIdx.x] = amax;
+  }
+  grid.sync();
+  if (!CURRENT && blockIdx.x == 0) {
+    uint32_t bits = 0u;
+    for (int64_t i = threadIdx.x; i < gridDim.x; i += blockDim.x) bits = max(bits, s.block_partials[i]);
+    bits = block_max_bits(bits, scratch);
+    if (threadIdx.x == 0) *s.amax_out = __uint_as_float(bits);
+  }
+  if (SUMS) {
+    const int64_t row_tiles = (rows + kTile - 1) / kTile;
+    for (int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; col < cols;
+         col += int64_t(gridDim.x) * blockDim.x) {
+      float total = 0.0f;
+      for (int64_t r = 0; r < row_tiles; ++r) total += s.column_partials[r * cols + col];
+      s.sums_out[col] = total;
+    }
+  }
 }
 
 // One block per row: amax of the row, its scale, then the cast (the second read
@@ -376,7 +456,65 @@ __global__ void __launch_bounds__(kThreads)
 // Blocks of the amax pass and of the flat cast.
 unsigned amax_grid(int64_t numel) { return grid_for((numel / kChunk + kUnroll - 1) / kUnroll, kThreads); }
 
+template <typename T, int FP8>
+using OneLaunchKernel = void (*)(const T*, uint8_t*, uint8_t*, int64_t, int64_t, CastScaling);
+
+template <typename T, int FP8>
+OneLaunchKernel<T, FP8> one_launch_kernel(bool current, bool sums) {
+  if (current) {
+    return sums ? &cast_transpose_one_launch_kernel<T, FP8, true, true>
+                : &cast_transpose_one_launch_kernel<T, FP8, true, false>;
+  }
+  return sums ? &cast_transpose_one_launch_kernel<T, FP8, false, true>
+              : &cast_transpose_one_launch_kernel<T, FP8, false, false>;
+}
+
+// How many blocks of `kernel` the current device holds at once (0 without
+// cooperative launches), asked once per kernel and device.
+int64_t resident_blocks(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int64_t> kept;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  const auto found = kept.find(key);
+  if (found != kept.end()) return found->second;
+  int cooperative = 0, per_sm = 0;
+  check_cuda(cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0), "cast (occupancy)");
+  const int64_t blocks = cooperative ? int64_t(per_sm) * sm_count() : 0;
+  kept.emplace(key, blocks);
+  return blocks;
+}
+
+bool one_launch_enabled = true;
+
 }  // namespace
+
+bool set_one_launch_casts(bool enable) {
+  const bool previous = one_launch_enabled;
+  one_launch_enabled = enable;
+  return previous;
+}
+
+int64_t cast_one_launch_blocks(int hp_type, int fp8_type, bool current, bool sums, int64_t rows, int64_t cols,
+                               void* stream_ptr) {
+  if (!one_launch_enabled || rows <= 0 || cols <= 0) return 0;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_ptr), &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) return 0;
+  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+  int64_t resident = 0;
+  dispatch_hp(hp_type, "cast", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_fp8(fp8_type, "cast", [&](auto fp8) {
+      constexpr int FP8 = decltype(fp8)::value;
+      resident = resident_blocks(reinterpret_cast<const void*>(one_launch_kernel<T, FP8>(current, sums)));
+    });
+  });
+  return std::min(tiles, resident);
+}
 
 void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
@@ -424,6 +562,28 @@ void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t
   }
   if (scaling.round_bf16 && !transpose) {
     throw std::invalid_argument("cast: a cast through bf16 (round_bf16) is one that writes the transposed copy");
+  }
+  if (transpose && scaling.one_launch_blocks > 0) {
+    dispatch_hp(hp_type, "cast", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      dispatch_fp8(fp8_type, "cast", [&](auto fp8) {
+        constexpr int FP8 = decltype(fp8)::value;
+        cudaLaunchAttribute cooperative;
+        cooperative.id = cudaLaunchAttributeCooperative;
+        cooperative.val.cooperative = 1;
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(unsigned(scaling.one_launch_blocks));
+        config.blockDim = dim3(kThreads);
+        config.dynamicSmemBytes = 0;
+        config.stream = stream;
+        config.attrs = &cooperative;
+        config.numAttrs = 1;
+        const OneLaunchKernel<T, FP8> kernel = one_launch_kernel<T, FP8>(current, scaling.column_partials != nullptr);
+        check_cuda(cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(x), out, out_t, rows, cols, scaling),
+                   "cast_transpose (one launch)");
+      });
+    });
+    return;
   }
   if (!current) check_cuda(cudaMemsetAsync(scaling.amax_out, 0, sizeof(float), stream), "cast (zeroing amax)");
   dispatch_hp(hp_type, "cast", [&](auto tag) {

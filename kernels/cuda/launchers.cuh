@@ -39,7 +39,26 @@ struct CastScaling {
   // The cast reads x rounded to bf16 (bf16_value): the copies and the amax are those
   // of x.to(bfloat16), the column sums those of x as given. Transposing casts only.
   bool round_bf16 = false;
+  // The transposing cast in one cooperative launch of this many blocks (from
+  // cast_one_launch_blocks; 0: the separate launches). It needs block_partials, one
+  // word per block: under current scaling without a given amax, the amax pass's
+  // maxima (then also amax_partials, amax_partial_count = the blocks); under
+  // delayed scaling, the blocks' maxima, whose maximum goes to amax_out (nothing
+  // zeroed first). With column sums, sums_out (cols,) gets the tiles' sums added
+  // up over the row tiles.
+  int64_t one_launch_blocks = 0;
+  uint32_t* block_partials = nullptr;
+  float* sums_out = nullptr;
 };
+
+// Blocks of the one-launch transposing cast of x (rows, cols) (see CastScaling),
+// or 0 where the separate launches run: an empty x, a stream being captured into a
+// CUDA graph (whose replays cost no host time per launch), a device without
+// cooperative launches, or one-launch casts turned off (set_one_launch_casts).
+int64_t cast_one_launch_blocks(int hp_type, int fp8_type, bool current, bool sums, int64_t rows, int64_t cols,
+                               void* stream);
+// Turns the one-launch casts on or off for this process; returns the previous state.
+bool set_one_launch_casts(bool enable);
 
 // amax(|x|) of `numel` elements into amax_out (fp32, one element).
 void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, void* stream);
