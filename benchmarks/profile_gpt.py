@@ -217,6 +217,21 @@ def host_profile(step, steps: int, top: int, dump: str | None = None) -> None:
     stats.sort_stats("tottime").print_stats(top)
 
 
+def _separate_launches(step):
+    """``step`` with the CUDA casts' one-launch path off for its duration (the same
+    model and bits; the launches of the transposing casts apart)."""
+    from te_fuser.kernels.cuda._build import extension
+
+    def separate():
+        previous = extension().one_launch_casts(False)
+        try:
+            step()
+        finally:
+            extension().one_launch_casts(previous)
+
+    return separate
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="*", default=["bf16", "delayed", "current"], choices=list(RECIPES))
@@ -241,6 +256,10 @@ def main(argv=None):
     p.add_argument("--sources", type=int, default=0, metavar="N",
                    help="also list, per arm, the N most frequent sources of GPU work: the runtime calls (kernels, "
                         "memsets, copies) grouped by the project's frame (and torch op) that made them")
+    p.add_argument("--separate-launches", action="store_true",
+                   help="with --interleave: also time each te arm with the transposing casts as separate launches "
+                        "(amax pass, cast, column sums; a memset first under delayed scaling) rather than one "
+                        "cooperative launch, taking turns with the others")
     p.add_argument("--compile", action="store_true",
                    help="also time each te arm through torch.compile(model) (inductor), beside its eager steps")
     args = p.parse_args(argv)
@@ -300,6 +319,8 @@ def main(argv=None):
             model = GPT(config, device="cuda")
             steps[f"te {name}"] = step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
                                           RECIPES[name], batch)
+            if args.separate_launches:
+                steps[f"te {name}, separate launches"] = _separate_launches(steps[f"te {name}"])
         medians = harness.interleaved_ms(steps, args.interleave, sync=torch.cuda.synchronize)
         base = medians["torch bf16"]
         print(f"\ninterleaved ({args.interleave} rounds)  ms/step   tokens/s   vs torch bf16")
