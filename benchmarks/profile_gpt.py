@@ -175,20 +175,46 @@ def launch_sources(step, steps: int, top: int) -> list[tuple[str, str, float]]:
             torch.cuda.synchronize()
     finally:
         torch.autograd.set_multithreading_enabled(True)
+    return _group_launches(prof.events(), steps, top)
+
+
+def _own_frame(name: str) -> bool:
+    return any(tag in name for tag in _OWN_SOURCE) and "site-packages" not in name
+
+
+def _group_launches(events, steps: int, top: int) -> list[tuple[str, str, float]]:
+    """:func:`launch_sources`' grouping of profiler ``events``. A runtime call's
+    frame is found up its parents; one without (torch's profiler links the runtime
+    calls of a C++ extension or a Triton launcher to no parent) takes the innermost
+    of the project's frames on its thread whose time range holds its start."""
+    import bisect
+
+    frames = sorted((ev.time_range.start, ev.time_range.end, ev.thread, ev.name) for ev in events
+                    if _own_frame(ev.name))
+    starts = [f[0] for f in frames]
     counts: dict[tuple[str, str], int] = {}
-    for ev in prof.events():
+    for ev in events:
         what = _RUNTIME_CALLS.get(ev.name)
         if what is None:
             continue
-        source, op, parent = "(no frame)", None, ev.cpu_parent
+        source, op, parent = None, None, ev.cpu_parent
         while parent is not None:
             name = parent.name
             if op is None and name.startswith("aten::"):
                 op = name
-            if any(tag in name for tag in _OWN_SOURCE) and "site-packages" not in name:
+            if _own_frame(name):
                 source = name
                 break
             parent = parent.cpu_parent
+        if source is None:  # the innermost frame holding it: frames nest, so the latest-starting one
+            t = ev.time_range.start
+            i = bisect.bisect_right(starts, t) - 1
+            while i >= 0 and source is None:
+                start, end, thread, name = frames[i]
+                if end >= t and thread == ev.thread:
+                    source = name
+                i -= 1
+        source = source or "(no frame)"
         if op is not None:
             source = f"{source} <- {op}"
         counts[(what, source)] = counts.get((what, source), 0) + 1

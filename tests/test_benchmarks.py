@@ -81,3 +81,30 @@ def test_interleaved_timing_takes_turns_and_reports_per_call_medians():
     assert set(ms) == {"a", "b"} and all(v >= 0 for v in ms.values())
     assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3  # the warm-up, then the arms in turn each round
     assert len(synced) == 2 * 2 * 3
+
+
+def test_profile_gpt_finds_the_gpus_idle_gaps_and_the_frames_of_launches():
+    """``profile_gpt``'s readings of a profile, on events made up here: the idle gaps
+    inside a step (grouped by the kernel that ended them; a gap as long as a sync is
+    left out) and each runtime call's frame (up its parents, else the innermost of the
+    project's frames on its thread that holds it in time)."""
+    from types import SimpleNamespace as Event
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_gpt
+
+    idle, rows = profile_gpt.idle_gaps([(0, 10, "a"), (20, 30, "b"), (25, 40, "c"), (42, 50, "d"),
+                                        (10000, 10010, "e"), (10030, 10040, "b")], 2, 5)
+    assert idle == pytest.approx(0.015) and rows == [("b", pytest.approx(0.015), 1.0)]
+
+    def event(name, start, end, thread=1, parent=None):
+        return Event(name=name, time_range=Event(start=start, end=end), thread=thread, cpu_parent=parent)
+
+    op = event("aten::zero_", 40, 45, parent=event("te_fuser/ops/basic/linear.py(9): linear_forward", 35, 90))
+    events = [event("te_fuser/ops/fuser.py(1): run_forward", 0, 100), event("kernels/cuda/cast.py(3): cast", 10, 20),
+              event("cudaLaunchKernel", 12, 13), event("cudaMemsetAsync", 30, 31), event("cudaLaunchKernel", 200, 201),
+              event("cudaLaunchKernel", 15, 16, thread=2), event("cudaMemsetAsync", 41, 42, parent=op)]
+    got = {(what, source): n for what, source, n in profile_gpt._group_launches(events, 1, 10)}
+    assert got == {("kernel", "kernels/cuda/cast.py(3): cast"): 1.0, ("kernel", "(no frame)"): 2.0,
+                   ("memset", "te_fuser/ops/fuser.py(1): run_forward"): 1.0,
+                   ("memset", "te_fuser/ops/basic/linear.py(9): linear_forward <- aten::zero_"): 1.0}
