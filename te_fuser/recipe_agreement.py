@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
+
 from .callable_key import strip_fallback_tokens
 
-__all__ = ["check_ranks_agree", "different_recipes", "AGREEMENT_TIMEOUT_S"]
+__all__ = ["check_ranks_agree", "different_recipes", "AGREEMENT_TIMEOUT_S", "casts_beside_collectives"]
 
 # How long a rank that built a recipe's first training plan waits for every other
 # rank to build its own next one (seconds; a module attribute to set).
@@ -88,3 +90,22 @@ def different_recipes(values: list, compared: str, rank: int, mine) -> RuntimeEr
     return RuntimeError(
         f"te_fuser: the ranks train under different recipes ({groups} hold different ones, compared {compared}); "
         f"this rank ({rank}) trains under {mine}. Give every rank the same recipe at the same step")
+
+
+def casts_beside_collectives(device) -> None:
+    """Under an NCCL process group, the CUDA casts take their separate launches.
+
+    The transposing cast's single launch is cooperative: it starts only once every
+    block of its grid fits on the GPU at the same time. An NCCL kernel on a
+    communication stream holds its multiprocessors until the peer ranks join it,
+    and the peers' joining may wait on work that this rank queued behind the cast
+    (FSDP2's all-gathers and reduce-scatters run beside the compute), which would
+    then wait forever. The separate launches (the same bits) start on whatever is
+    free. Called when a plan is built, never on the hot path."""
+    if getattr(device, "type", None) != "cuda" or not torch.distributed.is_available() \
+            or not torch.distributed.is_initialized():
+        return
+    from .kernels.cuda import one_launch_casts, set_one_launch_casts
+
+    if one_launch_casts() and "nccl" in str(torch.distributed.get_backend()).lower():
+        set_one_launch_casts(False)

@@ -59,3 +59,27 @@ def test_ranks_switching_together_pass_and_one_switching_alone_is_named():
     assert "rank 1 trains under" in message and "input_amax_epsilon=1e-06" in message, message
     assert "ranks [0] had not switched to a new recipe" in message, message
     assert "DelayedScaling" in message, message  # what rank 0 last trained under
+
+
+def test_an_nccl_group_turns_the_cuda_casts_one_launch_off(monkeypatch):
+    """A plan on a CUDA device built under an NCCL process group sets the CUDA casts
+    to their separate launches (a cooperative launch waits for the whole GPU, which
+    an NCCL kernel of another stream may hold until the peers join); gloo, or a CPU
+    plan, leaves them as they are. The setting is kept for an extension not loaded
+    yet (this machine has none)."""
+    from te_fuser.kernels import cuda as cuda_kernels
+    from te_fuser.recipe_agreement import casts_beside_collectives
+
+    previous = cuda_kernels.set_one_launch_casts(True)
+    try:
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+        casts_beside_collectives(torch.device("cuda", 0))
+        assert cuda_kernels.one_launch_casts() is True
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+        casts_beside_collectives(torch.device("cpu"))
+        assert cuda_kernels.one_launch_casts() is True
+        casts_beside_collectives(torch.device("cuda", 0))
+        assert cuda_kernels.one_launch_casts() is False
+    finally:
+        cuda_kernels.set_one_launch_casts(previous)

@@ -33,7 +33,7 @@ what is missing (:func:`unavailable_reason`).
 """
 
 from ._build import extension as load_extension
-from ._build import is_loaded, unavailable_reason
+from ._build import is_loaded, one_launch_casts, set_one_launch_casts, unavailable_reason
 from .attention import (attention_backward, attention_backward_unsupported_reason, attention_forward,
                         attention_forward_unsupported_reason)
 from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp8, quantize_rowwise,
@@ -61,5 +61,7 @@ __all__ = [
     "block_scaled_mm_available",
     "load_extension",
     "is_loaded",
+    "set_one_launch_casts",
+    "one_launch_casts",
     "unavailable_reason",
 ]

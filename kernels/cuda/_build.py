@@ -25,7 +25,8 @@ import torch
 
 from .. import env as _env
 
-__all__ = ["SOURCES", "NVCC_FLAGS", "unavailable_reason", "extension", "is_loaded", "raw_stream"]
+__all__ = ["SOURCES", "NVCC_FLAGS", "unavailable_reason", "extension", "is_loaded", "raw_stream",
+           "set_one_launch_casts", "one_launch_casts"]
 
 _log = logging.getLogger("te_fuser.kernels.cuda")
 
@@ -38,7 +39,7 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
 CXX_FLAGS = ("-O3", "-std=c++20")  # binding.cpp includes torch's headers
 REQUIRED_CAPABILITY = (9, 0)
 
-_state: dict = {"module": None}
+_state: dict = {"module": None, "one_launch": True}
 
 
 def _nvcc_path() -> str | None:
@@ -141,8 +142,26 @@ def extension():
     except Exception as err:  # the compiler's message is in err
         raise RuntimeError(f"te_fuser.kernels.cuda: building the CUDA extension in {build_dir} failed: {err}") from err
     _log.info("te_fuser.kernels.cuda: extension ready in %.1f s (built or loaded from %s)", time.perf_counter() - start, build_dir)
+    if not _state["one_launch"]:
+        module.one_launch_casts(False)
     _state["module"] = module
     return module
+
+
+def set_one_launch_casts(enable: bool) -> bool:
+    """Whether the transposing casts run as one cooperative launch (the default)
+    or as their separate launches (the same bits), for this process; kept for an
+    extension not loaded yet. Returns the previous setting."""
+    previous = _state["one_launch"]
+    _state["one_launch"] = bool(enable)
+    if _state["module"] is not None:
+        _state["module"].one_launch_casts(bool(enable))
+    return previous
+
+
+def one_launch_casts() -> bool:
+    """The setting of :func:`set_one_launch_casts`."""
+    return _state["one_launch"]
 
 
 _get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -35,7 +35,7 @@ from ..quantization import quantizer_for
 from ..quantization.amax_reduction import WORLD
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.tensor import QuantizedTensor
-from ..recipe_agreement import check_ranks_agree
+from ..recipe_agreement import casts_beside_collectives, check_ranks_agree
 from . import compiled, hot_guard
 from ..epoch import CHANGES as _EPOCH
 from .basic.extra import resolve_channels
@@ -543,6 +543,8 @@ class OperationFuser:
         recipe_key = str(recipe) if recipe is not None else HIGH_PRECISION_KEY
         if recipe is not None and needs_backward:
             check_ranks_agree(recipe_key)  # a recipe's first training plan: every rank builds one (or an error)
+        if recipe is not None:
+            casts_beside_collectives(device)
         if recipe is None:  # high precision reads no quantizer and leaves the installed ones (their state) alone
             quantizers = [{} for _ in self.ops]
         elif all(op.quantizer_key == recipe_key for op in self.ops):
