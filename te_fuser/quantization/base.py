@@ -211,7 +211,12 @@ class Quantizer:
         ``as_dtype`` (a high-precision dtype): the copies are those of ``x.to(as_dtype)``
         and stand for a tensor of that dtype, while the sums are of ``x`` as it is: a
         gradient that arrives in fp32 for GEMMs that compute in bf16, whose bias
-        sums it as it arrives. A scheme may round as it reads (no converted copy)."""
+        sums it as it arrives. A scheme may round as it reads (no converted copy).
+        The ops' calls take a scheme's :meth:`_lean_column_sums` where it has one."""
+        if self._lean_column_sums is not None:
+            rounds = self._lean_rounding(x, rowwise, columnwise, as_dtype)
+            if rounds is not None:
+                return self._lean_column_sums(x, rowwise, columnwise, rounds)
         self._check_input(x, rowwise, columnwise)
         as_dtype = self._checked_as_dtype(as_dtype, x)
         shape = x.shape
@@ -233,6 +238,19 @@ class Quantizer:
         """Whether a column-sums cast of ``x`` with ``as_dtype`` is the one the
         per-tensor kernels round as they read (``round_bf16``): fp32 to bf16."""
         return as_dtype is torch.bfloat16 and x.dtype is torch.float32
+
+    # A scheme's lean column-sums cast of an ops' call, ``(x, rowwise, columnwise,
+    # round_bf16) -> (QuantizedTensor, sums)`` (see :meth:`_lean_rounding`), or None.
+    _lean_column_sums = None
+
+    def _lean_rounding(self, x, rowwise, columnwise, as_dtype) -> bool | None:
+        """For a scheme's lean :meth:`quantize_with_column_sums`: whether its kernel
+        reads ``x`` through bf16 (:meth:`_rounds_to_bf16`), or None where the call
+        takes the checked path (not an ops' call, or another conversion)."""
+        rounds = self._rounds_to_bf16(x, as_dtype)
+        if not self._lean(x, rowwise, columnwise) or not (rounds or as_dtype is None or as_dtype is x.dtype):
+            return None
+        return rounds
 
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record what the scaling state needs from ``x`` without casting."""

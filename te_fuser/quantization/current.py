@@ -80,14 +80,10 @@ class Float8CurrentScalingQuantizer(Quantizer):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
         return self._lean_cast(x, rowwise, columnwise, "quantize_current", _generic_caster)[0]
 
-    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
-                                  as_dtype: torch.dtype | None = None):
-        """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as
-        :meth:`cast`; fp32 ``x`` cast as bf16 is rounded as the kernel reads it."""
-        rounds = self._rounds_to_bf16(x, as_dtype)
-        if not self._lean(x, rowwise, columnwise) or not (rounds or as_dtype is None or as_dtype is x.dtype):
-            return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise, as_dtype=as_dtype)
-        return self._lean_cast(x, rowwise, columnwise, "quantize_current_column_sums", _generic_sums_caster, rounds)
+    def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+        """The ops' column-sums casts, lean as :meth:`cast` (fp32 cast as bf16 rounded as the kernel reads it)."""
+        return self._lean_cast(x, rowwise, columnwise, "quantize_current_column_sums", _generic_sums_caster,
+                               round_bf16)
 
     def _lean_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, generic,
                    round_bf16: bool = False):

@@ -193,17 +193,12 @@ class DelayedScalingQuantizer(Quantizer):
         rowwise_op, columnwise_op, _ = self._cast(self._flat(x), rowwise, columnwise, "quantize_tensorwise")
         return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, x.dtype)
 
-    def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
-                                  as_dtype: torch.dtype | None = None):
-        """:meth:`Quantizer.quantize_with_column_sums`, lean for the ops' calls as
-        :meth:`cast`; fp32 ``x`` cast as bf16 is rounded as the kernel reads it."""
-        rounds = self._rounds_to_bf16(x, as_dtype)
-        if not self._lean(x, rowwise, columnwise) or not (rounds or as_dtype is None or as_dtype is x.dtype):
-            return super().quantize_with_column_sums(x, rowwise=rowwise, columnwise=columnwise, as_dtype=as_dtype)
+    def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+        """The ops' column-sums casts, lean as :meth:`cast` (fp32 cast as bf16 rounded as the kernel reads it)."""
         rowwise_op, columnwise_op, sums = self._cast(self._flat(x), rowwise, columnwise,
-                                                     "quantize_tensorwise_column_sums", rounds)
+                                                     "quantize_tensorwise_column_sums", round_bf16)
         return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape,
-                                       torch.bfloat16 if rounds else x.dtype), sums
+                                       torch.bfloat16 if round_bf16 else x.dtype), sums
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
