@@ -246,14 +246,14 @@ def host_profile(step, steps: int, top: int, dump: str | None = None) -> None:
 def _separate_launches(step):
     """``step`` with the CUDA casts' one-launch path off for its duration (the same
     model and bits; the launches of the transposing casts apart)."""
-    from te_fuser.kernels.cuda._build import extension
+    from te_fuser.kernels.cuda import set_one_launch_casts
 
     def separate():
-        previous = extension().one_launch_casts(False)
+        previous = set_one_launch_casts(False)
         try:
             step()
         finally:
-            extension().one_launch_casts(previous)
+            set_one_launch_casts(previous)
 
     return separate
 

@@ -285,8 +285,6 @@ def test_the_one_launch_cast_is_the_separate_launches(shape, hp, kind):
     separate launches (amax pass, cast, sum of the tiles' column sums; delayed
     scaling's zeroed amax), bit for bit: copies, scales, amax and sums. (16384, 4096)
     has more tiles than the GPU holds blocks at once, so blocks cast several."""
-    from te_fuser.kernels.cuda._build import extension
-
     x = _data(shape, hp, seed=3)
     if hp is torch.float32 and kind.endswith("sums"):
         x = x * 1.0001  # values off the bf16 grid, for the reads through bf16 below
@@ -304,11 +302,11 @@ def test_the_one_launch_cast_is_the_separate_launches(shape, hp, kind):
         return cuda.quantize_tensorwise_column_sums(x, scale, E5M2, True, True, None, hp is torch.float32)
 
     one = cast()
-    previous = extension().one_launch_casts(False)
+    previous = cuda.set_one_launch_casts(False)
     try:
         separate = cast()
     finally:
-        extension().one_launch_casts(previous)
+        cuda.set_one_launch_casts(previous)
     assert previous is True
     for i, (a, b) in enumerate(zip(one, separate)):
         assert (a is None) == (b is None), f"{kind} output {i}"

@@ -166,7 +166,8 @@ def _through_bf16(x: torch.Tensor, round_bf16: bool, op: str) -> torch.Tensor:
 
 
 def _check_no_rounding(round_bf16: bool, op: str) -> None:
-    """Only the column-sums casts read x through bf16 (a gradient that arrives in fp32)."""
+    """Only the column-sums casts read x through bf16 (a gradient that arrives in fp32);
+    a prepared cast of another kernel checks before anything else."""
     if round_bf16:
         raise ValueError(f"{op}: round_bf16 is an argument of the column-sums casts only")
 
@@ -206,6 +207,8 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
     checked = quantize_tensorwise_column_sums if sums else quantize_tensorwise
 
     def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
+        if round_bf16 and not sums:
+            _check_no_rounding(round_bf16, op)
         hp = codes.get(x.dtype)
         index = x.get_device()
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
@@ -215,11 +218,8 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
             if sums:
                 out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax, round_bf16)
                 return out[0], out[1], out[3], out[2]
-            _check_no_rounding(round_bf16, op)
             out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax)
             return out[0], out[1], None, out[2]
-        if round_bf16 and not sums:
-            _check_no_rounding(round_bf16, op)
         if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
             x = aligned_contiguous(x)
         rows, cols = x.shape
@@ -308,6 +308,8 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
     codes = HP_CODES
 
     def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
+        if round_bf16 and not sums:
+            _check_no_rounding(round_bf16, op)
         hp = codes.get(x.dtype)
         index = x.get_device()
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
@@ -316,11 +318,8 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
                 data, data_t, _, scale_inv, _, col = quantize_current_column_sums(x, fp8_dtype, power_2, epsilon,
                                                                                   rowwise, columnwise, round_bf16)
                 return data, data_t, scale_inv, col
-            _check_no_rounding(round_bf16, op)
             data, data_t, _, scale_inv, _ = quantize_current(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
             return data, data_t, scale_inv, None
-        if round_bf16 and not sums:
-            _check_no_rounding(round_bf16, op)
         if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
             x = aligned_contiguous(x)
         rows, cols = x.shape

@@ -213,44 +213,47 @@ class Quantizer:
         gradient that arrives in fp32 for GEMMs that compute in bf16, whose bias
         sums it as it arrives. A scheme may round as it reads (no converted copy).
         The ops' calls take a scheme's :meth:`_lean_column_sums` where it has one."""
-        if self._lean_column_sums is not None:
-            rounds = self._lean_rounding(x, rowwise, columnwise, as_dtype)
-            if rounds is not None:
-                return self._lean_column_sums(x, rowwise, columnwise, rounds)
+        if self._lean_column_sums is not None and self._lean(x, rowwise, columnwise):
+            through_bf16 = self._through_bf16(x, as_dtype)
+            if through_bf16 is not None:
+                return self._lean_column_sums(x, rowwise, columnwise, through_bf16)
         self._check_input(x, rowwise, columnwise)
         as_dtype = self._checked_as_dtype(as_dtype, x)
         shape = x.shape
         if self._constrains_shape:
             self.check_shape(tuple(shape), rowwise=rowwise, columnwise=columnwise)
         x_hp = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
-        rowwise_op, columnwise_op, sums = self._quantize_with_column_sums(x_hp, rowwise, columnwise, as_dtype)
+        through_bf16 = self._through_bf16(x_hp, as_dtype)
+        if through_bf16 is None:  # a converted copy to cast; the sums of x as it came
+            sums = x_hp.sum(dim=0, dtype=torch.float32)  # (K,)
+            rowwise_op, columnwise_op = self._quantize(x_hp.to(as_dtype), rowwise, columnwise)
+        else:
+            rowwise_op, columnwise_op, sums = self._quantize_with_column_sums(x_hp, rowwise, columnwise, through_bf16)
         return QuantizedTensor(rowwise_op, columnwise_op, shape, as_dtype), sums
 
-    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool,
-                                   as_dtype: torch.dtype):
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+        """The copies of ``x_hp`` (M, K) (``round_bf16``: of ``x_hp.to(bfloat16)``) and its
+        column sums; by default the sums take a pass of their own."""
         sums = x_hp.sum(dim=0, dtype=torch.float32)  # (K,)
-        rowwise_op, columnwise_op = self._quantize(x_hp if as_dtype is x_hp.dtype else x_hp.to(as_dtype), rowwise,
+        rowwise_op, columnwise_op = self._quantize(x_hp.to(torch.bfloat16) if round_bf16 else x_hp, rowwise,
                                                    columnwise)
         return rowwise_op, columnwise_op, sums
 
-    @staticmethod
-    def _rounds_to_bf16(x: torch.Tensor, as_dtype: torch.dtype | None) -> bool:
-        """Whether a column-sums cast of ``x`` with ``as_dtype`` is the one the
-        per-tensor kernels round as they read (``round_bf16``): fp32 to bf16."""
-        return as_dtype is torch.bfloat16 and x.dtype is torch.float32
-
+    # Whether the scheme's column-sums cast reads an fp32 x as bf16 itself (round_bf16).
+    reads_through_bf16 = False
     # A scheme's lean column-sums cast of an ops' call, ``(x, rowwise, columnwise,
-    # round_bf16) -> (QuantizedTensor, sums)`` (see :meth:`_lean_rounding`), or None.
+    # round_bf16) -> (QuantizedTensor, sums)``, or None.
     _lean_column_sums = None
 
-    def _lean_rounding(self, x, rowwise, columnwise, as_dtype) -> bool | None:
-        """For a scheme's lean :meth:`quantize_with_column_sums`: whether its kernel
-        reads ``x`` through bf16 (:meth:`_rounds_to_bf16`), or None where the call
-        takes the checked path (not an ops' call, or another conversion)."""
-        rounds = self._rounds_to_bf16(x, as_dtype)
-        if not self._lean(x, rowwise, columnwise) or not (rounds or as_dtype is None or as_dtype is x.dtype):
-            return None
-        return rounds
+    def _through_bf16(self, x: torch.Tensor, as_dtype: torch.dtype | None) -> bool | None:
+        """How a column-sums cast of ``x`` as ``as_dtype`` reads x: as it is (False),
+        rounded to bf16 by the scheme's own cast (True: fp32 as bf16, where the scheme
+        :attr:`reads_through_bf16`), or None: through a converted copy."""
+        if as_dtype is None or as_dtype is x.dtype:
+            return False
+        if self.reads_through_bf16 and as_dtype is torch.bfloat16 and x.dtype is torch.float32:
+            return True
+        return None
 
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record what the scaling state needs from ``x`` without casting."""

@@ -45,6 +45,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     """
 
     scaling = Scaling.TENSOR
+    reads_through_bf16 = True
 
     def __init__(
         self,
@@ -90,11 +91,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         """The lean path's cast of ``x`` flattened to (M, K) through ``kernel``:
         (the copies, the column sums or None); ``round_bf16``: of x read as bf16."""
         x2d = self._flat(x)  # (M, K)
-        caster = self._caster(kernel, x2d.device, generic)
-        if round_bf16:
-            data, data_t, scale_inv, sums = caster(x2d, rowwise, columnwise, True)
-        else:
-            data, data_t, scale_inv, sums = caster(x2d, rowwise, columnwise)
+        data, data_t, scale_inv, sums = self._caster(kernel, x2d.device, generic)(x2d, rowwise, columnwise, round_bf16)
         q = QuantizedTensor.of_cast(tensor_scaled(data, scale_inv) if rowwise else None,
                                     tensor_scaled(data_t, scale_inv) if columnwise else None, x.shape,
                                     torch.bfloat16 if round_bf16 else x.dtype)
@@ -124,18 +121,16 @@ class Float8CurrentScalingQuantizer(Quantizer):
             shard, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, True, False, amax)
         return data, scale_inv
 
-    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool,
-                                   as_dtype: torch.dtype):
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
         """The cast also sums the columns (from its amax pass or its cast pass, as the
         backend's kernel reads them; under a sequence-parallel group the cast takes
-        the reduced amax and the sums are a pass of their own). fp32 cast as bf16:
-        the kernel rounds as it reads; another ``as_dtype``: a converted copy."""
-        rounds = self._rounds_to_bf16(x_hp, as_dtype)
-        if self.sequence_parallel_group is not None or not (rounds or as_dtype is x_hp.dtype):
-            return super()._quantize_with_column_sums(x_hp, rowwise, columnwise, as_dtype)
+        the reduced amax and the sums are a pass of their own); ``round_bf16``: the
+        kernel reads x rounded to bf16."""
+        if self.sequence_parallel_group is not None:
+            return super()._quantize_with_column_sums(x_hp, rowwise, columnwise, round_bf16)
         cast = backend.resolve("quantize_current_column_sums", x_hp.device).fn
         x_fp8, x_fp8_t, _scale, scale_inv, _amax, sums = cast(
-            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise, rounds
+            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise, round_bf16
         )
         rowwise_op = ScaledOperand(x_fp8, scale_inv, Scaling.TENSOR) if rowwise else None
         columnwise_op = ScaledOperand(x_fp8_t, scale_inv, Scaling.TENSOR) if columnwise else None

@@ -112,6 +112,7 @@ class DelayedScalingQuantizer(Quantizer):
     """
 
     scaling = Scaling.TENSOR
+    reads_through_bf16 = True
 
     def __init__(
         self,
@@ -206,15 +207,10 @@ class DelayedScalingQuantizer(Quantizer):
         rowwise_op, columnwise_op, _ = self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise")
         return rowwise_op, columnwise_op
 
-    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool,
-                                   as_dtype: torch.dtype):
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
         """The one-pass cast also sums the columns (the same state update as a plain
-        cast); fp32 cast as bf16: the kernel rounds as it reads; another ``as_dtype``:
-        a converted copy."""
-        rounds = self._rounds_to_bf16(x_hp, as_dtype)
-        if not (rounds or as_dtype is x_hp.dtype):
-            return super()._quantize_with_column_sums(x_hp, rowwise, columnwise, as_dtype)
-        return self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise_column_sums", rounds)
+        cast); ``round_bf16``: the kernel reads x rounded to bf16."""
+        return self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise_column_sums", round_bf16)
 
     def _cast(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool = False):
         """Cast with the current scale through ``kernel`` (returning the data, the
@@ -229,10 +225,7 @@ class DelayedScalingQuantizer(Quantizer):
                        backend.resolve("quantize_tensorwise", device).fn)
         cast = self._caster(kernel, device, _generic_tensorwise)
         scale_inv = self._scale_inv  # the state is rebound, never written in place
-        if round_bf16:
-            x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise, True)
-        else:
-            x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise)
+        x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise, round_bf16)
         self._record(amax)
         rowwise_op = tensor_scaled(x_fp8, scale_inv) if rowwise else None  # (M, K)
         columnwise_op = tensor_scaled(x_fp8_t, scale_inv) if columnwise else None  # (K, M)
