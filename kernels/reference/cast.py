@@ -190,9 +190,7 @@ def quantize_current_column_sums_reference(
     Returns ``(data, data_t, scale, scale_inv, amax, sums)``.
     """
     check_matrix(x, "quantize_current_column_sums")
-    xc = _rounded(x, round_bf16)
-    amax = amax_column_sums_reference(xc)[0]
-    return (*quantize_current_reference(xc, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax),
+    return (*quantize_current_reference(_rounded(x, round_bf16), fp8_dtype, power_2, epsilon, rowwise, columnwise),
             x.sum(dim=0, dtype=torch.float32))
 
 
