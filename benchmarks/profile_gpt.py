@@ -276,6 +276,11 @@ def main(argv=None):
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                    help="then time every arm again on a model of its own, the arms taking turns step by step for "
                         "ROUNDS rounds (medians): a drift of the host's speed touches every arm alike")
+    p.add_argument("--run-length", type=int, nargs="+", default=[1], metavar="STEPS",
+                   help="with --interleave: each turn runs STEPS steps back to back and syncs once after them, as "
+                        "a training loop that does not wait on every step (1: a sync after every step, so a host "
+                        "slower than the GPU in the forward is never hidden behind the previous step's backward); "
+                        "several values: a table each")
     p.add_argument("--phases", action="store_true",
                    help="also time, per arm, the host and the GPU in each phase of the step (forward, backward, "
                         "optimizer): where the GPU waits on the host")
@@ -347,11 +352,13 @@ def main(argv=None):
                                           RECIPES[name], batch)
             if args.separate_launches:
                 steps[f"te {name}, separate launches"] = _separate_launches(steps[f"te {name}"])
-        medians = harness.interleaved_ms(steps, args.interleave, sync=torch.cuda.synchronize)
-        base = medians["torch bf16"]
-        print(f"\ninterleaved ({args.interleave} rounds)  ms/step   tokens/s   vs torch bf16")
-        for label, ms in medians.items():
-            print(f"{label:<22} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x")
+        for run_length in args.run_length:
+            medians = harness.interleaved_ms(steps, args.interleave, steps=run_length, sync=torch.cuda.synchronize)
+            base = medians["torch bf16"]
+            print(f"\ninterleaved ({args.interleave} rounds, {run_length} step(s) a turn)  ms/step   tokens/s   "
+                  "vs torch bf16")
+            for label, ms in medians.items():
+                print(f"{label:<22} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x")
 
 
 

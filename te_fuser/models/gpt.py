@@ -138,12 +138,19 @@ def split_corpus(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sample_windows(data: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
     """``batch`` windows of ``seq_len + 1`` consecutive bytes at random offsets, as
-    int64 (B, T+1): inputs are ``[:, :-1]``, next-byte targets ``[:, 1:]``."""
+    int64 (B, T+1): inputs are ``[:, :-1]``, next-byte targets ``[:, 1:]``. The
+    offsets are drawn on the host (``generator``) and reach a GPU without a wait."""
     if len(data) < seq_len + 1:
         raise ValueError(f"sample_windows: a window of {seq_len + 1} bytes does not fit {len(data)} bytes of data")
     starts = torch.randint(0, len(data) - seq_len, (batch,), generator=generator)  # (B,)
     offsets = torch.arange(seq_len + 1)  # (T+1,)
-    return data[(starts[:, None] + offsets).to(data.device)].long()  # (B, T+1)
+    index = starts[:, None] + offsets  # (B, T+1), on the host
+    if data.is_cuda:
+        # from pinned memory, without waiting: a copy from pageable memory first waits
+        # for everything queued on the stream, so a host that launches ahead of the
+        # GPU would start every step on an idle GPU
+        index = index.pin_memory().to(data.device, non_blocking=True)
+    return data[index.to(data.device)].long()  # (B, T+1)
 
 
 # -- the models --------------------------------------------------------------------
