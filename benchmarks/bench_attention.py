@@ -12,7 +12,7 @@ D=128, 16 heads, causal): bf16 forward >= 0.9x SDPA, FP8 forward >= 1.3x, backwa
     python benchmarks/bench_attention.py [--cases main all] [--sweep] [--autotune] [--csv FILE]
 
 ``--sweep`` times every launch shape of ``AUTOTUNE_CONFIGS`` for each kernel at the
-main case (the plans ``ATTENTION_PLANS`` should hold); ``--autotune`` times the
+main case, or at ``--sweep-case`` (the plans ``ATTENTION_PLANS`` should hold); ``--autotune`` times the
 kernels under triton.autotune instead of the fixed plans and prints its picks.
 """
 
@@ -162,9 +162,9 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
     return rows
 
 
-def sweep(ceiling: float) -> list[Row]:
-    """Every launch shape of AUTOTUNE_CONFIGS for each kernel, at the main case."""
-    B, H, Hkv, T, D, causal = CASES["main"]
+def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
+    """Every launch shape of AUTOTUNE_CONFIGS for each kernel (or those named), at one case."""
+    B, H, Hkv, T, D, causal = CASES[case_name]
     label, scale = _label(B, H, Hkv, T, D, causal), 1 / math.sqrt(D)
     q, k, v = (torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
     (q8, qsi), (k8, ksi), (v8, vsi) = _fp8(q), _fp8(k), _fp8(v)
@@ -180,6 +180,8 @@ def sweep(ceiling: float) -> list[Row]:
     }
     rows = []
     for kernel, configs in attn.AUTOTUNE_CONFIGS.items():
+        if kernels and kernel not in kernels:
+            continue
         fn, factor = calls[kernel]
         saved = attn.ATTENTION_PLANS.get((kernel, D))
         for config in configs:
@@ -226,6 +228,9 @@ def main(argv=None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["all"], help=f"of {list(CASES)} or all")
     parser.add_argument("--sweep", action="store_true", help="time every launch shape at the main case")
+    parser.add_argument("--sweep-case", default="main", choices=list(CASES), help="the case the sweep runs at")
+    parser.add_argument("--sweep-kernels", nargs="+", choices=["fwd", "fwd_fp8", "dq", "dkdv"],
+                        help="the kernels the sweep times (default: all)")
     parser.add_argument("--autotune", action="store_true", help="the kernels under triton.autotune")
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/out/results.csv, untracked)")
     args = parser.parse_args(argv)
@@ -244,8 +249,8 @@ def main(argv=None) -> list[Row]:
             best = getattr(attn._autotuned(kernel), "best_config", None)
             print(f"autotune {kernel}: {best}")
     if args.sweep:
-        sweep_rows = sweep(ceiling)
-        harness.print_table(sweep_rows, "attention launch shapes (main case)")
+        sweep_rows = sweep(ceiling, args.sweep_case, args.sweep_kernels)
+        harness.print_table(sweep_rows, f"attention launch shapes ({args.sweep_case} case)")
         rows += sweep_rows
     harness.append_csv(rows, args.csv)
     harness.print_table([r for r in rows if r.bench == "attention"], "flash attention vs torch SDPA bf16 (flash)")
