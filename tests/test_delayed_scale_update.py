@@ -49,8 +49,9 @@ def _many_as_one(amax_history, amax, scale, nonfinite_count, fp8_dtype, margin=0
 IMPLEMENTATIONS = {"reference": ref.delayed_scale_update_reference, "triton": tk.delayed_scale_update,
                    "many": _many_as_one,
                    "triton many": functools.partial(_many_as_one, many=tk.delayed_scale_update_many)}
-if cuda.unavailable_reason() is None:  # a Hopper GPU with the CUDA build: the CUDA kernel too
+if cuda.unavailable_reason() is None:  # a Hopper GPU with the CUDA build: the CUDA kernels too
     IMPLEMENTATIONS["cuda"] = cuda.delayed_scale_update
+    IMPLEMENTATIONS["cuda many"] = functools.partial(_many_as_one, many=cuda.delayed_scale_update_many)
 
 # This call's amax: zero, non-finite, tiny (the quotient overflows: a subnormal and a
 # normal one), ordinary, huge, and two whose scale under margin 200 is subnormal and
@@ -347,3 +348,55 @@ def test_compiled_update_in_a_quantizer_matches_reference():
         for field, g, w in zip(("data", "data_t", "scale_inv used", "history", "scale", "scale_inv", "count"),
                                got, want):
             assert_bitwise(g, w, f"step {step}: {field}")
+
+
+@pytest.mark.skipif(cuda.unavailable_reason() is not None, reason="the CUDA kernels need a Hopper GPU and the CUDA build")
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 70])
+def test_cuda_many_reads_each_quantizer_where_it_is(n):
+    """The CUDA batched update of ``n`` quantizers (one launch per 32): every row
+    bit for bit the single reference update of that quantizer's own tensors, which
+    it leaves unwritten; the scales 16 bytes apart; a one-element amax or count of
+    another shape and a history that is a strided view are taken as they are."""
+    gen = torch.Generator().manual_seed(n)
+    length = 7
+    rows = []
+    for i in range(n):
+        history = torch.tensor(_history(length, i % 4, gen), dtype=torch.float32)
+        amax = torch.tensor([f32(AMAXES[i % len(AMAXES)])], dtype=torch.float32)
+        rows.append((history, amax, torch.tensor(f32(0.37 * (i + 1))), torch.tensor(i, dtype=torch.int64)))
+    margin, algo = (200, "max") if n % 2 else (3, "most_recent")
+    on_gpu = [tuple(t.cuda() for t in row) for row in rows]
+    wide = torch.zeros(length, 2, device="cuda")
+    wide[:, 0] = on_gpu[0][0]
+    on_gpu[0] = (wide[:, 0], on_gpu[0][1].reshape(1, 1), on_gpu[0][2].reshape(1), on_gpu[0][3].reshape(1))
+    kept = [tuple(t.clone() for t in row) for row in on_gpu]
+    out = cuda.delayed_scale_update_many(*map(list, zip(*on_gpu)), E5M2, margin, algo)
+    assert out[0].shape == (n, length) and out[1].stride() == (4,) and out[2].stride() == (4,)
+    for i, row in enumerate(rows):
+        want = ref.delayed_scale_update_reference(*row, E5M2, margin, algo)
+        for field, got, w in zip(("history", "scale", "scale_inv", "count"), (o[i] for o in out), want):
+            assert_bitwise(got.cpu(), w, f"n={n} row {i} {field}")
+        assert out[1][i].data_ptr() % 16 == 0 and out[2][i].data_ptr() % 16 == 0, f"n={n} row {i}"
+        for old, before in zip(on_gpu[i], kept[i]):
+            assert_bitwise(old, before, f"n={n} row {i}: an input was written")
+
+
+@pytest.mark.skipif(cuda.unavailable_reason() is not None, reason="the CUDA kernels need a Hopper GPU and the CUDA build")
+def test_cuda_many_errors_name_the_argument():
+    h, a, s, c = (torch.zeros(4, device="cuda"), torch.zeros(1, device="cuda"), torch.ones((), device="cuda"),
+                  torch.zeros((), dtype=torch.int64, device="cuda"))
+    many = cuda.delayed_scale_update_many
+    cases = [
+        (([h, torch.zeros(5, device="cuda")], [a, a], [s, s], [c, c]), "do not stack"),
+        (([h], [a, a], [s], [c]), "equally long"),
+        (([h], [a.double()], [s], [c]), "one-element fp32 amaxes"),
+        (([h], [a], [s], [c.float()]), "int64 counts"),
+        (([], [], [], []), "equally long and not empty"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            many(*args, E4M3)
+    with pytest.raises(ValueError, match="margin must be an integer >= 0"):
+        many([h], [a], [s], [c], E4M3, margin=-1)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        many([h.cpu()], [a.cpu()], [s.cpu()], [c.cpu()], E4M3)

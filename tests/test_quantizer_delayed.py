@@ -8,6 +8,8 @@ margin divides by an exact power of two.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -429,7 +431,8 @@ def _resolved_kernels(monkeypatch) -> list:
 def test_a_call_updates_the_state_in_one_kernel(monkeypatch, algo):
     """A cast leaves its update waiting until the state is read; then ``"max"`` and
     ``"most_recent"`` update with one delayed_scale_update call (one launch on a
-    GPU), a callable algorithm with torch ops."""
+    GPU; the batched kernel is asked first whether it takes a batch of one, and
+    the reference does not), a callable algorithm with torch ops."""
     quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3, amax_compute_algo=algo)
     quantizer(with_amax(2.0))
     quantizer.scale  # noqa: B018 -- applies the first update
@@ -438,7 +441,8 @@ def test_a_call_updates_the_state_in_one_kernel(monkeypatch, algo):
     assert names == ["quantize_tensorwise"], names
     assert_bitwise(quantizer.amax_history[:2], torch.tensor([4.0, 2.0]), "the read applied the update")
     fused = isinstance(algo, str)
-    assert names == ["quantize_tensorwise"] + (["delayed_scale_update"] if fused else []), names
+    assert names == ["quantize_tensorwise"] + (["delayed_scale_update_many", "delayed_scale_update"] if fused else []), \
+        names
 
 
 def _quantizer_set():
@@ -473,9 +477,42 @@ def test_waiting_updates_run_as_one_batch_per_configuration_bit_for_bit(monkeypa
         te.set_backend(previous)
 
 
+def _many_calls(monkeypatch) -> list:
+    """The calls of the batched update, one entry per call: the resolved kernel
+    wrapped (its attributes, ``min_batch`` among them, kept)."""
+    import functools
+
+    from te_fuser import backend
+
+    calls, resolve = [], backend.resolve
+
+    def counting(kernel, *args, **kwargs):
+        choice = resolve(kernel, *args, **kwargs)
+        if kernel != "delayed_scale_update_many":
+            return choice
+        fn = choice.fn
+
+        @functools.wraps(fn)
+        def counted(*a, **k):
+            calls.append(len(a[0]))
+            return fn(*a, **k)
+
+        return dataclasses.replace(choice, fn=counted)
+
+    monkeypatch.setattr(backend, "resolve", counting)
+    return calls
+
+
 def _batch_against_one_by_one(monkeypatch, amaxes):
+    from te_fuser import backend
+    from te_fuser.quantization.delayed import BATCH_FROM
+
     batched, one_by_one = _quantizer_set(), _quantizer_set()
-    names = _resolved_kernels(monkeypatch)
+    min_batch = getattr(backend.resolve("delayed_scale_update_many", torch.device(DEVICE)).fn, "min_batch",
+                        BATCH_FROM)
+    sizes = [BATCH_FROM + 1, BATCH_FROM, BATCH_FROM - 1]  # the kernel-updated configurations of _quantizer_set
+    batches = sum(size >= min_batch for size in sizes)
+    calls = _many_calls(monkeypatch)
     for step, row in enumerate(amaxes):
         inputs = [with_amax(a).to(DEVICE) for a in row]
         got = [q(x) for q, x in zip(batched, inputs)]  # their updates wait
@@ -484,7 +521,7 @@ def _batch_against_one_by_one(monkeypatch, amaxes):
             q.scale  # noqa: B018 -- each updates after its cast (the first read also applies the batch's)
             assert_bitwise(got[i].rowwise.data, want.rowwise.data, f"step {step} quantizer {i} FP8 data")
             assert_bitwise(got[i].rowwise.scale_inv, want.rowwise.scale_inv, f"step {step} quantizer {i} scale_inv")
-        assert names.count("delayed_scale_update_many") == 2 * (step + 1), names
+        assert len(calls) == batches * (step + 1), calls
     for i, (a, b) in enumerate(zip(batched, one_by_one)):
         for name in DelayedScalingQuantizer.STATE_TENSORS:
             assert_bitwise(a.state_tensors()[name], b.state_tensors()[name], f"quantizer {i} {name}")

@@ -14,7 +14,8 @@ for bit):
 - ``quantize_rowwise``: one scale per row (for row-wise scaled GEMMs);
 - ``quantize_mxfp8``: MXFP8 (E8M0 scale per 32 elements along the last dim);
 - ``delayed_scale_update``: delayed scaling's history, scale and count in one
-  block;
+  block; ``delayed_scale_update_many``: those of many quantizers, a block each,
+  read where they are (nothing stacked first);
 - ``layer_norm``, ``layer_norm_grad``: LayerNorm, a warp per row (the backward
   with a column-tiled kernel for the parameter gradients), launched from C++;
 - ``gemm``: ``torch._scaled_mm`` (cuBLASLt) plus one fused epilogue kernel;
@@ -40,7 +41,7 @@ from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp
                    quantize_tensorwise, quantize_tensorwise_column_sums)
 from .gemm import block_scaled_mm_available, gemm, gemm_unsupported_reason
 from .norm import layer_norm, layer_norm_grad
-from .scaling import delayed_scale_update
+from .scaling import delayed_scale_update, delayed_scale_update_many
 
 __all__ = [
     "quantize_tensorwise",
@@ -50,6 +51,7 @@ __all__ = [
     "quantize_rowwise",
     "quantize_mxfp8",
     "delayed_scale_update",
+    "delayed_scale_update_many",
     "layer_norm",
     "layer_norm_grad",
     "attention_forward",

@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "launchers.cuh"
 
@@ -247,6 +249,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update(
   return {new_history, new_scale, new_scale_inv, new_count};
 }
 
+// The same update for the quantizers of one configuration in one launch (per 32),
+// each read where its tensors are: (histories (n, length), scales (n,) and
+// scale_invs (n,) with their elements 16 bytes apart, counts (n,)), new tensors.
+// Every tensor is checked here (dtype, device, size; the histories contiguous),
+// the caller having checked only the configuration.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update_many(
+    const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& amaxes,
+    const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& counts, int64_t margin_steps,
+    double margin_rest, double fmax, bool algo_max, int64_t stream) {
+  const int64_t n = static_cast<int64_t>(histories.size());
+  if (n == 0 || static_cast<int64_t>(amaxes.size()) != n || static_cast<int64_t>(scales.size()) != n ||
+      static_cast<int64_t>(counts.size()) != n) {
+    throw std::invalid_argument(
+        "delayed_scale_update_many: amax_histories, amaxes, scales and nonfinite_counts must be equally long and "
+        "not empty");
+  }
+  const at::Tensor& first = histories[0];
+  const int64_t length = first.numel();
+  const c10::Device device = first.device();
+  auto fits = [&](const at::Tensor& t, at::ScalarType dtype, bool history) {
+    return t.scalar_type() == dtype && t.device() == device &&
+           (history ? (t.dim() == 1 && t.numel() == length && t.is_contiguous()) : t.numel() == 1);
+  };
+  std::vector<const float*> h(n), a(n), s(n);
+  std::vector<const int64_t*> c(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const char* bad = !fits(histories[i], at::kFloat, true) ? "amax_histories"
+                      : !fits(amaxes[i], at::kFloat, false) ? "amaxes"
+                      : !fits(scales[i], at::kFloat, false) ? "scales"
+                      : !fits(counts[i], at::kLong, false)  ? "nonfinite_counts"
+                                                             : nullptr;
+    if (bad != nullptr || length == 0 || !first.is_cuda()) {
+      throw std::invalid_argument(std::string("delayed_scale_update_many: ") + (bad ? bad : "amax_histories") +
+                                  "[" + std::to_string(i) +
+                                  "] does not fit: contiguous 1-D fp32 CUDA histories of one length, one-element "
+                                  "fp32 amaxes and scales and int64 counts, all on one device");
+    }
+    h[i] = histories[i].data_ptr<float>();
+    a[i] = amaxes[i].data_ptr<float>();
+    s[i] = scales[i].data_ptr<float>();
+    c[i] = counts[i].data_ptr<int64_t>();
+  }
+  const auto options = first.options();
+  at::Tensor new_history = at::empty({n, length}, options);
+  at::Tensor padded = at::empty({2, n, 4}, options);  // scale, then scale_inv: 16 bytes a row
+  at::Tensor new_scale = padded.as_strided({n}, {4}, padded.storage_offset());
+  at::Tensor new_scale_inv = padded.as_strided({n}, {4}, padded.storage_offset() + 4 * n);
+  at::Tensor new_count = at::empty({n}, options.dtype(at::kLong));
+  te_fuser::launch_delayed_scale_update_many(h.data(), a.data(), s.data(), c.data(), n, new_history.data_ptr<float>(),
+                                             padded.data_ptr<float>(), padded.data_ptr<float>() + 4 * n,
+                                             new_count.data_ptr<int64_t>(), length, static_cast<int>(margin_steps),
+                                             static_cast<float>(margin_rest), static_cast<float>(fmax), algo_max,
+                                             as_stream(stream));
+  return {new_history, new_scale, new_scale_inv, new_count};
+}
+
 int hp_code(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return 0;
@@ -306,6 +364,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast", &cast, "tensor-scaled FP8 cast, optionally with a transposed copy");
   m.def("cast_current", &cast_current, "current scaling's amax and cast, outputs allocated here");
   m.def("delayed_scale_update", &delayed_scale_update, "delayed scaling's history, scale and count in one launch");
+  m.def("delayed_scale_update_many", &delayed_scale_update_many,
+        "delayed scaling's update of many quantizers of one configuration, one launch per 32, nothing stacked first");
   m.def("cast_tensorwise", &cast_tensorwise, "delayed scaling's cast with a given scale, outputs allocated here");
   m.def("one_launch_casts", &one_launch_casts,
         "turn the transposing casts' one cooperative launch on or off; returns the previous state");

@@ -107,6 +107,16 @@ void launch_delayed_scale_update(const float* history, const float* amax, const 
                                  int64_t length, int margin_steps, float margin_rest, float fmax, bool algo_max,
                                  void* stream);
 
+// The same update for n quantizers of one configuration, read where each one's
+// tensors are (host arrays of n device pointers), written stacked: new_history
+// (n, length), new_scale and new_scale_inv 4 floats apart, new_count (n,). One
+// launch per 32 quantizers.
+void launch_delayed_scale_update_many(const float* const* histories, const float* const* amaxes,
+                                      const float* const* scales, const int64_t* const* counts, int64_t n,
+                                      float* new_history, float* new_scale, float* new_scale_inv, int64_t* new_count,
+                                      int64_t length, int margin_steps, float margin_rest, float fmax, bool algo_max,
+                                      void* stream);
+
 // LayerNorm of x (rows, n), row-major, with fp32 weight and bias (n,): y (rows, n),
 // mean and rstd (rows,) fp32.
 void launch_layer_norm(const void* x, int x_type, const float* weight, const float* bias, void* y, int y_type,

@@ -1,8 +1,13 @@
-"""Launcher of the CUDA delayed-scaling state update: check, then one C++ call
-that allocates the new state and launches one block (``scaling_kernels.cu``).
+"""Launchers of the CUDA delayed-scaling state update: check, then one C++ call
+that allocates the new state and launches one block per quantizer
+(``scaling_kernels.cu``).
 
-Same name, signature and results as the reference
-(:func:`te_fuser.kernels.reference.delayed_scale_update_reference`), bit for bit.
+Same names, signatures and results as the reference
+(:func:`te_fuser.kernels.reference.delayed_scale_update_reference` and
+``delayed_scale_update_many_reference``), bit for bit. The batched update reads
+each quantizer's tensors where they are (their addresses ride in the launch's
+parameters), so it stacks nothing first: one quantizer costs what the single
+update costs, and a batch of any size one launch per 32 quantizers.
 """
 
 from __future__ import annotations
@@ -10,11 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..formats import fp8_max
-from ..reference.scaling import AMAX_ALGOS, check_update_arguments
+from ..reference.scaling import AMAX_ALGOS, check_update_arguments, stack_update_state
 from ._build import extension, raw_stream
 from .cast import on_device
 
-__all__ = ["delayed_scale_update"]
+__all__ = ["delayed_scale_update", "delayed_scale_update_many"]
 
 _MARGIN_STEPS = 6  # after 6 divisions by 2**64 any fp32 is 0, inf or NaN: more change nothing
 
@@ -53,3 +58,52 @@ def delayed_scale_update(
         return extension().delayed_scale_update(
             amax_history, amax, scale, nonfinite_count, min(steps, _MARGIN_STEPS), float(2**rest),
             fp8_max(fp8_dtype), algo == "max", raw_stream(device))
+
+
+def delayed_scale_update_many(
+    amax_histories,
+    amaxes,
+    scales,
+    nonfinite_counts,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    algo: str = "max",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The updates of ``N`` quantizers of one configuration in one launch per 32:
+    ``(histories (N, L), scales (N,), scale_invs (N,), counts (N,))``, new tensors;
+    see :func:`~te_fuser.kernels.reference.delayed_scale_update_many_reference`. The
+    C++ entry checks every tensor; what it refuses (or a history that is not
+    contiguous) goes through the reference's checks, which name the argument."""
+    if (type(margin) is not int or margin < 0 or algo not in AMAX_ALGOS or not amax_histories
+            or not getattr(amax_histories[0], "is_cuda", False)):
+        _checked(amax_histories, amaxes, scales, nonfinite_counts, algo, margin)  # raises, naming what
+    steps, rest = divmod(margin, 64)
+    config = (min(steps, _MARGIN_STEPS), float(2**rest), fp8_max(fp8_dtype), algo == "max")
+    try:
+        return _many(amax_histories, amaxes, scales, nonfinite_counts, *config)
+    except (ValueError, TypeError):
+        pass
+    _checked(amax_histories, amaxes, scales, nonfinite_counts, algo, margin)
+    # what stacks and still did not fit: histories that are not contiguous, scalars of another one-element shape
+    return _many([h.contiguous() for h in amax_histories], [a.reshape(1) for a in amaxes],
+                 [x.reshape(()) for x in scales], [c.reshape(()) for c in nonfinite_counts], *config)
+
+
+def _checked(amax_histories, amaxes, scales, nonfinite_counts, algo, margin) -> None:
+    """The reference's checks of the arguments (a ValueError naming what does not
+    fit), then a RuntimeError for tensors that are not on a GPU."""
+    history, _, _, _ = stack_update_state(amax_histories, amaxes, scales, nonfinite_counts, algo, margin)
+    if not history.is_cuda:
+        raise RuntimeError(f"delayed_scale_update_many: the cuda backend needs CUDA tensors, got {history.device}")
+
+
+def _many(histories, amaxes, scales, counts, steps: int, rest: float, fmax: float, algo_max: bool):
+    device = histories[0].device
+    with on_device(device):
+        return extension().delayed_scale_update_many(histories, amaxes, scales, counts, steps, rest, fmax, algo_max,
+                                                     raw_stream(device))
+
+
+# quantizers of one configuration that update with this kernel rather than one update each:
+# from one on (nothing is stacked, so a batch of one costs what the single update does)
+delayed_scale_update_many.min_batch = 1
