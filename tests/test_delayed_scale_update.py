@@ -355,8 +355,8 @@ def test_compiled_update_in_a_quantizer_matches_reference():
 def test_cuda_many_reads_each_quantizer_where_it_is(n):
     """The CUDA batched update of ``n`` quantizers (one launch per 32): every row
     bit for bit the single reference update of that quantizer's own tensors, which
-    it leaves unwritten; the scales 16 bytes apart; a one-element amax or count of
-    another shape and a history that is a strided view are taken as they are."""
+    it leaves unwritten; the scales 16 bytes apart; one-element amaxes, scales and
+    counts of other shapes (odd n) and a history that is a strided view are taken."""
     gen = torch.Generator().manual_seed(n)
     length = 7
     rows = []
@@ -366,9 +366,11 @@ def test_cuda_many_reads_each_quantizer_where_it_is(n):
         rows.append((history, amax, torch.tensor(f32(0.37 * (i + 1))), torch.tensor(i, dtype=torch.int64)))
     margin, algo = (200, "max") if n % 2 else (3, "most_recent")
     on_gpu = [tuple(t.cuda() for t in row) for row in rows]
+    if n % 2:
+        on_gpu = [(h, a.reshape(1, 1), s.reshape(1), c.reshape(1)) for h, a, s, c in on_gpu]
     wide = torch.zeros(length, 2, device="cuda")
     wide[:, 0] = on_gpu[0][0]
-    on_gpu[0] = (wide[:, 0], on_gpu[0][1].reshape(1, 1), on_gpu[0][2].reshape(1), on_gpu[0][3].reshape(1))
+    on_gpu[0] = (wide[:, 0], *on_gpu[0][1:])
     kept = [tuple(t.clone() for t in row) for row in on_gpu]
     out = cuda.delayed_scale_update_many(*map(list, zip(*on_gpu)), E5M2, margin, algo)
     assert out[0].shape == (n, length) and out[1].stride() == (4,) and out[2].stride() == (4,)

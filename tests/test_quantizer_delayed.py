@@ -510,7 +510,9 @@ def _batch_against_one_by_one(monkeypatch, amaxes):
     batched, one_by_one = _quantizer_set(), _quantizer_set()
     min_batch = getattr(backend.resolve("delayed_scale_update_many", torch.device(DEVICE)).fn, "min_batch",
                         BATCH_FROM)
-    sizes = [BATCH_FROM + 1, BATCH_FROM, BATCH_FROM - 1]  # the kernel-updated configurations of _quantizer_set
+    # the kernel-updated configurations of _quantizer_set as they flush: the first read of a
+    # one-by-one quantizer's state applies the batched ones' waiting amaxes with its own
+    sizes = [BATCH_FROM + 2, BATCH_FROM, BATCH_FROM - 1]
     batches = sum(size >= min_batch for size in sizes)
     calls = _many_calls(monkeypatch)
     for step, row in enumerate(amaxes):
@@ -521,7 +523,7 @@ def _batch_against_one_by_one(monkeypatch, amaxes):
             q.scale  # noqa: B018 -- each updates after its cast (the first read also applies the batch's)
             assert_bitwise(got[i].rowwise.data, want.rowwise.data, f"step {step} quantizer {i} FP8 data")
             assert_bitwise(got[i].rowwise.scale_inv, want.rowwise.scale_inv, f"step {step} quantizer {i} scale_inv")
-        assert len(calls) == batches * (step + 1), calls
+        assert len([c for c in calls if c > 1]) == batches * (step + 1), calls  # (a call of 1: one by one)
     for i, (a, b) in enumerate(zip(batched, one_by_one)):
         for name in DelayedScalingQuantizer.STATE_TENSORS:
             assert_bitwise(a.state_tensors()[name], b.state_tensors()[name], f"quantizer {i} {name}")

@@ -96,7 +96,8 @@ class AttentionPlan:
 # launch's specializations: 16-divisible pointers and strides): every entry
 # pipelines its loads (cp.async), runs its dots as wgmma and spills no registers
 # (dkdv at head dim 128: 6 spilled words); the FP8 forward's from the sweep
-# of bench_attention.py on an H200 (RESULTS.md run 56).
+# of bench_attention.py on an H200 (RESULTS.md run 56), the backward's at head
+# dim 64 from the sweep at the GPT's shape (run 103: B 16, 16 heads, seq 1024).
 ATTENTION_PLANS = {
     ("fwd", 128): AttentionPlan(128, 64, 8, 3),
     ("fwd", 64): AttentionPlan(128, 64, 4, 3),
@@ -104,9 +105,9 @@ ATTENTION_PLANS = {
     ("fwd_fp8", 128): AttentionPlan(64, 128, 4, 3),  # run 56's sweep: 0.653 ms against 0.710 for 128x128 w8
     ("fwd_fp8", 64): AttentionPlan(64, 128, 4, 3),
     ("dq", 128): AttentionPlan(128, 64, 8, 2),
-    ("dq", 64): AttentionPlan(128, 32, 4, 3),
+    ("dq", 64): AttentionPlan(64, 64, 4, 3),  # run 103's sweep at the GPT's shape: 0.498 ms against 0.532 (128x32)
     ("dkdv", 128): AttentionPlan(32, 128, 8, 2),  # the fewest spills of the sm_90 builds tried (6 stores)
-    ("dkdv", 64): AttentionPlan(32, 128, 8, 2),
+    ("dkdv", 64): AttentionPlan(32, 64, 4, 3),  # run 103: 0.385 ms a backward against 0.533 (32x128 w8 s2)
 }
 _INTERPRETED_PLANS = {  # small tiles: several per sequence at test sizes, both loops of each kernel run
     "fwd": AttentionPlan(32, 16, 4, 1),
