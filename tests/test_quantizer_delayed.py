@@ -431,8 +431,7 @@ def _resolved_kernels(monkeypatch) -> list:
 def test_a_call_updates_the_state_in_one_kernel(monkeypatch, algo):
     """A cast leaves its update waiting until the state is read; then ``"max"`` and
     ``"most_recent"`` update with one delayed_scale_update call (one launch on a
-    GPU; the batched kernel is asked first whether it takes a batch of one, and
-    the reference does not), a callable algorithm with torch ops."""
+    GPU), a callable algorithm with torch ops."""
     quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3, amax_compute_algo=algo)
     quantizer(with_amax(2.0))
     quantizer.scale  # noqa: B018 -- applies the first update
@@ -441,8 +440,7 @@ def test_a_call_updates_the_state_in_one_kernel(monkeypatch, algo):
     assert names == ["quantize_tensorwise"], names
     assert_bitwise(quantizer.amax_history[:2], torch.tensor([4.0, 2.0]), "the read applied the update")
     fused = isinstance(algo, str)
-    assert names == ["quantize_tensorwise"] + (["delayed_scale_update_many", "delayed_scale_update"] if fused else []), \
-        names
+    assert names == ["quantize_tensorwise"] + (["delayed_scale_update"] if fused else []), names
 
 
 def _quantizer_set():
@@ -478,8 +476,7 @@ def test_waiting_updates_run_as_one_batch_per_configuration_bit_for_bit(monkeypa
 
 
 def _many_calls(monkeypatch) -> list:
-    """The calls of the batched update, one entry per call: the resolved kernel
-    wrapped (its attributes, ``min_batch`` among them, kept)."""
+    """The calls of the batched update, one entry (its number of quantizers) per call."""
     import functools
 
     from te_fuser import backend
@@ -504,16 +501,9 @@ def _many_calls(monkeypatch) -> list:
 
 
 def _batch_against_one_by_one(monkeypatch, amaxes):
-    from te_fuser import backend
     from te_fuser.quantization.delayed import BATCH_FROM
 
     batched, one_by_one = _quantizer_set(), _quantizer_set()
-    min_batch = getattr(backend.resolve("delayed_scale_update_many", torch.device(DEVICE)).fn, "min_batch",
-                        BATCH_FROM)
-    # the kernel-updated configurations of _quantizer_set as they flush: the first read of a
-    # one-by-one quantizer's state applies the batched ones' waiting amaxes with its own
-    sizes = [BATCH_FROM + 2, BATCH_FROM, BATCH_FROM - 1]
-    batches = sum(size >= min_batch for size in sizes)
     calls = _many_calls(monkeypatch)
     for step, row in enumerate(amaxes):
         inputs = [with_amax(a).to(DEVICE) for a in row]
@@ -523,7 +513,10 @@ def _batch_against_one_by_one(monkeypatch, amaxes):
             q.scale  # noqa: B018 -- each updates after its cast (the first read also applies the batch's)
             assert_bitwise(got[i].rowwise.data, want.rowwise.data, f"step {step} quantizer {i} FP8 data")
             assert_bitwise(got[i].rowwise.scale_inv, want.rowwise.scale_inv, f"step {step} quantizer {i} scale_inv")
-        assert len([c for c in calls if c > 1]) == batches * (step + 1), calls  # (a call of 1: one by one)
+        # per step two batches: the first read of a one-by-one quantizer's state applies the
+        # batched ones' waiting amaxes with its own (BATCH_FROM + 1 alike, and it), then the
+        # BATCH_FROM of the second configuration; the BATCH_FROM - 1 of the third update one by one
+        assert calls == [BATCH_FROM + 2, BATCH_FROM] * (step + 1), calls
     for i, (a, b) in enumerate(zip(batched, one_by_one)):
         for name in DelayedScalingQuantizer.STATE_TENSORS:
             assert_bitwise(a.state_tensors()[name], b.state_tensors()[name], f"quantizer {i} {name}")

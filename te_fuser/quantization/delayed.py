@@ -75,11 +75,9 @@ def _generic_tensorwise(fn, fp8_dtype: torch.dtype):
 
 _STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_count")
 
-# Alike quantizers waiting at a flush from which they update as one batch through
-# a ``delayed_scale_update_many`` that stacks their state first: fewer update one
-# launch each, which on a GPU costs about what a batch's few torch ops and stacking
-# cost for that many (a step of the GPT has about 50 a pass). A kernel that stacks
-# nothing says so with its own ``min_batch``.
+# Alike quantizers waiting at a flush from which they update as one batch: fewer
+# update one launch each, which on a GPU costs about what a batch's few torch ops
+# and stacking cost for that many (a step of the GPT has about 50 a pass).
 BATCH_FROM = 8
 
 
@@ -340,12 +338,10 @@ class DelayedScalingQuantizer(Quantizer):
     @staticmethod
     def update_together(pairs: list) -> None:
         """Apply waiting amaxes, ``(quantizer, amax)`` with each quantizer once:
-        the quantizers of one configuration (device, history length, format,
-        margin, algorithm) with one ``delayed_scale_update_many`` when there are
-        at least its ``min_batch`` of them (:data:`BATCH_FROM` for a kernel that
-        stacks their state first; 1 for the CUDA one, which reads each where it
-        is), the others (and callable algorithms) each with its own update. Bit
-        for bit the same state either way."""
+        :data:`BATCH_FROM` or more quantizers of one configuration (device, history
+        length, format, margin, algorithm) with one ``delayed_scale_update_many``
+        over their stacked state, the others (and callable algorithms) each with
+        its own update. Bit for bit the same state either way."""
         groups: dict = {}
         for q, amax in pairs:
             if q._kernel_update:
@@ -354,12 +350,12 @@ class DelayedScalingQuantizer(Quantizer):
             else:
                 q._update(amax)
         for (device, _, fp8_dtype, margin, algo), members in groups.items():
-            update = backend.resolve("delayed_scale_update_many", device).fn
-            if len(members) < getattr(update, "min_batch", BATCH_FROM):
+            if len(members) < BATCH_FROM:
                 for q, amax in members:
                     q._update(amax)
                 continue
             qs = [q for q, _ in members]
+            update = backend.resolve("delayed_scale_update_many", device).fn
             histories, scales, scale_invs, counts = update(
                 [q._amax_history for q in qs], [amax for _, amax in members], [q._scale for q in qs],
                 [q._nonfinite_amax_count for q in qs], fp8_dtype, margin, algo)  # fmt: skip
