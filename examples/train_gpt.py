@@ -11,6 +11,8 @@ Arms, one after another, each from the same initial weights and on the same batc
   the fused groups instead, with the default schedule
   ``bf16,delayed,current,block,mxfp8,bf16`` (its FP8 attention phases are refused);
 - ``torch``: its plain-torch twin, ``TorchGPT``, in bf16 autocast throughout;
+- ``compiled``: the twin with each block ``torch.compile``d (inductor), in bf16
+  autocast throughout; by default on a GPU only (``--arms`` asks for it anywhere);
 - ``torchao``: the twin converted by ``torchao.float8.convert_to_float8_training``
   (tensorwise scaling), each block ``torch.compile``d; only on a GPU with torchao.
 
@@ -99,8 +101,8 @@ DEFAULT_SCHEDULES = {  # per --attention: torch's SDPA has no FP8 attention phas
     "sdpa": "bf16,delayed,current,block,mxfp8,bf16",
 }
 MIB = 2**20
-ARMS = ("te", "torch", "torchao")
-FIXED_NUMERICS = {"torch": "bf16", "torchao": "float8"}  # the arms that ignore the schedule's recipes
+ARMS = ("te", "torch", "compiled", "torchao")
+FIXED_NUMERICS = {"torch": "bf16", "compiled": "bf16", "torchao": "float8"}  # the arms that ignore the recipes
 ADAMW_KINDS = ("auto", "fused", "foreach", "for-loop")
 
 
@@ -192,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", help="te arm's phases: name[:steps],... with names from "
                    f"{', '.join(RECIPES)} (default: {DEFAULT_SCHEDULES['te']}; with --attention sdpa "
                    f"{DEFAULT_SCHEDULES['sdpa']})")
-    p.add_argument("--arms", type=_arm_list, default=list(ARMS), help="comma-separated (default: te,torch,torchao)")
+    p.add_argument("--arms", type=_arm_list, help="comma-separated, of " + ",".join(ARMS) + " (default: all of "
+                   "them on a GPU; te,torch,torchao elsewhere, where compiling the twin's blocks is the slow part)")
     p.add_argument("--batch", type=_positive_int, help="batch size (default: per size)")
     p.add_argument("--seq-len", type=_positive_int, help="sequence length (default: per size)")
     p.add_argument("--lr", type=_positive_float, help="peak learning rate (default: per size)")
@@ -231,6 +234,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device.type == "cuda" and not cuda:
         parser.error(f"--device {args.device}: CUDA is not available here")
     args.size = args.size or ("gpu" if args.device.type == "cuda" else "smoke")
+    if args.arms is None:
+        args.arms = list(ARMS) if args.device.type == "cuda" else [a for a in ARMS if a != "compiled"]
     defaults = SIZES[args.size]
     for name in ("steps", "lr", "corpus_bytes", "eval_batches"):
         if getattr(args, name) is None:
@@ -440,7 +445,7 @@ def evaluate(arm: Arm, run: Run, phase: Phase, step: int) -> dict:
 def _log(arm: Arm, step: int, total: int, phase: Phase, tokens_per_s: float) -> None:
     refusions = arm.refusions()
     tail = "" if refusions is None else f"  re-fusions {refusions}"
-    print(f"[{arm.name:<7}] step {step:>5}/{total} {arm.numerics(phase):<11} loss {arm.losses[-1]:.4f} bpb  "
+    print(f"[{arm.name:<8}] step {step:>5}/{total} {arm.numerics(phase):<11} loss {arm.losses[-1]:.4f} bpb  "
           f"{tokens_per_s / 1e3:8.1f}k tok/s{tail}", flush=True)
 
 
@@ -526,7 +531,7 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
     arm.phases.append(record)
     bf16 = "" if record["val_bpb_bf16"] is None else f", {record['val_bpb_bf16']:.4f} in bf16"
     speed = "" if tokens_per_s is None else f"; {tokens_per_s / 1e3:.1f}k tok/s"
-    print(f"[{arm.name:<7}] steps {first_step + 1}-{first_step + phase.steps} {arm.numerics(phase)}: "
+    print(f"[{arm.name:<8}] steps {first_step + 1}-{first_step + phase.steps} {arm.numerics(phase)}: "
           f"validation {record['val_bpb']:.4f} bpb{bf16}{speed}; first step {first_step_ms:.1f} ms", flush=True)
 
 
@@ -610,7 +615,12 @@ def _torchao_model(twin: TorchGPT) -> nn.Module:
     """The twin in torchao float8 (tensorwise), blocks compiled."""
     from torchao.float8 import convert_to_float8_training
 
-    model = convert_to_float8_training(twin)
+    return _blocks_compiled(convert_to_float8_training(twin))
+
+
+def _blocks_compiled(model: TorchGPT) -> TorchGPT:
+    """``model`` with each block ``torch.compile``d (the embedding, the final norm and
+    the head stay eager, as the loss around them)."""
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block)
     return model
@@ -644,6 +654,8 @@ def build_arms(run: Run) -> tuple[list[Arm], dict[str, str]]:
             arm.model = te_model
         elif name == "torch":
             arm.make = lambda: copy.deepcopy(twin).to(args.device)
+        elif name == "compiled":
+            arm.make = lambda: _blocks_compiled(copy.deepcopy(twin).to(args.device))
         else:
             skipped_why = _torchao_unavailable(args)
             if skipped_why is not None:

@@ -284,3 +284,30 @@ def test_the_determinism_check_finds_two_runs_identical(capsys):
     assert check.first_difference([1.0], [1.0]) is None
     assert check.main(["--schedule", "bf16:3,bf16:2,delayed:2", "--device", "cpu"]) == 0
     assert "eager 2  identical to eager 1" in capsys.readouterr().out
+
+
+def test_the_compiled_arm_is_the_twin_with_its_blocks_compiled(monkeypatch):
+    """``--arms compiled``: the plain-torch twin with each block through
+    ``torch.compile`` trains from the same weights on the same batches to the
+    twin's losses; it is in the default arms on a GPU only. On the CPU the blocks
+    compile with the ``aot_eager`` backend (the arm's wiring and autograd through
+    dynamo, without a C++ compile per test); a GPU run uses inductor."""
+    compile_, compiled_blocks = torch.compile, []
+
+    def aot_eager(module, **kwargs):
+        compiled_blocks.append(type(module).__name__)
+        return compile_(module, **{**kwargs, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", aot_eager)
+    argv = ["--size", "smoke", "--device", "cpu", "--schedule", "bf16:3", "--arms", "torch,compiled",
+            "--corpus-bytes", "300000", "--eval-batches", "1"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        report = train_gpt.main(argv)
+    assert compiled_blocks == ["TorchBlock"] * train_gpt.SIZES["smoke"].config.n_layer, compiled_blocks
+    eager, compiled = report["arms"]["torch"], report["arms"]["compiled"]
+    assert compiled["phases"][0]["numerics"] == "bf16"
+    for a, b in zip(eager["losses"], compiled["losses"], strict=True):
+        assert abs(a - b) < 2e-3, (eager["losses"], compiled["losses"])
+    assert abs(eager["evals"][-1]["val_bpb"] - compiled["evals"][-1]["val_bpb"]) < 2e-3
+    assert "compiled" not in train_gpt.parse_args(["--device", "cpu"]).arms
+    assert train_gpt.parse_args(["--device", "cpu", "--arms", "compiled"]).arms == ["compiled"]
