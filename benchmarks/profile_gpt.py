@@ -291,6 +291,9 @@ def main(argv=None):
                    help="with --interleave: also time each te arm with the transposing casts as separate launches "
                         "(amax pass, cast, column sums; a memset first under delayed scaling) rather than one "
                         "cooperative launch, taking turns with the others")
+    p.add_argument("--one-sequential", action="store_true",
+                   help="with --interleave: also time each te arm built with one Sequential a block "
+                        "(GPTConfig.layer='one_sequential': the residuals on channels), taking turns with the others")
     p.add_argument("--compile", action="store_true",
                    help="also time each te arm through torch.compile(model) (inductor), beside its eager steps")
     args = p.parse_args(argv)
@@ -352,6 +355,11 @@ def main(argv=None):
                                           RECIPES[name], batch)
             if args.separate_launches:
                 steps[f"te {name}, separate launches"] = _separate_launches(steps[f"te {name}"])
+            if args.one_sequential and config.attention == "te":
+                torch.manual_seed(0)
+                one = GPT(dataclasses.replace(config, layer="one_sequential"), device="cuda")
+                steps[f"te {name}, one Sequential"] = step_fn(
+                    one, torch.optim.AdamW(one.parameters(), lr=1e-4, fused=True), RECIPES[name], batch)
         for run_length in args.run_length:
             medians = harness.interleaved_ms(steps, args.interleave, steps=run_length, sync=torch.cuda.synchronize)
             base = medians["torch bf16"]

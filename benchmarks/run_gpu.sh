@@ -48,7 +48,7 @@ for part in $parts; do
         tests/test_fsdp.py 2>&1 | tee "$OUT/disttests.log" | tail -12 ;;
     determinism)  # the smoke GPT trained three times eagerly and once graphed: the same loss bits
       timeout 200 python3 benchmarks/check_determinism.py --graphed --repeats 3 2>&1 | tee "$OUT/determinism.log" | tail -6 ;;
-    profgpt) timeout 300 python3 benchmarks/profile_gpt.py --recipes ${PROF_RECIPES:-bf16 delayed current} --timed 5 --steps 2 ${PROF_HOST:+--host --dump $OUT} ${PROF_HOSTONLY:+--host-only} ${PROF_ATTENTION:+--attention $PROF_ATTENTION} ${PROF_COMPILE:+--compile} ${PROF_SOURCES:+--sources $PROF_SOURCES} ${PROF_PHASES:+--phases} ${PROF_INTERLEAVE:+--interleave $PROF_INTERLEAVE} ${PROF_SEPARATE:+--separate-launches} ${PROF_RUN:+--run-length $PROF_RUN} 2>&1 | tee -a "$OUT/profgpt.log" | tail -80 ;;
+    profgpt) timeout 300 python3 benchmarks/profile_gpt.py --recipes ${PROF_RECIPES:-bf16 delayed current} --timed 5 --steps 2 ${PROF_HOST:+--host --dump $OUT} ${PROF_HOSTONLY:+--host-only} ${PROF_ATTENTION:+--attention $PROF_ATTENTION} ${PROF_COMPILE:+--compile} ${PROF_SOURCES:+--sources $PROF_SOURCES} ${PROF_PHASES:+--phases} ${PROF_INTERLEAVE:+--interleave $PROF_INTERLEAVE} ${PROF_SEPARATE:+--separate-launches} ${PROF_RUN:+--run-length $PROF_RUN} ${PROF_ONE:+--one-sequential} 2>&1 | tee -a "$OUT/profgpt.log" | tail -80 ;;
     new)  # this stop's tests on the GPU: the CUDA casts and state update, the row-wise recipe, the guard, training
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
         tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \
