@@ -389,5 +389,7 @@ def activation_bias_backward(ctx_act, bias_op, dy):
     activation's saved input (for the fused ops that run the two together)."""
     x = saved_input(ctx_act)
     op = ctx_act.op
-    dx, db = backend.resolve("dact_dbias", x.device).fn(dy.to(x.dtype), x, op.kind, params=op.params)
-    return ctx_act.op._interleaved(dx), db.to(bias_op.bias.dtype)
+    dy = dy if dy.dtype is x.dtype else dy.to(x.dtype)
+    dx, db = backend.resolve("dact_dbias", x.device).fn(dy, x, op.kind, params=op.params)
+    dtype = bias_op.bias.dtype
+    return ctx_act.op._interleaved(dx), (db if db.dtype is dtype else db.to(dtype))

@@ -125,8 +125,7 @@ class LayerNorm(_Norm):
         lean = getattr(grad, "lean", None)  # the kernel's call without the generic checks, where it has one
         out = None if lean is None else lean(dy2d, x2d, scale, mean, rstd, add2d)
         dx, dw, db = grad(dy2d, x2d, scale, mean, rstd, grad_add=add2d) if out is None else out
-        pgrads = [None if not need else (g if g.dim() == p.dim() else g.reshape(p.shape)).to(p.dtype)
-                  for g, p, need in ((dw, weight, need_w), (db, bias, need_b))]
+        pgrads = [None if not need else _as_param(g, p) for g, p, need in ((dw, weight, need_w), (db, bias, need_b))]
         return (dx if dx.shape == dy.shape else dx.reshape(dy.shape)), pgrads
 
 
@@ -147,6 +146,12 @@ class RMSNorm(_Norm):
     def op_backward(self, ctx, dy, grad_extra_outputs):
         dx, dw = rms_norm_backward(ctx, self, dy)
         return dx, [dw], []
+
+
+def _as_param(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The gradient ``g`` in parameter ``p``'s shape and dtype (no call where it already is)."""
+    g = g if g.dim() == p.dim() else g.reshape(p.shape)
+    return g if g.dtype is p.dtype else g.to(p.dtype)
 
 
 def rms_norm_backward(ctx, op: RMSNorm, dy: torch.Tensor, grad_add: torch.Tensor | None = None):
