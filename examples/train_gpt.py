@@ -750,6 +750,7 @@ def print_summary(arms: list[Arm]) -> None:
             print(f"{arm.name:<8} {p['phase']:<11} {p['numerics']:<11} {p['val_bpb']:>8.4f} {bf16:>8} {speed:>8} "
                   f"{steady:>8} {p['first_step_ms']:>11.1f}")
     print("(k tok/s: a phase's steps after its first; steady: its last --log-every window)")
+    _print_ratios(arms)
     print(f"\n{'arm':<8} {'held as':<12} {'weights MiB':>11} {'params MiB':>10} {'start MiB':>9} {'peak MiB':>9}")
     for arm in arms:
         m = arm.memory
@@ -759,6 +760,26 @@ def print_summary(arms: list[Arm]) -> None:
               f"{start:>9} {peak:>9}")
     print("(weights: the linear layers', as held; params: all parameters and buffers; start and peak: CUDA memory "
           "allocated when the arm began training and at most while it trained)")
+
+
+def _print_ratios(arms: list[Arm]) -> None:
+    """Per phase, the te arm's tokens/s over each other arm's in the same phase and
+    the difference of their validation losses (te minus the other, bits per byte):
+    the comparison a run is made for, read off the same records as the table above."""
+    te_arm = next((a for a in arms if a.name == "te"), None)
+    peers = [a for a in arms if a is not te_arm]
+    if te_arm is None or not peers:
+        return
+    print(f"\n{'phase':<11} " + " ".join(f"{'te / ' + p.name:>16} {'bpb diff':>9}" for p in peers))
+    for i, phase in enumerate(te_arm.phases):
+        cells = []
+        for peer in peers:
+            other = peer.phases[i] if i < len(peer.phases) else None
+            ours, theirs = phase["tokens_per_s"], other and other["tokens_per_s"]
+            ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
+            diff = "-" if other is None else f"{phase['val_bpb'] - other['val_bpb']:+.4f}"
+            cells.append(f"{ratio:>16} {diff:>9}")
+        print(f"{phase['phase']:<11} " + " ".join(cells))
 
 
 def write_png(path: str, report: dict) -> None:

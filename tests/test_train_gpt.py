@@ -52,6 +52,20 @@ def smoke_run(tmp_path_factory):
     return report, json.loads((out / "run.json").read_text()), stdout.getvalue(), out
 
 
+def test_the_summary_compares_te_with_each_other_arm_per_phase(smoke_run):
+    """The run ends with te's tokens/s over the torch twin's and the difference of
+    their validation losses, per phase, from the report's own records."""
+    report, _, stdout, _ = smoke_run
+    lines = stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["phase", "te", "/"])
+    te_phases, torch_phases = report["arms"]["te"]["phases"], report["arms"]["torch"]["phases"]
+    for line, ours, theirs in zip(lines[head + 1:], te_phases, torch_phases, strict=False):
+        name, ratio, diff = line.split()
+        assert name == ours["phase"]
+        assert ratio == f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x", line
+        assert float(diff) == round(ours["val_bpb"] - theirs["val_bpb"], 4), line
+
+
 def test_smoke_run_trains_both_arms(smoke_run):
     report, _, _, _ = smoke_run
     assert set(report["arms"]) == {"te", "torch"}
