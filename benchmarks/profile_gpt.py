@@ -243,6 +243,13 @@ def host_profile(step, steps: int, top: int, dump: str | None = None) -> None:
     stats.sort_stats("tottime").print_stats(top)
 
 
+def _fresh_te_step(config: GPTConfig, recipe, batch):
+    """:func:`step_fn` of a te GPT of ``config`` made for it (seed 0) with fused AdamW."""
+    torch.manual_seed(0)
+    model = GPT(config, device="cuda")
+    return step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), recipe, batch)
+
+
 def _separate_launches(step):
     """``step`` with the CUDA casts' one-launch path off for its duration (the same
     model and bits; the launches of the transposing casts apart)."""
@@ -299,6 +306,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if args.one_sequential and args.attention != "te":
+        p.error("--one-sequential: one Sequential a block needs the te attention ops (--attention te)")
     config = dataclasses.replace(GPTConfig.gpu(), attention=args.attention)
     if args.host_only:
         config = dataclasses.replace(config, d_model=128, n_head=2, d_ffn=512, seq_len=64, batch_size=2)
@@ -349,17 +358,12 @@ def main(argv=None):
     if args.interleave:
         steps = {"torch bf16": step_fn(twin, torch.optim.AdamW(twin.parameters(), lr=1e-4, fused=True), None, batch)}
         for name in args.recipes:  # a model each: taking turns on one model would time recipe switches
-            torch.manual_seed(0)
-            model = GPT(config, device="cuda")
-            steps[f"te {name}"] = step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
-                                          RECIPES[name], batch)
+            steps[f"te {name}"] = _fresh_te_step(config, RECIPES[name], batch)
             if args.separate_launches:
                 steps[f"te {name}, separate launches"] = _separate_launches(steps[f"te {name}"])
-            if args.one_sequential and config.attention == "te":
-                torch.manual_seed(0)
-                one = GPT(dataclasses.replace(config, layer="one_sequential"), device="cuda")
-                steps[f"te {name}, one Sequential"] = step_fn(
-                    one, torch.optim.AdamW(one.parameters(), lr=1e-4, fused=True), RECIPES[name], batch)
+            if args.one_sequential:
+                steps[f"te {name}, one Sequential"] = _fresh_te_step(
+                    dataclasses.replace(config, layer="one_sequential"), RECIPES[name], batch)
         for run_length in args.run_length:
             medians = harness.interleaved_ms(steps, args.interleave, steps=run_length, sync=torch.cuda.synchronize)
             base = medians["torch bf16"]

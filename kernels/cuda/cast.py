@@ -165,11 +165,10 @@ def _through_bf16(x: torch.Tensor, round_bf16: bool, op: str) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def _check_no_rounding(round_bf16: bool, op: str) -> None:
+def _no_rounding(op: str) -> ValueError:
     """Only the column-sums casts read x through bf16 (a gradient that arrives in fp32);
-    a prepared cast of another kernel checks before anything else."""
-    if round_bf16:
-        raise ValueError(f"{op}: round_bf16 is an argument of the column-sums casts only")
+    a prepared cast of another kernel given ``round_bf16`` raises this before anything else."""
+    return ValueError(f"{op}: round_bf16 is an argument of the column-sums casts only")
 
 
 def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool,
@@ -208,7 +207,7 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
 
     def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
         if round_bf16 and not sums:
-            _check_no_rounding(round_bf16, op)
+            raise _no_rounding(op)
         hp = codes.get(x.dtype)
         index = x.get_device()
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
@@ -309,7 +308,7 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
 
     def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
         if round_bf16 and not sums:
-            _check_no_rounding(round_bf16, op)
+            raise _no_rounding(op)
         hp = codes.get(x.dtype)
         index = x.get_device()
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))

@@ -150,7 +150,9 @@ def sample_windows(data: torch.Tensor, batch: int, seq_len: int, generator: torc
         # for everything queued on the stream, so a host that launches ahead of the
         # GPU would start every step on an idle GPU
         index = index.pin_memory().to(data.device, non_blocking=True)
-    return data[index.to(data.device)].long()  # (B, T+1)
+    else:
+        index = index.to(data.device)
+    return data[index].long()  # (B, T+1)
 
 
 # -- the models --------------------------------------------------------------------
