@@ -620,7 +620,11 @@ def _torchao_model(twin: TorchGPT) -> nn.Module:
 
 def _blocks_compiled(model: TorchGPT) -> TorchGPT:
     """``model`` with each block ``torch.compile``d (the embedding, the final norm and
-    the head stay eager, as the loss around them)."""
+    the head stay eager, as the loss around them). Dynamo starts clean, as in a process
+    of the arm's own: the compiled and torchao arms run the same block code, whose
+    entries from an arm before would be checked first and count against its
+    recompile limit."""
+    torch._dynamo.reset()
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block)
     return model
