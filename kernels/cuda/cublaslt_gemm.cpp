@@ -16,9 +16,7 @@
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -115,13 +113,7 @@ Plan build_plan(cublasLtHandle_t handle, int64_t m, int64_t n, int64_t k, cudaDa
 
   cublasLtMatmulPreference_t preference = nullptr;
   check(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
-  // TE_FUSER_GEMM_WORKSPACE_BYTES (at most kWorkspaceBytes): a smaller limit for the
-  // heuristic's choice, read when a plan is built. Algorithms that use workspace
-  // (split-K, stream-K) may clear it first: one memset launch per call.
-  size_t workspace = kWorkspaceBytes;
-  if (const char* limit = std::getenv("TE_FUSER_GEMM_WORKSPACE_BYTES")) {
-    workspace = std::min(workspace, static_cast<size_t>(std::strtoull(limit, nullptr, 10)));
-  }
+  const size_t workspace = kWorkspaceBytes;
   const uint32_t aligns[4] = {static_cast<uint32_t>(align_b), static_cast<uint32_t>(align_a),
                               static_cast<uint32_t>(align_d), static_cast<uint32_t>(align_d)};
   check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
