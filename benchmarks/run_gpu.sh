@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn attngpt grouped norm
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn attngpt grouped norm launches
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -95,6 +95,8 @@ for part in $parts; do
     attngpt)  # the attention backward's launch shapes at the GPT's shape (B 16, 16 heads, seq 1024, head dim 64, causal)
       timeout 250 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels dq dkdv \
         2>&1 | tee "$OUT/attngpt.log" | tail -30 ;;
+    launches)  # kernels and memsets per call of each GEMM and cast entry at the GPT's shapes
+      timeout 200 python3 benchmarks/count_launches.py 2>&1 | tee "$OUT/launches.log" | tail -24 ;;
     norm)  # LayerNorm / RMSNorm: the kernels' tests at the GPT's sizes, the backends side by side, the op beside torch
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_norm.py 2>&1 | tee "$OUT/norm_tests.log" | tail -4
       timeout 150 python3 benchmarks/bench_norm.py 2>&1 | tee "$OUT/norm.log" | tail -24 ;;

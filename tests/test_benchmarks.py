@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import pathlib
 import subprocess
 import sys
@@ -108,3 +109,24 @@ def test_profile_gpt_finds_the_gpus_idle_gaps_and_the_frames_of_launches():
     assert got == {("kernel", "kernels/cuda/cast.py(3): cast"): 1.0, ("kernel", "(no frame)"): 2.0,
                    ("memset", "te_fuser/ops/fuser.py(1): run_forward"): 1.0,
                    ("memset", "te_fuser/ops/basic/linear.py(9): linear_forward <- aten::zero_"): 1.0}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the test below runs it")
+def test_count_launches_asks_for_a_gpu_on_cpu():
+    run = subprocess.run([sys.executable, "benchmarks/count_launches.py"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "needs a GPU" in run.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts what the GPU runs")
+def test_count_launches_sees_every_entry_launch_a_kernel():
+    """Each GEMM and cast row reports at least one kernel a call (none is missed by the count)."""
+    run = subprocess.run([sys.executable, "benchmarks/count_launches.py", "--tokens", "256", "--calls", "2"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line for line in run.stdout.splitlines()[1:] if line.startswith(("gemm", "cast"))]
+    assert len(rows) == 21
+    for line in rows:
+        kernels = float(re.split(r"\s{2,}", line)[1])
+        assert kernels >= 1.0, line
