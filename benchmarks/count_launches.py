@@ -34,7 +34,7 @@ def gemm_cases(tokens: int) -> dict:
     """name -> a call of ``fp8_gemm_tensorwise`` at the GPT's shapes (fresh inputs, made once)."""
     from te_fuser.kernels.cuda._build import extension, raw_stream
 
-    ext, dev = extension(), torch.device("cuda")
+    ext, dev = extension(), torch.device("cuda", torch.cuda.current_device())
     one = torch.ones(1, device=dev)
     stream = raw_stream(dev)
 
