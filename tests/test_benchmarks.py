@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -49,9 +49,10 @@ def test_benchmark_rows_go_to_an_untracked_file_and_are_recorded_only_when_asked
     assert len(target.read_text().strip().splitlines()) == 3
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is a full benchmark: run_gpu.sh handoff")
-def test_bench_handoff_imports_and_asks_for_a_gpu_on_cpu():
-    run = subprocess.run([sys.executable, "benchmarks/bench_handoff.py"], capture_output=True, text=True, cwd=ROOT,
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU they are full benchmarks (run_gpu.sh handoff, launches)")
+@pytest.mark.parametrize("script", ["bench_handoff.py", "count_launches.py"])
+def test_a_gpu_benchmark_imports_and_asks_for_a_gpu_on_cpu(script):
+    run = subprocess.run([sys.executable, f"benchmarks/{script}"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "needs a GPU" in run.stdout
@@ -109,14 +110,6 @@ def test_profile_gpt_finds_the_gpus_idle_gaps_and_the_frames_of_launches():
     assert got == {("kernel", "kernels/cuda/cast.py(3): cast"): 1.0, ("kernel", "(no frame)"): 2.0,
                    ("memset", "te_fuser/ops/fuser.py(1): run_forward"): 1.0,
                    ("memset", "te_fuser/ops/basic/linear.py(9): linear_forward <- aten::zero_"): 1.0}
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the test below runs it")
-def test_count_launches_asks_for_a_gpu_on_cpu():
-    run = subprocess.run([sys.executable, "benchmarks/count_launches.py"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "needs a GPU" in run.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts what the GPU runs")

@@ -9,7 +9,6 @@ margin divides by an exact power of two.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import pytest

@@ -169,7 +169,7 @@ def rms_norm_backward(ctx, op: RMSNorm, dy: torch.Tensor, grad_add: torch.Tensor
     else:
         dx2d, dw = grad(dy2d, x2d.float(), gamma, rstd, op.eps)  # dx in fp32
         dx2d = (dx2d + grad_add.reshape(-1, op.size)).to(x.dtype)
-    return dx2d.reshape(x.shape), dw.reshape(op.weight.shape).to(op.weight.dtype)
+    return dx2d.reshape(x.shape), _as_param(dw, op.weight)
 
 
 class L2Normalization(BasicOperation):
