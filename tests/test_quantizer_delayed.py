@@ -428,9 +428,11 @@ def _resolved_kernels(monkeypatch) -> list:
 
 @pytest.mark.parametrize("algo", ["max", "most_recent", second_newest])
 def test_a_call_updates_the_state_in_one_kernel(monkeypatch, algo):
-    """A cast leaves its update waiting until the state is read; then ``"max"`` and
-    ``"most_recent"`` update with one delayed_scale_update call (one launch on a
-    GPU), a callable algorithm with torch ops."""
+    """On the deferred path (the backends without a cast that updates, or any backend
+    with ``update_in_cast`` off) a cast leaves its update waiting until the state is
+    read; then ``"max"`` and ``"most_recent"`` update with one delayed_scale_update
+    call (one launch on a GPU), a callable algorithm with torch ops."""
+    monkeypatch.setattr(DelayedScalingQuantizer, "update_in_cast", False)
     quantizer = DelayedScalingQuantizer(E4M3, amax_history_len=3, amax_compute_algo=algo)
     quantizer(with_amax(2.0))
     quantizer.scale  # noqa: B018 -- applies the first update
@@ -463,6 +465,7 @@ def test_waiting_updates_run_as_one_batch_per_configuration_bit_for_bit(monkeypa
     (inf, NaN, 0 and tiny amaxes included; the first cast seeds)."""
     import te_fuser as te
 
+    monkeypatch.setattr(DelayedScalingQuantizer, "update_in_cast", False)  # the deferred path: batches
     special = [3.0, 0.5, INF, 7.0, 1e-40, 2.0, 0.0, NAN, 9.0, 1e30, 0.125, 6.0, 1.5]
     n = len(_quantizer_set())
     amaxes = [[special[(i * 5 + step * 3) % len(special)] for i in range(n)] for step in range(4)]
@@ -570,3 +573,150 @@ def _one_nan(t: torch.Tensor) -> torch.Tensor:
     if t.dtype != torch.float32:
         return t
     return torch.where(t.isnan(), torch.full_like(t, float("nan")), t)
+
+
+# -- the cast that updates the state in the same call ----------------------------------
+
+
+def _cast_with_update_from_the_reference(monkeypatch) -> list:
+    """On a machine without the CUDA kernels: the delayed-scaling casts' prepared entry
+    given a ``with_update`` composed of the backend's own cast and the reference
+    update (what the CUDA entry computes in one call), so the quantizer's side of it
+    runs here. Returns the list its calls are counted in."""
+    import functools
+
+    from te_fuser import backend
+    from te_fuser.kernels.reference import delayed_scale_update_reference
+    from te_fuser.quantization.delayed import _generic_tensorwise
+
+    calls, resolve, wrapped = [], backend.resolve, {}
+
+    def prepared(fn):
+        def prepare(fp8_dtype):
+            cast = _generic_tensorwise(fn, fp8_dtype)
+
+            def with_update(x, scale, history, count, margin, algo_max, rowwise, columnwise, round_bf16=False):
+                calls.append(x.shape)
+                data, data_t, sums, amax = cast(x, scale, rowwise, columnwise, round_bf16)
+                state = delayed_scale_update_reference(history, amax, scale, count, fp8_dtype, margin,
+                                                       "max" if algo_max else "most_recent")
+                return (data, data_t, sums, amax, *state)
+
+            cast.with_update = with_update
+            return cast
+
+        call = functools.wraps(fn)(lambda *a, **k: fn(*a, **k))
+        call.prepare = prepare
+        return call
+
+    def resolving(kernel, *args, **kwargs):
+        choice = resolve(kernel, *args, **kwargs)
+        if kernel not in ("quantize_tensorwise", "quantize_tensorwise_column_sums"):
+            return choice
+        if id(choice) not in wrapped:
+            wrapped[id(choice)] = (choice, dataclasses.replace(choice, fn=prepared(choice.fn)))
+        return wrapped[id(choice)][1]
+
+    monkeypatch.setattr(backend, "resolve", resolving)
+    return calls
+
+
+def _updating_entry(monkeypatch) -> list:
+    """The cast entry that updates the state: the CUDA one on a GPU with the CUDA
+    kernels (the auto backend), else the reference composition above."""
+    from te_fuser.kernels import cuda
+
+    if torch.cuda.is_available() and cuda.unavailable_reason() is None:
+        return []
+    return _cast_with_update_from_the_reference(monkeypatch)
+
+
+def _updating_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("algo, margin, history_len, fp8_dtype",
+                         [("max", 0, 4, E4M3), ("most_recent", 1, 1, E5M2), ("max", 130, 1024, E4M3)])
+@pytest.mark.parametrize("layout", ["both copies", "both copies, separate launches", "row-wise",
+                                    "column sums through bf16"])
+def test_a_cast_that_updates_the_state_gives_the_deferred_bits(monkeypatch, algo, margin, history_len, fp8_dtype,
+                                                               layout):
+    """The cast and the update in one call against the cast, then the update at the
+    next read (the deferred path): the FP8 bytes, the column sums and every state
+    tensor bit for bit, through zero, tiny, inf and NaN amaxes and the seeding cast;
+    nothing waits after a cast on the one-call path. On a GPU: the one-launch cast
+    whose block 0 updates, and the separate launches (and the row-wise cast) with the
+    update launched after them in the same call."""
+    from te_fuser.kernels import cuda
+
+    calls = _updating_entry(monkeypatch)
+    device = _updating_device()
+    if layout.endswith("separate launches") and not calls:
+        previous = cuda.set_one_launch_casts(False)
+        try:
+            _one_call_against_deferred(algo, margin, history_len, fp8_dtype, layout, device)
+        finally:
+            cuda.set_one_launch_casts(previous)
+        return
+    _one_call_against_deferred(algo, margin, history_len, fp8_dtype, layout, device)
+    if device == "cpu":
+        assert len(calls) == 10, calls  # every cast in one call (the first one seeds first, apart)
+
+
+def _one_call_against_deferred(algo, margin: int, history_len: int, fp8_dtype, layout: str, device: str) -> None:
+    one_call = DelayedScalingQuantizer(fp8_dtype, margin=margin, amax_history_len=history_len, amax_compute_algo=algo)
+    deferred = DelayedScalingQuantizer(fp8_dtype, margin=margin, amax_history_len=history_len, amax_compute_algo=algo)
+    deferred.update_in_cast = False
+    sums = layout == "column sums through bf16"
+    rowwise, columnwise = True, layout != "row-wise"
+    for step, amax in enumerate([3.0, 0.0, f32(1e-40), INF, 7.0, NAN, 0.1, 448.0, 2.5, 1e4]):
+        x = with_amax(amax, (64, 48)).to(device)
+        x[7, 3] = amax / 3 if math.isfinite(amax) else 1.0
+        outs = []
+        for q in (one_call, deferred):
+            if sums:  # an fp32 gradient cast as bf16 holds it, its sums as it came (the ops' call)
+                t, col = q._lean_column_sums(x, rowwise, columnwise, True)
+            else:
+                t, col = q.cast(x, rowwise=rowwise, columnwise=columnwise), None
+            outs.append((t, col))
+        assert one_call._pending == 0, f"step {step}: an amax waits on the one-call path"
+        (got, got_sums), (want, want_sums) = outs
+        where = f"step {step} (amax {amax})"
+        assert_bitwise(got.rowwise.data, want.rowwise.data, f"{where}: FP8 data")
+        assert_bitwise(got.rowwise.scale_inv, want.rowwise.scale_inv, f"{where}: scale_inv of the cast")
+        if columnwise:
+            assert_bitwise(got.columnwise.data, want.columnwise.data, f"{where}: transposed FP8 data")
+        if sums:
+            assert_bitwise(got_sums, want_sums, f"{where}: column sums")
+        for name in DelayedScalingQuantizer.STATE_TENSORS:
+            assert_bitwise(one_call.state_tensors()[name], deferred.state_tensors()[name], f"{where}: {name}")
+        assert one_call.scale.data_ptr() % 16 == 0 and one_call.scale_inv.data_ptr() % 16 == 0, where
+
+
+def test_the_one_call_path_leaves_a_reduced_amax_to_the_deferred_path(monkeypatch):
+    """Under an amax reduction group the update must wait for every rank's amax: the
+    one-call path declines (and casts nothing), the deferred path runs."""
+    _updating_entry(monkeypatch)
+    q = DelayedScalingQuantizer(E4M3)
+    x = with_amax(2.0).to(_updating_device())
+    cast = q._caster("quantize_tensorwise", x.device, None)
+    monkeypatch.setattr(q, "_group", lambda: "a group")
+    assert q._cast_and_update(cast, x, True, False, False) is None
+    monkeypatch.setattr(q, "_group", lambda: None)
+    assert q._cast_and_update(cast, x, True, False, False) is not None
+
+
+def test_a_training_loop_keeps_every_loss_bit_with_the_update_in_the_cast(monkeypatch):
+    """The smoke GPT trained as users train it (fused AdamW, evaluations without FP8, a
+    checkpoint resumed, recipe switches bf16 -> delayed -> current -> bf16): every
+    loss the same bits with each delayed cast updating its state in the same call as
+    with the updates deferred to the next read, and the one-call path taken."""
+    from training_loops import gpt_losses
+
+    calls = _updating_entry(monkeypatch)
+    device = _updating_device()
+    one_call = gpt_losses(device=device)
+    if device == "cpu":
+        assert calls, "the delayed casts did not take the one-call path"
+    monkeypatch.setattr(DelayedScalingQuantizer, "update_in_cast", False)
+    assert gpt_losses(device=device) == one_call

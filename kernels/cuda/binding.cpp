@@ -228,6 +228,72 @@ std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor> cast_tensorwise(
   return {out.data, out.data_t, one > 0 ? one_launch_sums : summed(out.partials, stream), amax};
 }
 
+// The new state of a delayed-scaling update, pieces of one allocation: the history,
+// then scale, scale_inv, count and (with_amax) an amax slot, each 16 bytes apart
+// (cuBLASLt wants its scales 16-byte aligned).
+struct UpdateState {
+  at::Tensor history, scale, scale_inv, count, amax;
+};
+
+UpdateState update_state(const at::Tensor& like, int64_t length, bool with_amax) {
+  const int64_t scales_at = aligned16(length * 4);
+  const at::Tensor state = at::empty({scales_at + (with_amax ? 64 : 48)}, like.options().dtype(at::kByte));
+  UpdateState out;
+  out.history = piece_of(state, 0, at::kFloat, {length});
+  out.scale = piece_of(state, scales_at, at::kFloat, {});
+  out.scale_inv = piece_of(state, scales_at + 16, at::kFloat, {});
+  out.count = piece_of(state, scales_at + 32, at::kLong, {});
+  if (with_amax) out.amax = piece_of(state, scales_at + 48, at::kFloat, {1});
+  return out;
+}
+
+// Delayed scaling's cast and the state update from its amax in one call: (data,
+// data_t, column sums, amax, history, scale, scale_inv, count), the state new
+// tensors (see delayed_scale_update). As one launch, block 0 of the cast updates
+// the state; otherwise (no transposed copy, a stream being captured) the update
+// is a second launch. history: contiguous fp32 (length,); scale and count: the
+// quantizer's one-element fp32 and int64 tensors, on x's device.
+std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+cast_tensorwise_update(const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols,
+                       const at::Tensor& scale, const at::Tensor& history, const at::Tensor& count,
+                       int64_t margin_steps, double margin_rest, double fmax, bool algo_max, bool rowwise,
+                       bool columnwise, bool sums, bool round_bf16, int64_t stream) {
+  const int64_t one = columnwise ? te_fuser::cast_one_launch_blocks(hp_type, fp8_type, false, sums, rows, cols,
+                                                                    as_stream(stream)) : 0;
+  const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, one);
+  const int64_t length = history.numel();
+  const UpdateState next = update_state(history, length, true);
+  te_fuser::CastScaling scaling;
+  scaling.scale = scale.data_ptr<float>();
+  scaling.amax_out = next.amax.data_ptr<float>();
+  scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
+  scaling.round_bf16 = round_bf16;
+  if (one > 0) scaling.block_partials = reinterpret_cast<uint32_t*>(out.stats.data_ptr<float>());
+  const MaybeTensor one_launch_sums = one_launch(scaling, one, out, cols, x);
+  te_fuser::DelayedUpdate update;
+  update.history = history.data_ptr<float>();
+  update.count = count.data_ptr<int64_t>();
+  update.new_history = next.history.data_ptr<float>();
+  update.new_scale = next.scale.data_ptr<float>();
+  update.new_scale_inv = next.scale_inv.data_ptr<float>();
+  update.new_count = next.count.data_ptr<int64_t>();
+  update.length = length;
+  update.margin_steps = static_cast<int>(margin_steps);
+  update.margin_rest = static_cast<float>(margin_rest);
+  update.fmax = static_cast<float>(fmax);
+  update.algo_max = algo_max;
+  te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
+                        scaling, as_stream(stream), one > 0 ? update : te_fuser::DelayedUpdate{});
+  const MaybeTensor column_sums = one > 0 ? one_launch_sums : summed(out.partials, stream);
+  if (one <= 0) {
+    te_fuser::launch_delayed_scale_update(update.history, scaling.amax_out, scaling.scale, update.count,
+                                          update.new_history, update.new_scale, update.new_scale_inv,
+                                          update.new_count, length, update.margin_steps, update.margin_rest,
+                                          update.fmax, algo_max, as_stream(stream));
+  }
+  return {out.data, out.data_t, column_sums, next.amax, next.history, next.scale, next.scale_inv, next.count};
+}
+
 // Delayed scaling's state update: (history, scale, scale_inv, count), new tensors,
 // pieces of one allocation: the history, then scale and scale_inv 16 bytes apart
 // (as cuBLASLt wants them), then the count.
@@ -235,18 +301,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update(
     const at::Tensor& history, const at::Tensor& amax, const at::Tensor& scale, const at::Tensor& count,
     int64_t margin_steps, double margin_rest, double fmax, bool algo_max, int64_t stream) {
   const int64_t length = history.numel();
-  const int64_t scales_at = aligned16(length * 4);
-  const at::Tensor state = at::empty({scales_at + 48}, history.options().dtype(at::kByte));
-  at::Tensor new_history = piece_of(state, 0, at::kFloat, {length});
-  at::Tensor new_scale = piece_of(state, scales_at, at::kFloat, {});
-  at::Tensor new_scale_inv = piece_of(state, scales_at + 16, at::kFloat, {});
-  at::Tensor new_count = piece_of(state, scales_at + 32, at::kLong, {});
+  const UpdateState next = update_state(history, length, false);
   te_fuser::launch_delayed_scale_update(
       history.data_ptr<float>(), amax.data_ptr<float>(), scale.data_ptr<float>(), count.data_ptr<int64_t>(),
-      new_history.data_ptr<float>(), new_scale.data_ptr<float>(), new_scale_inv.data_ptr<float>(),
-      new_count.data_ptr<int64_t>(), length, static_cast<int>(margin_steps),
+      next.history.data_ptr<float>(), next.scale.data_ptr<float>(), next.scale_inv.data_ptr<float>(),
+      next.count.data_ptr<int64_t>(), length, static_cast<int>(margin_steps),
       static_cast<float>(margin_rest), static_cast<float>(fmax), algo_max, as_stream(stream));
-  return {new_history, new_scale, new_scale_inv, new_count};
+  return {next.history, next.scale, next.scale_inv, next.count};
 }
 
 // The same update for the quantizers of one configuration in one launch (per 32),
@@ -367,6 +428,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delayed_scale_update_many", &delayed_scale_update_many,
         "delayed scaling's update of many quantizers of one configuration, one launch per 32, nothing stacked first");
   m.def("cast_tensorwise", &cast_tensorwise, "delayed scaling's cast with a given scale, outputs allocated here");
+  m.def("cast_tensorwise_update", &cast_tensorwise_update,
+        "delayed scaling's cast and its state update in one call (one launch where the cast is one)");
   m.def("one_launch_casts", &one_launch_casts,
         "turn the transposing casts' one cooperative launch on or off; returns the previous state");
   m.def("quantize_rowwise", &quantize_rowwise, "FP8 cast with one scale per row");

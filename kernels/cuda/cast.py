@@ -12,13 +12,17 @@ import functools
 
 import torch
 
-from ..formats import Scaling
+from ..formats import Scaling, fp8_max
 from ..operand import ScaledOperand
 from ..reference.cast import check_given_amax, check_matrix
 from ._build import extension, raw_stream, stream_of_index
 
 __all__ = ["quantize_tensorwise", "quantize_tensorwise_column_sums", "quantize_current", "quantize_current_column_sums",
            "quantize_rowwise", "quantize_mxfp8"]
+
+# Delayed scaling's margin in steps of 2**64: after 6 divisions any fp32 is 0, inf or
+# NaN, so more change nothing (the state update's kernels take at most these).
+MARGIN_STEPS = 6
 
 HP_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -225,6 +229,35 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
         return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, round_bf16,
                     stream_of_index(index))
 
+    call_update = extension().cast_tensorwise_update
+    fmax = fp8_max(fp8_dtype)
+    i64 = torch.int64
+
+    def with_update(x: torch.Tensor, scale: torch.Tensor, history: torch.Tensor, count: torch.Tensor, margin: int,
+                    algo_max: bool, rowwise: bool, columnwise: bool, round_bf16: bool = False):
+        """The cast and delayed scaling's state update from its amax in one call: ``(data
+        or None, data_t or None, sums or None, amax, history, scale, scale_inv, count)``,
+        the state as ``delayed_scale_update`` gives it after this amax, bit for bit; or
+        None for a case it does not take (the caller casts, then updates apart)."""
+        if round_bf16 and not sums:
+            raise _no_rounding(op)
+        hp = codes.get(x.dtype)
+        index = x.get_device()
+        if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
+                or scale.dtype is not fp32 or scale.get_device() != index or scale.numel() != 1
+                or history.dtype is not fp32 or history.get_device() != index or history.dim() != 1
+                or history.numel() == 0 or not history.is_contiguous() or count.dtype is not i64
+                or count.get_device() != index or count.numel() != 1 or index != current_device_index()):
+            return None
+        if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
+            x = aligned_contiguous(x)
+        rows, cols = x.shape
+        steps, rest = divmod(margin, 64)
+        return call_update(x, hp, code, rows, cols, scale, history, count, min(steps, MARGIN_STEPS),
+                           float(2**rest), fmax, algo_max, rowwise, columnwise, sums, round_bf16,
+                           stream_of_index(index))
+
+    cast.with_update = with_update
     return cast
 
 

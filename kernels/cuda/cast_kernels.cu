@@ -13,6 +13,7 @@
 #include "dispatch.cuh"
 #include "fp8_common.cuh"
 #include "launchers.cuh"
+#include "scaling_update.cuh"
 
 namespace te_fuser {
 namespace {
@@ -24,6 +25,8 @@ constexpr int kTile = 128;   // cast-transpose tile: kTile x kTile elements
 constexpr int kTileWords = kTile / 4 + 1;     // staged FP8 tile row: 32 words + 1 against bank conflicts
 constexpr int kThreadsPerTileRow = kTile / 8;  // each thread loads 8 consecutive elements
 constexpr int kTileRowsPerPass = kThreads / kThreadsPerTileRow;
+static_assert(kThreads == kUpdateThreads && kTile * kTileWords >= 2 * kUpdateThreads,
+              "the one-launch cast's block 0 runs the state update in its shared tile");
 
 // Current scaling's amax: given (amax_in), or the maximum of the amax pass's
 // per-block partials, which every block of the cast reduces itself (so no amax
@@ -328,6 +331,17 @@ __global__ void __launch_bounds__(kThreads)
   if (!CURRENT) commit_amax(amax, s.amax_out, scratch);
 }
 
+// Delayed scaling's state update by the one-launch cast's block 0, from the amax it
+// wrote, with the shared tile as the update's scratch. Its parameters come as a
+// kernel argument of their own: inside CastScaling they changed the code of every
+// variant of the cast (48 -> 54-60 registers a thread, one resident block an SM
+// fewer, sm_90 builds); apart, every variant keeps its registers.
+__device__ __forceinline__ void update_after_cast(const CastScaling& s, const DelayedUpdate& u, uint32_t* tile) {
+  update_one(u.history, s.amax_out, s.scale, u.count, u.new_history, u.new_scale, u.new_scale_inv, u.new_count,
+             u.length, u.margin_steps, u.margin_rest, u.fmax, u.algo_max, reinterpret_cast<float*>(tile),
+             reinterpret_cast<int*>(tile + kUpdateThreads));
+}
+
 // The whole transposing cast in one cooperative launch (every block resident, so
 // the grid can wait on itself): under current scaling without a given amax, the
 // amax pass, each block's maximum into s.block_partials, and a grid barrier; then
@@ -339,7 +353,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, int FP8, bool CURRENT, bool SUMS>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_one_launch_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
-                                     int64_t rows, int64_t cols, CastScaling s) {
+                                     int64_t rows, int64_t cols, CastScaling s, DelayedUpdate update) {
   __shared__ uint32_t tile[kTile * kTileWords];
   __shared__ uint32_t scratch[33];
   __shared__ float column_sums[SUMS ? kTileRowsPerPass * kTile : 1];
@@ -379,6 +393,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t r = 0; r < row_tiles; ++r) total += s.column_partials[r * cols + col];
       s.sums_out[col] = total;
     }
+  }
+  if (!CURRENT && blockIdx.x == 0 && update.new_history != nullptr) {
+    __syncthreads();  // thread 0's amax_out is seen, and the shared tile is free
+    update_after_cast(s, update, tile);
   }
 }
 
@@ -457,7 +475,7 @@ __global__ void __launch_bounds__(kThreads)
 unsigned amax_grid(int64_t numel) { return grid_for((numel / kChunk + kUnroll - 1) / kUnroll, kThreads); }
 
 template <typename T, int FP8>
-using OneLaunchKernel = void (*)(const T*, uint8_t*, uint8_t*, int64_t, int64_t, CastScaling);
+using OneLaunchKernel = void (*)(const T*, uint8_t*, uint8_t*, int64_t, int64_t, CastScaling, DelayedUpdate);
 
 template <typename T, int FP8>
 OneLaunchKernel<T, FP8> one_launch_kernel(bool current, bool sums) {
@@ -552,7 +570,7 @@ void launch_sum_rows(const float* partials, int64_t batches, int64_t rows, int64
 }
 
 void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols, uint8_t* out, uint8_t* out_t,
-                 const CastScaling& scaling, void* stream_ptr) {
+                 const CastScaling& scaling, void* stream_ptr, const DelayedUpdate& update) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const bool current = scaling.amax_in != nullptr || scaling.amax_partials != nullptr;
   const int64_t numel = rows * cols;
@@ -579,7 +597,8 @@ void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t
         config.attrs = &cooperative;
         config.numAttrs = 1;
         const OneLaunchKernel<T, FP8> kernel = one_launch_kernel<T, FP8>(current, scaling.column_partials != nullptr);
-        check_cuda(cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(x), out, out_t, rows, cols, scaling),
+        check_cuda(cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(x), out, out_t, rows, cols, scaling,
+                                      update),
                    "cast_transpose (one launch)");
       });
     });

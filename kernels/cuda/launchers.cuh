@@ -14,6 +14,25 @@
 
 namespace te_fuser {
 
+// Delayed scaling's state update from a cast's amax (device pointers; the rules of
+// launch_delayed_scale_update): the history, the scale the cast used and the count
+// read, the new history, scale, scale_inv and count written. The one-launch cast's
+// block 0 runs it once the amax is reduced (new_history null: no update); the
+// separate launches leave it to launch_delayed_scale_update.
+struct DelayedUpdate {
+  const float* history = nullptr;
+  const int64_t* count = nullptr;
+  float* new_history = nullptr;
+  float* new_scale = nullptr;
+  float* new_scale_inv = nullptr;
+  int64_t* new_count = nullptr;
+  int64_t length = 0;
+  int margin_steps = 0;
+  float margin_rest = 1.0f;
+  float fmax = 0.0f;
+  bool algo_max = true;
+};
+
 // Where a cast's scale comes from and where its by-products go (device pointers).
 struct CastScaling {
   // Delayed scaling: the fp32 scale to cast with, and where amax(|x|) is written
@@ -74,9 +93,11 @@ void launch_sum_rows(const float* partials, int64_t batches, int64_t rows, int64
 
 // Tensor-scaled cast of x (rows, cols), row-major. `out` (rows, cols) and / or
 // `out_t` (cols, rows) may be null. Current scaling when scaling.amax_in is set,
-// delayed scaling otherwise; scaling.column_partials needs out_t.
+// delayed scaling otherwise; scaling.column_partials needs out_t. `update`
+// (delayed scaling, the one launch only: scaling.one_launch_blocks > 0) is the
+// state update its block 0 runs from the amax; default: none.
 void launch_cast(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols, uint8_t* out,
-                 uint8_t* out_t, const CastScaling& scaling, void* stream);
+                 uint8_t* out_t, const CastScaling& scaling, void* stream, const DelayedUpdate& update = {});
 
 // One scale per row: out (rows, cols), scale_inv (rows,) fp32.
 void launch_quantize_rowwise(const void* x, int hp_type, int fp8_type, int64_t rows, int64_t cols,

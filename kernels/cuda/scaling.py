@@ -20,11 +20,10 @@ import torch
 from ..formats import fp8_max
 from ..reference.scaling import AMAX_ALGOS, check_update_arguments, stack_update_state
 from ._build import extension, raw_stream
-from .cast import on_device
+from .cast import MARGIN_STEPS, on_device
 
 __all__ = ["delayed_scale_update", "delayed_scale_update_many"]
 
-_MARGIN_STEPS = 6  # after 6 divisions by 2**64 any fp32 is 0, inf or NaN: more change nothing
 
 
 def delayed_scale_update(
@@ -59,7 +58,7 @@ def delayed_scale_update(
     steps, rest = divmod(margin, 64)
     with on_device(device):
         return extension().delayed_scale_update(
-            amax_history, amax, scale, nonfinite_count, min(steps, _MARGIN_STEPS), float(2**rest),
+            amax_history, amax, scale, nonfinite_count, min(steps, MARGIN_STEPS), float(2**rest),
             fp8_max(fp8_dtype), algo == "max", raw_stream(device))
 
 
@@ -81,7 +80,7 @@ def delayed_scale_update_many(
             or not getattr(amax_histories[0], "is_cuda", False)):
         _checked(amax_histories, amaxes, scales, nonfinite_counts, algo, margin)  # raises, naming what
     steps, rest = divmod(margin, 64)
-    config = (min(steps, _MARGIN_STEPS), float(2**rest), fp8_max(fp8_dtype), algo == "max")
+    config = (min(steps, MARGIN_STEPS), float(2**rest), fp8_max(fp8_dtype), algo == "max")
     try:
         return _many(amax_histories, amaxes, scales, nonfinite_counts, *config)
     except (ValueError, TypeError):

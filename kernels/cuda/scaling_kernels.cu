@@ -8,60 +8,15 @@
 // reciprocal and the count of skipped calls. Every division is IEEE
 // round-to-nearest (__fdiv_rn), as in the reference. The batched update runs the
 // same code for many quantizers, one block each, in one launch per kBatch.
-#include <cfloat>
-#include <cmath>
-
 #include "dispatch.cuh"
 #include "launchers.cuh"
+#include "scaling_update.cuh"
 
 namespace te_fuser {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kUpdateThreads;
 constexpr int kBatch = 32;  // quantizers per launch of the batched update (their pointers ride in the parameters)
-
-// One quantizer's update by one block; block_max and block_nan are the block's
-// shared scratch (kThreads each).
-__device__ __forceinline__ void update_one(const float* __restrict__ history, const float* __restrict__ amax_in,
-                                           const float* __restrict__ scale_in, const int64_t* __restrict__ count_in,
-                                           float* __restrict__ new_history, float* __restrict__ new_scale,
-                                           float* __restrict__ new_scale_inv, int64_t* __restrict__ new_count,
-                                           int64_t length, int margin_steps, float margin_rest, float fmax,
-                                           bool algo_max, float* block_max, int* block_nan) {
-  const float amax = *amax_in;
-  const bool recorded = amax < INFINITY;  // false for inf and NaN: the call is skipped
-  const int64_t shift = recorded ? 1 : 0;
-  float running = -INFINITY;
-  int nan_seen = 0;
-  for (int64_t i = threadIdx.x; i < length; i += kThreads) {
-    const float entry = i < shift ? amax : history[i - shift];
-    new_history[i] = entry;
-    running = fmaxf(running, entry);  // fmaxf drops a NaN operand: NaNs are tracked apart
-    nan_seen |= entry != entry;
-  }
-  block_max[threadIdx.x] = running;
-  block_nan[threadIdx.x] = nan_seen;
-  __syncthreads();
-  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) {
-      block_max[threadIdx.x] = fmaxf(block_max[threadIdx.x], block_max[threadIdx.x + stride]);
-      block_nan[threadIdx.x] |= block_nan[threadIdx.x + stride];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x != 0) return;
-  const float history_amax = algo_max ? (block_nan[0] ? NAN : block_max[0]) : amax;
-  float quotient = __fdiv_rn(fmax, history_amax);
-  for (int s = 0; s < margin_steps; ++s) quotient = __fdiv_rn(quotient, 18446744073709551616.0f);  // 2**64
-  if (margin_rest != 1.0f) quotient = __fdiv_rn(quotient, margin_rest);
-  if (quotient == INFINITY) quotient = FLT_MAX;
-  if (quotient == -INFINITY) quotient = -FLT_MAX;
-  const bool usable = recorded && history_amax > 0.0f && history_amax < INFINITY;
-  const float scale = usable ? quotient : *scale_in;
-  *new_scale = scale;
-  *new_scale_inv = __fdiv_rn(1.0f, scale);
-  *new_count = *count_in + (recorded ? 0 : 1);
-}
 
 __global__ void __launch_bounds__(kThreads)
     delayed_scale_update_kernel(const float* __restrict__ history, const float* __restrict__ amax_in,

@@ -22,7 +22,11 @@ With ``"max"`` or ``"most_recent"`` and no ``scaling_factor_compute_algo``, the
 whole update (history, scale, scale_inv, count) is one backend kernel,
 ``delayed_scale_update`` (:mod:`te_fuser.kernels.reference.scaling` states its
 rules); the cast writes its amax into a fresh one-element buffer that the kernel
-reads. A callable algorithm runs the same steps as torch ops.
+reads. A callable algorithm runs the same steps as torch ops. Where the backend's
+prepared cast can update in the same call (the cuda backend's
+``cast_tensorwise_update``: the one-launch cast's block 0 runs the update once
+its amax is reduced) and no group reduces the amax, the cast does: nothing waits,
+and the state is the one the deferred update (``_record``) gives, bit for bit.
 
 A fresh quantizer (new model, or delayed scaling entered from another recipe)
 first *seeds* its scale from the amax of the first tensor it sees, so that tensor
@@ -113,6 +117,9 @@ class DelayedScalingQuantizer(Quantizer):
 
     scaling = Scaling.TENSOR
     reads_through_bf16 = True
+    # Where the backend's prepared cast can update the state in the same call (see
+    # _cast_and_update): False leaves every update to the deferred path (tests of it).
+    update_in_cast = True
 
     def __init__(
         self,
@@ -225,11 +232,33 @@ class DelayedScalingQuantizer(Quantizer):
                        backend.resolve("quantize_tensorwise", device).fn)
         cast = self._caster(kernel, device, _generic_tensorwise)
         scale_inv = self._scale_inv  # the state is rebound, never written in place
-        x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise, round_bf16)
-        self._record(amax)
+        out = self._cast_and_update(cast, x_hp, rowwise, columnwise, round_bf16)
+        if out is None:
+            x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise, round_bf16)
+            self._record(amax)
+        else:
+            x_fp8, x_fp8_t, sums = out
         rowwise_op = tensor_scaled(x_fp8, scale_inv) if rowwise else None  # (M, K)
         columnwise_op = tensor_scaled(x_fp8_t, scale_inv) if columnwise else None  # (K, M)
         return rowwise_op, columnwise_op, sums
+
+    def _cast_and_update(self, cast, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+        """The cast with the state updated from its amax in the same call, where the
+        backend's prepared cast has such an entry (``with_update``: the cuda backend,
+        one launch where the cast is one), the update is the kernel's and no group
+        reduces the amax: ``(data, data_t, sums)``, the new state bound. Else None:
+        the caller casts and records the amax (a reduction must see every rank's
+        first, and the other backends update apart). Bit for bit the same state."""
+        with_update = getattr(cast, "with_update", None) if self.update_in_cast else None
+        if with_update is None or not self._kernel_update or self._group() is not None:
+            return None
+        out = with_update(x_hp, self._scale, self._amax_history, self._nonfinite_amax_count, self.margin,
+                          self.amax_compute_algo == "max", rowwise, columnwise, round_bf16)
+        if out is None:
+            return None
+        x_fp8, x_fp8_t, sums, _, history, scale, scale_inv, count = out
+        self._amax_history, self._scale, self._scale_inv, self._nonfinite_amax_count = history, scale, scale_inv, count
+        return x_fp8, x_fp8_t, sums
 
     def epilogue_cast(self, device: torch.device) -> EpilogueCast | None:
         """The current scale, the FP8 format and a buffer for the tensor's amax; ``None``
