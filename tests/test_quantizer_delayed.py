@@ -699,6 +699,7 @@ def test_the_one_call_path_leaves_a_reduced_amax_to_the_deferred_path(monkeypatc
     _updating_entry(monkeypatch)
     q = DelayedScalingQuantizer(E4M3)
     x = with_amax(2.0).to(_updating_device())
+    q._move_state(x.device)  # (what a cast does first)
     cast = q._caster("quantize_tensorwise", x.device, None)
     monkeypatch.setattr(q, "_group", lambda: "a group")
     assert q._cast_and_update(cast, x, True, False, False) is None
