@@ -243,6 +243,7 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
             raise _no_rounding(op)
         hp = codes.get(x.dtype)
         index = x.get_device()
+        # cast's test, inline as there (a helper would be one more call a cast), and the state's
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
                 or scale.dtype is not fp32 or scale.get_device() != index or scale.numel() != 1
                 or history.dtype is not fp32 or history.get_device() != index or history.dim() != 1
