@@ -17,7 +17,9 @@ memsets. Rows:
 
 Each row: kernels and memsets per call as the GPU saw them (CUPTI's device
 events, driver-internal memsets included), the memset API calls per call on the
-host, and the first kernel's name.
+host, and the first kernel's name. ``--candidates N`` first times the first N
+algorithms of cuBLASLt's heuristic for each GEMM (0 is the one the GEMM uses), with
+their workspace and memsets: whether one without the memset runs as fast.
 """
 
 from __future__ import annotations
@@ -30,30 +32,69 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 LINEARS = {"qkv": (1024, 3072), "proj": (1024, 1024), "fc1": (1024, 4096), "fc2": (4096, 1024)}  # (in, out)
 
 
-def gemm_cases(tokens: int) -> dict:
-    """name -> a call of ``fp8_gemm_tensorwise`` at the GPT's shapes (fresh inputs, made once)."""
-    from te_fuser.kernels.cuda._build import extension, raw_stream
-
-    ext, dev = extension(), torch.device("cuda", torch.cuda.current_device())
-    one = torch.ones(1, device=dev)
-    stream = raw_stream(dev)
+def gemm_problems(tokens: int) -> dict:
+    """name -> (a, b, out dtype, fast accumulation): the FP8 GEMMs of a block at the
+    GPT's shapes (fresh operands, made once)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
 
     def fp8(shape, dtype):
         return (torch.randn(shape, device=dev) * 0.1).to(dtype)
 
-    cases = {}
+    problems = {}
     for name, (k, n) in LINEARS.items():
         x, w, dy = fp8((tokens, k), E4M3), fp8((n, k), E4M3), fp8((tokens, n), E5M2)
         w_t, dy_t, x_t = fp8((k, n), E4M3), fp8((n, tokens), E5M2), fp8((k, tokens), E4M3)
-        cases[f"gemm {name} fprop bf16"] = lambda x=x, w=w: ext.fp8_gemm_tensorwise(
-            x, w, one, one, None, torch.bfloat16, True, stream)
-        cases[f"gemm {name} fprop fp32"] = lambda x=x, w=w: ext.fp8_gemm_tensorwise(
-            x, w, one, one, None, torch.float32, True, stream)
-        cases[f"gemm {name} dgrad"] = lambda dy=dy, w_t=w_t: ext.fp8_gemm_tensorwise(
-            dy, w_t, one, one, None, torch.bfloat16, False, stream)
-        cases[f"gemm {name} wgrad"] = lambda dy_t=dy_t, x_t=x_t: ext.fp8_gemm_tensorwise(
-            dy_t, x_t, one, one, None, torch.float32, False, stream)
-    return cases
+        problems[f"gemm {name} fprop bf16"] = (x, w, torch.bfloat16, True)
+        problems[f"gemm {name} fprop fp32"] = (x, w, torch.float32, True)
+        problems[f"gemm {name} dgrad"] = (dy, w_t, torch.bfloat16, False)
+        problems[f"gemm {name} wgrad"] = (dy_t, x_t, torch.float32, False)
+    return problems
+
+
+def gemm_cases(tokens: int) -> dict:
+    """name -> a call of ``fp8_gemm_tensorwise`` (the heuristic's first algorithm) of each problem."""
+    from te_fuser.kernels.cuda._build import extension, raw_stream
+
+    ext = extension()
+    one = torch.ones(1, device="cuda")
+    stream = raw_stream(torch.device("cuda", torch.cuda.current_device()))
+    return {name: (lambda a=a, b=b, out=out, fast=fast: ext.fp8_gemm_tensorwise(a, b, one, one, None, out, fast,
+                                                                                   stream))
+            for name, (a, b, out, fast) in gemm_problems(tokens).items()}
+
+
+def candidate_rows(tokens: int, candidates: int, calls: int) -> list[tuple]:
+    """Per problem and candidate algorithm of cuBLASLt's heuristic (0: the one the
+    GEMM uses): (problem, candidate, workspace bytes, kernels a call, memsets a call,
+    ms a call, its kernel), the time a median of CUDA-event timings over ``calls``
+    calls after a warm-up."""
+    from te_fuser.kernels.cuda._build import extension, raw_stream
+
+    ext = extension()
+    one = torch.ones(1, device="cuda")
+    stream = raw_stream(torch.device("cuda", torch.cuda.current_device()))
+    rows = []
+    for name, (a, b, out, fast) in gemm_problems(tokens).items():
+        for candidate in range(candidates):
+            try:
+                _, workspace = ext.fp8_gemm_tensorwise_candidate(a, b, one, one, out, fast, candidate, stream)
+            except RuntimeError:  # the heuristic has fewer
+                break
+
+            def fn(a=a, b=b, out=out, fast=fast, candidate=candidate):
+                return ext.fp8_gemm_tensorwise_candidate(a, b, one, one, out, fast, candidate, stream)
+
+            kernels, memsets, _, first = count(fn, 2)
+            times = []
+            for _ in range(calls):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            rows.append((name, candidate, workspace, kernels, memsets, sorted(times)[len(times) // 2], first))
+    return rows
 
 
 def cast_cases(tokens: int) -> dict:
@@ -102,10 +143,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16384, help="rows of the activations (the GPT's B x T)")
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--candidates", type=int, default=0, metavar="N",
+                   help="also time the heuristic's first N algorithms of each GEMM, with their memsets")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("count_launches needs a GPU")
         return
+    if args.candidates:
+        print(f"{'problem':<24} {'cand':>4} {'workspace':>10} {'kernels':>8} {'memsets':>8} {'ms':>8}  kernel")
+        for name, candidate, workspace, kernels, memsets, ms, first in candidate_rows(args.tokens, args.candidates,
+                                                                                      21):
+            print(f"{name:<24} {candidate:4d} {workspace:10d} {kernels:8.1f} {memsets:8.1f} {ms:8.4f}  {first[:60]}")
+        print()
     print(f"{'entry':<48} {'kernels':>8} {'memsets':>8} {'memset API':>11}  first kernel")
     for name, fn in {**gemm_cases(args.tokens), **cast_cases(args.tokens)}.items():
         kernels, memsets, api, first = count(fn, args.calls)

@@ -123,3 +123,19 @@ def test_count_launches_sees_every_entry_launch_a_kernel():
     for line in rows:
         kernels = float(re.split(r"\s{2,}", line)[1])
         assert kernels >= 1.0, line
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times cuBLASLt's algorithms on the GPU")
+def test_count_launches_times_the_heuristics_candidates():
+    """``--candidates``: each GEMM problem's first algorithm (the one the GEMM uses) is
+    timed, with a kernel a call and a workspace size."""
+    run = subprocess.run([sys.executable, "benchmarks/count_launches.py", "--tokens", "256", "--calls", "1",
+                          "--candidates", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = run.stdout.split("\n\n")[0].splitlines()[1:]  # problem (24 columns), candidate, workspace, kernels, ...
+    rows = [(line[:24].strip(), line[24:].split()) for line in table]
+    assert sorted(name for name, fields in rows if fields[0] == "0") == sorted(
+        f"gemm {linear} {kind}" for linear in ("qkv", "proj", "fc1", "fc2")
+        for kind in ("fprop bf16", "fprop fp32", "dgrad", "wgrad")), table
+    for name, fields in rows:
+        assert int(fields[1]) >= 0 and float(fields[2]) >= 1.0, (name, fields)

@@ -20,6 +20,10 @@ at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const a
                                const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                at::ScalarType out_dtype, bool fast_accum, int64_t stream);
 int64_t fp8_gemm_plans();
+std::tuple<at::Tensor, int64_t> fp8_gemm_tensorwise_candidate(const at::Tensor& a, const at::Tensor& b,
+                                                              const at::Tensor& scale_a, const at::Tensor& scale_b,
+                                                              at::ScalarType out_dtype, bool fast_accum,
+                                                              int64_t candidate, int64_t stream);
 }  // namespace te_fuser
 
 namespace {
@@ -440,4 +444,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_gemm_tensorwise", &te_fuser::fp8_gemm_tensorwise,
         "tensor-scaled FP8 GEMM through cuBLASLt, its descriptors and algorithm kept per problem");
   m.def("fp8_gemm_plans", &te_fuser::fp8_gemm_plans, "how many GEMM problems have a kept cuBLASLt plan");
+  m.def("fp8_gemm_tensorwise_candidate", &te_fuser::fp8_gemm_tensorwise_candidate,
+        "the FP8 GEMM with the heuristic's n-th algorithm, and its workspace bytes");
 }

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace te_fuser {
 namespace {
@@ -56,12 +57,13 @@ int alignment(const void* p) {
   return align;
 }
 
-using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, int, int, int, int>;
+using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, int, int, int, int, int>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;  // what the algorithm asks of the workspace
 };
 
 struct Device {
@@ -97,7 +99,7 @@ Device& device_state(Cache& c, const at::Tensor& like) {
 
 Plan build_plan(cublasLtHandle_t handle, int64_t m, int64_t n, int64_t k, cudaDataType_t a_type,
                 cudaDataType_t b_type, cudaDataType_t out_type, std::optional<cudaDataType_t> bias_type,
-                bool fast_accum, int align_a, int align_b, int align_d) {
+                bool fast_accum, int align_a, int align_b, int align_d, int candidate) {
   Plan plan;
   check(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   set(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T, "TRANSA");
@@ -125,24 +127,28 @@ Plan build_plan(cublasLtHandle_t handle, int64_t m, int64_t n, int64_t k, cudaDa
     check(cublasLtMatmulPreferenceSetAttribute(preference, align_attributes[i], &aligns[i], sizeof(aligns[i])),
           "alignment preference");
   }
-  cublasLtMatmulHeuristicResult_t result{};
+  std::vector<cublasLtMatmulHeuristicResult_t> results(candidate + 1);
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d,
-                                                               preference, 1, &result, &found);
+                                                               preference, candidate + 1, results.data(), &found);
   cublasLtMatmulPreferenceDestroy(preference);
   check(status, "cublasLtMatmulAlgoGetHeuristic");
-  TORCH_CHECK(found > 0, "te_fuser cuBLASLt FP8 GEMM: no algorithm for M=", m, " N=", n, " K=", k);
-  plan.algo = result.algo;
+  TORCH_CHECK(found > candidate, "te_fuser cuBLASLt FP8 GEMM: no algorithm ", candidate, " for M=", m, " N=", n,
+              " K=", k, " (the heuristic has ", found, ")");
+  plan.algo = results[candidate].algo;
+  plan.workspace = results[candidate].workspaceSize;
   return plan;
 }
 
 }  // namespace
 
-// out (M, N) in out_dtype; scale_a, scale_b: fp32 one-element tensors, 16-byte aligned
-// (cuBLASLt refuses others); bias (N,) of out_dtype or none.
-at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                               const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
-                               at::ScalarType out_dtype, bool fast_accum, int64_t stream) {
+namespace {
+
+// The GEMM with the heuristic's candidate-th algorithm (0: its first choice): the
+// output and the algorithm's workspace bytes.
+std::tuple<at::Tensor, int64_t> run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                                         at::ScalarType out_dtype, bool fast_accum, int candidate, int64_t stream) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.is_contiguous() && b.is_contiguous(),
               "te_fuser cuBLASLt FP8 GEMM: a (M, K) and b (N, K) must be contiguous with one K, got ", a.sizes(),
               " and ", b.sizes());
@@ -160,14 +166,16 @@ at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const a
   }
   at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
   const Key key{m, n, k, a_type, b_type, out_type, bias_type ? static_cast<int>(*bias_type) : -1, fast_accum,
-                alignment(a.data_ptr()), alignment(b.data_ptr()), alignment(out.data_ptr()), a.get_device()};
+                alignment(a.data_ptr()), alignment(b.data_ptr()), alignment(out.data_ptr()), a.get_device(),
+                candidate};
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   Device& device = device_state(c, a);
   auto found = c.plans.find(key);
   if (found == c.plans.end()) {
     found = c.plans.emplace(key, build_plan(device.handle, m, n, k, a_type, b_type, out_type, bias_type,
-                                            fast_accum, std::get<8>(key), std::get<9>(key), std::get<10>(key)))
+                                            fast_accum, std::get<8>(key), std::get<9>(key), std::get<10>(key),
+                                            candidate))
                 .first;
   }
   const Plan& plan = found->second;
@@ -179,7 +187,29 @@ at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const a
                        out.data_ptr(), plan.d, out.data_ptr(), plan.d, &plan.algo, device.workspace.data_ptr(),
                        kWorkspaceBytes, reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream))),
         "cublasLtMatmul");
-  return out;
+  return {out, static_cast<int64_t>(plan.workspace)};
+}
+
+}  // namespace
+
+// out (M, N) in out_dtype; scale_a, scale_b: fp32 one-element tensors, 16-byte aligned
+// (cuBLASLt refuses others); bias (N,) of out_dtype or none.
+at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                               const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                               at::ScalarType out_dtype, bool fast_accum, int64_t stream) {
+  return std::get<0>(run_gemm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum, 0, stream));
+}
+
+// The same GEMM with the heuristic's candidate-th algorithm, and that algorithm's
+// workspace bytes: for comparing the candidates (benchmarks/count_launches.py); an
+// error names how many the heuristic has when there is no such candidate.
+std::tuple<at::Tensor, int64_t> fp8_gemm_tensorwise_candidate(const at::Tensor& a, const at::Tensor& b,
+                                                              const at::Tensor& scale_a, const at::Tensor& scale_b,
+                                                              at::ScalarType out_dtype, bool fast_accum,
+                                                              int64_t candidate, int64_t stream) {
+  TORCH_CHECK(candidate >= 0 && candidate < 64, "te_fuser cuBLASLt FP8 GEMM: candidate must be in [0, 64), got ",
+              candidate);
+  return run_gemm(a, b, scale_a, scale_b, std::nullopt, out_dtype, fast_accum, static_cast<int>(candidate), stream);
 }
 
 // How many problems have a kept descriptor and algorithm (for tests and reports).
