@@ -96,7 +96,7 @@ for part in $parts; do
       timeout 250 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels dq dkdv \
         2>&1 | tee "$OUT/attngpt.log" | tail -30 ;;
     launches)  # kernels and memsets per call of each GEMM and cast entry at the GPT's shapes
-      timeout 200 python3 benchmarks/count_launches.py 2>&1 | tee "$OUT/launches.log" | tail -24 ;;
+      timeout 200 python3 benchmarks/count_launches.py ${LAUNCH_CANDIDATES:+--candidates $LAUNCH_CANDIDATES} 2>&1 | tee "$OUT/launches.log" | tail -24 ;;
     norm)  # LayerNorm / RMSNorm: the kernels' tests at the GPT's sizes, the backends side by side, the op beside torch
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_norm.py 2>&1 | tee "$OUT/norm_tests.log" | tail -4
       timeout 150 python3 benchmarks/bench_norm.py 2>&1 | tee "$OUT/norm.log" | tail -24 ;;
