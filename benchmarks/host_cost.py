@@ -179,6 +179,52 @@ def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
     return [(name, host_us(fn, calls, repeats)) for name, fn in rows]
 
 
+def anatomy_rows(calls: int, repeats: int) -> list[tuple[str, float]]:
+    """A cast's and a GEMM's binding at the GPT's sizes beside 1024x1024, and what
+    each might pay inside: an empty kernel's launch, allocations of growing size,
+    the one-launch (cooperative) cast against the separate launches. A call's host
+    cost that grows with the problem is paid below Python, where the rows above
+    cannot see it."""
+    from te_fuser.kernels.cuda._build import extension, raw_stream
+
+    dev = "cuda"
+    ext, stream = extension(), raw_stream(torch.device(dev))
+    one = torch.ones(1, device=dev)
+    rows = [("torch.cuda._sleep(1) (an empty kernel's launch)", lambda: torch.cuda._sleep(1))]
+    for mib in (2, 32, 128):
+        rows.append((f"torch.empty {mib} MiB", lambda n=mib << 20: torch.empty(n, device=dev, dtype=torch.uint8)))
+    shapes = ((1024, 1024), (16384, 1024), (16384, 4096))
+    inputs = {s: torch.randn(*s, device=dev, dtype=torch.bfloat16) for s in shapes}
+    for enabled in (True, False):
+        how = "one launch" if enabled else "separate launches"
+        for (r, c), x in inputs.items():
+            def current(x=x, r=r, c=c, enabled=enabled):
+                previous = ext.one_launch_casts(enabled)
+                try:
+                    return ext.cast_current(x, 1, 0, r, c, False, 0.0, True, True, None, False, False, stream)
+                finally:
+                    ext.one_launch_casts(previous)
+
+            def tensorwise(x=x, r=r, c=c, enabled=enabled):
+                previous = ext.one_launch_casts(enabled)
+                try:
+                    return ext.cast_tensorwise(x, 1, 0, r, c, one, None, True, True, False, False, stream)
+                finally:
+                    ext.one_launch_casts(previous)
+
+            rows.append((f"binding cast_current {r}x{c}, with T, {how}", current))
+            rows.append((f"binding cast_tensorwise {r}x{c}, with T, {how}", tensorwise))
+    rows.append(("binding one_launch_casts (toggle, twice)", lambda: ext.one_launch_casts(ext.one_launch_casts(True))))
+    f8 = torch.float8_e4m3fn
+    for m, n, k, name in ((1024, 1024, 1024, "1024^3"), (16384, 4096, 1024, "fc1 fprop"),
+                          (16384, 1024, 4096, "fc2 fprop"), (1024, 4096, 16384, "fc1 wgrad")):
+        a = torch.randn(m, k, device=dev).to(f8)
+        b = torch.randn(n, k, device=dev).to(f8)
+        rows.append((f"binding fp8_gemm_tensorwise {name}",
+                     lambda a=a, b=b: ext.fp8_gemm_tensorwise(a, b, one, one, None, torch.bfloat16, False, stream)))
+    return [(name, host_us(fn, calls, repeats)) for name, fn in rows]
+
+
 def linear_rows(calls: int, repeats: int, profile: int) -> list[tuple[str, float, float]]:
     dev = "cuda"
     x = torch.randn(16384, 1024, device=dev, requires_grad=True)
@@ -248,6 +294,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--gpt-steps", type=int, default=20)
+    p.add_argument("--anatomy-only", action="store_true", help="stop after the launch anatomy rows")
     p.add_argument("--profile", type=int, default=25, help="profile the FP8 Linear steps: top N functions (0: off)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -256,6 +303,11 @@ def main(argv=None):
     print("\nprimitive                                      host us/call")
     for name, us in primitives(args.calls, args.repeats):
         print(f"  {name:<44} {us:8.1f}")
+    print("\nlaunch anatomy (GPT sizes)                   host us/call")
+    for name, us in anatomy_rows(args.calls, args.repeats):
+        print(f"  {name:<52} {us:8.1f}")
+    if args.anatomy_only:
+        return
     print("\nLinear 16384x1024->4096            fwd us   fwd+bwd us")
     for label, f_us, s_us in linear_rows(args.calls, args.repeats, args.profile):
         print(f"  {label:<30} {f_us:8.1f} {s_us:11.1f}")
