@@ -188,7 +188,7 @@ def anatomy_rows(calls: int, repeats: int) -> list[tuple[str, float]]:
     from te_fuser.kernels.cuda._build import extension, raw_stream
 
     dev = "cuda"
-    ext, stream = extension(), raw_stream(torch.device(dev))
+    ext, stream = extension(), raw_stream(torch.device(dev, torch.cuda.current_device()))
     one = torch.ones(1, device=dev)
     rows = [("torch.cuda._sleep(1) (an empty kernel's launch)", lambda: torch.cuda._sleep(1))]
     for mib in (2, 32, 128):
