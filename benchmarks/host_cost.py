@@ -19,6 +19,7 @@ depth. Rows (µs per call, best of ``--repeats``):
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -289,12 +290,96 @@ def gpt_rows(steps: int) -> list[tuple[str, float]]:
     return rows
 
 
+def _all_threads_on(cpus: set) -> None:
+    """Pin every thread of this process (the autograd engine's device threads too) to ``cpus``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
+def gpt_setting_rows(steps: int, rounds: int) -> list[tuple[str, str, float]]:
+    """The tiny yardstick GPT's step (te attention; the GPU has almost nothing to do,
+    so a step's time is the host's) under process settings that change what the
+    host's step costs, each arm and setting taking turns: as it is; autograd's
+    backward on the calling thread (``set_multithreading_enabled(False)``: the
+    backward's Python and launches on the forward's core, its caches warm); the
+    garbage collector off after a ``gc.freeze()``; every thread pinned to one core
+    (the forward and the backward threads then share it). ms per step, medians."""
+    import gc
+
+    from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights
+
+    config = GPTConfig.gpu().replace(d_model=128, n_head=4, d_ffn=512, seq_len=64, batch_size=4)
+    torch.manual_seed(0)
+    batch = torch.randint(0, 256, (config.batch_size, config.seq_len + 1), device="cuda")
+    te_model, twin = GPT(config, device="cuda"), TorchGPT(config, device="cuda")
+    copy_weights(te_model, twin)
+    arms = [("torch bf16", twin, None), ("te current", te_model, te.recipe.Float8CurrentScaling()),
+            ("te delayed", te_model, te.recipe.DelayedScaling())]
+    steps_of = {}
+    for label, model, recipe in arms:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step(model=model, recipe=recipe, opt=opt):
+            x, y = batch[:, :-1], batch[:, 1:]
+            with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+                logits = model(x)
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps_of[label] = step
+    everything = os.sched_getaffinity(0)
+    one_core, threads = {min(everything)}, torch.get_num_threads()
+
+    def setting(name: str, on: bool) -> None:
+        if name == "backward on the calling thread":
+            torch.autograd.set_multithreading_enabled(not on)
+        elif name == "gc frozen and off":
+            if on:
+                gc.collect()
+                gc.freeze()
+                gc.disable()
+            else:
+                gc.enable()
+                gc.unfreeze()
+        elif name == "all threads on one core":  # torch's CPU pool shrunk to one thread with it
+            torch.set_num_threads(1 if on else threads)
+            _all_threads_on(one_core if on else everything)
+
+    settings = ["as it is", "backward on the calling thread", "gc frozen and off", "all threads on one core"]
+    times: dict = {}
+    for step in steps_of.values():
+        for _ in range(5):
+            step()
+    for _ in range(rounds):
+        for name in settings:
+            setting(name, True)
+            try:
+                for label, step in steps_of.items():
+                    for _ in range(2):
+                        step()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        step()
+                    torch.cuda.synchronize()
+                    times.setdefault((label, name), []).append((time.perf_counter() - t0) * 1e3 / steps)
+            finally:
+                setting(name, False)
+    return [(label, name, statistics.median(ts)) for (label, name), ts in times.items()]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--gpt-steps", type=int, default=20)
     p.add_argument("--anatomy-only", action="store_true", help="stop after the launch anatomy rows")
+    p.add_argument("--settings", action="store_true",
+                   help="after the anatomy, the tiny GPT's host step under process settings (threads, gc, affinity)")
     p.add_argument("--profile", type=int, default=25, help="profile the FP8 Linear steps: top N functions (0: off)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -306,6 +391,10 @@ def main(argv=None):
     print("\nlaunch anatomy (GPT sizes)                   host us/call")
     for name, us in anatomy_rows(args.calls, args.repeats):
         print(f"  {name:<52} {us:8.1f}")
+    if args.settings:
+        print("\ntiny GPT step under process settings   ms/step (median of rounds)")
+        for label, name, ms in gpt_setting_rows(args.gpt_steps, 5):
+            print(f"  {label:<12} {name:<34} {ms:8.2f}")
     if args.anatomy_only:
         return
     print("\nLinear 16384x1024->4096            fwd us   fwd+bwd us")
