@@ -222,6 +222,17 @@ def _group_launches(events, steps: int, top: int) -> list[tuple[str, str, float]
     return rows[:top]
 
 
+def _on_caller(step):
+    """``step`` with its backward on the calling thread (autograd's device threads off
+    for it): the backward's Python and launches stay on the forward's thread and core."""
+
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+
+    return run
+
+
 def host_profile(step, steps: int, top: int, dump: str | None = None) -> None:
     torch.autograd.set_multithreading_enabled(False)
     try:
@@ -294,6 +305,9 @@ def main(argv=None):
     p.add_argument("--sources", type=int, default=0, metavar="N",
                    help="also list, per arm, the N most frequent sources of GPU work: the runtime calls (kernels, "
                         "memsets, copies) grouped by the project's frame (and torch op) that made them")
+    p.add_argument("--caller-backward", action="store_true",
+                   help="with --interleave: also every arm with its backward on the calling thread (autograd's "
+                        "device threads off), taking turns with the others")
     p.add_argument("--separate-launches", action="store_true",
                    help="with --interleave: also time each te arm with the transposing casts as separate launches "
                         "(amax pass, cast, column sums; a memset first under delayed scaling) rather than one "
@@ -364,6 +378,8 @@ def main(argv=None):
             if args.one_sequential:
                 steps[f"te {name}, one Sequential"] = _fresh_te_step(
                     dataclasses.replace(config, layer="one_sequential"), RECIPES[name], batch)
+        if args.caller_backward:
+            steps.update({f"{label}, backward on the caller": _on_caller(step) for label, step in list(steps.items())})
         for run_length in args.run_length:
             medians = harness.interleaved_ms(steps, args.interleave, steps=run_length, sync=torch.cuda.synchronize)
             base = medians["torch bf16"]

@@ -104,6 +104,9 @@ MIB = 2**20
 ARMS = ("te", "torch", "compiled", "torchao")
 FIXED_NUMERICS = {"torch": "bf16", "compiled": "bf16", "torchao": "float8"}  # the arms that ignore the recipes
 ADAMW_KINDS = ("auto", "fused", "foreach", "for-loop")
+# Where a backward runs: autograd's device thread (torch's default for GPU tensors) or
+# the thread that calls it. A host-bound step pays for the hand-over between the two.
+BACKWARD_THREADS = ("autograd", "caller")
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the te arm's linear weights as FP8 parameters, fp32 masters in AdamW's state")
     p.add_argument("--graphed", action="store_true",
                    help="the te arm's steps replayed from CUDA graphs (te.make_graphed_step; CUDA only)")
+    p.add_argument("--backward-thread", choices=BACKWARD_THREADS, default="autograd",
+                   help="where every arm's backward runs: autograd's device thread (torch's default) or the "
+                        "calling thread (torch.autograd.set_multithreading_enabled(False), for the whole run)")
     p.add_argument("--backend", choices=te.backend.BACKENDS, help="te_fuser kernel backend (default: the library's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the run's figures here")
@@ -711,7 +717,7 @@ def make_report(run: Run, arms: list[Arm], skipped: dict[str, str], corpus: dict
     args = run.args
     settings = {k: getattr(args, k) for k in ("size", "schedule", "lr", "warmup_steps", "weight_decay", "clip",
                                                "adamw", "eval_every", "eval_batches", "seed", "backend",
-                                               "fp8_params", "graphed")}
+                                               "fp8_params", "graphed", "backward_thread")}
     settings["fp8_params_recipe"] = None if args.fp8_params_recipe is None else str(args.fp8_params_recipe)
     return {
         "config": {**asdict(args.config), **settings, "phases": [_phase_entry(p) for p in args.phases]},
@@ -837,8 +843,9 @@ def main(argv=None) -> dict:
     if args.fp8_params:
         print(f"te arm: linear weights as FP8 parameters, first cast under {args.fp8_params_recipe}")
     arms, skipped = build_arms(run)
-    for arm in arms:
-        train_arm(arm, run)
+    with torch.autograd.set_multithreading_enabled(args.backward_thread == "autograd"):  # this thread's setting
+        for arm in arms:
+            train_arm(arm, run)
     print_summary(arms)
     report = make_report(run, arms, skipped, corpus)
     if args.json:

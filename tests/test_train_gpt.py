@@ -325,3 +325,20 @@ def test_the_compiled_arm_is_the_twin_with_its_blocks_compiled(monkeypatch):
     assert abs(eager["evals"][-1]["val_bpb"] - compiled["evals"][-1]["val_bpb"]) < 2e-3
     assert "compiled" not in train_gpt.parse_args(["--device", "cpu"]).arms
     assert train_gpt.parse_args(["--device", "cpu", "--arms", "compiled"]).arms == ["compiled"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="autograd's device threads serve GPU tensors"))])
+def test_the_backward_on_the_calling_thread_trains_the_same_bits(device):
+    """``--backward-thread caller``: every arm's backward on the thread that calls it
+    (autograd's device threads off for the run) gives the default run's losses bit for
+    bit, is recorded in the report, and leaves the setting as it found it."""
+    argv = ["--size", "smoke", "--device", device, "--schedule", "bf16:2,current:2", "--arms", "te,torch",
+            "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100"]
+    default, _ = _run(argv)
+    caller, _ = _run(argv + ["--backward-thread", "caller"])
+    assert default["config"]["backward_thread"] == "autograd" and caller["config"]["backward_thread"] == "caller"
+    for arm in ("te", "torch"):
+        assert len(caller["arms"][arm]["losses"]) == 4
+        assert caller["arms"][arm]["losses"] == default["arms"][arm]["losses"], arm
+    assert torch._C._is_multithreading_enabled()
