@@ -254,6 +254,36 @@ def host_profile(step, steps: int, top: int, dump: str | None = None) -> None:
     stats.sort_stats("tottime").print_stats(top)
 
 
+def graphed_te_step(config: GPTConfig, recipe, batch, clip: float = 0.0):
+    """A te GPT of ``config`` (seed 0) trained by ``te.make_graphed_step``: forward,
+    loss, backward (with gradient clipping at ``clip`` when positive, as
+    ``train_gpt.py`` clips at 1.0) and a capturable fused AdamW step replayed from
+    one CUDA graph, its first calls eager and then the capture; called like
+    :func:`step_fn`'s steps. Its kernel table is the GPU's work with no host gaps."""
+    torch.manual_seed(0)
+    model = GPT(config, device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4, device="cuda"), fused=True, capturable=True)
+
+    def body(b):
+        x, y = b[:, :-1], b[:, 1:]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss.detach()
+
+    graphed = te.make_graphed_step(body, model)
+
+    def step():
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            graphed(batch)
+
+    return step
+
+
 def _fresh_te_step(config: GPTConfig, recipe, batch):
     """:func:`step_fn` of a te GPT of ``config`` made for it (seed 0) with fused AdamW."""
     torch.manual_seed(0)
@@ -305,6 +335,11 @@ def main(argv=None):
     p.add_argument("--sources", type=int, default=0, metavar="N",
                    help="also list, per arm, the N most frequent sources of GPU work: the runtime calls (kernels, "
                         "memsets, copies) grouped by the project's frame (and torch op) that made them")
+    p.add_argument("--graphed", action="store_true",
+                   help="also each te recipe's step replayed from a CUDA graph (te.make_graphed_step, capturable "
+                        "fused AdamW): its kernel table is the step's GPU work with the host out of it")
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="with --graphed: gradient norm clipping in the graphed step (train_gpt.py clips at 1.0)")
     p.add_argument("--caller-backward", action="store_true",
                    help="with --interleave: also every arm with its backward on the calling thread (autograd's "
                         "device threads off), taking turns with the others")
@@ -334,11 +369,16 @@ def main(argv=None):
     if args.compile:
         compiled = torch.compile(te_model)
         arms += [(f"te {name} compiled", compiled, RECIPES[name]) for name in args.recipes]
+    if args.graphed:  # a model each, trained through te.make_graphed_step
+        arms += [(f"te {name} graphed", None, RECIPES[name]) for name in args.recipes]
     tokens = config.batch_size * config.seq_len
     results = []
     for label, model, recipe in arms:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # (a compiled model's are the te model's)
-        step = step_fn(model, opt, recipe, batch)
+        if model is None:
+            step = graphed_te_step(config, recipe, batch, args.clip)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # (a compiled model's: the te model's)
+            step = step_fn(model, opt, recipe, batch)
         for _ in range(3):
             step()
         ms = step_ms(step, args.timed)
@@ -351,7 +391,7 @@ def main(argv=None):
         print(f"  GPU idle inside the step: {idle:.2f} ms/step, by the kernel it waited for:")
         for name, gms, count in gaps:
             print(f"  {gms:8.3f} ms {count:5.0f}x  {name}")
-        if args.phases:
+        if args.phases and model is not None:
             phases = phase_ms(model, opt, recipe, batch, args.timed)
             print("  phase        host ms   GPU ms (from the host's start of the phase to the GPU's end of it)")
             for name, (host_ms, gpu_ms) in phases.items():
@@ -362,7 +402,7 @@ def main(argv=None):
             rows.sort(key=lambda r: (r[0] == "kernel", -r[2]))
             for what, source, per_step in rows[:args.sources]:
                 print(f"  {per_step:7.1f}  {what:6s}  {source[:150]}")
-        if args.host:
+        if args.host and model is not None:
             dump = args.dump and str(Path(args.dump) / f"host_{label.replace(' ', '_')}.prof")
             host_profile(step, args.steps, 2 * args.top, dump)
     base = results[0][1]
