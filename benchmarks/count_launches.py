@@ -51,13 +51,16 @@ def gemm_problems(tokens: int) -> dict:
     return problems
 
 
-def gemm_cases(tokens: int) -> dict:
-    """name -> a call of ``fp8_gemm_tensorwise`` (the heuristic's first algorithm) of each problem."""
+def _binding() -> tuple:
+    """(the CUDA extension, a one-element fp32 scale of 1, the current stream's handle)."""
     from te_fuser.kernels.cuda._build import extension, raw_stream
 
-    ext = extension()
-    one = torch.ones(1, device="cuda")
-    stream = raw_stream(torch.device("cuda", torch.cuda.current_device()))
+    return extension(), torch.ones(1, device="cuda"), raw_stream(torch.device("cuda", torch.cuda.current_device()))
+
+
+def gemm_cases(tokens: int) -> dict:
+    """name -> a call of ``fp8_gemm_tensorwise`` (the heuristic's first algorithm) of each problem."""
+    ext, one, stream = _binding()
     return {name: (lambda a=a, b=b, out=out, fast=fast: ext.fp8_gemm_tensorwise(a, b, one, one, None, out, fast,
                                                                                    stream))
             for name, (a, b, out, fast) in gemm_problems(tokens).items()}
@@ -68,11 +71,7 @@ def candidate_rows(tokens: int, candidates: int, calls: int) -> list[tuple]:
     GEMM uses): (problem, candidate, workspace bytes, kernels a call, memsets a call,
     ms a call, its kernel), the time a median of CUDA-event timings over ``calls``
     calls after a warm-up."""
-    from te_fuser.kernels.cuda._build import extension, raw_stream
-
-    ext = extension()
-    one = torch.ones(1, device="cuda")
-    stream = raw_stream(torch.device("cuda", torch.cuda.current_device()))
+    ext, one, stream = _binding()
     rows = []
     for name, (a, b, out, fast) in gemm_problems(tokens).items():
         for candidate in range(candidates):

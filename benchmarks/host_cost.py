@@ -196,25 +196,24 @@ def anatomy_rows(calls: int, repeats: int) -> list[tuple[str, float]]:
         rows.append((f"torch.empty {mib} MiB", lambda n=mib << 20: torch.empty(n, device=dev, dtype=torch.uint8)))
     shapes = ((1024, 1024), (16384, 1024), (16384, 4096))
     inputs = {s: torch.randn(*s, device=dev, dtype=torch.bfloat16) for s in shapes}
+
+    def under(enabled: bool, cast):  # the call with the one-launch casts set to ``enabled`` around it
+        def call():
+            previous = ext.one_launch_casts(enabled)
+            try:
+                return cast()
+            finally:
+                ext.one_launch_casts(previous)
+
+        return call
+
     for enabled in (True, False):
         how = "one launch" if enabled else "separate launches"
         for (r, c), x in inputs.items():
-            def current(x=x, r=r, c=c, enabled=enabled):
-                previous = ext.one_launch_casts(enabled)
-                try:
-                    return ext.cast_current(x, 1, 0, r, c, False, 0.0, True, True, None, False, False, stream)
-                finally:
-                    ext.one_launch_casts(previous)
-
-            def tensorwise(x=x, r=r, c=c, enabled=enabled):
-                previous = ext.one_launch_casts(enabled)
-                try:
-                    return ext.cast_tensorwise(x, 1, 0, r, c, one, None, True, True, False, False, stream)
-                finally:
-                    ext.one_launch_casts(previous)
-
-            rows.append((f"binding cast_current {r}x{c}, with T, {how}", current))
-            rows.append((f"binding cast_tensorwise {r}x{c}, with T, {how}", tensorwise))
+            rows.append((f"binding cast_current {r}x{c}, with T, {how}", under(enabled, lambda x=x, r=r, c=c: (
+                ext.cast_current(x, 1, 0, r, c, False, 0.0, True, True, None, False, False, stream)))))
+            rows.append((f"binding cast_tensorwise {r}x{c}, with T, {how}", under(enabled, lambda x=x, r=r, c=c: (
+                ext.cast_tensorwise(x, 1, 0, r, c, one, None, True, True, False, False, stream)))))
     rows.append(("binding one_launch_casts (toggle, twice)", lambda: ext.one_launch_casts(ext.one_launch_casts(True))))
     f8 = torch.float8_e4m3fn
     for m, n, k, name in ((1024, 1024, 1024, "1024^3"), (16384, 4096, 1024, "fc1 fprop"),
