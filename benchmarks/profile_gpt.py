@@ -254,12 +254,14 @@ def host_profile(step, steps: int, top: int, dump: str | None = None) -> None:
     stats.sort_stats("tottime").print_stats(top)
 
 
-def graphed_te_step(config: GPTConfig, recipe, batch, clip: float = 0.0):
+def graphed_te_step(config: GPTConfig, recipe, batch, clip: float = 0.0, one_launch_in_capture: bool = True):
     """A te GPT of ``config`` (seed 0) trained by ``te.make_graphed_step``: forward,
     loss, backward (with gradient clipping at ``clip`` when positive, as
     ``train_gpt.py`` clips at 1.0) and a capturable fused AdamW step replayed from
     one CUDA graph, its first calls eager and then the capture; called like
-    :func:`step_fn`'s steps. Its kernel table is the GPU's work with no host gaps."""
+    :func:`step_fn`'s steps. Its kernel table is the GPU's work with no host gaps.
+    ``one_launch_in_capture``: the capture takes the one-launch casts (cooperative
+    kernel nodes), else their separate launches."""
     torch.manual_seed(0)
     model = GPT(config, device="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4, device="cuda"), fused=True, capturable=True)
@@ -276,10 +278,15 @@ def graphed_te_step(config: GPTConfig, recipe, batch, clip: float = 0.0):
         return loss.detach()
 
     graphed = te.make_graphed_step(body, model)
+    from te_fuser.kernels.cuda import set_one_launch_casts_in_capture
 
-    def step():
-        with te.autocast(enabled=recipe is not None, recipe=recipe):
-            graphed(batch)
+    def step():  # the setting is read when the graph is captured (the third call)
+        previous = set_one_launch_casts_in_capture(one_launch_in_capture)
+        try:
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                graphed(batch)
+        finally:
+            set_one_launch_casts_in_capture(previous)
 
     return step
 
@@ -337,7 +344,8 @@ def main(argv=None):
                         "memsets, copies) grouped by the project's frame (and torch op) that made them")
     p.add_argument("--graphed", action="store_true",
                    help="also each te recipe's step replayed from a CUDA graph (te.make_graphed_step, capturable "
-                        "fused AdamW): its kernel table is the step's GPU work with the host out of it")
+                        "fused AdamW), captured with the one-launch casts and with their separate launches: its "
+                        "kernel table is the step's GPU work with the host out of it")
     p.add_argument("--clip", type=float, default=0.0,
                    help="with --graphed: gradient norm clipping in the graphed step (train_gpt.py clips at 1.0)")
     p.add_argument("--caller-backward", action="store_true",
@@ -369,13 +377,14 @@ def main(argv=None):
     if args.compile:
         compiled = torch.compile(te_model)
         arms += [(f"te {name} compiled", compiled, RECIPES[name]) for name in args.recipes]
-    if args.graphed:  # a model each, trained through te.make_graphed_step
-        arms += [(f"te {name} graphed", None, RECIPES[name]) for name in args.recipes]
+    if args.graphed:  # a model each, trained through te.make_graphed_step; captured with either cast path
+        arms += [(f"te {name} graphed{tail}", (None, one), RECIPES[name]) for name in args.recipes
+                 for tail, one in (("", True), (", separate casts", False))]
     tokens = config.batch_size * config.seq_len
     results = []
     for label, model, recipe in arms:
-        if model is None:
-            step = graphed_te_step(config, recipe, batch, args.clip)
+        if type(model) is tuple:
+            step = graphed_te_step(config, recipe, batch, args.clip, one_launch_in_capture=model[1])
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # (a compiled model's: the te model's)
             step = step_fn(model, opt, recipe, batch)
@@ -391,7 +400,7 @@ def main(argv=None):
         print(f"  GPU idle inside the step: {idle:.2f} ms/step, by the kernel it waited for:")
         for name, gms, count in gaps:
             print(f"  {gms:8.3f} ms {count:5.0f}x  {name}")
-        if args.phases and model is not None:
+        if args.phases and type(model) is not tuple:
             phases = phase_ms(model, opt, recipe, batch, args.timed)
             print("  phase        host ms   GPU ms (from the host's start of the phase to the GPU's end of it)")
             for name, (host_ms, gpu_ms) in phases.items():
@@ -402,7 +411,7 @@ def main(argv=None):
             rows.sort(key=lambda r: (r[0] == "kernel", -r[2]))
             for what, source, per_step in rows[:args.sources]:
                 print(f"  {per_step:7.1f}  {what:6s}  {source[:150]}")
-        if args.host and model is not None:
+        if args.host and type(model) is not tuple:
             dump = args.dump and str(Path(args.dump) / f"host_{label.replace(' ', '_')}.prof")
             host_profile(step, args.steps, 2 * args.top, dump)
     base = results[0][1]

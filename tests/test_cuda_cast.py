@@ -312,3 +312,46 @@ def test_the_one_launch_cast_is_the_separate_launches(shape, hp, kind):
         assert (a is None) == (b is None), f"{kind} output {i}"
         if b is not None:
             assert_bitwise(a, b, f"{kind} {shape} {hp} output {i}")
+
+
+@pytest.mark.parametrize("kind", ["current", "current_sums", "delayed", "delayed_sums"])
+@pytest.mark.parametrize("in_capture", [True, False], ids=["one launch captured", "separate launches captured"])
+def test_a_cast_captured_in_a_graph_replays_the_eager_bits(kind, in_capture):
+    """A transposing cast captured into a CUDA graph, as a cooperative kernel node
+    (the default) or as its separate launches, replays the eager cast's bits on new
+    input written into the captured tensor: copies, scales, amax and sums. The
+    setting is the capture's: replays do not read it."""
+    x = _data((4096, 1024), torch.bfloat16, seed=5)
+    fresh = _data((4096, 1024), torch.bfloat16, seed=6) * 3.0
+    scale = torch.tensor(0.25, device="cuda")
+
+    def cast():
+        if kind == "current":
+            return cuda.quantize_current(x, E4M3, False, 0.0, True, True)
+        if kind == "current_sums":
+            return cuda.quantize_current_column_sums(x, E4M3, False, 0.0, True, True)
+        if kind == "delayed":
+            return cuda.quantize_tensorwise(x, scale, E4M3, True, True)
+        return cuda.quantize_tensorwise_column_sums(x, scale, E5M2, True, True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    previous = cuda.set_one_launch_casts_in_capture(in_capture)
+    try:
+        with torch.cuda.stream(side):
+            cast()  # warm-up on the capture's stream, as torch asks
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = cast()
+    finally:
+        cuda.set_one_launch_casts_in_capture(previous)
+    assert previous is True
+    x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = cast()
+    for i, (a, b) in enumerate(zip(captured, eager)):
+        assert (a is None) == (b is None), f"{kind} output {i}"
+        if b is not None:
+            assert_bitwise(a, b, f"{kind} captured ({in_capture}) output {i}")

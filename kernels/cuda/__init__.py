@@ -34,7 +34,8 @@ what is missing (:func:`unavailable_reason`).
 """
 
 from ._build import extension as load_extension
-from ._build import is_loaded, one_launch_casts, set_one_launch_casts, unavailable_reason
+from ._build import (is_loaded, one_launch_casts, set_one_launch_casts, set_one_launch_casts_in_capture,
+                     unavailable_reason)
 from .attention import (attention_backward, attention_backward_unsupported_reason, attention_forward,
                         attention_forward_unsupported_reason)
 from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp8, quantize_rowwise,
@@ -64,6 +65,7 @@ __all__ = [
     "load_extension",
     "is_loaded",
     "set_one_launch_casts",
+    "set_one_launch_casts_in_capture",
     "one_launch_casts",
     "unavailable_reason",
 ]

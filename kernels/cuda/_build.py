@@ -26,7 +26,7 @@ import torch
 from .. import env as _env
 
 __all__ = ["SOURCES", "NVCC_FLAGS", "unavailable_reason", "extension", "is_loaded", "raw_stream",
-           "set_one_launch_casts", "one_launch_casts"]
+           "set_one_launch_casts", "one_launch_casts", "set_one_launch_casts_in_capture"]
 
 _log = logging.getLogger("te_fuser.kernels.cuda")
 
@@ -39,7 +39,7 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
 CXX_FLAGS = ("-O3", "-std=c++20")  # binding.cpp includes torch's headers
 REQUIRED_CAPABILITY = (9, 0)
 
-_state: dict = {"module": None, "one_launch": True}
+_state: dict = {"module": None, "one_launch": True, "one_launch_in_capture": True}
 
 
 def _nvcc_path() -> str | None:
@@ -144,6 +144,8 @@ def extension():
     _log.info("te_fuser.kernels.cuda: extension ready in %.1f s (built or loaded from %s)", time.perf_counter() - start, build_dir)
     if not _state["one_launch"]:
         module.one_launch_casts(False)
+    if not _state["one_launch_in_capture"]:
+        module.one_launch_casts_in_capture(False)
     _state["module"] = module
     return module
 
@@ -162,6 +164,18 @@ def set_one_launch_casts(enable: bool) -> bool:
 def one_launch_casts() -> bool:
     """The setting of :func:`set_one_launch_casts`."""
     return _state["one_launch"]
+
+
+def set_one_launch_casts_in_capture(enable: bool) -> bool:
+    """Whether the one-launch casts (where :func:`set_one_launch_casts` leaves them on)
+    also run while a CUDA graph is being captured, as a cooperative kernel node of
+    the graph (the default), or take their separate launches there (the same bits);
+    kept for an extension not loaded yet. Returns the previous setting."""
+    previous = _state["one_launch_in_capture"]
+    _state["one_launch_in_capture"] = bool(enable)
+    if _state["module"] is not None:
+        _state["module"].one_launch_casts_in_capture(bool(enable))
+    return previous
 
 
 _get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -166,6 +166,8 @@ MaybeTensor one_launch(te_fuser::CastScaling& scaling, int64_t blocks, const Cas
 
 bool one_launch_casts(bool enable) { return te_fuser::set_one_launch_casts(enable); }
 
+bool one_launch_casts_in_capture(bool enable) { return te_fuser::set_one_launch_casts_in_capture(enable); }
+
 // Current scaling: (data, data_t, scale, scale_inv, amax, column sums); amax_given
 // skips the amax pass. x is contiguous, 16-byte aligned, on the current device.
 // amax, scale and scale_inv are 16-byte aligned pieces of the outputs' allocation
@@ -436,6 +438,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "delayed scaling's cast and its state update in one call (one launch where the cast is one)");
   m.def("one_launch_casts", &one_launch_casts,
         "turn the transposing casts' one cooperative launch on or off; returns the previous state");
+  m.def("one_launch_casts_in_capture", &one_launch_casts_in_capture,
+        "whether the one launch also runs in a CUDA graph being captured; returns the previous state");
   m.def("quantize_rowwise", &quantize_rowwise, "FP8 cast with one scale per row");
   m.def("quantize_mxfp8", &quantize_mxfp8, "MXFP8 cast: one E8M0 scale per 32 elements");
   m.def("layer_norm", &layer_norm, "LayerNorm forward, one warp per row, outputs allocated here");

@@ -507,6 +507,7 @@ int64_t resident_blocks(const void* kernel) {
 }
 
 bool one_launch_enabled = true;
+bool one_launch_in_capture = true;
 
 }  // namespace
 
@@ -516,12 +517,20 @@ bool set_one_launch_casts(bool enable) {
   return previous;
 }
 
+bool set_one_launch_casts_in_capture(bool enable) {
+  const bool previous = one_launch_in_capture;
+  one_launch_in_capture = enable;
+  return previous;
+}
+
 int64_t cast_one_launch_blocks(int hp_type, int fp8_type, bool current, bool sums, int64_t rows, int64_t cols,
                                void* stream_ptr) {
   if (!one_launch_enabled || rows <= 0 || cols <= 0) return 0;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_ptr), &capture), "cudaStreamIsCapturing");
-  if (capture != cudaStreamCaptureStatusNone) return 0;
+  if (!one_launch_in_capture) {  // a cooperative launch captured becomes a cooperative kernel node of the graph
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_ptr), &capture), "cudaStreamIsCapturing");
+    if (capture != cudaStreamCaptureStatusNone) return 0;
+  }
   const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
   int64_t resident = 0;
   dispatch_hp(hp_type, "cast", [&](auto tag) {

@@ -71,13 +71,16 @@ struct CastScaling {
 };
 
 // Blocks of the one-launch transposing cast of x (rows, cols) (see CastScaling),
-// or 0 where the separate launches run: an empty x, a stream being captured into a
-// CUDA graph (whose replays cost no host time per launch), a device without
-// cooperative launches, or one-launch casts turned off (set_one_launch_casts).
+// or 0 where the separate launches run: an empty x, a device without cooperative
+// launches, one-launch casts turned off (set_one_launch_casts), or a stream being
+// captured into a CUDA graph while they are off there (set_one_launch_casts_in_capture;
+// captured, the launch is a cooperative kernel node).
 int64_t cast_one_launch_blocks(int hp_type, int fp8_type, bool current, bool sums, int64_t rows, int64_t cols,
                                void* stream);
 // Turns the one-launch casts on or off for this process; returns the previous state.
 bool set_one_launch_casts(bool enable);
+// Whether they also run in a CUDA graph being captured (default: yes); returns the previous state.
+bool set_one_launch_casts_in_capture(bool enable);
 
 // amax(|x|) of `numel` elements into amax_out (fp32, one element).
 void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, void* stream);
