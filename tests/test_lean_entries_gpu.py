@@ -101,6 +101,26 @@ def test_tensorwise_gemm_epilogues_equal_the_checked_gemm(activation, residual_d
     assert_bitwise(got, want)
 
 
+@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("residual_dtype", [None, torch.float32, torch.bfloat16])
+def test_an_fp32_bias_rounded_as_read_is_the_rounded_bias(activation, residual_dtype):
+    """``bias_round=bfloat16`` with an fp32 bias off the bf16 grid: the epilogue kernel
+    rounds it as it reads it (an activation or a residual), or the bias is converted
+    first (cuBLASLt's own epilogue): the bits of passing ``bias.to(bfloat16)``,
+    through the lean entry and through the ops' gemm."""
+    m, n, k = 96, 64, 128
+    a, b = _operand(m, k, E4M3, 16), _operand(n, k, E4M3, 17)
+    bias = _x((n,), torch.float32, 18) * 1.0001  # fp32 values between bf16 ones
+    bias[:3] = torch.tensor([float("inf"), -3.0e38, 1.0e-40], device="cuda")  # bf16's edges: inf, near max, subnormal
+    residual = None if residual_dtype is None else _x((m, n), residual_dtype, 19)
+    want = cuda.gemm.tensorwise(a, b, torch.bfloat16, bias.to(torch.bfloat16), True, activation, residual)
+    got = cuda.gemm.tensorwise(a, b, torch.bfloat16, bias, True, activation, residual, torch.bfloat16)
+    assert_bitwise(got, want)
+    got = ops_gemm(a, b, torch.bfloat16, bias=bias, activation=activation, residual=residual, fast_accum=True,
+                   bias_round=torch.bfloat16)
+    assert_bitwise(got, want)
+
+
 def test_tensorwise_gemm_declines_what_it_does_not_take():
     a, b = _operand(64, 64, E4M3, 5), _operand(48, 64, E4M3, 6)
     lean = cuda.gemm.tensorwise

@@ -134,3 +134,28 @@ def test_reduction_mismatch_is_rejected():
     ops, _ = linear_operands("tensor", E4M3)
     with pytest.raises(ValueError, match="reduction dims differ"):
         gemm_reference(ops["x_row"], ops["w_col"])
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("residual", [None, torch.float32], ids=["no residual", "fp32 residual"])
+def test_the_ops_gemm_adds_a_bias_rounded_as_bias_round_says(fp8, residual):
+    """``te_fuser.ops.gemm.gemm(..., bias_round=bfloat16)`` with an fp32 bias off the
+    bf16 grid gives the bits of passing ``bias.to(bfloat16)``: on the reference
+    backend (the FP8 GEMM and the high-precision one) the bias is converted first."""
+    from tolerances import assert_bitwise
+
+    from te_fuser.ops.gemm import gemm
+
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)
+    bias = torch.randn(48) * 1.0001
+    res = None if residual is None else torch.randn(32, 48, dtype=residual)
+    if fp8:
+        q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+        x, w = q(x).rowwise, q(w).rowwise
+    want = gemm(x, w, torch.bfloat16 if res is None else torch.float32, bias=bias.to(torch.bfloat16), residual=res,
+                compute_dtype=torch.bfloat16)
+    got = gemm(x, w, torch.bfloat16 if res is None else torch.float32, bias=bias, residual=res,
+               compute_dtype=torch.bfloat16, bias_round=torch.bfloat16)
+    assert_bitwise(got, want)
+    assert not torch.equal(bias, bias.to(torch.bfloat16).float())  # the rounding matters here

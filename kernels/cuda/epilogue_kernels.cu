@@ -15,11 +15,17 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Eight elements of a tensor whose type is known only at run time.
+// Eight elements of a tensor whose type is known only at run time; kBiasFp32AsBf16
+// (a bias only): fp32 values, each rounded to bf16 as it is read.
 __device__ __forceinline__ void load8_any(const void* base, int type, int64_t offset, float (&v)[8]) {
   switch (type) {
     case kBFloat16: load8(static_cast<const __nv_bfloat16*>(base) + offset, v); break;
     case kFloat16: load8(static_cast<const __half*>(base) + offset, v); break;
+    case kBiasFp32AsBf16:
+      load8(static_cast<const float*>(base) + offset, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(__float2bfloat16_rn(v[j]));  // bias.to(bfloat16)
+      break;
     default: load8(static_cast<const float*>(base) + offset, v); break;
   }
 }
@@ -95,6 +101,12 @@ void launch_epilogue(const void* y, int y_type, const void* bias, int bias_type,
                      void* stream_ptr) {
   if (out_cols % 8 != 0) throw std::invalid_argument("gemm epilogue: output columns must be a multiple of 8");
   if (activation < kActNone || activation > kActSwiglu) throw std::invalid_argument("gemm epilogue: unknown activation");
+  if (bias != nullptr && (bias_type < kFloat32 || bias_type > kBiasFp32AsBf16)) {
+    throw std::invalid_argument("gemm epilogue: unknown bias type");
+  }
+  if (residual != nullptr && (residual_type < kFloat32 || residual_type > kFloat16)) {
+    throw std::invalid_argument("gemm epilogue: unknown residual type");
+  }
   const int64_t chunks = rows * (out_cols / 8);
   if (chunks == 0) return;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);

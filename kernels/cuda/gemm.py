@@ -157,7 +157,14 @@ def _scaled_mm_scales(a: ScaledOperand, b: ScaledOperand) -> tuple[torch.Tensor,
     return scale_a, scale_b
 
 
-def _epilogue(y: torch.Tensor, bias, activation, residual, out_dtype) -> torch.Tensor:
+# The epilogue kernel's bias code for an fp32 bias it rounds to bf16 as it reads it
+# (launchers.cuh: kBiasFp32AsBf16).
+_BIAS_FP32_AS_BF16 = 3
+
+
+def _epilogue(y: torch.Tensor, bias, activation, residual, out_dtype, bias_as_bf16: bool = False) -> torch.Tensor:
+    """``activation(y + bias) + residual`` in fp32, written once as ``out_dtype``;
+    ``bias_as_bf16``: an fp32 bias, rounded to bf16 as the kernel reads it."""
     rows, in_cols = y.shape
     out_cols = in_cols // 2 if activation == "swiglu" else in_cols
     in_place = out_dtype == y.dtype and out_cols == in_cols
@@ -168,7 +175,8 @@ def _epilogue(y: torch.Tensor, bias, activation, residual, out_dtype) -> torch.T
         residual = aligned_contiguous(residual if residual.dtype in HP_CODES else residual.float())
     extension().epilogue(
         y.data_ptr(), HP_CODES[y.dtype],
-        0 if bias is None else bias.data_ptr(), 0 if bias is None else HP_CODES[bias.dtype],
+        0 if bias is None else bias.data_ptr(),
+        0 if bias is None else (_BIAS_FP32_AS_BF16 if bias_as_bf16 else HP_CODES[bias.dtype]),
         0 if residual is None else residual.data_ptr(), 0 if residual is None else HP_CODES[residual.dtype],
         out.data_ptr(), HP_CODES[out.dtype], rows, out_cols, ACTIVATION_CODES[activation], raw_stream(y.device),
     )  # fmt: skip
@@ -216,12 +224,14 @@ def _gemm_supported(
 gemm.when_supported = _gemm_supported
 
 _E5M2 = torch.float8_e5m2
+_FP32 = torch.float32
 # the epilogue activations whose output keeps the GEMM's column count (swiglu halves it)
 _SAME_WIDTH = tuple(a for a in EPILOGUE_ACTIVATIONS if a != "swiglu")
 
 
 def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, fast_accum: bool = False,
-                activation: str | None = None, residual: torch.Tensor | None = None):
+                activation: str | None = None, residual: torch.Tensor | None = None,
+                bias_round: torch.dtype | None = None):
     """:func:`gemm` of two per-tensor scaled operands with the checks a launch needs
     and no more: the same bits, or None for a case it does not take as it is (any
     other scaling, two E5M2 operands, K or N not a multiple of 16, operands apart or
@@ -229,7 +239,10 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     device), which then goes through :func:`gemm` and its checks. A bias of the
     output's dtype is cuBLASLt's epilogue; an activation, a residual or another
     bias take the fp32 product through the epilogue kernel, as :func:`gemm` does.
-    The ops' GEMMs call it first (``gemm.tensorwise``)."""
+    ``bias_round``: the bias is added as ``bias.to(bias_round)`` (an fp32 bias of a
+    bf16 step); with an activation or a residual the epilogue kernel rounds an fp32
+    bias to bf16 as it reads it (no converted copy, no launch for it), else the bias
+    is converted first. The ops' GEMMs call it first (``gemm.tensorwise``)."""
     if a.scaling != Scaling.TENSOR or b.scaling != Scaling.TENSOR:
         return None
     x, w = a.data, b.data
@@ -254,6 +267,11 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     if bias is not None and (bias.shape != (n,) or bias.dtype not in HP_CODES or not bias.is_cuda
                              or bias.get_device() != index):
         return None
+    as_bf16 = False
+    if bias_round is not None and bias is not None and bias.dtype is not bias_round:
+        as_bf16 = fused and bias.dtype is _FP32 and bias_round is torch.bfloat16
+        if not as_bf16:
+            bias = bias.to(bias_round)
     in_gemm = bias is not None and not fused and out_dtype is not torch.float32 and bias.dtype is out_dtype
     epilogue = fused or (bias is not None and not in_gemm)
     sa, sb = a.scale_inv, b.scale_inv
@@ -268,7 +286,7 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     gemm_bias = (bias if bias.is_contiguous() else bias.contiguous()) if in_gemm else None
     y = extension().fp8_gemm_tensorwise(x, w, sa, sb, gemm_bias, torch.float32 if epilogue else out_dtype,
                                         fast_accum, stream_of_index(index))  # (M, N)
-    return _epilogue(y, bias, activation, residual, out_dtype) if epilogue else y
+    return _epilogue(y, bias, activation, residual, out_dtype, as_bf16) if epilogue else y
 
 
 gemm.tensorwise = _tensorwise

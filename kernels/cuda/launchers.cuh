@@ -114,10 +114,15 @@ void launch_quantize_mxfp8(const void* x, int hp_type, int fp8_type, int64_t num
 // Activation codes of the GEMM epilogue.
 enum EpilogueActivation : int { kActNone = 0, kActGelu = 1, kActRelu = 2, kActSilu = 3, kActSwiglu = 4 };
 
+// The epilogue's bias type beside the high-precision codes: an fp32 bias that the
+// kernel rounds to bf16 as it reads it (the bits of bias.to(bfloat16) first).
+constexpr int kBiasFp32AsBf16 = 3;
+
 // out (rows, out_cols) = activation(y + bias) + residual, in fp32, for a GEMM
 // result y (rows, in_cols): in_cols = 2 * out_cols for SwiGLU, else out_cols.
-// bias (in_cols,) and residual (rows, out_cols) may be null. out may alias y
-// when both have the same type and shape. out_cols must be a multiple of 8.
+// bias (in_cols,) and residual (rows, out_cols) may be null; bias_type may also be
+// kBiasFp32AsBf16. out may alias y when both have the same type and shape.
+// out_cols must be a multiple of 8.
 void launch_epilogue(const void* y, int y_type, const void* bias, int bias_type, const void* residual,
                      int residual_type, void* out, int out_type, int64_t rows, int64_t out_cols, int activation,
                      void* stream);

@@ -65,21 +65,29 @@ def gemm(
     residual: torch.Tensor | None = None,
     fast_accum: bool = False,
     compute_dtype: torch.dtype | None = None,
+    bias_round: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``activation(a (P, R) @ b (Q, R).T + bias) + residual`` as ``out_dtype``;
     ``fast_accum`` lets an FP8 GEMM promote its partial sums to fp32 only at the end.
     In high precision the product and its bias run in ``compute_dtype`` (default
     ``out_dtype``) as one torch linear (the bias added before the one rounding, as
     ``torch.nn.Linear`` does), then the activation, and the residual is added in
-    torch's promoted dtype before the result becomes ``out_dtype``."""
+    torch's promoted dtype before the result becomes ``out_dtype``. ``bias_round``:
+    the bias is ``bias.to(bias_round)`` (an fp32 parameter in a bf16 step); a kernel
+    that can round it as it reads it gets it as it is, every other path a copy."""
     if isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand):
         fn = backend.resolve("gemm", a.data.device).fn
         tensorwise = getattr(fn, "tensorwise", None)  # the kernel's lean entry, where it has one
         if tensorwise is not None:
-            out = tensorwise(a, b, out_dtype, bias, fast_accum, activation, residual)
+            out = (tensorwise(a, b, out_dtype, bias, fast_accum, activation, residual) if bias_round is None else
+                   tensorwise(a, b, out_dtype, bias, fast_accum, activation, residual, bias_round))
             if out is not None:
                 return out
+        if bias_round is not None and bias is not None and bias.dtype is not bias_round:
+            bias = bias.to(bias_round)
         return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual, fast_accum=fast_accum)
+    if bias_round is not None and bias is not None and bias.dtype is not bias_round:
+        bias = bias.to(bias_round)
     compute = out_dtype if compute_dtype is None else compute_dtype
     a_hp = _high_precision(a, compute) if isinstance(a, ScaledOperand) or a.dtype is not compute else a
     b_hp = _high_precision(b, compute) if isinstance(b, ScaledOperand) or b.dtype is not compute else b

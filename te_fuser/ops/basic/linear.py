@@ -155,6 +155,7 @@ def linear_forward(
     residual: torch.Tensor | None = None,
     out_cast: EpilogueCast | None = None,
     weight_scale: float | None = None,
+    bias_round: torch.dtype | None = None,
 ) -> torch.Tensor:
     """fprop with an optional epilogue; saves the backward's operands in ``ctx``.
     ``weight_scale`` (with ``residual``) gives ``weight_scale · (x · wᵀ) + residual``
@@ -165,7 +166,8 @@ def linear_forward(
     ``x``: a high-precision (..., K) tensor, or a :class:`QuantizedTensor` already
     cast by this op's input quantizer (with the column-wise copy when the backward
     needs it). With ``out_cast`` the result is returned as its FP8 data (M, N),
-    cast in the epilogue after rounding to the compute dtype."""
+    cast in the epilogue after rounding to the compute dtype. ``bias_round``: the bias
+    is added as ``bias.to(bias_round)`` (see :func:`~te_fuser.ops.gemm.gemm`)."""
     run = ctx.run
     dtype = run.compute_dtype
     param = weight = op.weight
@@ -192,6 +194,8 @@ def linear_forward(
             x2d = x2d.to(dtype)
         x_q, w_q, keep_fp8 = _fprop_operands(ctx, op, x2d, w_hp, param)
     if out_cast is not None:
+        if bias_round is not None and bias is not None and bias.dtype is not bias_round:
+            bias = bias.to(bias_round)
         y2d = gemm_fp8_out(rowwise(x_q), rowwise(w_q), out_cast, dtype, bias=bias, activation=activation,
                            fast_accum=run.fast_accum_fprop)  # (M, N) FP8
     else:
@@ -206,7 +210,7 @@ def linear_forward(
             if weight_scale is not None:  # the epilogue's fp32 factor, in this GEMM's weight scale only
                 w_op = ScaledOperand(w_op.data, w_op.scale_inv * weight_scale, w_op.scaling)
             y2d = gemm(x_op, w_op, out_dtype, bias=bias, activation=activation, residual=res2d,
-                       fast_accum=run.fast_accum_fprop, compute_dtype=dtype)
+                       fast_accum=run.fast_accum_fprop, compute_dtype=dtype, bias_round=bias_round)
     if needs_backward:
         saved = ctx.saved
         saved["x"] = x_q if keep_fp8 else x2d
@@ -464,8 +468,10 @@ def linear_bias_add_forward(ctxs, ops, x, residual, scale: float | None = None):
         raise ValueError(f"{add.describe()}: extra input shape {tuple(residual.shape)} != {out_shape}")
     if scale is not None:
         return add.place(linear_forward(ctxs[0], linear, x, residual=residual, weight_scale=scale), residual)
-    bias = ops[1].bias_as(ctxs[0].run.compute_dtype) if len(ops) == 3 else None
-    return add.place(linear_forward(ctxs[0], linear, x, bias=bias, residual=residual), residual)
+    # the bias as it is, added as bias.to(compute dtype): a kernel that rounds it as it reads it saves the copy
+    bias = ops[1].bias if len(ops) == 3 else None
+    return add.place(linear_forward(ctxs[0], linear, x, bias=bias, residual=residual,
+                                    bias_round=ctxs[0].run.compute_dtype), residual)
 
 
 def _per_tensor(operand) -> bool:
