@@ -181,13 +181,24 @@ class RotaryCausalSelfAttention(nn.Module):
     def __init__(self, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
+        # (seq, head_dim, device) -> (cos, sin), made once as a torch user would: made
+        # on every call, the tables' copies from pageable host memory would wait for
+        # the GPU each layer and hold the twin's host back
+        self._tables: dict = {}
+
+    def tables(self, seq: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq, head_dim, device)
+        found = self._tables.get(key)
+        if found is None:
+            found = self._tables[key] = rotary_tables(seq, head_dim, ROPE_BASE, 0, device)
+        return found
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         batch, seq, three_d = qkv.shape
         d = three_d // 3
         head_dim = d // self.n_head
         heads = qkv.view(batch, seq, 3 * self.n_head, head_dim)  # (B, T, 3H, D)
-        cos, sin = rotary_tables(seq, head_dim, ROPE_BASE, 0, qkv.device)
+        cos, sin = self.tables(seq, head_dim, qkv.device)
         qk = apply_rotary(heads[:, :, :2 * self.n_head].float(), cos, sin).to(qkv.dtype)
         q, k = qk.split(self.n_head, dim=2)
         v = heads[:, :, 2 * self.n_head:]
