@@ -275,6 +275,60 @@ def sweep_column_sums(copy_tbs: float, rows_n: int = 16384, cols_n: int = 7168) 
     return out
 
 
+def bench_gradient_casts(copy_tbs: float, shapes: list[tuple[int, int]]) -> list[Row]:
+    """The CUDA casts of a linear's output gradient with its transposed copy, with and
+    without the bias gradient (column sums), under both tensor scalings, in one
+    cooperative launch and in separate launches: GPU time from CUDA graphs, over
+    inputs larger than L2. Before timing, each column-sums cast is checked: the same
+    bits in one launch as in separate launches, and sums within 1e-5 (of the
+    largest) of float64's."""
+    from te_fuser.kernels import cuda as kcuda
+
+    e5m2 = torch.float8_e5m2
+    out = []
+    for rows_n, cols_n in shapes:
+        label = f"{rows_n}x{cols_n} bf16"
+        n = rows_n * cols_n
+        inputs = harness.rotation(lambda: ((torch.randn(rows_n, cols_n, device="cuda") - 0.3).bfloat16(),), 2 * n)
+        scale = torch.tensor(0.5, device="cuda")
+        cases = {
+            "delayed cast+T": lambda x: kcuda.quantize_tensorwise(x, scale, e5m2, True, True),
+            "delayed cast+T + bias grad": lambda x: kcuda.quantize_tensorwise_column_sums(x, scale, e5m2, True, True),
+            "current cast+T": lambda x: kcuda.quantize_current(x, e5m2, columnwise=True),
+            "current cast+T + bias grad": lambda x: kcuda.quantize_current_column_sums(x, e5m2, columnwise=True),
+        }
+        x0 = inputs[0][0]
+        reference = x0.double().sum(dim=0)
+        for case, fn in cases.items():
+            times, results = {}, {}
+            for one_launch in (True, False):
+                previous = kcuda.set_one_launch_casts(one_launch)
+                try:
+                    results[one_launch] = fn(x0)
+                    times[one_launch] = harness.graph_time_ms(fn, inputs)
+                finally:
+                    kcuda.set_one_launch_casts(previous)
+            note = ""
+            if case.endswith("bias grad"):
+                same = all(torch.equal(a.view(torch.uint8) if a.dtype == e5m2 else a,
+                                       b.view(torch.uint8) if b.dtype == e5m2 else b)
+                           for a, b in zip(results[True], results[False]) if a is not None)
+                sums = results[True][-1].double()
+                worst = ((sums - reference).abs().max() / reference.abs().max()).item()
+                note = ("same bits" if same else "BITS DIFFER") + f" both ways, sums off by {worst:.1e}"
+            reads = 2 if case.startswith("current") else 1
+            logical = reads * 2 * n + 2 * n  # bf16 reads, two FP8 copies written
+            for one_launch in (True, False):
+                ms = times[one_launch]
+                tbs = logical / (ms * 1e-3) / 1e12
+                row = Row("cast-graph", f"{case}, {'one launch' if one_launch else 'separate launches'}", "cuda",
+                          label, ms, tbs, "TB/s", tbs / copy_tbs, note=note)
+                if one_launch:
+                    row.vs_peer, row.peer = times[False] / ms, "separate launches"
+                out.append(harness.progress(row))
+    return out
+
+
 def main(argv=None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=None)
@@ -283,7 +337,17 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--sweep", action="store_true", help="also time the Triton casts under several launch plans")
     parser.add_argument("--bias-grad", action="store_true",
                         help="only the output gradient's cast with its bias gradient, separate and fused")
+    parser.add_argument("--gradient-casts", nargs="*", metavar="RxC", default=None,
+                        help="only the CUDA output-gradient casts with and without the bias gradient, one launch and "
+                             "separate, GPU time (default shapes: the yardstick GPT's 16384x1024 16384x4096)")
     args = parser.parse_args(argv)
+    if args.gradient_casts is not None:
+        shapes = [tuple(int(v) for v in text.split("x")) for text in (args.gradient_casts or
+                                                                      ["16384x1024", "16384x4096"])]
+        rows = bench_gradient_casts(harness.copy_ceiling_tbs(), shapes)
+        harness.append_csv(rows, args.csv)
+        harness.print_table(rows, "the output gradient's casts, with and without its bias gradient")
+        return rows
     if args.bias_grad:
         copy_tbs = harness.copy_ceiling_tbs()
         rows = bench_bias_grad(copy_tbs)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn attngpt grouped norm launches
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn attngpt grouped norm launches
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -22,6 +22,8 @@ for part in $parts; do
         tests/test_graphs.py tests/test_graphed_step.py tests/test_hot_guard.py tests/test_amax_column_sums.py tests/test_quantize_tensorwise_column_sums.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
         tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py tests/test_quantizer_rowwise.py} \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+    gradcasts)  # the CUDA output-gradient casts with and without the bias gradient, one launch and separate (GPU time)
+      timeout 200 python3 benchmarks/bench_cast.py --gradient-casts 2>&1 | tee "$OUT/gradcasts.log" | tail -12 ;;
     dbias)  # the output gradient's cast with its bias gradient, separate and fused (16384x7168)
       timeout 150 python3 benchmarks/bench_cast.py --bias-grad --sweep 2>&1 | tee "$OUT/dbias.log" | tail -16 ;;
     linear) timeout 200 python3 benchmarks/bench_layers.py --cases linear 2>&1 | tee "$OUT/linear.log" | tail -12 ;;

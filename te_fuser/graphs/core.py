@@ -55,9 +55,10 @@ class StateSlot:
     def live(self) -> torch.Tensor:
         return self.quantizer.state_tensors()[self.name]
 
-    def adopt(self) -> None:
-        """Make ``home`` hold the quantizer's current value and bind the quantizer to it."""
-        live = self.live()
+    def adopt(self, live: torch.Tensor | None = None) -> None:
+        """Make ``home`` hold the quantizer's current value (``live``, when the caller
+        has read it) and bind the quantizer to it."""
+        live = self.live() if live is None else live
         if live is not self.home:
             self.home.copy_(live)
             self.quantizer.bind_state_tensor(self.name, self.home)
@@ -82,8 +83,25 @@ class CaptureGuard:
         self.params = tuple(p for p in all_params if p.requires_grad)  # the ones the graphs compute gradients for
         self.param_ptrs = tuple(p.data_ptr() for p in all_params)
         self.slots = slots
+        # the slots by quantizer: a replay reads each quantizer's state once
+        groups: dict = {}
+        for slot in slots:
+            groups.setdefault(id(slot.quantizer), (slot.quantizer, []))[1].append(slot)
+        self.slot_groups = tuple((q, tuple(group)) for q, group in groups.values())
         self.quantizers = quantizers  # (op, its quantizer dict) at capture time
         self.epoch = _EPOCH[0]
+
+    def adopt_rebound(self) -> None:
+        """Before a replay: adopt every state tensor a quantizer rebound since the
+        graphs last ran (an eager step in between updated it). One read of each
+        quantizer's state (delayed scaling's: about 400 slots of a GPT, each read on
+        its own, cost a replay hundreds of microseconds of host time)."""
+        for quantizer, group in self.slot_groups:
+            live = quantizer.state_tensors()
+            for slot in group:
+                tensor = live[slot.name]
+                if tensor is not slot.home:
+                    slot.adopt(tensor)
 
     def still_valid(self) -> bool:
         if self.epoch != _EPOCH[0]:

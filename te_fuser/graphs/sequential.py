@@ -248,9 +248,7 @@ class GraphedSequential(nn.Module):
         if graphs.commit_due is not None:
             _commit_forward(graphs.commit_due)
             graphs.commit_due = None
-        for slot in graphs.slots:
-            if not slot.bound():  # an eager step ran in between: adopt its state
-                slot.adopt()
+        graphs.adopt_rebound()  # an eager step ran in between: adopt its state
         self.stats.replays += 1
         self._last_replayed, self._replayed_stamp = graphs, stamp
         return _Replay.apply(graphs, pair, x, *graphs.params)

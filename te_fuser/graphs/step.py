@@ -244,9 +244,7 @@ class GraphedStep:
         self._eager_key, self._eager_count = None, 0
 
     def _replay(self, graph: _StepGraph, args: tuple):
-        for slot in graph.slots:
-            if not slot.bound():  # an eager step ran in between: adopt its state
-                slot.adopt()
+        graph.adopt_rebound()  # an eager step ran in between: adopt its state
         inputs = iter(graph.inputs)
         for a in args:
             if isinstance(a, torch.Tensor):
