@@ -120,37 +120,16 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Column `col` of p (rows, cols), fp32, added up row by row in order: the same
-// bits on every run. The loads go out kSumBatch at a time before any is added, so
-// a column of many rows waits for memory rows / kSumBatch times, not rows times
-// (one load after another, the bias gradient's 128 row tiles of a 16384-token
-// batch took tens of microseconds after the cast was done). p is not __restrict__:
-// the one-launch cast reads partials that other blocks wrote in the same launch,
-// which the read-only cache path may not serve.
-constexpr int kSumBatch = 16;
-__device__ __forceinline__ float column_sum_in_order(const float* p, int64_t rows, int64_t cols,
-                                                     int64_t col) {
-  float total = 0.0f;
-  int64_t r = 0;
-  for (; r + kSumBatch <= rows; r += kSumBatch) {
-    float v[kSumBatch];
-#pragma unroll
-    for (int i = 0; i < kSumBatch; ++i) v[i] = p[(r + i) * cols + col];
-#pragma unroll
-    for (int i = 0; i < kSumBatch; ++i) total += v[i];
-  }
-  for (; r < rows; ++r) total += p[r * cols + col];
-  return total;
-}
-
 // Sums the rows of partials (batches, rows, cols), fp32, one thread per column of
-// a batch (blockIdx.y) adding the rows in order.
+// a batch (blockIdx.y) adding the rows in order: the same bits on every run.
 __global__ void __launch_bounds__(kThreads)
     sum_rows_kernel(const float* __restrict__ partials, int64_t rows, int64_t cols, float* __restrict__ out) {
   const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (col >= cols) return;
-  out[int64_t(blockIdx.y) * cols + col] =
-      column_sum_in_order(partials + int64_t(blockIdx.y) * rows * cols, rows, cols, col);
+  const float* batch = partials + int64_t(blockIdx.y) * rows * cols;
+  float total = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) total += batch[r * cols + col];
+  out[int64_t(blockIdx.y) * cols + col] = total;
 }
 
 // Flat cast of `numel` elements (no transposed copy). `out` may be null.
@@ -410,7 +389,9 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t row_tiles = (rows + kTile - 1) / kTile;
     for (int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; col < cols;
          col += int64_t(gridDim.x) * blockDim.x) {
-      s.sums_out[col] = column_sum_in_order(s.column_partials, row_tiles, cols, col);
+      float total = 0.0f;
+      for (int64_t r = 0; r < row_tiles; ++r) total += s.column_partials[r * cols + col];
+      s.sums_out[col] = total;
     }
   }
   if (!CURRENT && blockIdx.x == 0 && update.new_history != nullptr) {
