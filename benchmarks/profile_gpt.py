@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 import te_fuser as te  # noqa: E402
-from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights  # noqa: E402
+from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, compile_blocks, copy_weights, torchao_float8  # noqa: E402
 
 RECIPES = {"bf16": None, "delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling(),
            "block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling(),
@@ -298,6 +298,24 @@ def _fresh_te_step(config: GPTConfig, recipe, batch):
     return step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), recipe, batch)
 
 
+def _peer_steps(twin: TorchGPT, batch) -> dict:
+    """``{label: step}`` of the peers, each on a copy of ``twin`` with fused AdamW: the
+    twin with its blocks compiled, and torchao's float8 twin where torchao imports.
+    Both live in one process, so dynamo is not reset between them and its recompile
+    limit is raised (their blocks share one forward's code)."""
+    import copy
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.reset()
+    peers = {"torch bf16 compiled": compile_blocks(copy.deepcopy(twin), reset=False)}
+    try:
+        peers["torchao float8"] = torchao_float8(copy.deepcopy(twin), reset=False)
+    except ImportError as err:
+        print(f"torchao float8 left out: {err}")
+    return {label: step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), None, batch)
+            for label, model in peers.items()}
+
+
 def _separate_launches(step):
     """``step`` with the CUDA casts' one-launch path off for its duration (the same
     model and bits; the launches of the transposing casts apart)."""
@@ -348,6 +366,10 @@ def main(argv=None):
                         "kernel table is the step's GPU work with the host out of it")
     p.add_argument("--clip", type=float, default=0.0,
                    help="with --graphed: gradient norm clipping in the graphed step (train_gpt.py clips at 1.0)")
+    p.add_argument("--peers", action="store_true",
+                   help="with --interleave: also the twin with its blocks torch.compile'd (bf16) and, where torchao "
+                        "imports, torchao's float8 twin (tensorwise, blocks compiled), as train_gpt.py builds them, "
+                        "taking turns with the others: the te / torchao ratio with the host's drift shared")
     p.add_argument("--caller-backward", action="store_true",
                    help="with --interleave: also every arm with its backward on the calling thread (autograd's "
                         "device threads off), taking turns with the others")
@@ -427,6 +449,8 @@ def main(argv=None):
             if args.one_sequential:
                 steps[f"te {name}, one Sequential"] = _fresh_te_step(
                     dataclasses.replace(config, layer="one_sequential"), RECIPES[name], batch)
+        if args.peers:
+            steps.update(_peer_steps(twin, batch))
         if args.caller_backward:
             steps.update({f"{label}, backward on the caller": _on_caller(step) for label, step in list(steps.items())})
         for run_length in args.run_length:

@@ -82,7 +82,8 @@ from torch import nn
 
 import te_fuser as te
 from te_fuser.models import (
-    GPT, VALIDATION_FRACTION, GPTConfig, TorchGPT, copy_weights, load_stdlib_corpus, sample_windows, split_corpus,
+    GPT, VALIDATION_FRACTION, GPTConfig, TorchGPT, compile_blocks, copy_weights, load_stdlib_corpus, sample_windows,
+    split_corpus, torchao_float8,
 )
 from te_fuser.quantization.float8_tensor import Float8Tensor
 
@@ -617,25 +618,6 @@ def _torchao_unavailable(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _torchao_model(twin: TorchGPT) -> nn.Module:
-    """The twin in torchao float8 (tensorwise), blocks compiled."""
-    from torchao.float8 import convert_to_float8_training
-
-    return _blocks_compiled(convert_to_float8_training(twin))
-
-
-def _blocks_compiled(model: TorchGPT) -> TorchGPT:
-    """``model`` with each block ``torch.compile``d (the embedding, the final norm and
-    the head stay eager, as the loss around them). Dynamo starts clean, as in a process
-    of the arm's own: the compiled and torchao arms run the same block code, whose
-    entries from an arm before would be checked first and count against its
-    recompile limit."""
-    torch._dynamo.reset()
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block)
-    return model
-
-
 def _warm_up_kernels(run: Run) -> None:
     """Compile the te model's kernels for every recipe of the schedule in advance,
     so that no phase's first step pays for compilation. It runs on a model of its
@@ -665,14 +647,14 @@ def build_arms(run: Run) -> tuple[list[Arm], dict[str, str]]:
         elif name == "torch":
             arm.make = lambda: copy.deepcopy(twin).to(args.device)
         elif name == "compiled":
-            arm.make = lambda: _blocks_compiled(copy.deepcopy(twin).to(args.device))
+            arm.make = lambda: compile_blocks(copy.deepcopy(twin).to(args.device))
         else:
             skipped_why = _torchao_unavailable(args)
             if skipped_why is not None:
                 skipped[name] = skipped_why
                 print(f"torchao arm skipped: {skipped_why}")
                 continue
-            arm.make = lambda: _torchao_model(copy.deepcopy(twin).to(args.device))
+            arm.make = lambda: torchao_float8(copy.deepcopy(twin).to(args.device))
         arms.append(arm)
     del te_model  # the te arm holds it, or nothing does
     if "te" in args.arms:

@@ -42,7 +42,7 @@ from ..ops.basic.rotary import apply_rotary, rotary_tables
 
 __all__ = [
     "GPTConfig", "GPT", "TorchGPT", "CausalSelfAttention", "RotaryCausalSelfAttention", "copy_weights", "parameter_name_map",
-    "rename_state_dict", "stdlib_source_files", "load_stdlib_corpus", "split_corpus", "sample_windows",
+    "rename_state_dict", "compile_blocks", "torchao_float8", "stdlib_source_files", "load_stdlib_corpus", "split_corpus", "sample_windows",
     "VOCAB_SIZE", "VALIDATION_FRACTION",
 ]
 
@@ -376,3 +376,29 @@ def copy_weights(te_model: GPT, torch_model: TorchGPT) -> None:
     """Make ``torch_model``'s parameters equal to ``te_model``'s."""
     names = parameter_name_map(te_model, torch_model)
     torch_model.load_state_dict(rename_state_dict(te_model.state_dict(), names))
+
+
+# -- the peers ---------------------------------------------------------------------
+
+
+def compile_blocks(model: TorchGPT, reset: bool = True) -> TorchGPT:
+    """``model`` with each block ``torch.compile``d (the embedding, the final norm and
+    the head stay eager, as the loss around them). ``reset``: dynamo starts clean, as
+    in a process of the model's own (a compiled twin and a torchao twin run the same
+    block code, whose entries from the other would be checked first and count
+    against its recompile limit); a caller timing both in one process passes False
+    and raises the limit."""
+    if reset:
+        torch._dynamo.reset()
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block)
+    return model
+
+
+def torchao_float8(twin: TorchGPT, reset: bool = True) -> nn.Module:
+    """The twin converted by torchao's float8 training (tensorwise scaling), its blocks
+    compiled (:func:`compile_blocks`): the peer a te model is measured against. Needs
+    torchao; the conversion swaps the twin's linears in place."""
+    from torchao.float8 import convert_to_float8_training
+
+    return compile_blocks(convert_to_float8_training(twin), reset)
