@@ -298,6 +298,13 @@ def _fresh_te_step(config: GPTConfig, recipe, batch):
     return step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), recipe, batch)
 
 
+def _back_to_back(steps: dict, rounds: int, run_length: int) -> dict:
+    """``{label: ms a step}``: each arm alone, ``rounds`` runs of ``run_length`` steps
+    back to back (median), one arm after the other, no turns."""
+    return {label: harness.interleaved_ms({label: step}, rounds, steps=run_length, sync=torch.cuda.synchronize)[label]
+            for label, step in steps.items()}
+
+
 def _peer_steps(twin: TorchGPT, batch) -> dict:
     """``{label: step}`` of the peers, each on a copy of ``twin`` with fused AdamW: the
     twin with its blocks compiled, and torchao's float8 twin where torchao imports.
@@ -369,7 +376,8 @@ def main(argv=None):
     p.add_argument("--peers", action="store_true",
                    help="with --interleave: also the twin with its blocks torch.compile'd (bf16) and, where torchao "
                         "imports, torchao's float8 twin (tensorwise, blocks compiled), as train_gpt.py builds them, "
-                        "taking turns with the others: the te / torchao ratio with the host's drift shared")
+                        "taking turns with the others: the te / torchao ratio with the host's drift shared; and "
+                        "every other arm alone, back to back, before the peers are built and after the turns")
     p.add_argument("--caller-backward", action="store_true",
                    help="with --interleave: also every arm with its backward on the calling thread (autograd's "
                         "device threads off), taking turns with the others")
@@ -449,8 +457,11 @@ def main(argv=None):
             if args.one_sequential:
                 steps[f"te {name}, one Sequential"] = _fresh_te_step(
                     dataclasses.replace(config, layer="one_sequential"), RECIPES[name], batch)
-        if args.peers:
-            steps.update(_peer_steps(twin, batch))
+        alone, peers = {}, {}
+        if args.peers:  # the arms alone first: whether taking turns with the peers changes them
+            alone = {"before the peers": _back_to_back(steps, args.interleave, args.run_length[-1])}
+            peers = _peer_steps(twin, batch)
+            steps.update(peers)
         if args.caller_backward:
             steps.update({f"{label}, backward on the caller": _on_caller(step) for label, step in list(steps.items())})
         for run_length in args.run_length:
@@ -460,6 +471,15 @@ def main(argv=None):
                   "vs torch bf16")
             for label, ms in medians.items():
                 print(f"{label:<22} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x")
+        if alone:
+            labels = list(alone["before the peers"]) + list(peers)
+            alone["after the turns"] = _back_to_back({label: steps[label] for label in labels}, args.interleave,
+                                                     args.run_length[-1])
+            print(f"\neach arm alone, {args.run_length[-1]} steps back to back ({args.interleave} rounds), ms/step:")
+            print(f"{'arm':<22} " + "   ".join(f"{when:>18}" for when in alone))
+            for label in labels:
+                cells = (f"{alone[when][label]:18.2f}" if label in alone[when] else f"{'-':>18}" for when in alone)
+                print(f"{label:<22} " + "   ".join(cells))
 
 
 
