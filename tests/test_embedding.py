@@ -89,11 +89,12 @@ def test_each_row_sums_its_gradients_in_token_order_on_every_run():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="atomics' order varies on a GPU only")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's backward runs on a GPU only")
 def test_the_gradient_is_the_same_bits_every_run_on_the_gpu():
     """A batch that reads each of 256 rows about 64 times (a byte-level model's
     embedding): the weight gradient is bit for bit the same on every backward
-    (a scatter-add with float atomics is not), and equals the fp64 sum to fp32."""
+    (a scatter-add with float atomics is not), and equals the fp64 sum to fp32
+    (``tests/test_triton_embedding.py`` has the skewed batch of real text)."""
     emb = te.ops.Embedding(256, 512, device="cuda")
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 256, (16, 1024), generator=gen).cuda()

@@ -5,7 +5,9 @@ Same names, signatures and return types as :mod:`te_fuser.kernels.reference`
 and on CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported).
 Extra fused kernels: :func:`gemm_fp8_out` (the GEMM epilogue also casts its result
 to FP8 with a given scale and reduces its amax) and :func:`dact_dbias` (activation
-gradient and bias gradient in one pass). :func:`layer_norm`,
+gradient and bias gradient in one pass). ``embedding.embedding_grad`` is the
+embedding's weight gradient in a fixed order (the op imports it itself: it has no
+other backend). :func:`layer_norm`,
 :func:`layer_norm_grad`, :func:`rms_norm` and :func:`rms_norm_grad` make one pass
 each over the data. :func:`delayed_scale_update`
 is the whole delayed-scaling state update (history, scale, scale_inv, count) in one
