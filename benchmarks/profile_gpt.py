@@ -3,8 +3,9 @@
     python benchmarks/profile_gpt.py [--recipes bf16 delayed current] [--steps 3] [--top 15] [--host]
 
 The GPU-size GPT (8 layers, d 1024, seq 1024, batch 16; ``te_fuser.models.gpt``)
-trains under ``torch.autocast(bfloat16)`` with fused AdamW; its plain-torch twin
-the same. For each arm: the step time (median of timed steps, host and GPU
+trains under ``torch.autocast(bfloat16)`` with fused AdamW on one batch of the
+standard library's source (as ``train_gpt.py``: real text's skewed bytes reach the
+embedding's backward as training's do); its plain-torch twin the same. For each arm: the step time (median of timed steps, host and GPU
 overlapping as in training), then a ``torch.profiler`` trace of a few steps
 summarised as the kernels with the most GPU time, grouped by name, and the GPU
 time of the optimizer step. ``--host`` adds, per arm, the Python functions with
@@ -34,13 +35,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 import te_fuser as te  # noqa: E402
-from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, compile_blocks, copy_weights, torchao_float8  # noqa: E402
+from te_fuser.models.gpt import (  # noqa: E402
+    GPT, GPTConfig, TorchGPT, compile_blocks, copy_weights, load_stdlib_corpus, sample_windows, torchao_float8)
 
 RECIPES = {"bf16": None, "delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling(),
            "block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling(),
            # FP8 attention (the te attention ops only): the core alone, and with its FP8 hand-offs
            "current_dpa": te.recipe.Float8CurrentScaling(fp8_dpa=True), "delayed_dpa": te.recipe.DelayedScaling(fp8_dpa=True),
            "delayed_mha": te.recipe.DelayedScaling(fp8_mha=True)}
+
+
+def text_batch(config: GPTConfig, seed: int = 0) -> torch.Tensor:
+    """A (B, T+1) batch of the standard library's source on the GPU, as train_gpt.py
+    trains: real text reads a few bytes (the space, about 30%) thousands of times a
+    batch, which uniform random bytes would hide from the embedding's backward."""
+    data = load_stdlib_corpus(max(1_000_000, 4 * config.batch_size * (config.seq_len + 1))).cuda()
+    return sample_windows(data, config.batch_size, config.seq_len, torch.Generator().manual_seed(seed))
 
 
 def step_fn(model, opt, recipe, batch, device_type: str = "cuda", bf16_autocast: bool = True):
@@ -399,7 +409,7 @@ def main(argv=None):
     if args.host_only:
         config = dataclasses.replace(config, d_model=128, n_head=2, d_ffn=512, seq_len=64, batch_size=2)
     torch.manual_seed(0)
-    batch = torch.randint(0, 256, (config.batch_size, config.seq_len + 1), device="cuda")
+    batch = text_batch(config)
     te_model = GPT(config, device="cuda")
     twin = TorchGPT(config, device="cuda")
     copy_weights(te_model, twin)
