@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn attngpt grouped norm launches
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn attngpt grouped norm launches
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -20,8 +20,13 @@ for part in $parts; do
         tests/test_weight_cache.py tests/test_training.py tests/test_train_gpt.py tests/test_torch_contracts.py \
         tests/test_fuser.py tests/test_cuda_gemm.py tests/test_cuda_cast.py tests/test_cuda_backend.py \
         tests/test_graphs.py tests/test_graphed_step.py tests/test_hot_guard.py tests/test_amax_column_sums.py tests/test_quantize_tensorwise_column_sums.py tests/test_triton_gpu_shapes.py tests/test_triton_norm.py \
-        tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py tests/test_quantizer_rowwise.py} \
+        tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py tests/test_quantizer_rowwise.py \
+        tests/test_triton_embedding.py tests/test_embedding.py} \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+    embedding)  # the embedding's weight gradient: its tests, then beside torch's index_put_ and embedding backward
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_embedding.py tests/test_embedding.py 2>&1 \
+        | tee "$OUT/embedding.log" | tail -4
+      timeout 120 python3 benchmarks/bench_embedding.py 2>&1 | tee -a "$OUT/embedding.log" | tail -10 ;;
     gradcasts)  # the CUDA output-gradient casts with and without the bias gradient, one launch and separate (GPU time)
       timeout 200 python3 benchmarks/bench_cast.py --gradient-casts 2>&1 | tee "$OUT/gradcasts.log" | tail -12 ;;
     dbias)  # the output gradient's cast with its bias gradient, separate and fused (16384x7168)
