@@ -47,6 +47,7 @@ KERNELS = (
     "delayed_scale_update",            # delayed scaling's history, scale and counters in one step
     "delayed_scale_update_many",       # the same for many quantizers of one configuration, in one pass
     "rotary",                          # rotary position embedding of the leading heads (forward or inverse)
+    "embedding_grad",                  # the embedding's weight gradient in a fixed order
     "attention_forward",               # flash attention: o and the rows' log-sum-exp (causal, grouped kv heads)
     "attention_backward",              # its gradients dq, dk, dv from o and the log-sum-exp
     "attention_forward_fp8",           # the forward on E4M3 q, k, v with the probabilities cast to E4M3

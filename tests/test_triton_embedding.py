@@ -43,6 +43,23 @@ def test_the_gradient_is_the_float64_sum_and_the_same_bits_every_call(num, token
     assert torch.equal(dw, embedding_grad(ids, dy, num))
 
 
+def test_the_reference_adds_each_ids_rows_in_token_order():
+    """The CPU oracle: one row after another in token order, bit for bit, and the
+    dispatcher's choice for CPU tensors; the Triton kernel sits beside it within
+    fp32's rounding."""
+    from te_fuser import backend
+    from te_fuser.kernels.reference import embedding_grad_reference
+
+    ids, dy = _skewed(16, 500, 24)
+    want = torch.zeros(16, 24)
+    for i in range(ids.numel()):
+        want[ids[i]] += dy[i]
+    assert torch.equal(embedding_grad_reference(ids, dy, 16), want)
+    assert backend.resolve("embedding_grad", torch.device("cpu")).backend == "reference"
+    assert_close(embedding_grad(ids, dy, 16), want.double(), "embedding_grad_fp32", "triton beside the reference",
+                 scaled=True)
+
+
 def test_no_tokens_gives_zeros_and_bad_ids_are_named():
     dw = embedding_grad(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 6), 4)
     assert dw.shape == (4, 6) and torch.all(dw == 0)
@@ -50,6 +67,8 @@ def test_no_tokens_gives_zeros_and_bad_ids_are_named():
         embedding_grad(torch.zeros(3, dtype=torch.int32), torch.zeros(3, 6), 4)
     with pytest.raises(ValueError, match="one row each"):
         embedding_grad(torch.zeros(2, dtype=torch.int64), torch.zeros(3, 6), 4)
+    with pytest.raises(TypeError, match="dy must be a 2-D float"):
+        embedding_grad(torch.zeros(3, dtype=torch.int64), torch.zeros(3, 6, dtype=torch.int32), 4)
 
 
 @needs_gpu

@@ -5,9 +5,8 @@ Same names, signatures and return types as :mod:`te_fuser.kernels.reference`
 and on CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported).
 Extra fused kernels: :func:`gemm_fp8_out` (the GEMM epilogue also casts its result
 to FP8 with a given scale and reduces its amax) and :func:`dact_dbias` (activation
-gradient and bias gradient in one pass). ``embedding.embedding_grad`` is the
-embedding's weight gradient in a fixed order (the op imports it itself: it has no
-other backend). :func:`layer_norm`,
+gradient and bias gradient in one pass). :func:`embedding_grad` is the
+embedding's weight gradient, each id's rows gathered a group at a time. :func:`layer_norm`,
 :func:`layer_norm_grad`, :func:`rms_norm` and :func:`rms_norm_grad` make one pass
 each over the data. :func:`delayed_scale_update`
 is the whole delayed-scaling state update (history, scale, scale_inv, count) in one
@@ -26,6 +25,7 @@ from .attention import (attention_backward, attention_backward_unsupported_reaso
                         attention_forward_unsupported_reason)
 from .cast import (amax_column_sums, dequantize, quantize_block, quantize_current, quantize_current_column_sums,
                    quantize_mxfp8, quantize_rowwise, quantize_tensorwise, quantize_tensorwise_column_sums)
+from .embedding import embedding_grad
 from .gemm import gemm, gemm_fp8_out
 from .grouped_gemm import (grouped_gemm, grouped_gemm_unsupported_reason, grouped_gemm_wgrad,
                            grouped_gemm_wgrad_unsupported_reason)
@@ -44,6 +44,7 @@ __all__ = [
     "quantize_block",
     "quantize_mxfp8",
     "dequantize",
+    "embedding_grad",
     "gemm",
     "gemm_fp8_out",
     "grouped_gemm",

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_input
+from ..reference.embedding import check_embedding_grad
+from ._common import cdiv
 from ._launch import launch
 
 __all__ = ["embedding_grad"]
@@ -55,16 +56,10 @@ def _embedding_grad_kernel(dy_ptr, perm_ptr, bounds_ptr, dw_ptr, D, stride_dy, s
 
 
 def embedding_grad(ids: torch.Tensor, dy: torch.Tensor, num_embeddings: int) -> torch.Tensor:
-    """The weight gradient (num_embeddings, D) fp32 of a lookup of ``ids`` (M,) int64
-    whose output gradient is ``dy`` (M, D), any float dtype (widened as read). The ids
-    must lie in [0, num_embeddings) (the op checks them in its forward)."""
-    check_input(dy, "embedding_grad", "dy")
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-        raise TypeError(f"embedding_grad: ids must be a 1-D int64 tensor, got "
-                        f"{getattr(ids, 'dtype', type(ids).__name__)} of {getattr(ids, 'dim', lambda: '?')()} dims")
-    if ids.shape[0] != dy.shape[0] or ids.device != dy.device:
-        raise ValueError(f"embedding_grad: ids {tuple(ids.shape)} on {ids.device} and dy {tuple(dy.shape)} on "
-                         f"{dy.device} must have one row each, on one device")
+    """:func:`embedding_grad_reference`'s (num_embeddings, D) fp32, each id's rows in
+    groups of ``ROWS`` in token order (``dy`` (M, D) of any float dtype, widened as
+    read). The ids must lie in [0, num_embeddings) (the op checks them in its forward)."""
+    check_embedding_grad(ids, dy, num_embeddings)
     M, D = dy.shape
     dw = torch.empty((num_embeddings, D), dtype=torch.float32, device=dy.device)
     if num_embeddings == 0 or D == 0:

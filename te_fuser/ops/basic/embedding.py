@@ -9,18 +9,18 @@ called on its own like ``torch.nn.Embedding``, whose constructor, state-dict key
 
 The forward is the gather; the backward a scatter-add of the output gradient
 into the rows of the tokens that were read, accumulated in fp32 and written in
-the weight's dtype, in a fixed order: the same bits on every run. On the CPU
-through torch's embedding backward, which adds each row's gradients one after
-another in token order (torch's CPU ``index_put_`` adds from several threads in
-no fixed order). On the GPU through ``kernels/triton/embedding.py``: the ids
-sorted stably, each id's rows taken in token order a group of 32 at a time, each
-group's sum a fixed tree. Its order is not the CPU's, and it does not serialise
-an id read thousands of times in a batch (torch's accumulating ``index_put_``
-did: on real text the space alone held the end of every GPT backward for
-milliseconds); ``index_add_`` and atomics would add in arrival order, and a token
-read thousands of times would get different last bits from run to run, and so
-would every later step. The output has the weight's dtype (as torch's lookup,
-which ``torch.autocast`` leaves alone).
+the weight's dtype, in a fixed order: the same bits on every run. The kernel is
+the backend's ``embedding_grad``: on the CPU the reference, torch's embedding
+backward, adding each row's gradients one after another in token order (torch's
+CPU ``index_put_`` adds from several threads in no fixed order); on the GPU the
+Triton kernel, the ids sorted stably and each id's rows taken in token order a
+group of 32 at a time, each group's sum a fixed tree. Its order is not the CPU's,
+and it does not serialise an id read thousands of times in a batch (torch's
+accumulating ``index_put_``, the GPU reference, does: on real text the space alone
+held the end of every GPT backward for milliseconds); ``index_add_`` and atomics
+would add in arrival order, and a token read thousands of times would get
+different last bits from run to run, and so would every later step. The output
+has the weight's dtype (as torch's lookup, which ``torch.autocast`` leaves alone).
 
 Tied weights: the weight is read live from the module's parameter dict at every
 call, so a Parameter assigned later (``head.linear.weight = embedding.weight``,
@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ... import backend
 from ..op import WatchedModule
 
 __all__ = ["Embedding"]
@@ -49,13 +50,8 @@ class _Lookup(torch.autograd.Function):
     def backward(fctx, dy: torch.Tensor):
         (idx,) = fctx.saved_tensors
         shape, dtype = fctx.weight_meta
-        ids = idx.reshape(-1)
-        if dy.is_cuda:  # sorted ids, each id's rows in token order, gathered a group at a time
-            from ...kernels.triton.embedding import embedding_grad  # triton loads with the first GPU backward
-
-            dw = embedding_grad(ids, dy.reshape(-1, shape[1]), shape[0])  # (num, dim) fp32
-        else:  # one after another in token order; the CPU's index_put_ adds from several threads at once
-            dw = torch.ops.aten.embedding_dense_backward(dy.reshape(-1, shape[1]).float(), ids, shape[0], -1, False)
+        embedding_grad = backend.resolve("embedding_grad", dy.device).fn
+        dw = embedding_grad(idx.reshape(-1), dy.reshape(-1, shape[1]), shape[0])  # (num, dim) fp32
         return None, (dw if dtype is torch.float32 else dw.to(dtype))
 
 
