@@ -53,9 +53,10 @@ def text_batch(config: GPTConfig, seed: int = 0) -> torch.Tensor:
     return sample_windows(data, config.batch_size, config.seq_len, torch.Generator().manual_seed(seed))
 
 
-def step_fn(model, opt, recipe, batch, device_type: str = "cuda", bf16_autocast: bool = True):
+def step_fn(model, opt, recipe, batch, device_type: str = "cuda", bf16_autocast: bool = True, clip: float = 0.0):
     """One training step of ``model`` on ``batch`` (B, T+1): forward under bf16
-    autocast (``bf16_autocast``) and ``recipe``, cross-entropy, backward, ``opt``."""
+    autocast (``bf16_autocast``) and ``recipe``, cross-entropy, backward (gradient
+    norm clipping at ``clip`` when positive), ``opt``."""
     x, y = batch[:, :-1], batch[:, 1:]
 
     def step():
@@ -64,6 +65,8 @@ def step_fn(model, opt, recipe, batch, device_type: str = "cuda", bf16_autocast:
             logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -301,11 +304,11 @@ def graphed_te_step(config: GPTConfig, recipe, batch, clip: float = 0.0, one_lau
     return step
 
 
-def _fresh_te_step(config: GPTConfig, recipe, batch):
+def _fresh_te_step(config: GPTConfig, recipe, batch, clip: float = 0.0):
     """:func:`step_fn` of a te GPT of ``config`` made for it (seed 0) with fused AdamW."""
     torch.manual_seed(0)
     model = GPT(config, device="cuda")
-    return step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), recipe, batch)
+    return step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), recipe, batch, clip=clip)
 
 
 def _back_to_back(steps: dict, rounds: int, run_length: int) -> dict:
@@ -315,7 +318,7 @@ def _back_to_back(steps: dict, rounds: int, run_length: int) -> dict:
             for label, step in steps.items()}
 
 
-def _peer_steps(twin: TorchGPT, batch) -> dict:
+def _peer_steps(twin: TorchGPT, batch, clip: float = 0.0) -> dict:
     """``{label: step}`` of the peers, each on a copy of ``twin`` with fused AdamW: the
     twin with its blocks compiled, and torchao's float8 twin where torchao imports.
     Both live in one process, so dynamo is not reset between them and its recompile
@@ -329,7 +332,7 @@ def _peer_steps(twin: TorchGPT, batch) -> dict:
         peers["torchao float8"] = torchao_float8(copy.deepcopy(twin), reset=False)
     except ImportError as err:
         print(f"torchao float8 left out: {err}")
-    return {label: step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), None, batch)
+    return {label: step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), None, batch, clip=clip)
             for label, model in peers.items()}
 
 
@@ -382,7 +385,8 @@ def main(argv=None):
                         "fused AdamW), captured with the one-launch casts and with their separate launches: its "
                         "kernel table is the step's GPU work with the host out of it")
     p.add_argument("--clip", type=float, default=0.0,
-                   help="with --graphed: gradient norm clipping in the graphed step (train_gpt.py clips at 1.0)")
+                   help="gradient norm clipping in every arm's step, eager, graphed and interleaved (train_gpt.py "
+                        "clips at 1.0; 0: off)")
     p.add_argument("--peers", action="store_true",
                    help="with --interleave: also the twin with its blocks torch.compile'd (bf16) and, where torchao "
                         "imports, torchao's float8 twin (tensorwise, blocks compiled), as train_gpt.py builds them, "
@@ -427,7 +431,7 @@ def main(argv=None):
             step = graphed_te_step(config, recipe, batch, args.clip, one_launch_in_capture=model[1])
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # (a compiled model's: the te model's)
-            step = step_fn(model, opt, recipe, batch)
+            step = step_fn(model, opt, recipe, batch, clip=args.clip)
         for _ in range(3):
             step()
         ms = step_ms(step, args.timed)
@@ -459,18 +463,19 @@ def main(argv=None):
     for label, ms, launches in results:
         print(f"{label:<18} {ms:8.2f} {tokens / ms:9.0f}k {base / ms:10.2f}x {launches:15d}")
     if args.interleave:
-        steps = {"torch bf16": step_fn(twin, torch.optim.AdamW(twin.parameters(), lr=1e-4, fused=True), None, batch)}
+        steps = {"torch bf16": step_fn(twin, torch.optim.AdamW(twin.parameters(), lr=1e-4, fused=True), None, batch,
+                                       clip=args.clip)}
         for name in args.recipes:  # a model each: taking turns on one model would time recipe switches
-            steps[f"te {name}"] = _fresh_te_step(config, RECIPES[name], batch)
+            steps[f"te {name}"] = _fresh_te_step(config, RECIPES[name], batch, args.clip)
             if args.separate_launches:
                 steps[f"te {name}, separate launches"] = _separate_launches(steps[f"te {name}"])
             if args.one_sequential:
                 steps[f"te {name}, one Sequential"] = _fresh_te_step(
-                    dataclasses.replace(config, layer="one_sequential"), RECIPES[name], batch)
+                    dataclasses.replace(config, layer="one_sequential"), RECIPES[name], batch, args.clip)
         alone, peers = {}, {}
         if args.peers:  # the arms alone first: whether taking turns with the peers changes them
             alone = {"before the peers": _back_to_back(steps, args.interleave, args.run_length[-1])}
-            peers = _peer_steps(twin, batch)
+            peers = _peer_steps(twin, batch, args.clip)
             steps.update(peers)
         if args.caller_backward:
             steps.update({f"{label}, backward on the caller": _on_caller(step) for label, step in list(steps.items())})
