@@ -402,6 +402,9 @@ def main(argv=None):
     p.add_argument("--one-sequential", action="store_true",
                    help="with --interleave: also time each te arm built with one Sequential a block "
                         "(GPTConfig.layer='one_sequential': the residuals on channels), taking turns with the others")
+    p.add_argument("--auto-entry", action="append", default=[], metavar="KERNEL=BACKEND",
+                   help="auto's choice of BACKEND (reference, triton, cuda) for KERNEL in this process, for every "
+                        "arm (te_fuser.backend.set_auto_entry): one kernel's A/B across two runs")
     p.add_argument("--compile", action="store_true",
                    help="also time each te arm through torch.compile(model) (inductor), beside its eager steps")
     args = p.parse_args(argv)
@@ -409,6 +412,14 @@ def main(argv=None):
         p.error("needs a CUDA GPU")
     if args.one_sequential and args.attention != "te":
         p.error("--one-sequential: one Sequential a block needs the te attention ops (--attention te)")
+    from te_fuser import backend
+
+    for text in args.auto_entry:
+        kernel, _, name = text.partition("=")
+        try:
+            print(f"auto's {kernel}: {backend.set_auto_entry(kernel, name)!r} -> {name!r}")
+        except ValueError as err:
+            p.error(f"--auto-entry {text}: {err}")
     config = dataclasses.replace(GPTConfig.gpu(), attention=args.attention)
     if args.host_only:
         config = dataclasses.replace(config, d_model=128, n_head=2, d_ffn=512, seq_len=64, batch_size=2)

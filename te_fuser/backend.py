@@ -38,7 +38,7 @@ from .kernels import env as _env
 from .kernels.contract import KERNELS  # the kernel layer's table: what every backend owes
 
 __all__ = ["BACKENDS", "KERNELS", "KernelChoice", "set_backend", "get_backend", "use_backend", "resolve",
-           "push_override", "pop_override", "check_name"]
+           "push_override", "pop_override", "check_name", "set_auto_entry"]
 
 BACKENDS = ("reference", "triton", "cuda", "auto")
 _MODULES = {
@@ -138,15 +138,44 @@ def _unavailable_reason(backend: str, device: torch.device) -> str | None:
     return None
 
 
-def _auto_entry(kernel: str, device: torch.device) -> str | dict:
-    """The auto table's entry: a backend name, or a split by size (see the module doc)."""
+def _load_auto_table() -> dict:
     global _auto_table
-    if device.type != "cuda":
-        return "reference"
     if _auto_table is None:
         path = Path(_module("reference").__file__).parent.parent / "auto_table.json"
         _auto_table = json.loads(path.read_text()) if path.exists() else {}
-    return _auto_table.get(kernel, "triton")
+    return _auto_table
+
+
+def set_auto_entry(kernel: str, entry: str | dict) -> str | dict | None:
+    """Make ``entry`` ``auto``'s choice for ``kernel`` on a GPU in this process (a
+    backend name, or a split by size as in ``kernels/auto_table.json``) and return
+    the entry it replaces: one kernel's A/B in a benchmark, without editing the
+    table. Published plans are rebuilt at their next call."""
+    if kernel not in KERNELS:
+        raise ValueError(f"set_auto_entry(kernel=...): must be one of {list(KERNELS)}, got {kernel!r}")
+    names = [entry] if isinstance(entry, str) else None
+    if isinstance(entry, dict) and set(entry) == {"small", "large", "min_elements"} and \
+            isinstance(entry["min_elements"], int) and not isinstance(entry["min_elements"], bool) and \
+            entry["min_elements"] > 0:
+        names = [entry["small"], entry["large"]]
+    if names is None or any(name not in ("reference", "triton", "cuda") for name in names):
+        raise ValueError(f"set_auto_entry(entry=...): a backend of ['reference', 'triton', 'cuda'] or "
+                         f"{{'small': ..., 'large': ..., 'min_elements': N > 0}}, got {entry!r}")
+    table = _load_auto_table()
+    previous = table.get(kernel)
+    table[kernel] = entry
+    for key in [k for k in _resolved if k[0] == kernel]:
+        del _resolved[key]
+    _global_choices.clear()
+    epoch.bump()
+    return previous
+
+
+def _auto_entry(kernel: str, device: torch.device) -> str | dict:
+    """The auto table's entry: a backend name, or a split by size (see the module doc)."""
+    if device.type != "cuda":
+        return "reference"
+    return _load_auto_table().get(kernel, "triton")
 
 
 def _by_size(kernel: str, device: torch.device, split: dict) -> "KernelChoice":

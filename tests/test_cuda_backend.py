@@ -156,6 +156,28 @@ def test_tune_auto_script_runs_its_help():
     assert result.returncode == 0 and "auto_table.json" in result.stdout, result.stderr
 
 
+def test_an_auto_entry_set_for_the_process_is_the_gpus_choice_and_gives_back_the_old_one():
+    """``set_auto_entry``: a benchmark's A/B of one kernel; bad kernels and entries are
+    named, and a rejected entry changes nothing."""
+    from te_fuser import backend
+
+    gpu = torch.device("cuda")
+    before = backend._auto_entry("layer_norm_grad", gpu)
+    split = {"small": "triton", "large": "cuda", "min_elements": 7}
+    try:
+        assert backend.set_auto_entry("layer_norm_grad", split) == before
+        assert backend._auto_entry("layer_norm_grad", gpu) == split
+        assert backend._auto_entry("layer_norm_grad", torch.device("cpu")) == "reference"
+        with pytest.raises(ValueError, match="set_auto_entry\\(kernel=...\\)"):
+            backend.set_auto_entry("nope", "triton")
+        with pytest.raises(ValueError, match="set_auto_entry\\(entry=...\\)"):
+            backend.set_auto_entry("layer_norm_grad", {"small": "triton", "large": "cuda", "min_elements": 0})
+        assert backend._auto_entry("layer_norm_grad", gpu) == split
+    finally:
+        backend.set_auto_entry("layer_norm_grad", before)
+    assert backend._auto_entry("layer_norm_grad", gpu) == before
+
+
 def test_per_call_fallback_sends_unsupported_operands_to_the_next_backend():
     from te_fuser import backend
 
