@@ -15,11 +15,12 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 def _skewed(num, tokens, dim, dtype=torch.float32, device="cpu", seed=0):
-    """ids with id 3 read by a third of the tokens, the others uniform; dy (tokens, dim)."""
+    """ids with id 3 read by a third of the tokens, the others uniform; dy (tokens, dim)
+    off-centre (-2.3 + 0.5·randn), so that an id's sum grows with its reads."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, num, (tokens,), generator=gen)
     ids[torch.randperm(tokens, generator=gen)[: tokens // 3]] = min(3, num - 1)
-    dy = torch.randn(tokens, dim, generator=gen).to(dtype)
+    dy = (-2.3 + 0.5 * torch.randn(tokens, dim, generator=gen)).to(dtype)
     return ids.to(device), dy.to(device)
 
 
