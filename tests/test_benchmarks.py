@@ -58,6 +58,13 @@ def test_a_gpu_benchmark_imports_and_asks_for_a_gpu_on_cpu(script):
     assert "needs a GPU" in run.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full benchmark (run_gpu.sh embedding)")
+def test_bench_embedding_imports_and_refuses_a_machine_without_a_gpu():
+    run = subprocess.run([sys.executable, "benchmarks/bench_embedding.py"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr, run.stderr[-3000:]
+
+
 def test_tune_auto_keeps_the_entries_it_does_not_measure():
     """Rewriting the auto table from the casts and GEMMs it measured leaves the
     kernels chosen by other benchmarks (attention, the state updates) as they were."""
