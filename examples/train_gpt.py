@@ -55,6 +55,11 @@ fuser builds the phase's plan, then the graph is captured). AdamW is then
 before each step. The numbers are the eager step's; the host's launch cost is
 gone, so the rows show what the GPU work of the step costs.
 
+``--profile-phase NAME`` runs three steps in the middle of phase NAME under
+torch.profiler, for every arm: each arm's kernels by GPU time a step (its CPU ops
+on a CPU) are printed and kept in the JSON with the phase, and those steps are left
+out of the phase's tokens/s (they train as any other step: the same bits).
+
     python examples/train_gpt.py --size smoke --steps 20 --json gpt.json --png gpt.png
     python examples/train_gpt.py --size gpu --fp8-params --arms te,torch --json gpt_fp8_params.json
 """
@@ -222,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where every arm's backward runs: autograd's device thread (torch's default) or the "
                         "calling thread (torch.autograd.set_multithreading_enabled(False), for the whole run)")
     p.add_argument("--backend", choices=te.backend.BACKENDS, help="te_fuser kernel backend (default: the library's)")
+    p.add_argument("--profile-phase", metavar="NAME",
+                   help="profile three steps in the middle of phase NAME for every arm (torch.profiler): the kernels "
+                        "(on CUDA; the CPU ops elsewhere) by time a step, printed and in the JSON; those steps are "
+                        "left out of the phase's tokens/s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the run's figures here")
     p.add_argument("--png", metavar="PATH", help="plot the loss curves here (needs matplotlib)")
@@ -255,6 +264,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.phases = parse_schedule(args.schedule, args.steps)
     except ValueError as err:
         parser.error(str(err))
+    if args.profile_phase is not None and args.profile_phase not in {p.name for p in args.phases}:
+        parser.error(f"--profile-phase: {args.profile_phase!r} is not a phase of the schedule "
+                     f"({', '.join(dict.fromkeys(p.name for p in args.phases))})")
     _check_attention_phases(parser, args)
     _check_windows_fit(parser, args)
     if args.graphed and args.device.type != "cuda":
@@ -366,6 +378,7 @@ class Arm:
     opt: torch.optim.Optimizer | None = None
     losses: list[float] = field(default_factory=list)
     pending: list[torch.Tensor] = field(default_factory=list)  # losses not yet read back (no sync per step)
+    profiles: dict = field(default_factory=dict)  # phase name -> its profiled steps' table (--profile-phase)
     phases: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
@@ -476,6 +489,12 @@ class PhaseClock:
     def stepped(self) -> None:
         self._steps += 1
 
+    def commit(self) -> None:
+        """Count the steps since the last restart (a read, when there are any): before
+        steps the clock must leave out, which a :meth:`restart` then follows."""
+        if self._steps:
+            self.read()
+
     def read(self) -> tuple[float, int]:
         """Seconds and steps since the last restart (synchronising the device)."""
         _sync(self.device)
@@ -507,7 +526,15 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
     recipe, refusions_before = arm.recipe(phase), arm.refusions()
     clock = PhaseClock(args.device)
     clock.restart()
+    profiled = _profiled_steps(args, phase)
+    if args.profile_phase == phase.name and not profiled:
+        print(f"[{arm.name:<8}] {phase.name}: {phase.steps} steps, too few to profile ({PROFILED_STEPS + 2} or more)",
+              flush=True)
     for i in range(phase.steps):
+        if i in profiled:  # the profiled steps run together, at the first of them
+            if i == profiled.start:
+                _profile_steps(arm, run, phase, recipe, first_step + i, len(profiled), clock)
+            continue
         train_step(arm, run, recipe, first_step + i)
         clock.stepped()
         done = first_step + i + 1
@@ -522,6 +549,54 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
     _finish_phase(arm, phase, first_step, clock, tokens_per_step, refusions_before)
 
 
+PROFILED_STEPS = 3
+
+
+def _profiled_steps(args: argparse.Namespace, phase: Phase) -> range:
+    """The steps of ``phase`` that ``--profile-phase`` profiles (empty when it names
+    another phase, or the phase is too short): three in the middle, past the first
+    step's switch and before the last step's evaluation."""
+    if args.profile_phase != phase.name or phase.steps < PROFILED_STEPS + 2:
+        return range(0)
+    start = max(1, (phase.steps - PROFILED_STEPS) // 2)
+    return range(start, start + PROFILED_STEPS)
+
+
+def _profile_steps(arm: Arm, run: Run, phase: Phase, recipe, first: int, count: int, clock: PhaseClock) -> None:
+    """``count`` training steps from step ``first`` under torch.profiler, left out of the
+    phase's clock; their kernels (CUDA; CPU ops elsewhere) by time a step are printed
+    and kept in the arm's record for the phase."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = run.args.device.type == "cuda"
+    clock.commit()  # the steps so far count; the profiled steps do not
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for k in range(count):
+            train_step(arm, run, recipe, first + k)
+        _sync(run.args.device)
+    rows, total = [], 0.0
+    for event in prof.key_averages():
+        if cuda:
+            own = getattr(event, "self_device_time_total", None)
+            own = event.self_cuda_time_total if own is None else own
+            if getattr(event, "device_type", None) is None or "CUDA" not in str(event.device_type):
+                continue
+        else:
+            own = event.self_cpu_time_total
+        rows.append((own / 1e3 / count, event.count / count, event.key))
+        total += own / 1e3 / count
+    rows.sort(reverse=True)
+    arm.profiles[phase.name] = {"steps": count, "ms_per_step": total, "top": [
+        {"name": name, "ms": ms, "calls": calls} for ms, calls, name in rows[:25]]}
+    what = "GPU kernels" if cuda else "CPU ops (own time)"
+    print(f"[{arm.name:<8}] {phase.name}: steps {first + 1}-{first + count} profiled: {what} {total:.2f} ms a step",
+          flush=True)
+    for ms, calls, name in rows[:12]:
+        print(f"[{arm.name:<8}]   {ms:8.3f} ms {calls:6.1f}x  {name[:100]}", flush=True)
+    clock.restart()  # after the trace is read: its processing is not the next steps' time
+
+
 def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, tokens_per_step: int,
                   refusions_before: int | None) -> None:
     recipe, last_eval = arm.recipe(phase), arm.evals[-1]
@@ -534,6 +609,8 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
     }
     if refusions_before is not None:
         record["refusions"] = arm.refusions() - refusions_before
+    if phase.name in arm.profiles:
+        record["profile"] = arm.profiles[phase.name]
     record["weight_bytes"] = linear_weight_bytes(arm.model)  # FP8 parameters take each recipe's layout
     arm.phases.append(record)
     bf16 = "" if record["val_bpb_bf16"] is None else f", {record['val_bpb_bf16']:.4f} in bf16"

@@ -260,6 +260,8 @@ def test_corpus_is_the_stdlib_in_sorted_order():
         (["--attention", "sdpa", "--schedule", "bf16,current_dpa"],
          "phase 'current_dpa' runs attention in FP8 (fp8_dpa / fp8_mha), which te_fuser's attention ops do"),
         (["--graphed", "--device", "cpu"], "--graphed: CUDA graphs need a CUDA device, got cpu"),
+        (["--schedule", "bf16,delayed", "--profile-phase", "current"],
+         "--profile-phase: 'current' is not a phase of the schedule (bf16, delayed)"),
     ],
 )
 def test_argument_errors_are_one_line(argv, message, capsys):
@@ -342,3 +344,24 @@ def test_the_backward_on_the_calling_thread_trains_the_same_bits(device):
         assert len(caller["arms"][arm]["losses"]) == 4
         assert caller["arms"][arm]["losses"] == default["arms"][arm]["losses"], arm
     assert torch._C._is_multithreading_enabled()
+
+
+def test_a_profiled_phase_trains_the_same_bits_and_records_each_arms_kernels():
+    """``--profile-phase delayed``: three steps in the middle of that phase run under
+    torch.profiler for every arm, out of the phase's clock; the losses are those of
+    the run without it, bit for bit, and each arm's record for the phase holds its
+    table (CPU ops here). A phase too short to profile says so."""
+    argv = ["--size", "smoke", "--schedule", "bf16:4,delayed:6,bf16:4", "--arms", "te,torch", "--corpus-bytes",
+            "300000", "--eval-batches", "2", "--log-every", "4"]
+    plain, _ = _run(argv)
+    report, stdout = _run(argv + ["--profile-phase", "delayed"])
+    for arm in ("te", "torch"):
+        assert report["arms"][arm]["losses"] == plain["arms"][arm]["losses"], arm
+        profiles = [p.get("profile") for p in report["arms"][arm]["phases"]]
+        assert profiles[0] is None and profiles[2] is None, arm
+        table = profiles[1]
+        assert table["steps"] == 3 and table["ms_per_step"] > 0 and table["top"], (arm, table)
+        assert all(row["ms"] >= 0 and row["calls"] > 0 and row["name"] for row in table["top"])
+    assert "delayed: steps 6-8 profiled" in stdout
+    _, stdout = _run(argv[:3] + ["bf16:3"] + argv[4:] + ["--profile-phase", "bf16"])
+    assert "bf16: 3 steps, too few to profile (5 or more)" in stdout
