@@ -108,3 +108,20 @@ def test_the_gradient_is_the_same_bits_every_run_on_the_gpu():
     want = torch.zeros(256, 512, dtype=torch.float64, device="cuda").index_add_(0, idx.reshape(-1),
                                                                                dy.reshape(-1, 512).double())
     torch.testing.assert_close(grads[0].double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_compiled_lookup_and_its_gradient_are_the_eager_ones():
+    """A lookup under ``torch.compile(fullgraph=True)`` traces whole: its backward's
+    kernel is one opaque op (``te_fuser::embedding_grad``) in the compiled backward,
+    the output and weight gradient those of eager."""
+    torch.manual_seed(0)
+    emb = te.ops.Embedding(40, 16)
+    idx = torch.randint(0, 40, (3, 50))
+    dy = torch.randn(3, 50, 16)
+    want = emb(idx)
+    want.backward(dy)
+    want_grad, emb.weight.grad = emb.weight.grad.clone(), None
+    torch._dynamo.reset()
+    got = torch.compile(lambda ids: emb(ids) * 1.0, backend="aot_eager", fullgraph=True)(idx)
+    got.backward(dy)
+    assert torch.equal(got, want) and torch.equal(emb.weight.grad, want_grad)

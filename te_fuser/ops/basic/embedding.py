@@ -39,6 +39,20 @@ from ..op import WatchedModule
 __all__ = ["Embedding"]
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
+@torch.library.custom_op("te_fuser::embedding_grad", mutates_args=())
+def _embedding_grad_op(ids: torch.Tensor, dy: torch.Tensor, num_embeddings: int) -> torch.Tensor:
+    """The backend's ``embedding_grad`` as one op of a compiled graph."""
+    return backend.resolve("embedding_grad", dy.device).fn(ids, dy, num_embeddings)
+
+
+@_embedding_grad_op.register_fake
+def _(ids: torch.Tensor, dy: torch.Tensor, num_embeddings: int) -> torch.Tensor:
+    return dy.new_empty((num_embeddings, dy.shape[1]), dtype=torch.float32)
+
+
 class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(fctx, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -50,8 +64,11 @@ class _Lookup(torch.autograd.Function):
     def backward(fctx, dy: torch.Tensor):
         (idx,) = fctx.saved_tensors
         shape, dtype = fctx.weight_meta
-        embedding_grad = backend.resolve("embedding_grad", dy.device).fn
-        dw = embedding_grad(idx.reshape(-1), dy.reshape(-1, shape[1]), shape[0])  # (num, dim) fp32
+        ids, rows = idx.reshape(-1), dy.reshape(-1, shape[1])
+        if _is_compiling():  # an opaque op in a compiled graph: the kernel's launcher is not traced
+            dw = _embedding_grad_op(ids, rows, shape[0])
+        else:
+            dw = backend.resolve("embedding_grad", dy.device).fn(ids, rows, shape[0])  # (num, dim) fp32
         return None, (dw if dtype is torch.float32 else dw.to(dtype))
 
 
@@ -81,7 +98,9 @@ class Embedding(WatchedModule):
             raise TypeError(f"Embedding: input must hold integer token ids, got dtype {idx.dtype}")
         if idx.device != weight.device:
             raise ValueError(f"Embedding: token ids on {idx.device}, the weight on {weight.device}")
-        if idx.device.type == "cpu" and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_embeddings):
+        # (a compiled graph cannot branch on the ids' values: there index_select's own check raises)
+        if idx.device.type == "cpu" and idx.numel() and not _is_compiling() and (
+                int(idx.min()) < 0 or int(idx.max()) >= self.num_embeddings):
             raise IndexError(f"Embedding: token ids must lie in [0, {self.num_embeddings}), got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
         return _Lookup.apply(idx.long(), weight)
