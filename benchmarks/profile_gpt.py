@@ -5,8 +5,9 @@
 The GPU-size GPT (8 layers, d 1024, seq 1024, batch 16; ``te_fuser.models.gpt``)
 trains under ``torch.autocast(bfloat16)`` with fused AdamW on one batch of the
 standard library's source (as ``train_gpt.py``: real text's skewed bytes reach the
-embedding's backward as training's do); its plain-torch twin the same. For each arm: the step time (median of timed steps, host and GPU
-overlapping as in training), then a ``torch.profiler`` trace of a few steps
+embedding's backward as training's do); its plain-torch twin the same. For each
+arm: the step time (median of timed steps, host and GPU overlapping as in
+training), then a ``torch.profiler`` trace of a few steps
 summarised as the kernels with the most GPU time, grouped by name, and the GPU
 time of the optimizer step. ``--host`` adds, per arm, the Python functions with
 the most own time over a few steps (cProfile, with autograd's device threads off so

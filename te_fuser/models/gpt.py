@@ -42,7 +42,8 @@ from ..ops.basic.rotary import apply_rotary, rotary_tables
 
 __all__ = [
     "GPTConfig", "GPT", "TorchGPT", "CausalSelfAttention", "RotaryCausalSelfAttention", "copy_weights", "parameter_name_map",
-    "rename_state_dict", "compile_blocks", "torchao_float8", "stdlib_source_files", "load_stdlib_corpus", "split_corpus", "sample_windows",
+    "rename_state_dict", "compile_blocks", "torchao_float8", "stdlib_source_files", "load_stdlib_corpus",
+    "split_corpus", "sample_windows",
     "VOCAB_SIZE", "VALIDATION_FRACTION",
 ]
 
