@@ -163,7 +163,7 @@ def set_auto_entry(kernel: str, entry: str | dict) -> str | dict | None:
                          f"{{'small': ..., 'large': ..., 'min_elements': N > 0}}, got {entry!r}")
     table = _load_auto_table()
     previous = table.get(kernel)
-    table[kernel] = entry
+    table[kernel] = dict(entry) if isinstance(entry, dict) else entry  # the caller's dict may change later
     for key in [k for k in _resolved if k[0] == kernel]:
         del _resolved[key]
     _global_choices.clear()
