@@ -46,6 +46,7 @@ def train(rank: int, world: int) -> None:
             print(f"{type(recipe).__name__}: loss {loss.item():.4f} (rank 0's slice)")
     if rank == 0:
         print(f"re-fusions: {model.fusion_stats().builds}")
+    dist.barrier()  # no rank tears the group down while another still talks through it
     dist.destroy_process_group()
 
 

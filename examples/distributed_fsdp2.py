@@ -56,6 +56,7 @@ def train(rank: int, world: int) -> None:
         gathers = te.fp8_all_gather_stats(model)  # the first step of each recipe gathers in high precision
         print(f"weight all-gathers: {gathers['fp8']} in FP8, {gathers['high_precision']} in high precision")
         print(f"re-fusions: {model.fusion_stats().builds}")
+    dist.barrier()  # no rank tears the group down while another still talks through it
     dist.destroy_process_group()
 
 

@@ -405,6 +405,7 @@ def _reduction_worker(rank: int, world_size: int, init_file: str, out_dir: str) 
         for amax in ([1.0, 16.0], [4.0, 2.0])[rank]:
             quantizer(with_amax(amax))
         torch.save(quantizer.state_dict(), f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # no rank tears the group down while another still talks through it
     finally:
         dist.destroy_process_group()
 
