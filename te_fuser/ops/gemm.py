@@ -25,7 +25,7 @@ from ..kernels.operand import ScaledOperand
 from ..quantization.base import EpilogueCast
 from ..quantization.tensor import QuantizedTensor
 
-__all__ = ["gemm", "gemm_fp8_out", "rowwise", "columnwise", "apply_activation", "activation_backward"]
+__all__ = ["gemm", "gemm_fp8_out", "rowwise", "columnwise", "apply_activation", "activation_backward", "bias_in"]
 
 Operand = "ScaledOperand | torch.Tensor"
 
@@ -56,6 +56,11 @@ def activation_backward(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.T
     return dx if dx.dtype is x.dtype else dx.to(x.dtype)
 
 
+def bias_in(bias: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``bias`` as ``dtype`` (itself when it already is, or when either is None)."""
+    return bias if bias is None or dtype is None or bias.dtype is dtype else bias.to(dtype)
+
+
 def gemm(
     a: Operand,
     b: Operand,
@@ -79,15 +84,12 @@ def gemm(
         fn = backend.resolve("gemm", a.data.device).fn
         tensorwise = getattr(fn, "tensorwise", None)  # the kernel's lean entry, where it has one
         if tensorwise is not None:
-            out = (tensorwise(a, b, out_dtype, bias, fast_accum, activation, residual) if bias_round is None else
-                   tensorwise(a, b, out_dtype, bias, fast_accum, activation, residual, bias_round))
+            out = tensorwise(a, b, out_dtype, bias, fast_accum, activation, residual, bias_round)
             if out is not None:
                 return out
-        if bias_round is not None and bias is not None and bias.dtype is not bias_round:
-            bias = bias.to(bias_round)
-        return fn(a, b, out_dtype, bias=bias, activation=activation, residual=residual, fast_accum=fast_accum)
-    if bias_round is not None and bias is not None and bias.dtype is not bias_round:
-        bias = bias.to(bias_round)
+        return fn(a, b, out_dtype, bias=bias_in(bias, bias_round), activation=activation, residual=residual,
+                  fast_accum=fast_accum)
+    bias = bias_in(bias, bias_round)
     compute = out_dtype if compute_dtype is None else compute_dtype
     a_hp = _high_precision(a, compute) if isinstance(a, ScaledOperand) or a.dtype is not compute else a
     b_hp = _high_precision(b, compute) if isinstance(b, ScaledOperand) or b.dtype is not compute else b

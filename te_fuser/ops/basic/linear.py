@@ -47,7 +47,7 @@ from ...quantization.tensor import QuantizedTensor
 from ...kernels.formats import Scaling
 from ...kernels.operand import ScaledOperand
 from ...quantization.base import EpilogueCast
-from ..gemm import apply_activation, columnwise, gemm, gemm_fp8_out, rowwise
+from ..gemm import apply_activation, bias_in, columnwise, gemm, gemm_fp8_out, rowwise
 from ..op import BasicOperation, OpContext
 from ..fp8_all_gather import GatheredWeight
 from ..fp8_parameters import fp8_init_recipe, fp8_weight, make_fp8_parameter
@@ -194,10 +194,8 @@ def linear_forward(
             x2d = x2d.to(dtype)
         x_q, w_q, keep_fp8 = _fprop_operands(ctx, op, x2d, w_hp, param)
     if out_cast is not None:
-        if bias_round is not None and bias is not None and bias.dtype is not bias_round:
-            bias = bias.to(bias_round)
-        y2d = gemm_fp8_out(rowwise(x_q), rowwise(w_q), out_cast, dtype, bias=bias, activation=activation,
-                           fast_accum=run.fast_accum_fprop)  # (M, N) FP8
+        y2d = gemm_fp8_out(rowwise(x_q), rowwise(w_q), out_cast, dtype, bias=bias_in(bias, bias_round),
+                           activation=activation, fast_accum=run.fast_accum_fprop)  # (M, N) FP8
     else:
         res2d = None if residual is None else residual.reshape(-1, op.out_features)
         # with a residual, the sum has torch's promoted dtype (an fp32 residual stream stays fp32)
