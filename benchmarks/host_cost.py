@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from profile_gpt import step_fn  # noqa: E402
 
 import te_fuser as te  # noqa: E402
 from te_fuser import backend  # noqa: E402
@@ -266,16 +267,7 @@ def gpt_rows(steps: int) -> list[tuple[str, float]]:
     arms = [("torch bf16", twin, None), ("te bf16", te_model, None),
             ("te current", te_model, te.recipe.Float8CurrentScaling()), ("te delayed", te_model, te.recipe.DelayedScaling())]
     for label, model, recipe in arms:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        x, y = batch[:, :-1], batch[:, 1:]
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
-                logits = model(x)
-            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step = step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), recipe, batch)
         for _ in range(5):
             step()
         times = []
@@ -317,19 +309,8 @@ def gpt_setting_rows(steps: int, rounds: int) -> list[tuple[str, str, float]]:
     copy_weights(te_model, twin)
     arms = [("torch bf16", twin, None), ("te current", te_model, te.recipe.Float8CurrentScaling()),
             ("te delayed", te_model, te.recipe.DelayedScaling())]
-    steps_of = {}
-    for label, model, recipe in arms:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-        def step(model=model, recipe=recipe, opt=opt):
-            x, y = batch[:, :-1], batch[:, 1:]
-            with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
-                logits = model(x)
-            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        steps_of[label] = step
+    steps_of = {label: step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), recipe, batch)
+                for label, model, recipe in arms}
     everything = os.sched_getaffinity(0)
     one_core, threads = {min(everything)}, torch.get_num_threads()
 
@@ -356,18 +337,12 @@ def gpt_setting_rows(steps: int, rounds: int) -> list[tuple[str, str, float]]:
     for _ in range(rounds):
         for name in settings:
             setting(name, True)
-            try:
-                for label, step in steps_of.items():
-                    for _ in range(2):
-                        step()
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(steps):
-                        step()
-                    torch.cuda.synchronize()
-                    times.setdefault((label, name), []).append((time.perf_counter() - t0) * 1e3 / steps)
+            try:  # one round of the arms' turns under the setting, after two steps each under it
+                medians = harness.interleaved_ms(steps_of, 1, steps=steps, sync=torch.cuda.synchronize, warmup=2)
             finally:
                 setting(name, False)
+            for label, ms in medians.items():
+                times.setdefault((label, name), []).append(ms)
     return [(label, name, statistics.median(ts)) for (label, name), ts in times.items()]
 
 

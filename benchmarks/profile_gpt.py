@@ -54,6 +54,17 @@ def text_batch(config: GPTConfig, seed: int = 0) -> torch.Tensor:
     return sample_windows(data, config.batch_size, config.seq_len, torch.Generator().manual_seed(seed))
 
 
+def _loss_backward_step(model, opt, logits, y, clip: float) -> torch.Tensor:
+    """Cross-entropy of ``logits`` against ``y``, its backward (gradient norm
+    clipping at ``clip`` when positive) and ``opt``'s step; the loss."""
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss
+
+
 def step_fn(model, opt, recipe, batch, device_type: str = "cuda", bf16_autocast: bool = True, clip: float = 0.0):
     """One training step of ``model`` on ``batch`` (B, T+1): forward under bf16
     autocast (``bf16_autocast``) and ``recipe``, cross-entropy, backward (gradient
@@ -64,11 +75,7 @@ def step_fn(model, opt, recipe, batch, device_type: str = "cuda", bf16_autocast:
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16_autocast), \
                 te.autocast(enabled=recipe is not None, recipe=recipe):
             logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        _loss_backward_step(model, opt, logits, y, clip)
         opt.zero_grad(set_to_none=True)
 
     return step
@@ -280,16 +287,11 @@ def graphed_te_step(config: GPTConfig, recipe, batch, clip: float = 0.0, one_lau
     model = GPT(config, device="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4, device="cuda"), fused=True, capturable=True)
 
-    def body(b):
+    def body(b):  # the recipe comes from the te.autocast around the graphed call
         x, y = b[:, :-1], b[:, 1:]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        return loss.detach()
+        return _loss_backward_step(model, opt, logits, y, clip).detach()
 
     graphed = te.make_graphed_step(body, model)
     from te_fuser.kernels.cuda import set_one_launch_casts_in_capture
