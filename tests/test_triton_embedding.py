@@ -12,6 +12,7 @@ from te_fuser.kernels.triton.embedding import BLOCK_F, ROWS, embedding_grad
 from tolerances import assert_close
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU tensors without a GPU
 
 
 def _skewed(num, tokens, dim, dtype=torch.float32, device="cpu", seed=0):
@@ -34,11 +35,11 @@ def _exact(ids, dy, num):
 def test_the_gradient_is_the_float64_sum_and_the_same_bits_every_call(num, tokens, dim, dtype):
     """Rows of ids nobody read are zeros; the others the float64 sum to fp32, bit for
     bit the same on a second call. bf16 gradients are read as they are (widened)."""
-    ids, dy = _skewed(num, tokens, dim, dtype)
+    ids, dy = _skewed(num, tokens, dim, dtype, DEVICE)
     dw = embedding_grad(ids, dy, num)
     assert dw.shape == (num, dim) and dw.dtype == torch.float32
     assert_close(dw, _exact(ids, dy, num), "embedding_grad_fp32", f"{num}x{dim} from {tokens} {dtype}", scaled=True)
-    unread = torch.ones(num, dtype=torch.bool)
+    unread = torch.ones(num, dtype=torch.bool, device=DEVICE)
     unread[ids] = False
     assert torch.all(dw[unread] == 0)
     assert torch.equal(dw, embedding_grad(ids, dy, num))
@@ -57,7 +58,7 @@ def test_the_reference_adds_each_ids_rows_in_token_order():
         want[ids[i]] += dy[i]
     assert torch.equal(embedding_grad_reference(ids, dy, 16), want)
     assert backend.resolve("embedding_grad", torch.device("cpu")).backend == "reference"
-    assert_close(embedding_grad(ids, dy, 16), want.double(), "embedding_grad_fp32", "triton beside the reference",
+    assert_close(embedding_grad(ids.to(DEVICE), dy.to(DEVICE), 16).cpu(), want.double(), "embedding_grad_fp32", "triton beside the reference",
                  scaled=True)
 
 
