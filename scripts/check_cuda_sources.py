@@ -93,9 +93,10 @@ def resources(report: str) -> list[tuple[str, str]]:
         entry = re.search(r"Compiling entry function '(\w+)'", line)
         if entry:
             name = entry.group(1)
-        used = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line)
-        if used and name:
-            rows.append((name, f"REG:{used.group(1)} SHARED:{used.group(2)}"))
+        used = re.search(r"Used (\d+) registers", line)
+        if used and name:  # ptxas leaves the shared memory out of the line of a kernel that has none
+            shared = re.search(r"(\d+) bytes smem", line)
+            rows.append((name, f"REG:{used.group(1)} SHARED:{shared.group(1) if shared else 0}"))
         spill = re.search(r"(\d+) bytes spill stores", line)
         if spill and name and spill.group(1) != "0":
             rows.append((name, f"SPILL STORES:{spill.group(1)}"))

@@ -192,6 +192,40 @@ def test_layer_norm_at_the_gpt_sizes_matches_float64(rows, n):
         assert all(torch.equal(a, b) for a, b in zip((dx, dw, db), again)), context + ": not reproducible"
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernels: on the GPU")
+@pytest.mark.parametrize("rows,n", [(5, 8), (130, 256), (67, 264), (4097, 768), (300, 2048), (40, 2056)])
+@pytest.mark.parametrize("x_dtype,dy_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)],
+                         ids=str)
+def test_the_cuda_layer_norm_at_every_row_width_matches_float64(rows, n, x_dtype, dy_dtype):
+    """Every way the CUDA LayerNorm takes a row: 1, 2, 4 and 8 vectors a lane (the
+    last with its parameter sums in shared memory), a lane's vector past the row's
+    end (264, 768), the general kernels past 2048 columns and for a weight off a
+    16-byte boundary; row counts that leave a chunk short. With grad_add, and the
+    same bits on a second call."""
+    from te_fuser.kernels import cuda
+
+    x, w, dy = _inputs(rows, n, x_dtype, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    b = (0.1 * torch.randn(n, generator=gen)).to(DEVICE)
+    add = torch.randn(rows, n, generator=gen).to(x_dtype).to(DEVICE)
+    w, dy = w.float(), dy.to(dy_dtype)
+    y64, mean64, rstd64, dx64, dw64, db64 = _layer_norm_float64(x, w, b, dy, 1e-5)
+    shifted = torch.empty(n + 1, device=DEVICE)[1:]  # 4 bytes past a 16-byte boundary
+    for name, weight in (("aligned", w), ("weight off 16 bytes", shifted.copy_(w))):
+        context = f"cuda layer_norm {rows}x{n} x {x_dtype} dy {dy_dtype}, {name}"
+        y, mean, rstd = cuda.layer_norm(x, weight, b, 1e-5, dy_dtype)
+        assert_close(mean, mean64, torch.float32, context + " mean", scaled=True)
+        assert_close(rstd, rstd64, torch.float32, context + " rstd")
+        assert_close(y, y64, dy_dtype, context + " y", scaled=True)
+        dx, dw, db = cuda.layer_norm_grad(dy, x, weight, mean, rstd, grad_add=add)
+        grad_dtype = "norm_grad_fp32" if x_dtype == torch.float32 else x_dtype
+        assert_close(dx, dx64 + add.double(), grad_dtype, context + " dx", scaled=True)
+        assert_close(dw, dw64, "norm_grad_fp32", context + " dweight", scaled=True)
+        assert_close(db, db64, "norm_grad_fp32", context + " dbias", scaled=True)
+        again = cuda.layer_norm_grad(dy, x, weight, mean, rstd, grad_add=add)
+        assert all(torch.equal(p, q) for p, q in zip((dx, dw, db), again)), context + ": not reproducible"
+
+
 def test_layer_norm_errors_name_the_constraint():
     x, w, dy = _inputs(4, 32, torch.float32)
     b = torch.zeros(32, device=DEVICE)

@@ -411,7 +411,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grad(const at::Tensor&
     at::Tensor zeros = at::zeros({2 * n}, x.options().dtype(at::kFloat));
     return {dx, piece_of(zeros, 0, at::kFloat, {n}), piece_of(zeros, n * 4, at::kFloat, {n})};
   }
-  const int64_t chunks = te_fuser::layer_norm_grad_chunks(rows, n);
+  const int64_t chunks =
+      te_fuser::layer_norm_grad_chunks(rows, n, hp_code(x.scalar_type()), hp_code(dy.scalar_type()));
   at::Tensor partial = at::empty({2, chunks, n}, x.options().dtype(at::kFloat));
   te_fuser::launch_layer_norm_grad(dy.data_ptr(), hp_code(dy.scalar_type()), x.data_ptr(), hp_code(x.scalar_type()),
                                    weight.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),

@@ -151,8 +151,9 @@ void launch_delayed_scale_update_many(const float* const* histories, const float
 void launch_layer_norm(const void* x, int x_type, const float* weight, const float* bias, void* y, int y_type,
                        float* mean, float* rstd, int64_t rows, int64_t n, float eps, void* stream);
 
-// The row chunks of a LayerNorm backward: partial holds (2, chunks, n) fp32.
-int64_t layer_norm_grad_chunks(int64_t rows, int64_t n);
+// The row chunks of a LayerNorm backward of x and dy of these types: partial
+// holds (2, chunks, n) fp32.
+int64_t layer_norm_grad_chunks(int64_t rows, int64_t n, int x_type, int dy_type);
 
 // Its dx (rows, n) in x's type, and per chunk of rows the partial sums of dweight
 // (partial[0]) and dbias (partial[1]), from the forward's mean and rstd. add (rows,
