@@ -369,3 +369,55 @@ def test_a_predicate_may_read_the_build_context():
         model(torch.randn(3, H))
     assert seen == [(False, "cpu")]
     assert "forward_linear_context_test at ops 0..1: declined for the test" in model.fusion_plan().groups[0].declined
+
+
+def _match_trying_every_rule(ops, pass_, recipe, context, table):
+    """What ``match`` decides when every rule of the pass is tried at every op (as
+    it did before the table indexed its rules by their first op type)."""
+    rules = table.for_pass(pass_)
+    steps, declined, i = [], [], 0
+    while i < len(ops):
+        for rule in rules:
+            n = len(rule.pattern)
+            if i + n > len(ops) or not all(isinstance(ops[i + j], t) for j, t in enumerate(rule.pattern)):
+                continue
+            if rule.applies_to is not None and not rule.applies_to(recipe):
+                continue
+            reason = rule.decline_reason(ops[i : i + n], recipe, context)
+            if reason is None:
+                steps.append((rule.name, tuple(range(i, i + n))))
+                i += n
+                break
+            declined.append(f"{rule.name} at ops {i}..{i + n - 1}: {reason}")
+        else:
+            steps.append((None, (i,)))
+            i += 1
+    return steps, declined
+
+
+def test_the_rules_indexed_by_their_first_op_decide_as_trying_every_rule():
+    """Re-fusion tries at each op only the rules whose first position takes it: on
+    every example model, under every recipe, for both passes (with and without a
+    backward), the steps and the declined reasons are those of trying every rule,
+    and an op of a subclass of a rule's type still starts the rule."""
+    from te_fuser.ops.rules import BuildContext, match
+
+    table = te.ops.fusion_rule_table()
+    for name, entry in EXAMPLES.items():
+        for example in entry.models:
+            ops = [op for fuser in example.build()._fusers() for op in fuser.ops]
+            for recipe_name in entry.recipes:
+                recipe = RECIPES[recipe_name]
+                for pass_, needs_backward in (("forward", True), ("forward", False), ("backward", True)):
+                    context = BuildContext(needs_backward, torch.device("cpu"))
+                    got = match(ops, pass_, recipe, context=context, table=table)
+                    want = _match_trying_every_rule(ops, pass_, recipe, context, table)
+                    assert [(s.rule, s.indices) for s in got.steps] == want[0], (name, recipe_name, pass_)
+                    assert got.declined == want[1], (name, recipe_name, pass_)
+
+    class OwnLinear(te.ops.BasicLinear):
+        pass
+
+    ops = [OwnLinear(H, H), te.ops.Bias(H)]
+    got = match(ops, "forward", None, context=BuildContext(True, torch.device("cpu")), table=table)
+    assert [s.rule for s in got.steps] == ["forward_linear_bias"]

@@ -67,7 +67,10 @@ class FusionRule:
     def matches_types(self, ops: Sequence[BasicOperation], start: int) -> bool:
         if start + len(self.pattern) > len(ops):
             return False
-        return all(isinstance(ops[start + i], types) for i, types in enumerate(self.pattern))
+        for i, types in enumerate(self.pattern):
+            if not isinstance(ops[start + i], types):
+                return False
+        return True
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class RuleTable:
 
     rules: tuple[FusionRule, ...] = ()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_starting", {})  # (pass, op type) -> the rules whose first position takes it
+
     def with_rules(self, *rules: FusionRule) -> "RuleTable":
         out = list(self.rules)
         for rule in rules:
@@ -119,6 +125,17 @@ class RuleTable:
 
     def for_pass(self, pass_: str | None) -> list[FusionRule]:
         return [r for r in self.rules if pass_ is None or r.pass_ == pass_]
+
+    def starting_with(self, pass_: str, op_type: type) -> tuple[FusionRule, ...]:
+        """The rules of ``pass_`` whose pattern's first position accepts an op of
+        ``op_type``, in the table's order (worked out once per type: re-fusion tries
+        only these at each op, not every rule of the pass)."""
+        key = (pass_, op_type)
+        found = self._starting.get(key)
+        if found is None:
+            found = tuple(r for r in self.for_pass(pass_) if issubclass(op_type, r.pattern[0]))
+            self._starting[key] = found
+        return found
 
 
 _DEFAULT = [RuleTable()]  # the process's table: what register_fusion_rule extends
@@ -180,12 +197,12 @@ def match(ops: Sequence[BasicOperation], pass_: str, recipe, enabled: bool = Tru
     predicates that take a third argument get ``context``. ``links``: the
     ``(writer op, reader op, channel)`` of the group's extra-tensor channels; no
     step holds both ends of one."""
-    rules = (table or fusion_rule_table()).for_pass(pass_) if enabled else []
+    table = (table or fusion_rule_table()) if enabled else RuleTable()
     steps: list[PlanStep] = []
     declined: list[str] = []
     i = 0
     while i < len(ops):
-        for rule in rules:
+        for rule in table.starting_with(pass_, type(ops[i])):
             if not rule.matches_types(ops, i) or (rule.applies_to is not None and not rule.applies_to(recipe)):
                 continue
             window = ops[i : i + len(rule.pattern)]
