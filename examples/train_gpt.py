@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the GPT's attention: te_fuser ops (RoPE, DotProductAttention), or torch's SDPA")
     p.add_argument("--fp8-params", action="store_true",
                    help="the te arm's linear weights as FP8 parameters, fp32 masters in AdamW's state")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="every arm recomputes each block's activations in the backward instead of keeping them "
+                        "(te.checkpoint for te, torch.utils.checkpoint for the twins)")
     p.add_argument("--graphed", action="store_true",
                    help="the te arm's steps replayed from CUDA graphs (te.make_graphed_step; CUDA only)")
     p.add_argument("--backward-thread", choices=BACKWARD_THREADS, default="autograd",
@@ -259,11 +262,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         args.config = defaults.config.replace(batch_size=args.batch or defaults.config.batch_size,
                                               seq_len=args.seq_len or defaults.config.seq_len,
-                                              attention=args.attention)
+                                              attention=args.attention, checkpoint=args.checkpoint)
         args.schedule = args.schedule or DEFAULT_SCHEDULES[args.attention]
         args.phases = parse_schedule(args.schedule, args.steps)
     except ValueError as err:
         parser.error(str(err))
+    if args.checkpoint and args.graphed:
+        parser.error("--checkpoint with --graphed: a captured step does not recompute checkpointed blocks; "
+                     "choose one")
     if args.profile_phase is not None and args.profile_phase not in {p.name for p in args.phases}:
         parser.error(f"--profile-phase: {args.profile_phase!r} is not a phase of the schedule "
                      f"({', '.join(dict.fromkeys(p.name for p in args.phases))})")

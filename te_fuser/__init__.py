@@ -12,6 +12,7 @@ from .convert import convert
 from .fp8 import DType
 from .autocast import DEFAULT_RECIPE, autocast
 from .backend import get_backend, set_backend
+from .checkpoint import checkpoint
 from .graphs import make_graphed, make_graphed_step
 from .ops.fp8_all_gather import enable_fsdp_fp8_all_gather, fp8_all_gather_stats
 from .ops.weight_cache import reuse_quantized_weights
@@ -21,5 +22,5 @@ from .warmup import warmup
 
 __all__ = ["ops", "quantization", "recipe", "DType", "autocast", "DEFAULT_RECIPE", "set_backend", "get_backend", "warmup",
            "make_graphed", "make_graphed_step", "reuse_quantized_weights", "quantized_model_init", "fp8_model_init", "parameter_bytes", "sequence_parallel", "apply_recipe", "fusion_plan", "fusion_stats", "convert",
-           "enable_fsdp_fp8_all_gather", "fp8_all_gather_stats"]
+           "enable_fsdp_fp8_all_gather", "fp8_all_gather_stats", "checkpoint"]
 __version__ = "0.1.0"

@@ -17,7 +17,7 @@ FLOORS = [  # (floor, module prefixes as dotted names under te_fuser)
     (0, ("kernels",)),
     (1, ("epoch", "fp8", "callable_key", "recipe", "recipe_agreement", "quantization", "backend", "autocast")),
     (2, ("ops",)),
-    (3, ("graphs", "warmup", "apply", "convert", "parallel", "models", "plot", "__main__", "__init__")),
+    (3, ("graphs", "warmup", "apply", "convert", "parallel", "checkpoint", "models", "plot", "__main__", "__init__")),
 ]
 
 

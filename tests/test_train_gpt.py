@@ -260,6 +260,7 @@ def test_corpus_is_the_stdlib_in_sorted_order():
         (["--attention", "sdpa", "--schedule", "bf16,current_dpa"],
          "phase 'current_dpa' runs attention in FP8 (fp8_dpa / fp8_mha), which te_fuser's attention ops do"),
         (["--graphed", "--device", "cpu"], "--graphed: CUDA graphs need a CUDA device, got cpu"),
+        (["--checkpoint", "--graphed"], "--checkpoint with --graphed: a captured step does not recompute"),
         (["--schedule", "bf16,delayed", "--profile-phase", "current"],
          "--profile-phase: 'current' is not a phase of the schedule (bf16, delayed)"),
     ],
@@ -344,6 +345,21 @@ def test_the_backward_on_the_calling_thread_trains_the_same_bits(device):
         assert len(caller["arms"][arm]["losses"]) == 4
         assert caller["arms"][arm]["losses"] == default["arms"][arm]["losses"], arm
     assert torch._C._is_multithreading_enabled()
+
+
+def test_checkpointed_blocks_train_the_same_bits():
+    """``--checkpoint``: every arm recomputes each block in the backward (te.checkpoint,
+    torch.utils.checkpoint for the twin) and trains the default run's losses bit for
+    bit through a switch into and out of delayed scaling; the report says so."""
+    argv = ["--size", "smoke", "--schedule", "bf16:2,delayed:2,current:2,bf16:1", "--arms", "te,torch",
+            "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100"]
+    kept, _ = _run(argv)
+    recomputed, _ = _run(argv + ["--checkpoint"])
+    assert kept["config"]["checkpoint"] is False and recomputed["config"]["checkpoint"] is True
+    for arm in ("te", "torch"):
+        assert len(recomputed["arms"][arm]["losses"]) == 7
+        assert recomputed["arms"][arm]["losses"] == kept["arms"][arm]["losses"], arm
+    assert recomputed["arms"]["te"]["evals"] == kept["arms"]["te"]["evals"]
 
 
 def test_a_profiled_phase_trains_the_same_bits_and_records_each_arms_kernels():

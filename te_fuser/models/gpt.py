@@ -35,9 +35,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .. import ops
+from ..checkpoint import checkpoint as te_checkpoint
 from ..ops.basic.rotary import apply_rotary, rotary_tables
 
 __all__ = [
@@ -72,6 +74,9 @@ class GPTConfig:
     # "two_sequentials": each sub-layer a Sequential called as seq(x, x); "one_sequential" (attention="te"):
     # a block is one Sequential whose residuals stay inside on extra-tensor channels
     layer: str = "two_sequentials"
+    # training recomputes each block's activations in the backward instead of keeping them
+    # (te.checkpoint; torch.utils.checkpoint for the torch twin)
+    checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -80,8 +85,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.layer: must be one of {list(LAYER_KINDS)} ('one_sequential' with "
                              f"attention='te': SDPA is a plain module, which a channel cannot cross), "
                              f"got {self.layer!r} with attention={self.attention!r}")
+        if self.checkpoint is not True and self.checkpoint is not False:
+            raise ValueError(f"GPTConfig.checkpoint: must be True or False, got {self.checkpoint!r}")
         for f in dataclasses.fields(self):
-            if f.name in ("attention", "layer"):
+            if f.name in ("attention", "layer", "checkpoint"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -279,8 +286,9 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)  # (B, T, d)
+        recompute = self.config.checkpoint and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = te_checkpoint(block, x) if recompute else block(x)
         return self.head(x)  # (B, T, V)
 
     def sequentials(self) -> list[ops.Sequential]:
@@ -331,8 +339,9 @@ class TorchGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)  # (B, T, d)
+        recompute = self.config.checkpoint and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.head(x)  # (B, T, V)
 
 

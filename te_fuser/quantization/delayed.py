@@ -54,6 +54,7 @@ from ..kernels.operand import ScaledOperand, tensor_scaled
 from ..kernels.reference.scaling import AMAX_ALGOS, divide_by_power_of_2, guarded_scale
 from .amax_reduction import PENDING, default_group, flush_amax_reductions
 from .base import EpilogueCast, Quantizer, max_over, shard_amax
+from .recompute import ACTIVE as CHECKPOINT_FRAMES
 from .role import QuantizerRole
 from .tensor import QuantizedTensor
 
@@ -227,9 +228,19 @@ class DelayedScalingQuantizer(Quantizer):
         device = x_hp.device
         self._flush()
         self._move_state(device)
-        if not self.seeded:  # the first scale from the amax of what is cast
+        frames = CHECKPOINT_FRAMES
+        if frames[1] is not None:  # a checkpointed region recomputed: its forward's scale, nothing recorded
+            scale, scale_inv = frames[1].next_scale(self)
+            x_fp8, x_fp8_t, sums, _ = self._caster(kernel, device, _generic_tensorwise)(
+                x_hp, scale, rowwise, columnwise, round_bf16)
+            return (tensor_scaled(x_fp8, scale_inv) if rowwise else None,
+                    tensor_scaled(x_fp8_t, scale_inv) if columnwise else None, sums)
+        seeded = self.seeded
+        if not seeded:  # the first scale from the amax of what is cast
             self._seed(x_hp.to(torch.bfloat16) if round_bf16 else x_hp,
                        backend.resolve("quantize_tensorwise", device).fn)
+        if frames[0] is not None:  # a checkpointed region's forward: its recomputation casts alike
+            frames[0].note(self, self._scale, self._scale_inv, seeded)
         cast = self._caster(kernel, device, _generic_tensorwise)
         scale_inv = self._scale_inv  # the state is rebound, never written in place
         out = self._cast_and_update(cast, x_hp, rowwise, columnwise, round_bf16)
@@ -265,8 +276,16 @@ class DelayedScalingQuantizer(Quantizer):
         while unseeded (the first tensor must seed the scale from its own amax)."""
         self._flush()
         self._move_state(device)
+        frames = CHECKPOINT_FRAMES
+        if frames[1] is not None:  # recomputing: the epilogue where the forward's cast was one
+            if not frames[1].next_was_seeded(self):
+                return None  # the forward seeded in a call: so does this cast
+            scale, scale_inv = frames[1].next_scale(self)
+            return EpilogueCast(scale, self.fp8_dtype, torch.empty(1, dtype=torch.float32, device=device), scale_inv)
         if not self.seeded:
             return None
+        if frames[0] is not None:
+            frames[0].note(self, self._scale, self._scale_inv)
         amax = torch.empty(1, dtype=torch.float32, device=device)  # the epilogue writes (not accumulates) it
         return EpilogueCast(self._scale, self.fp8_dtype, amax, self._scale_inv)
 
@@ -277,7 +296,8 @@ class DelayedScalingQuantizer(Quantizer):
         column-wise copy is the transpose of the FP8 bytes (one per-tensor scale: the
         same bytes a cast of the transpose gives)."""
         scale_inv = cast.pending  # the one the epilogue's scale goes with
-        self._record(cast.amax)
+        if CHECKPOINT_FRAMES[1] is None:  # a recomputation records nothing
+            self._record(cast.amax)
         rowwise_op = ScaledOperand(data, scale_inv, Scaling.TENSOR)  # (M, K)
         columnwise_op = None
         if columnwise:
@@ -297,9 +317,17 @@ class DelayedScalingQuantizer(Quantizer):
         device = shard.device
         self._flush()
         self._move_state(device)
-        if not self.seeded:
-            self._seed_from_amax(max_over(shard_amax(shard), group))
         cast = backend.resolve("quantize_tensorwise", device).fn
+        frames = CHECKPOINT_FRAMES
+        if frames[1] is not None:  # a checkpointed region recomputed: its forward's scale, nothing recorded
+            scale, scale_inv = frames[1].next_scale(self)
+            data, _, _ = cast(shard, scale, self.fp8_dtype, rowwise=True, columnwise=False)
+            return data, scale_inv
+        seeded = self.seeded
+        if not seeded:
+            self._seed_from_amax(max_over(shard_amax(shard), group))
+        if frames[0] is not None:
+            frames[0].note(self, self._scale, self._scale_inv, seeded)
         scale_inv = self._scale_inv  # the state is rebound, never written in place
         amax = torch.empty(1, dtype=torch.float32, device=device)
         data, _, _ = cast(shard, self._scale, self.fp8_dtype, rowwise=True, columnwise=False, amax_out=amax)
@@ -321,6 +349,8 @@ class DelayedScalingQuantizer(Quantizer):
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record ``amax(x)`` in the history and update the scale; no cast."""
         self._check_input(x, True, False)
+        if CHECKPOINT_FRAMES[1] is not None:  # a checkpointed region recomputed: its forward observed already
+            return
         x_hp = x.reshape(-1, x.shape[-1])  # (M, K)
         self._flush()
         self._move_state(x_hp.device)

@@ -1,0 +1,247 @@
+"""``te.checkpoint``: activation checkpointing of te_fuser ops, as users train with it.
+
+Training with a region checkpointed must be training without it, bit for bit
+(parameters, losses, delayed-scaling state) under every recipe and across recipe
+switches; the region's saved tensors must really be dropped and rebuilt; the
+recomputation must run the forward's plan whatever te.autocast is in force when
+the backward runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import te_fuser as te
+from op_testing import RECIPES
+from te_fuser.models.gpt import GPT, GPTConfig
+from te_fuser.quantization import DelayedScalingQuantizer
+from te_fuser.quantization.tensor import QuantizedTensor
+
+H, F = 64, 256
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm MLP sub-layer with its residual (``seq(x, x)``), twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H),
+                              te.ops.AddExtraInput()) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, x)
+        return x
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.block = _Block()
+        self.head = te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, H))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        x = te.checkpoint(self.block, x) if self.checkpointed else self.block(x)
+        return self.head(x)
+
+
+def _delayed_state(model) -> list:
+    out = []
+    for module in model.modules():
+        for q in getattr(module, "installed_quantizers", {}).values():
+            if isinstance(q, DelayedScalingQuantizer):
+                out.append((q.amax_history.clone(), q.scale.clone(), q.nonfinite_amax_count.clone()))
+    return out
+
+
+def _train(model, schedule, seed=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for recipe, steps in schedule:
+        for _ in range(steps):
+            x = torch.randn(64, H, generator=gen).to(DEVICE).requires_grad_()
+            with torch.autocast(DEVICE, dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+                y = model(x)
+            loss = y.float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("name", ["none", "delayed", "current", "mxfp8", "block", "rowwise"])
+def test_a_checkpointed_region_trains_as_the_same_region_kept(name):
+    """Four steps of AdamW on a residual MLP block (the fusers' extra inputs too):
+    the losses, the parameters and every delayed-scaling history, scale and count
+    are those of the run that keeps the activations, bit for bit; no re-fusion is
+    added."""
+    torch.manual_seed(0)
+    kept = _Model(False).to(DEVICE)
+    recomputed = copy.deepcopy(kept)
+    recomputed.checkpointed = True
+    schedule = [(RECIPES[name], 4)]
+    assert torch.equal(_train(kept, schedule), _train(recomputed, schedule))
+    for p, q in zip(kept.parameters(), recomputed.parameters()):
+        assert torch.equal(p, q)
+    for a, b in zip(_delayed_state(kept), _delayed_state(recomputed), strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert te.fusion_stats(recomputed).total.builds == te.fusion_stats(kept).total.builds
+
+
+def test_switching_recipes_with_a_checkpointed_region_is_bit_identical():
+    """bf16 -> delayed -> current -> block -> delayed -> bf16, the region
+    checkpointed throughout: every loss and the final delayed-scaling state are the
+    kept run's (delayed scaling entered twice: seeded in a recorded forward once,
+    then continued)."""
+    torch.manual_seed(1)
+    kept = _Model(False).to(DEVICE)
+    recomputed = copy.deepcopy(kept)
+    recomputed.checkpointed = True
+    schedule = [(None, 2), (RECIPES["delayed"], 3), (RECIPES["current"], 2), (RECIPES["block"], 2),
+                (RECIPES["delayed"], 2), (None, 1)]
+    assert torch.equal(_train(kept, schedule), _train(recomputed, schedule))
+    for a, b in zip(_delayed_state(kept), _delayed_state(recomputed), strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_the_gpt_trains_alike_with_every_block_checkpointed():
+    """The yardstick GPT (te attention, rotary, FP8 attention under fp8_mha) at its
+    smoke size, every block recomputed (``GPTConfig(checkpoint=True)``), through a
+    schedule of recipes: the same loss bits as keeping the activations."""
+    schedule = [(None, 2), (RECIPES["delayed"], 2), (RECIPES["delayed_mha"], 2), (RECIPES["current"], 2),
+                (RECIPES["current_mha"], 2), (None, 1)]
+    runs = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        config = GPTConfig.smoke().replace(n_layer=2, seq_len=32, batch_size=2, checkpoint=checkpoint)
+        model = GPT(config, device=DEVICE)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for recipe, steps in schedule:
+            for _ in range(steps):
+                idx = torch.randint(0, 256, (config.batch_size, config.seq_len + 1), generator=gen).to(DEVICE)
+                with torch.autocast(DEVICE, dtype=torch.bfloat16), te.autocast(enabled=recipe is not None,
+                                                                                 recipe=recipe):
+                    logits = model(idx[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+        runs.append((torch.stack(losses), model.refusions()))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]
+
+
+def _tensors_in(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return 1
+    if isinstance(value, (tuple, list)):
+        return sum(_tensors_in(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensors_in(v) for v in value.values())
+    if isinstance(value, QuantizedTensor):
+        return sum(_tensors_in(op.data) + _tensors_in(op.scale_inv)
+                   for op in (value.rowwise, value.columnwise) if op is not None)
+    return 0
+
+
+def _saved_tensors_held(y) -> int:
+    """Tensors held in the op contexts of ``y``'s fuser node (not through autograd)."""
+    fuser_state = y.grad_fn.state
+    return sum(_tensors_in(v) for ctx in fuser_state[2] for v in ctx.saved.values())
+
+
+@pytest.mark.parametrize("name", ["none", "delayed", "current"])
+def test_the_region_drops_what_its_ops_saved_and_recomputes_it_once(name):
+    """Inside te.checkpoint the ops' saved tensors (FP8 copies included) go to
+    autograd, which drops them: the fuser's node holds none after the forward, the
+    forward runs again once in the backward. Without it the node holds them."""
+    recipe = RECIPES[name]
+    seq = te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H)).to(DEVICE)
+    calls = []
+    seq.register_forward_pre_hook(lambda module, args: calls.append(1))
+    x = torch.randn(32, H, device=DEVICE, requires_grad=True)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        kept = seq(x)
+        recomputed = te.checkpoint(seq, x)
+    assert _saved_tensors_held(kept) > 0
+    assert _saved_tensors_held(recomputed) == 0
+    assert len(calls) == 2
+    recomputed.sum().backward()
+    assert len(calls) == 3
+
+
+def test_the_recomputation_runs_the_forwards_recipe_whatever_is_in_force_in_the_backward():
+    """The backward runs outside te.autocast, then inside another recipe's region:
+    the recomputation still runs the forward's plan (no plan built, the published
+    one unchanged) and the gradients are the kept run's."""
+    torch.manual_seed(2)
+    seq = te.ops.Sequential(te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H)).to(DEVICE)
+    twin = copy.deepcopy(seq)
+    x = torch.randn(32, H, device=DEVICE)
+    recipe = RECIPES["delayed"]
+    for backward_under in (None, RECIPES["current"]):
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with te.autocast(recipe=recipe):
+            ya = seq(xa)
+            yb = te.checkpoint(twin, xb)
+        builds = twin.fusion_stats().builds
+        with te.autocast(enabled=backward_under is not None, recipe=backward_under):
+            ya.sum().backward()
+            yb.sum().backward()
+        assert twin.fusion_stats().builds == builds
+        assert twin.fusion_plan().groups[0].recipe_key == str(recipe)
+        assert torch.equal(xa.grad, xb.grad)
+        for p, q in zip(seq.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad)
+
+
+def test_retain_graph_backs_a_checkpointed_region_twice():
+    seq = te.ops.Sequential(te.ops.Linear(H, H)).to(DEVICE)
+    twin = copy.deepcopy(seq)
+    x = torch.randn(16, H, device=DEVICE)
+    with te.autocast(recipe=RECIPES["current"]):
+        ya, yb = seq(x.clone().requires_grad_()), te.checkpoint(twin, x.clone().requires_grad_())
+    for _ in range(2):
+        ya.sum().backward(retain_graph=True)
+        yb.sum().backward(retain_graph=True)
+    assert torch.equal(seq[0].weight.grad, twin[0].weight.grad)
+
+
+def test_unsupported_arguments_are_named():
+    seq = te.ops.Sequential(te.ops.Linear(H, H))
+    x = torch.randn(4, H, requires_grad=True)
+    with pytest.raises(ValueError, match="use_reentrant=True"):
+        te.checkpoint(seq, x, use_reentrant=True)
+    with pytest.raises(ValueError, match="distribute_saved_activations"):
+        te.checkpoint(seq, x, distribute_saved_activations=True)
+    with pytest.raises(ValueError, match="context_fn"):
+        te.checkpoint(seq, x, context_fn=None)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="memory: on the GPU")
+def test_a_checkpointed_block_keeps_less_memory_until_its_backward():
+    """The activation memory a checkpointed region holds between its forward and
+    backward is its input's, not its layers' (FP8 recipe, 8k tokens)."""
+    torch.manual_seed(3)
+    block = _Block().to(DEVICE)
+    x = torch.randn(8192, H, device=DEVICE, requires_grad=True)
+    held = {}
+    for checkpointed in (False, True):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(recipe=RECIPES["current"]):
+            y = te.checkpoint(block, x) if checkpointed else block(x)
+        held[checkpointed] = torch.cuda.memory_allocated() - before
+        y.float().sum().backward()
+        del y
+    assert held[True] < held[False] / 3, held
