@@ -44,9 +44,12 @@ class _Recording(contextlib.AbstractContextManager):
         self.outer = None
 
     def __enter__(self):
-        self.frame.state = current_state()
-        self.frame.backend = _backend.get_backend()
-        self.outer, ACTIVE[0] = ACTIVE[0], self.frame
+        frame = self.frame
+        frame.state = current_state()
+        frame.backend = _backend.get_backend()
+        self.outer = ACTIVE[0]
+        frame.outer = self.outer  # a nested region: its casts are the enclosing one's too
+        ACTIVE[0] = frame
         return self
 
     def __exit__(self, *exc) -> None:
@@ -72,8 +75,9 @@ class _Replaying(contextlib.AbstractContextManager):
         if self.pushed:
             _backend.push_override(frame.backend)
         self.outer, ACTIVE[1] = ACTIVE[1], frame
-        recording, ACTIVE[0] = ACTIVE[0], None  # a recomputation notes nothing
-        self.recording = recording
+        # a recomputation notes nothing in a region being recorded around it (regions
+        # nested in this one record their own frames while it runs)
+        self.recording, ACTIVE[0] = ACTIVE[0], None
         return self
 
     def __exit__(self, *exc) -> None:

@@ -205,6 +205,40 @@ def test_the_recomputation_runs_the_forwards_recipe_whatever_is_in_force_in_the_
             assert torch.equal(p.grad, q.grad)
 
 
+class _Nested(torch.nn.Module):
+    """A checkpointed region holding two checkpointed blocks and a plain one."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.checkpointed = checkpointed
+
+    def inner(self, x):
+        x = te.checkpoint(self.blocks[0], x) if self.checkpointed else self.blocks[0](x)
+        x = self.blocks[1](x)
+        return te.checkpoint(self.blocks[2], x) if self.checkpointed else self.blocks[2](x)
+
+    def forward(self, x):
+        return te.checkpoint(self.inner, x) if self.checkpointed else self.inner(x)
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_nested_checkpointed_regions_train_alike(name):
+    """Regions inside a checkpointed region: recomputing the outer one runs the inner
+    ones' forwards again (their scales noted afresh for their own recomputation);
+    losses, parameters and delayed-scaling state as without any checkpoint."""
+    torch.manual_seed(4)
+    kept = _Nested(False).to(DEVICE)
+    recomputed = copy.deepcopy(kept)
+    recomputed.checkpointed = True
+    schedule = [(RECIPES[name], 3)]
+    assert torch.equal(_train(kept, schedule), _train(recomputed, schedule))
+    for p, q in zip(kept.parameters(), recomputed.parameters()):
+        assert torch.equal(p, q)
+    for a, b in zip(_delayed_state(kept), _delayed_state(recomputed), strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
 def test_retain_graph_backs_a_checkpointed_region_twice():
     seq = te.ops.Sequential(te.ops.Linear(H, H)).to(DEVICE)
     twin = copy.deepcopy(seq)

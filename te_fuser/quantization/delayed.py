@@ -230,7 +230,9 @@ class DelayedScalingQuantizer(Quantizer):
         self._move_state(device)
         frames = CHECKPOINT_FRAMES
         if frames[1] is not None:  # a checkpointed region recomputed: its forward's scale, nothing recorded
-            scale, scale_inv = frames[1].next_scale(self)
+            scale, scale_inv, seeded = frames[1].next_scale(self)
+            if frames[0] is not None:  # a region nested in it runs its forward again: noted for its own replay
+                frames[0].note(self, scale, scale_inv, seeded)
             x_fp8, x_fp8_t, sums, _ = self._caster(kernel, device, _generic_tensorwise)(
                 x_hp, scale, rowwise, columnwise, round_bf16)
             return (tensor_scaled(x_fp8, scale_inv) if rowwise else None,
@@ -280,7 +282,9 @@ class DelayedScalingQuantizer(Quantizer):
         if frames[1] is not None:  # recomputing: the epilogue where the forward's cast was one
             if not frames[1].next_was_seeded(self):
                 return None  # the forward seeded in a call: so does this cast
-            scale, scale_inv = frames[1].next_scale(self)
+            scale, scale_inv, _ = frames[1].next_scale(self)
+            if frames[0] is not None:
+                frames[0].note(self, scale, scale_inv)
             return EpilogueCast(scale, self.fp8_dtype, torch.empty(1, dtype=torch.float32, device=device), scale_inv)
         if not self.seeded:
             return None
@@ -320,7 +324,9 @@ class DelayedScalingQuantizer(Quantizer):
         cast = backend.resolve("quantize_tensorwise", device).fn
         frames = CHECKPOINT_FRAMES
         if frames[1] is not None:  # a checkpointed region recomputed: its forward's scale, nothing recorded
-            scale, scale_inv = frames[1].next_scale(self)
+            scale, scale_inv, seeded = frames[1].next_scale(self)
+            if frames[0] is not None:
+                frames[0].note(self, scale, scale_inv, seeded)
             data, _, _ = cast(shard, scale, self.fp8_dtype, rowwise=True, columnwise=False)
             return data, scale_inv
         seeded = self.seeded
