@@ -115,9 +115,11 @@ def _scaling_state(model) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _train_schedule(rank: int, fp8_all_gather: bool) -> dict:
+def _train_schedule(rank: int, fp8_all_gather: bool, checkpointed: bool = False) -> dict:
     """Train through SCHEDULE: the losses, the sharded gradients of every step, the
-    weights and the scaling state at the end, and the gather counts."""
+    weights and the scaling state at the end, and the gather counts. ``checkpointed``:
+    the model runs under te.checkpoint (the recomputation gathers and casts the
+    shards again, with the forward's scales)."""
     import te_fuser as te
 
     model = _sharded(_model(), fp8_all_gather)
@@ -128,7 +130,8 @@ def _train_schedule(rank: int, fp8_all_gather: bool) -> dict:
     for step, name in enumerate(SCHEDULE):
         region, torch_autocast = _recipe_context(recipes[name])
         with region, torch_autocast:
-            loss = model(x[step, rank]).float().square().mean()
+            y = te.checkpoint(model, x[step, rank]) if checkpointed else model(x[step, rank])
+            loss = y.float().square().mean()
         loss.backward()
         losses.append(loss.detach())
         grads.append(torch.cat([p.grad.to_local().detach().reshape(-1) for p in model.parameters()]))
@@ -255,6 +258,7 @@ def _worker(rank: int, folder: str, results) -> None:
                 for name, fp8, dtype in (("fp32", False, None), ("bf16", False, torch.bfloat16),
                                          ("fp8", True, None))}
         plain, fp8 = _train_schedule(rank, False), _train_schedule(rank, True)
+        fp8_checkpointed = _train_schedule(rank, True, checkpointed=True)
         fresh = _fresh_after_step(rank)
         (plain_losses, plain_weights, _), (losses, weights, stats) = _regathered(rank, False), _regathered(rank, True)
         checkpointed = _dcp_round_trip(rank, folder)
@@ -270,6 +274,7 @@ def _worker(rank: int, folder: str, results) -> None:
             results["dcp"] = checkpointed
             results["bytes"] = sent
             results["schedule"] = {k: (plain[k], fp8[k]) for k in plain}
+            results["checkpointed"] = {k: (plain[k], fp8_checkpointed[k]) for k in plain if k != "stats"}
             results["fresh"] = fresh
             results["regathered"] = (torch.equal(plain_losses, losses), torch.equal(plain_weights, weights), stats)
         dist.barrier()
@@ -303,6 +308,15 @@ def test_training_with_the_fp8_all_gather_is_training_without_it_bit_for_bit(res
     for key in ("losses", "grads", "weights", "state"):
         plain, fp8 = schedule[key]
         assert torch.equal(plain, fp8), f"{key}: max difference {(plain - fp8).abs().max().item()}"
+
+
+def test_training_checkpointed_with_the_fp8_all_gather_is_training_without_either(results):
+    """The model under te.checkpoint with the FP8 all-gather, through the same
+    schedule: the recomputation's gathers cast each shard with the forward's
+    delayed-scaling scale and record nothing, so losses, gradients, weights and
+    scaling state are the plain run's to the last bit."""
+    for key, (plain, checkpointed) in results["checkpointed"].items():
+        assert torch.equal(plain, checkpointed), f"{key}: max difference {(plain - checkpointed).abs().max().item()}"
 
 
 def test_the_schedule_gathers_fp8_where_a_per_tensor_recipe_ran_the_step_before(results):

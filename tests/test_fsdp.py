@@ -15,9 +15,10 @@ import torch.distributed as dist
 from dist_testing import device, device_type, init, spawned
 
 WORLD = 2
-CONFIGS = [  # (recipe name, shard every op too, one forward before sharding)
-    ("none", False, False), ("none", True, False), ("current", False, True), ("current", True, False),
-    ("current", True, True), ("block", True, True), ("mxfp8", True, False),
+CONFIGS = [  # (recipe name, shard every op too, one forward before sharding, the model run under te.checkpoint)
+    ("none", False, False, False), ("none", True, False, False), ("current", False, True, False),
+    ("current", True, False, False), ("current", True, True, False), ("block", True, True, False),
+    ("mxfp8", True, False, False), ("none", True, False, True), ("current", True, False, True),
 ]
 
 
@@ -29,8 +30,10 @@ def _build():
                              te.ops.Linear(128, 64)).to(device())
 
 
-def _run(rank: int, recipe_name: str, per_op: bool, warm: bool) -> float:
-    """Train a sharded model and a one-process twin; the largest weight difference."""
+def _run(rank: int, recipe_name: str, per_op: bool, warm: bool, checkpointed: bool) -> float:
+    """Train a sharded model (its activations recomputed in the backward when
+    ``checkpointed``: FSDP2 gathers the weights again for the recomputation) and a
+    one-process twin; the largest weight difference."""
     import te_fuser as te
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -52,7 +55,8 @@ def _run(rank: int, recipe_name: str, per_op: bool, warm: bool) -> float:
     for step in range(3):
         half = x[step].chunk(WORLD)
         with te.autocast(enabled=recipe is not None, recipe=recipe):
-            loss = model(half[rank]).square().mean()
+            y = te.checkpoint(model, half[rank]) if checkpointed else model(half[rank])
+            loss = y.square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -91,6 +95,6 @@ def results():
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{'per_op' if c[1] else 'root'}"
-                         f"{'-after_a_forward' if c[2] else ''}")
+                         f"{'-after_a_forward' if c[2] else ''}{'-checkpointed' if c[3] else ''}")
 def test_fully_shard_trains_as_one_process(results, config):
     assert results[config] == 0.0, f"{config}: weights differ from one process by {results[config]}"
