@@ -38,8 +38,8 @@ for part in $parts; do
       timeout 60 python3 examples/graphed_step.py 2>&1 | tee -a "$OUT/step.log" | tail -4 ;;
     small) timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24 ;;
     mlp) timeout 200 python3 benchmarks/bench_layers.py --cases mlp 2>&1 | tee "$OUT/mlp.log" | tail -16 ;;
-    gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation (GPT_GRAPHED=1: te's steps graphed; GPT_CHECKPOINT=1: every block recomputed in the backward; GPT_SCHEDULE=...; GPT_PROFILE=phase: that phase's kernels per arm)
-      timeout ${GPT_TIMEOUT:-420} python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} ${GPT_GRAPHED:+--graphed} ${GPT_CHECKPOINT:+--checkpoint} ${GPT_SCHEDULE:+--schedule $GPT_SCHEDULE} ${GPT_PROFILE:+--profile-phase $GPT_PROFILE} --json "$OUT/gpt.json" 2>&1 \
+    gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation (GPT_GRAPHED=1: te's steps graphed; GPT_CHECKPOINT=1: every block recomputed in the backward; GPT_SCHEDULE=...; GPT_PROFILE=phase: that phase's kernels per arm; GPT_SWITCH=phase: te's switch step into it under cProfile)
+      timeout ${GPT_TIMEOUT:-420} python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} ${GPT_GRAPHED:+--graphed} ${GPT_CHECKPOINT:+--checkpoint} ${GPT_SCHEDULE:+--schedule $GPT_SCHEDULE} ${GPT_PROFILE:+--profile-phase $GPT_PROFILE} ${GPT_SWITCH:+--profile-switch $GPT_SWITCH} --json "$OUT/gpt.json" 2>&1 \
         | tee "$OUT/gpt.log" | tail -30 ;;
     dist)  # the GPT under FSDP2 on every GPU of the machine over NCCL (one GPU: a group of size 1, a smoke run);
       # NVLink multicast stays off, as the machines require

@@ -59,6 +59,10 @@ gone, so the rows show what the GPU work of the step costs.
 torch.profiler, for every arm: each arm's kernels by GPU time a step (its CPU ops
 on a CPU) are printed and kept in the JSON with the phase, and those steps are left
 out of the phase's tokens/s (they train as any other step: the same bits).
+``--profile-switch NAME`` runs the te arm's first step of phase NAME (the recipe
+switch: the re-fusion and every first use after it) under cProfile, its backward
+on the calling thread: the host's functions by own time are printed and kept in
+the JSON with the phase; that phase's first-step time is then the profiled one's.
 
     python examples/train_gpt.py --size smoke --steps 20 --json gpt.json --png gpt.png
     python examples/train_gpt.py --size gpu --fp8-params --arms te,torch --json gpt_fp8_params.json
@@ -234,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile three steps in the middle of phase NAME for every arm (torch.profiler): the kernels "
                         "(on CUDA; the CPU ops elsewhere) by time a step, printed and in the JSON; those steps are "
                         "left out of the phase's tokens/s")
+    p.add_argument("--profile-switch", metavar="NAME",
+                   help="profile the te arm's first step of phase NAME (the switch) with cProfile, the backward on the "
+                        "calling thread: the host's functions by own time, printed and in the JSON")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the run's figures here")
     p.add_argument("--png", metavar="PATH", help="plot the loss curves here (needs matplotlib)")
@@ -267,6 +274,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.phases = parse_schedule(args.schedule, args.steps)
     except ValueError as err:
         parser.error(str(err))
+    if args.profile_switch is not None and args.profile_switch not in {p.name for p in args.phases}:
+        parser.error(f"--profile-switch: {args.profile_switch!r} is not a phase of the schedule "
+                     f"({', '.join(dict.fromkeys(p.name for p in args.phases))})")
     if args.checkpoint and args.graphed:
         parser.error("--checkpoint with --graphed: a captured step does not recompute checkpointed blocks; "
                      "choose one")
@@ -541,7 +551,10 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
             if i == profiled.start:
                 _profile_steps(arm, run, phase, recipe, first_step + i, len(profiled), clock)
             continue
-        train_step(arm, run, recipe, first_step + i)
+        if i == 0 and arm.name == "te" and args.profile_switch == phase.name:
+            _profile_switch(arm, run, phase, recipe, first_step)
+        else:
+            train_step(arm, run, recipe, first_step + i)
         clock.stepped()
         done = first_step + i + 1
         eval_due = i == phase.steps - 1 or (args.eval_every and done % args.eval_every == 0)
@@ -603,6 +616,30 @@ def _profile_steps(arm: Arm, run: Run, phase: Phase, recipe, first: int, count: 
     clock.restart()  # after the trace is read: its processing is not the next steps' time
 
 
+def _profile_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, top: int = 25) -> None:
+    """The first step of ``phase`` (its switch) under cProfile, the backward on the
+    calling thread so that its Python is seen; the functions with the most own time
+    are printed and kept in the arm's record for the phase."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        train_step(arm, run, recipe, step)
+        _sync(run.args.device)
+        profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(((own * 1e3, calls, f"{name} ({file.rsplit('/', 1)[-1]}:{line})")
+                   for (file, line, name), (_, calls, own, _, _) in stats.items()), reverse=True)
+    total = sum(ms for ms, _, _ in rows)
+    arm.profiles[f"{phase.name} switch"] = {"ms_own_total": total, "top": [
+        {"name": name, "ms": ms, "calls": calls} for ms, calls, name in rows[:top]]}
+    print(f"[{arm.name:<8}] {phase.name}: the switch step under cProfile, {total:.2f} ms of own time", flush=True)
+    for ms, calls, name in rows[:15]:
+        print(f"[{arm.name:<8}]   {ms:8.3f} ms {calls:6d}x  {name[:100]}", flush=True)
+
+
 def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, tokens_per_step: int,
                   refusions_before: int | None) -> None:
     recipe, last_eval = arm.recipe(phase), arm.evals[-1]
@@ -617,6 +654,8 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
         record["refusions"] = arm.refusions() - refusions_before
     if phase.name in arm.profiles:
         record["profile"] = arm.profiles[phase.name]
+    if f"{phase.name} switch" in arm.profiles:
+        record["switch_profile"] = arm.profiles[f"{phase.name} switch"]
     record["weight_bytes"] = linear_weight_bytes(arm.model)  # FP8 parameters take each recipe's layout
     arm.phases.append(record)
     bf16 = "" if record["val_bpb_bf16"] is None else f", {record['val_bpb_bf16']:.4f} in bf16"

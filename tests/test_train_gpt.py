@@ -261,6 +261,8 @@ def test_corpus_is_the_stdlib_in_sorted_order():
          "phase 'current_dpa' runs attention in FP8 (fp8_dpa / fp8_mha), which te_fuser's attention ops do"),
         (["--graphed", "--device", "cpu"], "--graphed: CUDA graphs need a CUDA device, got cpu"),
         (["--checkpoint", "--graphed"], "--checkpoint with --graphed: a captured step does not recompute"),
+        (["--schedule", "bf16,delayed", "--profile-switch", "block"],
+         "--profile-switch: 'block' is not a phase of the schedule (bf16, delayed)"),
         (["--schedule", "bf16,delayed", "--profile-phase", "current"],
          "--profile-phase: 'current' is not a phase of the schedule (bf16, delayed)"),
     ],
@@ -381,3 +383,23 @@ def test_a_profiled_phase_trains_the_same_bits_and_records_each_arms_kernels():
     assert "delayed: steps 6-8 profiled" in stdout
     _, stdout = _run(argv[:3] + ["bf16:3"] + argv[4:] + ["--profile-phase", "bf16"])
     assert "bf16: 3 steps, too few to profile (5 or more)" in stdout
+
+
+def test_a_profiled_switch_trains_the_same_bits_and_records_the_hosts_functions():
+    """``--profile-switch current``: the te arm's first step of the current phase runs
+    under cProfile with its backward on the calling thread; the losses are those of
+    the run without it, and the phase's record holds the functions with the most own
+    time (the re-fusion's among them); the other phases and arms hold none."""
+    argv = ["--size", "smoke", "--schedule", "bf16:2,delayed:2,current:2", "--arms", "te,torch", "--corpus-bytes",
+            "300000", "--eval-batches", "1", "--log-every", "100"]
+    plain, _ = _run(argv)
+    report, stdout = _run(argv + ["--profile-switch", "current"])
+    for arm in ("te", "torch"):
+        assert report["arms"][arm]["losses"] == plain["arms"][arm]["losses"], arm
+    switch = [p.get("switch_profile") for p in report["arms"]["te"]["phases"]]
+    assert switch[0] is None and switch[1] is None
+    assert switch[2]["ms_own_total"] > 0 and len(switch[2]["top"]) == 25
+    assert all(row["ms"] >= 0 and row["calls"] > 0 and row["name"] for row in switch[2]["top"])
+    assert all(p.get("switch_profile") is None for p in report["arms"]["torch"]["phases"])
+    assert "current: the switch step under cProfile" in stdout
+    assert torch._C._is_multithreading_enabled()
