@@ -33,7 +33,6 @@ from ..autocast import STATE_STACK as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from ..quantization.amax_reduction import WORLD
-from ..kernels.operand import ScaledOperand
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.recompute import ACTIVE as _CHECKPOINT_FRAMES
 from ..quantization.tensor import QuantizedTensor
@@ -44,6 +43,7 @@ from .basic.extra import resolve_channels
 from .guard import Decision, Reads
 from .op import BasicOperation, OpContext, RunConfig
 from .rules import BuildContext, PlanStep, RuleTable, match
+from .saved import stow_saved, unstow_saved
 
 __all__ = ["OperationFuser", "FusionPlan", "FusionStats", "PlanKey"]
 
@@ -876,69 +876,6 @@ def keep_graph() -> bool:
     return True if keep is None else keep()
 
 
-class _Stowed:
-    """A tensor of an op's saved state handed to autograd (``save_for_backward``):
-    its index among the function's saved tensors."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-def _stow(value, tensors: list):
-    """``value`` (an op's saved entry) with each tensor in it, also inside tuples,
-    lists, dicts, quantized tensors and their operands, appended to ``tensors`` and
-    replaced by its :class:`_Stowed` index; other objects stay as they are."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _Stowed(len(tensors) - 1)
-    kind = type(value)
-    if kind is tuple or kind is list:
-        return kind(_stow(v, tensors) for v in value)
-    if kind is dict:
-        return {k: _stow(v, tensors) for k, v in value.items()}
-    if kind is QuantizedTensor:
-        return QuantizedTensor.of_cast(_stow(value.rowwise, tensors), _stow(value.columnwise, tensors), value.shape,
-                                       value.dtype)
-    if kind is ScaledOperand:
-        return _StowedOperand(_stow(value.data, tensors), _stow(value.scale_inv, tensors), value.scaling)
-    return value
-
-
-class _StowedOperand(NamedTuple):
-    data: object
-    scale_inv: object
-    scaling: str
-
-
-def _unstow(value, tensors: tuple):
-    """:func:`_stow` undone with the tensors autograd hands back."""
-    kind = type(value)
-    if kind is _Stowed:
-        return tensors[value.index]
-    if kind is tuple or kind is list:
-        return kind(_unstow(v, tensors) for v in value)
-    if kind is dict:
-        return {k: _unstow(v, tensors) for k, v in value.items()}
-    if kind is QuantizedTensor:
-        return QuantizedTensor.of_cast(_unstow(value.rowwise, tensors), _unstow(value.columnwise, tensors),
-                                       value.shape, value.dtype)
-    if kind is _StowedOperand:
-        return ScaledOperand(_unstow(value.data, tensors), _unstow(value.scale_inv, tensors), value.scaling)
-    return value
-
-
-def _stow_saved(ctxs: list) -> list:
-    """Every tensor the ops saved, in order, each replaced in its context by its index."""
-    tensors: list = []
-    for ctx in ctxs:
-        saved = ctx.saved
-        for key, value in saved.items():
-            saved[key] = _stow(value, tensors)
-    return tensors
-
-
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, fuser_and_plan, *tensors):
@@ -952,7 +889,7 @@ class _FuserFunction(torch.autograd.Function):
             fctx.save_for_backward(_GRAPH_TOKEN)  # autograd frees it with the graph: a second backward then raises
         else:  # inside te.checkpoint: autograd's saved-tensor hooks see (drop, then rebuild) every saved tensor
             stowed = True
-            fctx.save_for_backward(_GRAPH_TOKEN, *_stow_saved(ctxs))
+            fctx.save_for_backward(_GRAPH_TOKEN, *stow_saved(ctxs))
         fctx.state = (fuser, plan, ctxs, x.dtype, _input_as_extra(fuser, x, extra_inputs), stowed)
         if not extra_outputs:
             return y
@@ -968,9 +905,7 @@ class _FuserFunction(torch.autograd.Function):
         saved = fctx.saved_tensors  # raises, as torch does, when the graph was freed by an earlier backward
         fuser, plan, ctxs, x_dtype, input_as_extra, stowed = fctx.state
         if stowed:  # the tensors autograd kept (or te.checkpoint's recomputation rebuilt) back in place
-            tensors = saved[1:]
-            for ctx in ctxs:
-                ctx.saved = {key: _unstow(value, tensors) for key, value in ctx.saved.items()}
+            unstow_saved(ctxs, saved[1:])
         if not keep_graph():
             fctx.state = None  # the saved tensors go with this backward, as autograd's own do
         return run_backward(fuser, plan, ctxs, fctx.needs_input_grad, x_dtype, dy, grad_extra_outputs,
