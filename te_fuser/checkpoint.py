@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import backend as _backend
@@ -33,6 +34,8 @@ from .autocast import STATE_STACK, current_state
 from .quantization.recompute import ACTIVE, Frame
 
 __all__ = ["checkpoint"]
+
+_is_compiling = torch.compiler.is_compiling
 
 
 class _Recording(contextlib.AbstractContextManager):
@@ -96,6 +99,10 @@ def checkpoint(function, *args, use_reentrant: bool = False, distribute_saved_ac
     ``get_rng_state_tracker``, ``tp_group``) are not supported. Other keyword
     arguments go to ``torch.utils.checkpoint.checkpoint``, except ``context_fn``,
     which te_fuser sets."""
+    if _is_compiling():
+        raise RuntimeError("te.checkpoint inside a function that torch.compile traces: checkpoint the compiled "
+                           "function instead (te.checkpoint(torch.compile(block), x)), or leave te.checkpoint out "
+                           "of the compiled region")
     if use_reentrant is not False:
         raise ValueError("te.checkpoint(use_reentrant=True): not supported; the reentrant checkpoint runs the "
                          "recomputation outside autograd's saved-tensor hooks, where the forward's FP8 state cannot "

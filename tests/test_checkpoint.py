@@ -279,3 +279,34 @@ def test_a_checkpointed_block_keeps_less_memory_until_its_backward():
         y.float().sum().backward()
         del y
     assert held[True] < held[False] / 3, held
+
+
+def test_under_torch_compile_a_checkpointed_region_runs_eagerly_or_names_the_way():
+    """torch.compile of a model that calls te.checkpoint: the region breaks the graph
+    and runs eagerly (the gradients of the uncompiled run); with fullgraph=True the
+    error says to checkpoint the compiled function instead, which trains alike."""
+    torch.manual_seed(5)
+    seq = te.ops.Sequential(te.ops.Linear(H, H), te.ops.GELU(), te.ops.Linear(H, H))
+    twins = [copy.deepcopy(seq) for _ in range(2)]
+    x = torch.randn(32, H)
+    recipe = RECIPES["delayed"]
+
+    def step(fn, model):
+        xx = x.clone().requires_grad_()
+        with te.autocast(recipe=recipe):
+            y = fn(xx)
+        y.sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    want = step(seq, seq)
+    torch._dynamo.reset()
+    got = step(torch.compile(lambda t: te.checkpoint(twins[0], t)), twins[0])
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="te.checkpoint inside a function that torch.compile traces"):
+        step(torch.compile(lambda t: te.checkpoint(twins[1], t), fullgraph=True), twins[1])
+    torch._dynamo.reset()
+    for p in twins[1].parameters():
+        p.grad = None
+    got = step(lambda t: te.checkpoint(torch.compile(twins[1]), t), twins[1])
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
