@@ -310,3 +310,26 @@ def test_under_torch_compile_a_checkpointed_region_runs_eagerly_or_names_the_way
         p.grad = None
     got = step(lambda t: te.checkpoint(torch.compile(twins[1]), t), twins[1])
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_torch_checkpoint_on_te_ops_warns_once_and_names_te_checkpoint(monkeypatch):
+    """torch.utils.checkpoint (or any saved-tensor hook) on te ops directly: the
+    gradients are right, and one warning per process says the hooks do not see the
+    ops' saved tensors and to call te.checkpoint; te.checkpoint itself warns nothing."""
+    from te_fuser.ops import fuser as fuser_module
+
+    monkeypatch.setattr(fuser_module, "_HOOKS_WARNED", [])
+    seq = te.ops.Sequential(te.ops.Linear(H, H), te.ops.GELU())
+    x = torch.randn(8, H, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"outside te.checkpoint.*call te.checkpoint\(function, \*args\)"):
+        torch.utils.checkpoint.checkpoint(seq, x, use_reentrant=False).sum().backward()
+    want = x.grad.clone()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.utils.checkpoint.checkpoint(seq, x, use_reentrant=False)  # once a process
+        monkeypatch.setattr(fuser_module, "_HOOKS_WARNED", [])
+        x.grad = None
+        te.checkpoint(seq, x).sum().backward()
+    assert torch.equal(x.grad, want)

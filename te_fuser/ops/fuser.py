@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -876,6 +877,22 @@ def keep_graph() -> bool:
     return True if keep is None else keep()
 
 
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) in force, or None
+_HOOKS_WARNED: list = []
+
+
+def _warn_hooks_unseen() -> None:
+    """Once a process: a fuser ran under autograd's saved-tensor hooks outside
+    te.checkpoint, where its ops keep their saved state on the node."""
+    _HOOKS_WARNED.append(True)
+    warnings.warn(
+        "te_fuser: a fused group ran under autograd's saved-tensor hooks (torch.utils.checkpoint, "
+        "torch.autograd.graph.save_on_cpu, ...) outside te.checkpoint: its ops keep what they saved on the autograd "
+        "node, out of the hooks' reach, so nothing of theirs is dropped or moved, and torch.utils.checkpoint's "
+        "recomputation of them runs under the te.autocast state of the backward and is thrown away. "
+        "For activation checkpointing of te ops call te.checkpoint(function, *args)", stacklevel=2)
+
+
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, fuser_and_plan, *tensors):
@@ -887,6 +904,8 @@ class _FuserFunction(torch.autograd.Function):
         if _CHECKPOINT_FRAMES[0] is None and _CHECKPOINT_FRAMES[1] is None:
             stowed = False
             fctx.save_for_backward(_GRAPH_TOKEN)  # autograd frees it with the graph: a second backward then raises
+            if _saved_tensor_hooks(False) is not None and not _HOOKS_WARNED:
+                _warn_hooks_unseen()
         else:  # inside te.checkpoint: autograd's saved-tensor hooks see (drop, then rebuild) every saved tensor
             stowed = True
             fctx.save_for_backward(_GRAPH_TOKEN, *stow_saved(ctxs))
