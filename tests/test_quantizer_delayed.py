@@ -105,6 +105,24 @@ def test_seed_from_first_tensor():
     assert_bitwise(quantizer.scale, torch.tensor(0.4375), "scale")
 
 
+@pytest.mark.parametrize("peak", [1.005859375, 3.0e38, -2.5, float("inf")])
+def test_a_seed_through_bf16_is_the_seed_of_the_rounded_tensor(peak):
+    """A fresh quantizer's first column-sums cast that reads fp32 as bf16
+    (``round_bf16``) seeds from the amax of the rounded tensor without rounding a copy
+    (the fp32 amax rounded to bf16): the scale, history and FP8 bytes of seeding on
+    ``x.to(bfloat16)`` itself, for a peak that bf16 rounds up (1.005859375 to
+    1.0078125), one it rounds to inf, a negative one and an inf."""
+    x = -2.3 + 0.5 * torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    x[5, 7] = peak
+    through, rounded = (DelayedScalingQuantizer(E4M3, amax_history_len=4) for _ in range(2))
+    *got, _ = through._quantize_with_column_sums(x, True, True, True)  # (row-wise, column-wise, sums)
+    *want, _ = rounded._quantize_with_column_sums(x.to(torch.bfloat16), True, True, False)
+    for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count"):
+        assert_bitwise(getattr(through, name), getattr(rounded, name), f"peak {peak}: {name}")
+    for a, b in zip(got, want):
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), f"peak {peak}"
+
+
 def test_max_algo_over_a_window():
     amaxes = [2.0, 5.0, 0.0, 3.0, 1.0, 0.5, 0.25]
     quantizer = DelayedScalingQuantizer(E4M3, margin=0, amax_history_len=3)

@@ -239,8 +239,7 @@ class DelayedScalingQuantizer(Quantizer):
                     tensor_scaled(x_fp8_t, scale_inv) if columnwise else None, sums)
         seeded = self.seeded
         if not seeded:  # the first scale from the amax of what is cast
-            self._seed(x_hp.to(torch.bfloat16) if round_bf16 else x_hp,
-                       backend.resolve("quantize_tensorwise", device).fn)
+            self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16)
         if frames[0] is not None:  # a checkpointed region's forward: its recomputation casts alike
             frames[0].note(self, self._scale, self._scale_inv, seeded)
         cast = self._caster(kernel, device, _generic_tensorwise)
@@ -366,8 +365,11 @@ class DelayedScalingQuantizer(Quantizer):
         self.seeded = True
         self._record(amax)
 
-    def _seed(self, x_hp: torch.Tensor, cast: Callable) -> None:
-        """First scale of a fresh quantizer, from the amax of ``x_hp`` itself.
+    def _seed(self, x_hp: torch.Tensor, cast: Callable, round_bf16: bool = False) -> None:
+        """First scale of a fresh quantizer, from the amax of ``x_hp`` itself
+        (``round_bf16``: of ``x_hp.to(bfloat16)``, which the cast then reads; that amax
+        is the bf16 rounding of ``x_hp``'s, rounding being monotone and symmetric, so
+        no rounded copy is made).
 
         An inf or NaN amax cannot seed: the scale stays 1. The quantizer is marked
         seeded all the same, since telling the two apart would read the device (a
@@ -375,6 +377,8 @@ class DelayedScalingQuantizer(Quantizer):
         once, and the next finite tensor (cast with scale 1) sets the scale."""
         amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
         cast(x_hp, self._scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
+        if round_bf16:
+            amax = amax.to(torch.bfloat16).float()
         self._seed_from_amax(amax)
 
     def _seed_from_amax(self, amax: torch.Tensor) -> None:
