@@ -333,3 +333,32 @@ def test_torch_checkpoint_on_te_ops_warns_once_and_names_te_checkpoint(monkeypat
         x.grad = None
         te.checkpoint(seq, x).sum().backward()
     assert torch.equal(x.grad, want)
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_gradient_accumulation_with_kept_weight_casts_trains_alike_checkpointed(name):
+    """Three micro-batches a step inside te.reuse_quantized_weights() (the weights
+    cast once a step and reused), each through te.checkpoint: the recomputations
+    reuse the kept casts as their forwards did; three steps of AdamW give the
+    weights of the run that keeps its activations, bit for bit."""
+    torch.manual_seed(6)
+    seq = te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H)).to(DEVICE)
+    twin = copy.deepcopy(seq)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (seq, twin)]
+    gen = torch.Generator().manual_seed(7)
+    recipe = RECIPES[name]
+    for _ in range(3):
+        micro = [torch.randn(32, H, generator=gen).to(DEVICE) for _ in range(3)]
+        for model, opt, checkpointed in ((seq, opts[0], False), (twin, opts[1], True)):
+            with te.reuse_quantized_weights():
+                for x in micro:
+                    x = x.clone().requires_grad_()
+                    with torch.autocast(DEVICE, dtype=torch.bfloat16), te.autocast(recipe=recipe):
+                        y = te.checkpoint(model, x) if checkpointed else model(x)
+                    y.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for p, q in zip(seq.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    for a, b in zip(_delayed_state(seq), _delayed_state(twin), strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
