@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dist_testing import device, device_type, gathered, init, spawned
 
 WORLD = 2
-CASES = ("default", "no_reduction", "given_group", "initialized_late")
+CASES = ("default", "no_reduction", "given_group", "checkpointed", "initialized_late")
 
 
 def _model():
@@ -34,6 +34,19 @@ def _model():
     torch.manual_seed(0)
     return te.ops.Sequential(te.ops.LayerNorm(32), te.ops.Linear(32, 64), te.ops.GELU(),
                              te.ops.Linear(64, 32)).to(device())
+
+
+class _Checkpointed(torch.nn.Module):
+    """``inner`` run under te.checkpoint (its activations recomputed in the backward)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        import te_fuser as te
+
+        return te.checkpoint(self.inner, x)
 
 
 def _scaling_state(model) -> torch.Tensor:
@@ -51,7 +64,7 @@ def _train(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]
     import te_fuser as te
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _model()
+    model = _model() if case != "checkpointed" else _Checkpointed(_model())
     recipe = te.recipe.DelayedScaling(amax_history_len=4, reduce_amax=case != "no_reduction")
     group = dist.new_group(list(range(WORLD))) if case == "given_group" else None
     data = torch.randn(4, WORLD, 16, 32, generator=torch.Generator().manual_seed(7))
@@ -120,12 +133,16 @@ def _late(rank: int, store_file: str) -> tuple[torch.Tensor, torch.Tensor]:
 def _worker(rank: int, folder: str, results) -> None:
     init(rank, WORLD, folder)
     try:
+        trained = {}
         for case in CASES[:-1]:
-            state, weights, calls = _train(rank, case)
+            state, weights, calls = trained[case] = _train(rank, case)
             states, all_weights = gathered(state), gathered(weights)
             if rank == 0:
                 results[case] = (torch.equal(*states), torch.equal(*all_weights))
                 results[f"{case} collectives"] = calls
+        if rank == 0:
+            results["checkpointed as default"] = tuple(torch.equal(a, b) for a, b in
+                                                       zip(trained["checkpointed"][:2], trained["default"][:2]))
         message = _mismatch(rank)
         if rank == 0:
             results["mismatch"] = message
@@ -164,6 +181,15 @@ def test_the_amaxes_of_a_step_reduce_in_two_collectives(results):
     assert first >= 2
     assert results["given_group collectives"][1:] == [2, 2, 2]
     assert results["no_reduction collectives"] == [0, 0, 0, 0]
+
+
+def test_ddp_over_a_checkpointed_model_trains_as_without_and_reduces_alike(results):
+    """DDP over a model whose Sequential runs under te.checkpoint: the ranks agree, the
+    scaling state and weights are the default run's bit for bit, and the amaxes go in
+    the same collectives (a recomputation records none)."""
+    assert results["checkpointed"] == (True, True)
+    assert results["checkpointed as default"] == (True, True)
+    assert results["checkpointed collectives"] == results["default collectives"]
 
 
 def test_ranks_under_different_recipes_stop_with_an_error_naming_them(results):
