@@ -274,15 +274,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.phases = parse_schedule(args.schedule, args.steps)
     except ValueError as err:
         parser.error(str(err))
-    if args.profile_switch is not None and args.profile_switch not in {p.name for p in args.phases}:
-        parser.error(f"--profile-switch: {args.profile_switch!r} is not a phase of the schedule "
-                     f"({', '.join(dict.fromkeys(p.name for p in args.phases))})")
+    names = dict.fromkeys(p.name for p in args.phases)
+    for flag, phase in (("--profile-switch", args.profile_switch), ("--profile-phase", args.profile_phase)):
+        if phase is not None and phase not in names:
+            parser.error(f"{flag}: {phase!r} is not a phase of the schedule ({', '.join(names)})")
     if args.checkpoint and args.graphed:
         parser.error("--checkpoint with --graphed: a captured step does not recompute checkpointed blocks; "
                      "choose one")
-    if args.profile_phase is not None and args.profile_phase not in {p.name for p in args.phases}:
-        parser.error(f"--profile-phase: {args.profile_phase!r} is not a phase of the schedule "
-                     f"({', '.join(dict.fromkeys(p.name for p in args.phases))})")
     _check_attention_phases(parser, args)
     _check_windows_fit(parser, args)
     if args.graphed and args.device.type != "cuda":

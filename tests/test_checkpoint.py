@@ -76,22 +76,29 @@ def _train(model, schedule, seed=0):
     return torch.stack(losses)
 
 
+def _assert_trains_as_kept(model_class, schedule, seed: int):
+    """A ``model_class(checkpointed=False)`` and its copy run checkpointed, trained
+    through ``schedule``: the same losses, parameters and delayed-scaling state, bit
+    for bit; returns the two models."""
+    torch.manual_seed(seed)
+    kept = model_class(False).to(DEVICE)
+    recomputed = copy.deepcopy(kept)
+    recomputed.checkpointed = True
+    assert torch.equal(_train(kept, schedule), _train(recomputed, schedule))
+    for p, q in zip(kept.parameters(), recomputed.parameters()):
+        assert torch.equal(p, q)
+    for a, b in zip(_delayed_state(kept), _delayed_state(recomputed), strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    return kept, recomputed
+
+
 @pytest.mark.parametrize("name", ["none", "delayed", "current", "mxfp8", "block", "rowwise"])
 def test_a_checkpointed_region_trains_as_the_same_region_kept(name):
     """Four steps of AdamW on a residual MLP block (the fusers' extra inputs too):
     the losses, the parameters and every delayed-scaling history, scale and count
     are those of the run that keeps the activations, bit for bit; no re-fusion is
     added."""
-    torch.manual_seed(0)
-    kept = _Model(False).to(DEVICE)
-    recomputed = copy.deepcopy(kept)
-    recomputed.checkpointed = True
-    schedule = [(RECIPES[name], 4)]
-    assert torch.equal(_train(kept, schedule), _train(recomputed, schedule))
-    for p, q in zip(kept.parameters(), recomputed.parameters()):
-        assert torch.equal(p, q)
-    for a, b in zip(_delayed_state(kept), _delayed_state(recomputed), strict=True):
-        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    kept, recomputed = _assert_trains_as_kept(_Model, [(RECIPES[name], 4)], seed=0)
     assert te.fusion_stats(recomputed).total.builds == te.fusion_stats(kept).total.builds
 
 
@@ -100,15 +107,9 @@ def test_switching_recipes_with_a_checkpointed_region_is_bit_identical():
     checkpointed throughout: every loss and the final delayed-scaling state are the
     kept run's (delayed scaling entered twice: seeded in a recorded forward once,
     then continued)."""
-    torch.manual_seed(1)
-    kept = _Model(False).to(DEVICE)
-    recomputed = copy.deepcopy(kept)
-    recomputed.checkpointed = True
     schedule = [(None, 2), (RECIPES["delayed"], 3), (RECIPES["current"], 2), (RECIPES["block"], 2),
                 (RECIPES["delayed"], 2), (None, 1)]
-    assert torch.equal(_train(kept, schedule), _train(recomputed, schedule))
-    for a, b in zip(_delayed_state(kept), _delayed_state(recomputed), strict=True):
-        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    _assert_trains_as_kept(_Model, schedule, seed=1)
 
 
 def test_the_gpt_trains_alike_with_every_block_checkpointed():
@@ -227,16 +228,7 @@ def test_nested_checkpointed_regions_train_alike(name):
     """Regions inside a checkpointed region: recomputing the outer one runs the inner
     ones' forwards again (their scales noted afresh for their own recomputation);
     losses, parameters and delayed-scaling state as without any checkpoint."""
-    torch.manual_seed(4)
-    kept = _Nested(False).to(DEVICE)
-    recomputed = copy.deepcopy(kept)
-    recomputed.checkpointed = True
-    schedule = [(RECIPES[name], 3)]
-    assert torch.equal(_train(kept, schedule), _train(recomputed, schedule))
-    for p, q in zip(kept.parameters(), recomputed.parameters()):
-        assert torch.equal(p, q)
-    for a, b in zip(_delayed_state(kept), _delayed_state(recomputed), strict=True):
-        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    _assert_trains_as_kept(_Nested, [(RECIPES[name], 3)], seed=4)
 
 
 def test_retain_graph_backs_a_checkpointed_region_twice():

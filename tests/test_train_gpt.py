@@ -87,6 +87,16 @@ def _run(argv):
         return train_gpt.main(argv), stdout.getvalue()
 
 
+def _same_losses_with(argv, flags):
+    """``(plain report, report, stdout)`` of ``argv`` run without and with ``flags``,
+    every te and torch arm's losses checked to be the same bits."""
+    plain, _ = _run(argv)
+    report, stdout = _run(argv + flags)
+    for arm in ("te", "torch"):
+        assert report["arms"][arm]["losses"] == plain["arms"][arm]["losses"], arm
+    return plain, report, stdout
+
+
 @pytest.fixture(scope="module")
 def fp8_params_run(tmp_path_factory):
     """The te arm of ``smoke_run`` again, its linear weights FP8 parameters."""
@@ -355,12 +365,10 @@ def test_checkpointed_blocks_train_the_same_bits():
     bit through a switch into and out of delayed scaling; the report says so."""
     argv = ["--size", "smoke", "--schedule", "bf16:2,delayed:2,current:2,bf16:1", "--arms", "te,torch",
             "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100"]
-    kept, _ = _run(argv)
-    recomputed, _ = _run(argv + ["--checkpoint"])
+    kept, recomputed, _ = _same_losses_with(argv, ["--checkpoint"])
     assert kept["config"]["checkpoint"] is False and recomputed["config"]["checkpoint"] is True
     for arm in ("te", "torch"):
         assert len(recomputed["arms"][arm]["losses"]) == 7
-        assert recomputed["arms"][arm]["losses"] == kept["arms"][arm]["losses"], arm
     assert recomputed["arms"]["te"]["evals"] == kept["arms"]["te"]["evals"]
 
 
@@ -371,10 +379,8 @@ def test_a_profiled_phase_trains_the_same_bits_and_records_each_arms_kernels():
     table (CPU ops here). A phase too short to profile says so."""
     argv = ["--size", "smoke", "--schedule", "bf16:4,delayed:6,bf16:4", "--arms", "te,torch", "--corpus-bytes",
             "300000", "--eval-batches", "2", "--log-every", "4"]
-    plain, _ = _run(argv)
-    report, stdout = _run(argv + ["--profile-phase", "delayed"])
+    _, report, stdout = _same_losses_with(argv, ["--profile-phase", "delayed"])
     for arm in ("te", "torch"):
-        assert report["arms"][arm]["losses"] == plain["arms"][arm]["losses"], arm
         profiles = [p.get("profile") for p in report["arms"][arm]["phases"]]
         assert profiles[0] is None and profiles[2] is None, arm
         table = profiles[1]
@@ -392,10 +398,7 @@ def test_a_profiled_switch_trains_the_same_bits_and_records_the_hosts_functions(
     time (the re-fusion's among them); the other phases and arms hold none."""
     argv = ["--size", "smoke", "--schedule", "bf16:2,delayed:2,current:2", "--arms", "te,torch", "--corpus-bytes",
             "300000", "--eval-batches", "1", "--log-every", "100"]
-    plain, _ = _run(argv)
-    report, stdout = _run(argv + ["--profile-switch", "current"])
-    for arm in ("te", "torch"):
-        assert report["arms"][arm]["losses"] == plain["arms"][arm]["losses"], arm
+    _, report, stdout = _same_losses_with(argv, ["--profile-switch", "current"])
     switch = [p.get("switch_profile") for p in report["arms"]["te"]["phases"]]
     assert switch[0] is None and switch[1] is None
     assert switch[2]["ms_own_total"] > 0 and len(switch[2]["top"]) == 25
