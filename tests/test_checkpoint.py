@@ -354,3 +354,48 @@ def test_gradient_accumulation_with_kept_weight_casts_trains_alike_checkpointed(
         assert torch.equal(p, q)
     for a, b in zip(_delayed_state(seq), _delayed_state(twin), strict=True):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_a_checkpointed_model_resumes_from_its_state_dict_with_an_evaluation_between():
+    """Delayed scaling, the region checkpointed: two steps, an evaluation pass without
+    FP8, a state_dict saved (model and AdamW) and loaded into a fresh model, two more
+    steps; the losses, weights and scaling state are those of one uninterrupted run
+    that keeps its activations, bit for bit (a recomputation records nothing that a
+    checkpoint would carry)."""
+    recipe = RECIPES["delayed"]
+    torch.manual_seed(8)
+    kept = _Model(False).to(DEVICE)
+    first = copy.deepcopy(kept)
+    first.checkpointed = True
+    want = _train(kept, [(recipe, 4)], seed=9)
+    opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(9)
+
+    def steps(model, opt, n):
+        losses = []
+        for _ in range(n):
+            x = torch.randn(64, H, generator=gen).to(DEVICE).requires_grad_()
+            with torch.autocast(DEVICE, dtype=torch.bfloat16), te.autocast(recipe=recipe):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        return losses
+
+    losses = steps(first, opt, 2)
+    with torch.no_grad():  # validation outside te.autocast: high precision, no scaling state touched
+        first.eval()
+        first(torch.randn(64, H, device=DEVICE))
+        first.train()
+    saved = copy.deepcopy((first.state_dict(), opt.state_dict()))
+    resumed = _Model(True).to(DEVICE)
+    resumed.load_state_dict(saved[0])
+    opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    opt.load_state_dict(saved[1])
+    losses += steps(resumed, opt, 2)
+    assert torch.equal(torch.stack(losses), want)
+    for p, q in zip(kept.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    for a, b in zip(_delayed_state(kept), _delayed_state(resumed), strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
