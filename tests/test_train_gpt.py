@@ -315,12 +315,16 @@ def test_the_determinism_check_finds_two_runs_identical(capsys):
     assert "eager 2  identical to eager 1" in capsys.readouterr().out
 
 
-def test_the_compiled_arm_is_the_twin_with_its_blocks_compiled(monkeypatch):
+@pytest.mark.parametrize("flags", [[], ["--checkpoint"]], ids=["kept", "checkpointed"])
+def test_the_compiled_arm_is_the_twin_with_its_blocks_compiled(monkeypatch, flags):
     """``--arms compiled``: the plain-torch twin with each block through
     ``torch.compile`` trains from the same weights on the same batches to the
     twin's losses; it is in the default arms on a GPU only. On the CPU the blocks
     compile with the ``aot_eager`` backend (the arm's wiring and autograd through
-    dynamo, without a C++ compile per test); a GPU run uses inductor."""
+    dynamo, without a C++ compile per test); a GPU run uses inductor. With
+    ``--checkpoint`` the recomputation is inside each compiled block (a compiled
+    block under an eager checkpoint recomputes a graph whose saved tensors need
+    not match the forward's, and torch rejects it)."""
     compile_, compiled_blocks = torch.compile, []
 
     def aot_eager(module, **kwargs):
@@ -329,7 +333,7 @@ def test_the_compiled_arm_is_the_twin_with_its_blocks_compiled(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", aot_eager)
     argv = ["--size", "smoke", "--device", "cpu", "--schedule", "bf16:3", "--arms", "torch,compiled",
-            "--corpus-bytes", "300000", "--eval-batches", "1"]
+            "--corpus-bytes", "300000", "--eval-batches", "1", *flags]
     with contextlib.redirect_stdout(io.StringIO()):
         report = train_gpt.main(argv)
     assert compiled_blocks == ["TorchBlock"] * train_gpt.SIZES["smoke"].config.n_layer, compiled_blocks

@@ -300,11 +300,16 @@ class GPT(nn.Module):
 
 
 class TorchBlock(nn.Module):
-    """:class:`Block` in plain torch, module for module."""
+    """:class:`Block` in plain torch, module for module. With ``config.checkpoint``
+    it recomputes itself in the backward (``torch.utils.checkpoint`` inside its own
+    forward, so that a ``torch.compile``d block traces the checkpoint and recomputes
+    its own graph: an eager checkpoint around a compiled block recomputes a graph
+    whose saved tensors need not match the forward's, which torch rejects)."""
 
     def __init__(self, config: GPTConfig, device) -> None:
         super().__init__()
         d = config.d_model
+        self.checkpoint = config.checkpoint
         self.attn = nn.Sequential(
             nn.LayerNorm(d, device=device),
             nn.Linear(d, 3 * d, device=device),
@@ -319,6 +324,11 @@ class TorchBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, d)
+        if self.checkpoint and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._layers, x, use_reentrant=False)
+        return self._layers(x)
+
+    def _layers(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x)
         return x + self.mlp(x)
 
@@ -339,9 +349,8 @@ class TorchGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)  # (B, T, d)
-        recompute = self.config.checkpoint and self.training and torch.is_grad_enabled()
-        for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        for block in self.blocks:  # each recomputes itself under config.checkpoint
+            x = block(x)
         return self.head(x)  # (B, T, V)
 
 
