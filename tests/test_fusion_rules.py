@@ -181,6 +181,8 @@ EXAMPLES: dict[str, RuleExamples] = {
                              partial(te.ops.Linear, F, H)))), on_triton=True),
     "backward_linear_add": RuleExamples(
         (Example(_sequential(te.ops.MakeExtraOutput, partial(te.ops.BasicLinear, H, F))),)),
+    "backward_rotary_dpa": RuleExamples((Example(partial(_attention_model, "rope", "")),
+                                         Example(partial(_attention_model, "rope", "linear_bias")))),
     "backward_add_rmsnorm": RuleExamples(
         (Example(_sequential(te.ops.MakeExtraOutput, partial(te.ops.RMSNorm, H))),)),
 }

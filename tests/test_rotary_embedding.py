@@ -76,13 +76,15 @@ def test_bad_arguments_and_shapes_name_the_op_and_the_constraint():
 @pytest.mark.parametrize("backend,recipe_name", [("reference", "none"), ("reference", "current"),
                                                  ("reference", "delayed"), ("reference", "current_mha"),
                                                  ("triton", "current")])
-def test_the_qkv_projection_rotates_in_place_with_the_copys_bits(recipe_name, backend):
+def test_the_rotations_in_place_give_the_copys_bits(recipe_name, backend):
     """Linear(+bias) -> RotaryEmbedding fused (``forward_linear_bias_rotary``: the
-    rotation written back into the GEMM's output) against the same attention
-    sub-layer with that rule left out (the rotation's copy): outputs and every
-    gradient bit for bit, two training steps (delayed scaling's second included).
-    On the Triton backend (the interpreter on a CPU) without the attention, which
-    the interpreter takes long to run."""
+    rotation written back into the GEMM's output) and RotaryEmbedding ->
+    DotProductAttention's backward (``backward_rotary_dpa``: the inverse rotation
+    written back into attention's dqkv), against the same attention sub-layer with
+    those rules left out (the rotation's copies): outputs and every gradient bit for
+    bit, two training steps (delayed scaling's second included). On the Triton
+    backend (the interpreter on a CPU) without the attention, which the interpreter
+    takes long to run."""
     import copy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,15 +98,16 @@ def test_the_qkv_projection_rotates_in_place_with_the_copys_bits(recipe_name, ba
     twin = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(4)
     recipe = RECIPES[recipe_name]
+    rules = ["forward_linear_bias_rotary"] + (["backward_rotary_dpa"] if backend == "reference" else [])
     for _ in range(2):
         x = representable(B, 32, hidden, generator=gen, dtype=torch.bfloat16, scale_exp=-3).to(device)
         dy = representable(B, 32, hidden, generator=gen, dtype=torch.bfloat16).to(device)
         with te.autocast(enabled=False, backend=backend):
             out_fused, g_fused = run(model, x, recipe=recipe, dy=dy)
-            with te.ops.without_fusion_rules("forward_linear_bias_rotary"):
+            with te.ops.without_fusion_rules(*rules):
                 out_copy, g_copy = run(twin, x, recipe=recipe, dy=dy)
-    assert "forward_linear_bias_rotary" in model.fusion_plan().rules()
-    assert "forward_linear_bias_rotary" not in twin.fusion_plan().rules()
+    for rule in rules:
+        assert rule in model.fusion_plan().rules() and rule not in twin.fusion_plan().rules(), rule
     assert torch.equal(out_fused[0], out_copy[0])
     for name in g_copy:
         assert torch.equal(g_fused[name], g_copy[name]), name

@@ -115,15 +115,14 @@ class RotaryEmbedding(BasicOperation):
     def op_forward(self, ctx, x, extra_inputs):
         return self._rotate(x, ctx.run.compute_dtype, inverse=False), []
 
-    def rotate_fresh(self, ctx, y: torch.Tensor) -> torch.Tensor:
-        """The forward of ``y``, a tensor no one else holds (a GEMM's output just made):
-        its q and k heads rotated where they are when ``y`` is contiguous and of the
-        compute dtype (the v heads neither read nor copied), else :meth:`op_forward`'s
-        copy. The same bits either way."""
-        dtype = ctx.run.compute_dtype
-        if y.dtype is not dtype or not y.is_contiguous():
-            return self._rotate(y, dtype, inverse=False)
-        return self._rotate(y, dtype, inverse=False, in_place=True)
+    def rotate_fresh(self, ctx, y: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """The forward (``inverse``: the backward) of ``y``, a tensor no one else holds
+        (a GEMM's output, attention's input gradient, just made): its q and k heads
+        rotated where they are when ``y`` is contiguous and of the result's dtype (the
+        v heads neither read nor copied), else the copy :meth:`op_forward` and
+        :meth:`op_backward` make. The same bits either way."""
+        dtype = y.dtype if inverse else ctx.run.compute_dtype
+        return self._rotate(y, dtype, inverse, in_place=y.dtype is dtype and y.is_contiguous())
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         return self._rotate(dy, dy.dtype, inverse=True), [], []

@@ -19,6 +19,7 @@ from .backward_linear_add import BackwardLinearAdd
 from .backward_linear_bias import BackwardLinearBias
 from .backward_linear_bias_activation import BackwardLinearBiasActivation
 from .backward_linear_scale import BackwardLinearScale
+from .backward_rotary_dpa import BackwardRotaryDPA
 from .forward_dpa_linear import ForwardDPALinear
 from .forward_linear_bias_activation import ForwardLinearBiasActivation
 from .forward_linear_bias_add import ForwardLinearBiasAdd
@@ -40,6 +41,7 @@ __all__ = [
     "BackwardLinearBias",
     "BackwardLinearAdd",
     "BackwardLinearScale",
+    "BackwardRotaryDPA",
     "BackwardAddRMSNorm",
     "DEFAULT_RULES",
 ]
@@ -200,6 +202,7 @@ DEFAULT_RULES = _hand_off_rules() + _attention_rules() + (
     FusionRule("backward_activation_bias", "backward", ((Bias,), (Activation,)), BackwardActivationBias),
     FusionRule("backward_linear_add", "backward", ((MakeExtraOutput,), (BasicLinear,)), BackwardLinearAdd),
     FusionRule("backward_add_rmsnorm", "backward", ((MakeExtraOutput,), (RMSNorm,)), BackwardAddRMSNorm),
+    FusionRule("backward_rotary_dpa", "backward", ((RotaryEmbedding,), (DotProductAttention,)), BackwardRotaryDPA),
 )
 
 for _rule in DEFAULT_RULES:
