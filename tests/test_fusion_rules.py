@@ -154,6 +154,12 @@ EXAMPLES: dict[str, RuleExamples] = {
          Example(_sequential(partial(te.ops.Linear, H, F, bias=False), partial(te.ops.AddExtraInput, in_place=True)),
                  extra_inputs=1))),
     "forward_linear_bias": RuleExamples((Example(_sequential(partial(te.ops.Linear, H, F))),)),
+    "forward_linear_bias_rotary": RuleExamples(
+        (Example(_sequential(partial(te.ops.Linear, H, _QKV_WIDTH), partial(te.ops.RotaryEmbedding, 2, 32, 1))),
+         Example(partial(_attention_model, "rope", "linear_bias"))), on_triton=True),
+    "forward_linear_rotary": RuleExamples(
+        (Example(_sequential(partial(te.ops.Linear, H, _QKV_WIDTH, bias=False),
+                             partial(te.ops.RotaryEmbedding, 2, 32, 1))),), on_triton=True),
     "forward_linear_scale_add": RuleExamples(
         (Example(_sequential(partial(te.ops.Linear, H, F, bias=False), partial(te.ops.ConstantScale, -0.37),
                              te.ops.AddExtraInput), extra_inputs=1),
@@ -175,6 +181,8 @@ EXAMPLES: dict[str, RuleExamples] = {
                              partial(te.ops.Linear, F, H)))), on_triton=True),
     "backward_linear_add": RuleExamples(
         (Example(_sequential(te.ops.MakeExtraOutput, partial(te.ops.BasicLinear, H, F))),)),
+    "backward_rotary_dpa": RuleExamples((Example(partial(_attention_model, "rope", "")),
+                                         Example(partial(_attention_model, "rope", "linear_bias")))),
     "backward_add_rmsnorm": RuleExamples(
         (Example(_sequential(te.ops.MakeExtraOutput, partial(te.ops.RMSNorm, H))),)),
 }

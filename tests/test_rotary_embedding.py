@@ -71,3 +71,43 @@ def test_bad_arguments_and_shapes_name_the_op_and_the_constraint():
         op.position_offset = -1
     with pytest.raises(ValueError, match=r"RotaryEmbedding: input's last dim is 320; .* = 384 wide"):
         op(torch.zeros(2, 3, 320))
+
+
+@pytest.mark.parametrize("backend,recipe_name", [("reference", "none"), ("reference", "current"),
+                                                 ("reference", "delayed"), ("reference", "current_mha"),
+                                                 ("triton", "current")])
+def test_the_rotations_in_place_give_the_copys_bits(recipe_name, backend):
+    """Linear(+bias) -> RotaryEmbedding fused (``forward_linear_bias_rotary``: the
+    rotation written back into the GEMM's output) and RotaryEmbedding ->
+    DotProductAttention's backward (``backward_rotary_dpa``: the inverse rotation
+    written back into attention's dqkv), against the same attention sub-layer with
+    those rules left out (the rotation's copies): outputs and every gradient bit for
+    bit, two training steps (delayed scaling's second included). On the Triton
+    backend (the interpreter on a CPU) without the attention, which the interpreter
+    takes long to run."""
+    import copy
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(3)
+    hidden = 64
+    core = [te.ops.DotProductAttention(H, D, HKV, causal=True), te.ops.Linear(H * D, hidden)] \
+        if backend == "reference" else [te.ops.Linear(W, hidden)]
+    model = te.ops.Sequential(te.ops.LayerNorm(hidden), te.ops.Linear(hidden, W), te.ops.RotaryEmbedding(H, D, HKV),
+                              *core)
+    model = model.to(device, torch.bfloat16)
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(4)
+    recipe = RECIPES[recipe_name]
+    rules = ["forward_linear_bias_rotary"] + (["backward_rotary_dpa"] if backend == "reference" else [])
+    for _ in range(2):
+        x = representable(B, 32, hidden, generator=gen, dtype=torch.bfloat16, scale_exp=-3).to(device)
+        dy = representable(B, 32, hidden, generator=gen, dtype=torch.bfloat16).to(device)
+        with te.autocast(enabled=False, backend=backend):
+            out_fused, g_fused = run(model, x, recipe=recipe, dy=dy)
+            with te.ops.without_fusion_rules(*rules):
+                out_copy, g_copy = run(twin, x, recipe=recipe, dy=dy)
+    for rule in rules:
+        assert rule in model.fusion_plan().rules() and rule not in twin.fusion_plan().rules(), rule
+    assert torch.equal(out_fused[0], out_copy[0])
+    for name in g_copy:
+        assert torch.equal(g_fused[name], g_copy[name]), name

@@ -73,6 +73,37 @@ def test_triton_equals_the_reference_bit_for_bit(B, T, heads, rotated, D, dtype,
     assert_bitwise(got, want, f"rotary {B, T, heads, rotated, D} {dtype}->{out_dtype} inverse={inverse}")
 
 
+@pytest.mark.parametrize("B,T,heads,rotated,D", [(1, 67, 5, 3, 64), (2, 9, 6, 4, 16), (1, 33, 48, 32, 128),
+                                                  (2, 5, 4, 0, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_in_place_writes_the_copys_bits_into_x_and_leaves_the_other_heads(B, T, heads, rotated, D, dtype, inverse):
+    """``in_place=True``: x itself comes back holding the out-of-place result's bits,
+    on every backend; the value heads are never written (a sentinel NaN pattern in
+    them survives)."""
+    x = inputs(B, T, heads, D, dtype, seed=T + 1)
+    cos, sin = tables(T, D)
+    want = rotary_reference(x, cos, sin, rotated, inverse, dtype)
+    for name, fn in (("reference", rotary_reference), ("triton", triton_rotary)):
+        y = x.clone()
+        y[:, :, rotated:] = float("nan")  # read by no one in place: must stay
+        got = fn(y, cos, sin, rotated, inverse, dtype, in_place=True)
+        context = f"{name} in place {B, T, heads, rotated, D} {dtype} inverse={inverse}"
+        assert got is y, context
+        assert_bitwise(got[:, :, :rotated], want[:, :, :rotated], context)
+        assert torch.isnan(got[:, :, rotated:]).all(), context
+
+
+def test_in_place_needs_x_contiguous_and_of_the_output_dtype():
+    x = torch.zeros(1, 3, 2, 8)
+    cos = sin = torch.zeros(3, 8)
+    for fn in (rotary_reference, triton_rotary):
+        with pytest.raises(ValueError, match=r"rotary\(in_place=True\): x must be contiguous and of out_dtype"):
+            fn(x, cos, sin, 1, False, torch.bfloat16, in_place=True)
+        with pytest.raises(ValueError, match="not contiguous"):
+            fn(torch.zeros(1, 2, 3, 8).transpose(1, 2), cos, sin, 1, False, torch.float32, in_place=True)
+
+
 def test_inverse_undoes_the_rotation():
     x = inputs(1, 40, 6, 64, torch.float32)
     cos, sin = tables(40, 64)

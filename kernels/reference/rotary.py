@@ -8,7 +8,10 @@ repeat the same angles (``te_fuser.ops.RotaryEmbedding`` builds them),
 for the first ``rotated_heads`` heads (the query and key heads of a fused QKV
 tensor), the other heads (the value heads) copied; ``inverse`` rotates by the
 opposite angle (the backward). Each product and the sum round in fp32 (float64
-for float64 input), the result rounds once to ``out_dtype``.
+for float64 input), the result rounds once to ``out_dtype``. ``in_place``: the
+rotated heads are written back into ``x`` (contiguous, already ``out_dtype``),
+which is returned; the other heads are neither read nor written (the same bits
+as the copy).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ __all__ = ["rotary_reference", "check_rotary"]
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def check_rotary(x, cos, sin, rotated_heads, inverse, out_dtype) -> None:
+def check_rotary(x, cos, sin, rotated_heads, inverse, out_dtype, in_place: bool = False) -> None:
     """The checks every backend runs before a rotary launch (``ValueError`` naming the argument)."""
     for name, t in (("x", x), ("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor):
@@ -40,16 +43,22 @@ def check_rotary(x, cos, sin, rotated_heads, inverse, out_dtype) -> None:
         raise ValueError(f"rotary: inverse must be a bool, got {inverse!r}")
     if out_dtype not in _FLOATS:
         raise ValueError(f"rotary: out_dtype must be one of {[str(d) for d in _FLOATS]}, got {out_dtype}")
+    if in_place and (out_dtype != x.dtype or not x.is_contiguous()):
+        raise ValueError(f"rotary(in_place=True): x must be contiguous and of out_dtype {out_dtype}, got "
+                         f"{x.dtype}{'' if x.is_contiguous() else ', not contiguous'}")
 
 
-def rotary_reference(x, cos, sin, rotated_heads, inverse, out_dtype):
-    """``y`` (B, T, heads, D) in ``out_dtype``: the leading ``rotated_heads`` heads rotated."""
-    check_rotary(x, cos, sin, rotated_heads, inverse, out_dtype)
+def rotary_reference(x, cos, sin, rotated_heads, inverse, out_dtype, in_place: bool = False):
+    """``y`` (B, T, heads, D) in ``out_dtype``: the leading ``rotated_heads`` heads
+    rotated (into ``x`` itself when ``in_place``)."""
+    check_rotary(x, cos, sin, rotated_heads, inverse, out_dtype, in_place)
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    heads = x.to(compute)
     c = cos.to(compute)[:, None, :]  # (T, 1, D)
     s = (-sin if inverse else sin).to(compute)[:, None, :]
-    q = heads[:, :, :rotated_heads]
+    q = x[:, :, :rotated_heads].to(compute)  # (B, T, rotated, D)
     half = x.shape[-1] // 2
     y = q * c + torch.cat([-q[..., half:], q[..., :half]], dim=-1) * s
-    return torch.cat([y, heads[:, :, rotated_heads:]], dim=2).to(out_dtype)
+    if in_place:
+        x[:, :, :rotated_heads] = y.to(out_dtype)
+        return x
+    return torch.cat([y, x[:, :, rotated_heads:].to(compute)], dim=2).to(out_dtype)

@@ -103,16 +103,26 @@ class RotaryEmbedding(BasicOperation):
             found = self._tables[key] = rotary_tables(seq, self.head_dim, self.base, self.position_offset, device)
         return found
 
-    def _rotate(self, t: torch.Tensor, dtype: torch.dtype, inverse: bool) -> torch.Tensor:
+    def _rotate(self, t: torch.Tensor, dtype: torch.dtype, inverse: bool, in_place: bool = False) -> torch.Tensor:
         shape = t.shape
         batch, seq = (1, shape[0]) if len(shape) == 2 else (shape[0], shape[1])
         cos, sin = self.tables(seq, t.device)
-        heads = t.reshape(batch, seq, -1, self.head_dim)  # (B, T, H + 2 Hkv, D)
+        heads = t.reshape(batch, seq, -1, self.head_dim)  # (B, T, H + 2 Hkv, D): a view of a contiguous t
         rotary = backend.resolve("rotary", t.device).fn  # the q and k heads rotated in fp32, v copied: one pass
-        return rotary(heads, cos, sin, self.num_heads + self.num_kv_heads, inverse, dtype).reshape(shape)
+        out = rotary(heads, cos, sin, self.num_heads + self.num_kv_heads, inverse, dtype, in_place=in_place)
+        return t if in_place else out.reshape(shape)
 
     def op_forward(self, ctx, x, extra_inputs):
         return self._rotate(x, ctx.run.compute_dtype, inverse=False), []
+
+    def rotate_fresh(self, ctx, y: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """The forward (``inverse``: the backward) of ``y``, a tensor no one else holds
+        (a GEMM's output, attention's input gradient, just made): its q and k heads
+        rotated where they are when ``y`` is contiguous and of the result's dtype (the
+        v heads neither read nor copied), else the copy :meth:`op_forward` and
+        :meth:`op_backward` make. The same bits either way."""
+        dtype = y.dtype if inverse else ctx.run.compute_dtype
+        return self._rotate(y, dtype, inverse, in_place=y.dtype is dtype and y.is_contiguous())
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         return self._rotate(dy, dy.dtype, inverse=True), [], []

@@ -11,6 +11,7 @@ from ..basic.extra import AddExtraInput, MakeExtraOutput
 from ..basic.linear import BasicLinear
 from ..basic.misc import ConstantScale
 from ..basic.norm import RMSNorm
+from ..basic.rotary import RotaryEmbedding
 from ..rules import FusionRule, register_fusion_rule
 from .backward_activation_bias import BackwardActivationBias
 from .backward_add_rmsnorm import BackwardAddRMSNorm
@@ -18,11 +19,13 @@ from .backward_linear_add import BackwardLinearAdd
 from .backward_linear_bias import BackwardLinearBias
 from .backward_linear_bias_activation import BackwardLinearBiasActivation
 from .backward_linear_scale import BackwardLinearScale
+from .backward_rotary_dpa import BackwardRotaryDPA
 from .forward_dpa_linear import ForwardDPALinear
 from .forward_linear_bias_activation import ForwardLinearBiasActivation
 from .forward_linear_bias_add import ForwardLinearBiasAdd
 from .forward_linear_bias_dpa_linear import ForwardLinearBiasDPALinear
 from .forward_linear_bias_linear import ForwardLinearBiasLinear
+from .forward_linear_bias_rotary import ForwardLinearBiasRotary
 from .forward_linear_scale_add import ForwardLinearScaleAdd
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "ForwardLinearBiasAdd",
     "ForwardLinearScaleAdd",
     "ForwardLinearBiasLinear",
+    "ForwardLinearBiasRotary",
     "ForwardLinearBiasDPALinear",
     "ForwardDPALinear",
     "BackwardActivationBias",
@@ -37,6 +41,7 @@ __all__ = [
     "BackwardLinearBias",
     "BackwardLinearAdd",
     "BackwardLinearScale",
+    "BackwardRotaryDPA",
     "BackwardAddRMSNorm",
     "DEFAULT_RULES",
 ]
@@ -185,6 +190,9 @@ DEFAULT_RULES = _hand_off_rules() + _attention_rules() + (
     FusionRule("forward_linear_scale_add", "forward", ((BasicLinear,), (ConstantScale,), (AddExtraInput,)),
                ForwardLinearScaleAdd),
     FusionRule("forward_linear_add", "forward", ((BasicLinear,), (AddExtraInput,)), ForwardLinearBiasAdd),
+    FusionRule("forward_linear_bias_rotary", "forward", ((BasicLinear,), (Bias,), (RotaryEmbedding,)),
+               ForwardLinearBiasRotary),
+    FusionRule("forward_linear_rotary", "forward", ((BasicLinear,), (RotaryEmbedding,)), ForwardLinearBiasRotary),
     FusionRule("forward_linear_bias", "forward", ((BasicLinear,), (Bias,)), ForwardLinearBiasActivation),
     FusionRule("backward_linear_bias_activation", "backward", ((BasicLinear,), (Bias,), (Activation,)),
                BackwardLinearBiasActivation, _needs_grad_output_quantizer),
@@ -194,6 +202,7 @@ DEFAULT_RULES = _hand_off_rules() + _attention_rules() + (
     FusionRule("backward_activation_bias", "backward", ((Bias,), (Activation,)), BackwardActivationBias),
     FusionRule("backward_linear_add", "backward", ((MakeExtraOutput,), (BasicLinear,)), BackwardLinearAdd),
     FusionRule("backward_add_rmsnorm", "backward", ((MakeExtraOutput,), (RMSNorm,)), BackwardAddRMSNorm),
+    FusionRule("backward_rotary_dpa", "backward", ((RotaryEmbedding,), (DotProductAttention,)), BackwardRotaryDPA),
 )
 
 for _rule in DEFAULT_RULES:
