@@ -46,11 +46,12 @@ def fp32(values) -> torch.Tensor:
 @pytest.mark.parametrize(
     "fp8_dtype, inputs, expected",
     [
-        # ties go to the even neighbour; beyond fmax saturates; signs and NaN survive
-        (E4M3, [1.0625, 1.1875, 2**-10, 3 * 2**-10, 464.0, 1e9, -INF, -0.0, NAN],
-         [1.0, 1.25, 0.0, 2**-8, 448.0, 448.0, -448.0, -0.0, NAN]),
-        (E5M2, [1.125, 1.375, 2**-17, 61440.0, INF, -1e30, NAN],
-         [1.0, 1.5, 0.0, 57344.0, 57344.0, -57344.0, NAN]),
+        # ties go to the even neighbour; a finite value beyond fmax saturates; signs
+        # survive; inf and NaN become NaN (an overflow is not turned into a number)
+        (E4M3, [1.0625, 1.1875, 2**-10, 3 * 2**-10, 464.0, 1e9, -FLT_MAX, -0.0, NAN, -INF, INF],
+         [1.0, 1.25, 0.0, 2**-8, 448.0, 448.0, -448.0, -0.0, NAN, -NAN, NAN]),
+        (E5M2, [1.125, 1.375, 2**-17, 61440.0, FLT_MAX, -1e30, NAN, INF, -INF],
+         [1.0, 1.5, 0.0, 57344.0, 57344.0, -57344.0, NAN, NAN, -NAN]),
     ],
     ids=["e4m3", "e5m2"],
 )

@@ -243,21 +243,25 @@ def test_block_launch_passes_the_view_not_a_copy(monkeypatch):
 def test_every_fp8_value_and_nan_encodes_to_its_own_byte():
     """The integer FP8 encoding, exhaustively: each finite value (subnormals, -0.0
     and the largest included) casts with scale 1 to the byte it came from; NaN to
-    0x7F (plus its sign bit, which a GPU's ``x * scale`` may drop); inf saturates."""
+    0x7F (plus its sign bit, which a GPU's ``x * scale`` may drop); inf to 0x7F with
+    its sign (an overflow stays visible), the largest finite fp32 to +-fmax."""
     codes = torch.arange(256, dtype=torch.uint8)
     for fp8_dtype in FP8:
         values = codes.view(fp8_dtype).float()
         finite = torch.isfinite(values)
-        x = torch.cat([values[finite], torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")])])
+        big = torch.finfo(torch.float32).max
+        x = torch.cat([values[finite], torch.tensor([float("nan"), -float("nan"), big, -big, float("inf"),
+                                                     -float("inf")])])
         x = x.reshape(-1, 1).expand(-1, 3).contiguous().to(DEVICE)  # odd width: masked tiles
         data, _, _ = tk.quantize_tensorwise(x, torch.tensor(1.0, device=DEVICE), fp8_dtype)
         want = ref.quantize_tensorwise_reference(x, torch.tensor(1.0, device=DEVICE), fp8_dtype)[0]
         assert_bitwise(data, want, f"every {fp8_dtype} value")
         assert torch.equal(data[: int(finite.sum()), 0].view(torch.uint8).cpu(), codes[finite])
-        nan_bytes, inf_bytes = data[-4:-2, 0].view(torch.uint8).tolist(), data[-2:, 0].view(torch.uint8).tolist()
-        assert [b & 0x7F for b in nan_bytes] == [0x7F, 0x7F]
+        specials = data[-6:, 0].view(torch.uint8).tolist()
+        assert [b & 0x7F for b in specials[:2]] == [0x7F, 0x7F]
         fmax = values[finite].max()
-        assert inf_bytes == [int(codes[finite][values[finite] == m]) for m in (fmax, -fmax)]
+        assert specials[2:4] == [int(codes[finite][values[finite] == m]) for m in (fmax, -fmax)]
+        assert specials[4:] == [0x7F, 0xFF]
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)

@@ -134,12 +134,14 @@ def test_launchers_never_reach_the_hardware_encoding_on_cpu(monkeypatch, writer)
 
 
 def _hw_cvt(bits: int, fp8_dtype: torch.dtype, nan_byte: int, zero_sign: str) -> int:
-    """A model of one ``cvt.rn.satfinite`` lane: torch's saturating RNE cast for
-    numbers; NaN gives ``nan_byte``; a zero result keeps (``keep``) or drops
-    (``drop``) its sign, or is always negative (``set``)."""
+    """A model of one ``cvt.rn.satfinite`` lane: a saturating RNE cast for numbers,
+    infinities included (the instruction saturates them to +-fmax); NaN gives
+    ``nan_byte``; a zero result keeps (``keep``) or drops (``drop``) its sign, or is
+    always negative (``set``)."""
     x = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
     if torch.isnan(x).item():
         return nan_byte
+    x = x.clamp(-torch.finfo(torch.float32).max, torch.finfo(torch.float32).max)  # inf as the largest float
     byte = int(ref.saturating_cast_reference(x, fp8_dtype).view(torch.uint8))
     if byte & 0x7F == 0:
         byte = {"keep": byte, "drop": 0, "set": 0x80}[zero_sign]

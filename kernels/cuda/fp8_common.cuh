@@ -4,8 +4,9 @@
 // Every helper reproduces kernels/reference/cast.py bit for bit:
 //   * x_scaled = x * scale is one fp32 multiply (no FMA can form: nothing is added);
 //   * the FP8 value is x_scaled clamped to +-fmax and rounded to nearest, ties to
-//     even (cvt.rn.satfinite does both in one instruction); NaN stays NaN with
-//     the byte torch writes (0x7F, plus the sign bit);
+//     even (cvt.rn.satfinite does both in one instruction); inf and NaN become
+//     the NaN byte torch writes (0x7F, plus the sign bit), so an overflow stays
+//     visible;
 //   * scale = fmax / max(amax, eps) by IEEE division, with the reference's rules
 //     for 0, inf, NaN and power-of-2 scales;
 //   * amaxes are reduced as the bit patterns of |x|: for non-negative floats the
@@ -160,6 +161,7 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
 // ---------------------------------------------------------------------------
 
 __device__ __forceinline__ bool is_nan_bits(uint32_t bits) { return (bits & kAbsMask) > kInfBits; }
+__device__ __forceinline__ bool is_nonfinite_bits(uint32_t bits) { return (bits & kInfBits) == kInfBits; }
 
 // The byte torch writes for a NaN: 0x7F with the sign of the input.
 __device__ __forceinline__ uint32_t nan_byte(uint32_t bits) { return 0x7Fu | ((bits >> 24) & 0x80u); }
@@ -173,7 +175,8 @@ __device__ __forceinline__ float bf16_value(float v) {
   return __uint_as_float((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
 }
 
-// Two fp32 values -> two FP8 bytes (low byte from a), saturating, ties to even.
+// Two fp32 values -> two FP8 bytes (low byte from a): finite values saturating,
+// ties to even; inf and NaN the NaN byte with their sign.
 template <int FP8>
 __device__ __forceinline__ uint32_t fp8x2_from_float(float a, float b) {
   const __nv_fp8x2_storage_t pair =
@@ -182,8 +185,8 @@ __device__ __forceinline__ uint32_t fp8x2_from_float(float a, float b) {
   uint32_t hi = (pair >> 8) & 0xFFu;
   const uint32_t a_bits = __float_as_uint(a);
   const uint32_t b_bits = __float_as_uint(b);
-  if (is_nan_bits(a_bits)) lo = nan_byte(a_bits);
-  if (is_nan_bits(b_bits)) hi = nan_byte(b_bits);
+  if (is_nonfinite_bits(a_bits)) lo = nan_byte(a_bits);
+  if (is_nonfinite_bits(b_bits)) hi = nan_byte(b_bits);
   return lo | (hi << 8);
 }
 

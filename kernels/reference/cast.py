@@ -4,7 +4,11 @@ All arithmetic is fp32 on the values loaded from the input (bf16/fp16/fp32), in
 this order, which the Triton and CUDA kernels reproduce bit for bit:
 
 - a cast multiplies by the fp32 scale (one rounding), clamps to +-fmax and rounds
-  to the nearest FP8 value, ties to even; NaN stays NaN;
+  to the nearest FP8 value, ties to even; a value that is not finite after the
+  scaling (inf or NaN) becomes NaN with its sign (the byte 0x7F plus the sign bit,
+  in either format), so that an overflow upstream (a loss scaler's inf gradients,
+  a diverging activation) stays visible through the FP8 GEMMs instead of
+  saturating into a plausible number;
 - a scale from an amax is ``fmax / max(amax, eps)`` (IEEE division); amax 0, inf
   or NaN gives 1; an infinite quotient gives the largest finite fp32; with
   power-of-2 scales the mantissa is cleared (rounds down to a power of two);
@@ -50,9 +54,14 @@ _MANTISSA_OF_1_75 = 0x600000  # fmax of both formats is 1.75 * 2**emax
 
 
 def saturating_cast_reference(x_scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Round fp32 values to ``fp8_dtype``, saturating to +-fmax (NaN stays NaN)."""
+    """Round fp32 values to ``fp8_dtype``, finite ones saturating to +-fmax; inf and
+    NaN become NaN with their sign (the byte 0x7F plus the sign bit)."""
     fmax = fp8_max(fp8_dtype)
-    return x_scaled.float().clamp(-fmax, fmax).to(fp8_dtype)
+    xf = x_scaled.float()
+    bits = xf.view(torch.int32)
+    # a mantissa bit set on an all-ones exponent: inf becomes a NaN of its own sign
+    xf = torch.where((bits & 0x7F800000) == 0x7F800000, (bits | 0x400000).view(torch.float32), xf)
+    return xf.clamp(-fmax, fmax).to(fp8_dtype)
 
 
 def scale_from_amax_reference(
