@@ -19,6 +19,7 @@ import torch
 
 import te_fuser as te
 from op_testing import RECIPES
+from te_fuser.models.gpt import GPT, GPTConfig, load_stdlib_corpus, sample_windows
 from te_fuser.quantization import DelayedScalingQuantizer
 
 H, F, TOKENS = 64, 128, 32
@@ -105,3 +106,37 @@ def test_a_non_finite_input_gives_a_non_finite_output(name):
         assert not torch.isfinite(y[3]).any(), f"{name}: an input {bad} vanished from its output row"
         if name == "delayed":
             assert torch.isfinite(y[torch.arange(TOKENS, device=DEVICE) != 3]).all()
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_the_gpt_under_a_loss_scaler_skips_what_it_skips_without_fp8(name):
+    """The yardstick GPT (smoke size, te attention) on real text under fp16 autocast
+    and a GradScaler that starts at 2**40 and backs off by 2**8: the cross-entropy's
+    gradients overflow fp16 at 2**40, 2**32 and 2**24 and not at 2**16, and the FP8
+    run skips exactly the steps the run without FP8 skips, then trains on."""
+    data = load_stdlib_corpus(200_000)
+    config = GPTConfig.smoke().replace(n_layer=2, seq_len=32, batch_size=2)
+    runs = {}
+    for key, recipe in (("none", None), (name, RECIPES[name])):
+        torch.manual_seed(0)
+        model = GPT(config).to(DEVICE)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**40, backoff_factor=2.0**-8, growth_interval=100)
+        gen = torch.Generator().manual_seed(0)
+        scales, losses = [], []
+        for _ in range(7):
+            idx = sample_windows(data, config.batch_size, config.seq_len, gen).to(DEVICE)
+            with torch.autocast(DEVICE, dtype=torch.float16), te.autocast(enabled=recipe is not None, recipe=recipe):
+                logits = model(idx[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+            scales.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        runs[key] = scales, losses
+    assert runs["none"][0] == [2.0**40, 2.0**32, 2.0**24] + [2.0**16] * 4, runs["none"][0]
+    assert runs[name][0] == runs["none"][0]
+    assert runs[name][1][-1] < runs[name][1][3], runs[name][1]
