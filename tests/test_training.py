@@ -119,3 +119,48 @@ def test_a_switch_schedule_has_no_loss_spike():
         )
     final, target = validate(model, None), validate(BF16_MODEL, None)
     assert abs(final - target) <= tolerance(torch.float8_e4m3fn)["rtol"] * target
+
+
+def _state(model) -> list[torch.Tensor]:
+    """The parameters and every delayed-scaling state tensor."""
+    out = [p.detach().clone() for p in model.parameters()]
+    for op in model:
+        for q in getattr(op, "installed_quantizers", {}).values():
+            out += [t.clone() for t in getattr(q, "state_tensors", dict)().values()]
+    return out
+
+
+@pytest.mark.parametrize("name", list(FP8))
+def test_validating_under_inference_mode_trains_as_validating_under_no_grad(name):
+    """Validation between steps under the training recipe, as a user's loop
+    validates: under ``torch.inference_mode()``, under ``torch.no_grad()``, or not
+    at all. The FP8 weight casts kept for the unchanged weights and the scaling
+    state a validation touches must not leak inference tensors into the next
+    training step (which would raise when saved for backward) nor change what it
+    computes: the three loops give the same losses, parameters and delayed-scaling
+    state, bit for bit."""
+    recipe = FP8[name]
+
+    def run(grad_mode):
+        model = student()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
+        losses = []
+        for step in range(6):
+            if grad_mode is not None and step % 2 == 0:  # before the step, on the weights it will read
+                model.eval()
+                with grad_mode():
+                    for x, y in VALIDATION[:2]:
+                        loss_of(model, x, y, recipe)
+                model.train()
+            loss = loss_of(model, *data(step), recipe)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        return torch.stack(losses), _state(model)
+
+    plain, no_grad, inference = run(None), run(torch.no_grad), run(torch.inference_mode)
+    for other in (no_grad, inference):
+        assert torch.equal(other[0], plain[0])
+        assert len(other[1]) == len(plain[1])
+        assert all(torch.equal(a, b) for a, b in zip(other[1], plain[1]))

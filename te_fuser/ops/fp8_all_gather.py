@@ -67,6 +67,7 @@ from ..autocast import current_state
 from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
 from ..quantization.tensor import QuantizedTensor
+from ..quantization.delayed import EVALUATING
 
 __all__ = ["enable_fsdp_fp8_all_gather", "fp8_all_gather_stats", "Float8AllGatherShard", "GatheredWeight"]
 
@@ -188,7 +189,12 @@ class Float8AllGatherShard(torch.Tensor):
         kind = g.kind if again else ("fp8" if quantizer is not None else "hp")
         if kind == "fp8":
             if not again:
-                data, scale_inv = quantizer.cast_shard(shard, group)
+                was = EVALUATING[0]
+                EVALUATING[0] = not module.training  # an evaluation forward's gather records nothing
+                try:
+                    data, scale_inv = quantizer.cast_shard(shard, group)
+                finally:
+                    EVALUATING[0] = was
                 g.fp8 = (data, scale_inv, quantizer)
                 g.stats["fp8"] += 1
             data, scale_inv, quantizer = g.fp8

@@ -34,6 +34,7 @@ from ..autocast import STATE_STACK as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from ..quantization.amax_reduction import WORLD
+from ..quantization.delayed import EVALUATING as _EVALUATING
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.recompute import ACTIVE as _CHECKPOINT_FRAMES
 from ..quantization.tensor import QuantizedTensor
@@ -811,6 +812,20 @@ def _backward_steps(plan: FusionPlan) -> tuple:
 
 
 def run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
+    """The plan's forward steps on ``x``: ``(contexts, output, extra outputs)``. A
+    plan in evaluation mode runs with delayed scaling's recording off (its casts
+    take the scale as it stands: ``quantization/delayed.py``)."""
+    if plan.training:
+        return _run_forward(fuser, plan, x, extra_inputs)
+    was = _EVALUATING[0]
+    _EVALUATING[0] = True
+    try:
+        return _run_forward(fuser, plan, x, extra_inputs)
+    finally:
+        _EVALUATING[0] = was
+
+
+def _run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
     run = plan.run
     ctxs = [OpContext(op, qs, run) for op, qs in zip(fuser.ops, plan.quantizers)]
     steps = plan.forward_steps or _forward_steps(fuser, plan)

@@ -35,6 +35,15 @@ leaves the scale 1 (skipped and counted as above) yet marks the quantizer seeded
 deciding otherwise would read the device. The next tensor is then cast with
 scale 1, and its amax sets the scale from there on.
 
+Like a BatchNorm's running statistics, the history moves in training only: while
+ops run a forward in evaluation mode (``model.eval()``; the op fuser sets
+:data:`EVALUATING` around it, FSDP2's FP8 all-gather from the module's mode), a
+cast takes the scale as it stands and records nothing, and a fresh quantizer casts
+with the scale its seeding would give (from the tensor's own amax) and stays
+fresh. So a validation pass under the recipe leaves the training run it
+interrupts bit for bit what it would have been. Calibration (:meth:`observe`)
+records in either mode: that is what it is for.
+
 Since the scale is known before the tensor is, the GEMM that produces the tensor
 can cast it in its epilogue (:meth:`DelayedScalingQuantizer.epilogue_cast`, then
 ``adopt_epilogue_cast``: the same cast, amax and state update as a call); a fresh
@@ -79,6 +88,11 @@ def _generic_tensorwise(fn, fp8_dtype: torch.dtype):
 
 
 _STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_count")
+
+# [True] while ops run a forward in evaluation mode: delayed-scaling casts then record
+# nothing (see the module doc). Set by ``ops.fuser.run_forward`` and FSDP2's FP8
+# all-gather; one list read per cast.
+EVALUATING: list = [False]
 
 # Alike quantizers waiting at a flush from which they update as one batch: fewer
 # update one launch each, which on a GPU costs about what a batch's few torch ops
@@ -238,6 +252,18 @@ class DelayedScalingQuantizer(Quantizer):
             return (tensor_scaled(x_fp8, scale_inv) if rowwise else None,
                     tensor_scaled(x_fp8_t, scale_inv) if columnwise else None, sums)
         seeded = self.seeded
+        if EVALUATING[0]:  # an evaluation forward: the scale as it stands, nothing recorded
+            if seeded:
+                scale, scale_inv = self._scale, self._scale_inv
+            else:
+                scale, scale_inv = self._unbound_seed(
+                    lambda: self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16))
+            if frames[0] is not None:
+                frames[0].note(self, scale, scale_inv, seeded)
+            x_fp8, x_fp8_t, sums, _ = self._caster(kernel, device, _generic_tensorwise)(
+                x_hp, scale, rowwise, columnwise, round_bf16)
+            return (tensor_scaled(x_fp8, scale_inv) if rowwise else None,
+                    tensor_scaled(x_fp8_t, scale_inv) if columnwise else None, sums)
         if not seeded:  # the first scale from the amax of what is cast
             self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16)
         if frames[0] is not None:  # a checkpointed region's forward: its recomputation casts alike
@@ -299,7 +325,7 @@ class DelayedScalingQuantizer(Quantizer):
         column-wise copy is the transpose of the FP8 bytes (one per-tensor scale: the
         same bytes a cast of the transpose gives)."""
         scale_inv = cast.pending  # the one the epilogue's scale goes with
-        if CHECKPOINT_FRAMES[1] is None:  # a recomputation records nothing
+        if CHECKPOINT_FRAMES[1] is None and not EVALUATING[0]:  # a recomputation or an evaluation records nothing
             self._record(cast.amax)
         rowwise_op = ScaledOperand(data, scale_inv, Scaling.TENSOR)  # (M, K)
         columnwise_op = None
@@ -329,6 +355,16 @@ class DelayedScalingQuantizer(Quantizer):
             data, _, _ = cast(shard, scale, self.fp8_dtype, rowwise=True, columnwise=False)
             return data, scale_inv
         seeded = self.seeded
+        if EVALUATING[0]:  # an evaluation forward's gather: the scale as it stands, nothing recorded
+            if seeded:
+                scale, scale_inv = self._scale, self._scale_inv
+            else:
+                scale, scale_inv = self._unbound_seed(
+                    lambda: self._seed_from_amax(max_over(shard_amax(shard), group)))
+            if frames[0] is not None:
+                frames[0].note(self, scale, scale_inv, seeded)
+            data, _, _ = cast(shard, scale, self.fp8_dtype, rowwise=True, columnwise=False)
+            return data, scale_inv
         if not seeded:
             self._seed_from_amax(max_over(shard_amax(shard), group))
         if frames[0] is not None:
@@ -396,6 +432,18 @@ class DelayedScalingQuantizer(Quantizer):
             scale, _ = self._next_scale(amax.reshape(()), self._scale)
             self._set_scale(scale)
         self.seeded = True
+
+    def _unbound_seed(self, seed: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale and reciprocal that ``seed()`` (:meth:`_seed` or
+        :meth:`_seed_from_amax` on a tensor) gives a fresh quantizer, which stays
+        fresh: an evaluation forward casts with them and keeps nothing (the updates
+        make new tensors, so rebinding the old ones restores the state)."""
+        kept = self._scale, self._scale_inv
+        seed()
+        scale, scale_inv = self._scale, self._scale_inv
+        self._scale, self._scale_inv = kept
+        self.seeded = False
+        return scale, scale_inv
 
     def _record(self, amax: torch.Tensor) -> None:
         """Record ``amax`` (one element, fp32) once the waiting amaxes are applied
