@@ -6,7 +6,7 @@ What is checked: the bytes FSDP2's all-gathers send (counted at the collective)
 are half of a bf16 gather's and a quarter of an fp32 one's; training with the FP8
 all-gather is the training without it bit for bit (losses, sharded gradients,
 weights, scaling state) through delayed scaling, current scaling, a bf16 phase
-and delayed scaling again; after an optimizer step the gathered FP8 weight is
+and delayed scaling again, with validation passes in evaluation mode between steps; after an optimizer step the gathered FP8 weight is
 the cast of the new weight; a high-precision forward gets the high-precision
 weight; a gather that went FP8 for a recipe the step did not run is gathered
 again in high precision by the linear."""
@@ -98,6 +98,7 @@ def _bytes_per_step(rank: int, fp8_all_gather: bool, param_dtype) -> list[int]:
 
 
 SCHEDULE = ("delayed", "delayed", "delayed", "current", "current", "current", "bf16", "bf16", "delayed", "delayed")
+VALIDATED = (1, 4, 8)  # steps followed by a validation pass in evaluation mode
 
 
 def _schedule_recipe(name):
@@ -137,6 +138,11 @@ def _train_schedule(rank: int, fp8_all_gather: bool, checkpointed: bool = False)
         grads.append(torch.cat([p.grad.to_local().detach().reshape(-1) for p in model.parameters()]))
         opt.step()
         opt.zero_grad()
+        if step in VALIDATED:  # a validation pass under the step's recipe: its gathers record nothing
+            model.eval()
+            with torch.no_grad(), region, torch_autocast:
+                model(x[step, rank])
+            model.train()
     weights = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
     return {"losses": torch.stack(losses), "grads": torch.stack(grads), "weights": weights,
             "state": _scaling_state(model), "stats": te.fp8_all_gather_stats(model)}
@@ -321,9 +327,11 @@ def test_training_checkpointed_with_the_fp8_all_gather_is_training_without_eithe
 
 def test_the_schedule_gathers_fp8_where_a_per_tensor_recipe_ran_the_step_before(results):
     """Two linears; per FP8 phase the first step gathers in high precision (the
-    recipe changed), the others in FP8; the bf16 phase in high precision."""
+    recipe changed), the others in FP8; the bf16 phase in high precision; each
+    validation pass after an FP8 step in FP8."""
     stats = results["schedule"]["stats"][1]
-    assert stats == {"fp8": 2 * (2 + 2 + 1), "high_precision": 2 * (1 + 1 + 2 + 1), "regathered": 0}, stats
+    fp8 = 2 * (2 + 2 + 1) + 2 * len(VALIDATED)
+    assert stats == {"fp8": fp8, "high_precision": 2 * (1 + 1 + 2 + 1), "regathered": 0}, stats
 
 
 def test_the_fp8_weight_is_the_cast_of_the_weight_after_each_optimizer_step(results):
