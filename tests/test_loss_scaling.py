@@ -80,7 +80,9 @@ def test_the_loss_scaler_skips_the_steps_a_model_without_fp8_skips(name):
     assert want == [2.0**24, 2.0**16, 2.0**8, 2.0**8, 2.0**16, 2.0**8, 2.0**8, 2.0**16], want
     assert got == want
     assert all(torch.isfinite(p).all() for p in fp8.parameters())
-    for q in (q for op in fp8 for q in getattr(op, "installed_quantizers", {}).values()):
+    quantizers = [q for m in fp8.modules() for q in getattr(m, "installed_quantizers", {}).values()]
+    assert quantizers
+    for q in quantizers:
         if isinstance(q, DelayedScalingQuantizer):
             assert torch.isfinite(q.scale).all() and (q.scale > 0).all(), q.scale
     trained = [loss for loss, scale in zip(losses, got) if scale == 2.0**8]
