@@ -135,9 +135,10 @@ def test_launchers_never_reach_the_hardware_encoding_on_cpu(monkeypatch, writer)
 
 def _hw_cvt(bits: int, fp8_dtype: torch.dtype, nan_byte: int, zero_sign: str) -> int:
     """A model of one ``cvt.rn.satfinite`` lane: a saturating RNE cast for numbers,
-    infinities included (the instruction saturates them to +-fmax); NaN gives
-    ``nan_byte``; a zero result keeps (``keep``) or drops (``drop``) its sign, or is
-    always negative (``set``)."""
+    infinities included (the instruction saturates them to +-fmax; the asm never
+    sees one, :func:`nan_for_inf` runs first); NaN gives ``nan_byte``; a zero
+    result keeps (``keep``) or drops (``drop``) its sign, or is always negative
+    (``set``)."""
     x = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
     if torch.isnan(x).item():
         return nan_byte
@@ -212,8 +213,10 @@ def test_ptx_bytes_match_torch_whatever_the_instruction_does_with_nan_and_zero(f
                ("e5m2", False): _common._CVT_E5M2, ("e5m2", True): _common._CVT_E5M2_LANES}[fmt, lanes]
     asm = shipped.value
     values = _special_fp32(fp8_dtype)
-    want = ref.saturating_cast_reference(values, fp8_dtype).view(torch.uint8).tolist()  # NaN: 0x7F | sign
+    want = ref.saturating_cast_reference(values, fp8_dtype).view(torch.uint8).tolist()  # inf, NaN: 0x7F | sign
+    # what the asm receives: fp8_bytes has made each inf a NaN of its sign (nan_for_inf)
     bits = [b & 0xFFFFFFFF for b in values.view(torch.int32).tolist()]
+    bits = [b | 0x400000 if b & 0x7FFFFFFF == 0x7F800000 else b for b in bits]
     nan_bytes = (0x7F, 0xFF) if fp8_dtype == E4M3 else (0x7F, 0xFF, 0x7E, 0x7D, 0xFD)
     first = 4 if lanes else 1  # the first input operand
     for nan_byte in nan_bytes:

@@ -72,7 +72,8 @@ def round_to_fp8_grid(v, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_E
 @triton.jit
 def fp8_bytes_exact(v, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr):
     """The FP8 encoding (uint8) of the saturating cast of fp32 ``v`` (nearest, ties
-    to even); inf and NaN become 0x7F with the sign bit of ``v`` (torch's NaN).
+    to even); NaN becomes 0x7F with the sign bit of ``v``, as torch encodes it
+    (inf saturates here: :func:`fp8_bytes` turns it into NaN first).
 
     The rounding is :func:`round_to_fp8_grid`'s ``|v| + c`` (exact but for the one
     rounding to a multiple of the quantum q = c / 2**23), and the byte is read off
@@ -89,9 +90,8 @@ def fp8_bytes_exact(v, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP
     c_bits = tl.maximum(exp_bits + ((23 - MANT_BITS) << 23), C_MIN)
     quanta = (mag + c_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c_bits
     code = quanta + ((c_bits - C_MIN) >> (23 - MANT_BITS))
-    v_bits = v.to(tl.int32, bitcast=True)
-    code = tl.where((v_bits & 0x7F800000) == 0x7F800000, 0x7F, code)  # inf or NaN
-    sign = (v_bits >> 24) & 0x80
+    code = tl.where(mag != mag, 0x7F, code)
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
     return (code | sign).to(tl.uint8)
 
 
@@ -102,36 +102,31 @@ def _cvt_asm(fmt: str, lanes: bool) -> str:
     ``$4..$7``). ``cvt`` with ``.satfinite`` rounds to nearest even and saturates
     (infinities too) to +-fmax. The sign bits are then taken from the inputs, not
     from the instruction, so that NaN and zero carry their sign as torch gives it;
-    the lanes whose input is not finite (its exponent bits all ones: the top byte's
-    seven low bits and bit 7 of the byte below) get 0x7F, whatever the instruction
-    made of them (a saturated inf, or any NaN pattern)."""
+    for E5M2 the lanes whose exponent bits are all ones (NaN: satfinite makes no
+    inf) get 0x7F, whatever NaN pattern the instruction chose (E4M3 has only 0x7F)."""
     a = [f"${i + (4 if lanes else 1)}" for i in range(4)]
     lines = [
         ".reg .b16 lo, hi;",
-        ".reg .b32 q, s01, s23, s, e01, e23, e, m, n;",
+        ".reg .b32 q, s01, s23, s, n;",
         f"cvt.rn.satfinite.{fmt}x2.f32 lo, {a[1]}, {a[0]};",
         f"cvt.rn.satfinite.{fmt}x2.f32 hi, {a[3]}, {a[2]};",
         "mov.b32 q, {lo, hi};",
         f"prmt.b32 s01, {a[0]}, {a[1]}, 0x0073;",  # byte 0: top byte of a0, byte 1: of a1
         f"prmt.b32 s23, {a[2]}, {a[3]}, 0x0073;",
         "prmt.b32 s, s01, s23, 0x5410;",
-        f"prmt.b32 e01, {a[0]}, {a[1]}, 0x0062;",  # byte 0: bits 16-23 of a0 (bit 7: a0's exponent bit 0)
-        f"prmt.b32 e23, {a[2]}, {a[3]}, 0x0062;",
-        "prmt.b32 e, e01, e23, 0x5410;",
-        "or.b32 m, s, 0x80808080;",  # 0xFF in the lanes whose top seven exponent bits are ones
-        "or.b32 n, e, 0x7F7F7F7F;",  # 0xFF in the lanes whose lowest exponent bit is one
-        "and.b32 m, m, n;",
-        "and.b32 n, m, 0x7F7F7F7F;",
-        "add.u32 n, n, 0x01010101;",  # 0x80 in the lanes whose low seven bits are ones, no carry out of a lane
-        "and.b32 n, n, m;",
-        "and.b32 n, n, 0x80808080;",  # 0x80 in the lanes that are 0xFF: inf or NaN
-        "shr.u32 n, n, 7;",
-        "mul.lo.u32 n, n, 0x7F;",
         "and.b32 q, q, 0x7F7F7F7F;",
         "and.b32 s, s, 0x80808080;",
         "or.b32 q, q, s;",
-        "or.b32 q, q, n;",
     ]
+    if fmt == "e5m2":
+        lines += [
+            "and.b32 n, q, 0x7C7C7C7C;",
+            "add.u32 n, n, 0x04040404;",  # 0x80 in the lanes with exponent 31, no carry out of a lane
+            "and.b32 n, n, 0x80808080;",
+            "shr.u32 n, n, 7;",
+            "mul.lo.u32 n, n, 0x7F;",
+            "or.b32 q, q, n;",
+        ]
     if lanes:
         lines += ["and.b32 $0, q, 0xFF;", "bfe.u32 $1, q, 8, 8;", "bfe.u32 $2, q, 16, 8;", "shr.u32 $3, q, 24;"]
     else:
@@ -192,13 +187,25 @@ def fp8_bytes_hw_lanes(v, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def nan_for_inf(v):
+    """fp32 ``v`` with each inf made a NaN of the same sign (a mantissa bit set on its
+    bits); finite values and NaNs as they are. Before an encoding, so that an
+    overflow encodes as NaN rather than saturating: a few integer operations a
+    value, computed once where a kernel encodes one value twice (a transposed copy
+    beside the row-major one: the same expression of the same value)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return tl.where((bits & 0x7FFFFFFF) == 0x7F800000, (bits | 0x400000).to(tl.float32, bitcast=True), v)
+
+
+@triton.jit
 def fp8_bytes(v, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
               HW_FP8: tl.constexpr, MOVED: tl.constexpr = False):
     """The FP8 encoding (uint8) of the saturating cast of fp32 ``v`` (nearest, ties
-    to even; NaN becomes 0x7F with the sign bit of ``v``), the same bytes either
-    way: :func:`fp8_bytes_exact`, or with HW_FP8 the GPU's conversion,
+    to even; inf and NaN become 0x7F with the sign bit of ``v``), the same bytes
+    either way: :func:`fp8_bytes_exact`, or with HW_FP8 the GPU's conversion,
     :func:`fp8_bytes_hw_lanes` when the bytes change layout before they are stored
-    (MOVED), else :func:`fp8_bytes_hw`."""
+    (MOVED), else :func:`fp8_bytes_hw`; inf is made NaN first (:func:`nan_for_inf`)."""
+    v = nan_for_inf(v)
     if HW_FP8:
         if MOVED:
             return fp8_bytes_hw_lanes(v, OUT_DTYPE)
