@@ -166,3 +166,22 @@ def test_validating_under_inference_mode_trains_as_validating_under_no_grad(name
         assert torch.equal(other[0], plain[0])
         assert len(other[1]) == len(plain[1])
         assert all(torch.equal(a, b) for a, b in zip(other[1], plain[1]))
+
+
+def test_calibration_records_in_evaluation_mode_and_an_fp8_evaluation_does_not():
+    """``te.autocast(enabled=False, calibrating=True)`` on a model in evaluation mode
+    (calibrating a trained model for inference) records each amax; an FP8 forward in
+    evaluation mode afterwards casts with the calibrated scales and records nothing."""
+    model = student().eval()
+    recipe = R.DelayedScaling(amax_history_len=4)
+    x = data(0)[0]
+    with torch.no_grad(), te.autocast(enabled=False, calibrating=True, recipe=recipe):
+        model(x)
+    calibrated = _state(model)
+    n_params = len(list(model.parameters()))
+    assert len(calibrated) > n_params
+    histories = [t for t in calibrated[n_params:] if t.dim() == 1 and t.numel() == 4]
+    assert histories and all(h[0] > 0 for h in histories[:2]), histories
+    with torch.no_grad(), te.autocast(recipe=recipe):
+        model(x)
+    assert all(torch.equal(a, b) for a, b in zip(_state(model), calibrated, strict=True))
