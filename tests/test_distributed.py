@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dist_testing import device, device_type, gathered, init, spawned
 
 WORLD = 2
-CASES = ("default", "no_reduction", "given_group", "checkpointed", "initialized_late")
+CASES = ("default", "no_reduction", "given_group", "checkpointed", "rank0_validates", "initialized_late")
 
 
 def _model():
@@ -81,6 +81,11 @@ def _train(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]
     dist.all_reduce = counted
     try:
         for step in range(4):
+            if case == "rank0_validates" and rank == 0 and step in (0, 2):  # before the first step too: unseeded
+                model.eval()  # through the inner model, as a user's rank-0 validation does
+                with torch.no_grad(), te.autocast(recipe=recipe, amax_reduction_group=group):
+                    model(data[step, rank] * 5.0)
+                model.train()
             calls.append(0)
             with te.autocast(recipe=recipe, amax_reduction_group=group):
                 loss = ddp(data[step, rank]).square().mean()
@@ -143,6 +148,10 @@ def _worker(rank: int, folder: str, results) -> None:
         if rank == 0:
             results["checkpointed as default"] = tuple(torch.equal(a, b) for a, b in
                                                        zip(trained["checkpointed"][:2], trained["default"][:2]))
+            state, weights, calls = trained["rank0_validates"]
+            results["rank0_validates as default"] = (torch.equal(state, trained["default"][0]),
+                                                     torch.equal(weights, trained["default"][1]),
+                                                     calls == trained["default"][2])
         message = _mismatch(rank)
         if rank == 0:
             results["mismatch"] = message
@@ -190,6 +199,17 @@ def test_ddp_over_a_checkpointed_model_trains_as_without_and_reduces_alike(resul
     assert results["checkpointed"] == (True, True)
     assert results["checkpointed as default"] == (True, True)
     assert results["checkpointed collectives"] == results["default collectives"]
+
+
+def test_a_validation_on_rank_0_alone_waits_for_no_one_and_changes_nothing(results):
+    """Rank 0 alone validates under the recipe (the model in evaluation mode, its
+    inner module as a user's rank-0 validation calls it), before the first step
+    and mid-training: an evaluation forward records no amax, so it starts no
+    reduction the other rank would have to join (the unseeded one seeds for itself),
+    and both ranks train exactly as without it: the same scaling state, weights and
+    collectives a step."""
+    assert results["rank0_validates"] == (True, True)
+    assert results["rank0_validates as default"] == (True, True, True)
 
 
 def test_ranks_under_different_recipes_stop_with_an_error_naming_them(results):

@@ -257,7 +257,7 @@ class DelayedScalingQuantizer(Quantizer):
                 scale, scale_inv = self._scale, self._scale_inv
             else:
                 scale, scale_inv = self._unbound_seed(
-                    lambda: self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16))
+                    lambda: self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16, False))
             if frames[0] is not None:
                 frames[0].note(self, scale, scale_inv, seeded)
             x_fp8, x_fp8_t, sums, _ = self._caster(kernel, device, _generic_tensorwise)(
@@ -360,7 +360,7 @@ class DelayedScalingQuantizer(Quantizer):
                 scale, scale_inv = self._scale, self._scale_inv
             else:
                 scale, scale_inv = self._unbound_seed(
-                    lambda: self._seed_from_amax(max_over(shard_amax(shard), group)))
+                    lambda: self._seed_from_amax(max_over(shard_amax(shard), group), False))
             if frames[0] is not None:
                 frames[0].note(self, scale, scale_inv, seeded)
             data, _, _ = cast(shard, scale, self.fp8_dtype, rowwise=True, columnwise=False)
@@ -401,7 +401,7 @@ class DelayedScalingQuantizer(Quantizer):
         self.seeded = True
         self._record(amax)
 
-    def _seed(self, x_hp: torch.Tensor, cast: Callable, round_bf16: bool = False) -> None:
+    def _seed(self, x_hp: torch.Tensor, cast: Callable, round_bf16: bool = False, reduce: bool = True) -> None:
         """First scale of a fresh quantizer, from the amax of ``x_hp`` itself
         (``round_bf16``: of ``x_hp.to(bfloat16)``, which the cast then reads; that amax
         is the bf16 rounding of ``x_hp``'s, rounding being monotone and symmetric, so
@@ -415,12 +415,15 @@ class DelayedScalingQuantizer(Quantizer):
         cast(x_hp, self._scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
         if round_bf16:
             amax = amax.to(torch.bfloat16).float()
-        self._seed_from_amax(amax)
+        self._seed_from_amax(amax, reduce)
 
-    def _seed_from_amax(self, amax: torch.Tensor) -> None:
+    def _seed_from_amax(self, amax: torch.Tensor, reduce: bool = True) -> None:
         """The first scale from ``amax`` (one element, fp32: the first tensor's), reduced
-        over the quantizer's group; see :meth:`_seed`."""
-        self._reduce_amax(amax)
+        over the quantizer's group (``reduce``; an evaluation's seed, which nothing
+        keeps, is this rank's own: a validation that one rank runs alone must not
+        wait for the others); see :meth:`_seed`."""
+        if reduce:
+            self._reduce_amax(amax)
         if self.scaling_factor_compute_algo is None:
             # "most_recent": the scale from this amax alone (kept at 1 for inf or NaN); seeding records
             # no history and counts nothing (the record that follows counts)
@@ -435,9 +438,10 @@ class DelayedScalingQuantizer(Quantizer):
 
     def _unbound_seed(self, seed: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
         """The scale and reciprocal that ``seed()`` (:meth:`_seed` or
-        :meth:`_seed_from_amax` on a tensor) gives a fresh quantizer, which stays
-        fresh: an evaluation forward casts with them and keeps nothing (the updates
-        make new tensors, so rebinding the old ones restores the state)."""
+        :meth:`_seed_from_amax` on a tensor, without the reduction over ranks) gives
+        a fresh quantizer, which stays fresh: an evaluation forward casts with them
+        and keeps nothing (the updates make new tensors, so rebinding the old ones
+        restores the state)."""
         kept = self._scale, self._scale_inv
         seed()
         scale, scale_inv = self._scale, self._scale_inv
