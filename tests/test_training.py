@@ -185,3 +185,34 @@ def test_calibration_records_in_evaluation_mode_and_an_fp8_evaluation_does_not()
     with torch.no_grad(), te.autocast(recipe=recipe):
         model(x)
     assert all(torch.equal(a, b) for a, b in zip(_state(model), calibrated, strict=True))
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_an_ema_copy_evaluates_under_the_recipe_as_in_bf16(name):
+    """An exponential moving average of the weights (``torch.optim.swa_utils``'s
+    ``AveragedModel``, a deep copy updated after every step), validated under the
+    recipe as users validate one: its loss is the one it has in bf16 within the
+    tolerance table's band, and its delayed-scaling state stays the one it was
+    copied with (an evaluation records nothing)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    recipe = FP8[name]
+    model = student()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
+    for step in range(3):  # a few steps first, so the copy holds seeded delayed-scaling state
+        loss_of(model, *data(step), recipe).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    copied = _state(ema.module)
+    for step in range(3, 20):
+        loss_of(model, *data(step), recipe).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema.update_parameters(model)
+    in_fp8, in_bf16 = validate(ema.module, recipe), validate(ema.module, None)
+    band = tolerance(torch.float8_e4m3fn)["rtol"] * in_bf16
+    assert abs(in_fp8 - in_bf16) <= band, (in_fp8, in_bf16)
+    n_params = len(list(ema.module.parameters()))
+    assert name != "delayed" or len(copied) > n_params
+    assert all(torch.equal(a, b) for a, b in zip(_state(ema.module)[n_params:], copied[n_params:], strict=True))
