@@ -170,3 +170,30 @@ def test_quantize_tensorwise_column_sums_at_the_linear_gradient_size():
             for name, got, want in zip(("data", "data_t", "amax"), (q, qt, amax), cast(x, scale, E5M2, True, True)):
                 assert_bitwise(got, want, f"{fused.__module__} vs {cast.__module__} {name}")
         assert_close(sums, exact, "column_sums_fp32", f"{fused.__module__} sums", scaled=True)
+
+
+@pytest.mark.parametrize("maxnreg", [None, 64, 32])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_transposing_casts_under_a_register_cap_bitwise(fp8_dtype, maxnreg):
+    """The transposing tensorwise and current casts under the transpose plan with a
+    register cap (``CastPlan.maxnreg``, a launch option): the same bits as the
+    reference, infinities included (NaN bytes) and a NaN row."""
+    from te_fuser.kernels.triton import cast
+
+    x = _big(4096, 4096)
+    x[11, 13], x[17, 19] = float("inf"), float("-inf")
+    x_finite = torch.nan_to_num(x, posinf=float("inf"), neginf=float("-inf"))
+    scale = torch.tensor(0.37, device="cuda")
+    saved = cast.CAST_PLANS["transpose"]
+    cast.CAST_PLANS["transpose"] = cast.CastPlan(saved.block_m, saved.block_n, saved.num_warps, saved.programs_per_sm,
+                                                 maxnreg)
+    try:
+        for g, w in zip(tk.quantize_tensorwise(x_finite, scale, fp8_dtype, True, True),
+                        ref.quantize_tensorwise_reference(x_finite, scale, fp8_dtype, True, True)):
+            assert_bitwise(g, w, f"tensorwise 4096, maxnreg {maxnreg}")
+        y = torch.nan_to_num(x, posinf=0.0, neginf=0.0)  # current scaling: a finite amax
+        for g, w in zip(tk.quantize_current(y, fp8_dtype, columnwise=True),
+                        ref.quantize_current_reference(y, fp8_dtype, columnwise=True)):
+            assert_bitwise(g, w, f"current 4096, maxnreg {maxnreg}")
+    finally:
+        cast.CAST_PLANS["transpose"] = saved

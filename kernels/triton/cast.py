@@ -90,12 +90,16 @@ def _fp8_meta(fp8_dtype: torch.dtype, xk: torch.Tensor) -> dict:
 @dataclass(frozen=True)
 class CastPlan:
     """Launch shape of a per-tensor cast: tiles of (block_m, block_n) elements and
-    ``programs_per_sm`` persistent programs per multiprocessor."""
+    ``programs_per_sm`` persistent programs per multiprocessor. ``maxnreg``: a cap
+    on a thread's registers (Triton's launch option; None: ptxas chooses), so that
+    ``programs_per_sm`` programs can be resident at once: ptxas may otherwise take
+    all 255 and leave room for one program of 256 threads a multiprocessor."""
 
     block_m: int
     block_n: int
     num_warps: int
     programs_per_sm: int
+    maxnreg: int | None = None
 
 
 # Launch shapes on a GPU: "flat" casts a contiguous tensor without a transposed
@@ -132,7 +136,10 @@ def _launch_meta(xk: torch.Tensor, plan: CastPlan) -> tuple[int, dict]:
     n_tiles = cdiv(M, plan.block_m) * cdiv(N, plan.block_n)
     programs = min(n_tiles, plan.programs_per_sm * sm_count(xk))
     even = M % plan.block_m == 0 and N % plan.block_n == 0
-    return programs, dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, EVEN=even, num_warps=plan.num_warps)
+    meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, EVEN=even, num_warps=plan.num_warps)
+    if plan.maxnreg is not None and not is_interpreted(xk):
+        meta["maxnreg"] = plan.maxnreg
+    return programs, meta
 
 
 # ----------------------------------------------------------------- per tensor
