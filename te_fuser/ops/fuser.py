@@ -811,21 +811,20 @@ def _backward_steps(plan: FusionPlan) -> tuple:
     return steps
 
 
-def run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
-    """The plan's forward steps on ``x``: ``(contexts, output, extra outputs)``. A
-    plan in evaluation mode runs with delayed scaling's recording off (its casts
-    take the scale as it stands: ``quantization/delayed.py``)."""
-    if plan.training:
-        return _run_forward(fuser, plan, x, extra_inputs)
-    was = _EVALUATING[0]
+def _run_evaluation(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
+    """:func:`run_forward` of a plan in evaluation mode: delayed scaling's recording
+    off while it runs (its casts take the scale as it stands: ``quantization/delayed.py``)."""
     _EVALUATING[0] = True
     try:
-        return _run_forward(fuser, plan, x, extra_inputs)
+        return run_forward(fuser, plan, x, extra_inputs)
     finally:
-        _EVALUATING[0] = was
+        _EVALUATING[0] = False
 
 
-def _run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
+def run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
+    """The plan's forward steps on ``x``: ``(contexts, output, extra outputs)``."""
+    if not plan.training and not _EVALUATING[0]:
+        return _run_evaluation(fuser, plan, x, extra_inputs)
     run = plan.run
     ctxs = [OpContext(op, qs, run) for op, qs in zip(fuser.ops, plan.quantizers)]
     steps = plan.forward_steps or _forward_steps(fuser, plan)

@@ -243,27 +243,14 @@ class DelayedScalingQuantizer(Quantizer):
         self._flush()
         self._move_state(device)
         frames = CHECKPOINT_FRAMES
-        if frames[1] is not None:  # a checkpointed region recomputed: its forward's scale, nothing recorded
-            scale, scale_inv, seeded = frames[1].next_scale(self)
-            if frames[0] is not None:  # a region nested in it runs its forward again: noted for its own replay
-                frames[0].note(self, scale, scale_inv, seeded)
+        if frames[1] is not None or EVALUATING[0]:  # a cast that records nothing
+            scale, scale_inv = self._unrecorded_scale(
+                lambda: self._seed_amax(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16))
             x_fp8, x_fp8_t, sums, _ = self._caster(kernel, device, _generic_tensorwise)(
                 x_hp, scale, rowwise, columnwise, round_bf16)
             return (tensor_scaled(x_fp8, scale_inv) if rowwise else None,
                     tensor_scaled(x_fp8_t, scale_inv) if columnwise else None, sums)
         seeded = self.seeded
-        if EVALUATING[0]:  # an evaluation forward: the scale as it stands, nothing recorded
-            if seeded:
-                scale, scale_inv = self._scale, self._scale_inv
-            else:
-                scale, scale_inv = self._unbound_seed(
-                    lambda: self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16, False))
-            if frames[0] is not None:
-                frames[0].note(self, scale, scale_inv, seeded)
-            x_fp8, x_fp8_t, sums, _ = self._caster(kernel, device, _generic_tensorwise)(
-                x_hp, scale, rowwise, columnwise, round_bf16)
-            return (tensor_scaled(x_fp8, scale_inv) if rowwise else None,
-                    tensor_scaled(x_fp8_t, scale_inv) if columnwise else None, sums)
         if not seeded:  # the first scale from the amax of what is cast
             self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16)
         if frames[0] is not None:  # a checkpointed region's forward: its recomputation casts alike
@@ -348,23 +335,11 @@ class DelayedScalingQuantizer(Quantizer):
         self._move_state(device)
         cast = backend.resolve("quantize_tensorwise", device).fn
         frames = CHECKPOINT_FRAMES
-        if frames[1] is not None:  # a checkpointed region recomputed: its forward's scale, nothing recorded
-            scale, scale_inv, seeded = frames[1].next_scale(self)
-            if frames[0] is not None:
-                frames[0].note(self, scale, scale_inv, seeded)
+        if frames[1] is not None or EVALUATING[0]:  # a gather that records nothing
+            scale, scale_inv = self._unrecorded_scale(lambda: max_over(shard_amax(shard), group))
             data, _, _ = cast(shard, scale, self.fp8_dtype, rowwise=True, columnwise=False)
             return data, scale_inv
         seeded = self.seeded
-        if EVALUATING[0]:  # an evaluation forward's gather: the scale as it stands, nothing recorded
-            if seeded:
-                scale, scale_inv = self._scale, self._scale_inv
-            else:
-                scale, scale_inv = self._unbound_seed(
-                    lambda: self._seed_from_amax(max_over(shard_amax(shard), group), False))
-            if frames[0] is not None:
-                frames[0].note(self, scale, scale_inv, seeded)
-            data, _, _ = cast(shard, scale, self.fp8_dtype, rowwise=True, columnwise=False)
-            return data, scale_inv
         if not seeded:
             self._seed_from_amax(max_over(shard_amax(shard), group))
         if frames[0] is not None:
@@ -401,53 +376,60 @@ class DelayedScalingQuantizer(Quantizer):
         self.seeded = True
         self._record(amax)
 
-    def _seed(self, x_hp: torch.Tensor, cast: Callable, round_bf16: bool = False, reduce: bool = True) -> None:
-        """First scale of a fresh quantizer, from the amax of ``x_hp`` itself
-        (``round_bf16``: of ``x_hp.to(bfloat16)``, which the cast then reads; that amax
-        is the bf16 rounding of ``x_hp``'s, rounding being monotone and symmetric, so
-        no rounded copy is made).
+    def _unrecorded_scale(self, first_amax: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, scale_inv)`` of a cast that records nothing: in a checkpointed
+        region's recomputation, the scale its forward noted; in an evaluation forward,
+        the scale as it stands, or for a fresh quantizer the first scale that
+        ``first_amax()`` (the amax of what is cast) would seed, this rank's own and
+        kept nowhere (a validation one rank runs alone must not wait for the others),
+        the quantizer staying fresh. Noted for the replay of a checkpointed region
+        being recorded."""
+        frames = CHECKPOINT_FRAMES
+        if frames[1] is not None:
+            scale, scale_inv, seeded = frames[1].next_scale(self)
+        else:
+            seeded = self.seeded
+            scale, scale_inv = (self._scale, self._scale_inv) if seeded else self._first_scale(first_amax())
+        if frames[0] is not None:  # a region nested in the one recomputed runs its forward again
+            frames[0].note(self, scale, scale_inv, seeded)
+        return scale, scale_inv
+
+    def _seed_amax(self, x_hp: torch.Tensor, cast: Callable, round_bf16: bool = False) -> torch.Tensor:
+        """The amax a fresh quantizer seeds from: of ``x_hp`` itself (``round_bf16``: of
+        ``x_hp.to(bfloat16)``, which the cast then reads; that amax is the bf16 rounding
+        of ``x_hp``'s, rounding being monotone and symmetric, so no rounded copy is made)."""
+        amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
+        cast(x_hp, self._scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
+        return amax.to(torch.bfloat16).float() if round_bf16 else amax
+
+    def _seed(self, x_hp: torch.Tensor, cast: Callable, round_bf16: bool = False) -> None:
+        """First scale of a fresh quantizer, from the amax of ``x_hp`` (:meth:`_seed_amax`).
 
         An inf or NaN amax cannot seed: the scale stays 1. The quantizer is marked
         seeded all the same, since telling the two apart would read the device (a
         host sync); the same call's :meth:`_record` skips that amax and counts it
         once, and the next finite tensor (cast with scale 1) sets the scale."""
-        amax = torch.empty(1, dtype=torch.float32, device=x_hp.device)
-        cast(x_hp, self._scale, self.fp8_dtype, rowwise=False, columnwise=False, amax_out=amax)
-        if round_bf16:
-            amax = amax.to(torch.bfloat16).float()
-        self._seed_from_amax(amax, reduce)
+        self._seed_from_amax(self._seed_amax(x_hp, cast, round_bf16))
 
-    def _seed_from_amax(self, amax: torch.Tensor, reduce: bool = True) -> None:
+    def _seed_from_amax(self, amax: torch.Tensor) -> None:
         """The first scale from ``amax`` (one element, fp32: the first tensor's), reduced
-        over the quantizer's group (``reduce``; an evaluation's seed, which nothing
-        keeps, is this rank's own: a validation that one rank runs alone must not
-        wait for the others); see :meth:`_seed`."""
-        if reduce:
-            self._reduce_amax(amax)
+        over the quantizer's group; see :meth:`_seed`."""
+        self._reduce_amax(amax)
+        self._scale, self._scale_inv = self._first_scale(amax)
+        self.seeded = True
+
+    def _first_scale(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale and reciprocal a fresh quantizer takes from ``amax`` (nothing bound)."""
         if self.scaling_factor_compute_algo is None:
             # "most_recent": the scale from this amax alone (kept at 1 for inf or NaN); seeding records
             # no history and counts nothing (the record that follows counts)
             update = backend.resolve("delayed_scale_update", amax.device).fn
-            _, self._scale, self._scale_inv, _ = update(
+            _, scale, scale_inv, _ = update(
                 self._amax_history, amax, self._scale, self._nonfinite_amax_count, self.fp8_dtype, self.margin,
                 "most_recent")  # fmt: skip
-        else:
-            scale, _ = self._next_scale(amax.reshape(()), self._scale)
-            self._set_scale(scale)
-        self.seeded = True
-
-    def _unbound_seed(self, seed: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scale and reciprocal that ``seed()`` (:meth:`_seed` or
-        :meth:`_seed_from_amax` on a tensor, without the reduction over ranks) gives
-        a fresh quantizer, which stays fresh: an evaluation forward casts with them
-        and keeps nothing (the updates make new tensors, so rebinding the old ones
-        restores the state)."""
-        kept = self._scale, self._scale_inv
-        seed()
-        scale, scale_inv = self._scale, self._scale_inv
-        self._scale, self._scale_inv = kept
-        self.seeded = False
-        return scale, scale_inv
+            return scale, scale_inv
+        scale, _ = self._next_scale(amax.reshape(()), self._scale)
+        return scale, torch.reciprocal(scale)  # as _set_scale: an IEEE fp32 division
 
     def _record(self, amax: torch.Tensor) -> None:
         """Record ``amax`` (one element, fp32) once the waiting amaxes are applied
