@@ -2,9 +2,9 @@
 
 ``spawned(worker, nprocs)`` runs ``worker(rank, folder, results)`` in ``nprocs``
 processes and returns what they put in ``results``. The ranks are forked from the
-test process where the platform allows (they start with torch and te_fuser
-imported: seconds saved per rank), each on one intra-op thread (the ranks share
-the machine's cores).
+test process where the platform allows and the process has not used CUDA (they
+start with torch and te_fuser imported: seconds saved per rank), each on one
+intra-op thread (the ranks share the machine's cores).
 
 With ``TE_FUSER_TEST_DIST=nccl`` the tests whose workers are written for it
 (``spawned(..., gpus=True)``) run on GPUs: NCCL, one GPU per rank (``device()``
@@ -58,7 +58,10 @@ def spawned(worker, nprocs: int, gpus: bool = False) -> dict:
         if torch.cuda.device_count() < nprocs:
             pytest.skip(f"{nprocs} ranks need {nprocs} GPUs under NCCL, this machine has {torch.cuda.device_count()}")
         os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    method = "fork" if "fork" in mp.get_all_start_methods() and not on_gpu else "spawn"
+    # A fork after this process used CUDA inherits autograd's device threads, which a
+    # forked rank's backward refuses: spawn then, as on GPUs.
+    forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+    method = "fork" if forkable and not on_gpu else "spawn"
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
         shared = manager.dict()
         try:
