@@ -490,6 +490,7 @@ class PhaseClock:
 
     device: torch.device
     first_step_ms: float | None = None
+    lone_step_ms: float | None = None  # a steady step timed alone, as the first step is (see ``lone``)
     timed_s: float = 0.0
     timed_steps: int = 0
     last_window: tuple[float, int] | None = None  # (seconds, steps) between the last two sync points
@@ -508,6 +509,17 @@ class PhaseClock:
         steps the clock must leave out, which a :meth:`restart` then follows."""
         if self._steps:
             self.read()
+
+    def lone(self, step) -> None:
+        """Run ``step`` timed alone between two syncs, as the first step is, and leave
+        it out of the phase's rate: the first step's yardstick. A step timed alone
+        also pays for filling the GPU's queue, which steps back to back overlap."""
+        self.commit()
+        self.restart()
+        step()
+        _sync(self.device)
+        self.lone_step_ms = 1e3 * (time.perf_counter() - self._t0)
+        self.restart()
 
     def read(self) -> tuple[float, int]:
         """Seconds and steps since the last restart (synchronising the device)."""
@@ -549,15 +561,19 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
             if i == profiled.start:
                 _profile_steps(arm, run, phase, recipe, first_step + i, len(profiled), clock)
             continue
+        lone = i == phase.steps - LONE_FROM_END and phase.steps >= LONE_MIN_STEPS
         if i == 0 and arm.name == "te" and args.profile_switch == phase.name:
             _profile_switch(arm, run, phase, recipe, first_step)
+        elif lone:
+            clock.lone(lambda: train_step(arm, run, recipe, first_step + i))
         else:
             train_step(arm, run, recipe, first_step + i)
-        clock.stepped()
+        if not lone:
+            clock.stepped()
         done = first_step + i + 1
         eval_due = i == phase.steps - 1 or (args.eval_every and done % args.eval_every == 0)
         if i == 0 or eval_due or done % args.log_every == 0:
-            elapsed, steps = clock.read()
+            elapsed, steps = (clock.lone_step_ms / 1e3, 1) if lone else clock.read()
             arm.read_losses()
             _log(arm, done, run.total_steps, phase, steps * tokens_per_step / elapsed)
             if eval_due:
@@ -567,6 +583,9 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
 
 
 PROFILED_STEPS = 3
+# A phase of LONE_MIN_STEPS or more times its step LONE_FROM_END from its end alone
+# (``PhaseClock.lone``), the yardstick of its first step (the switch)
+LONE_MIN_STEPS, LONE_FROM_END = 8, 2
 
 
 def _profiled_steps(args: argparse.Namespace, phase: Phase) -> range:
@@ -644,7 +663,8 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
     first_step_ms, tokens_per_s = clock.first_step_ms, clock.tokens_per_s(tokens_per_step)
     record = {
         "phase": phase.name, "numerics": arm.numerics(phase), "recipe": None if recipe is None else str(recipe),
-        "steps": phase.steps, "first_step_ms": first_step_ms, "tokens_per_s": tokens_per_s,
+        "steps": phase.steps, "first_step_ms": first_step_ms, "lone_step_ms": clock.lone_step_ms,
+        "tokens_per_s": tokens_per_s,
         "steady_tokens_per_s": clock.steady_tokens_per_s(tokens_per_step),
         "val_bpb": last_eval["val_bpb"], "val_bpb_bf16": last_eval["val_bpb_bf16"],
     }
@@ -658,8 +678,9 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
     arm.phases.append(record)
     bf16 = "" if record["val_bpb_bf16"] is None else f", {record['val_bpb_bf16']:.4f} in bf16"
     speed = "" if tokens_per_s is None else f"; {tokens_per_s / 1e3:.1f}k tok/s"
+    lone = "" if clock.lone_step_ms is None else f" (a step alone {clock.lone_step_ms:.1f} ms)"
     print(f"[{arm.name:<8}] steps {first_step + 1}-{first_step + phase.steps} {arm.numerics(phase)}: "
-          f"validation {record['val_bpb']:.4f} bpb{bf16}{speed}; first step {first_step_ms:.1f} ms", flush=True)
+          f"validation {record['val_bpb']:.4f} bpb{bf16}{speed}; first step {first_step_ms:.1f} ms{lone}", flush=True)
 
 
 def train_arm(arm: Arm, run: Run) -> None:
@@ -843,24 +864,30 @@ def _phase_entry(phase: Phase) -> dict:
 
 
 def _overall_tokens_per_s(phases: list[dict]) -> float | None:
-    """Over the timed steps of every phase (each phase's first step excluded)."""
-    rates = [(p["steps"] - 1, p["tokens_per_s"]) for p in phases if p["tokens_per_s"]]
+    """Over the timed steps of every phase (each phase's first step and a step timed
+    alone excluded)."""
+    rates = [(p["steps"] - 1 - (p["lone_step_ms"] is not None), p["tokens_per_s"]) for p in phases
+             if p["tokens_per_s"]]
     if not rates:
         return None
     steps = sum(n for n, _ in rates)
     return steps / sum(n / r for n, r in rates)
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def print_summary(arms: list[Arm]) -> None:
     print(f"\n{'arm':<8} {'phase':<11} {'numerics':<11} {'val bpb':>8} {'in bf16':>8} {'k tok/s':>8} "
-          f"{'steady':>8} {'1st step ms':>11}")
+          f"{'steady':>8} {'1st step ms':>11} {'alone ms':>8}")
     for arm in arms:
         for p in arm.phases:
             bf16 = "-" if p["val_bpb_bf16"] is None else f"{p['val_bpb_bf16']:.4f}"
             speed, steady = ("-" if v is None else f"{v / 1e3:.1f}" for v in (p["tokens_per_s"],
                                                                               p["steady_tokens_per_s"]))
             print(f"{arm.name:<8} {p['phase']:<11} {p['numerics']:<11} {p['val_bpb']:>8.4f} {bf16:>8} {speed:>8} "
-                  f"{steady:>8} {p['first_step_ms']:>11.1f}")
+                  f"{steady:>8} {p['first_step_ms']:>11.1f} {_ms(p['lone_step_ms']):>8}")
     print("(k tok/s: a phase's steps after its first; steady: its last --log-every window)")
     _print_ratios(arms)
     print(f"\n{'arm':<8} {'held as':<12} {'weights MiB':>11} {'params MiB':>10} {'start MiB':>9} {'peak MiB':>9}")

@@ -380,8 +380,10 @@ def test_a_profiled_phase_trains_the_same_bits_and_records_each_arms_kernels():
     """``--profile-phase delayed``: three steps in the middle of that phase run under
     torch.profiler for every arm, out of the phase's clock; the losses are those of
     the run without it, bit for bit, and each arm's record for the phase holds its
-    table (CPU ops here). A phase too short to profile says so."""
-    argv = ["--size", "smoke", "--schedule", "bf16:4,delayed:6,bf16:4", "--arms", "te,torch", "--corpus-bytes",
+    table (CPU ops here). A phase too short to profile says so. A phase of eight
+    steps or more also times its last step but one alone (the yardstick of its first
+    step), out of its rate."""
+    argv = ["--size", "smoke", "--schedule", "bf16:4,delayed:8,bf16:4", "--arms", "te,torch", "--corpus-bytes",
             "300000", "--eval-batches", "2", "--log-every", "4"]
     _, report, stdout = _same_losses_with(argv, ["--profile-phase", "delayed"])
     for arm in ("te", "torch"):
@@ -390,7 +392,11 @@ def test_a_profiled_phase_trains_the_same_bits_and_records_each_arms_kernels():
         table = profiles[1]
         assert table["steps"] == 3 and table["ms_per_step"] > 0 and table["top"], (arm, table)
         assert all(row["ms"] >= 0 and row["calls"] > 0 and row["name"] for row in table["top"])
-    assert "delayed: steps 6-8 profiled" in stdout
+    assert "delayed: steps 7-9 profiled" in stdout
+    for arm in ("te", "torch"):
+        lone = [p["lone_step_ms"] for p in report["arms"][arm]["phases"]]
+        assert lone[0] is None and lone[1] > 0 and lone[2] is None, (arm, lone)
+    assert stdout.count("(a step alone ") == 2
     _, stdout = _run(argv[:3] + ["bf16:3"] + argv[4:] + ["--profile-phase", "bf16"])
     assert "bf16: 3 steps, too few to profile (5 or more)" in stdout
 
