@@ -2,8 +2,8 @@
 
 ``spawned(worker, nprocs)`` runs ``worker(rank, folder, results)`` in ``nprocs``
 processes and returns what they put in ``results``. The ranks are forked from the
-test process where the platform allows and the process has not used CUDA (they
-start with torch and te_fuser imported: seconds saved per rank), each on one
+test process where the platform allows and the machine has no GPU (they start
+with torch and te_fuser imported: seconds saved per rank), each on one
 intra-op thread (the ranks share the machine's cores).
 
 With ``TE_FUSER_TEST_DIST=nccl`` the tests whose workers are written for it
@@ -58,9 +58,10 @@ def spawned(worker, nprocs: int, gpus: bool = False) -> dict:
         if torch.cuda.device_count() < nprocs:
             pytest.skip(f"{nprocs} ranks need {nprocs} GPUs under NCCL, this machine has {torch.cuda.device_count()}")
         os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    # A fork after this process used CUDA inherits autograd's device threads, which a
-    # forked rank's backward refuses: spawn then, as on GPUs.
-    forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+    # Where a GPU is present, autograd starts its device threads at this process's first
+    # backward (on CPU tensors too), and a rank forked after that refuses to run its own
+    # backward: spawn there.
+    forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_available()
     method = "fork" if forkable and not on_gpu else "spawn"
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
         shared = manager.dict()
