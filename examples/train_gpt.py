@@ -63,6 +63,10 @@ out of the phase's tokens/s (they train as any other step: the same bits).
 switch: the re-fusion and every first use after it) under cProfile, its backward
 on the calling thread: the host's functions by own time are printed and kept in
 the JSON with the phase; that phase's first-step time is then the profiled one's.
+``--trace-switch NAME`` runs it under torch.profiler instead: the GPU's kernel time
+against the step's wall time, and the CUDA runtime calls (cudaMalloc, waits).
+Every phase records the first step's time and, from eight steps on, a later step's
+timed alone the same way (between two syncs), with the cudaMalloc calls of both.
 
     python examples/train_gpt.py --size smoke --steps 20 --json gpt.json --png gpt.png
     python examples/train_gpt.py --size gpu --fp8-params --arms te,torch --json gpt_fp8_params.json
@@ -241,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-switch", metavar="NAME",
                    help="profile the te arm's first step of phase NAME (the switch) with cProfile, the backward on the "
                         "calling thread: the host's functions by own time, printed and in the JSON")
+    p.add_argument("--trace-switch", metavar="NAME",
+                   help="trace the te arm's first step of phase NAME (the switch) with torch.profiler: its GPU "
+                        "kernels' time against its wall time, and the CUDA runtime calls (allocations and waits "
+                        "among them), printed and in the JSON")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the run's figures here")
     p.add_argument("--png", metavar="PATH", help="plot the loss curves here (needs matplotlib)")
@@ -275,7 +283,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     names = dict.fromkeys(p.name for p in args.phases)
-    for flag, phase in (("--profile-switch", args.profile_switch), ("--profile-phase", args.profile_phase)):
+    for flag, phase in (("--profile-switch", args.profile_switch), ("--profile-phase", args.profile_phase),
+                        ("--trace-switch", args.trace_switch)):
         if phase is not None and phase not in names:
             parser.error(f"{flag}: {phase!r} is not a phase of the schedule ({', '.join(names)})")
     if args.checkpoint and args.graphed:
@@ -337,6 +346,14 @@ def _resolve_adamw(parser: argparse.ArgumentParser, kind: str, device: torch.dev
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _device_mallocs(device: torch.device) -> int | None:
+    """How many segments the CUDA caching allocator has taken from the driver so far
+    (each a cudaMalloc, which waits for the device); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_device_alloc", 0)
 
 
 def _compute(recipe, device: torch.device):
@@ -491,6 +508,11 @@ class PhaseClock:
     device: torch.device
     first_step_ms: float | None = None
     lone_step_ms: float | None = None  # a steady step timed alone, as the first step is (see ``lone``)
+    # segments the CUDA caching allocator took from the driver (cudaMalloc) in the first
+    # step and in the step timed alone (None off CUDA)
+    first_step_mallocs: int | None = None
+    lone_step_mallocs: int | None = None
+    _mallocs0: int | None = None
     timed_s: float = 0.0
     timed_steps: int = 0
     last_window: tuple[float, int] | None = None  # (seconds, steps) between the last two sync points
@@ -499,7 +521,11 @@ class PhaseClock:
 
     def restart(self) -> None:
         _sync(self.device)
+        self._mallocs0 = _device_mallocs(self.device)
         self._t0, self._steps = time.perf_counter(), 0
+
+    def _mallocs(self) -> int | None:
+        return None if self._mallocs0 is None else _device_mallocs(self.device) - self._mallocs0
 
     def stepped(self) -> None:
         self._steps += 1
@@ -519,6 +545,7 @@ class PhaseClock:
         step()
         _sync(self.device)
         self.lone_step_ms = 1e3 * (time.perf_counter() - self._t0)
+        self.lone_step_mallocs = self._mallocs()
         self.restart()
 
     def read(self) -> tuple[float, int]:
@@ -527,6 +554,7 @@ class PhaseClock:
         elapsed = time.perf_counter() - self._t0
         if self.first_step_ms is None:
             self.first_step_ms = 1e3 * elapsed
+            self.first_step_mallocs = self._mallocs()
         else:
             self.timed_s, self.timed_steps = self.timed_s + elapsed, self.timed_steps + self._steps
             self.last_window = (elapsed, self._steps)
@@ -564,6 +592,10 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
         lone = i == phase.steps - LONE_FROM_END and phase.steps >= LONE_MIN_STEPS
         if i == 0 and arm.name == "te" and args.profile_switch == phase.name:
             _profile_switch(arm, run, phase, recipe, first_step)
+        elif i == 0 and arm.name == "te" and args.trace_switch == phase.name:
+            _trace_switch(arm, run, phase, recipe, first_step)
+        elif lone and arm.name == "te" and args.trace_switch == phase.name:  # traced as the switch was
+            clock.lone(lambda: _trace_switch(arm, run, phase, recipe, first_step + i, "lone"))
         elif lone:
             clock.lone(lambda: train_step(arm, run, recipe, first_step + i))
         else:
@@ -657,6 +689,40 @@ def _profile_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, top: in
         print(f"[{arm.name:<8}]   {ms:8.3f} ms {calls:6d}x  {name[:100]}", flush=True)
 
 
+def _trace_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, what: str = "switch", top: int = 12) -> None:
+    """A step of ``phase`` under torch.profiler (``what``: "switch", its first step, or
+    "lone", the step timed alone, for comparison): the time its GPU kernels take (on
+    CUDA) against the step's wall time, and the host's CUDA runtime calls by time (a
+    cudaMalloc or a synchronisation waits for the device), printed and kept in the
+    arm's record for the phase."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = run.args.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        train_step(arm, run, recipe, step)
+        _sync(run.args.device)
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+    kernels_ms, kernels, runtime = 0.0, 0, []
+    for event in prof.key_averages():
+        on_device = getattr(event, "device_type", None) is not None and "CUDA" in str(event.device_type)
+        if on_device:
+            own = getattr(event, "self_device_time_total", None)
+            kernels_ms += (event.self_cuda_time_total if own is None else own) / 1e3
+            kernels += event.count
+        elif event.key.startswith(("cuda", "cu")):  # the runtime's and the driver's API calls
+            runtime.append((event.cpu_time_total / 1e3, event.count, event.key))
+    runtime.sort(reverse=True)
+    arm.profiles[f"{phase.name} {what} trace"] = {
+        "wall_ms": wall_ms, "gpu_kernels_ms": kernels_ms if cuda else None, "gpu_kernels": kernels,
+        "runtime": [{"name": name, "ms": ms, "calls": calls} for ms, calls, name in runtime[:top]]}
+    print(f"[{arm.name:<8}] {phase.name}: the {what} step traced, {wall_ms:.2f} ms; GPU kernels {kernels_ms:.2f} ms "
+          f"({kernels} launches)", flush=True)
+    for ms, calls, name in runtime[:top]:
+        print(f"[{arm.name:<8}]   {ms:8.3f} ms {calls:6d}x  {name[:100]}", flush=True)
+
+
 def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, tokens_per_step: int,
                   refusions_before: int | None) -> None:
     recipe, last_eval = arm.recipe(phase), arm.evals[-1]
@@ -664,6 +730,7 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
     record = {
         "phase": phase.name, "numerics": arm.numerics(phase), "recipe": None if recipe is None else str(recipe),
         "steps": phase.steps, "first_step_ms": first_step_ms, "lone_step_ms": clock.lone_step_ms,
+        "first_step_mallocs": clock.first_step_mallocs, "lone_step_mallocs": clock.lone_step_mallocs,
         "tokens_per_s": tokens_per_s,
         "steady_tokens_per_s": clock.steady_tokens_per_s(tokens_per_step),
         "val_bpb": last_eval["val_bpb"], "val_bpb_bf16": last_eval["val_bpb_bf16"],
@@ -674,11 +741,16 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
         record["profile"] = arm.profiles[phase.name]
     if f"{phase.name} switch" in arm.profiles:
         record["switch_profile"] = arm.profiles[f"{phase.name} switch"]
+    for what in ("switch", "lone"):
+        if f"{phase.name} {what} trace" in arm.profiles:
+            record[f"{what}_trace"] = arm.profiles[f"{phase.name} {what} trace"]
     record["weight_bytes"] = linear_weight_bytes(arm.model)  # FP8 parameters take each recipe's layout
     arm.phases.append(record)
     bf16 = "" if record["val_bpb_bf16"] is None else f", {record['val_bpb_bf16']:.4f} in bf16"
     speed = "" if tokens_per_s is None else f"; {tokens_per_s / 1e3:.1f}k tok/s"
     lone = "" if clock.lone_step_ms is None else f" (a step alone {clock.lone_step_ms:.1f} ms)"
+    if clock.first_step_mallocs is not None:
+        lone += f"; cudaMalloc {clock.first_step_mallocs} in the first step, {clock.lone_step_mallocs} alone"
     print(f"[{arm.name:<8}] steps {first_step + 1}-{first_step + phase.steps} {arm.numerics(phase)}: "
           f"validation {record['val_bpb']:.4f} bpb{bf16}{speed}; first step {first_step_ms:.1f} ms{lone}", flush=True)
 

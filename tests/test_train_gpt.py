@@ -416,3 +416,21 @@ def test_a_profiled_switch_trains_the_same_bits_and_records_the_hosts_functions(
     assert all(p.get("switch_profile") is None for p in report["arms"]["torch"]["phases"])
     assert "current: the switch step under cProfile" in stdout
     assert torch._C._is_multithreading_enabled()
+
+
+def test_a_traced_switch_trains_the_same_bits_and_records_it_beside_a_step_alone():
+    """``--trace-switch delayed``: the te arm's first step of the delayed phase and its
+    step timed alone run under torch.profiler; the losses are those of the run
+    without it, and the phase's record holds both traces (wall time, and on a CPU no
+    GPU kernel time); no other phase or arm holds one."""
+    argv = ["--size", "smoke", "--schedule", "bf16:2,delayed:8", "--arms", "te,torch", "--corpus-bytes", "300000",
+            "--eval-batches", "1", "--log-every", "100"]
+    _, report, stdout = _same_losses_with(argv, ["--trace-switch", "delayed"])
+    phases = report["arms"]["te"]["phases"]
+    assert "switch_trace" not in phases[0] and "lone_trace" not in phases[0]
+    for what in ("switch", "lone"):
+        trace = phases[1][f"{what}_trace"]
+        assert trace["wall_ms"] > 0 and (trace["gpu_kernels_ms"] is None) == (not torch.cuda.is_available())
+        assert f"delayed: the {what} step traced" in stdout
+    assert phases[1]["lone_step_ms"] > 0
+    assert all("switch_trace" not in p for p in report["arms"]["torch"]["phases"])
