@@ -594,6 +594,8 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
             _profile_switch(arm, run, phase, recipe, first_step)
         elif i == 0 and arm.name == "te" and args.trace_switch == phase.name:
             _trace_switch(arm, run, phase, recipe, first_step)
+        elif lone and arm.name == "te" and args.profile_switch == phase.name:  # profiled as the switch was
+            clock.lone(lambda: _profile_switch(arm, run, phase, recipe, first_step + i, "lone"))
         elif lone and arm.name == "te" and args.trace_switch == phase.name:  # traced as the switch was
             clock.lone(lambda: _trace_switch(arm, run, phase, recipe, first_step + i, "lone"))
         elif lone:
@@ -665,10 +667,12 @@ def _profile_steps(arm: Arm, run: Run, phase: Phase, recipe, first: int, count: 
     clock.restart()  # after the trace is read: its processing is not the next steps' time
 
 
-def _profile_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, top: int = 25) -> None:
-    """The first step of ``phase`` (its switch) under cProfile, the backward on the
-    calling thread so that its Python is seen; the functions with the most own time
-    are printed and kept in the arm's record for the phase."""
+def _profile_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, what: str = "switch",
+                    top: int = 25) -> None:
+    """A step of ``phase`` under cProfile (``what``: "switch", its first step, or
+    "lone", the step timed alone, for comparison), the backward on the calling
+    thread so that its Python is seen; the functions with the most own time are
+    printed and kept in the arm's record for the phase."""
     import cProfile
     import pstats
 
@@ -682,9 +686,10 @@ def _profile_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, top: in
     rows = sorted(((own * 1e3, calls, f"{name} ({file.rsplit('/', 1)[-1]}:{line})")
                    for (file, line, name), (_, calls, own, _, _) in stats.items()), reverse=True)
     total = sum(ms for ms, _, _ in rows)
-    arm.profiles[f"{phase.name} switch"] = {"ms_own_total": total, "top": [
+    key = f"{phase.name} switch" if what == "switch" else f"{phase.name} lone profile"
+    arm.profiles[key] = {"ms_own_total": total, "top": [
         {"name": name, "ms": ms, "calls": calls} for ms, calls, name in rows[:top]]}
-    print(f"[{arm.name:<8}] {phase.name}: the switch step under cProfile, {total:.2f} ms of own time", flush=True)
+    print(f"[{arm.name:<8}] {phase.name}: the {what} step under cProfile, {total:.2f} ms of own time", flush=True)
     for ms, calls, name in rows[:15]:
         print(f"[{arm.name:<8}]   {ms:8.3f} ms {calls:6d}x  {name[:100]}", flush=True)
 
@@ -741,6 +746,8 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
         record["profile"] = arm.profiles[phase.name]
     if f"{phase.name} switch" in arm.profiles:
         record["switch_profile"] = arm.profiles[f"{phase.name} switch"]
+    if f"{phase.name} lone profile" in arm.profiles:
+        record["lone_profile"] = arm.profiles[f"{phase.name} lone profile"]
     for what in ("switch", "lone"):
         if f"{phase.name} {what} trace" in arm.profiles:
             record[f"{what}_trace"] = arm.profiles[f"{phase.name} {what} trace"]

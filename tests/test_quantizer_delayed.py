@@ -740,3 +740,76 @@ def test_a_training_loop_keeps_every_loss_bit_with_the_update_in_the_cast(monkey
         assert calls, "the delayed casts did not take the one-call path"
     monkeypatch.setattr(DelayedScalingQuantizer, "update_in_cast", False)
     assert gpt_losses(device=device) == one_call
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
+def test_placed_states_cast_as_states_moved_one_by_one():
+    """``place_states``: fresh and loaded CPU states of several history lengths move in
+    two copies, each tensor on a 16-byte boundary (a GEMM reads a scale where it
+    lies), and casting with them trains the state as moving each at its first cast."""
+    from te_fuser.quantization.delayed import place_states
+
+    def quantizers():
+        out = [DelayedScalingQuantizer(E4M3, amax_history_len=n) for n in (1, 5, 16)]
+        loaded = DelayedScalingQuantizer(E5M2, amax_history_len=3)
+        loaded.load_state_dict({"scale": torch.tensor(2.0), "scale_inv": torch.tensor(0.5),
+                                "amax_history": torch.tensor([3.0, 1.0, 0.0]), "seeded": True,
+                                "nonfinite_amax_count": torch.tensor(2)})
+        return out + [loaded]
+
+    placed, alone = quantizers(), quantizers()
+    place_states(placed, torch.device("cuda"))
+    for q, r in zip(placed, alone):
+        for name in q.STATE_TENSORS:
+            t = getattr(q, name)
+            assert t.is_cuda and t.data_ptr() % 16 == 0, name
+            assert_bitwise(t.cpu(), getattr(r, name))
+    torch.manual_seed(0)
+    xs = [torch.randn(16, 32, device="cuda") * (i + 1) for i in range(3)]
+    for x in xs:
+        for q, r in zip(placed, alone):
+            a, b = q.cast(x, rowwise=True, columnwise=True), r.cast(x, rowwise=True, columnwise=True)
+            assert_bitwise(a.rowwise.data.view(torch.uint8), b.rowwise.data.view(torch.uint8))
+    for q, r in zip(placed, alone):
+        for name, t in q.state_dict().items():
+            assert (t == r.state_dict()[name]) if name == "seeded" else torch.equal(t, r.state_dict()[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
+def test_a_switch_to_delayed_scaling_copies_its_fresh_states_twice_a_fuser(monkeypatch):
+    """The first training step under delayed scaling copies the fresh quantizers'
+    states to the GPU in two copies a fuser, not four a quantizer, and trains the
+    same bits as moving each quantizer at its first cast."""
+    import te_fuser as te
+    from te_fuser.ops import fuser as fuser_module
+
+    def train(place: bool):
+        if not place:
+            monkeypatch.setattr(fuser_module, "place_states", lambda quantizers, device: None)
+        torch.manual_seed(0)
+        model = te.ops.Sequential(te.ops.Linear(64, 64), te.ops.GELU(), te.ops.Linear(64, 64)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        x = torch.randn(32, 64, device="cuda")
+        recipe = te.recipe.DelayedScaling(amax_history_len=16)
+        losses, copies = [], None
+        for step in range(3):
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                with te.autocast(recipe=recipe):
+                    loss = model(x).float().square().mean()
+                loss.backward()
+            if step == 0:
+                copies = sum(e.count for e in prof.key_averages() if e.key == "cudaMemcpyAsync")
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        monkeypatch.undo()
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()], copies
+
+    losses, params, copies = train(True)
+    losses_alone, params_alone, copies_alone = train(False)
+    assert_bitwise(losses, losses_alone)
+    for p, q in zip(params, params_alone):
+        assert_bitwise(p, q)
+    # at least 5 fresh quantizers (2 inputs, 2 weights, a gradient): 20 copies become 2
+    assert copies + 4 * 5 - 2 <= copies_alone, (copies, copies_alone)

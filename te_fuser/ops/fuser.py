@@ -35,6 +35,7 @@ from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from ..quantization.amax_reduction import WORLD
 from ..quantization.delayed import EVALUATING as _EVALUATING
+from ..quantization.delayed import place_states
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.recompute import ACTIVE as _CHECKPOINT_FRAMES
 from ..quantization.tensor import QuantizedTensor
@@ -557,6 +558,7 @@ class OperationFuser:
             quantizers = [op.installed_quantizers for op in self.ops]
         else:
             quantizers = self._build_quantizers(recipe, recipe_key)
+            place_states([q for qs in quantizers for q in qs.values()], device)  # two copies, not four each
         t1 = time.perf_counter()
         phases["quantizers"] = t1 - t0
         plan_recipe = recipe if (recipe is not None and not calibrating) else None

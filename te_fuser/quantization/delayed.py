@@ -68,7 +68,7 @@ from .role import QuantizerRole
 from .tensor import QuantizedTensor
 
 
-__all__ = ["DelayedScalingQuantizer"]
+__all__ = ["DelayedScalingQuantizer", "place_states"]
 
 
 def _generic_tensorwise(fn, fp8_dtype: torch.dtype):
@@ -624,3 +624,47 @@ class DelayedScalingQuantizer(Quantizer):
             sf = self.scaling_factor_compute_algo
             text += f", scale={getattr(sf, '__qualname__', 'callable')}"
         return text + ")"
+
+
+# Where place_states lays a quantizer's state out in its shared block: every tensor
+# starts on a 16-byte boundary (the GEMM takes a scale's address as it is there,
+# and Triton specialises on a pointer's alignment).
+_FLOATS_PER_SLOT = 4
+_INT64S_PER_SLOT = 2
+
+
+def place_states(quantizers, device: torch.device) -> None:
+    """Move the scaling state of the delayed-scaling quantizers among ``quantizers``
+    that still hold it on the CPU (fresh ones, or ones given a loaded state) to
+    ``device`` in two copies, instead of four a quantizer at its first cast: a plan
+    built at a switch to delayed scaling has a hundred such quantizers in a GPT, and
+    their copies made the switch step one of hundreds more launches. Each tensor
+    becomes a view of one of two blocks; an update rebinds the state to its own new
+    tensors (the state is never written in place), so the blocks only hold the
+    first values. The same values as moving each quantizer alone."""
+    movers = [q for q in quantizers if isinstance(q, DelayedScalingQuantizer) and q._scale.device.type == "cpu"]
+    if device.type != "cuda" or len(movers) < 2:
+        return  # elsewhere, or for one quantizer, the state moves at the first cast as before
+    floats, int64s = [], []
+    for q in movers:
+        q._flush()
+        slot = torch.zeros(2 * _FLOATS_PER_SLOT + _padded(q.amax_history_len, _FLOATS_PER_SLOT), dtype=torch.float32)
+        slot[0], slot[_FLOATS_PER_SLOT] = q._scale, q._scale_inv
+        slot[2 * _FLOATS_PER_SLOT:2 * _FLOATS_PER_SLOT + q.amax_history_len] = q._amax_history
+        floats.append(slot)
+        count = torch.zeros(_INT64S_PER_SLOT, dtype=torch.int64)
+        count[0] = q._nonfinite_amax_count
+        int64s.append(count)
+    float_block = torch.cat(floats).to(device, non_blocking=True)
+    int64_block = torch.cat(int64s).to(device, non_blocking=True)
+    at = 0
+    for i, (q, slot) in enumerate(zip(movers, floats)):  # 0-d and 1-d views, each 16-byte aligned
+        q._scale, q._scale_inv = float_block[at], float_block[at + _FLOATS_PER_SLOT]
+        start = at + 2 * _FLOATS_PER_SLOT
+        q._amax_history = float_block[start:start + q.amax_history_len]
+        q._nonfinite_amax_count = int64_block[i * _INT64S_PER_SLOT]
+        at += slot.numel()
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
