@@ -135,6 +135,9 @@ class DelayedScalingQuantizer(Quantizer):
     # Where the backend's prepared cast can update the state in the same call (see
     # _cast_and_update): False leaves every update to the deferred path (tests of it).
     update_in_cast = True
+    # Whether a fresh quantizer's first cast may be a current-scaling cast (see
+    # _seeding_cast): False seeds with an amax pass first (tests of it).
+    seed_in_cast = True
 
     def __init__(
         self,
@@ -251,6 +254,8 @@ class DelayedScalingQuantizer(Quantizer):
             return (tensor_scaled(x_fp8, scale_inv) if rowwise else None,
                     tensor_scaled(x_fp8_t, scale_inv) if columnwise else None, sums)
         seeded = self.seeded
+        if not seeded and self.seed_in_cast and self.margin == 0 and self._kernel_update and self._group() is None:
+            return self._seeding_cast(x_hp, rowwise, columnwise, kernel, round_bf16)
         if not seeded:  # the first scale from the amax of what is cast
             self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16)
         if frames[0] is not None:  # a checkpointed region's forward: its recomputation casts alike
@@ -266,6 +271,33 @@ class DelayedScalingQuantizer(Quantizer):
         rowwise_op = tensor_scaled(x_fp8, scale_inv) if rowwise else None  # (M, K)
         columnwise_op = tensor_scaled(x_fp8_t, scale_inv) if columnwise else None  # (K, M)
         return rowwise_op, columnwise_op, sums
+
+    def _seeding_cast(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool):
+        """A fresh quantizer's first cast as one current-scaling cast: with no margin
+        and the built-in scale, the seed's scale from the tensor's own amax is current
+        scaling's (fmax / amax; 1 for an amax of 0, inf or NaN; the largest fp32 where
+        that overflows), so the cast computes amax, scale and copies in one pass
+        where seeding took an amax pass and an update first. The amax is then
+        recorded as any cast's: the same copies and state, bit for bit, and one
+        launch where a switch to delayed scaling otherwise launched four or five for
+        every fresh quantizer. ``(row-wise operand, column-wise operand, sums or None)``."""
+        device = x_hp.device
+        if kernel == "quantize_tensorwise_column_sums":
+            fn = backend.resolve("quantize_current_column_sums", device).fn
+            data, data_t, scale, scale_inv, amax, sums = fn(x_hp, self.fp8_dtype, False, 0.0, rowwise, columnwise,
+                                                            round_bf16)
+        else:
+            fn = backend.resolve("quantize_current", device).fn
+            data, data_t, scale, scale_inv, amax = fn(x_hp, self.fp8_dtype, False, 0.0, rowwise, columnwise, None)
+            sums = None
+        self._scale, self._scale_inv = scale.reshape(()), scale_inv.reshape(())
+        self.seeded = True
+        if CHECKPOINT_FRAMES[0] is not None:  # a checkpointed region's forward: its recomputation seeds alike
+            CHECKPOINT_FRAMES[0].note(self, self._scale, self._scale_inv, False)
+        self._record(amax.reshape(1))
+        scale_inv = self._scale_inv
+        return (tensor_scaled(data, scale_inv) if rowwise else None,
+                tensor_scaled(data_t, scale_inv) if columnwise else None, sums)
 
     def _cast_and_update(self, cast, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
         """The cast with the state updated from its amax in the same call, where the
