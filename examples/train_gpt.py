@@ -283,6 +283,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     names = dict.fromkeys(p.name for p in args.phases)
+    if args.profile_switch is not None and args.profile_switch == args.trace_switch:
+        parser.error(f"--profile-switch and --trace-switch: one of them for phase {args.profile_switch!r}")
     for flag, phase in (("--profile-switch", args.profile_switch), ("--profile-phase", args.profile_phase),
                         ("--trace-switch", args.trace_switch)):
         if phase is not None and phase not in names:
@@ -581,6 +583,9 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
     clock = PhaseClock(args.device)
     clock.restart()
     profiled = _profiled_steps(args, phase)
+    probe = None  # --profile-switch or --trace-switch: its first step and its step alone, for the te arm
+    if arm.name == "te":
+        probe = {args.profile_switch: _profile_switch, args.trace_switch: _trace_switch}.get(phase.name)
     if args.profile_phase == phase.name and not profiled:
         print(f"[{arm.name:<8}] {phase.name}: {phase.steps} steps, too few to profile ({PROFILED_STEPS + 2} or more)",
               flush=True)
@@ -590,14 +595,10 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
                 _profile_steps(arm, run, phase, recipe, first_step + i, len(profiled), clock)
             continue
         lone = i == phase.steps - LONE_FROM_END and phase.steps >= LONE_MIN_STEPS
-        if i == 0 and arm.name == "te" and args.profile_switch == phase.name:
-            _profile_switch(arm, run, phase, recipe, first_step)
-        elif i == 0 and arm.name == "te" and args.trace_switch == phase.name:
-            _trace_switch(arm, run, phase, recipe, first_step)
-        elif lone and arm.name == "te" and args.profile_switch == phase.name:  # profiled as the switch was
-            clock.lone(lambda: _profile_switch(arm, run, phase, recipe, first_step + i, "lone"))
-        elif lone and arm.name == "te" and args.trace_switch == phase.name:  # traced as the switch was
-            clock.lone(lambda: _trace_switch(arm, run, phase, recipe, first_step + i, "lone"))
+        if i == 0 and probe is not None:
+            probe(arm, run, phase, recipe, first_step)
+        elif lone and probe is not None:  # the step alone as the switch was, for comparison
+            clock.lone(lambda: probe(arm, run, phase, recipe, first_step + i, "lone"))
         elif lone:
             clock.lone(lambda: train_step(arm, run, recipe, first_step + i))
         else:
@@ -686,8 +687,7 @@ def _profile_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, what: s
     rows = sorted(((own * 1e3, calls, f"{name} ({file.rsplit('/', 1)[-1]}:{line})")
                    for (file, line, name), (_, calls, own, _, _) in stats.items()), reverse=True)
     total = sum(ms for ms, _, _ in rows)
-    key = f"{phase.name} switch" if what == "switch" else f"{phase.name} lone profile"
-    arm.profiles[key] = {"ms_own_total": total, "top": [
+    arm.profiles[f"{phase.name} {what} profile"] = {"ms_own_total": total, "top": [
         {"name": name, "ms": ms, "calls": calls} for ms, calls, name in rows[:top]]}
     print(f"[{arm.name:<8}] {phase.name}: the {what} step under cProfile, {total:.2f} ms of own time", flush=True)
     for ms, calls, name in rows[:15]:
@@ -744,13 +744,10 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
         record["refusions"] = arm.refusions() - refusions_before
     if phase.name in arm.profiles:
         record["profile"] = arm.profiles[phase.name]
-    if f"{phase.name} switch" in arm.profiles:
-        record["switch_profile"] = arm.profiles[f"{phase.name} switch"]
-    if f"{phase.name} lone profile" in arm.profiles:
-        record["lone_profile"] = arm.profiles[f"{phase.name} lone profile"]
     for what in ("switch", "lone"):
-        if f"{phase.name} {what} trace" in arm.profiles:
-            record[f"{what}_trace"] = arm.profiles[f"{phase.name} {what} trace"]
+        for kind in ("profile", "trace"):
+            if f"{phase.name} {what} {kind}" in arm.profiles:
+                record[f"{what}_{kind}"] = arm.profiles[f"{phase.name} {what} {kind}"]
     record["weight_bytes"] = linear_weight_bytes(arm.model)  # FP8 parameters take each recipe's layout
     arm.phases.append(record)
     bf16 = "" if record["val_bpb_bf16"] is None else f", {record['val_bpb_bf16']:.4f} in bf16"

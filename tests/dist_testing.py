@@ -61,8 +61,7 @@ def spawned(worker, nprocs: int, gpus: bool = False) -> dict:
     # Where a GPU is present, autograd starts its device threads at this process's first
     # backward (on CPU tensors too), and a rank forked after that refuses to run its own
     # backward: spawn there.
-    forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_available()
-    method = "fork" if forkable and not on_gpu else "spawn"
+    method = "fork" if "fork" in mp.get_all_start_methods() and not torch.cuda.is_available() else "spawn"
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
         shared = manager.dict()
         try:

@@ -854,3 +854,20 @@ def test_a_first_cast_as_current_scaling_seeds_as_the_amax_pass(first, fp8_dtype
     a, b = (q.state_dict() for q in quantizers)
     for name in a:
         assert (a[name] == b[name]) if name == "seeded" else torch.equal(a[name], b[name]), name
+
+
+def test_a_training_loop_keeps_every_loss_bit_with_the_seeding_cast_and_placed_states(monkeypatch):
+    """The smoke GPT trained as users train it (fused AdamW, evaluations without FP8, a
+    checkpoint resumed into fresh quantizers, recipe switches bf16 -> delayed ->
+    current -> bf16): every loss the same bits with fresh quantizers seeding in a
+    current-scaling cast and (on a GPU) their states placed in two copies, as with
+    an amax pass first and each state moved at its first cast."""
+    from training_loops import gpt_losses
+
+    from te_fuser.ops import fuser as fuser_module
+
+    device = _updating_device()
+    fast = gpt_losses(device=device)
+    monkeypatch.setattr(DelayedScalingQuantizer, "seed_in_cast", False)
+    monkeypatch.setattr(fuser_module, "place_states", lambda quantizers, device: None)
+    assert gpt_losses(device=device) == fast

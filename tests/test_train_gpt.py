@@ -275,6 +275,8 @@ def test_corpus_is_the_stdlib_in_sorted_order():
          "--profile-switch: 'block' is not a phase of the schedule (bf16, delayed)"),
         (["--schedule", "bf16,delayed", "--profile-phase", "current"],
          "--profile-phase: 'current' is not a phase of the schedule (bf16, delayed)"),
+        (["--schedule", "bf16,delayed", "--profile-switch", "delayed", "--trace-switch", "delayed"],
+         "--profile-switch and --trace-switch: one of them for phase 'delayed'"),
     ],
 )
 def test_argument_errors_are_one_line(argv, message, capsys):
