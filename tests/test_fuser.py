@@ -380,3 +380,62 @@ def test_a_new_kernel_backend_rebuilds_the_plan_and_its_report_names_it(monkeypa
         assert "backend=auto" in model.fusion_plan() and model.fusion_stats().builds == builds + 2
     finally:
         te.set_backend("auto")
+
+
+@pytest.mark.parametrize("a,b", [("delayed", "current"), ("current", "none"), ("mxfp8", "delayed")])
+def test_a_switch_back_matches_no_rules_and_equals_a_fresh_model(a, b, monkeypatch):
+    """A -> B -> A: the switch back to A takes the fusion steps, kernel notes and
+    validated shapes matched under A before (the plan template) and builds only
+    fresh quantizers, and trains bit for bit as a fresh model built on A."""
+    from te_fuser.ops import fuser as fuser_module
+
+    x = [representable(32, H, generator=torch.Generator().manual_seed(i)) * 0.125 for i in range(8)]
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for i in range(3):
+        step(model, x[i], RECIPES[a], opt)
+    for i in range(3, 5):
+        step(model, x[i], RECIPES[b], opt)
+    matched = []
+    real_match = fuser_module.match
+    monkeypatch.setattr(fuser_module, "match", lambda *args, **kw: matched.append(args[1]) or real_match(*args, **kw))
+    builds = model.fusion_stats().builds
+    model.prepare(x[5], recipe=RECIPES[a])  # the switch back
+    assert model.fusion_stats().builds == builds + 1 and matched == []
+    snapshot = copy.deepcopy(model.state_dict())
+    fresh = mlp(seed=123)
+    fresh.load_state_dict(snapshot)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=1e-2)
+    for i in range(5, 8):
+        out_m, g_m = step(model, x[i], RECIPES[a], opt)
+        out_f, g_f = step(fresh, x[i], RECIPES[a], fresh_opt)
+        assert_identical(out_m, out_f, f"step {i} output")
+        assert_identical(g_m, g_f, f"step {i} grads")
+    assert model.fusion_plan() == fresh.fusion_plan()
+
+
+def test_a_switch_back_matches_again_under_another_rule_table():
+    """A plan template belongs to the rule table it was matched with: a switch back
+    inside ``without_fusion_rules`` (or after a rule is registered) matches again."""
+    model, x = mlp(), torch.randn(8, H)
+    current, delayed = RECIPES["current"], RECIPES["delayed"]
+    for recipe in (current, delayed):
+        step(model, x, recipe)
+    assert "rule forward_linear_bias_activation" in model.fusion_plan()
+    with te.ops.without_fusion_rules("forward_linear_bias_activation"):
+        step(model, x, current)
+        assert "rule forward_linear_bias_activation" not in model.fusion_plan()
+    step(model, x, delayed)
+    step(model, x, current)
+    assert "rule forward_linear_bias_activation" in model.fusion_plan()
+
+
+def test_a_switch_back_checks_a_new_input_shape_again():
+    """The shapes a template validated are reused; another shape is checked under
+    the switch's quantizers, with the op's own error."""
+    model = mlp()
+    step(model, torch.randn(8, H), RECIPES["current"])
+    step(model, torch.randn(8, H), None)
+    with pytest.raises(ValueError, match="RMSNorm: input's last dim is 65, expected 64"):
+        step(model, torch.randn(8, H + 1), RECIPES["current"])
+    step(model, torch.randn(8, H), RECIPES["current"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -777,6 +778,29 @@ def test_placed_states_cast_as_states_moved_one_by_one():
     for q, r in zip(placed, alone):
         for name, t in q.state_dict().items():
             assert (t == r.state_dict()[name]) if name == "seeded" else torch.equal(t, r.state_dict()[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
+def test_placing_states_does_not_wait_for_the_gpu():
+    """``place_states`` queues its copies behind the GPU's work without waiting for
+    it (a copy from pageable memory would wait: the control below), so the builds of
+    a switch step do not drain the GPU's queue at every fuser."""
+    from te_fuser.quantization.delayed import place_states
+
+    def host_seconds(work) -> float:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued ahead
+        t0 = time.perf_counter()
+        work()
+        elapsed = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return elapsed
+
+    pageable = host_seconds(lambda: torch.zeros(4096).to("cuda", non_blocking=True))
+    quantizers = [DelayedScalingQuantizer(E4M3, amax_history_len=16) for _ in range(8)]
+    placed = host_seconds(lambda: place_states(quantizers, torch.device("cuda")))
+    assert all(q._scale.is_cuda for q in quantizers)
+    assert pageable > 0.05 and placed < pageable / 4, (pageable, placed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")

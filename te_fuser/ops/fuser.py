@@ -45,7 +45,7 @@ from ..epoch import CHANGES as _EPOCH
 from .basic.extra import resolve_channels
 from .guard import Decision, Reads
 from .op import BasicOperation, OpContext, RunConfig
-from .rules import BuildContext, PlanStep, RuleTable, match
+from .rules import BuildContext, MatchResult, PlanStep, RuleTable, fusion_rule_table, match
 from .saved import stow_saved, unstow_saved
 
 __all__ = ["OperationFuser", "FusionPlan", "FusionStats", "PlanKey"]
@@ -91,7 +91,8 @@ def probing(recipes: dict):
 HIGH_PRECISION_KEY = "high_precision"  # the recipe part of a plan's key without a recipe
 _FLOATING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_SHAPES = 64  # input shapes a plan remembers as validated
+_MAX_SHAPES = 64  # input shapes a plan (and a plan template) remembers as validated
+_MAX_TEMPLATES = 8  # plan templates a fuser keeps (recipe keys and build contexts seen last)
 
 # torch's global forward hooks, which run for the ops as for any module's call.
 _GLOBAL_HOOK_DICTS = (_module_hooks._global_forward_pre_hooks, _module_hooks._global_forward_hooks)
@@ -170,6 +171,19 @@ class FusionPlan:
     def installs(self) -> bool:
         """Whether the plan's quantizers are the ops' own (not for high precision)."""
         return self.run.recipe is not None
+
+
+@dataclass
+class PlanTemplate:
+    """What plans for one recipe key and build context share (see
+    ``OperationFuser._template``): the rule table matched, both passes' steps, the
+    kernel notes, and the input shapes validated (-> output shape, bounded)."""
+
+    table: object  # the RuleTable matched (None: fusion off)
+    forward: MatchResult
+    backward: MatchResult
+    notes: list[str]
+    shapes: dict = field(default_factory=dict)
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -257,12 +271,13 @@ class OperationFuser:
                 object.__setattr__(self, "_resolved", (None, None))
         object.__setattr__(self, name, value)
 
-    def __getstate__(self) -> dict:  # copies and pickles get a guard of their own
+    def __getstate__(self) -> dict:  # copies and pickles get a guard (and plan templates) of their own
         self.stats  # noqa: B018 (takes the guard's hits into the statistics)
-        return {k: v for k, v in self.__dict__.items() if k not in ("_guard", "entry")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_guard", "entry", "_templates")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._templates = {}
         self.handle = compiled.register(self)
         self._make_entry()
 
@@ -454,6 +469,7 @@ class OperationFuser:
         # and of the flat parameter gradients, computed once for every backward.
         self._grad_slices = _grad_slices([len(ps) for ps in params], self._n_public_in)
         self._grad_flag_memo: dict = {}  # autograd's flags -> each op context's (see _grad_flags)
+        self._templates: dict = {}  # the plan templates (see _template): their validated shapes read the parameters
 
     # -- forward hooks of the ops ------------------------------------------------------
     def _hooks_present(self) -> bool:
@@ -562,17 +578,19 @@ class OperationFuser:
         t1 = time.perf_counter()
         phases["quantizers"] = t1 - t0
         plan_recipe = recipe if (recipe is not None and not calibrating) else None
-        context = BuildContext(needs_backward, device)
-        links = () if self.routes is None else self.routes.links
-        fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse, context=context, table=self.rules,
-                    links=links)
-        bwd = match(self.ops if needs_backward else [], "backward", plan_recipe, enabled=self.fuse, context=context,
-                    table=self.rules, links=links)
+        template = self._template(plan_recipe, recipe_key, needs_backward, device)
         t2 = time.perf_counter()
         phases["fusion"] = t2 - t1
-        out_shape = self._validate(shape, device, quantizers, bwd.steps if needs_backward else None)
         shape = torch.Size(shape)
-        notes = self._kernel_notes(plan_recipe, device)
+        out_shape = template.shapes.get(shape)
+        if out_shape is None:
+            out_shape = self._validate(shape, device, quantizers, template.backward.steps if needs_backward else None)
+            if len(template.shapes) >= _MAX_SHAPES:
+                template.shapes.clear()
+            template.shapes[shape] = out_shape
+        else:  # the shapes checked under this recipe before; the fresh quantizers' device needs again
+            self._check_devices(device, quantizers)
+        fwd, bwd, notes = template.forward, template.backward, template.notes
         t3 = time.perf_counter()
         phases["validation"] = t3 - t2
         key = PlanKey(recipe_key, needs_backward, dtype, training, calibrating, device.type, backend.get_backend())
@@ -582,6 +600,30 @@ class OperationFuser:
                           in_shape=shape, shapes={shape: out_shape})
         plan.build_phases = phases
         return plan
+
+    def _template(self, plan_recipe, recipe_key: str, needs_backward: bool, device: torch.device) -> PlanTemplate:
+        """The parts of a plan that the recipe's key, the build context, the kernel
+        backend and the rule table decide: the fusion passes' steps, the kernel notes
+        and the input shapes validated. Matched once and kept (a few, see
+        ``_MAX_TEMPLATES``), so a switch back to a recipe seen before builds only
+        its quantizers. A rule's predicate answers from the ops' configuration, the
+        recipe and the build context, which is what makes its answer reusable."""
+        table = (self.rules or fusion_rule_table()) if self.fuse else None
+        key = (recipe_key if plan_recipe is not None else None, needs_backward, device, backend.get_backend(),
+               id(table))
+        template = self._templates.get(key)
+        if template is not None and template.table is table:
+            return template
+        context = BuildContext(needs_backward, device)
+        links = () if self.routes is None else self.routes.links
+        fwd = match(self.ops, "forward", plan_recipe, enabled=self.fuse, context=context, table=table, links=links)
+        bwd = match(self.ops if needs_backward else [], "backward", plan_recipe, enabled=self.fuse, context=context,
+                    table=table, links=links)
+        template = PlanTemplate(table, fwd, bwd, self._kernel_notes(plan_recipe, device))
+        if len(self._templates) >= _MAX_TEMPLATES:
+            del self._templates[next(iter(self._templates))]  # the oldest
+        self._templates[key] = template
+        return template
 
     def publish(self, plan: FusionPlan) -> None:
         """Make a :meth:`candidate` the published plan (installing its quantizers)."""
@@ -633,15 +675,19 @@ class OperationFuser:
 
     def _validate(self, shape, device, quantizers: list[dict], backward_steps: list[PlanStep] | None) -> torch.Size:
         out_shape = self._check_shapes(shape, quantizers)
-        for qs in quantizers:
-            for q in qs.values():
-                q.check_device(device)
+        self._check_devices(device, quantizers)
         if backward_steps is not None:
             covered = sorted(i for step in backward_steps for i in step.indices)
             if covered != list(range(len(self.ops))):
                 raise RuntimeError(
                     f"op fuser: the backward plan covers ops {covered}, expected all of 0..{len(self.ops) - 1}")
         return out_shape
+
+    @staticmethod
+    def _check_devices(device, quantizers: list[dict]) -> None:
+        for qs in quantizers:
+            for q in qs.values():
+                q.check_device(device)
 
     def _check_shapes(self, shape, quantizers: list[dict]) -> torch.Size:
         """Each op's checks of its input shape (and its quantizers' block sizes); the output shape."""

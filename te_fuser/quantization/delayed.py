@@ -668,34 +668,41 @@ _INT64S_PER_SLOT = 2
 def place_states(quantizers, device: torch.device) -> None:
     """Move the scaling state of the delayed-scaling quantizers among ``quantizers``
     that still hold it on the CPU (fresh ones, or ones given a loaded state) to
-    ``device`` in two copies, instead of four a quantizer at its first cast: a plan
-    built at a switch to delayed scaling has a hundred such quantizers in a GPT, and
-    their copies made the switch step one of hundreds more launches. Each tensor
-    becomes a view of one of two blocks; an update rebinds the state to its own new
-    tensors (the state is never written in place), so the blocks only hold the
-    first values. The same values as moving each quantizer alone."""
+    ``device`` in two copies that do not wait for the GPU, instead of four a
+    quantizer at its first cast: a plan built at a switch to delayed scaling has a
+    hundred such quantizers in a GPT, and their copies made the switch step one of
+    hundreds more launches. Each tensor becomes a view of one of two blocks; an
+    update rebinds the state to its own new tensors (the state is never written in
+    place), so the blocks only hold the first values. The same values as moving
+    each quantizer alone."""
     movers = [q for q in quantizers if isinstance(q, DelayedScalingQuantizer) and q._scale.device.type == "cpu"]
     if device.type != "cuda" or len(movers) < 2:
         return  # elsewhere, or for one quantizer, the state moves at the first cast as before
-    floats, int64s = [], []
+    pad = torch.zeros(_FLOATS_PER_SLOT, dtype=torch.float32)
+    pieces, counts, starts, at = [], [], [], 0
     for q in movers:
         q._flush()
-        slot = torch.zeros(2 * _FLOATS_PER_SLOT + _padded(q.amax_history_len, _FLOATS_PER_SLOT), dtype=torch.float32)
-        slot[0], slot[_FLOATS_PER_SLOT] = q._scale, q._scale_inv
-        slot[2 * _FLOATS_PER_SLOT:2 * _FLOATS_PER_SLOT + q.amax_history_len] = q._amax_history
-        floats.append(slot)
-        count = torch.zeros(_INT64S_PER_SLOT, dtype=torch.int64)
-        count[0] = q._nonfinite_amax_count
-        int64s.append(count)
-    float_block = torch.cat(floats).to(device, non_blocking=True)
-    int64_block = torch.cat(int64s).to(device, non_blocking=True)
-    at = 0
-    for i, (q, slot) in enumerate(zip(movers, floats)):  # 0-d and 1-d views, each 16-byte aligned
-        q._scale, q._scale_inv = float_block[at], float_block[at + _FLOATS_PER_SLOT]
-        start = at + 2 * _FLOATS_PER_SLOT
-        q._amax_history = float_block[start:start + q.amax_history_len]
+        n = q.amax_history_len
+        pieces += (q._scale.reshape(1), pad[1:], q._scale_inv.reshape(1), pad[1:], q._amax_history,
+                   pad[:_padded(n, _FLOATS_PER_SLOT) - n])
+        counts.append(q._nonfinite_amax_count)
+        starts.append(at)
+        at += 2 * _FLOATS_PER_SLOT + _padded(n, _FLOATS_PER_SLOT)
+    # Staged in page-locked memory, the copies are queued without waiting: from pageable
+    # memory each would first wait for the GPU to finish all the work queued before it,
+    # at every fuser's build in the switch step. The staging blocks stay out of reuse
+    # until their copies are done (the caching host allocator records the copies).
+    float_stage = torch.empty(at, dtype=torch.float32, pin_memory=True)
+    torch.cat(pieces, out=float_stage)
+    int64_stage = torch.zeros((len(movers), _INT64S_PER_SLOT), dtype=torch.int64, pin_memory=True)
+    int64_stage[:, 0] = torch.stack(counts)
+    float_block = float_stage.to(device, non_blocking=True)
+    int64_block = int64_stage.reshape(-1).to(device, non_blocking=True)
+    for i, (q, start) in enumerate(zip(movers, starts)):  # 0-d and 1-d views, each 16-byte aligned
+        q._scale, q._scale_inv = float_block[start], float_block[start + _FLOATS_PER_SLOT]
+        history = start + 2 * _FLOATS_PER_SLOT
+        q._amax_history = float_block[history:history + q.amax_history_len]
         q._nonfinite_amax_count = int64_block[i * _INT64S_PER_SLOT]
-        at += slot.numel()
 
 
 def _padded(n: int, multiple: int) -> int:
