@@ -33,6 +33,7 @@ from .. import backend
 from ..autocast import STATE_STACK as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
+from ..quantization.base import Quantizer
 from ..quantization.amax_reduction import WORLD
 from ..quantization.delayed import EVALUATING as _EVALUATING
 from ..quantization.delayed import place_states
@@ -88,6 +89,7 @@ def probing(recipes: dict):
         plans.update({key[1]: plan for key, plan in _PROBE.items() if isinstance(key, tuple) and key[0] == "plans"})
         _PROBE.clear()
 
+_BASE_CHECK_DEVICE = Quantizer.check_device
 HIGH_PRECISION_KEY = "high_precision"  # the recipe part of a plan's key without a recipe
 _FLOATING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -574,7 +576,7 @@ class OperationFuser:
             quantizers = [op.installed_quantizers for op in self.ops]
         else:
             quantizers = self._build_quantizers(recipe, recipe_key)
-            place_states([q for qs in quantizers for q in qs.values()], device)  # two copies, not four each
+            place_states([q for qs in quantizers for q in qs.values()], device)  # at once, not four copies each
         t1 = time.perf_counter()
         phases["quantizers"] = t1 - t0
         plan_recipe = recipe if (recipe is not None and not calibrating) else None
@@ -685,9 +687,18 @@ class OperationFuser:
 
     @staticmethod
     def _check_devices(device, quantizers: list[dict]) -> None:
+        """Each quantizer's device needs (its ``check_device``), asked once per need
+        where the check is the base class's: the first quantizer with a compute
+        capability not yet checked raises for it; one of its own is always asked."""
+        checked = {None}
         for qs in quantizers:
             for q in qs.values():
-                q.check_device(device)
+                need = q.min_compute_capability
+                if type(q).check_device is not _BASE_CHECK_DEVICE:
+                    q.check_device(device)
+                elif need not in checked:
+                    q.check_device(device)
+                    checked.add(need)
 
     def _check_shapes(self, shape, quantizers: list[dict]) -> torch.Size:
         """Each op's checks of its input shape (and its quantizers' block sizes); the output shape."""

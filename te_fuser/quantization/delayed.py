@@ -668,40 +668,47 @@ _INT64S_PER_SLOT = 2
 def place_states(quantizers, device: torch.device) -> None:
     """Move the scaling state of the delayed-scaling quantizers among ``quantizers``
     that still hold it on the CPU (fresh ones, or ones given a loaded state) to
-    ``device`` in two copies that do not wait for the GPU, instead of four a
-    quantizer at its first cast: a plan built at a switch to delayed scaling has a
-    hundred such quantizers in a GPT, and their copies made the switch step one of
-    hundreds more launches. Each tensor becomes a view of one of two blocks; an
-    update rebinds the state to its own new tensors (the state is never written in
-    place), so the blocks only hold the first values. The same values as moving
-    each quantizer alone."""
+    ``device`` at once, instead of four copies a quantizer at its first cast: a plan
+    built at a switch to delayed scaling has a hundred such quantizers in a GPT, and
+    their copies made the switch step one of hundreds more launches, each waiting
+    for the GPU to finish the work queued before it (a copy from pageable memory
+    does). Each tensor becomes a view of one of two blocks, on a 16-byte boundary
+    (the GEMM takes a scale's address as it is, and Triton specialises on a
+    pointer's alignment): all scales and inverse scales first, then the histories.
+    An update rebinds the state to its own new tensors (the state is never written
+    in place), so the blocks only hold the first values. Where every state is a
+    fresh one (scales 1, histories and counts 0) the blocks are made on the device
+    in three launches that do not wait; otherwise they are copied. The same values
+    as moving each quantizer alone."""
     movers = [q for q in quantizers if isinstance(q, DelayedScalingQuantizer) and q._scale.device.type == "cpu"]
     if device.type != "cuda" or len(movers) < 2:
         return  # elsewhere, or for one quantizer, the state moves at the first cast as before
-    pad = torch.zeros(_FLOATS_PER_SLOT, dtype=torch.float32)
-    pieces, counts, starts, at = [], [], [], 0
+    n, f = len(movers), _FLOATS_PER_SLOT
+    pad = torch.zeros(f, dtype=torch.float32)
+    scales, histories, counts, starts, at = [], [], [], [], 2 * n * f
     for q in movers:
         q._flush()
-        n = q.amax_history_len
-        pieces += (q._scale.reshape(1), pad[1:], q._scale_inv.reshape(1), pad[1:], q._amax_history,
-                   pad[:_padded(n, _FLOATS_PER_SLOT) - n])
+        length = q.amax_history_len
+        scales += (q._scale.reshape(1), pad[1:], q._scale_inv.reshape(1), pad[1:])
+        histories += (q._amax_history, pad[:_padded(length, f) - length])
         counts.append(q._nonfinite_amax_count)
         starts.append(at)
-        at += 2 * _FLOATS_PER_SLOT + _padded(n, _FLOATS_PER_SLOT)
-    # Staged in page-locked memory, the copies are queued without waiting: from pageable
-    # memory each would first wait for the GPU to finish all the work queued before it,
-    # at every fuser's build in the switch step. The staging blocks stay out of reuse
-    # until their copies are done (the caching host allocator records the copies).
-    float_stage = torch.empty(at, dtype=torch.float32, pin_memory=True)
-    torch.cat(pieces, out=float_stage)
-    int64_stage = torch.zeros((len(movers), _INT64S_PER_SLOT), dtype=torch.int64, pin_memory=True)
-    int64_stage[:, 0] = torch.stack(counts)
-    float_block = float_stage.to(device, non_blocking=True)
-    int64_block = int64_stage.reshape(-1).to(device, non_blocking=True)
-    for i, (q, start) in enumerate(zip(movers, starts)):  # 0-d and 1-d views, each 16-byte aligned
-        q._scale, q._scale_inv = float_block[start], float_block[start + _FLOATS_PER_SLOT]
-        history = start + 2 * _FLOATS_PER_SLOT
-        q._amax_history = float_block[history:history + q.amax_history_len]
+        at += _padded(length, f)
+    floats, int64s = torch.cat(scales + histories), torch.stack(counts)
+    fresh = torch.zeros(at, dtype=torch.float32)
+    fresh[:2 * n * f].view(2 * n, f)[:, 0] = 1.0
+    if torch.equal(floats, fresh) and not int64s.any():
+        float_block = torch.zeros(at, dtype=torch.float32, device=device)
+        float_block[:2 * n * f].view(2 * n, f)[:, 0] = 1.0
+        int64_block = torch.zeros(n * _INT64S_PER_SLOT, dtype=torch.int64, device=device)
+    else:  # a loaded or carried state among them
+        int64_stage = torch.zeros((n, _INT64S_PER_SLOT), dtype=torch.int64)
+        int64_stage[:, 0] = int64s
+        float_block = floats.to(device, non_blocking=True)
+        int64_block = int64_stage.reshape(-1).to(device, non_blocking=True)
+    for i, (q, start) in enumerate(zip(movers, starts)):  # 0-d and 1-d views
+        q._scale, q._scale_inv = float_block[2 * i * f], float_block[(2 * i + 1) * f]
+        q._amax_history = float_block[start:start + q.amax_history_len]
         q._nonfinite_amax_count = int64_block[i * _INT64S_PER_SLOT]
 
 
