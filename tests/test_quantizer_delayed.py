@@ -783,10 +783,10 @@ def test_placed_states_cast_as_states_moved_one_by_one(with_loaded):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
-def test_placing_states_does_not_wait_for_the_gpu():
-    """``place_states`` queues its copies behind the GPU's work without waiting for
-    it (a copy from pageable memory would wait: the control below), so the builds of
-    a switch step do not drain the GPU's queue at every fuser."""
+def test_placing_fresh_states_does_not_wait_for_the_gpu():
+    """``place_states`` hands fresh states out of a block made before: no launch and
+    no copy, so a plan's build in a switch step does not wait behind the GPU's
+    queued work (the control, a read of a device value, does wait)."""
     from te_fuser.quantization.delayed import place_states
 
     def host_seconds(work) -> float:
@@ -798,11 +798,80 @@ def test_placing_states_does_not_wait_for_the_gpu():
         torch.cuda.synchronize()
         return elapsed
 
-    pageable = host_seconds(lambda: torch.zeros(4096).to("cuda", non_blocking=True))
+    place_states([DelayedScalingQuantizer(E4M3) for _ in range(2)], torch.device("cuda"))  # the block, made once
+    waiting = host_seconds(lambda: torch.zeros(1, device="cuda").item())
     quantizers = [DelayedScalingQuantizer(E4M3, amax_history_len=16) for _ in range(8)]
     placed = host_seconds(lambda: place_states(quantizers, torch.device("cuda")))
     assert all(q._scale.is_cuda for q in quantizers)
-    assert pageable > 0.05 and placed < pageable / 4, (pageable, placed)
+    assert waiting > 0.05 and placed < waiting / 4, (waiting, placed)
+
+
+@pytest.mark.parametrize("lengths", [[1, 5, 16], [1024, 3, 4, 7]])
+def test_fresh_state_blocks_hand_each_region_out_once(lengths):
+    """``_FreshStates``: each quantizer's scale and inverse scale 1, history and count
+    0, every tensor on a 16-byte boundary and of its own memory; regions are handed
+    out once (a state written in place leaves the next regions fresh) until the
+    block is full (then None: place_states makes another)."""
+    from te_fuser.quantization.delayed import _FreshStates
+
+    block = _FreshStates(torch.device("cpu"), slots=2 * len(lengths), history_floats=2 * sum(lengths) + 64)
+    seen = set()
+    for _ in range(2):
+        scales, scale_invs, histories, counts = block.take(lengths)
+        for scale, scale_inv, history, count, length in zip(scales, scale_invs, histories, counts, lengths):
+            assert scale.shape == scale_inv.shape == count.shape == () and history.shape == (length,)
+            assert scale.item() == scale_inv.item() == 1.0 and count.dtype == torch.int64 and count.item() == 0
+            assert not history.any()
+            for t in (scale, scale_inv, history, count):
+                assert t.data_ptr() % 16 == 0 and t.data_ptr() not in seen
+                seen.add(t.data_ptr())
+            scale.fill_(7.0)  # a state written in place
+            history.fill_(3.0)
+            count.fill_(2)
+    assert block.take(lengths) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
+def test_placed_fresh_states_span_blocks(monkeypatch):
+    """With small blocks, groups of fresh quantizers are placed across several, each
+    state fresh and its own, and cast as states moved one by one."""
+    from te_fuser.quantization import delayed
+
+    monkeypatch.setattr(delayed._FreshStates, "SLOTS", 5)
+    monkeypatch.setattr(delayed._FreshStates, "HISTORY_FLOATS", 40)
+    monkeypatch.setattr(delayed, "_FRESH_STATES", {})
+    groups = [[DelayedScalingQuantizer(E4M3, amax_history_len=n) for n in (1, 8, 16)] for _ in range(3)]
+    alone = [[DelayedScalingQuantizer(E4M3, amax_history_len=n) for n in (1, 8, 16)] for _ in range(3)]
+    x = torch.randn(16, 32, device="cuda")
+    pointers = set()
+    for group, others in zip(groups, alone):
+        delayed.place_states(group, torch.device("cuda"))
+        for q, r in zip(group, others):
+            for name in q.STATE_TENSORS:
+                t = getattr(q, name)
+                assert t.is_cuda and t.data_ptr() % 16 == 0 and t.data_ptr() not in pointers, name
+                pointers.add(t.data_ptr())
+                assert_bitwise(t.cpu(), getattr(r, name))
+            a, b = q.cast(x, rowwise=True, columnwise=True), r.cast(x, rowwise=True, columnwise=True)
+            assert_bitwise(a.rowwise.data.view(torch.uint8), b.rowwise.data.view(torch.uint8))
+
+
+def test_a_state_continued_or_loaded_is_not_fresh():
+    """What place_states makes without a copy: a quantizer's own fresh state only;
+    one continued from another quantizer, loaded, or seeded is copied."""
+    fresh = DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    assert fresh._holds_fresh_state()
+    previous = DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    previous.load_state_dict({"scale": torch.tensor(1.0), "scale_inv": torch.tensor(1.0),
+                              "amax_history": torch.tensor([3.0, 0.0, 0.0, 0.0]), "seeded": False,
+                              "nonfinite_amax_count": torch.tensor(0)})
+    assert not previous._holds_fresh_state()
+    continued = DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    continued.carry_state_from(previous)
+    assert not continued._holds_fresh_state()
+    used = DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    used.cast(torch.randn(8, 16))
+    assert not used._holds_fresh_state()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")

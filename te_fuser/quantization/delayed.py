@@ -202,6 +202,15 @@ class DelayedScalingQuantizer(Quantizer):
         self._amax_history = torch.zeros(self.amax_history_len, dtype=torch.float32, device=device)
         self._nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
         self.seeded = False
+        # The fresh state's own tensors: while the state is still these (nothing
+        # rebound them, and _continue, the one writer in place, cleared this), it
+        # holds a fresh state's values, which place_states makes without a copy.
+        self._fresh = (self._scale, self._scale_inv, self._amax_history, self._nonfinite_amax_count)
+
+    def _holds_fresh_state(self) -> bool:
+        fresh = getattr(self, "_fresh", None)  # None in a quantizer pickled before it was kept
+        return (fresh is not None and not self.seeded and fresh[0] is self._scale and fresh[1] is self._scale_inv
+                and fresh[2] is self._amax_history and fresh[3] is self._nonfinite_amax_count)
 
     def _move_state(self, device: torch.device) -> None:
         if self._scale.device != device:  # once, on first use on a device
@@ -638,6 +647,7 @@ class DelayedScalingQuantizer(Quantizer):
         quantizer's length, and recompute the scale from it (``scale``: the previous
         one, kept where the history gives none)."""
         self._reset(history.device)
+        self._fresh = None  # written in place below
         kept = min(history.numel(), self.amax_history_len)
         self._amax_history[:kept] = history[:kept]
         self._nonfinite_amax_count = count.clone()
@@ -665,51 +675,101 @@ _FLOATS_PER_SLOT = 4
 _INT64S_PER_SLOT = 2
 
 
+class _FreshStates:
+    """Device memory laid out as fresh delayed-scaling states (scales 1, histories
+    and counts 0), handed out once, region by region, to the quantizers that
+    place_states places: two launches make room for thousands of quantizers, and
+    a region is never handed out again (nothing writes a state in place: an update
+    rebinds it), so what it holds when handed out is a fresh state's values. The
+    block lives while any quantizer still holds a view of it. Layout, each tensor
+    on a 16-byte boundary (the GEMM takes a scale's address as it is, and Triton
+    specialises on a pointer's alignment): the scales and inverse scales in slots
+    of ``_FLOATS_PER_SLOT``, the histories, the counts (int64, in slots of
+    ``_INT64S_PER_SLOT``)."""
+
+    SLOTS, HISTORY_FLOATS = 4096, 1 << 20  # quantizers, and history entries, a block holds (at least)
+
+    def __init__(self, device: torch.device, slots: int, history_floats: int) -> None:
+        f, i = _FLOATS_PER_SLOT, _INT64S_PER_SLOT
+        self.slots, self.history_floats = slots, history_floats
+        scale_floats, count_floats = 2 * slots * f, slots * i * 2  # an int64 is two floats
+        block = torch.zeros(scale_floats + history_floats + count_floats, dtype=torch.float32, device=device)
+        block[:scale_floats].view(2 * slots, f)[:, 0] = 1.0
+        self.scales = block[:scale_floats]
+        self.histories = block[scale_floats:scale_floats + history_floats]
+        self.counts = block[scale_floats + history_floats:].view(torch.int64)
+        self.next_slot = self.next_history = 0
+
+    def take(self, history_lengths: list[int]):
+        """Views for ``len(history_lengths)`` quantizers: their scales, inverse
+        scales, histories and counts; None when they do not fit."""
+        n, f, i = len(history_lengths), _FLOATS_PER_SLOT, _INT64S_PER_SLOT
+        sizes = []
+        for length in history_lengths:
+            sizes += (length, _padded(length, f) - length)
+        need = sum(sizes)
+        if self.next_slot + n > self.slots or self.next_history + need > self.history_floats:
+            return None
+        s0, h0 = self.next_slot, self.next_history
+        self.next_slot, self.next_history = s0 + n, h0 + need
+        scales = self.scales[2 * s0 * f:2 * (s0 + n) * f].view(2 * n, f)[:, 0].unbind()
+        histories = self.histories[h0:h0 + need].split(sizes)[::2]
+        counts = self.counts[s0 * i:(s0 + n) * i].view(n, i)[:, 0].unbind()
+        return scales[0::2], scales[1::2], histories, counts
+
+
+_FRESH_STATES: dict = {}  # device -> its _FreshStates being handed out
+
+
 def place_states(quantizers, device: torch.device) -> None:
     """Move the scaling state of the delayed-scaling quantizers among ``quantizers``
     that still hold it on the CPU (fresh ones, or ones given a loaded state) to
     ``device`` at once, instead of four copies a quantizer at its first cast: a plan
-    built at a switch to delayed scaling has a hundred such quantizers in a GPT, and
-    their copies made the switch step one of hundreds more launches, each waiting
-    for the GPU to finish the work queued before it (a copy from pageable memory
-    does). Each tensor becomes a view of one of two blocks, on a 16-byte boundary
-    (the GEMM takes a scale's address as it is, and Triton specialises on a
-    pointer's alignment): all scales and inverse scales first, then the histories.
-    An update rebinds the state to its own new tensors (the state is never written
-    in place), so the blocks only hold the first values. Where every state is a
-    fresh one (scales 1, histories and counts 0) the blocks are made on the device
-    in three launches that do not wait; otherwise they are copied. The same values
-    as moving each quantizer alone."""
+    built at a switch to delayed scaling has a hundred such quantizers in a GPT.
+    Fresh states take regions of a device block laid out as fresh states
+    (``_FreshStates``: no launch, no copy, in most builds); where a loaded or
+    carried state is among them, the states are copied in two blocks laid out
+    alike. Each tensor becomes a view, 16-byte aligned. The same values as moving
+    each quantizer alone."""
     movers = [q for q in quantizers if isinstance(q, DelayedScalingQuantizer) and q._scale.device.type == "cpu"]
     if device.type != "cuda" or len(movers) < 2:
         return  # elsewhere, or for one quantizer, the state moves at the first cast as before
-    n, f = len(movers), _FLOATS_PER_SLOT
-    pad = torch.zeros(f, dtype=torch.float32)
-    scales, histories, counts, starts, at = [], [], [], [], 2 * n * f
     for q in movers:
         q._flush()
+    lengths = [q.amax_history_len for q in movers]
+    if all(q._holds_fresh_state() for q in movers):
+        pool = _FRESH_STATES.get(device)
+        views = None if pool is None else pool.take(lengths)
+        if views is None:
+            need = sum(_padded(length, _FLOATS_PER_SLOT) for length in lengths)
+            pool = _FreshStates(device, max(_FreshStates.SLOTS, len(movers)), max(_FreshStates.HISTORY_FLOATS, need))
+            _FRESH_STATES[device] = pool
+            views = pool.take(lengths)
+        scales, scale_invs, histories, counts = views
+    else:  # a loaded or carried state among them
+        scales, scale_invs, histories, counts = _copied_states(movers, device)
+    for q, scale, scale_inv, history, count in zip(movers, scales, scale_invs, histories, counts):
+        q._scale, q._scale_inv, q._amax_history, q._nonfinite_amax_count = scale, scale_inv, history, count
+
+
+def _copied_states(movers: list, device: torch.device):
+    """The movers' states copied to ``device`` in two blocks laid out as
+    ``_FreshStates``' (views of them, in the movers' order)."""
+    n, f, i = len(movers), _FLOATS_PER_SLOT, _INT64S_PER_SLOT
+    pad = torch.zeros(f, dtype=torch.float32)
+    scales, histories, sizes = [], [], []
+    for q in movers:
         length = q.amax_history_len
         scales += (q._scale.reshape(1), pad[1:], q._scale_inv.reshape(1), pad[1:])
         histories += (q._amax_history, pad[:_padded(length, f) - length])
-        counts.append(q._nonfinite_amax_count)
-        starts.append(at)
-        at += _padded(length, f)
-    floats, int64s = torch.cat(scales + histories), torch.stack(counts)
-    fresh = torch.zeros(at, dtype=torch.float32)
-    fresh[:2 * n * f].view(2 * n, f)[:, 0] = 1.0
-    if torch.equal(floats, fresh) and not int64s.any():
-        float_block = torch.zeros(at, dtype=torch.float32, device=device)
-        float_block[:2 * n * f].view(2 * n, f)[:, 0] = 1.0
-        int64_block = torch.zeros(n * _INT64S_PER_SLOT, dtype=torch.int64, device=device)
-    else:  # a loaded or carried state among them
-        int64_stage = torch.zeros((n, _INT64S_PER_SLOT), dtype=torch.int64)
-        int64_stage[:, 0] = int64s
-        float_block = floats.to(device, non_blocking=True)
-        int64_block = int64_stage.reshape(-1).to(device, non_blocking=True)
-    for i, (q, start) in enumerate(zip(movers, starts)):  # 0-d and 1-d views
-        q._scale, q._scale_inv = float_block[2 * i * f], float_block[(2 * i + 1) * f]
-        q._amax_history = float_block[start:start + q.amax_history_len]
-        q._nonfinite_amax_count = int64_block[i * _INT64S_PER_SLOT]
+        sizes += (length, _padded(length, f) - length)
+    counts = torch.zeros((n, i), dtype=torch.int64)
+    counts[:, 0] = torch.stack([q._nonfinite_amax_count for q in movers])
+    float_block = torch.cat(scales + histories).to(device, non_blocking=True)
+    int64_block = counts.reshape(-1).to(device, non_blocking=True)
+    both = float_block[:2 * n * f].view(2 * n, f)[:, 0].unbind()
+    return (both[0::2], both[1::2], float_block[2 * n * f:].split(sizes)[::2],
+            int64_block.view(n, i)[:, 0].unbind())
 
 
 def _padded(n: int, multiple: int) -> int:
