@@ -90,6 +90,18 @@ def test_the_caster_follows_the_backend_choice_and_the_arguments():
             backend._global_choices[("quantize_current", x.device)] = before
 
 
+def test_quantizers_of_one_configuration_share_a_prepared_cast():
+    """A prepared cast binds only constants: a plan's fresh quantizers of one
+    configuration take the one prepared before; another configuration prepares its own."""
+    x = _x((16, 32))
+    a, b = Float8CurrentScalingQuantizer(E4M3), Float8CurrentScalingQuantizer(E4M3)
+    other = Float8CurrentScalingQuantizer(E4M3, amax_epsilon=1e3)
+    for q in (a, b, other):
+        _same(q.cast(x, rowwise=True, columnwise=True), _checked(q, x, True, True))
+    assert a._kept_casters["quantize_current"][2] is b._kept_casters["quantize_current"][2]
+    assert other._kept_casters["quantize_current"][2] is not a._kept_casters["quantize_current"][2]
+
+
 def test_other_calls_take_the_checked_path_and_its_errors():
     q = Float8CurrentScalingQuantizer(E4M3, rowwise=True, columnwise=True)
     x = _x((8, 32))

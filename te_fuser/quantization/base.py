@@ -74,6 +74,11 @@ class EpilogueCast(NamedTuple):
     pending: Any
 
 
+# (kernel, backend function, constant arguments, generic wrapper) -> the prepared cast
+# (see Quantizer._caster); bounded, since an amax epsilon is any float
+_SHARED_CASTERS: dict = {}
+_MAX_SHARED_CASTERS = 256
+
 class Quantizer:
     """Base class: one tensor role's quantization recipe state.
 
@@ -176,8 +181,16 @@ class Quantizer:
         hit = kept.get(kernel)
         if hit is not None and hit[0] is fn and hit[1] == args:
             return hit[2]
-        prepare = getattr(fn, "prepare", None)
-        caster = prepare(*args) if prepare is not None else generic(fn, *args)
+        # A prepared cast binds only constants, so quantizers of one configuration
+        # share it: a plan's fresh quantizers do not each prepare their own.
+        key = (kernel, fn, args, generic)
+        caster = _SHARED_CASTERS.get(key)
+        if caster is None:
+            prepare = getattr(fn, "prepare", None)
+            caster = prepare(*args) if prepare is not None else generic(fn, *args)
+            if len(_SHARED_CASTERS) >= _MAX_SHARED_CASTERS:
+                _SHARED_CASTERS.clear()
+            _SHARED_CASTERS[key] = caster
         kept[kernel] = (fn, args, caster)
         return caster
 
