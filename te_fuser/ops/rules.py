@@ -7,10 +7,13 @@ being built, which returns ``None`` to accept or a reason to decline, and the
 fused op class to build. A rule written for one kind of recipe names it in
 ``applies_to``: under other recipes it is not tried, and not listed as declined
 (an FP8 hand-off that needs delayed scaling would otherwise crowd every other
-plan with the same reason). The matcher walks the op list left to right; at each
-position it tries the rules of the pass in table order (longest patterns first)
-and takes the first that accepts. It records which rule fired where, and why others
-that matched the pattern declined; ``Sequential.fusion_plan()`` reports both.
+plan with the same reason). A predicate reads only the ops' configuration, the
+recipe and the context: a fuser keeps what the matcher answered per recipe key
+and context (its plan templates) and reuses it. The matcher walks the op list
+left to right; at each position it tries the rules of the pass in table order
+(longest patterns first) and takes the first that accepts. It records which rule
+fired where, and why others that matched the pattern declined;
+``Sequential.fusion_plan()`` reports both.
 
 Rules live in :class:`RuleTable` values. The default table is what
 :func:`register_fusion_rule` extends; a ``Sequential(..., rules=table)`` (or a
