@@ -89,15 +89,21 @@ def test_mid_training_switch_is_bit_identical_to_a_fresh_model_on_the_target(a, 
     for i in range(3):
         step(model, x[i], RECIPES[a], opt)
     model.prepare(x[3], recipe=RECIPES[b])  # the switch: plan and quantizers for B, nothing run
-    snapshot = copy.deepcopy(model.state_dict())
+    assert_trains_as_a_fresh_model(model, opt, x, range(3, 6), RECIPES[b])
+
+
+def assert_trains_as_a_fresh_model(model, opt, x, steps, recipe):
+    """``model`` (SGD ``opt``) and a fresh ``mlp`` loaded with its state dict train
+    ``steps`` of ``x`` under ``recipe`` bit for bit alike; returns the fresh one."""
     fresh = mlp(seed=123)
-    fresh.load_state_dict(snapshot)
+    fresh.load_state_dict(copy.deepcopy(model.state_dict()))
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=1e-2)
-    for i in range(3, 6):
-        out_m, g_m = step(model, x[i], RECIPES[b], opt)
-        out_f, g_f = step(fresh, x[i], RECIPES[b], fresh_opt)
+    for i in steps:
+        out_m, g_m = step(model, x[i], recipe, opt)
+        out_f, g_f = step(fresh, x[i], recipe, fresh_opt)
         assert_identical(out_m, out_f, f"step {i} output")
         assert_identical(g_m, g_f, f"step {i} grads")
+    return fresh
 
 
 def test_delayed_to_delayed_carries_the_history_and_a_fresh_model_with_that_state_matches():
@@ -402,15 +408,7 @@ def test_a_switch_back_matches_no_rules_and_equals_a_fresh_model(a, b, monkeypat
     builds = model.fusion_stats().builds
     model.prepare(x[5], recipe=RECIPES[a])  # the switch back
     assert model.fusion_stats().builds == builds + 1 and matched == []
-    snapshot = copy.deepcopy(model.state_dict())
-    fresh = mlp(seed=123)
-    fresh.load_state_dict(snapshot)
-    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=1e-2)
-    for i in range(5, 8):
-        out_m, g_m = step(model, x[i], RECIPES[a], opt)
-        out_f, g_f = step(fresh, x[i], RECIPES[a], fresh_opt)
-        assert_identical(out_m, out_f, f"step {i} output")
-        assert_identical(g_m, g_f, f"step {i} grads")
+    fresh = assert_trains_as_a_fresh_model(model, opt, x, range(5, 8), RECIPES[a])
     assert model.fusion_plan() == fresh.fusion_plan()
 
 
