@@ -117,6 +117,59 @@ def test_each_call_builds_a_fresh_quantizer():
     assert a is not b and a.amax_history is not b.amax_history
 
 
+BUILT_IN = [DelayedScaling(amax_history_len=8, margin=1), Float8CurrentScaling(input_amax_epsilon=1e-3),
+            Float8BlockScaling(), MXFP8BlockScaling(), Float8CurrentScaling(fp8_format=Format.E4M3)]
+
+
+def _configuration(q) -> dict:
+    """A quantizer's attributes, tensors by value."""
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in vars(q).items()
+            if k not in ("_fresh", "_kept_casters")}
+
+
+@pytest.mark.parametrize("recipe", BUILT_IN, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("role", ROLES + [QuantizerRole("dpa", "s", "attn")], ids=str)
+def test_a_built_in_recipes_quantizers_are_fresh_copies_as_made(recipe, role):
+    """A built-in recipe's fresh quantizers come from one made before for its key and
+    role (``Quantizer.fresh_copy``): each as the recipe would make it, with the role
+    and recipe asked, its own state, never a used one's."""
+    from te_fuser.quantization import factory
+
+    recipe = recipe.replace(fp8_dpa=True)
+    first = quantizer_for(recipe, role)
+    if isinstance(first, DelayedScalingQuantizer):  # used: its state moves on, the next copy's must not
+        first.cast(torch.randn(16, 32))
+        first.amax_history  # noqa: B018 (applies the waiting update)
+    made = recipe.make_quantizer(role)
+    made.role = role
+    equal = recipe.replace()  # another object with the same key
+    copy = quantizer_for(equal, QuantizerRole(role.module_type, role.tensor_type, "other"))
+    assert (recipe.key, role.module_type, role.tensor_type) in factory._PROTOTYPES
+    assert copy is not first and type(copy) is type(made) and copy.role.name == "other"
+    want = _configuration(made)
+    want["role"] = copy.role
+    if "recipe" in want:
+        want["recipe"] = equal
+        assert copy.recipe is equal
+    assert _configuration(copy) == want
+    for name in copy.STATE_TENSORS:
+        assert getattr(copy, name) is not getattr(first, name)
+
+
+def test_recipes_with_callables_make_each_quantizer():
+    """A recipe field holding a callable (a delayed-scaling algorithm) runs as given:
+    its quantizers are made by the recipe every time, with the callable asked."""
+    def first(history):
+        return history.max()
+
+    def second(history):
+        return history[0]
+
+    a = quantizer_for(DelayedScaling(amax_compute_algo=first, amax_compute_algo_key="algo"), ROLES[0])
+    b = quantizer_for(DelayedScaling(amax_compute_algo=second, amax_compute_algo_key="algo"), ROLES[0])
+    assert a.amax_compute_algo is first and b.amax_compute_algo is second
+
+
 def test_custom_recipe_uses_qfactory_and_sets_role():
     calls = []
 

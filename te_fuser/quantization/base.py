@@ -165,6 +165,22 @@ class Quantizer:
         state.pop("_kept_casters", None)
         return state
 
+    def fresh_copy(self) -> "Quantizer":
+        """A new quantizer of this one's configuration in the state a new one starts
+        in (no kept casters; a stateful scheme resets in :meth:`_start_fresh`):
+        what building it again would give, without the constructor's checks,
+        which this one passed (``quantizer_for`` copies a prototype per recipe
+        key and role)."""
+        copy = object.__new__(type(self))
+        state = self.__dict__.copy()
+        state.pop("_kept_casters", None)
+        copy.__dict__.update(state)
+        copy._start_fresh()
+        return copy
+
+    def _start_fresh(self) -> None:
+        """Reset what a quantizer keeps between casts (a fresh copy's; nothing here)."""
+
     def _caster_args(self) -> tuple:
         """The constant arguments a scheme's prepared cast binds (see :meth:`_caster`)."""
         return (self.fp8_dtype,)

@@ -177,6 +177,13 @@ class DelayedScalingQuantizer(Quantizer):
 
     STATE_TENSORS = ("scale", "scale_inv", "amax_history", "nonfinite_amax_count")
 
+    def _start_fresh(self) -> None:
+        """A fresh copy's state: unseeded, nothing waiting, no group or plan key yet."""
+        self._pending = 0
+        self.amax_reduction_group = None
+        self.recipe_key = None
+        self._reset(self.device)
+
     # The state as users and holders see it: any amax still waiting (see _record) is
     # applied first. The methods below read the stored tensors after their own _flush.
     scale = _flushed_state("scale")

@@ -25,8 +25,36 @@ def quantizer_for(recipe: Recipe | None, role: QuantizerRole) -> Quantizer:
     if recipe is None:
         quantizer: Quantizer = IdentityQuantizer()
     elif isinstance(recipe, Recipe):
-        quantizer = recipe.make_quantizer(role) if recipe.quantizes(role) else IdentityQuantizer()
+        quantizer = _made(recipe, role) if recipe.quantizes(role) else IdentityQuantizer()
     else:
         raise TypeError(f"quantizer_for: recipe must be a te_fuser Recipe or None, got {type(recipe).__name__}")
     quantizer.role = role
+    return quantizer
+
+
+# (recipe key, module type, tensor type) -> a quantizer the recipe made, never used:
+# what a built-in recipe without callables makes depends on these alone, so a
+# switch's fresh quantizers are copies of it (``Quantizer.fresh_copy``), without
+# the constructors' checks. Bounded: recipe keys are any values of their fields.
+_PROTOTYPES: dict = {}
+_MAX_PROTOTYPES = 256
+
+
+def _made(recipe: Recipe, role: QuantizerRole) -> Quantizer:
+    """``recipe.make_quantizer(role)``, or a fresh copy of what it made for this key
+    and role before, for the built-in recipes whose fields hold no callable (a
+    ``CustomRecipe``'s qfactory, a delayed-scaling algorithm: those run as given)."""
+    if type(recipe).__module__ != Recipe.__module__ or any(
+            callable(getattr(recipe, name)) for name in recipe._callable_fields):
+        return recipe.make_quantizer(role)
+    key = (recipe.key, role.module_type, role.tensor_type)
+    prototype = _PROTOTYPES.get(key)
+    if prototype is None:
+        prototype = recipe.make_quantizer(role)
+        if len(_PROTOTYPES) >= _MAX_PROTOTYPES:
+            _PROTOTYPES.clear()
+        _PROTOTYPES[key] = prototype
+    quantizer = prototype.fresh_copy()
+    if "recipe" in quantizer.__dict__:
+        quantizer.recipe = recipe  # one that keeps its recipe keeps the one asked
     return quantizer
