@@ -856,6 +856,30 @@ def test_placed_fresh_states_span_blocks(monkeypatch):
             assert_bitwise(a.rowwise.data.view(torch.uint8), b.rowwise.data.view(torch.uint8))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
+def test_no_fresh_state_block_is_made_while_a_graph_is_captured(monkeypatch):
+    """A block made inside a CUDA graph's capture would hold its fresh values only
+    once the graph replays: place_states takes regions of a block made before, or
+    leaves the states where they are."""
+    from te_fuser.quantization import delayed
+
+    monkeypatch.setattr(delayed, "_FRESH_STATES", {})
+    device = torch.device("cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    left = [DelayedScalingQuantizer(E4M3, amax_history_len=8) for _ in range(3)]
+    with torch.cuda.stream(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        delayed.place_states(left, device)
+    assert delayed._FRESH_STATES == {} and all(q._scale.device.type == "cpu" for q in left)
+    delayed.place_states([DelayedScalingQuantizer(E4M3) for _ in range(2)], device)  # a block, made outside
+    served = [DelayedScalingQuantizer(E4M3, amax_history_len=8) for _ in range(3)]
+    with torch.cuda.stream(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        delayed.place_states(served, device)
+    torch.cuda.synchronize()
+    for q in served:
+        assert q._scale.is_cuda and q._scale.item() == q._scale_inv.item() == 1.0 and not q._amax_history.any()
+
+
 def test_a_state_continued_or_loaded_is_not_fresh():
     """What place_states makes without a copy: a quantizer's own fresh state only;
     one continued from another quantizer, loaded, or seeded is copied."""

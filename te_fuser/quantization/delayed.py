@@ -737,22 +737,30 @@ def place_states(quantizers, device: torch.device) -> None:
     (``_FreshStates``: no launch, no copy, in most builds); where a loaded or
     carried state is among them, the states are copied in two blocks laid out
     alike. Each tensor becomes a view, 16-byte aligned. The same values as moving
-    each quantizer alone."""
+    each quantizer alone. While a CUDA graph is captured only a block made before
+    serves; otherwise the states stay where they are."""
     movers = [q for q in quantizers if isinstance(q, DelayedScalingQuantizer) and q._scale.device.type == "cpu"]
     if device.type != "cuda" or len(movers) < 2:
         return  # elsewhere, or for one quantizer, the state moves at the first cast as before
     for q in movers:
         q._flush()
     lengths = [q.amax_history_len for q in movers]
+    capturing = torch.cuda.is_current_stream_capturing()
     if all(q._holds_fresh_state() for q in movers):
         pool = _FRESH_STATES.get(device)
         views = None if pool is None else pool.take(lengths)
+        if views is None and capturing:
+            # A block made while a CUDA graph is captured would hold its values only
+            # once the graph replays; the states move at their first cast, as before.
+            return
         if views is None:
             need = sum(_padded(length, _FLOATS_PER_SLOT) for length in lengths)
             pool = _FreshStates(device, max(_FreshStates.SLOTS, len(movers)), max(_FreshStates.HISTORY_FLOATS, need))
             _FRESH_STATES[device] = pool
             views = pool.take(lengths)
         scales, scale_invs, histories, counts = views
+    elif capturing:  # no copy from the host while a CUDA graph is captured
+        return
     else:  # a loaded or carried state among them
         scales, scale_invs, histories, counts = _copied_states(movers, device)
     for q, scale, scale_inv, history, count in zip(movers, scales, scale_invs, histories, counts):
