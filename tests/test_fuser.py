@@ -437,3 +437,31 @@ def test_a_switch_back_checks_a_new_input_shape_again():
     with pytest.raises(ValueError, match="RMSNorm: input's last dim is 65, expected 64"):
         step(model, torch.randn(8, H + 1), RECIPES["current"])
     step(model, torch.randn(8, H), RECIPES["current"])
+
+
+def test_a_training_loop_keeps_every_loss_bit_with_what_switches_reuse(monkeypatch):
+    """The smoke GPT as users train it (fused AdamW, evaluations without FP8, a
+    checkpoint resumed, bf16 -> delayed -> current -> bf16 twice, so the second
+    round switches back to recipes seen before): every loss the same bits with plan
+    templates, prototype quantizers and shared prepared casts as with each switch
+    matching, making and preparing everything afresh."""
+    from training_loops import gpt_losses
+
+    from te_fuser.ops.fuser import OperationFuser
+    from te_fuser.quantization import base, factory
+
+    reused = gpt_losses(steps=12)
+    template = OperationFuser._template
+
+    def matched_afresh(self, *args):
+        self._templates.clear()
+        return template(self, *args)
+
+    class NoneKept(dict):
+        def get(self, key, default=None):
+            return default
+
+    monkeypatch.setattr(OperationFuser, "_template", matched_afresh)
+    monkeypatch.setattr(factory, "_made", lambda recipe, role: recipe.make_quantizer(role))
+    monkeypatch.setattr(base, "_SHARED_CASTERS", NoneKept())
+    assert gpt_losses(steps=12) == reused
