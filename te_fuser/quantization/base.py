@@ -79,6 +79,7 @@ class EpilogueCast(NamedTuple):
 _SHARED_CASTERS: dict = {}
 _MAX_SHARED_CASTERS = 256
 
+
 class Quantizer:
     """Base class: one tensor role's quantization recipe state.
 
