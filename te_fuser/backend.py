@@ -38,7 +38,7 @@ from .kernels import env as _env
 from .kernels.contract import KERNELS  # the kernel layer's table: what every backend owes
 
 __all__ = ["BACKENDS", "KERNELS", "KernelChoice", "set_backend", "get_backend", "use_backend", "resolve",
-           "push_override", "pop_override", "check_name", "set_auto_entry"]
+           "push_override", "pop_override", "check_name", "set_auto_entry", "choices_version"]
 
 BACKENDS = ("reference", "triton", "cuda", "auto")
 _MODULES = {
@@ -47,7 +47,9 @@ _MODULES = {
     "cuda": "te_fuser.kernels.cuda",
 }
 
-_state: dict[str, Any] = {"backend": None}  # None: not yet resolved from the environment
+# "backend": None until resolved from the environment; "choices": how many times
+# what a backend name resolves to changed (set_auto_entry), which plan templates read
+_state: dict[str, Any] = {"backend": None, "choices": 0}
 _override: list[str] = []
 _resolved: dict[tuple[str, str, torch.device], "KernelChoice"] = {}
 # (kernel, device as given) -> the choice under the global backend, no autocast override in force
@@ -167,8 +169,16 @@ def set_auto_entry(kernel: str, entry: str | dict) -> str | dict | None:
     for key in [k for k in _resolved if k[0] == kernel]:
         del _resolved[key]
     _global_choices.clear()
+    _state["choices"] += 1
     epoch.bump()
     return previous
+
+
+def choices_version() -> int:
+    """A number that changes whenever ``auto`` may resolve a kernel otherwise
+    (:func:`set_auto_entry`): what a plan template decided under one value (its
+    fusion decisions read the backends' choices) is not reused under another."""
+    return _state["choices"]
 
 
 def _auto_entry(kernel: str, device: torch.device) -> str | dict:

@@ -465,3 +465,25 @@ def test_a_training_loop_keeps_every_loss_bit_with_what_switches_reuse(monkeypat
     monkeypatch.setattr(factory, "_made", lambda recipe, role: recipe.make_quantizer(role))
     monkeypatch.setattr(base, "_SHARED_CASTERS", NoneKept())
     assert gpt_losses(steps=12) == reused
+
+
+def test_a_switch_back_matches_again_once_auto_chooses_otherwise(monkeypatch):
+    """A template's fusion decisions read which backend runs each kernel: after
+    ``backend.set_auto_entry`` a switch back to a recipe seen before matches again."""
+    from te_fuser import backend
+    from te_fuser.ops import fuser as fuser_module
+
+    model, x = mlp(), torch.randn(8, H)
+    for recipe in (RECIPES["current"], RECIPES["delayed"]):
+        step(model, x, recipe)
+    matched = []
+    real_match = fuser_module.match
+    monkeypatch.setattr(fuser_module, "match", lambda *args, **kw: matched.append(args[1]) or real_match(*args, **kw))
+    step(model, x, RECIPES["current"])
+    assert matched == []
+    before = backend.set_auto_entry("gemm", "triton")
+    try:
+        step(model, x, RECIPES["delayed"])
+        assert matched == ["forward", "backward"]
+    finally:
+        backend.set_auto_entry("gemm", before)

@@ -605,14 +605,14 @@ class OperationFuser:
 
     def _template(self, plan_recipe, recipe_key: str, needs_backward: bool, device: torch.device) -> PlanTemplate:
         """The parts of a plan that the recipe's key, the build context, the kernel
-        backend and the rule table decide: the fusion passes' steps, the kernel notes
+        backend (and what its choices are) and the rule table decide: the fusion passes' steps, the kernel notes
         and the input shapes validated. Matched once and kept (a few, see
         ``_MAX_TEMPLATES``), so a switch back to a recipe seen before builds only
         its quantizers. A rule's predicate answers from the ops' configuration, the
         recipe and the build context, which is what makes its answer reusable."""
         table = (self.rules or fusion_rule_table()) if self.fuse else None
         key = (recipe_key if plan_recipe is not None else None, needs_backward, device, backend.get_backend(),
-               id(table))
+               backend.choices_version(), id(table))
         template = self._templates.get(key)
         if template is not None and template.table is table:
             return template
