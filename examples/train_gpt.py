@@ -956,15 +956,18 @@ def _ms(value: float | None) -> str:
 
 def print_summary(arms: list[Arm]) -> None:
     print(f"\n{'arm':<8} {'phase':<11} {'numerics':<11} {'val bpb':>8} {'in bf16':>8} {'k tok/s':>8} "
-          f"{'steady':>8} {'1st step ms':>11} {'alone ms':>8}")
+          f"{'steady':>8} {'1st step ms':>11} {'alone ms':>8} {'1st/alone':>9}")
     for arm in arms:
         for p in arm.phases:
             bf16 = "-" if p["val_bpb_bf16"] is None else f"{p['val_bpb_bf16']:.4f}"
             speed, steady = ("-" if v is None else f"{v / 1e3:.1f}" for v in (p["tokens_per_s"],
                                                                               p["steady_tokens_per_s"]))
+            lone = p["lone_step_ms"]
+            switch = "-" if not lone else f"{p['first_step_ms'] / lone:.2f}x"
             print(f"{arm.name:<8} {p['phase']:<11} {p['numerics']:<11} {p['val_bpb']:>8.4f} {bf16:>8} {speed:>8} "
-                  f"{steady:>8} {p['first_step_ms']:>11.1f} {_ms(p['lone_step_ms']):>8}")
-    print("(k tok/s: a phase's steps after its first; steady: its last --log-every window)")
+                  f"{steady:>8} {p['first_step_ms']:>11.1f} {_ms(lone):>8} {switch:>9}")
+    print("(k tok/s: a phase's steps after its first; steady: its last --log-every window; 1st/alone: the "
+          "phase's first step, a recipe switch, over a step timed alone; the target is 1.05x at most)")
     _print_ratios(arms)
     print(f"\n{'arm':<8} {'held as':<12} {'weights MiB':>11} {'params MiB':>10} {'start MiB':>9} {'peak MiB':>9}")
     for arm in arms:
