@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt dist disttests determinism profgpt attn attngpt grouped norm launches
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attngpt grouped norm launches
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -41,6 +41,15 @@ for part in $parts; do
     gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation (GPT_GRAPHED=1: te's steps graphed; GPT_CHECKPOINT=1: every block recomputed in the backward; GPT_SCHEDULE=...; GPT_PROFILE=phase: that phase's kernels per arm; GPT_SWITCH=phase: te's switch step into it under cProfile)
       timeout ${GPT_TIMEOUT:-420} python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} ${GPT_GRAPHED:+--graphed} ${GPT_CHECKPOINT:+--checkpoint} ${GPT_SCHEDULE:+--schedule $GPT_SCHEDULE} ${GPT_PROFILE:+--profile-phase $GPT_PROFILE} ${GPT_SWITCH:+--profile-switch $GPT_SWITCH} --json "$OUT/gpt.json" 2>&1 \
         | tee "$OUT/gpt.log" | tail -30 ;;
+    switch)  # what a recipe switch step costs: the tests of what switches reuse, then te's schedule in two processes,
+      # each phase's first step (the switch) against its step timed alone ("1st/alone"; the target is 1.05x)
+      timeout ${SWITCH_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_delayed.py \
+        tests/test_quantizer_factory.py tests/test_fuser.py tests/test_graphed_step.py 2>&1 | tee "$OUT/switch_tests.log" | tail -3
+      for run in 1 2; do
+        timeout ${SWITCH_TIMEOUT:-150} python3 examples/train_gpt.py --size gpu --arms te \
+          --schedule ${SWITCH_SCHEDULE:-bf16:10,delayed:10,current:10,bf16:10,delayed:10,current:10} \
+          --json "$OUT/switch$run.json" 2>&1 | tee "$OUT/switch$run.log" | grep -A8 "1st/alone"
+      done ;;
     dist)  # the GPT under FSDP2 on every GPU of the machine over NCCL (one GPU: a group of size 1, a smoke run);
       # NVLink multicast stays off, as the machines require
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
