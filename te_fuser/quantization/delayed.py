@@ -708,21 +708,32 @@ class _FreshStates:
         self.next_slot = self.next_history = 0
 
     def take(self, history_lengths: list[int]):
-        """Views for ``len(history_lengths)`` quantizers: their scales, inverse
-        scales, histories and counts; None when they do not fit."""
+        """Views for ``len(history_lengths)`` quantizers (see ``_state_views``);
+        None when they do not fit."""
         n, f, i = len(history_lengths), _FLOATS_PER_SLOT, _INT64S_PER_SLOT
-        sizes = []
-        for length in history_lengths:
-            sizes += (length, _padded(length, f) - length)
-        need = sum(sizes)
+        need = _history_floats(history_lengths)
         if self.next_slot + n > self.slots or self.next_history + need > self.history_floats:
             return None
         s0, h0 = self.next_slot, self.next_history
         self.next_slot, self.next_history = s0 + n, h0 + need
-        scales = self.scales[2 * s0 * f:2 * (s0 + n) * f].view(2 * n, f)[:, 0].unbind()
-        histories = self.histories[h0:h0 + need].split(sizes)[::2]
-        counts = self.counts[s0 * i:(s0 + n) * i].view(n, i)[:, 0].unbind()
-        return scales[0::2], scales[1::2], histories, counts
+        return _state_views(self.scales[2 * s0 * f:2 * (s0 + n) * f], self.histories[h0:h0 + need],
+                            self.counts[s0 * i:(s0 + n) * i], history_lengths)
+
+
+def _history_floats(history_lengths: list[int]) -> int:
+    """The floats the histories of these lengths take, each padded to a slot."""
+    return sum(_padded(length, _FLOATS_PER_SLOT) for length in history_lengths)
+
+
+def _state_views(scales: torch.Tensor, histories: torch.Tensor, counts: torch.Tensor, history_lengths: list[int]):
+    """Each quantizer's scale, inverse scale, history and count as views of blocks
+    laid out as ``_FreshStates``' (``scales``: its scale and inverse scale slots,
+    ``histories``: its padded histories, ``counts``: its int64 count slots), as four
+    tuples in the quantizers' order."""
+    n, f, i = len(history_lengths), _FLOATS_PER_SLOT, _INT64S_PER_SLOT
+    both = scales.view(2 * n, f)[:, 0].unbind()
+    sizes = [size for length in history_lengths for size in (length, _padded(length, f) - length)]
+    return both[0::2], both[1::2], histories.split(sizes)[::2], counts.view(n, i)[:, 0].unbind()
 
 
 _FRESH_STATES: dict = {}  # device -> its _FreshStates being handed out
@@ -754,37 +765,34 @@ def place_states(quantizers, device: torch.device) -> None:
             # once the graph replays; the states move at their first cast, as before.
             return
         if views is None:
-            need = sum(_padded(length, _FLOATS_PER_SLOT) for length in lengths)
-            pool = _FreshStates(device, max(_FreshStates.SLOTS, len(movers)), max(_FreshStates.HISTORY_FLOATS, need))
+            pool = _FreshStates(device, max(_FreshStates.SLOTS, len(movers)),
+                                max(_FreshStates.HISTORY_FLOATS, _history_floats(lengths)))
             _FRESH_STATES[device] = pool
             views = pool.take(lengths)
         scales, scale_invs, histories, counts = views
     elif capturing:  # no copy from the host while a CUDA graph is captured
         return
     else:  # a loaded or carried state among them
-        scales, scale_invs, histories, counts = _copied_states(movers, device)
+        scales, scale_invs, histories, counts = _copied_states(movers, lengths, device)
     for q, scale, scale_inv, history, count in zip(movers, scales, scale_invs, histories, counts):
         q._scale, q._scale_inv, q._amax_history, q._nonfinite_amax_count = scale, scale_inv, history, count
 
 
-def _copied_states(movers: list, device: torch.device):
+def _copied_states(movers: list, history_lengths: list[int], device: torch.device):
     """The movers' states copied to ``device`` in two blocks laid out as
-    ``_FreshStates``' (views of them, in the movers' order)."""
+    ``_FreshStates``' (``_state_views`` of them)."""
     n, f, i = len(movers), _FLOATS_PER_SLOT, _INT64S_PER_SLOT
     pad = torch.zeros(f, dtype=torch.float32)
-    scales, histories, sizes = [], [], []
+    pieces = []
     for q in movers:
-        length = q.amax_history_len
-        scales += (q._scale.reshape(1), pad[1:], q._scale_inv.reshape(1), pad[1:])
-        histories += (q._amax_history, pad[:_padded(length, f) - length])
-        sizes += (length, _padded(length, f) - length)
+        pieces += (q._scale.reshape(1), pad[1:], q._scale_inv.reshape(1), pad[1:])
+    for q, length in zip(movers, history_lengths):
+        pieces += (q._amax_history, pad[:_padded(length, f) - length])
     counts = torch.zeros((n, i), dtype=torch.int64)
     counts[:, 0] = torch.stack([q._nonfinite_amax_count for q in movers])
-    float_block = torch.cat(scales + histories).to(device, non_blocking=True)
+    float_block = torch.cat(pieces).to(device, non_blocking=True)
     int64_block = counts.reshape(-1).to(device, non_blocking=True)
-    both = float_block[:2 * n * f].view(2 * n, f)[:, 0].unbind()
-    return (both[0::2], both[1::2], float_block[2 * n * f:].split(sizes)[::2],
-            int64_block.view(n, i)[:, 0].unbind())
+    return _state_views(float_block[:2 * n * f], float_block[2 * n * f:], int64_block, history_lengths)
 
 
 def _padded(n: int, multiple: int) -> int:
