@@ -59,3 +59,13 @@ def run(model, x, *extras, recipe=None, dy=None, dextras=()):
     for name, p in model.named_parameters():
         grads[name] = p.grad
     return tuple(o.detach() for o in outs), grads
+
+
+def record_matches(monkeypatch) -> list:
+    """The passes ("forward", "backward") the fusers match rules for from now on,
+    in order: a plan built from a kept template adds none."""
+    from te_fuser.ops import fuser as fuser_module
+
+    matched, real_match = [], fuser_module.match
+    monkeypatch.setattr(fuser_module, "match", lambda *args, **kw: matched.append(args[1]) or real_match(*args, **kw))
+    return matched

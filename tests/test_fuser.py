@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import te_fuser as te
-from op_testing import RECIPES, identity_factory, representable
+from op_testing import RECIPES, identity_factory, record_matches, representable
 from te_fuser import recipe as R
 from te_fuser.quantization import DelayedScalingQuantizer, IdentityQuantizer
 
@@ -393,8 +393,6 @@ def test_a_switch_back_matches_no_rules_and_equals_a_fresh_model(a, b, monkeypat
     """A -> B -> A: the switch back to A takes the fusion steps, kernel notes and
     validated shapes matched under A before (the plan template) and builds only
     fresh quantizers, and trains bit for bit as a fresh model built on A."""
-    from te_fuser.ops import fuser as fuser_module
-
     x = [representable(32, H, generator=torch.Generator().manual_seed(i)) * 0.125 for i in range(8)]
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -402,9 +400,7 @@ def test_a_switch_back_matches_no_rules_and_equals_a_fresh_model(a, b, monkeypat
         step(model, x[i], RECIPES[a], opt)
     for i in range(3, 5):
         step(model, x[i], RECIPES[b], opt)
-    matched = []
-    real_match = fuser_module.match
-    monkeypatch.setattr(fuser_module, "match", lambda *args, **kw: matched.append(args[1]) or real_match(*args, **kw))
+    matched = record_matches(monkeypatch)
     builds = model.fusion_stats().builds
     model.prepare(x[5], recipe=RECIPES[a])  # the switch back
     assert model.fusion_stats().builds == builds + 1 and matched == []
@@ -471,14 +467,11 @@ def test_a_switch_back_matches_again_once_auto_chooses_otherwise(monkeypatch):
     """A template's fusion decisions read which backend runs each kernel: after
     ``backend.set_auto_entry`` a switch back to a recipe seen before matches again."""
     from te_fuser import backend
-    from te_fuser.ops import fuser as fuser_module
 
     model, x = mlp(), torch.randn(8, H)
     for recipe in (RECIPES["current"], RECIPES["delayed"]):
         step(model, x, recipe)
-    matched = []
-    real_match = fuser_module.match
-    monkeypatch.setattr(fuser_module, "match", lambda *args, **kw: matched.append(args[1]) or real_match(*args, **kw))
+    matched = record_matches(monkeypatch)
     step(model, x, RECIPES["current"])
     assert matched == []
     before = backend.set_auto_entry("gemm", "triton")

@@ -116,16 +116,14 @@ def test_warmup_gives_fp8_parameters_their_bytes_back():
 def test_a_switch_to_a_warmed_recipe_matches_no_rule(monkeypatch):
     """The plan templates te.warmup's runs made stay: training's first switch to a
     recipe it ran builds only fresh quantizers, and trains as a model never warmed."""
-    from te_fuser.ops import fuser as fuser_module
+    from op_testing import record_matches
 
     current, delayed = R.Float8CurrentScaling(), R.DelayedScaling(amax_history_len=4)
     model, twin = make(), make()
     opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
     te.warmup(model, [current, delayed], x)
-    matched = []
-    real_match = fuser_module.match
-    monkeypatch.setattr(fuser_module, "match", lambda *args, **kw: matched.append(args[1]) or real_match(*args, **kw))
+    matched = record_matches(monkeypatch)
     for recipe in (current, delayed, current):
         assert torch.equal(train_step(model, x, recipe, opt), train_step(twin, x, recipe, twin_opt))
     assert matched.count("forward") == 2  # the twin's first build under each recipe, and none of the model's
