@@ -503,12 +503,8 @@ class OperationFuser:
     def _accept_shape(self, plan: FusionPlan, shape: torch.Size) -> None:
         """Validate an input of another shape against the plan (the ops' own checks
         and their quantizers' block sizes), then let the plan take it."""
-        out_shape = plan.shapes.get(shape)
-        if out_shape is None:
-            out_shape = self._check_shapes(shape, plan.quantizers)
-            if len(plan.shapes) >= _MAX_SHAPES:
-                plan.shapes.clear()
-            plan.shapes[shape] = out_shape
+        if shape not in plan.shapes:
+            _remember_shape(plan.shapes, shape, self._check_shapes(shape, plan.quantizers))
         plan.in_shape = shape
 
     def _same_config(self, plan: FusionPlan, state, raw) -> bool:
@@ -587,9 +583,7 @@ class OperationFuser:
         out_shape = template.shapes.get(shape)
         if out_shape is None:
             out_shape = self._validate(shape, device, quantizers, template.backward.steps if needs_backward else None)
-            if len(template.shapes) >= _MAX_SHAPES:
-                template.shapes.clear()
-            template.shapes[shape] = out_shape
+            _remember_shape(template.shapes, shape, out_shape)
         else:  # the shapes checked under this recipe before; the fresh quantizers' device needs again
             self._check_devices(device, quantizers)
         fwd, bwd, notes = template.forward, template.backward, template.notes
@@ -599,14 +593,15 @@ class OperationFuser:
         run = RunConfig(recipe, calibrating, dtype, needs_backward, training, recipe_key)
         plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes,
                           out_shape=out_shape, amax_reduction_group=amax_reduction_group,
-                          in_shape=shape, shapes={shape: out_shape})
+                          in_shape=shape, shapes=template.shapes)  # a shape one plan takes, all of its template take
         plan.build_phases = phases
         return plan
 
     def _template(self, plan_recipe, recipe_key: str, needs_backward: bool, device: torch.device) -> PlanTemplate:
         """The parts of a plan that the recipe's key, the build context, the kernel
-        backend (and what its choices are) and the rule table decide: the fusion passes' steps, the kernel notes
-        and the input shapes validated. Matched once and kept (a few, see
+        backend (and what its choices are) and the rule table decide: the fusion
+        passes' steps, the kernel notes and the input shapes validated (the plans
+        built from it share them). Matched once and kept (a few, see
         ``_MAX_TEMPLATES``), so a switch back to a recipe seen before builds only
         its quantizers. A rule's predicate answers from the ops' configuration, the
         recipe and the build context, which is what makes its answer reusable."""
@@ -766,6 +761,13 @@ class OperationFuser:
         if changed:
             _EPOCH[0] += 1
         plan.epoch = _EPOCH[0]
+
+
+def _remember_shape(shapes: dict, shape: torch.Size, out_shape: torch.Size) -> None:
+    """Keep ``shape -> out_shape`` as validated (at most ``_MAX_SHAPES``: past that, start over)."""
+    if len(shapes) >= _MAX_SHAPES:
+        shapes.clear()
+    shapes[shape] = out_shape
 
 
 def _pre_hooks(module: torch.nn.Module, x):
