@@ -173,9 +173,7 @@ class Quantizer:
         which this one passed (``quantizer_for`` copies a prototype per recipe
         key and role)."""
         copy = object.__new__(type(self))
-        state = self.__dict__.copy()
-        state.pop("_kept_casters", None)
-        copy.__dict__.update(state)
+        copy.__dict__.update(self.__getstate__())  # as a copy.copy: without the kept casters
         copy._start_fresh()
         return copy
 

@@ -170,18 +170,16 @@ class DelayedScalingQuantizer(Quantizer):
         self.scaling_factor_compute_algo = scaling_factor_compute_algo
         self.recipe = recipe
         self.fmax = FP8_MAX[self.fp8_dtype]
-        self.amax_reduction_group = None
-        self.recipe_key: str | None = None  # the plan's recipe key, compared across the ranks it reduces over
-        self._pending = 0  # its amaxes waiting in PENDING
-        self._reset(self.device)
+        self._start_fresh()
 
     STATE_TENSORS = ("scale", "scale_inv", "amax_history", "nonfinite_amax_count")
 
     def _start_fresh(self) -> None:
-        """A fresh copy's state: unseeded, nothing waiting, no group or plan key yet."""
-        self._pending = 0
+        """A new quantizer's (and a fresh copy's) state: unseeded, nothing waiting, no
+        group or plan key yet."""
         self.amax_reduction_group = None
-        self.recipe_key = None
+        self.recipe_key: str | None = None  # the plan's recipe key, compared across the ranks it reduces over
+        self._pending = 0  # its amaxes waiting in PENDING
         self._reset(self.device)
 
     # The state as users and holders see it: any amax still waiting (see _record) is
