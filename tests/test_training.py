@@ -7,6 +7,8 @@ than the step-to-step noise of a run that never switched."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -60,13 +62,24 @@ def validate(model, recipe) -> float:
     return total
 
 
-def train(schedule: list[tuple[str, int]]):
+def train(schedule: list[tuple[str, int]], resume_after: int | None = None):
     """Train through ``schedule`` ([(recipe name or 'bf16', steps)]); returns the
-    per-step losses and the model. Validates in bf16 after every phase."""
+    per-step losses and the model. Validates in bf16 after every phase; after phase
+    ``resume_after``, saves a checkpoint and goes on from it in a new model and
+    optimizer."""
     model = student()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     losses, step = [], 0
-    for name, steps in schedule:
+    for phase, (name, steps) in enumerate(schedule):
+        if phase == resume_after:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=False, map_location=DEVICE)
+            model = student()
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
         recipe = FP8.get(name)
         for _ in range(steps):
             loss = loss_of(model, *data(step), recipe)
@@ -119,6 +132,27 @@ def test_a_switch_schedule_has_no_loss_spike():
         )
     final, target = validate(model, None), validate(BF16_MODEL, None)
     assert abs(final - target) <= tolerance(torch.float8_e4m3fn)["rtol"] * target
+
+
+def test_switching_back_to_recipes_seen_before_holds_loss_parity():
+    """Switches back to recipes seen before (their plans come from kept templates,
+    their quantizers are fresh copies) through a checkpoint resumed mid-way: no
+    switch moves the loss more than the unswitched run's step-to-step noise, and
+    the run ends within the band of bf16, evaluated in bf16 and under its recipe."""
+    plain, _ = _bf16_run()
+    schedule = [("bf16", 15), ("delayed", 15), ("current", 15), ("delayed", 15), ("current", 15), ("delayed", 25)]
+    switched, model = train(schedule, resume_after=3)
+    noise = max(abs(b - a) for a, b in zip(plain[10:], plain[11:]))
+    step = 0
+    for name, steps in schedule[:-1]:
+        step += steps
+        jump = switched[step] - switched[step - 1]
+        assert jump <= noise, f"switch after {name} at step {step}: the loss rose by {jump:.5f} (noise {noise:.5f})"
+    target = validate(BF16_MODEL, None)
+    for evaluated_in, recipe in (("bf16", None), ("delayed", FP8["delayed"])):
+        got = validate(model, recipe)
+        assert abs(got - target) <= tolerance(torch.float8_e4m3fn)["rtol"] * target, (
+            f"evaluated in {evaluated_in}: validation loss {got:.5f} against bf16's {target:.5f}")
 
 
 def _state(model) -> list[torch.Tensor]:
