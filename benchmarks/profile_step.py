@@ -64,7 +64,8 @@ def main(argv=None):
     if args.graphed and device == "cuda":
         replay_components(model, x, dy, base)
     if args.main_thread:
-        split_forward_backward(model, x, dy, recipe, args.steps)
+        split_forward_backward(lambda: base(x), dy, args.steps, "bf16 eager")
+        split_forward_backward(lambda: model(x), dy, args.steps, te_name, recipe)
     with torch.autograd.set_multithreading_enabled(not args.main_thread):
         prof = cProfile.Profile()
         prof.enable()
@@ -75,21 +76,27 @@ def main(argv=None):
     stats.sort_stats("tottime").print_stats(30 if args.main_thread else 14)
     if args.main_thread:
         stats.sort_stats("cumulative").print_stats("te_fuser|kernels", 40)
+        print(f"calls per step ({args.steps} steps), the most called first:")
+        stats.sort_stats("ncalls").print_stats(45)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
         for _ in range(20):
             te_step()
     print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
 
 
-def split_forward_backward(model, x, dy, recipe, steps: int) -> None:
+def split_forward_backward(forward, dy, steps: int, name: str, recipe=None) -> None:
     """Host microseconds of the forward and of the backward, each timed alone
-    (median over ``steps``; the backward on the calling thread)."""
+    (median over ``steps``; the backward on the calling thread); ``recipe``: the
+    forward runs under ``te.autocast(recipe=recipe)``."""
     fwd, bwd = [], []
     with torch.autograd.set_multithreading_enabled(False):
         for i in range(steps + 20):
             t0 = time.perf_counter()
-            with te.autocast(recipe=recipe):
-                y = model(x)
+            if recipe is None:
+                y = forward()
+            else:
+                with te.autocast(recipe=recipe):
+                    y = forward()
             t1 = time.perf_counter()
             y.backward(dy)
             t2 = time.perf_counter()
@@ -98,7 +105,7 @@ def split_forward_backward(model, x, dy, recipe, steps: int) -> None:
                 bwd.append(t2 - t1)
     fwd.sort()
     bwd.sort()
-    print(f"host per step, backward on the calling thread: forward {fwd[len(fwd) // 2] * 1e6:.1f} us, "
+    print(f"{name}: host per step, backward on the calling thread: forward {fwd[len(fwd) // 2] * 1e6:.1f} us, "
           f"backward {bwd[len(bwd) // 2] * 1e6:.1f} us (medians)")
 
 
