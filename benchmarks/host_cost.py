@@ -146,7 +146,7 @@ def primitives(calls: int, repeats: int) -> list[tuple[str, float]]:
     layers = [
         ("binding: fp8_gemm_plans (a call, no work)", lambda: ext.fp8_gemm_plans()),
         ("binding: cast_current, with T", lambda: ext.cast_current(a, 1, 0, 1024, 1024, False, 0.0, True, True, None,
-                                                                   False, False, stream)),
+                                                                   False, False, False, stream)),
         ("launcher: quantize_current, with T", lambda: current(a, torch.float8_e4m3fn, False, 0.0, True, True, None)),
         ("quantizer.cast (current), with T", lambda: quantizer.cast(a, rowwise=True, columnwise=True)),
         ("binding: fp8_gemm_tensorwise", lambda: ext.fp8_gemm_tensorwise(xq, wq, s16, s16, None, torch.bfloat16, False,
@@ -212,9 +212,9 @@ def anatomy_rows(calls: int, repeats: int) -> list[tuple[str, float]]:
         how = "one launch" if enabled else "separate launches"
         for (r, c), x in inputs.items():
             rows.append((f"binding cast_current {r}x{c}, with T, {how}", under(enabled, lambda x=x, r=r, c=c: (
-                ext.cast_current(x, 1, 0, r, c, False, 0.0, True, True, None, False, False, stream)))))
+                ext.cast_current(x, 1, 0, r, c, False, 0.0, True, True, None, False, False, False, stream)))))
             rows.append((f"binding cast_tensorwise {r}x{c}, with T, {how}", under(enabled, lambda x=x, r=r, c=c: (
-                ext.cast_tensorwise(x, 1, 0, r, c, one, None, True, True, False, False, stream)))))
+                ext.cast_tensorwise(x, 1, 0, r, c, one, None, True, True, False, False, False, stream)))))
     rows.append(("binding one_launch_casts (toggle, twice)", lambda: ext.one_launch_casts(ext.one_launch_casts(True))))
     f8 = torch.float8_e4m3fn
     for m, n, k, name in ((1024, 1024, 1024, "1024^3"), (16384, 4096, 1024, "fc1 fprop"),

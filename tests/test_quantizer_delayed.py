@@ -615,9 +615,10 @@ def _cast_with_update_from_the_reference(monkeypatch) -> list:
         def prepare(fp8_dtype):
             cast = _generic_tensorwise(fn, fp8_dtype)
 
-            def with_update(x, scale, history, count, margin, algo_max, rowwise, columnwise, round_bf16=False):
+            def with_update(x, scale, history, count, margin, algo_max, rowwise, columnwise, round_bf16=False,
+                            sums_dtype=torch.float32):
                 calls.append(x.shape)
-                data, data_t, sums, amax = cast(x, scale, rowwise, columnwise, round_bf16)
+                data, data_t, sums, amax = cast(x, scale, rowwise, columnwise, round_bf16, sums_dtype)
                 state = delayed_scale_update_reference(history, amax, scale, count, fp8_dtype, margin,
                                                        "max" if algo_max else "most_recent")
                 return (data, data_t, sums, amax, *state)

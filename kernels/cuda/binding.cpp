@@ -141,26 +141,33 @@ CastOutputs cast_outputs(const at::Tensor& x, int fp8_type, int64_t rows, int64_
 
 uint8_t* bytes_of(const MaybeTensor& t) { return t ? static_cast<uint8_t*>(t->data_ptr()) : nullptr; }
 
-// The tiles' column sums added up over the row tiles (a new (cols,) fp32 tensor:
-// a gradient that outlives the partials), in one launch.
-MaybeTensor summed(const MaybeTensor& partials, int64_t stream) {
+// The column sums' tensor (cols,): fp32, or bf16 with sums_bf16 (a bf16 bias's
+// gradient, each total rounded once); a new tensor, a gradient that outlives the partials.
+at::Tensor sums_tensor(const at::Tensor& like, int64_t cols, bool sums_bf16) {
+  return at::empty({cols}, like.options().dtype(sums_bf16 ? at::kBFloat16 : at::kFloat));
+}
+
+// The tiles' column sums added up over the row tiles (see sums_tensor), in one launch.
+MaybeTensor summed(const MaybeTensor& partials, bool sums_bf16, int64_t stream) {
   if (!partials) return std::nullopt;
   const int64_t tiles = partials->size(0), cols = partials->size(1);
-  at::Tensor sums = at::empty({cols}, partials->options());
-  te_fuser::launch_sum_rows(partials->data_ptr<float>(), 1, tiles, cols, sums.data_ptr<float>(), as_stream(stream));
+  at::Tensor sums = sums_tensor(*partials, cols, sums_bf16);
+  te_fuser::launch_sum_rows(partials->data_ptr<float>(), 1, tiles, cols, sums.data_ptr(), as_stream(stream),
+                            sums_bf16);
   return sums;
 }
 
 // A cast that runs as one launch of `blocks` blocks (blocks > 0): its blocks set on
 // `scaling`, and with column sums the (cols,) tensor the launch writes them into
-// (a gradient that outlives the partials); nothing otherwise.
+// (see sums_tensor); nothing otherwise.
 MaybeTensor one_launch(te_fuser::CastScaling& scaling, int64_t blocks, const CastOutputs& out, int64_t cols,
-                       const at::Tensor& x) {
+                       const at::Tensor& x, bool sums_bf16) {
   if (blocks <= 0) return std::nullopt;
   scaling.one_launch_blocks = blocks;
   if (!out.partials) return std::nullopt;
-  at::Tensor sums = at::empty({cols}, x.options().dtype(at::kFloat));
-  scaling.sums_out = sums.data_ptr<float>();
+  at::Tensor sums = sums_tensor(x, cols, sums_bf16);
+  scaling.sums_out = sums.data_ptr();
+  scaling.sums_bf16 = sums_bf16;
   return sums;
 }
 
@@ -176,7 +183,8 @@ bool one_launch_casts_in_capture(bool enable) { return te_fuser::set_one_launch_
 // zeroed first.
 std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTensor> cast_current(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, bool power_2, double epsilon,
-    bool rowwise, bool columnwise, const MaybeTensor& amax_given, bool sums, bool round_bf16, int64_t stream) {
+    bool rowwise, bool columnwise, const MaybeTensor& amax_given, bool sums, bool round_bf16, bool sums_bf16,
+    int64_t stream) {
   const int64_t one = columnwise ? te_fuser::cast_one_launch_blocks(hp_type, fp8_type, true, sums, rows, cols,
                                                                     as_stream(stream)) : 0;
   const int64_t partial_count = amax_given ? 0 : (one > 0 ? one : te_fuser::amax_partial_count(x.numel()));
@@ -199,7 +207,7 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
     scaling.amax_partial_count = partial_count;
     scaling.amax_total_out = amax.data_ptr<float>();
   }
-  const MaybeTensor one_launch_sums = one_launch(scaling, one, out, cols, x);
+  const MaybeTensor one_launch_sums = one_launch(scaling, one, out, cols, x, sums_bf16);
   scaling.scale_out = scale.data_ptr<float>();
   scaling.scale_inv_out = scale_inv.data_ptr<float>();
   scaling.epsilon = static_cast<float>(epsilon);  // rounds as torch.tensor(epsilon, dtype=float32)
@@ -208,7 +216,8 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
   scaling.round_bf16 = round_bf16;
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream));
-  return {out.data, out.data_t, scale, scale_inv, amax, one > 0 ? one_launch_sums : summed(out.partials, stream)};
+  return {out.data, out.data_t, scale, scale_inv, amax,
+          one > 0 ? one_launch_sums : summed(out.partials, sums_bf16, stream)};
 }
 
 // Delayed scaling with the given scale: (data, data_t, column sums, amax); amax(|x|)
@@ -217,7 +226,8 @@ std::tuple<MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, MaybeTe
 // after they may be gone).
 std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor> cast_tensorwise(
     const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols, const at::Tensor& scale,
-    const MaybeTensor& amax_out, bool rowwise, bool columnwise, bool sums, bool round_bf16, int64_t stream) {
+    const MaybeTensor& amax_out, bool rowwise, bool columnwise, bool sums, bool round_bf16, bool sums_bf16,
+    int64_t stream) {
   const int64_t one = columnwise ? te_fuser::cast_one_launch_blocks(hp_type, fp8_type, false, sums, rows, cols,
                                                                     as_stream(stream)) : 0;
   const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, one);  // the blocks' maxima
@@ -228,10 +238,10 @@ std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor> cast_tensorwise(
   scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
   scaling.round_bf16 = round_bf16;
   if (one > 0) scaling.block_partials = reinterpret_cast<uint32_t*>(out.stats.data_ptr<float>());
-  const MaybeTensor one_launch_sums = one_launch(scaling, one, out, cols, x);
+  const MaybeTensor one_launch_sums = one_launch(scaling, one, out, cols, x, sums_bf16);
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream));
-  return {out.data, out.data_t, one > 0 ? one_launch_sums : summed(out.partials, stream), amax};
+  return {out.data, out.data_t, one > 0 ? one_launch_sums : summed(out.partials, sums_bf16, stream), amax};
 }
 
 // The new state of a delayed-scaling update, pieces of one allocation: the history,
@@ -263,7 +273,7 @@ std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Te
 cast_tensorwise_update(const at::Tensor& x, int hp_type, int fp8_type, int64_t rows, int64_t cols,
                        const at::Tensor& scale, const at::Tensor& history, const at::Tensor& count,
                        int64_t margin_steps, double margin_rest, double fmax, bool algo_max, bool rowwise,
-                       bool columnwise, bool sums, bool round_bf16, int64_t stream) {
+                       bool columnwise, bool sums, bool round_bf16, bool sums_bf16, int64_t stream) {
   const int64_t one = columnwise ? te_fuser::cast_one_launch_blocks(hp_type, fp8_type, false, sums, rows, cols,
                                                                     as_stream(stream)) : 0;
   const CastOutputs out = cast_outputs(x, fp8_type, rows, cols, rowwise, columnwise, sums, one);
@@ -275,7 +285,7 @@ cast_tensorwise_update(const at::Tensor& x, int hp_type, int fp8_type, int64_t r
   scaling.column_partials = out.partials ? out.partials->data_ptr<float>() : nullptr;
   scaling.round_bf16 = round_bf16;
   if (one > 0) scaling.block_partials = reinterpret_cast<uint32_t*>(out.stats.data_ptr<float>());
-  const MaybeTensor one_launch_sums = one_launch(scaling, one, out, cols, x);
+  const MaybeTensor one_launch_sums = one_launch(scaling, one, out, cols, x, sums_bf16);
   te_fuser::DelayedUpdate update;
   update.history = history.data_ptr<float>();
   update.count = count.data_ptr<int64_t>();
@@ -290,7 +300,7 @@ cast_tensorwise_update(const at::Tensor& x, int hp_type, int fp8_type, int64_t r
   update.algo_max = algo_max;
   te_fuser::launch_cast(x.data_ptr(), hp_type, fp8_type, rows, cols, bytes_of(out.data), bytes_of(out.data_t),
                         scaling, as_stream(stream), one > 0 ? update : te_fuser::DelayedUpdate{});
-  const MaybeTensor column_sums = one > 0 ? one_launch_sums : summed(out.partials, stream);
+  const MaybeTensor column_sums = one > 0 ? one_launch_sums : summed(out.partials, sums_bf16, stream);
   if (one <= 0) {
     te_fuser::launch_delayed_scale_update(update.history, scaling.amax_out, scaling.scale, update.count,
                                           update.new_history, update.new_scale, update.new_scale_inv,

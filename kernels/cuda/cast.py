@@ -14,7 +14,7 @@ import torch
 
 from ..formats import Scaling, fp8_max
 from ..operand import ScaledOperand
-from ..reference.cast import check_given_amax, check_matrix
+from ..reference.cast import check_given_amax, check_matrix, check_sums_dtype, column_sums_as
 from ._build import extension, raw_stream, stream_of_index
 
 __all__ = ["quantize_tensorwise", "quantize_tensorwise_column_sums", "quantize_current", "quantize_current_column_sums",
@@ -141,23 +141,28 @@ def quantize_tensorwise_column_sums(
     columnwise: bool = False,
     amax_out: torch.Tensor | None = None,
     round_bf16: bool = False,
+    sums_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quantize_tensorwise` of 2-D ``x`` (M, N), and ``x`` summed over its rows
     in fp32 (N,), a bias gradient. With the transposed copy, from the cast's one
     read: each 128x128 tile's column sums, then their sum over the row tiles;
     without it (no tile kernel runs), torch sums apart. ``round_bf16``: the cast
     and its amax read x rounded to bf16, the sums x as given (without the
-    transposed copy, the cast is of ``x.to(torch.bfloat16)``).
+    transposed copy, the cast is of ``x.to(torch.bfloat16)``). ``sums_dtype``
+    (fp32 or bf16): with bf16 the kernel that adds the tiles' sums writes each
+    total rounded once (a bf16 bias's gradient, no conversion after).
 
     Returns ``(data or None, data_t or None, amax, sums)``.
     """
     op = "quantize_tensorwise_column_sums"
     check_matrix(x, op)
+    check_sums_dtype(sums_dtype, op)
     if not columnwise or x.numel() == 0:
         xc = _through_bf16(x, round_bf16, op)
         data, data_t, amax, _ = _tensorwise(op, xc, scale, fp8_dtype, rowwise, columnwise, amax_out, False)
-        return data, data_t, amax, x.sum(dim=0, dtype=torch.float32)
-    return _tensorwise(op, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True, bool(round_bf16))
+        return data, data_t, amax, column_sums_as(x.sum(dim=0, dtype=torch.float32), sums_dtype)
+    return _tensorwise(op, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True, bool(round_bf16),
+                       sums_dtype is torch.bfloat16)
 
 
 def _through_bf16(x: torch.Tensor, round_bf16: bool, op: str) -> torch.Tensor:
@@ -170,15 +175,24 @@ def _through_bf16(x: torch.Tensor, round_bf16: bool, op: str) -> torch.Tensor:
 
 
 def _no_rounding(op: str) -> ValueError:
-    """Only the column-sums casts read x through bf16 (a gradient that arrives in fp32);
-    a prepared cast of another kernel given ``round_bf16`` raises this before anything else."""
-    return ValueError(f"{op}: round_bf16 is an argument of the column-sums casts only")
+    """Only the column-sums casts read x through bf16 (a gradient that arrives in fp32)
+    and return sums; a prepared cast of another kernel given ``round_bf16`` or a
+    ``sums_dtype`` raises this before anything else."""
+    return ValueError(f"{op}: round_bf16 and sums_dtype are arguments of the column-sums casts only")
+
+
+def _sums_bf16(sums_dtype: torch.dtype, op: str) -> bool:
+    """Whether the prepared casts' launch writes bf16 sums (fp32: the common case, first)."""
+    if sums_dtype is torch.float32:
+        return False
+    check_sums_dtype(sums_dtype, op)
+    return True
 
 
 def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool,
-                round_bf16: bool = False):
+                round_bf16: bool = False, sums_bf16: bool = False):
     """The delayed-scaling cast; with ``sums`` (x 2-D, ``columnwise``), also the column
-    sums, and with ``round_bf16`` of x rounded to bf16."""
+    sums (``sums_bf16``: rounded to bf16), and with ``round_bf16`` of x rounded to bf16."""
     code = _fp8_code(fp8_dtype, op)
     x = _hp_input(x, op)
     device = x.device
@@ -187,7 +201,7 @@ def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, a
     amax = _amax_target(amax_out, device, op)
     with on_device(device):
         data, data_t, column_sums, _ = extension().cast_tensorwise(
-            x, HP_CODES[x.dtype], code, rows, cols, scale, amax, rowwise, columnwise, sums, round_bf16,
+            x, HP_CODES[x.dtype], code, rows, cols, scale, amax, rowwise, columnwise, sums, round_bf16, sums_bf16,
             raw_stream(device))
     if amax_out is not None and amax is not amax_out:
         amax = amax_out.copy_(amax.reshape(amax_out.shape))
@@ -197,9 +211,10 @@ def _tensorwise(op: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, a
 def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
     """:func:`quantize_tensorwise` (``sums``: :func:`quantize_tensorwise_column_sums`)
     of a 2-D ``x`` with the format checked once: ``cast(x, scale, rowwise, columnwise,
-    round_bf16=False) -> (data or None, data_t or None, sums or None, amax)``, the
-    same bits, with amax(|x|) in a new (1,) fp32 tensor (``round_bf16``, with the
-    column sums only: see :func:`quantize_tensorwise_column_sums`). ``scale`` is an
+    round_bf16=False, sums_dtype=torch.float32) -> (data or None, data_t or None, sums
+    or None, amax)``, the same bits, with amax(|x|) in a new (1,) fp32 tensor
+    (``round_bf16`` and ``sums_dtype``, with the column sums only: see
+    :func:`quantize_tensorwise_column_sums`). ``scale`` is an
     fp32 one-element tensor on x's device (a quantizer's state); any other case, or
     another device current, goes through the checked launcher, whose checks say
     what is wrong."""
@@ -209,8 +224,9 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
     codes, fp32 = HP_CODES, torch.float32
     checked = quantize_tensorwise_column_sums if sums else quantize_tensorwise
 
-    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
-        if round_bf16 and not sums:
+    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
+             sums_dtype: torch.dtype = fp32):
+        if (round_bf16 or sums_dtype is not fp32) and not sums:
             raise _no_rounding(op)
         hp = codes.get(x.dtype)
         index = x.get_device()
@@ -219,7 +235,7 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
                 or index != current_device_index()):
             amax = torch.empty(1, dtype=fp32, device=x.device)  # the checked launcher names what is wrong
             if sums:
-                out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax, round_bf16)
+                out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax, round_bf16, sums_dtype)
                 return out[0], out[1], out[3], out[2]
             out = checked(x, scale, fp8_dtype, rowwise, columnwise, amax)
             return out[0], out[1], None, out[2]
@@ -227,19 +243,20 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
             x = aligned_contiguous(x)
         rows, cols = x.shape
         return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, round_bf16,
-                    stream_of_index(index))
+                    _sums_bf16(sums_dtype, op), stream_of_index(index))
 
     call_update = extension().cast_tensorwise_update
     fmax = fp8_max(fp8_dtype)
     i64 = torch.int64
 
     def with_update(x: torch.Tensor, scale: torch.Tensor, history: torch.Tensor, count: torch.Tensor, margin: int,
-                    algo_max: bool, rowwise: bool, columnwise: bool, round_bf16: bool = False):
+                    algo_max: bool, rowwise: bool, columnwise: bool, round_bf16: bool = False,
+                    sums_dtype: torch.dtype = fp32):
         """The cast and delayed scaling's state update from its amax in one call: ``(data
         or None, data_t or None, sums or None, amax, history, scale, scale_inv, count)``,
         the state as ``delayed_scale_update`` gives it after this amax, bit for bit; or
         None for a case it does not take (the caller casts, then updates apart)."""
-        if round_bf16 and not sums:
+        if (round_bf16 or sums_dtype is not fp32) and not sums:
             raise _no_rounding(op)
         hp = codes.get(x.dtype)
         index = x.get_device()
@@ -256,7 +273,7 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
         steps, rest = divmod(margin, 64)
         return call_update(x, hp, code, rows, cols, scale, history, count, min(steps, MARGIN_STEPS),
                            float(2**rest), fmax, algo_max, rowwise, columnwise, sums, round_bf16,
-                           stream_of_index(index))
+                           _sums_bf16(sums_dtype, op), stream_of_index(index))
 
     cast.with_update = with_update
     return cast
@@ -287,30 +304,34 @@ def quantize_current_column_sums(
     rowwise: bool = True,
     columnwise: bool = False,
     round_bf16: bool = False,
+    sums_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_current` of 2-D ``x`` (M, N) and ``x`` summed over its rows in
     fp32 (N,), a bias gradient. With the transposed copy the sums come from the
     cast pass's read (each 128x128 tile's column sums, then their sum over the row
     tiles); without it, torch sums apart. ``round_bf16``: the cast (its amax, scale
     and copies) of x rounded to bf16, the sums of x as given (without the
-    transposed copy, the cast is of ``x.to(torch.bfloat16)``).
+    transposed copy, the cast is of ``x.to(torch.bfloat16)``). ``sums_dtype``: as
+    :func:`quantize_tensorwise_column_sums`'s.
 
     Returns ``(data or None, data_t or None, scale, scale_inv, amax, sums)``.
     """
     op = "quantize_current_column_sums"
     check_matrix(x, op)
+    check_sums_dtype(sums_dtype, op)
     if not columnwise or x.numel() == 0:
         xc = _through_bf16(x, round_bf16, op)
         out = _current(op, xc, fp8_dtype, power_2, epsilon, rowwise, columnwise, None, False)[:5]
-        return (*out, x.sum(dim=0, dtype=torch.float32))
-    return _current(op, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None, True, bool(round_bf16))
+        return (*out, column_sums_as(x.sum(dim=0, dtype=torch.float32), sums_dtype))
+    return _current(op, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None, True, bool(round_bf16),
+                    sums_dtype is torch.bfloat16)
 
 
 def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise: bool, given, sums: bool,
-             round_bf16: bool = False):
+             round_bf16: bool = False, sums_bf16: bool = False):
     """Current scaling's two passes (one C++ call that also allocates the outputs);
-    with ``sums`` (x 2-D, ``columnwise``), also the column sums from the cast pass,
-    and with ``round_bf16`` of x rounded to bf16."""
+    with ``sums`` (x 2-D, ``columnwise``), also the column sums from the cast pass
+    (``sums_bf16``: rounded to bf16), and with ``round_bf16`` of x rounded to bf16."""
     code = _fp8_code(fp8_dtype, op)
     epsilon = _check_epsilon(epsilon, op)
     x = _hp_input(x, op)
@@ -320,14 +341,15 @@ def _current(op: str, x, fp8_dtype, power_2, epsilon, rowwise: bool, columnwise:
         check_given_amax(given, x, op)
     with on_device(device):
         return extension().cast_current(x, HP_CODES[x.dtype], code, rows, cols, bool(power_2), epsilon, rowwise,
-                                        columnwise, given, sums, round_bf16, raw_stream(device))
+                                        columnwise, given, sums, round_bf16, sums_bf16, raw_stream(device))
 
 
 def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0, sums: bool = False):
     """:func:`quantize_current` (``sums``: :func:`quantize_current_column_sums`) of a
     2-D ``x`` with its constant arguments checked once: ``cast(x, rowwise, columnwise,
-    round_bf16=False) -> (data or None, data_t or None, scale_inv, sums or None)``,
-    the same bits (``round_bf16``: with the column sums only). A
+    round_bf16=False, sums_dtype=torch.float32) -> (data or None, data_t or None,
+    scale_inv, sums or None)``, the same bits (``round_bf16`` and ``sums_dtype``: with
+    the column sums only). A
     call does only what the launch needs (x's dtype code, a contiguous 16-byte
     aligned x). An x it does not take as it is (not a CUDA tensor, not 2-D, not a
     high-precision dtype, not on the current device) goes through the checked launcher,
@@ -338,10 +360,11 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
     epsilon = _check_epsilon(epsilon, op)
     power_2 = bool(power_2)
     call = extension().cast_current
-    codes = HP_CODES
+    codes, fp32 = HP_CODES, torch.float32
 
-    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
-        if round_bf16 and not sums:
+    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
+             sums_dtype: torch.dtype = fp32):
+        if (round_bf16 or sums_dtype is not fp32) and not sums:
             raise _no_rounding(op)
         hp = codes.get(x.dtype)
         index = x.get_device()
@@ -349,7 +372,8 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
                 or index != current_device_index()):
             if sums:
                 data, data_t, _, scale_inv, _, col = quantize_current_column_sums(x, fp8_dtype, power_2, epsilon,
-                                                                                  rowwise, columnwise, round_bf16)
+                                                                                  rowwise, columnwise, round_bf16,
+                                                                                  sums_dtype)
                 return data, data_t, scale_inv, col
             data, data_t, _, scale_inv, _ = quantize_current(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
             return data, data_t, scale_inv, None
@@ -357,7 +381,7 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
             x = aligned_contiguous(x)
         rows, cols = x.shape
         out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums, round_bf16,
-                   stream_of_index(index))
+                   _sums_bf16(sums_dtype, op), stream_of_index(index))
         return out[0], out[1], out[3], out[5]  # out[5]: None without sums
 
     return cast

@@ -120,16 +120,26 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// A column's total into out[i]: fp32, or rounded once to bf16 (nearest, ties to even).
+__device__ __forceinline__ void store_total(void* out, int64_t i, float total, bool as_bf16) {
+  if (as_bf16) {
+    static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(total);
+  } else {
+    static_cast<float*>(out)[i] = total;
+  }
+}
+
 // Sums the rows of partials (batches, rows, cols), fp32, one thread per column of
 // a batch (blockIdx.y) adding the rows in order: the same bits on every run.
 __global__ void __launch_bounds__(kThreads)
-    sum_rows_kernel(const float* __restrict__ partials, int64_t rows, int64_t cols, float* __restrict__ out) {
+    sum_rows_kernel(const float* __restrict__ partials, int64_t rows, int64_t cols, void* __restrict__ out,
+                    bool out_bf16) {
   const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (col >= cols) return;
   const float* batch = partials + int64_t(blockIdx.y) * rows * cols;
   float total = 0.0f;
   for (int64_t r = 0; r < rows; ++r) total += batch[r * cols + col];
-  out[int64_t(blockIdx.y) * cols + col] = total;
+  store_total(out, int64_t(blockIdx.y) * cols + col, total, out_bf16);
 }
 
 // Flat cast of `numel` elements (no transposed copy). `out` may be null.
@@ -391,7 +401,7 @@ __global__ void __launch_bounds__(kThreads)
          col += int64_t(gridDim.x) * blockDim.x) {
       float total = 0.0f;
       for (int64_t r = 0; r < row_tiles; ++r) total += s.column_partials[r * cols + col];
-      s.sums_out[col] = total;
+      store_total(s.sums_out, col, total, s.sums_bf16);
     }
   }
   if (!CURRENT && blockIdx.x == 0 && update.new_history != nullptr) {
@@ -568,13 +578,13 @@ void launch_amax_partials(const void* x, int hp_type, int64_t numel, uint32_t* p
   check_launch("amax");
 }
 
-void launch_sum_rows(const float* partials, int64_t batches, int64_t rows, int64_t cols, float* out,
-                     void* stream_ptr) {
+void launch_sum_rows(const float* partials, int64_t batches, int64_t rows, int64_t cols, void* out,
+                     void* stream_ptr, bool out_bf16) {
   if (cols == 0 || batches == 0) return;
   if (batches > 65535) throw std::invalid_argument("sum_rows: at most 65535 batches");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const dim3 grid(unsigned((cols + kThreads - 1) / kThreads), unsigned(batches));
-  sum_rows_kernel<<<grid, kThreads, 0, stream>>>(partials, rows, cols, out);
+  sum_rows_kernel<<<grid, kThreads, 0, stream>>>(partials, rows, cols, out, out_bf16);
   check_launch("sum_rows");
 }
 

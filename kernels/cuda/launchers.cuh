@@ -67,7 +67,10 @@ struct CastScaling {
   // up over the row tiles.
   int64_t one_launch_blocks = 0;
   uint32_t* block_partials = nullptr;
-  float* sums_out = nullptr;
+  void* sums_out = nullptr;
+  // sums_out holds bf16 values (a bf16 bias's gradient): each fp32 total rounded
+  // once to the nearest bf16, ties to even, as x.sum(0, dtype=float32).to(bfloat16).
+  bool sums_bf16 = false;
 };
 
 // Blocks of the one-launch transposing cast of x (rows, cols) (see CastScaling),
@@ -90,9 +93,11 @@ void launch_amax(const void* x, int hp_type, int64_t numel, float* amax_out, voi
 int64_t amax_partial_count(int64_t numel);
 void launch_amax_partials(const void* x, int hp_type, int64_t numel, uint32_t* partials, void* stream);
 
-// out (batches, cols) = partials (batches, rows, cols) summed over the rows, fp32,
-// each column's rows added in order (the same bits on every run).
-void launch_sum_rows(const float* partials, int64_t batches, int64_t rows, int64_t cols, float* out, void* stream);
+// out (batches, cols) = partials (batches, rows, cols) summed over the rows in fp32,
+// each column's rows added in order (the same bits on every run); out_bf16: out
+// holds bf16, each fp32 total rounded once to the nearest (ties to even).
+void launch_sum_rows(const float* partials, int64_t batches, int64_t rows, int64_t cols, void* out, void* stream,
+                     bool out_bf16 = false);
 
 // Tensor-scaled cast of x (rows, cols), row-major. `out` (rows, cols) and / or
 // `out_t` (cols, rows) may be null. Current scaling when scaling.amax_in is set,

@@ -41,6 +41,7 @@ __all__ = [
     "amax_column_sums_reference",
     "quantize_current_column_sums_reference",
     "bf16_copy_reference",
+    "column_sums_as",
     "quantize_rowwise_reference",
     "quantize_block_reference",
     "quantize_mxfp8_reference",
@@ -114,18 +115,22 @@ def quantize_tensorwise_column_sums_reference(
     columnwise: bool = False,
     amax_out: torch.Tensor | None = None,
     round_bf16: bool = False,
+    sums_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quantize_tensorwise_reference` of 2-D ``x`` (M, N), and ``x`` summed over
     its rows in fp32 (N,): the delayed-scaling cast of a gradient and the bias
     gradient, which the kernels take from one read of ``x``. ``round_bf16``: the
     cast (and its amax) of ``x`` rounded to bf16, the sums of ``x`` as given.
+    ``sums_dtype`` (fp32 or bf16): the sums as returned, each fp32 total rounded
+    once to bf16 for a bf16 bias (:func:`column_sums_as`).
 
     Returns ``(data or None, data_t or None, amax, sums)``.
     """
     check_matrix(x, "quantize_tensorwise_column_sums")
+    check_sums_dtype(sums_dtype, "quantize_tensorwise_column_sums")
     q, qt, amax = quantize_tensorwise_reference(_rounded(x, round_bf16), scale, fp8_dtype, rowwise, columnwise,
                                                 amax_out)
-    return q, qt, amax, x.sum(dim=0, dtype=torch.float32)
+    return q, qt, amax, column_sums_as(x.sum(dim=0, dtype=torch.float32), sums_dtype)
 
 
 _BF16_NAN = 0x7FFF  # the NaN of a CUDA conversion to bf16, whatever the NaN converted
@@ -138,6 +143,18 @@ def bf16_copy_reference(x: torch.Tensor) -> torch.Tensor:
     b = x.to(torch.bfloat16)
     nan = torch.tensor(_BF16_NAN, dtype=torch.int16, device=b.device).view(torch.bfloat16)
     return torch.where(torch.isnan(b), nan, b)
+
+
+def check_sums_dtype(sums_dtype, kernel: str) -> None:
+    """The column-sums casts return their sums in fp32, or rounded to bf16 (a bf16 bias's gradient)."""
+    if sums_dtype is not torch.float32 and sums_dtype is not torch.bfloat16:
+        raise ValueError(f"{kernel}: sums_dtype must be torch.float32 or torch.bfloat16, got {sums_dtype!r}")
+
+
+def column_sums_as(sums: torch.Tensor, sums_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 column sums as ``sums_dtype``: themselves, or each rounded once to the
+    nearest bf16 as the GPU rounds (ties to even, every NaN 0x7FFF)."""
+    return sums if sums_dtype is torch.float32 else bf16_copy_reference(sums)
 
 
 def _rounded(x: torch.Tensor, round_bf16: bool) -> torch.Tensor:
@@ -190,17 +207,20 @@ def quantize_current_column_sums_reference(
     rowwise: bool = True,
     columnwise: bool = False,
     round_bf16: bool = False,
+    sums_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_current_reference` of 2-D ``x`` (M, N) and ``x`` summed over its
     rows in fp32 (N,): a gradient's current-scaling cast with its bias gradient,
     which the kernels take from the same reads. ``round_bf16``: the cast (amax,
     scale and data) of ``x`` rounded to bf16, the sums of ``x`` as given.
+    ``sums_dtype``: as :func:`quantize_tensorwise_column_sums_reference`'s.
 
     Returns ``(data, data_t, scale, scale_inv, amax, sums)``.
     """
     check_matrix(x, "quantize_current_column_sums")
+    check_sums_dtype(sums_dtype, "quantize_current_column_sums")
     return (*quantize_current_reference(_rounded(x, round_bf16), fp8_dtype, power_2, epsilon, rowwise, columnwise),
-            x.sum(dim=0, dtype=torch.float32))
+            column_sums_as(x.sum(dim=0, dtype=torch.float32), sums_dtype))
 
 
 def check_matrix(x, kernel: str) -> None:

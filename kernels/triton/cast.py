@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..formats import Scaling, block_scaling, scaling_tile
 from ..operand import ScaledOperand, scale_grid_shape
-from ..reference.cast import check_given_amax, check_matrix
+from ..reference.cast import check_given_amax, check_matrix, check_sums_dtype, column_sums_as
 from ._launch import launch
 from ._common import (
     TL_FLOAT,
@@ -314,17 +314,22 @@ def quantize_tensorwise_column_sums(
     columnwise: bool = False,
     amax_out: torch.Tensor | None = None,
     round_bf16: bool = False,
+    sums_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quantize_tensorwise` of 2-D ``x`` (M, N), and ``x`` summed over its rows
     in fp32 (N,), a bias gradient, from the cast's one read: each tile stores its
     column sums, and a small second pass adds the tiles' rows in order.
     ``round_bf16``: the cast and its amax read x rounded to bf16, the sums x as given.
+    ``sums_dtype``: fp32, or bf16 (the fp32 sums rounded once, by torch).
 
     Returns ``(data or None, data_t or None, amax, sums)``.
     """
     kernel = "quantize_tensorwise_column_sums"
     check_matrix(x, kernel)
-    return _tensorwise(kernel, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True, bool(round_bf16))
+    check_sums_dtype(sums_dtype, kernel)
+    q, qt, amax, sums = _tensorwise(kernel, x, scale, fp8_dtype, rowwise, columnwise, amax_out, True,
+                                    bool(round_bf16))
+    return q, qt, amax, column_sums_as(sums, sums_dtype)
 
 
 def _tensorwise(kernel: str, x, scale, fp8_dtype, rowwise: bool, columnwise: bool, amax_out, sums: bool,
@@ -475,18 +480,21 @@ def quantize_current_column_sums(
     rowwise: bool = True,
     columnwise: bool = False,
     round_bf16: bool = False,
+    sums_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_current` of 2-D ``x`` with its column sums: the amax pass
     (:func:`amax_column_sums`) also sums the columns, the cast pass takes its amax.
     ``round_bf16``: the cast of x rounded to bf16 (the amax rounded with it), the
-    sums of x as given.
+    sums of x as given. ``sums_dtype``: fp32, or bf16 (the fp32 sums rounded once, by torch).
 
     Returns ``(data, data_t, scale, scale_inv, amax, sums)``.
     """
     kernel = "quantize_current_column_sums"
     check_matrix(x, kernel)
+    check_sums_dtype(sums_dtype, kernel)
     amax, sums = amax_column_sums(x)
-    return (*_current(kernel, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax, bool(round_bf16)), sums)
+    return (*_current(kernel, x, fp8_dtype, power_2, epsilon, rowwise, columnwise, amax, bool(round_bf16)),
+            column_sums_as(sums, sums_dtype))
 
 
 # ------------------------------------------------------------ per row / tile

@@ -25,6 +25,7 @@ import torch
 from .. import backend
 from ..fp8 import FP8_MAX, short_name, torch_dtype
 from ..kernels.operand import ScaledOperand
+from ..kernels.reference.cast import check_sums_dtype
 from .float8_tensor import Float8Tensor
 from .role import QuantizerRole
 from .tensor import QuantizedTensor, flat_2d_shape
@@ -230,7 +231,7 @@ class Quantizer:
 
     def quantize_with_column_sums(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
-        as_dtype: torch.dtype | None = None,
+        as_dtype: torch.dtype | None = None, sums_dtype: torch.dtype = torch.float32,
     ) -> tuple[QuantizedTensor, torch.Tensor]:
         """``self(x)`` and ``x``'s 2-D flattening summed over its rows, in fp32 (a
         bias gradient). A scheme whose cast reads ``x`` anyway may compute the sums
@@ -240,11 +241,16 @@ class Quantizer:
         and stand for a tensor of that dtype, while the sums are of ``x`` as it is: a
         gradient that arrives in fp32 for GEMMs that compute in bf16, whose bias
         sums it as it arrives. A scheme may round as it reads (no converted copy).
+        ``sums_dtype`` (fp32 or bf16): the sums accumulate in fp32 and are returned
+        as ``sums_dtype``, each rounded once (the gradient of a bf16 bias, which a
+        kernel writes as it adds the sums up, with no conversion after).
         The ops' calls take a scheme's :meth:`_lean_column_sums` where it has one."""
+        if sums_dtype is not torch.float32:  # before any state changes (a delayed-scaling cast records)
+            check_sums_dtype(sums_dtype, f"{type(self).__name__}.quantize_with_column_sums")
         if self._lean_column_sums is not None and self._lean(x, rowwise, columnwise):
             through_bf16 = self._through_bf16(x, as_dtype)
             if through_bf16 is not None:
-                return self._lean_column_sums(x, rowwise, columnwise, through_bf16)
+                return self._lean_column_sums(x, rowwise, columnwise, through_bf16, sums_dtype)
         self._check_input(x, rowwise, columnwise)
         as_dtype = self._checked_as_dtype(as_dtype, x)
         shape = x.shape
@@ -253,16 +259,18 @@ class Quantizer:
         x_hp = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
         through_bf16 = self._through_bf16(x_hp, as_dtype)
         if through_bf16 is None:  # a converted copy to cast; the sums of x as it came
-            sums = x_hp.sum(dim=0, dtype=torch.float32)  # (K,)
+            sums = x_hp.sum(dim=0, dtype=torch.float32).to(sums_dtype)  # (K,)
             rowwise_op, columnwise_op = self._quantize(x_hp.to(as_dtype), rowwise, columnwise)
         else:
-            rowwise_op, columnwise_op, sums = self._quantize_with_column_sums(x_hp, rowwise, columnwise, through_bf16)
+            rowwise_op, columnwise_op, sums = self._quantize_with_column_sums(x_hp, rowwise, columnwise, through_bf16,
+                                                                              sums_dtype)
         return QuantizedTensor(rowwise_op, columnwise_op, shape, as_dtype), sums
 
-    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
+                                   sums_dtype: torch.dtype = torch.float32):
         """The copies of ``x_hp`` (M, K) (``round_bf16``: of ``x_hp.to(bfloat16)``) and its
-        column sums; by default the sums take a pass of their own."""
-        sums = x_hp.sum(dim=0, dtype=torch.float32)  # (K,)
+        column sums as ``sums_dtype``; by default the sums take a pass of their own."""
+        sums = x_hp.sum(dim=0, dtype=torch.float32).to(sums_dtype)  # (K,), as a bias sums it
         rowwise_op, columnwise_op = self._quantize(x_hp.to(torch.bfloat16) if round_bf16 else x_hp, rowwise,
                                                    columnwise)
         return rowwise_op, columnwise_op, sums
@@ -270,7 +278,7 @@ class Quantizer:
     # Whether the scheme's column-sums cast reads an fp32 x as bf16 itself (round_bf16).
     reads_through_bf16 = False
     # A scheme's lean column-sums cast of an ops' call, ``(x, rowwise, columnwise,
-    # round_bf16) -> (QuantizedTensor, sums)``, or None.
+    # round_bf16, sums_dtype) -> (QuantizedTensor, sums)``, or None.
     _lean_column_sums = None
 
     def _through_bf16(self, x: torch.Tensor, as_dtype: torch.dtype | None) -> bool | None:

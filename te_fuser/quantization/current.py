@@ -18,15 +18,16 @@ __all__ = ["Float8CurrentScalingQuantizer"]
 
 
 def _generic_caster(fn, fp8_dtype: torch.dtype, power_2: bool, epsilon: float, sums: bool = False):
-    """``cast(x, rowwise, columnwise, round_bf16=False) -> (data, data_t, scale_inv,
-    sums or None)`` through a ``quantize_current`` (``sums``:
-    ``quantize_current_column_sums``, which alone takes ``round_bf16``) kernel
-    without a ``prepare`` entry of its own."""
+    """``cast(x, rowwise, columnwise, round_bf16=False, sums_dtype=torch.float32) ->
+    (data, data_t, scale_inv, sums or None)`` through a ``quantize_current`` (``sums``:
+    ``quantize_current_column_sums``, which alone takes ``round_bf16`` and
+    ``sums_dtype``) kernel without a ``prepare`` entry of its own."""
 
-    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
+    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
+             sums_dtype: torch.dtype = torch.float32):
         if sums:
             data, data_t, _scale, scale_inv, _amax, col = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise,
-                                                             round_bf16)
+                                                             round_bf16, sums_dtype)
             return data, data_t, scale_inv, col
         data, data_t, _scale, scale_inv, _amax = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None)
         return data, data_t, scale_inv, None
@@ -81,17 +82,19 @@ class Float8CurrentScalingQuantizer(Quantizer):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
         return self._lean_cast(x, rowwise, columnwise, "quantize_current", _generic_caster)[0]
 
-    def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+    def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
+                          sums_dtype: torch.dtype = torch.float32):
         """The ops' column-sums casts, lean as :meth:`cast` (fp32 cast as bf16 rounded as the kernel reads it)."""
         return self._lean_cast(x, rowwise, columnwise, "quantize_current_column_sums", _generic_sums_caster,
-                               round_bf16)
+                               round_bf16, sums_dtype)
 
     def _lean_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, generic,
-                   round_bf16: bool = False):
+                   round_bf16: bool = False, sums_dtype: torch.dtype = torch.float32):
         """The lean path's cast of ``x`` flattened to (M, K) through ``kernel``:
-        (the copies, the column sums or None); ``round_bf16``: of x read as bf16."""
+        (the copies, the column sums as ``sums_dtype`` or None); ``round_bf16``: of x read as bf16."""
         x2d = self._flat(x)  # (M, K)
-        data, data_t, scale_inv, sums = self._caster(kernel, x2d.device, generic)(x2d, rowwise, columnwise, round_bf16)
+        data, data_t, scale_inv, sums = self._caster(kernel, x2d.device, generic)(x2d, rowwise, columnwise, round_bf16,
+                                                                                  sums_dtype)
         q = QuantizedTensor.of_cast(tensor_scaled(data, scale_inv) if rowwise else None,
                                     tensor_scaled(data_t, scale_inv) if columnwise else None, x.shape,
                                     torch.bfloat16 if round_bf16 else x.dtype)
@@ -121,16 +124,17 @@ class Float8CurrentScalingQuantizer(Quantizer):
             shard, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, True, False, amax)
         return data, scale_inv
 
-    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
+                                   sums_dtype: torch.dtype = torch.float32):
         """The cast also sums the columns (from its amax pass or its cast pass, as the
         backend's kernel reads them; under a sequence-parallel group the cast takes
         the reduced amax and the sums are a pass of their own); ``round_bf16``: the
         kernel reads x rounded to bf16."""
         if self.sequence_parallel_group is not None:
-            return super()._quantize_with_column_sums(x_hp, rowwise, columnwise, round_bf16)
+            return super()._quantize_with_column_sums(x_hp, rowwise, columnwise, round_bf16, sums_dtype)
         cast = backend.resolve("quantize_current_column_sums", x_hp.device).fn
         x_fp8, x_fp8_t, _scale, scale_inv, _amax, sums = cast(
-            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise, round_bf16
+            x_hp, self.fp8_dtype, self.power_2_scales, self.amax_epsilon, rowwise, columnwise, round_bf16, sums_dtype
         )
         rowwise_op = ScaledOperand(x_fp8, scale_inv, Scaling.TENSOR) if rowwise else None
         columnwise_op = ScaledOperand(x_fp8_t, scale_inv, Scaling.TENSOR) if columnwise else None

@@ -72,16 +72,19 @@ __all__ = ["DelayedScalingQuantizer", "place_states"]
 
 
 def _generic_tensorwise(fn, fp8_dtype: torch.dtype):
-    """``cast(x, scale, rowwise, columnwise, round_bf16=False) -> (data, data_t, sums
-    or None, amax)``, amax(|x|) in a new (1,) fp32 tensor, through a tensor-scaled
-    cast kernel without a ``prepare`` entry of its own (``round_bf16``: the
-    column-sums kernel's)."""
+    """``cast(x, scale, rowwise, columnwise, round_bf16=False, sums_dtype=torch.float32)
+    -> (data, data_t, sums or None, amax)``, amax(|x|) in a new (1,) fp32 tensor,
+    through a tensor-scaled cast kernel without a ``prepare`` entry of its own
+    (``round_bf16`` and ``sums_dtype``: the column-sums kernel's)."""
 
-    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False):
+    def cast(x: torch.Tensor, scale: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
+             sums_dtype: torch.dtype = torch.float32):
         amax = torch.empty(1, dtype=torch.float32, device=x.device)  # the cast writes (not accumulates) it
-        rounding = {"round_bf16": True} if round_bf16 else {}
+        extra = {"round_bf16": True} if round_bf16 else {}
+        if sums_dtype is not torch.float32:
+            extra["sums_dtype"] = sums_dtype
         data, data_t, _amax, *sums = fn(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax_out=amax,
-                                        **rounding)
+                                        **extra)
         return data, data_t, (sums[0] if sums else None), amax
 
     return cast
@@ -233,10 +236,11 @@ class DelayedScalingQuantizer(Quantizer):
         rowwise_op, columnwise_op, _ = self._cast(self._flat(x), rowwise, columnwise, "quantize_tensorwise")
         return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, x.dtype)
 
-    def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+    def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
+                          sums_dtype: torch.dtype = torch.float32):
         """The ops' column-sums casts, lean as :meth:`cast` (fp32 cast as bf16 rounded as the kernel reads it)."""
         rowwise_op, columnwise_op, sums = self._cast(self._flat(x), rowwise, columnwise,
-                                                     "quantize_tensorwise_column_sums", round_bf16)
+                                                     "quantize_tensorwise_column_sums", round_bf16, sums_dtype)
         return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape,
                                        torch.bfloat16 if round_bf16 else x.dtype), sums
 
@@ -246,16 +250,19 @@ class DelayedScalingQuantizer(Quantizer):
         rowwise_op, columnwise_op, _ = self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise")
         return rowwise_op, columnwise_op
 
-    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+    def _quantize_with_column_sums(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
+                                   sums_dtype: torch.dtype = torch.float32):
         """The one-pass cast also sums the columns (the same state update as a plain
         cast); ``round_bf16``: the kernel reads x rounded to bf16."""
-        return self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise_column_sums", round_bf16)
+        return self._cast(x_hp, rowwise, columnwise, "quantize_tensorwise_column_sums", round_bf16, sums_dtype)
 
-    def _cast(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool = False):
+    def _cast(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool = False,
+              sums_dtype: torch.dtype = torch.float32):
         """Cast with the current scale through ``kernel`` (returning the data, the
         transposed data, the amax and, for the column-sums kernel, the sums), then
         record the amax: (row-wise operand, column-wise operand, sums or None).
-        ``round_bf16`` (the column-sums kernel): the cast and its amax of x read as bf16."""
+        ``round_bf16`` and ``sums_dtype`` (the column-sums kernel): the cast and its
+        amax of x read as bf16, the sums returned as ``sums_dtype``."""
         device = x_hp.device
         self._flush()
         self._move_state(device)
@@ -264,21 +271,21 @@ class DelayedScalingQuantizer(Quantizer):
             scale, scale_inv = self._unrecorded_scale(
                 lambda: self._seed_amax(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16))
             x_fp8, x_fp8_t, sums, _ = self._caster(kernel, device, _generic_tensorwise)(
-                x_hp, scale, rowwise, columnwise, round_bf16)
+                x_hp, scale, rowwise, columnwise, round_bf16, sums_dtype)
             return (tensor_scaled(x_fp8, scale_inv) if rowwise else None,
                     tensor_scaled(x_fp8_t, scale_inv) if columnwise else None, sums)
         seeded = self.seeded
         if not seeded and self.seed_in_cast and self.margin == 0 and self._kernel_update and self._group() is None:
-            return self._seeding_cast(x_hp, rowwise, columnwise, kernel, round_bf16)
+            return self._seeding_cast(x_hp, rowwise, columnwise, kernel, round_bf16, sums_dtype)
         if not seeded:  # the first scale from the amax of what is cast
             self._seed(x_hp, backend.resolve("quantize_tensorwise", device).fn, round_bf16)
         if frames[0] is not None:  # a checkpointed region's forward: its recomputation casts alike
             frames[0].note(self, self._scale, self._scale_inv, seeded)
         cast = self._caster(kernel, device, _generic_tensorwise)
         scale_inv = self._scale_inv  # the state is rebound, never written in place
-        out = self._cast_and_update(cast, x_hp, rowwise, columnwise, round_bf16)
+        out = self._cast_and_update(cast, x_hp, rowwise, columnwise, round_bf16, sums_dtype)
         if out is None:
-            x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise, round_bf16)
+            x_fp8, x_fp8_t, sums, amax = cast(x_hp, self._scale, rowwise, columnwise, round_bf16, sums_dtype)
             self._record(amax)
         else:
             x_fp8, x_fp8_t, sums = out
@@ -286,7 +293,8 @@ class DelayedScalingQuantizer(Quantizer):
         columnwise_op = tensor_scaled(x_fp8_t, scale_inv) if columnwise else None  # (K, M)
         return rowwise_op, columnwise_op, sums
 
-    def _seeding_cast(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool):
+    def _seeding_cast(self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool,
+                      sums_dtype: torch.dtype = torch.float32):
         """A fresh quantizer's first cast as one current-scaling cast: with no margin
         and the built-in scale, the seed's scale from the tensor's own amax is current
         scaling's (fmax / amax; 1 for an amax of 0, inf or NaN; the largest fp32 where
@@ -299,7 +307,7 @@ class DelayedScalingQuantizer(Quantizer):
         if kernel == "quantize_tensorwise_column_sums":
             fn = backend.resolve("quantize_current_column_sums", device).fn
             data, data_t, scale, scale_inv, amax, sums = fn(x_hp, self.fp8_dtype, False, 0.0, rowwise, columnwise,
-                                                            round_bf16)
+                                                            round_bf16, sums_dtype)
         else:
             fn = backend.resolve("quantize_current", device).fn
             data, data_t, scale, scale_inv, amax = fn(x_hp, self.fp8_dtype, False, 0.0, rowwise, columnwise, None)
@@ -313,7 +321,8 @@ class DelayedScalingQuantizer(Quantizer):
         return (tensor_scaled(data, scale_inv) if rowwise else None,
                 tensor_scaled(data_t, scale_inv) if columnwise else None, sums)
 
-    def _cast_and_update(self, cast, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool):
+    def _cast_and_update(self, cast, x_hp: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
+                         sums_dtype: torch.dtype = torch.float32):
         """The cast with the state updated from its amax in the same call, where the
         backend's prepared cast has such an entry (``with_update``: the cuda backend,
         one launch where the cast is one), the update is the kernel's and no group
@@ -324,7 +333,7 @@ class DelayedScalingQuantizer(Quantizer):
         if with_update is None or not self._kernel_update or self._group() is not None:
             return None
         out = with_update(x_hp, self._scale, self._amax_history, self._nonfinite_amax_count, self.margin,
-                          self.amax_compute_algo == "max", rowwise, columnwise, round_bf16)
+                          self.amax_compute_algo == "max", rowwise, columnwise, round_bf16, sums_dtype)
         if out is None:
             return None
         x_fp8, x_fp8_t, sums, _, history, scale, scale_inv, count = out

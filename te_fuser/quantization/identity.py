@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.reference.cast import check_sums_dtype
 from .base import Quantizer
 from .role import QuantizerRole
 
@@ -30,10 +31,12 @@ class IdentityQuantizer(Quantizer):
         return x
 
     def quantize_with_column_sums(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
-                                  as_dtype: torch.dtype | None = None):
-        """``x`` (converted to ``as_dtype`` when given) and the column sums of ``x`` as it is."""
+                                  as_dtype: torch.dtype | None = None, sums_dtype: torch.dtype = torch.float32):
+        """``x`` (converted to ``as_dtype`` when given) and the column sums of ``x`` as it
+        is, summed in fp32 and returned as ``sums_dtype``."""
+        check_sums_dtype(sums_dtype, "IdentityQuantizer.quantize_with_column_sums")
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
-        sums = x2d.sum(dim=0, dtype=torch.float32)
+        sums = x2d.sum(dim=0, dtype=torch.float32).to(sums_dtype)
         return (x if as_dtype is None or as_dtype is x.dtype else x.to(as_dtype)), sums
 
     def check_shape(self, shape: tuple[int, ...], *, rowwise: bool = True, columnwise: bool = False) -> None:

@@ -282,25 +282,27 @@ def _fprop_operands(ctx: OpContext, op: BasicLinear, x2d: torch.Tensor, w_hp: to
 
 
 def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool, column_sums: bool = False,
-                       as_dtype: torch.dtype | None = None):
+                       as_dtype: torch.dtype | None = None, sums_dtype: torch.dtype = torch.float32):
     """dy, x and w in the form the backward GEMMs take, per ``backward_override``;
-    with ``column_sums``, also dy's column sums in fp32, from the dy cast's own read
-    where its scheme allows (else None), the cast as of ``dy2d.to(as_dtype)`` when
-    ``as_dtype`` is given (FP8 backward only)."""
+    with ``column_sums``, also dy's column sums summed in fp32 and returned as
+    ``sums_dtype`` (fp32 or bf16), from the dy cast's own read where its scheme
+    allows (else None), the cast as of ``dy2d.to(as_dtype)`` when ``as_dtype`` is
+    given (FP8 backward only)."""
     run, saved = ctx.run, ctx.saved
     x_s, w_s = saved["x"], saved["w"]
     if run.fp8_backward:
         quantizer = ctx.quantizers.get("grad_output")
         if column_sums:
             dy_q, sums = quantizer.quantize_with_column_sums(dy2d, rowwise=need_dx, columnwise=need_dw,
-                                                             as_dtype=as_dtype)
+                                                             as_dtype=as_dtype, sums_dtype=sums_dtype)
             return dy_q, x_s, w_s, sums
         return quantizer.cast(dy2d, rowwise=need_dx, columnwise=need_dw), x_s, w_s, None
     if isinstance(x_s, QuantizedTensor):  # 'dequantized'
         x_s = x_s.dequantize(run.compute_dtype)
     if isinstance(w_s, QuantizedTensor):
         w_s = w_s.dequantize(run.compute_dtype)
-    return dy2d, x_s, w_s, (dy2d.sum(dim=0, dtype=torch.float32) if column_sums else None)
+    # high precision: the bias's own sum (fp32, then its dtype), as the unfused bias computes it
+    return dy2d, x_s, w_s, (dy2d.sum(dim=0, dtype=torch.float32).to(sums_dtype) if column_sums else None)
 
 
 def linear_backward(
@@ -331,10 +333,12 @@ def _scaled_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw:
 
 def linear_backward_with_column_sums(
     ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None,
-    column_sums: bool = True, dy_scale: float | None = None,
+    column_sums: bool = True, dy_scale: float | None = None, sums_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """dgrad, wgrad and (with ``column_sums``) dy's column sums in fp32, the gradient
-    of a bias on this linear's output, read from dy by its cast where it can."""
+    """dgrad, wgrad and (with ``column_sums``) dy's column sums, the gradient of a
+    bias on this linear's output, read from dy by its cast where it can: summed in
+    fp32 and returned as ``sums_dtype`` (fp32, or bf16 for a bf16 bias, rounded
+    once where the sums are added up)."""
     run = ctx.run
     dtype = run.compute_dtype
     dy_shape = dy.shape
@@ -350,7 +354,7 @@ def linear_backward_with_column_sums(
     need_dx = ctx.needs_input_grad
     need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else ctx.saved["w_requires_grad"]
     if dy_scale is None:
-        dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums, as_dtype)
+        dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums, as_dtype, sums_dtype)
     else:
         dy_q, x_s, w_s, sums = _scaled_operands(ctx, dy2d, need_dx, need_dw, dy_scale)
     dx = dw = None

@@ -14,6 +14,8 @@ per-tensor schemes round it to bf16 as they read it, with no converted copy.
 
 from __future__ import annotations
 
+import torch
+
 from ..basic.bias import bias_grad
 from ..basic.linear import linear_backward, linear_backward_with_column_sums
 from ..op import FusedOperation
@@ -33,6 +35,9 @@ class BackwardLinearBias(FusedOperation):
             db = bias_grad(dy, bias.bias.dtype) if need_db else None
             dx, dw = linear_backward(ctxs[0], linear, dy)
         else:
-            dx, dw, sums = linear_backward_with_column_sums(ctxs[0], linear, dy)
-            db = sums if sums.dtype is bias.bias.dtype else sums.to(bias.bias.dtype)
+            # a bf16 bias's gradient comes out rounded where the sums are added up (no conversion after)
+            b_dtype = bias.bias.dtype
+            dx, dw, sums = linear_backward_with_column_sums(
+                ctxs[0], linear, dy, sums_dtype=torch.bfloat16 if b_dtype is torch.bfloat16 else torch.float32)
+            db = sums if sums.dtype is b_dtype else sums.to(b_dtype)
         return dx, [[dw], [db]], self.no_extras
