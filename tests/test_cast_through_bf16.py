@@ -121,7 +121,7 @@ def test_a_cast_that_is_not_a_column_sums_cast_does_not_take_round_bf16(backend_
     x = awkward_fp32(16, 32, specials=False)
     if backend_name == "cuda":
         prepared = ck.quantize_current.prepare(E4M3)
-        with pytest.raises(ValueError, match="round_bf16 is an argument of the column-sums casts only"):
+        with pytest.raises(ValueError, match="round_bf16 and sums_dtype are arguments of the column-sums casts only"):
             prepared(x, True, True, True)
     with pytest.raises(TypeError):
         BACKENDS[backend_name].quantize_current(x, E4M3, False, 0.0, True, True, None, True)
