@@ -354,7 +354,10 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
     aligned x). An x it does not take as it is (not a CUDA tensor, not 2-D, not a
     high-precision dtype, not on the current device) goes through the checked launcher,
     whose checks say what is wrong; so do the column sums without the transposed
-    copy (torch sums apart) or of an empty x."""
+    copy (torch sums apart) or of an empty x. ``cast.with_scale``: the same cast
+    returning everything the launcher returns, ``(data or None, data_t or None,
+    scale, scale_inv, amax, sums or None)`` (a delayed-scaling quantizer's first
+    cast takes its scale and amax)."""
     op = "quantize_current_column_sums" if sums else "quantize_current"
     code = _fp8_code(fp8_dtype, op)
     epsilon = _check_epsilon(epsilon, op)
@@ -362,8 +365,8 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
     call = extension().cast_current
     codes, fp32 = HP_CODES, torch.float32
 
-    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
-             sums_dtype: torch.dtype = fp32):
+    def with_scale(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
+                   sums_dtype: torch.dtype = fp32):
         if (round_bf16 or sums_dtype is not fp32) and not sums:
             raise _no_rounding(op)
         hp = codes.get(x.dtype)
@@ -371,19 +374,21 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
         if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
                 or index != current_device_index()):
             if sums:
-                data, data_t, _, scale_inv, _, col = quantize_current_column_sums(x, fp8_dtype, power_2, epsilon,
-                                                                                  rowwise, columnwise, round_bf16,
-                                                                                  sums_dtype)
-                return data, data_t, scale_inv, col
-            data, data_t, _, scale_inv, _ = quantize_current(x, fp8_dtype, power_2, epsilon, rowwise, columnwise)
-            return data, data_t, scale_inv, None
+                return quantize_current_column_sums(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, round_bf16,
+                                                    sums_dtype)
+            return (*quantize_current(x, fp8_dtype, power_2, epsilon, rowwise, columnwise), None)
         if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
             x = aligned_contiguous(x)
         rows, cols = x.shape
-        out = call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums, round_bf16,
-                   _sums_bf16(sums_dtype, op), stream_of_index(index))
+        return call(x, hp, code, rows, cols, power_2, epsilon, rowwise, columnwise, None, sums, round_bf16,
+                    _sums_bf16(sums_dtype, op), stream_of_index(index))
+
+    def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
+             sums_dtype: torch.dtype = fp32):
+        out = with_scale(x, rowwise, columnwise, round_bf16, sums_dtype)
         return out[0], out[1], out[3], out[5]  # out[5]: None without sums
 
+    cast.with_scale = with_scale
     return cast
 
 

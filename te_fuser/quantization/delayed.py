@@ -304,12 +304,17 @@ class DelayedScalingQuantizer(Quantizer):
         launch where a switch to delayed scaling otherwise launched four or five for
         every fresh quantizer. ``(row-wise operand, column-wise operand, sums or None)``."""
         device = x_hp.device
-        if kernel == "quantize_tensorwise_column_sums":
-            fn = backend.resolve("quantize_current_column_sums", device).fn
+        current = "quantize_current_column_sums" if kernel == "quantize_tensorwise_column_sums" else "quantize_current"
+        fn = backend.resolve(current, device).fn
+        # the backend's prepared cast where it has one (bound to the format alone: no power of 2, no epsilon)
+        with_scale = getattr(self._caster(current, device, None), "with_scale", None) if hasattr(fn, "prepare") \
+            else None
+        if with_scale is not None:
+            data, data_t, scale, scale_inv, amax, sums = with_scale(x_hp, rowwise, columnwise, round_bf16, sums_dtype)
+        elif current == "quantize_current_column_sums":
             data, data_t, scale, scale_inv, amax, sums = fn(x_hp, self.fp8_dtype, False, 0.0, rowwise, columnwise,
                                                             round_bf16, sums_dtype)
         else:
-            fn = backend.resolve("quantize_current", device).fn
             data, data_t, scale, scale_inv, amax = fn(x_hp, self.fp8_dtype, False, 0.0, rowwise, columnwise, None)
             sums = None
         self._scale, self._scale_inv = scale.reshape(()), scale_inv.reshape(())
