@@ -436,3 +436,32 @@ def test_a_traced_switch_trains_the_same_bits_and_records_it_beside_a_step_alone
         assert f"delayed: the {what} step traced" in stdout
     assert phases[1]["lone_step_ms"] > 0
     assert all("switch_trace" not in p for p in report["arms"]["torch"]["phases"])
+
+
+def test_the_warm_up_readies_every_phase_of_the_te_model_itself(monkeypatch):
+    """te.warmup runs the te arm's own model under every recipe of the schedule and
+    puts it back: training then matches no fusion rule at any switch (a first switch
+    builds only its quantizers, as a switch back does), and trains the same bits as
+    a warm-up on a model of its own, which readied only the kernels."""
+    from op_testing import record_matches
+
+    argv = ["--size", "smoke", "--schedule", "bf16:2,delayed:2,current:2,delayed:1", "--arms", "te",
+            "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100"]
+    warm_up, after_warm_up = train_gpt._warm_up, []
+    matched = record_matches(monkeypatch)
+
+    def counted(run, te_model):
+        warm_up(run, te_model)
+        after_warm_up.append(len(matched))
+
+    monkeypatch.setattr(train_gpt, "_warm_up", counted)
+    own, _ = _run(argv)
+    assert after_warm_up and after_warm_up[0] > 0 and len(matched) == after_warm_up[0], matched
+
+    def apart(run, te_model):  # as before: the kernels warmed on another model
+        warm_up(run, train_gpt._te_model(run.args))
+
+    monkeypatch.setattr(train_gpt, "_warm_up", apart)
+    other, _ = _run(argv)
+    assert own["arms"]["te"]["losses"] == other["arms"]["te"]["losses"]
+    assert [p["val_bpb"] for p in own["arms"]["te"]["phases"]] == [p["val_bpb"] for p in other["arms"]["te"]["phases"]]
