@@ -23,21 +23,11 @@ import te_fuser as te
 from op_testing import RECIPES, representable
 from te_fuser.kernels import cuda as ck
 from te_fuser.kernels import reference as ref
-from te_fuser.kernels import triton as tk
-from test_cast_through_bf16 import awkward_fp32
+from test_cast_through_bf16 import BACKENDS, E4M3, E5M2, KERNELS, _fn, awkward_fp32  # the backends that run here
 from test_triton_cast import DEVICE, adversarial
 from tolerances import assert_bitwise, assert_close
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16 = torch.bfloat16
-BACKENDS = {"reference": ref, "triton": tk}
-if DEVICE == "cuda" and ck.unavailable_reason() is None:
-    BACKENDS["cuda"] = ck
-KERNELS = ("quantize_current_column_sums", "quantize_tensorwise_column_sums")
-
-
-def _fn(module, kernel: str):
-    return getattr(module, f"{kernel}_reference" if module is ref else kernel)
 
 
 def _cast(module, kernel, x, columnwise, round_bf16, **sums):
