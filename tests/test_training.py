@@ -43,9 +43,12 @@ def data(step: int, rows: int = BATCH):
 VALIDATION = [data(10_000 + i, 128) for i in range(4)]
 
 
-def student():
+def student(dtype: torch.dtype = torch.float32):
+    """fp32 master weights by default; ``dtype=torch.bfloat16``: a model held in bf16
+    (its bias gradients come from the gradient casts in bf16)."""
     torch.manual_seed(0)
-    return te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, F), te.ops.GELU(), te.ops.Linear(F, H)).to(DEVICE)
+    return te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, F), te.ops.GELU(),
+                             te.ops.Linear(F, H)).to(DEVICE, dtype)
 
 
 def loss_of(model, x, y, recipe):
@@ -62,12 +65,12 @@ def validate(model, recipe) -> float:
     return total
 
 
-def train(schedule: list[tuple[str, int]], resume_after: int | None = None):
+def train(schedule: list[tuple[str, int]], resume_after: int | None = None, dtype: torch.dtype = torch.float32):
     """Train through ``schedule`` ([(recipe name or 'bf16', steps)]); returns the
     per-step losses and the model. Validates in bf16 after every phase; after phase
     ``resume_after``, saves a checkpoint and goes on from it in a new model and
-    optimizer."""
-    model = student()
+    optimizer. ``dtype``: the parameters' (see :func:`student`)."""
+    model = student(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     losses, step = [], 0
     for phase, (name, steps) in enumerate(schedule):
@@ -76,7 +79,7 @@ def train(schedule: list[tuple[str, int]], resume_after: int | None = None):
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
             buffer.seek(0)
             saved = torch.load(buffer, weights_only=False, map_location=DEVICE)
-            model = student()
+            model = student(dtype)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
@@ -153,6 +156,42 @@ def test_switching_back_to_recipes_seen_before_holds_loss_parity():
         got = validate(model, recipe)
         assert abs(got - target) <= tolerance(torch.float8_e4m3fn)["rtol"] * target, (
             f"evaluated in {evaluated_in}: validation loss {got:.5f} against bf16's {target:.5f}")
+
+
+def test_a_model_held_in_bf16_switches_without_a_spike_and_ends_within_the_band():
+    """A model held in bf16 (no fp32 masters; fused AdamW on bf16 parameters, the bias
+    gradients as the gradient casts return them in bf16) through bf16, delayed,
+    current, back to delayed (a checkpoint resumed before it) and bf16: no switch
+    moves the loss past its own unswitched run's step-to-step noise, and it ends
+    within the FP8 band of that run, evaluated in bf16 and under current scaling."""
+    plain, reference = train([("bf16", 80)], dtype=torch.bfloat16)
+    schedule = [("bf16", 15), ("delayed", 20), ("current", 20), ("delayed", 15), ("bf16", 10)]
+    switched, model = train(schedule, resume_after=3, dtype=torch.bfloat16)
+    assert all(p.dtype is torch.bfloat16 for p in model.parameters())
+    assert switched[-1] < 0.5 * switched[0], f"did not train ({switched[0]:.4f} -> {switched[-1]:.4f})"
+    noise = max(abs(b - a) for a, b in zip(plain[10:], plain[11:]))
+    step = 0
+    for name, steps in schedule[:-1]:
+        step += steps
+        jump = switched[step] - switched[step - 1]
+        assert jump <= noise, f"switch after {name} at step {step}: the loss rose by {jump:.5f} (noise {noise:.5f})"
+    target = validate(reference, None)
+    for evaluated_in, recipe in (("bf16", None), ("current", FP8["current"])):
+        got = validate(model, recipe)
+        assert abs(got - target) <= tolerance(torch.float8_e4m3fn)["rtol"] * target, (
+            f"evaluated in {evaluated_in}: validation loss {got:.5f} against bf16's {target:.5f}")
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_a_switch_of_a_model_held_in_bf16_trains_as_a_fresh_model_on_the_recipe(name):
+    """A model held in bf16 switched after bf16 steps trains bit for bit as a new
+    model and optimizer given its weights and optimizer state (a checkpoint resumed
+    at the switch) and trained on the recipe from there."""
+    switched, model = train([("bf16", 10), (name, 12)], dtype=torch.bfloat16)
+    fresh, fresh_model = train([("bf16", 10), (name, 12)], resume_after=1, dtype=torch.bfloat16)
+    assert switched == fresh
+    for a, b in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(a, b)
 
 
 def _state(model) -> list[torch.Tensor]:
