@@ -838,23 +838,18 @@ def _torchao_unavailable(args: argparse.Namespace) -> str | None:
 def _warm_up(run: Run, te_model: GPT) -> None:
     """Compile the te model's kernels and match its fusion rules for every recipe of
     the schedule in advance, as a user who knows the schedule does: ``te.warmup``
-    runs the te arm's own model (a training step under each recipe, and an
-    evaluation's forward under each and in bf16) and puts its state back, keeping
-    the plans' templates, so that no phase's first step pays for compilation and a
-    first switch builds only its quantizers, as a switch back does. With
-    ``--fp8-params`` it runs a model of its own, made as the te arm's (its kernels
-    only): te.warmup re-casts FP8 parameters into each recipe it runs, which would
-    move the te arm's weights."""
+    runs the te arm's own model (a training step and an evaluation's forward under
+    each recipe, and in bf16, which every phase also evaluates in) and puts its
+    state back, keeping the plans' templates, so that no phase's first step pays for
+    compilation and a first switch builds only its quantizers, as a switch back
+    does. With ``--fp8-params`` it runs a model of its own, made as the te arm's
+    (its kernels only): te.warmup re-casts FP8 parameters into each recipe it runs,
+    which would move the te arm's weights."""
     recipes = list({p.name: p.recipe for p in run.args.phases}.values())
     sample = run.val_batches[0][:, :-1]  # (B, T)
     model = _te_model(run.args) if run.args.fp8_params else te_model
     with torch.autocast(run.args.device.type, dtype=torch.bfloat16):
-        te.warmup(model, recipes, sample)
-        model.eval()  # as validation_loss evaluates
-        try:
-            te.warmup(model, recipes if None in recipes else [*recipes, None], sample, backward=False)
-        finally:
-            model.train()
+        te.warmup(model, recipes if None in recipes else [*recipes, None], sample)
 
 
 def build_arms(run: Run) -> tuple[list[Arm], dict[str, str]]:

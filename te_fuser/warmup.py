@@ -3,14 +3,17 @@
     te.warmup(model, [te.recipe.DelayedScaling(), te.recipe.MXFP8BlockScaling()], x)
 
 Runs one forward and backward of ``model`` on ``sample_input`` under each recipe,
-so that Triton and CUDA kernels for those recipes, shapes and dtypes are compiled
-and cached; then puts everything back as it was: parameters (never written; an
+and (``evaluation=True``, the default) a forward without autograd as an evaluation
+runs it, so that Triton and CUDA kernels for those recipes, shapes and dtypes are
+compiled and cached and the fusers keep the plan templates of both (a training
+step's and an evaluation's: fusion rules match once per recipe and kind); then
+puts everything back as it was: parameters (never written; an
 FP8 parameter that a recipe's plan re-cast into its layout gets its bytes back),
 gradients, buffers, the RNG state, every op's installed quantizers, their scaling
 state (amax histories included), published plans and fusion statistics (a weight
 cast kept by ``te.reuse_quantized_weights()`` is dropped: the next forward casts
-again). A later switch to one of these recipes pays only the plan
-build, not compilation.
+again). A later switch to one of these recipes, and a validation pass
+under one, builds only its quantizers: no compilation, no rule matching.
 """
 
 from __future__ import annotations
@@ -70,9 +73,13 @@ def warmup(
     sample_input: torch.Tensor,
     *extra_inputs: torch.Tensor,
     backward: bool = True,
+    evaluation: bool = True,
 ) -> None:
     """Compile the kernels ``model`` needs under each recipe (``None``: high
-    precision) for inputs like ``sample_input``, leaving the model's state untouched."""
+    precision) for inputs like ``sample_input``, leaving the model's state untouched.
+    ``backward``: a training step's forward and backward (else a forward without
+    autograd only); ``evaluation``: also a forward without autograd, as a
+    validation pass runs under the recipe."""
     recipes = list(recipes)
     for i, r in enumerate(recipes):
         if r is not None and not isinstance(r, Recipe):
@@ -80,14 +87,15 @@ def warmup(
     snapshot = _Snapshot(model)
     try:
         for recipe in recipes:
-            x = sample_input.detach().clone().requires_grad_(backward and sample_input.is_floating_point())
-            with autocast(enabled=recipe is not None, recipe=recipe), (
-                contextlib.nullcontext() if backward else torch.no_grad()
-            ):
-                out = model(x, *extra_inputs)
-            if backward:
-                outs = out if isinstance(out, tuple) else (out,)
-                torch.autograd.backward([o for o in outs if o.requires_grad],
-                                        [torch.ones_like(o) for o in outs if o.requires_grad])
+            for train in (True, False) if backward and evaluation else (backward,):
+                x = sample_input.detach().clone().requires_grad_(train and sample_input.is_floating_point())
+                with autocast(enabled=recipe is not None, recipe=recipe), (
+                    contextlib.nullcontext() if train else torch.no_grad()
+                ):
+                    out = model(x, *extra_inputs)
+                if train:
+                    outs = out if isinstance(out, tuple) else (out,)
+                    torch.autograd.backward([o for o in outs if o.requires_grad],
+                                            [torch.ones_like(o) for o in outs if o.requires_grad])
     finally:
         snapshot.restore()

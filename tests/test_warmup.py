@@ -127,3 +127,31 @@ def test_a_switch_to_a_warmed_recipe_matches_no_rule(monkeypatch):
     for recipe in (current, delayed, current):
         assert torch.equal(train_step(model, x, recipe, opt), train_step(twin, x, recipe, twin_opt))
     assert matched.count("forward") == 2  # the twin's first build under each recipe, and none of the model's
+
+
+@pytest.mark.parametrize("evaluation", [True, False])
+def test_an_evaluation_under_a_warmed_recipe_matches_no_rule(monkeypatch, evaluation):
+    """With ``evaluation`` (the default) te.warmup also runs each recipe's forward
+    without autograd, so a validation pass under it (a plan without a backward)
+    matches no fusion rule either; without it, the pass matches once. Either way
+    the model evaluates and trains as one never warmed."""
+    from op_testing import record_matches
+
+    current, delayed = R.Float8CurrentScaling(), R.DelayedScaling(amax_history_len=4)
+    model, twin = make(), make()
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    te.warmup(model, [current, delayed], x, evaluation=evaluation)
+    matched = record_matches(monkeypatch)
+    for recipe in (current, delayed):
+        for m in (model, twin):
+            m.eval()
+            with torch.no_grad(), te.autocast(recipe=recipe):
+                out = m(x)
+            m.train()
+            if m is model:
+                evaluated = out
+        assert torch.equal(evaluated, out)
+        assert torch.equal(train_step(model, x, recipe, opt), train_step(twin, x, recipe, twin_opt))
+    # the twin matches each recipe's evaluation and training plans; the model only what warm-up left out
+    assert matched.count("forward") == (4 if evaluation else 6), matched
