@@ -17,21 +17,26 @@ from .tensor import QuantizedTensor
 __all__ = ["Float8CurrentScalingQuantizer"]
 
 
-def _generic_caster(fn, fp8_dtype: torch.dtype, power_2: bool, epsilon: float, sums: bool = False):
+def _generic_caster(fn, fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0, sums: bool = False):
     """``cast(x, rowwise, columnwise, round_bf16=False, sums_dtype=torch.float32) ->
     (data, data_t, scale_inv, sums or None)`` through a ``quantize_current`` (``sums``:
     ``quantize_current_column_sums``, which alone takes ``round_bf16`` and
-    ``sums_dtype``) kernel without a ``prepare`` entry of its own."""
+    ``sums_dtype``) kernel without a ``prepare`` entry of its own; ``cast.with_scale``
+    returns ``(data, data_t, scale, scale_inv, amax, sums or None)``, as the prepared
+    casts' entry of that name does."""
+
+    def with_scale(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
+                   sums_dtype: torch.dtype = torch.float32):
+        if sums:
+            return fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, round_bf16, sums_dtype)
+        return (*fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None), None)
 
     def cast(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
              sums_dtype: torch.dtype = torch.float32):
-        if sums:
-            data, data_t, _scale, scale_inv, _amax, col = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise,
-                                                             round_bf16, sums_dtype)
-            return data, data_t, scale_inv, col
-        data, data_t, _scale, scale_inv, _amax = fn(x, fp8_dtype, power_2, epsilon, rowwise, columnwise, None)
-        return data, data_t, scale_inv, None
+        out = with_scale(x, rowwise, columnwise, round_bf16, sums_dtype)
+        return out[0], out[1], out[3], out[5]
 
+    cast.with_scale = with_scale
     return cast
 
 

@@ -63,6 +63,8 @@ from ..kernels.operand import ScaledOperand, tensor_scaled
 from ..kernels.reference.scaling import AMAX_ALGOS, divide_by_power_of_2, guarded_scale
 from .amax_reduction import PENDING, default_group, flush_amax_reductions
 from .base import EpilogueCast, Quantizer, max_over, shard_amax
+from .current import _generic_caster as _generic_current
+from .current import _generic_sums_caster as _generic_current_sums
 from .recompute import ACTIVE as CHECKPOINT_FRAMES
 from .role import QuantizerRole
 from .tensor import QuantizedTensor
@@ -303,20 +305,12 @@ class DelayedScalingQuantizer(Quantizer):
         recorded as any cast's: the same copies and state, bit for bit, and one
         launch where a switch to delayed scaling otherwise launched four or five for
         every fresh quantizer. ``(row-wise operand, column-wise operand, sums or None)``."""
-        device = x_hp.device
-        current = "quantize_current_column_sums" if kernel == "quantize_tensorwise_column_sums" else "quantize_current"
-        fn = backend.resolve(current, device).fn
-        # the backend's prepared cast where it has one (bound to the format alone: no power of 2, no epsilon)
-        with_scale = getattr(self._caster(current, device, None), "with_scale", None) if hasattr(fn, "prepare") \
-            else None
-        if with_scale is not None:
-            data, data_t, scale, scale_inv, amax, sums = with_scale(x_hp, rowwise, columnwise, round_bf16, sums_dtype)
-        elif current == "quantize_current_column_sums":
-            data, data_t, scale, scale_inv, amax, sums = fn(x_hp, self.fp8_dtype, False, 0.0, rowwise, columnwise,
-                                                            round_bf16, sums_dtype)
+        # current scaling's cast bound to the format alone (no power of 2, no epsilon): the backend's prepared one
+        if kernel == "quantize_tensorwise_column_sums":
+            cast = self._caster("quantize_current_column_sums", x_hp.device, _generic_current_sums)
         else:
-            data, data_t, scale, scale_inv, amax = fn(x_hp, self.fp8_dtype, False, 0.0, rowwise, columnwise, None)
-            sums = None
+            cast = self._caster("quantize_current", x_hp.device, _generic_current)
+        data, data_t, scale, scale_inv, amax, sums = cast.with_scale(x_hp, rowwise, columnwise, round_bf16, sums_dtype)
         self._scale, self._scale_inv = scale.reshape(()), scale_inv.reshape(())
         self.seeded = True
         if CHECKPOINT_FRAMES[0] is not None:  # a checkpointed region's forward: its recomputation seeds alike

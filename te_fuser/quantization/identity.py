@@ -34,7 +34,8 @@ class IdentityQuantizer(Quantizer):
                                   as_dtype: torch.dtype | None = None, sums_dtype: torch.dtype = torch.float32):
         """``x`` (converted to ``as_dtype`` when given) and the column sums of ``x`` as it
         is, summed in fp32 and returned as ``sums_dtype``."""
-        check_sums_dtype(sums_dtype, "IdentityQuantizer.quantize_with_column_sums")
+        if sums_dtype is not torch.float32:
+            check_sums_dtype(sums_dtype, "IdentityQuantizer.quantize_with_column_sums")
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
         sums = x2d.sum(dim=0, dtype=torch.float32).to(sums_dtype)
         return (x if as_dtype is None or as_dtype is x.dtype else x.to(as_dtype)), sums
