@@ -111,19 +111,12 @@ def test_fp8_training_ends_within_the_band_of_bf16_evaluated_in_bf16_and_in_fp8(
     target = validate(reference, None)
     losses, model = train([(name, STEPS)])
     assert losses[-1] < 0.5 * losses[0], f"{name}: did not train ({losses[0]:.4f} -> {losses[-1]:.4f})"
-    rtol = tolerance(torch.float8_e4m3fn)["rtol"]
-    for evaluated_in, recipe in (("bf16", None), (name, FP8[name])):
-        got = validate(model, recipe)
-        assert abs(got - target) <= rtol * target, (
-            f"{name} evaluated in {evaluated_in}: validation loss {got:.5f} against bf16's {target:.5f} "
-            f"(band {rtol:.3f} relative)"
-        )
+    assert_within_band(model, target, [("bf16", None), (name, FP8[name])])
 
 
-def test_a_switch_schedule_has_no_loss_spike():
-    plain, _ = _bf16_run()
-    schedule = [("bf16", 20), ("delayed", 20), ("current", 20), ("block", 15), ("mxfp8", 15), ("bf16", 10)]
-    switched, model = train(schedule)
+def assert_no_spike(schedule, switched: list[float], plain: list[float]) -> None:
+    """No switch of ``schedule`` raises the loss by more than the unswitched run's
+    (``plain``) largest step-to-step change past its first ten steps."""
     noise = max(abs(b - a) for a, b in zip(plain[10:], plain[11:]))
     step = 0
     for name, steps in schedule[:-1]:
@@ -133,8 +126,25 @@ def test_a_switch_schedule_has_no_loss_spike():
             f"switch after {name} at step {step}: the loss rose by {jump:.5f}, the unswitched run's largest "
             f"step-to-step change is {noise:.5f} ({switched[step - 1]:.5f} -> {switched[step]:.5f})"
         )
-    final, target = validate(model, None), validate(BF16_MODEL, None)
-    assert abs(final - target) <= tolerance(torch.float8_e4m3fn)["rtol"] * target
+
+
+def assert_within_band(model, target: float, evaluations) -> None:
+    """``model``'s validation loss under each of ``evaluations`` ((name, recipe or
+    None)) is within the FP8 band of ``target``."""
+    for evaluated_in, recipe in evaluations:
+        got = validate(model, recipe)
+        rtol = tolerance(torch.float8_e4m3fn)["rtol"]
+        assert abs(got - target) <= rtol * target, (
+            f"evaluated in {evaluated_in}: validation loss {got:.5f} against bf16's {target:.5f} "
+            f"(band {rtol:.3f} relative)")
+
+
+def test_a_switch_schedule_has_no_loss_spike():
+    plain, _ = _bf16_run()
+    schedule = [("bf16", 20), ("delayed", 20), ("current", 20), ("block", 15), ("mxfp8", 15), ("bf16", 10)]
+    switched, model = train(schedule)
+    assert_no_spike(schedule, switched, plain)
+    assert_within_band(model, validate(BF16_MODEL, None), [("bf16", None)])
 
 
 def test_switching_back_to_recipes_seen_before_holds_loss_parity():
@@ -145,17 +155,8 @@ def test_switching_back_to_recipes_seen_before_holds_loss_parity():
     plain, _ = _bf16_run()
     schedule = [("bf16", 15), ("delayed", 15), ("current", 15), ("delayed", 15), ("current", 15), ("delayed", 25)]
     switched, model = train(schedule, resume_after=3)
-    noise = max(abs(b - a) for a, b in zip(plain[10:], plain[11:]))
-    step = 0
-    for name, steps in schedule[:-1]:
-        step += steps
-        jump = switched[step] - switched[step - 1]
-        assert jump <= noise, f"switch after {name} at step {step}: the loss rose by {jump:.5f} (noise {noise:.5f})"
-    target = validate(BF16_MODEL, None)
-    for evaluated_in, recipe in (("bf16", None), ("delayed", FP8["delayed"])):
-        got = validate(model, recipe)
-        assert abs(got - target) <= tolerance(torch.float8_e4m3fn)["rtol"] * target, (
-            f"evaluated in {evaluated_in}: validation loss {got:.5f} against bf16's {target:.5f}")
+    assert_no_spike(schedule, switched, plain)
+    assert_within_band(model, validate(BF16_MODEL, None), [("bf16", None), ("delayed", FP8["delayed"])])
 
 
 def test_a_model_held_in_bf16_switches_without_a_spike_and_ends_within_the_band():
@@ -169,17 +170,8 @@ def test_a_model_held_in_bf16_switches_without_a_spike_and_ends_within_the_band(
     switched, model = train(schedule, resume_after=3, dtype=torch.bfloat16)
     assert all(p.dtype is torch.bfloat16 for p in model.parameters())
     assert switched[-1] < 0.5 * switched[0], f"did not train ({switched[0]:.4f} -> {switched[-1]:.4f})"
-    noise = max(abs(b - a) for a, b in zip(plain[10:], plain[11:]))
-    step = 0
-    for name, steps in schedule[:-1]:
-        step += steps
-        jump = switched[step] - switched[step - 1]
-        assert jump <= noise, f"switch after {name} at step {step}: the loss rose by {jump:.5f} (noise {noise:.5f})"
-    target = validate(reference, None)
-    for evaluated_in, recipe in (("bf16", None), ("current", FP8["current"])):
-        got = validate(model, recipe)
-        assert abs(got - target) <= tolerance(torch.float8_e4m3fn)["rtol"] * target, (
-            f"evaluated in {evaluated_in}: validation loss {got:.5f} against bf16's {target:.5f}")
+    assert_no_spike(schedule, switched, plain)
+    assert_within_band(model, validate(reference, None), [("bf16", None), ("current", FP8["current"])])
 
 
 @pytest.mark.parametrize("name", ["delayed", "current"])
