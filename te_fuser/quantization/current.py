@@ -17,7 +17,8 @@ from .tensor import QuantizedTensor
 __all__ = ["Float8CurrentScalingQuantizer"]
 
 
-def _generic_caster(fn, fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0, sums: bool = False):
+def generic_current_caster(fn, fp8_dtype: torch.dtype, power_2: bool = False, epsilon: float = 0.0,
+                           sums: bool = False):
     """``cast(x, rowwise, columnwise, round_bf16=False, sums_dtype=torch.float32) ->
     (data, data_t, scale_inv, sums or None)`` through a ``quantize_current`` (``sums``:
     ``quantize_current_column_sums``, which alone takes ``round_bf16`` and
@@ -40,7 +41,7 @@ def _generic_caster(fn, fp8_dtype: torch.dtype, power_2: bool = False, epsilon: 
     return cast
 
 
-_generic_sums_caster = functools.partial(_generic_caster, sums=True)
+generic_current_sums_caster = functools.partial(generic_current_caster, sums=True)
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -85,12 +86,12 @@ class Float8CurrentScalingQuantizer(Quantizer):
         skip the generic checks, with the same result."""
         if not self._lean(x, rowwise, columnwise):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
-        return self._lean_cast(x, rowwise, columnwise, "quantize_current", _generic_caster)[0]
+        return self._lean_cast(x, rowwise, columnwise, "quantize_current", generic_current_caster)[0]
 
     def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
                           sums_dtype: torch.dtype = torch.float32):
         """The ops' column-sums casts, lean as :meth:`cast` (fp32 cast as bf16 rounded as the kernel reads it)."""
-        return self._lean_cast(x, rowwise, columnwise, "quantize_current_column_sums", _generic_sums_caster,
+        return self._lean_cast(x, rowwise, columnwise, "quantize_current_column_sums", generic_current_sums_caster,
                                round_bf16, sums_dtype)
 
     def _lean_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, generic,

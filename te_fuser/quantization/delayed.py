@@ -63,8 +63,7 @@ from ..kernels.operand import ScaledOperand, tensor_scaled
 from ..kernels.reference.scaling import AMAX_ALGOS, divide_by_power_of_2, guarded_scale
 from .amax_reduction import PENDING, default_group, flush_amax_reductions
 from .base import EpilogueCast, Quantizer, max_over, shard_amax
-from .current import _generic_caster as _generic_current
-from .current import _generic_sums_caster as _generic_current_sums
+from .current import generic_current_caster, generic_current_sums_caster
 from .recompute import ACTIVE as CHECKPOINT_FRAMES
 from .role import QuantizerRole
 from .tensor import QuantizedTensor
@@ -307,9 +306,9 @@ class DelayedScalingQuantizer(Quantizer):
         every fresh quantizer. ``(row-wise operand, column-wise operand, sums or None)``."""
         # current scaling's cast bound to the format alone (no power of 2, no epsilon): the backend's prepared one
         if kernel == "quantize_tensorwise_column_sums":
-            cast = self._caster("quantize_current_column_sums", x_hp.device, _generic_current_sums)
+            cast = self._caster("quantize_current_column_sums", x_hp.device, generic_current_sums_caster)
         else:
-            cast = self._caster("quantize_current", x_hp.device, _generic_current)
+            cast = self._caster("quantize_current", x_hp.device, generic_current_caster)
         data, data_t, scale, scale_inv, amax, sums = cast.with_scale(x_hp, rowwise, columnwise, round_bf16, sums_dtype)
         self._scale, self._scale_inv = scale.reshape(()), scale_inv.reshape(())
         self.seeded = True
