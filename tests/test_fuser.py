@@ -458,7 +458,7 @@ def test_a_training_loop_keeps_every_loss_bit_with_what_switches_reuse(monkeypat
             return default
 
     monkeypatch.setattr(OperationFuser, "_template", matched_afresh)
-    monkeypatch.setattr(factory, "_made", lambda recipe, role: recipe.make_quantizer(role))
+    monkeypatch.setattr(factory, "_made", lambda recipe, role, *_: recipe.make_quantizer(role))
     monkeypatch.setattr(base, "_SHARED_CASTERS", NoneKept())
     assert gpt_losses(steps=12) == reused
 

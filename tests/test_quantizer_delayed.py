@@ -899,17 +899,83 @@ def test_a_state_continued_or_loaded_is_not_fresh():
     assert not used._holds_fresh_state()
 
 
+def _borrowing_quantizers(recipe):
+    """A fresh quantizer for each of three roles, borrowing its prototype's state,
+    and the prototypes."""
+    from te_fuser.quantization import QuantizerRole, quantizer_for
+    from te_fuser.quantization import factory
+
+    roles = [QuantizerRole(module_type="linear", tensor_type=t, name="fc") for t in ("input", "weight", "grad_output")]
+    quantizers = [quantizer_for(recipe, role, borrow_state=True) for role in roles]
+    prototypes = [factory._PROTOTYPES[(recipe.key, role.module_type, role.tensor_type)] for role in roles]
+    return quantizers, prototypes
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_borrowed_fresh_states_are_each_quantizers_own_once_placed(device):
+    """A plan's fresh copies borrow their prototype's fresh state until
+    ``place_states``, which leaves none borrowing: on a GPU each takes device views
+    of fresh values, elsewhere (and for one left alone) a new CPU state of its own.
+    A copy continued from an earlier quantizer or given a loaded state keeps that
+    state; the prototypes' tensors keep a fresh state's values; each then casts as a
+    new quantizer does, bit for bit."""
+    import te_fuser as te
+    from te_fuser.quantization.delayed import place_states
+
+    recipe = te.recipe.DelayedScaling(amax_history_len=8)
+    quantizers, prototypes = _borrowing_quantizers(recipe)
+    for q, proto in zip(quantizers, prototypes):
+        for name in q.STATE_TENSORS:
+            assert getattr(q, name) is getattr(proto, name), name  # borrowed: no tensor made
+    previous = DelayedScalingQuantizer(E4M3, amax_history_len=8)
+    previous.cast(torch.full((4, 16), 3.0))
+    quantizers[1].carry_state_from(previous)
+    state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in quantizers[1].state_dict().items()}
+    place_states(quantizers, torch.device(device))
+    assert not any(q._borrows_state() for q in quantizers)
+    for q, proto in zip(quantizers, prototypes):
+        for name in q.STATE_TENSORS:
+            assert getattr(q, name) is not getattr(proto, name), name
+        assert proto._holds_fresh_state() and proto._scale.item() == 1.0 and not proto._amax_history.any()
+    for name, value in quantizers[1].state_dict().items():
+        assert (value == state[name]) if name == "seeded" else torch.equal(value.cpu(), state[name]), name
+    alone = DelayedScalingQuantizer(E4M3, amax_history_len=8)
+    torch.manual_seed(0)
+    for step in range(3):
+        x = torch.randn(16, 32, device=device) * (step + 1)
+        a, b = quantizers[0].cast(x, rowwise=True, columnwise=True), alone.cast(x, rowwise=True, columnwise=True)
+        assert_bitwise(a.rowwise.data.view(torch.uint8), b.rowwise.data.view(torch.uint8), f"step {step}")
+    for name, value in quantizers[0].state_dict().items():
+        want = alone.state_dict()[name]
+        assert (value == want) if name == "seeded" else torch.equal(value, want), name
+    single, _ = _borrowing_quantizers(recipe)
+    place_states(single[:1], torch.device(device))  # one quantizer: nothing placed, its own state all the same
+    assert not single[0]._borrows_state() and single[0]._scale is not prototypes[0]._scale
+
+
+def test_a_quantizer_made_without_borrowing_owns_its_state():
+    """``quantizer_for`` without ``borrow_state`` (every caller but a plan's build)
+    gives a quantizer its own fresh state at once."""
+    import te_fuser as te
+    from te_fuser.quantization import QuantizerRole, quantizer_for
+
+    recipe = te.recipe.DelayedScaling(amax_history_len=8)
+    role = QuantizerRole(module_type="linear", tensor_type="input", name="fc")
+    a, b = quantizer_for(recipe, role), quantizer_for(recipe, role)
+    assert not a._borrows_state() and a._scale is not b._scale and a._amax_history is not b._amax_history
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
 def test_a_switch_to_delayed_scaling_copies_no_fresh_state(monkeypatch):
     """The first training step under delayed scaling makes the fresh quantizers'
     states on the GPU without a copy (four a quantizer when each moves at its first
     cast), and trains the same bits as moving each quantizer at its first cast."""
     import te_fuser as te
-    from te_fuser.ops import fuser as fuser_module
+    from te_fuser.quantization import delayed as delayed_module
 
     def train(place: bool):
         if not place:
-            monkeypatch.setattr(fuser_module, "place_states", lambda quantizers, device: None)
+            monkeypatch.setattr(delayed_module, "_place", lambda quantizers, device: None)
         torch.manual_seed(0)
         model = te.ops.Sequential(te.ops.Linear(64, 64), te.ops.GELU(), te.ops.Linear(64, 64)).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -984,10 +1050,10 @@ def test_a_training_loop_keeps_every_loss_bit_with_the_seeding_cast_and_placed_s
     an amax pass first and each state moved at its first cast."""
     from training_loops import gpt_losses
 
-    from te_fuser.ops import fuser as fuser_module
+    from te_fuser.quantization import delayed as delayed_module
 
     device = _updating_device()
     fast = gpt_losses(device=device)
     monkeypatch.setattr(DelayedScalingQuantizer, "seed_in_cast", False)
-    monkeypatch.setattr(fuser_module, "place_states", lambda quantizers, device: None)
+    monkeypatch.setattr(delayed_module, "_place", lambda quantizers, device: None)
     assert gpt_losses(device=device) == fast

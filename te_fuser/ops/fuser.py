@@ -571,7 +571,7 @@ class OperationFuser:
             # mode or dtype under the same recipe shares the installed ones.
             quantizers = [op.installed_quantizers for op in self.ops]
         else:
-            quantizers = self._build_quantizers(recipe, recipe_key)
+            quantizers = self._build_quantizers(recipe, recipe_key, borrow_state=device.type == "cuda")
             place_states([q for qs in quantizers for q in qs.values()], device)  # at once, not four copies each
         t1 = time.perf_counter()
         phases["quantizers"] = t1 - t0
@@ -655,15 +655,17 @@ class OperationFuser:
         extras = [torch.zeros(x.shape, dtype=dtype, device=x.device) for _ in range(self._num_extra_outputs)]
         return (y, *extras) if extras else y
 
-    def _build_quantizers(self, recipe, recipe_key: str) -> list[dict]:
+    def _build_quantizers(self, recipe, recipe_key: str, borrow_state: bool = False) -> list[dict]:
         """Fresh quantizers for every role, continuing the scaling state of the
-        installed ones (or of a loaded checkpoint). Nothing installed is touched."""
+        installed ones (or of a loaded checkpoint). Nothing installed is touched.
+        ``borrow_state``: fresh states are borrowed until ``place_states``, which the
+        caller runs on them next (see ``quantizer_for``)."""
         out = []
         for op in self.ops:
             qs = {}
             if recipe is not None:
                 for role in op.roles():
-                    q = quantizer_for(recipe, role)
+                    q = quantizer_for(recipe, role, borrow_state=borrow_state)
                     q.carry_state_from(op.installed_quantizers.get(role.tensor_type))
                     op.restore_loaded_state(q, role.tensor_type, recipe_key)
                     qs[role.tensor_type] = q

@@ -167,18 +167,20 @@ class Quantizer:
         state.pop("_kept_casters", None)
         return state
 
-    def fresh_copy(self) -> "Quantizer":
+    def fresh_copy(self, borrow_state: bool = False) -> "Quantizer":
         """A new quantizer of this one's configuration in the state a new one starts
         in (no kept casters; a stateful scheme resets in :meth:`_start_fresh`):
         what building it again would give, without the constructor's checks,
         which this one passed (``quantizer_for`` copies a prototype per recipe
-        key and role)."""
+        key and role). ``borrow_state``: a stateful scheme may hold this one's
+        fresh state tensors for now instead of making its own, for a caller that
+        places every state at once right after (see ``delayed.place_states``)."""
         copy = object.__new__(type(self))
         copy.__dict__.update(self.__getstate__())  # as a copy.copy: without the kept casters
-        copy._start_fresh()
+        copy._start_fresh(borrow_state)
         return copy
 
-    def _start_fresh(self) -> None:
+    def _start_fresh(self, borrow_state: bool = False) -> None:
         """Reset what a quantizer keeps between casts (a fresh copy's; nothing here)."""
 
     def _caster_args(self) -> tuple:

@@ -178,13 +178,25 @@ class DelayedScalingQuantizer(Quantizer):
 
     STATE_TENSORS = ("scale", "scale_inv", "amax_history", "nonfinite_amax_count")
 
-    def _start_fresh(self) -> None:
+    def _start_fresh(self, borrow_state: bool = False) -> None:
         """A new quantizer's (and a fresh copy's) state: unseeded, nothing waiting, no
-        group or plan key yet."""
+        group or plan key yet. ``borrow_state`` (a fresh copy of a quantizer that
+        holds a fresh state): keep that quantizer's state tensors for now, which
+        ``place_states`` replaces by the device's, or by its own where it places
+        none, so that a plan's hundred copies make no CPU tensors only to drop
+        them. A borrowed tensor is never written: every update rebinds."""
         self.amax_reduction_group = None
         self.recipe_key: str | None = None  # the plan's recipe key, compared across the ranks it reduces over
         self._pending = 0  # its amaxes waiting in PENDING
-        self._reset(self.device)
+        if borrow_state and self._holds_fresh_state():
+            self._borrowed = self._fresh
+        else:
+            self._reset(self.device)
+
+    def _borrows_state(self) -> bool:
+        """Whether it still holds the fresh state tensors of the quantizer it was copied from."""
+        borrowed = self.__dict__.get("_borrowed")
+        return borrowed is not None and borrowed is self._fresh and self._holds_fresh_state()
 
     # The state as users and holders see it: any amax still waiting (see _record) is
     # applied first. The methods below read the stored tensors after their own _flush.
@@ -211,6 +223,7 @@ class DelayedScalingQuantizer(Quantizer):
         self._amax_history = torch.zeros(self.amax_history_len, dtype=torch.float32, device=device)
         self._nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
         self.seeded = False
+        self._borrowed = None
         # The fresh state's own tensors: while the state is still these (nothing
         # rebound them, and _continue, the one writer in place, cleared this), it
         # holds a fresh state's values, which place_states makes without a copy.
@@ -745,6 +758,19 @@ _FRESH_STATES: dict = {}  # device -> its _FreshStates being handed out
 
 
 def place_states(quantizers, device: torch.device) -> None:
+    """Move the scaling state of the delayed-scaling quantizers among ``quantizers``
+    that still hold it on the CPU (fresh ones, or ones given a loaded state) to
+    ``device`` at once (see ``_place``); a quantizer that still borrows the fresh
+    state of the one it was copied from (``fresh_copy(borrow_state=True)``) then
+    holds its own, on the device or, where none was placed, on the CPU as a new
+    quantizer does."""
+    _place(quantizers, device)
+    for q in quantizers:
+        if isinstance(q, DelayedScalingQuantizer) and q._borrows_state():
+            q._reset(q.device)
+
+
+def _place(quantizers, device: torch.device) -> None:
     """Move the scaling state of the delayed-scaling quantizers among ``quantizers``
     that still hold it on the CPU (fresh ones, or ones given a loaded state) to
     ``device`` at once, instead of four copies a quantizer at its first cast: a plan
