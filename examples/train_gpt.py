@@ -673,7 +673,9 @@ def _profile_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, what: s
     """A step of ``phase`` under cProfile (``what``: "switch", its first step, or
     "lone", the step timed alone, for comparison), the backward on the calling
     thread so that its Python is seen; the functions with the most own time are
-    printed and kept in the arm's record for the phase."""
+    printed and kept in the arm's record for the phase. At the lone step, the
+    functions whose cumulative time the switch step exceeded it by most are printed
+    and kept too: where the switch's extra time goes, callers and callees alike."""
     import cProfile
     import pstats
 
@@ -692,6 +694,25 @@ def _profile_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, what: s
     print(f"[{arm.name:<8}] {phase.name}: the {what} step under cProfile, {total:.2f} ms of own time", flush=True)
     for ms, calls, name in rows[:15]:
         print(f"[{arm.name:<8}]   {ms:8.3f} ms {calls:6d}x  {name[:100]}", flush=True)
+    switch_key = f"{phase.name} switch stats"
+    if what == "switch":
+        arm.profiles[switch_key] = stats  # read at the lone step, then dropped (not in the report)
+        return
+    switched = arm.profiles.pop(switch_key, None)
+    if switched is None:
+        return
+    extra = []  # (switch - lone) cumulative ms and calls of each function the switch step ran
+    for key, (_, calls, _, cum, _) in switched.items():
+        _, lone_calls, _, lone_cum, _ = stats.get(key, (0, 0, 0.0, 0.0, None))
+        file, line, name = key
+        extra.append(((cum - lone_cum) * 1e3, calls - lone_calls, f"{name} ({file.rsplit('/', 1)[-1]}:{line})"))
+    extra.sort(reverse=True)
+    arm.profiles[f"{phase.name} switch extra"] = {"top": [
+        {"name": name, "extra_ms": ms, "extra_calls": calls} for ms, calls, name in extra[:top]]}
+    print(f"[{arm.name:<8}] {phase.name}: the switch step's cumulative time over the lone step's, by function",
+          flush=True)
+    for ms, calls, name in extra[:top]:
+        print(f"[{arm.name:<8}]   {ms:+8.3f} ms {calls:+6d}x  {name[:100]}", flush=True)
 
 
 def _trace_switch(arm: Arm, run: Run, phase: Phase, recipe, step: int, what: str = "switch", top: int = 12) -> None:
@@ -745,7 +766,7 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
     if phase.name in arm.profiles:
         record["profile"] = arm.profiles[phase.name]
     for what in ("switch", "lone"):
-        for kind in ("profile", "trace"):
+        for kind in ("profile", "trace", "extra"):
             if f"{phase.name} {what} {kind}" in arm.profiles:
                 record[f"{what}_{kind}"] = arm.profiles[f"{phase.name} {what} {kind}"]
     record["weight_bytes"] = linear_weight_bytes(arm.model)  # FP8 parameters take each recipe's layout

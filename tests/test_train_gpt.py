@@ -420,6 +420,22 @@ def test_a_profiled_switch_trains_the_same_bits_and_records_the_hosts_functions(
     assert torch._C._is_multithreading_enabled()
 
 
+def test_a_profiled_switch_beside_its_lone_step_names_where_the_extra_time_goes():
+    """``--profile-switch`` in a phase long enough to time a step alone: that step
+    runs under cProfile too, and the phase's record holds the functions whose
+    cumulative time the switch step exceeded it by most, the plan's build among
+    them (a switch step builds, a lone step does not)."""
+    argv = ["--size", "smoke", "--schedule", "bf16:2,current:8", "--arms", "te,torch", "--corpus-bytes", "300000",
+            "--eval-batches", "1", "--log-every", "100"]
+    _, report, stdout = _same_losses_with(argv, ["--profile-switch", "current"])
+    phase = report["arms"]["te"]["phases"][1]
+    assert phase["lone_profile"]["ms_own_total"] > 0
+    extra = {row["name"].split(" (")[0]: row for row in phase["switch_extra"]["top"]}
+    assert "build" in extra and extra["build"]["extra_ms"] > 0 and extra["build"]["extra_calls"] > 0, extra
+    assert "switch_extra" not in report["arms"]["te"]["phases"][0]
+    assert "current: the switch step's cumulative time over the lone step's" in stdout
+
+
 def test_a_traced_switch_trains_the_same_bits_and_records_it_beside_a_step_alone():
     """``--trace-switch delayed``: the te arm's first step of the delayed phase and its
     step timed alone run under torch.profiler; the losses are those of the run

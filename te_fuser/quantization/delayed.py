@@ -323,7 +323,9 @@ class DelayedScalingQuantizer(Quantizer):
         else:
             cast = self._caster("quantize_current", x_hp.device, generic_current_caster)
         data, data_t, scale, scale_inv, amax, sums = cast.with_scale(x_hp, rowwise, columnwise, round_bf16, sums_dtype)
-        self._scale, self._scale_inv = scale.reshape(()), scale_inv.reshape(())
+        if scale.dim():  # the cuda backend's are 0-d already (a reshape is a dispatch: 99 of them in a GPT's switch)
+            scale, scale_inv = scale.reshape(()), scale_inv.reshape(())
+        self._scale, self._scale_inv = scale, scale_inv
         self.seeded = True
         if CHECKPOINT_FRAMES[0] is not None:  # a checkpointed region's forward: its recomputation seeds alike
             CHECKPOINT_FRAMES[0].note(self, self._scale, self._scale_inv, False)
