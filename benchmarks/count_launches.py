@@ -20,6 +20,8 @@ events, driver-internal memsets included), the memset API calls per call on the
 host, and the first kernel's name. ``--candidates N`` first times the first N
 algorithms of cuBLASLt's heuristic for each GEMM (0 is the one the GEMM uses), with
 their workspace and memsets: whether one without the memset runs as fast.
+``--workspace-limit 0`` plans every GEMM (and lists the candidates) among the
+algorithms that ask for no workspace.
 """
 
 from __future__ import annotations
@@ -144,10 +146,18 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--candidates", type=int, default=0, metavar="N",
                    help="also time the heuristic's first N algorithms of each GEMM, with their memsets")
+    p.add_argument("--workspace-limit", type=int, metavar="BYTES",
+                   help="plan the GEMMs under this workspace limit (kernels.cuda.gemm.set_workspace_limit; "
+                        "0: algorithms that ask for none)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("count_launches needs a GPU")
         return
+    if args.workspace_limit is not None:
+        from te_fuser.kernels.cuda.gemm import set_workspace_limit
+
+        set_workspace_limit(args.workspace_limit)
+        print(f"GEMMs planned under a workspace limit of {args.workspace_limit} bytes")
     if args.candidates:
         print(f"{'problem':<24} {'cand':>4} {'workspace':>10} {'kernels':>8} {'memsets':>8} {'ms':>8}  kernel")
         for name, candidate, workspace, kernels, memsets, ms, first in candidate_rows(args.tokens, args.candidates,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attngpt grouped norm launches
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attngpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -69,6 +69,12 @@ for part in $parts; do
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
         tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \
         tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
+    workspace)  # the FP8 GEMMs planned without cuBLASLt workspace (no memset before each): their tests, the GEMMs
+      # one by one, then the GPT's eager step under each limit in turns, at full size and at width 128 (host cost)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gemm_workspace.py 2>&1 | tee "$OUT/workspace.log" | tail -2
+      timeout 150 python3 benchmarks/count_launches.py --workspace-limit 0 --candidates 1 2>&1 | tee -a "$OUT/workspace.log" | head -40
+      timeout 240 python3 benchmarks/gemm_workspace_ab.py 2>&1 | tee -a "$OUT/workspace.log" | tail -6
+      timeout 120 python3 benchmarks/gemm_workspace_ab.py --tiny 2>&1 | tee -a "$OUT/workspace.log" | tail -6 ;;
     layers) timeout 300 python3 benchmarks/bench_layers.py 2>&1 | tee "$OUT/layers.log" | tail -24 ;;
     profile) timeout 200 python3 benchmarks/profile_kernels.py --case mlp 2>&1 | tee "$OUT/profile.log" | tail -60 ;;
     proflinear)  # the big Linear's kernels under current and delayed scaling

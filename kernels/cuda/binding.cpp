@@ -20,6 +20,7 @@ at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const a
                                const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                at::ScalarType out_dtype, bool fast_accum, int64_t stream);
 int64_t fp8_gemm_plans();
+int64_t fp8_gemm_set_workspace_limit(int64_t bytes);
 std::tuple<at::Tensor, int64_t> fp8_gemm_tensorwise_candidate(const at::Tensor& a, const at::Tensor& b,
                                                               const at::Tensor& scale_a, const at::Tensor& scale_b,
                                                               at::ScalarType out_dtype, bool fast_accum,
@@ -459,6 +460,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_gemm_tensorwise", &te_fuser::fp8_gemm_tensorwise,
         "tensor-scaled FP8 GEMM through cuBLASLt, its descriptors and algorithm kept per problem");
   m.def("fp8_gemm_plans", &te_fuser::fp8_gemm_plans, "how many GEMM problems have a kept cuBLASLt plan");
+  m.def("fp8_gemm_set_workspace_limit", &te_fuser::fp8_gemm_set_workspace_limit,
+        "the most workspace a GEMM planned from now on may ask for (bytes); returns the limit before");
   m.def("fp8_gemm_tensorwise_candidate", &te_fuser::fp8_gemm_tensorwise_candidate,
         "the FP8 GEMM with the heuristic's n-th algorithm, and its workspace bytes");
 }

@@ -57,7 +57,7 @@ int alignment(const void* p) {
   return align;
 }
 
-using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, int, int, int, int, int>;
+using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, int, int, int, int, int, int64_t>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -75,6 +75,9 @@ struct Cache {
   std::mutex mutex;
   std::map<Key, Plan> plans;
   std::map<int, Device> devices;
+  // The most workspace a new plan's algorithm may ask for (the heuristic's
+  // preference); part of the plan's key, so plans made under another limit stay.
+  int64_t workspace_limit = static_cast<int64_t>(kWorkspaceBytes);
 };
 
 Cache& cache() {
@@ -99,7 +102,7 @@ Device& device_state(Cache& c, const at::Tensor& like) {
 
 Plan build_plan(cublasLtHandle_t handle, int64_t m, int64_t n, int64_t k, cudaDataType_t a_type,
                 cudaDataType_t b_type, cudaDataType_t out_type, std::optional<cudaDataType_t> bias_type,
-                bool fast_accum, int align_a, int align_b, int align_d, int candidate) {
+                bool fast_accum, int align_a, int align_b, int align_d, int candidate, int64_t workspace_limit) {
   Plan plan;
   check(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   set(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T, "TRANSA");
@@ -115,7 +118,7 @@ Plan build_plan(cublasLtHandle_t handle, int64_t m, int64_t n, int64_t k, cudaDa
 
   cublasLtMatmulPreference_t preference = nullptr;
   check(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
-  const size_t workspace = kWorkspaceBytes;
+  const size_t workspace = static_cast<size_t>(workspace_limit);
   const uint32_t aligns[4] = {static_cast<uint32_t>(align_b), static_cast<uint32_t>(align_a),
                               static_cast<uint32_t>(align_d), static_cast<uint32_t>(align_d)};
   check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
@@ -165,17 +168,17 @@ std::tuple<at::Tensor, int64_t> run_gemm(const at::Tensor& a, const at::Tensor& 
                 "te_fuser cuBLASLt FP8 GEMM: scales must be 16-byte aligned one-element fp32 tensors");
   }
   at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
-  const Key key{m, n, k, a_type, b_type, out_type, bias_type ? static_cast<int>(*bias_type) : -1, fast_accum,
-                alignment(a.data_ptr()), alignment(b.data_ptr()), alignment(out.data_ptr()), a.get_device(),
-                candidate};
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
+  const Key key{m, n, k, a_type, b_type, out_type, bias_type ? static_cast<int>(*bias_type) : -1, fast_accum,
+                alignment(a.data_ptr()), alignment(b.data_ptr()), alignment(out.data_ptr()), a.get_device(),
+                candidate, c.workspace_limit};
   Device& device = device_state(c, a);
   auto found = c.plans.find(key);
   if (found == c.plans.end()) {
     found = c.plans.emplace(key, build_plan(device.handle, m, n, k, a_type, b_type, out_type, bias_type,
                                             fast_accum, std::get<8>(key), std::get<9>(key), std::get<10>(key),
-                                            candidate))
+                                            candidate, c.workspace_limit))
                 .first;
   }
   const Plan& plan = found->second;
@@ -210,6 +213,21 @@ std::tuple<at::Tensor, int64_t> fp8_gemm_tensorwise_candidate(const at::Tensor& 
   TORCH_CHECK(candidate >= 0 && candidate < 64, "te_fuser cuBLASLt FP8 GEMM: candidate must be in [0, 64), got ",
               candidate);
   return run_gemm(a, b, scale_a, scale_b, std::nullopt, out_dtype, fast_accum, static_cast<int>(candidate), stream);
+}
+
+// The most workspace the algorithm of a GEMM planned from now on may ask for, in
+// bytes (0 to the 32 MiB the workspace holds; at start 32 MiB); returns the limit
+// before. An algorithm that asks for workspace has cuBLASLt clear part of it before
+// each matmul, a memset launch of its own; 0 keeps to algorithms that ask none.
+int64_t fp8_gemm_set_workspace_limit(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes <= static_cast<int64_t>(kWorkspaceBytes),
+              "te_fuser cuBLASLt FP8 GEMM: the workspace limit must be in [0, ", kWorkspaceBytes, "] bytes, got ",
+              bytes);
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  const int64_t before = c.workspace_limit;
+  c.workspace_limit = bytes;
+  return before;
 }
 
 // How many problems have a kept descriptor and algorithm (for tests and reports).

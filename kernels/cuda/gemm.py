@@ -43,12 +43,29 @@ from ..reference.gemm import check_epilogue_activation, gemm_reference
 from ._build import extension, raw_stream, stream_of_index
 from .cast import ALIGNMENT, HP_CODES, aligned_contiguous, check_cuda_tensor, current_device_index, on_device
 
-__all__ = ["gemm", "gemm_unsupported_reason", "block_scaled_mm_available"]
+__all__ = ["gemm", "gemm_unsupported_reason", "block_scaled_mm_available", "set_workspace_limit",
+           "WORKSPACE_BYTES"]
+
+WORKSPACE_BYTES = 32 << 20  # the workspace cublaslt_gemm.cpp hands every matmul (kWorkspaceBytes)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TENSOR_ROW_PAIRS = {(Scaling.TENSOR, Scaling.TENSOR), (Scaling.ROW, Scaling.ROW), (Scaling.TENSOR, Scaling.ROW), (Scaling.ROW, Scaling.TENSOR)}
 _BLOCK_PAIRS = {(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128), (Scaling.BLOCK_1X128, Scaling.BLOCK_1X128)}
 _MIN_BLOCK_TORCH = (2, 10)  # first release with the fixed block-scale layout checks
+
+
+def set_workspace_limit(nbytes: int) -> int:
+    """The most workspace the algorithm of a tensor-scaled GEMM planned from now on
+    may ask for, in bytes, from 0 to :data:`WORKSPACE_BYTES` (the start value);
+    returns the limit before. cuBLASLt clears part of an algorithm's workspace
+    before each matmul, one memset launch of its own; with 0 the heuristic picks
+    among algorithms that ask for none. GEMMs already planned keep their algorithm
+    under the limit they were planned with (the limit is part of a plan's key);
+    another algorithm may sum in another order, so the bits of a GEMM can change
+    with the limit."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= WORKSPACE_BYTES:
+        raise ValueError(f"set_workspace_limit: nbytes must be an int in [0, {WORKSPACE_BYTES}], got {nbytes!r}")
+    return int(extension().fp8_gemm_set_workspace_limit(nbytes))
 
 
 def _torch_version() -> tuple[int, int]:

@@ -1,0 +1,109 @@
+"""The yardstick GPT's eager step with its FP8 GEMMs planned under cuBLASLt's full
+workspace and under none (``kernels.cuda.gemm.set_workspace_limit``), in one
+process, the two taking turns (GPU only).
+
+    python benchmarks/gemm_workspace_ab.py [--recipes current delayed] [--rounds 5] [--steps 20] [--tiny]
+
+An algorithm that asks for workspace has cuBLASLt clear part of it before every
+matmul: a memset launch of its own, about 65 a step of the GPT. With a limit of 0
+the heuristic picks among algorithms that ask for none. Each round times ``--steps``
+steps back to back under each limit (after two steps to plan the GEMMs); a step
+under each limit is also traced once for its launches, memsets and GEMM kernel
+time. ``--tiny``: the GPT at width 128 (the GPU has almost nothing to do: the
+host's cost per step). The algorithms differ, so the losses may differ in their
+last bits; the table gives each limit's last loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_gpt import RECIPES, step_fn, text_batch  # noqa: E402
+
+from te_fuser.kernels.cuda.gemm import WORKSPACE_BYTES, set_workspace_limit  # noqa: E402
+from te_fuser.models.gpt import GPT, GPTConfig  # noqa: E402
+
+LIMITS = (WORKSPACE_BYTES, 0)
+
+
+def traced(step) -> tuple[int, int, float]:
+    """(kernels, memsets, GEMM kernel ms) of one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = memsets = 0
+    gemm_us = 0.0
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if ev.name.startswith("Memset"):
+            memsets += 1
+        elif not ev.name.startswith("Memcpy"):
+            kernels += 1
+            if "gemm" in ev.name.lower() or "nvjet" in ev.name or "sm90_xmma" in ev.name:
+                gemm_us += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return kernels, memsets, gemm_us / 1e3
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipes", nargs="*", default=["current", "delayed"], choices=[r for r in RECIPES if r != "bf16"])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--tiny", action="store_true", help="width 128: the host's cost per step")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemm_workspace_ab needs a GPU")
+        return
+    config = GPTConfig.gpu()
+    if args.tiny:
+        config = dataclasses.replace(config, d_model=128, n_head=2, d_ffn=512, seq_len=64, batch_size=2)
+    batch = text_batch(config)
+    rows = []
+    for name in args.recipes:
+        torch.manual_seed(0)
+        model = GPT(config, device="cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        step = step_fn(model, opt, RECIPES[name], batch, clip=1.0)
+        times = {limit: [] for limit in LIMITS}
+        counts = {}
+        for r in range(args.rounds):
+            for limit in LIMITS:
+                set_workspace_limit(limit)
+                step()
+                step()
+                if r == 0:
+                    counts[limit] = traced(step)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    step()
+                torch.cuda.synchronize()
+                times[limit].append((time.perf_counter() - t0) * 1e3 / args.steps)
+        set_workspace_limit(WORKSPACE_BYTES)
+        base = statistics.median(times[WORKSPACE_BYTES])
+        for limit in LIMITS:
+            kernels, memsets, gemm_ms = counts[limit]
+            ms = statistics.median(times[limit])
+            rows.append((name, limit, ms, ms / base, min(times[limit]), kernels, memsets, gemm_ms))
+    size = "tiny (width 128)" if args.tiny else "gpu"
+    print(f"GPT {size}, {args.rounds} rounds of {args.steps} steps a limit, the limits taking turns; ms a step")
+    print(f"{'recipe':<9} {'workspace':>10} {'median ms':>10} {'vs full':>8} {'best ms':>8} {'kernels':>8} "
+          f"{'memsets':>8} {'GEMM ms':>8}")
+    for name, limit, ms, ratio, best, kernels, memsets, gemm_ms in rows:
+        print(f"{name:<9} {limit:>10d} {ms:10.2f} {ratio:8.3f} {best:8.2f} {kernels:8d} {memsets:8d} {gemm_ms:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
