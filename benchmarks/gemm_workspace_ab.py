@@ -4,9 +4,9 @@ process, the two taking turns (GPU only).
 
     python benchmarks/gemm_workspace_ab.py [--recipes current delayed] [--rounds 5] [--steps 20] [--tiny]
 
-An algorithm that asks for workspace has cuBLASLt clear part of it before every
-matmul: a memset launch of its own, about 65 a step of the GPT. With a limit of 0
-the heuristic picks among algorithms that ask for none. Each round times ``--steps``
+Whether the GPT's memsets (about 65 a step, one before each fprop and dgrad GEMM)
+go with algorithms that ask for no workspace: with a limit of 0 the heuristic picks
+among those (run 166: they do not go, and the GEMMs ran 1.5% slower). Each round times ``--steps``
 steps back to back under each limit (after two steps to plan the GEMMs); a step
 under each limit is also traced once for its launches, memsets and GEMM kernel
 time. ``--tiny``: the GPT at width 128 (the GPU has almost nothing to do: the

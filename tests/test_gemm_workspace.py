@@ -1,8 +1,6 @@
 """The cuBLASLt GEMM's workspace limit (``kernels.cuda.gemm.set_workspace_limit``):
-the most workspace the algorithm of a GEMM planned from then on may ask for. An
-algorithm that asks for workspace has cuBLASLt clear part of it before each matmul,
-a memset launch of its own, and an eager step is bound by its launches' host time;
-with a limit of 0 the heuristic picks among algorithms that ask none."""
+the most workspace the algorithm of a GEMM planned from then on may ask for; with a
+limit of 0 the heuristic picks among algorithms that ask none."""
 
 from __future__ import annotations
 
@@ -42,7 +40,7 @@ def _exact(rows: int, k: int, fp8: torch.dtype, seed: int) -> ScaledOperand:
 @pytest.mark.parametrize("m, n, k, fp8", GPT_GEMMS, ids=lambda v: str(v) if not isinstance(v, torch.dtype) else "")
 def test_gemms_planned_without_workspace_ask_none_and_stay_exact(m, n, k, fp8):
     """Under a limit of 0 the GPT's GEMMs take algorithms that ask for no workspace
-    (so cuBLASLt clears none before them) and still give the exact product, as they
+    and still give the exact product, as they
     do again under the limit before, which the call gives back."""
     from te_fuser.kernels.cuda._build import extension
 

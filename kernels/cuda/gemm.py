@@ -57,9 +57,10 @@ _MIN_BLOCK_TORCH = (2, 10)  # first release with the fixed block-scale layout ch
 def set_workspace_limit(nbytes: int) -> int:
     """The most workspace the algorithm of a tensor-scaled GEMM planned from now on
     may ask for, in bytes, from 0 to :data:`WORKSPACE_BYTES` (the start value);
-    returns the limit before. cuBLASLt clears part of an algorithm's workspace
-    before each matmul, one memset launch of its own; with 0 the heuristic picks
-    among algorithms that ask for none. GEMMs already planned keep their algorithm
+    returns the limit before. With 0 the heuristic picks among algorithms that ask
+    for none (on an H200 the GPT's fprop and dgrad GEMMs still make one memset a
+    call that way, and its GEMMs ran 1.5% slower: RESULTS.md, run 166; the full
+    workspace stays the default). GEMMs already planned keep their algorithm
     under the limit they were planned with (the limit is part of a plan's key);
     another algorithm may sum in another order, so the bits of a GEMM can change
     with the limit."""
