@@ -907,7 +907,7 @@ def _borrowing_quantizers(recipe):
 
     roles = [QuantizerRole(module_type="linear", tensor_type=t, name="fc") for t in ("input", "weight", "grad_output")]
     quantizers = [quantizer_for(recipe, role, borrow_state=True) for role in roles]
-    prototypes = [factory._PROTOTYPES[(recipe.key, role.module_type, role.tensor_type)] for role in roles]
+    prototypes = [factory._PROTOTYPES[(type(recipe), recipe.key, role.module_type, role.tensor_type)] for role in roles]
     return quantizers, prototypes
 
 

@@ -144,7 +144,7 @@ def test_a_built_in_recipes_quantizers_are_fresh_copies_as_made(recipe, role):
     made.role = role
     equal = recipe.replace()  # another object with the same key
     copy = quantizer_for(equal, QuantizerRole(role.module_type, role.tensor_type, "other"))
-    assert (recipe.key, role.module_type, role.tensor_type) in factory._PROTOTYPES
+    assert (type(recipe), recipe.key, role.module_type, role.tensor_type) in factory._PROTOTYPES
     assert copy is not first and type(copy) is type(made) and copy.role.name == "other"
     want = _configuration(made)
     want["role"] = copy.role

@@ -176,7 +176,7 @@ class Quantizer:
         fresh state tensors for now instead of making its own, for a caller that
         places every state at once right after (see ``delayed.place_states``)."""
         copy = object.__new__(type(self))
-        copy.__dict__.update(self.__getstate__())  # as a copy.copy: without the kept casters
+        copy.__dict__ = self.__getstate__()  # a new dict, as a copy.copy's: without the kept casters
         copy._start_fresh(borrow_state)
         return copy
 

@@ -34,10 +34,12 @@ def quantizer_for(recipe: Recipe | None, role: QuantizerRole, *, borrow_state: b
     return quantizer
 
 
-# (recipe key, module type, tensor type) -> a quantizer the recipe made, never used:
-# what a built-in recipe without callables makes depends on these alone, so a
-# switch's fresh quantizers are copies of it (``Quantizer.fresh_copy``), without
-# the constructors' checks. Bounded: recipe keys are any values of their fields.
+# (recipe class, recipe key, module type, tensor type) -> a quantizer the recipe
+# made, never used: what a built-in recipe without callables makes depends on these
+# alone, so a switch's fresh quantizers are copies of it (``Quantizer.fresh_copy``),
+# without the constructors' checks. Only such recipes store one, and a recipe's key
+# names its callables, so a key found here is a plain built-in recipe's. Bounded:
+# recipe keys are any values of their fields.
 _PROTOTYPES: dict = {}
 _MAX_PROTOTYPES = 256
 
@@ -46,12 +48,12 @@ def _made(recipe: Recipe, role: QuantizerRole, borrow_state: bool = False) -> Qu
     """``recipe.make_quantizer(role)``, or a fresh copy of what it made for this key
     and role before, for the built-in recipes whose fields hold no callable (a
     ``CustomRecipe``'s qfactory, a delayed-scaling algorithm: those run as given)."""
-    if type(recipe).__module__ != Recipe.__module__ or any(
-            callable(getattr(recipe, name)) for name in recipe._callable_fields):
-        return recipe.make_quantizer(role)
-    key = (recipe.key, role.module_type, role.tensor_type)
+    key = (type(recipe), recipe.key, role.module_type, role.tensor_type)
     prototype = _PROTOTYPES.get(key)
     if prototype is None:
+        if type(recipe).__module__ != Recipe.__module__ or any(
+                callable(getattr(recipe, name)) for name in recipe._callable_fields):
+            return recipe.make_quantizer(role)
         prototype = recipe.make_quantizer(role)
         if len(_PROTOTYPES) >= _MAX_PROTOTYPES:
             _PROTOTYPES.clear()
