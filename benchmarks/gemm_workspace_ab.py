@@ -6,27 +6,26 @@ process, the two taking turns (GPU only).
 
 Whether the GPT's memsets (about 65 a step, one before each fprop and dgrad GEMM)
 go with algorithms that ask for no workspace: with a limit of 0 the heuristic picks
-among those (run 166: they do not go, and the GEMMs ran 1.5% slower). Each round times ``--steps``
-steps back to back under each limit (after two steps to plan the GEMMs); a step
-under each limit is also traced once for its launches, memsets and GEMM kernel
-time. ``--tiny``: the GPT at width 128 (the GPU has almost nothing to do: the
-host's cost per step). The algorithms differ, so the losses may differ in their
-last bits; the table gives each limit's last loss.
+among those (run 166: they do not go, and the GEMMs ran 1.5% slower). Each round times
+``--steps`` steps back to back under each limit (``harness.interleaved_ms``; each step
+sets its limit first, one binding call), after a step under each limit is traced for
+its launches, memsets and GEMM kernel time. ``--tiny``: the GPT at width 128 (the GPU
+has almost nothing to do: the host's cost per step). The algorithms differ, so the
+two limits' losses may differ in their last bits.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import interleaved_ms  # noqa: E402
 from profile_gpt import RECIPES, step_fn, text_batch  # noqa: E402
 
 from te_fuser.kernels.cuda.gemm import WORKSPACE_BYTES, set_workspace_limit  # noqa: E402
@@ -76,33 +75,29 @@ def main(argv=None) -> None:
         model = GPT(config, device="cuda")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         step = step_fn(model, opt, RECIPES[name], batch, clip=1.0)
-        times = {limit: [] for limit in LIMITS}
+
+        def under(limit: int):
+            def run():
+                set_workspace_limit(limit)  # the GEMMs a step plans and finds are this limit's
+                step()
+            return run
+
+        arms = {limit: under(limit) for limit in LIMITS}
         counts = {}
-        for r in range(args.rounds):
-            for limit in LIMITS:
-                set_workspace_limit(limit)
-                step()
-                step()
-                if r == 0:
-                    counts[limit] = traced(step)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    step()
-                torch.cuda.synchronize()
-                times[limit].append((time.perf_counter() - t0) * 1e3 / args.steps)
+        for limit, run in arms.items():
+            run()
+            run()  # the GEMMs planned under this limit
+            counts[limit] = traced(run)
+        ms = interleaved_ms(arms, args.rounds, args.steps, torch.cuda.synchronize)
         set_workspace_limit(WORKSPACE_BYTES)
-        base = statistics.median(times[WORKSPACE_BYTES])
         for limit in LIMITS:
-            kernels, memsets, gemm_ms = counts[limit]
-            ms = statistics.median(times[limit])
-            rows.append((name, limit, ms, ms / base, min(times[limit]), kernels, memsets, gemm_ms))
+            rows.append((name, limit, ms[limit], ms[limit] / ms[WORKSPACE_BYTES], *counts[limit]))
     size = "tiny (width 128)" if args.tiny else "gpu"
     print(f"GPT {size}, {args.rounds} rounds of {args.steps} steps a limit, the limits taking turns; ms a step")
-    print(f"{'recipe':<9} {'workspace':>10} {'median ms':>10} {'vs full':>8} {'best ms':>8} {'kernels':>8} "
-          f"{'memsets':>8} {'GEMM ms':>8}")
-    for name, limit, ms, ratio, best, kernels, memsets, gemm_ms in rows:
-        print(f"{name:<9} {limit:>10d} {ms:10.2f} {ratio:8.3f} {best:8.2f} {kernels:8d} {memsets:8d} {gemm_ms:8.2f}")
+    print(f"{'recipe':<9} {'workspace':>10} {'median ms':>10} {'vs full':>8} {'kernels':>8} {'memsets':>8} "
+          f"{'GEMM ms':>8}")
+    for name, limit, ms, ratio, kernels, memsets, gemm_ms in rows:
+        print(f"{name:<9} {limit:>10d} {ms:10.2f} {ratio:8.3f} {kernels:8d} {memsets:8d} {gemm_ms:8.2f}")
 
 
 if __name__ == "__main__":
