@@ -423,15 +423,22 @@ def test_a_profiled_switch_trains_the_same_bits_and_records_the_hosts_functions(
 def test_a_profiled_switch_beside_its_lone_step_names_where_the_extra_time_goes():
     """``--profile-switch`` in a phase long enough to time a step alone: that step
     runs under cProfile too, and the phase's record holds the functions whose
-    cumulative time the switch step exceeded it by most, the plan's build among
-    them (a switch step builds, a lone step does not)."""
+    cumulative time the switch step exceeded it by most, most first: among them the
+    fusers' miss path, which only a step that builds takes (the lone step's calls
+    take the armed guard), once for every fuser of the model."""
     argv = ["--size", "smoke", "--schedule", "bf16:2,current:8", "--arms", "te,torch", "--corpus-bytes", "300000",
             "--eval-batches", "1", "--log-every", "100"]
     _, report, stdout = _same_losses_with(argv, ["--profile-switch", "current"])
     phase = report["arms"]["te"]["phases"][1]
     assert phase["lone_profile"]["ms_own_total"] > 0
-    extra = {row["name"].split(" (")[0]: row for row in phase["switch_extra"]["top"]}
-    assert "build" in extra and extra["build"]["extra_ms"] > 0 and extra["build"]["extra_calls"] > 0, extra
+    rows = phase["switch_extra"]["top"]
+    assert [row["extra_ms"] for row in rows] == sorted((row["extra_ms"] for row in rows), reverse=True)
+    extra = {row["name"].split(" (")[0]: row for row in rows}
+    from te_fuser.models.gpt import GPT, GPTConfig
+    from te_fuser.ops.find import fusers_of
+
+    fusers = len(list(fusers_of(GPT(GPTConfig.smoke()))))
+    assert extra["_run_and_arm"]["extra_ms"] > 0 and extra["_run_and_arm"]["extra_calls"] == fusers, extra
     assert "switch_extra" not in report["arms"]["te"]["phases"][0]
     assert "current: the switch step's cumulative time over the lone step's" in stdout
 
