@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -488,3 +489,50 @@ def test_the_warm_up_readies_every_phase_of_the_te_model_itself(monkeypatch):
     other, _ = _run(argv)
     assert own["arms"]["te"]["losses"] == other["arms"]["te"]["losses"]
     assert [p["val_bpb"] for p in own["arms"]["te"]["phases"]] == [p["val_bpb"] for p in other["arms"]["te"]["phases"]]
+
+
+def test_the_issues_table_from_runs_in_processes_of_their_own(tmp_path):
+    """``benchmarks/gpt_table.py`` over two runs of the main job, each a process of
+    its own: every phase's rates and te's ratio to the eager twin per run and their
+    median, #14's targets counted over the runs, and te's validation bits the same
+    in both runs. Reports from other schedules, or without a te arm, are refused
+    with a message naming the file."""
+    argv = ["--size", "smoke", "--schedule", "bf16:2,current:2", "--arms", "te,torch", "--corpus-bytes", "300000",
+            "--eval-batches", "1", "--log-every", "100"]
+    paths = []
+    for r in range(2):
+        path = tmp_path / f"gpt_{r}.json"
+        run = subprocess.run([sys.executable, "examples/train_gpt.py", *argv, "--json", str(path)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        paths.append(str(path))
+    table = subprocess.run([sys.executable, "benchmarks/gpt_table.py", *paths], capture_output=True, text=True,
+                           cwd=ROOT, timeout=60)
+    assert table.returncode == 0, table.stderr[-3000:]
+    lines = table.stdout.splitlines()
+    reports = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    for phase, kind in (("bf16", "bf16"), ("current", "fp8")):
+        rows = [line.split() for line in lines if line.startswith(phase)]
+        assert [row[1] for row in rows] == ["1", "2", "median"], rows
+        for r, row in enumerate(rows[:2]):
+            te_rate = [p for p in reports[r]["arms"]["te"]["phases"] if p["phase"] == phase][0]["tokens_per_s"]
+            assert row[2] == f"{te_rate / 1e3:.1f}", (row, te_rate)
+        ratios = [float(row[6].rstrip("x")) for row in rows[:2]]
+        median = float(rows[2][2].rstrip("x"))
+        assert abs(median - sum(ratios) / 2) <= 0.006, (ratios, median)
+        least = 0.95 if kind == "bf16" else 1.3
+        met = sum(r >= least for r in ratios)
+        assert f"target te/torch >= {least}: met in {met} of 2 runs" in table.stdout
+    assert "the same bits in every run" in table.stdout
+    other = tmp_path / "other.json"
+    report = json.loads(pathlib.Path(paths[0]).read_text())
+    report["arms"]["te"]["phases"][1]["phase"] = "delayed"
+    other.write_text(json.dumps(report))
+    refused = subprocess.run([sys.executable, "benchmarks/gpt_table.py", paths[0], str(other)], capture_output=True,
+                             text=True, cwd=ROOT, timeout=60)
+    assert refused.returncode == 2 and "other.json: phase 2 is not 'current'" in refused.stderr
+    del report["arms"]["te"]
+    other.write_text(json.dumps(report))
+    refused = subprocess.run([sys.executable, "benchmarks/gpt_table.py", str(other)], capture_output=True, text=True,
+                             cwd=ROOT, timeout=60)
+    assert refused.returncode == 2 and "other.json: no te arm in this report" in refused.stderr
