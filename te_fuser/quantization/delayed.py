@@ -760,12 +760,9 @@ _FRESH_STATES: dict = {}  # device -> its _FreshStates being handed out
 
 
 def place_states(quantizers, device: torch.device) -> None:
-    """Move the scaling state of the delayed-scaling quantizers among ``quantizers``
-    that still hold it on the CPU (fresh ones, or ones given a loaded state) to
-    ``device`` at once (see ``_place``); a quantizer that still borrows the fresh
-    state of the one it was copied from (``fresh_copy(borrow_state=True)``) then
-    holds its own, on the device or, where none was placed, on the CPU as a new
-    quantizer does."""
+    """``_place``, then none of ``quantizers`` still borrows the fresh state of the one
+    it was copied from (``fresh_copy(borrow_state=True)``): each holds its own, the
+    device's views or, where none were placed, a new CPU state as a new quantizer's."""
     _place(quantizers, device)
     for q in quantizers:
         if isinstance(q, DelayedScalingQuantizer) and q._borrows_state():
