@@ -146,3 +146,19 @@ def test_count_launches_times_the_heuristics_candidates():
         for kind in ("fprop bf16", "fprop fp32", "dgrad", "wgrad")), table
     for name, fields in rows:
         assert int(fields[1]) >= 0 and float(fields[2]) >= 1.0, (name, fields)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is a full benchmark (the GPT's host step split)")
+def test_host_split_times_each_arm_in_turns_and_splits_its_step():
+    """host_split.py on the CPU: a row per arm with its step's time, the Triton
+    launches' share (none here: the CPU runs the reference kernels) and the rest."""
+    run = subprocess.run([sys.executable, "benchmarks/host_split.py", "--rounds", "1", "--steps", "1",
+                          "--recipes", "current"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split("  ")[0].strip(): line.split() for line in run.stdout.splitlines()
+            if line.startswith(("torch bf16", "te current"))}
+    assert set(rows) == {"torch bf16", "te current"}, run.stdout
+    for label, cells in rows.items():
+        words = len(label.split())
+        step, launches_ms, launches, rest = (float(c) for c in cells[words:words + 4])
+        assert step > 0 and launches_ms == 0 and launches == 0 and rest == pytest.approx(step), run.stdout
