@@ -91,7 +91,6 @@ def _generic_tensorwise(fn, fp8_dtype: torch.dtype):
     return cast
 
 
-_FP32 = torch.float32
 _STATE_KEYS = ("scale", "scale_inv", "amax_history", "seeded", "nonfinite_amax_count")
 
 # [True] while ops run a forward in evaluation mode: delayed-scaling casts then record
@@ -248,52 +247,16 @@ class DelayedScalingQuantizer(Quantizer):
         skip the generic checks, with the same result."""
         if not self._lean(x, rowwise, columnwise):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
-        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
-        out = self._updating_cast(x2d, rowwise, columnwise, "quantize_tensorwise", False, _FP32)
-        if out is None:
-            out = self._cast(x2d, rowwise, columnwise, "quantize_tensorwise")
-        return QuantizedTensor.of_cast(out[0], out[1], x.shape, x.dtype)
+        rowwise_op, columnwise_op, _ = self._cast(self._flat(x), rowwise, columnwise, "quantize_tensorwise")
+        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, x.dtype)
 
     def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
                           sums_dtype: torch.dtype = torch.float32):
         """The ops' column-sums casts, lean as :meth:`cast` (fp32 cast as bf16 rounded as the kernel reads it)."""
-        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
-        kernel = "quantize_tensorwise_column_sums"
-        out = self._updating_cast(x2d, rowwise, columnwise, kernel, round_bf16, sums_dtype)
-        if out is None:
-            out = self._cast(x2d, rowwise, columnwise, kernel, round_bf16, sums_dtype)
-        return QuantizedTensor.of_cast(out[0], out[1], x.shape, torch.bfloat16 if round_bf16 else x.dtype), out[2]
-
-    def _updating_cast(self, x2d: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool,
-                       sums_dtype: torch.dtype):
-        """The ops' common cast in one frame: a seeded quantizer recording in training,
-        nothing waiting, no reduction, the kernel's update, and a backend whose
-        prepared cast updates the state in the same call (the cuda backend's
-        ``with_update``, whose own test covers x and the state's dtypes and
-        devices): ``(row-wise operand, column-wise operand, sums or None)``, the new
-        state bound, as :meth:`_cast` gives them. None for every other case, which
-        :meth:`_cast` then takes, before anything changed."""
-        frames = CHECKPOINT_FRAMES
-        if (self._pending or not self.seeded or frames[0] is not None or frames[1] is not None or EVALUATING[0]
-                or not self.update_in_cast or self.scaling_factor_compute_algo is not None
-                or type(self.amax_compute_algo) is not str):
-            return None
-        group = self.amax_reduction_group
-        if group is not None and (type(group) is not str or default_group() is not None):
-            return None
-        with_update = getattr(self._caster(kernel, x2d.device, _generic_tensorwise), "with_update", None)
-        if with_update is None:
-            return None
-        scale_inv = self._scale_inv  # the one this cast's scale goes with: the update rebinds it
-        out = with_update(x2d, self._scale, self._amax_history, self._nonfinite_amax_count, self.margin,
-                          self.amax_compute_algo == "max", rowwise, columnwise, round_bf16, sums_dtype)
-        if out is None:
-            return None
-        data, data_t, sums, _, history, scale, next_scale_inv, count = out
-        self._amax_history, self._scale, self._scale_inv, self._nonfinite_amax_count = (
-            history, scale, next_scale_inv, count)
-        return (tensor_scaled(data, scale_inv) if rowwise else None,
-                tensor_scaled(data_t, scale_inv) if columnwise else None, sums)
+        rowwise_op, columnwise_op, sums = self._cast(self._flat(x), rowwise, columnwise,
+                                                     "quantize_tensorwise_column_sums", round_bf16, sums_dtype)
+        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape,
+                                       torch.bfloat16 if round_bf16 else x.dtype), sums
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
