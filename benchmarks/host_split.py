@@ -56,13 +56,14 @@ def _timed(bucket: str, fn):
 
 def install_timers() -> list[str]:
     """Wrap the CUDA extension's entries and the Triton launches; the buckets made."""
+    import importlib
+    import pkgutil
+
     buckets = []
-    try:
-        from te_fuser.kernels import cuda
-        from te_fuser.kernels.cuda._build import extension
-    except ImportError:  # pragma: no cover - the package always has them
-        cuda = None
-    if cuda is not None and torch.cuda.is_available() and cuda.unavailable_reason() is None:
+    from te_fuser.kernels import cuda
+    from te_fuser.kernels.cuda._build import extension
+
+    if torch.cuda.is_available() and cuda.unavailable_reason() is None:
         module = extension()
         for name in dir(module):
             fn = getattr(module, name)
@@ -72,17 +73,71 @@ def install_timers() -> list[str]:
     from te_fuser.kernels import triton as triton_kernels
     from te_fuser.kernels.triton import _launch
 
-    timed_launch = _timed("triton launches", _launch.launch)
-    for name in dir(triton_kernels):
-        module = getattr(triton_kernels, name)
-        if getattr(module, "launch", None) is _launch.launch:
-            module.launch = timed_launch
-    for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("te_fuser.kernels.triton.") and \
-                getattr(module, "launch", None) is _launch.launch:
-            module.launch = timed_launch
+    for info in pkgutil.iter_modules(triton_kernels.__path__):  # every kernel module, before any binds launch
+        importlib.import_module(f"{triton_kernels.__name__}.{info.name}")
+    _everywhere(_launch.launch, _timed("triton launches", _launch.launch))
     buckets.append("triton launches")
     return buckets
+
+
+def _everywhere(fn, wrapped) -> None:
+    """``wrapped`` in place of ``fn`` in every loaded module that holds it by name."""
+    for module in list(sys.modules.values()):
+        space = getattr(module, "__dict__", None)
+        if not space:
+            continue
+        for name, value in list(space.items()):
+            if value is fn:
+                setattr(module, name, wrapped)
+
+
+def _method(cls, name: str, bucket: str) -> None:
+    """``cls.name`` timed into ``bucket`` (a static method stays one)."""
+    raw = cls.__dict__[name] if name in cls.__dict__ else getattr(cls, name)  # an inherited one: set on cls
+    if isinstance(raw, staticmethod):
+        setattr(cls, name, staticmethod(_timed(bucket, raw.__func__)))
+    else:
+        setattr(cls, name, _timed(bucket, raw))
+
+
+def install_layer_timers() -> list[str]:
+    """Timers around the layers above the kernels (inclusive: a bucket holds what
+    it calls, so buckets nest and do not add up to the step): the model's forward,
+    the autograd backward, te's fused groups forward and backward, the linear
+    layers' forward and backward, their casts, GEMMs and weight copies, the
+    attention core, the optimizer and gradient clipping."""
+    from te_fuser.models import gpt
+    from te_fuser.ops import fuser, gemm
+    from te_fuser.ops.basic import attention, linear
+    from te_fuser.quantization.base import Quantizer
+
+    _method(gpt.GPT, "forward", "model forward")
+    _method(gpt.TorchGPT, "forward", "model forward")
+    torch.autograd.backward = _timed("autograd backward", torch.autograd.backward)
+    torch.nn.utils.clip_grad_norm_ = _timed("clip grad norm", torch.nn.utils.clip_grad_norm_)
+    _method(torch.optim.AdamW, "step", "optimizer step")
+    _method(fuser._FuserFunction, "forward", "te groups forward")
+    _method(fuser._FuserFunction, "backward", "te groups backward")
+    _everywhere(linear.linear_forward, _timed("linear forward", linear.linear_forward))
+    _everywhere(linear.linear_backward_with_column_sums,
+                _timed("linear backward", linear.linear_backward_with_column_sums))
+    _everywhere(gemm.gemm, _timed("gemm calls", gemm.gemm))
+    _method(linear.BasicLinear, "quantized_weight", "weight copies")
+    _everywhere(attention.attention_forward, _timed("attention forward", attention.attention_forward))
+    _everywhere(attention.attention_backward, _timed("attention backward", attention.attention_backward))
+    pending, seen = [Quantizer], set()
+    while pending:
+        cls = pending.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        pending.extend(cls.__subclasses__())
+        for name in ("cast", "quantize_with_column_sums"):
+            if name in cls.__dict__:
+                _method(cls, name, "casts")
+    return ["model forward", "te groups forward", "autograd backward", "te groups backward", "linear forward",
+            "linear backward", "casts", "gemm calls", "weight copies", "attention forward", "attention backward",
+            "optimizer step", "clip grad norm"]
 
 
 def main(argv=None) -> None:
@@ -91,11 +146,15 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--layers", action="store_true", help="also time the layers above the kernels (inclusive "
+                   "buckets: the model's forward, autograd's backward, te's groups, linear layers, casts, GEMMs, "
+                   "weight copies, attention, optimizer, clipping)")
     p.add_argument("--full-size", action="store_true", help="the GPT at its GPU size (a step bound by the GPU "
                    "shows the bindings waiting on a full launch queue)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     buckets = install_timers()
+    layers = install_layer_timers() if args.layers else []
     base = GPTConfig.gpu() if cuda else GPTConfig.smoke()
     config = base if args.full_size else dataclasses.replace(base, d_model=128, n_head=2, d_ffn=512, seq_len=64,
                                                               batch_size=2)
@@ -115,13 +174,13 @@ def main(argv=None) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
         steps[label] = step_fn(model, opt, recipe, batch, device_type=device, bf16_autocast=True, clip=args.clip)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    rows = measure(steps, buckets, args.rounds, args.steps, sync)
+    rows = measure(steps, buckets, args.rounds, args.steps, sync, layers)
     print(f"torch {torch.__version__}, {device}, width {config.d_model}, {args.rounds} rounds x {args.steps} steps "
           "(medians, ms a step; the arms take turns)")
-    print_rows(rows, buckets)
+    print_rows(rows, buckets, layers)
 
 
-def measure(steps: dict, buckets: list[str], rounds: int, count: int, sync) -> dict:
+def measure(steps: dict, buckets: list[str], rounds: int, count: int, sync, layers: list[str] = ()) -> dict:
     """Per arm (``steps``: label -> a training step), per round its step's ms and
     each bucket's ms and calls a step, the arms taking turns (each warmed first)."""
     for step in steps.values():  # builds, compiles and warms every arm first
@@ -147,11 +206,15 @@ def measure(steps: dict, buckets: list[str], rounds: int, count: int, sync) -> d
                 row[bucket].append(ms)
                 row[bucket + " calls"].append(_CALLS[bucket] / count)
             row["rest"].append(wall - inside)
+            for bucket in layers:
+                row[bucket].append(_SPENT[bucket] * 1e3 / count)
+                row[bucket + " calls"].append(_CALLS[bucket] / count)
     return rows
 
 
-def print_rows(rows: dict, buckets: list[str]) -> None:
-    """The medians of :func:`measure`'s rows, each arm's step against the first arm's."""
+def print_rows(rows: dict, buckets: list[str], layers: list[str] = ()) -> None:
+    """The medians of :func:`measure`'s rows, each arm's step against the first arm's;
+    then the layers' buckets, an arm a column (ms a step, calls a step)."""
     header = f"{'arm':<22} {'step':>7} " + " ".join(f"{b:>16} {'calls':>6}" for b in buckets) + f" {'rest':>7}"
     print(header)
     first = statistics.median(next(iter(rows.values()))["step"])
@@ -159,6 +222,15 @@ def print_rows(rows: dict, buckets: list[str]) -> None:
         med = {k: statistics.median(v) for k, v in row.items()}
         cells = " ".join(f"{med[b]:>16.2f} {med[b + ' calls']:>6.0f}" for b in buckets)
         print(f"{label:<22} {med['step']:>7.2f} {cells} {med['rest']:>7.2f}   ({med['step'] / first:.2f}x the first)")
+    if not layers:
+        return
+    print(f"\n{'layer (inclusive)':<20} " + " ".join(f"{label:>22}" for label in rows))
+    for bucket in layers:
+        cells = []
+        for row in rows.values():
+            ms, calls = statistics.median(row[bucket]), statistics.median(row[bucket + " calls"])
+            cells.append(f"{ms:>13.2f} ms {calls:>4.0f}x")
+        print(f"{bucket:<20} " + " ".join(cells))
 
 if __name__ == "__main__":
     main()

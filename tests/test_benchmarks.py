@@ -151,9 +151,10 @@ def test_count_launches_times_the_heuristics_candidates():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is a full benchmark (the GPT's host step split)")
 def test_host_split_times_each_arm_in_turns_and_splits_its_step():
     """host_split.py on the CPU: a row per arm with its step's time, the Triton
-    launches' share (none here: the CPU runs the reference kernels) and the rest."""
+    launches' share (none here: the CPU runs the reference kernels) and the rest;
+    with --layers the layers' timers, te's own only in te's column."""
     run = subprocess.run([sys.executable, "benchmarks/host_split.py", "--rounds", "1", "--steps", "1",
-                          "--recipes", "current"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          "--recipes", "current", "--layers"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {line.split("  ")[0].strip(): line.split() for line in run.stdout.splitlines()
             if line.startswith(("torch bf16", "te current"))}
@@ -162,3 +163,10 @@ def test_host_split_times_each_arm_in_turns_and_splits_its_step():
         words = len(label.split())
         step, launches_ms, launches, rest = (float(c) for c in cells[words:words + 4])
         assert step > 0 and launches_ms == 0 and launches == 0 and rest == pytest.approx(step), run.stdout
+    layers = {line[:20].strip(): line[20:].split() for line in run.stdout.split("layer (inclusive)")[1].splitlines()[1:]
+              if line.strip()}
+    # torch's model has a forward, a backward and an optimizer step, and no te layer; te's has them all
+    for bucket in ("model forward", "autograd backward", "optimizer step"):
+        assert float(layers[bucket][0]) > 0 and float(layers[bucket][3]) > 0, run.stdout
+    for bucket in ("te groups forward", "linear backward", "casts", "gemm calls"):
+        assert float(layers[bucket][0]) == 0 and float(layers[bucket][3]) > 0, run.stdout
