@@ -192,3 +192,99 @@ def test_lean_layer_norm_equals_the_checked_launchers(shape, hp, out_dtype, with
     assert cuda.layer_norm.lean(x, w.bfloat16(), b, 1e-5) is None
     fn = backend.resolve("layer_norm", x.device).fn
     assert getattr(fn, "lean", None) is not None  # kept on the auto table's size split
+
+
+def test_the_extension_gemm_entry_hands_back_what_the_python_path_must_see():
+    """``fp8_gemm_lean`` checks in C++ what ``_tensorwise`` checked in Python: an
+    operand that is not contiguous or not 16-byte aligned, a scale that is not, a
+    bias or residual of another shape, swiglu, go back (None) before anything runs,
+    and ``gemm.tensorwise`` still gives the checked GEMM's bits for them."""
+    from te_fuser.kernels.cuda._build import extension, stream_of_index
+
+    lean = extension().fp8_gemm_lean
+    a, b = _operand(64, 128, E4M3, 20), _operand(48, 128, E4M3, 21)
+    stream = stream_of_index(-1)
+
+    def call(x, w, sa, sb, bias=None, residual=None, activation=0):
+        return lean(x, w, sa, sb, bias, residual, torch.bfloat16, False, activation, False, stream)
+
+    assert_bitwise(call(a.data, b.data, a.scale_inv, b.scale_inv), cuda.gemm(a, b, torch.bfloat16))
+    wide = _operand(64, 144, E4M3, 22).data[:, 16:]  # (64, 128), rows 144 apart: not contiguous
+    assert call(wide, b.data, a.scale_inv, b.scale_inv) is None
+    offset = torch.empty(64 * 128 + 1, dtype=E4M3, device="cuda")[1:].view(64, 128)  # contiguous, 1 byte off
+    offset.copy_(a.data)
+    assert call(offset, b.data, a.scale_inv, b.scale_inv) is None
+    loose_scale = torch.empty(2, device="cuda")[1:]  # 4 bytes off a 16-byte boundary
+    loose_scale.copy_(a.scale_inv.reshape(1))
+    assert call(a.data, b.data, loose_scale, b.scale_inv) is None
+    assert call(a.data, b.data, a.scale_inv, b.scale_inv, bias=_x((40,), torch.bfloat16, 1)) is None
+    assert call(a.data, b.data, a.scale_inv, b.scale_inv, residual=_x((64, 40), torch.bfloat16, 2)) is None
+    assert call(a.data, b.data, a.scale_inv, b.scale_inv, activation=4) is None  # swiglu
+    for x, sa in ((wide, a.scale_inv), (offset, a.scale_inv), (a.data, loose_scale)):
+        op = ScaledOperand(x, sa, "tensor")
+        assert_bitwise(cuda.gemm.tensorwise(op, b, torch.bfloat16), cuda.gemm(op, b, torch.bfloat16))
+
+
+def test_the_lean_entries_run_on_the_current_stream():
+    """Under ``torch.cuda.stream(s)`` the extension's lean GEMM and casts launch on s
+    (``stream_of_index(-1)``: the current device's current stream): the same bits as
+    on the default stream once s is synchronized."""
+    from te_fuser.kernels.cuda._build import stream_of_index
+    from te_fuser.quantization import Float8CurrentScalingQuantizer
+
+    a, b = _operand(256, 512, E4M3, 23), _operand(512, 512, E4M3, 24)
+    x = _x((4, 64, 512), torch.bfloat16, 25)
+    bias = _x((512,), torch.float32, 26)
+    q = Float8CurrentScalingQuantizer(E4M3, device="cuda")
+    want_y = cuda.gemm.tensorwise(a, b, torch.bfloat16, bias, True, "gelu")
+    want_q = q.cast(x, rowwise=True, columnwise=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert stream_of_index(-1) == side.cuda_stream
+        got_y = cuda.gemm.tensorwise(a, b, torch.bfloat16, bias, True, "gelu")
+        got_q = q.cast(x, rowwise=True, columnwise=True)
+    side.synchronize()
+    assert_bitwise(got_y, want_y)
+    assert_bitwise(got_q.rowwise.data, want_q.rowwise.data)
+    assert_bitwise(got_q.columnwise.data, want_q.columnwise.data)
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 256), (3, 5, 7, 64), (512,)])
+@pytest.mark.parametrize("sums", [False, True])
+def test_the_any_shape_current_cast_is_the_cast_of_the_flattening(shape, sums):
+    """``cast.any_shape``: x of any number of dims cast as its 2-D flattening in the
+    extension, with no reshape first: the prepared cast's bits on ``x.reshape(-1, K)``;
+    None for a view that is not contiguous (the caller flattens and casts it)."""
+    prepared = (cuda.quantize_current_column_sums if sums else cuda.quantize_current).prepare(E4M3)
+    x = _x(shape, torch.bfloat16, 27)
+    got = prepared.any_shape(x, True, True)
+    want = prepared(x.reshape(-1, shape[-1]), True, True)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert_bitwise(g, w)
+    assert got[0].shape == (x.numel() // shape[-1], shape[-1])
+    assert prepared.any_shape(x.transpose(0, -1), True, True) is None or len(shape) == 1
+
+
+def test_the_delayed_update_entry_hands_back_a_state_it_cannot_read():
+    """``with_update`` checks x and the state in the extension: a state on the CPU, an
+    x that is not contiguous, a history of another dtype go back (None), nothing
+    launched, the state untouched; a 3-D x is cast as its flattening."""
+    prepared = cuda.quantize_tensorwise.prepare(E4M3)
+    x = _x((4, 16, 256), torch.bfloat16, 28)
+    scale = torch.full((), 2.0, device="cuda")
+    history = torch.zeros(16, device="cuda")
+    count = torch.zeros((), dtype=torch.int64, device="cuda")
+    out = prepared.with_update(x, scale, history, count, 0, True, True, True)
+    want = prepared.with_update(x.reshape(-1, 256), scale, history, count, 0, True, True, True)
+    for g, w in zip(out, want):
+        if g is not None:
+            assert_bitwise(g, w)
+    assert out[0].shape == (64, 256)
+    assert prepared.with_update(x, scale.cpu(), history, count, 0, True, True, True) is None
+    assert prepared.with_update(x.transpose(1, 2), scale, history, count, 0, True, True, True) is None
+    assert prepared.with_update(x, scale, history.double(), count, 0, True, True, True) is None
+    assert prepared.with_update(x, scale, history, count.int(), 0, True, True, True) is None
+    assert history.abs().sum().item() == 0 and count.item() == 0

@@ -3,6 +3,7 @@
 // launchers have already checked every shape, dtype and device. The tensor-scaled
 // casts also have entries that take the input tensor and allocate their outputs
 // here (cast_current, cast_tensorwise): one call from Python per cast.
+#include <cuda_runtime.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -19,6 +20,11 @@ namespace te_fuser {
 at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                at::ScalarType out_dtype, bool fast_accum, int64_t stream);
+std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                        const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                                        const std::optional<at::Tensor>& residual, at::ScalarType out_dtype,
+                                        bool fast_accum, int64_t activation, bool bias_as_bf16,
+                                        int64_t stream);
 int64_t fp8_gemm_plans();
 int64_t fp8_gemm_set_workspace_limit(int64_t bytes);
 std::tuple<at::Tensor, int64_t> fp8_gemm_tensorwise_candidate(const at::Tensor& a, const at::Tensor& b,
@@ -133,7 +139,7 @@ CastOutputs cast_outputs(const at::Tensor& x, int fp8_type, int64_t rows, int64_
   const at::Tensor base = at::empty({end > 0 ? end : 1}, x.options().dtype(at::kByte));
   const at::ScalarType fp8 = fp8_scalar_type(fp8_type);
   CastOutputs out;
-  if (rowwise) out.data = piece_of(base, data_at, fp8, x.sizes());
+  if (rowwise) out.data = piece_of(base, data_at, fp8, {rows, cols});  // x's 2-D flattening
   if (columnwise) out.data_t = piece_of(base, data_t_at, fp8, {cols, rows});
   if (sums) out.partials = piece_of(base, partials_at, at::kFloat, {tiles, cols});
   if (stats_floats > 0) out.stats = piece_of(base, stats_at, at::kFloat, {stats_floats});
@@ -311,6 +317,77 @@ cast_tensorwise_update(const at::Tensor& x, int hp_type, int fp8_type, int64_t r
   return {out.data, out.data_t, column_sums, next.amax, next.history, next.scale, next.scale_inv, next.count};
 }
 
+// The ops' lean casts (below) take x as it comes, any number of dims, and check it
+// here: a high-precision dtype, contiguous, 16-byte aligned, on the current device,
+// with columns (and, for the column sums, the transposed copy and an element).
+// (hp code, rows, cols, device index) of its 2-D flattening, or hp -1: the caller's
+// checked path, which says what is wrong or copies what it must.
+struct LeanInput {
+  int hp = -1;
+  int64_t rows = 0, cols = 0;
+  int index = -1;
+};
+
+LeanInput lean_input(const at::Tensor& x, bool columnwise, bool sums) {
+  LeanInput in;
+  const at::ScalarType t = x.scalar_type();
+  const int hp = t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : t == at::kHalf ? 2 : -1;  // cast.py's HP_CODES
+  if (hp < 0 || !x.is_cuda() || x.dim() < 1 || !x.is_contiguous() ||
+      reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) {
+    return in;
+  }
+  const int64_t cols = x.size(-1);
+  if (cols == 0 || (sums && (!columnwise || x.numel() == 0))) return in;
+  const int index = x.get_device();
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || index != current) return in;
+  in.hp = hp;
+  in.rows = x.numel() / cols;
+  in.cols = cols;
+  in.index = index;
+  return in;
+}
+
+// A one-element fp32 (or int64) state tensor on the device of `index`.
+bool state_scalar(const at::Tensor& t, at::ScalarType dtype, int index) {
+  return t.scalar_type() == dtype && t.is_cuda() && t.get_device() == index && t.numel() == 1;
+}
+
+using LeanCast = std::optional<std::tuple<MaybeTensor, MaybeTensor, at::Tensor, MaybeTensor>>;
+
+// Current scaling's cast of x's 2-D flattening, x checked here (see lean_input):
+// (data, data_t, scale_inv, column sums) as cast_current gives them, on `stream`
+// (the current device's current stream); None for an x the Python path must look at.
+LeanCast cast_current_lean(const at::Tensor& x, int fp8_type, bool power_2, double epsilon, bool rowwise,
+                           bool columnwise, bool sums, bool round_bf16, bool sums_bf16, int64_t stream) {
+  const LeanInput in = lean_input(x, columnwise, sums);
+  if (in.hp < 0) return std::nullopt;
+  auto out = cast_current(x, in.hp, fp8_type, in.rows, in.cols, power_2, epsilon, rowwise, columnwise,
+                          std::nullopt, sums, round_bf16, sums_bf16, stream);
+  return std::make_tuple(std::get<0>(out), std::get<1>(out), std::get<3>(out), std::get<5>(out));
+}
+
+// cast_tensorwise_update with x and the state checked here (the state: fp32 scale,
+// contiguous fp32 history, int64 count, on x's device), x of any number of dims:
+// its outputs, or None for a case the Python path must look at (it then casts and
+// records the amax apart).
+std::optional<std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                         at::Tensor>>
+cast_tensorwise_update_lean(const at::Tensor& x, int fp8_type, const at::Tensor& scale, const at::Tensor& history,
+                            const at::Tensor& count, int64_t margin_steps, double margin_rest, double fmax,
+                            bool algo_max, bool rowwise, bool columnwise, bool sums, bool round_bf16,
+                            bool sums_bf16, int64_t stream) {
+  const LeanInput in = lean_input(x, columnwise, sums);
+  if (in.hp < 0 || !state_scalar(scale, at::kFloat, in.index) || !state_scalar(count, at::kLong, in.index) ||
+      history.scalar_type() != at::kFloat || !history.is_cuda() || history.get_device() != in.index ||
+      history.dim() != 1 || history.numel() == 0 || !history.is_contiguous()) {
+    return std::nullopt;
+  }
+  return cast_tensorwise_update(x, in.hp, fp8_type, in.rows, in.cols, scale, history, count, margin_steps,
+                                margin_rest, fmax, algo_max, rowwise, columnwise, sums, round_bf16, sums_bf16,
+                                stream);
+}
+
 // Delayed scaling's state update: (history, scale, scale_inv, count), new tensors,
 // pieces of one allocation: the history, then scale and scale_inv 16 bytes apart
 // (as cuBLASLt wants them), then the count.
@@ -448,6 +525,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_tensorwise", &cast_tensorwise, "delayed scaling's cast with a given scale, outputs allocated here");
   m.def("cast_tensorwise_update", &cast_tensorwise_update,
         "delayed scaling's cast and its state update in one call (one launch where the cast is one)");
+  m.def("cast_current_lean", &cast_current_lean,
+        "current scaling's cast of x's 2-D flattening, x checked here: (data, data_t, scale_inv, sums) or None");
+  m.def("cast_tensorwise_update_lean", &cast_tensorwise_update_lean,
+        "cast_tensorwise_update of x's 2-D flattening with x and the state checked here, or None");
   m.def("one_launch_casts", &one_launch_casts,
         "turn the transposing casts' one cooperative launch on or off; returns the previous state");
   m.def("one_launch_casts_in_capture", &one_launch_casts_in_capture,
@@ -459,6 +540,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("epilogue", &epilogue, "bias + activation + residual over a GEMM result");
   m.def("fp8_gemm_tensorwise", &te_fuser::fp8_gemm_tensorwise,
         "tensor-scaled FP8 GEMM through cuBLASLt, its descriptors and algorithm kept per problem");
+  m.def("fp8_gemm_lean", &te_fuser::fp8_gemm_lean,
+        "the ops' common FP8 GEMM with its bias, activation and residual epilogue, checked here; None for a case "
+        "the Python path takes");
   m.def("fp8_gemm_plans", &te_fuser::fp8_gemm_plans, "how many GEMM problems have a kept cuBLASLt plan");
   m.def("fp8_gemm_set_workspace_limit", &te_fuser::fp8_gemm_set_workspace_limit,
         "the most workspace a GEMM planned from now on may ask for (bytes); returns the limit before");

@@ -245,9 +245,8 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
         return call(x, hp, code, rows, cols, scale, None, rowwise, columnwise, sums, round_bf16,
                     _sums_bf16(sums_dtype, op), stream_of_index(index))
 
-    call_update = extension().cast_tensorwise_update
+    call_update = extension().cast_tensorwise_update_lean
     fmax = fp8_max(fp8_dtype)
-    i64 = torch.int64
 
     def with_update(x: torch.Tensor, scale: torch.Tensor, history: torch.Tensor, count: torch.Tensor, margin: int,
                     algo_max: bool, rowwise: bool, columnwise: bool, round_bf16: bool = False,
@@ -255,25 +254,15 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
         """The cast and delayed scaling's state update from its amax in one call: ``(data
         or None, data_t or None, sums or None, amax, history, scale, scale_inv, count)``,
         the state as ``delayed_scale_update`` gives it after this amax, bit for bit; or
-        None for a case it does not take (the caller casts, then updates apart)."""
+        None for a case it does not take (the caller casts, then updates apart): x and
+        the state are checked in the extension (``cast_tensorwise_update_lean``: x
+        contiguous, 16-byte aligned, on the current device; the state fp32 and int64
+        tensors on x's device), x of any number of dims cast as its 2-D flattening."""
         if (round_bf16 or sums_dtype is not fp32) and not sums:
             raise _no_rounding(op)
-        hp = codes.get(x.dtype)
-        index = x.get_device()
-        # cast's test, inline as there (a helper would be one more call a cast), and the state's
-        if (hp is None or not x.is_cuda or x.dim() != 2 or (sums and (not columnwise or x.numel() == 0))
-                or scale.dtype is not fp32 or scale.get_device() != index or scale.numel() != 1
-                or history.dtype is not fp32 or history.get_device() != index or history.dim() != 1
-                or history.numel() == 0 or not history.is_contiguous() or count.dtype is not i64
-                or count.get_device() != index or count.numel() != 1 or index != current_device_index()):
-            return None
-        if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
-            x = aligned_contiguous(x)
-        rows, cols = x.shape
         steps, rest = divmod(margin, 64)
-        return call_update(x, hp, code, rows, cols, scale, history, count, min(steps, MARGIN_STEPS),
-                           float(2**rest), fmax, algo_max, rowwise, columnwise, sums, round_bf16,
-                           _sums_bf16(sums_dtype, op), stream_of_index(index))
+        return call_update(x, code, scale, history, count, min(steps, MARGIN_STEPS), float(2**rest), fmax, algo_max,
+                           rowwise, columnwise, sums, round_bf16, _sums_bf16(sums_dtype, op), stream_of_index(-1))
 
     cast.with_update = with_update
     return cast
@@ -357,7 +346,11 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
     copy (torch sums apart) or of an empty x. ``cast.with_scale``: the same cast
     returning everything the launcher returns, ``(data or None, data_t or None,
     scale, scale_inv, amax, sums or None)`` (a delayed-scaling quantizer's first
-    cast takes its scale and amax)."""
+    cast takes its scale and amax). ``cast.any_shape``: :func:`cast`'s call on x of
+    any number of dims, cast as its 2-D flattening, with x's checks in the extension
+    (``cast_current_lean``: no reshape, no Python checks); None for an x they do not
+    take (not contiguous or 16-byte aligned, on another device, ...), which the
+    caller then casts through ``cast``."""
     op = "quantize_current_column_sums" if sums else "quantize_current"
     code = _fp8_code(fp8_dtype, op)
     epsilon = _check_epsilon(epsilon, op)
@@ -388,7 +381,17 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
         out = with_scale(x, rowwise, columnwise, round_bf16, sums_dtype)
         return out[0], out[1], out[3], out[5]  # out[5]: None without sums
 
+    call_lean = extension().cast_current_lean
+
+    def any_shape(x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool = False,
+                  sums_dtype: torch.dtype = fp32):
+        if (round_bf16 or sums_dtype is not fp32) and not sums:
+            raise _no_rounding(op)
+        return call_lean(x, code, power_2, epsilon, rowwise, columnwise, sums, round_bf16, _sums_bf16(sums_dtype, op),
+                         stream_of_index(-1))
+
     cast.with_scale = with_scale
+    cast.any_shape = any_shape
     return cast
 
 

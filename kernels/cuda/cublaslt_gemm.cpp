@@ -23,6 +23,8 @@
 #include <tuple>
 #include <vector>
 
+#include "launchers.cuh"
+
 namespace te_fuser {
 namespace {
 
@@ -201,6 +203,86 @@ at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const a
                                const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                at::ScalarType out_dtype, bool fast_accum, int64_t stream) {
   return std::get<0>(run_gemm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum, 0, stream));
+}
+
+namespace {
+
+// The codes the epilogue kernel reads dtypes by (kernels/cuda/cast.py's HP_CODES); -1 for another dtype.
+int hp_code(at::ScalarType t) {
+  if (t == at::kFloat) return 0;
+  if (t == at::kBFloat16) return 1;
+  if (t == at::kHalf) return 2;
+  return -1;
+}
+
+
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+// On the device of `index`, contiguous and 16-byte aligned: what the kernels read as they are.
+bool ready(const at::Tensor& t, int index) {
+  return t.is_cuda() && t.get_device() == index && t.is_contiguous() && alignment(t.data_ptr()) >= 16;
+}
+
+}  // namespace
+
+// The ops' common FP8 GEMM in one call, its checks here: activation(a (M, K) @ b (N, K)^T
+// * scale_a * scale_b + bias (N,)) + residual (M, N) as out_dtype, the bias in
+// cuBLASLt's epilogue where it is of out_dtype and nothing else follows, else the
+// product in fp32 through the epilogue kernel (bias_as_bf16: an fp32 bias read
+// rounded to bf16), on `stream` (the current device's current stream). The same
+// bits as the Python path (kernels/cuda/gemm.py's _tensorwise) it stands in for;
+// None for every case that path must look at itself (a tensor elsewhere than the
+// current device, not contiguous or not 16-byte aligned, a dtype or shape it
+// converts or refuses, swiglu), before anything is allocated or launched.
+std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                        const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                                        const std::optional<at::Tensor>& residual, at::ScalarType out_dtype,
+                                        bool fast_accum, int64_t activation, bool bias_as_bf16,
+                                        int64_t stream) {
+  if (a.dim() != 2 || b.dim() != 2) return std::nullopt;
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+  const at::ScalarType a_type = a.scalar_type(), b_type = b.scalar_type();
+  if (b.size(1) != k || k % 16 || n % 16 || !is_fp8(a_type) || !is_fp8(b_type) ||
+      (a_type == at::kFloat8_e5m2 && b_type == at::kFloat8_e5m2)) {
+    return std::nullopt;
+  }
+  const int out_code = hp_code(out_dtype);
+  // the activations that keep the width (swiglu halves it)
+  if (out_code < 0 || activation < kActNone || activation > kActSilu || !a.is_cuda()) return std::nullopt;
+  const int index = a.get_device();
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || index != current || !ready(a, index) || !ready(b, index)) {
+    return std::nullopt;
+  }
+  for (const at::Tensor* s : {&scale_a, &scale_b}) {
+    if (s->scalar_type() != at::kFloat || s->numel() != 1 || !ready(*s, index)) return std::nullopt;
+  }
+  int residual_code = 0, bias_code = 0;
+  if (residual) {
+    const at::Tensor& r = *residual;
+    residual_code = hp_code(r.scalar_type());
+    if (r.dim() != 2 || r.size(0) != m || r.size(1) != n || residual_code < 0 || !ready(r, index)) {
+      return std::nullopt;
+    }
+  }
+  if (bias) {
+    const at::Tensor& v = *bias;
+    bias_code = hp_code(v.scalar_type());
+    if (v.dim() != 1 || v.size(0) != n || bias_code < 0 || !ready(v, index)) return std::nullopt;
+  }
+  const bool fused = activation != 0 || residual.has_value();
+  if (bias_as_bf16 && !(fused && bias && bias->scalar_type() == at::kFloat)) return std::nullopt;
+  const bool in_gemm = bias && !fused && out_dtype != at::kFloat && bias->scalar_type() == out_dtype;
+  const bool epilogue = fused || (bias && !in_gemm);
+  at::Tensor y = std::get<0>(run_gemm(a, b, scale_a, scale_b, in_gemm ? bias : std::nullopt,
+                                      epilogue ? at::kFloat : out_dtype, fast_accum, 0, stream));
+  if (!epilogue) return y;
+  at::Tensor out = out_dtype == at::kFloat ? y : at::empty({m, n}, y.options().dtype(out_dtype));  // fp32: in place
+  launch_epilogue(y.data_ptr(), 0, bias ? bias->data_ptr() : nullptr,
+                  bias ? (bias_as_bf16 ? kBiasFp32AsBf16 : bias_code) : 0, residual ? residual->data_ptr() : nullptr,
+                  residual_code, out.data_ptr(), out_code, m, n, static_cast<int>(activation),
+                  reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  return out;
 }
 
 // The same GEMM with the heuristic's candidate-th algorithm, and that algorithm's

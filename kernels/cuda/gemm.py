@@ -260,10 +260,22 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     ``bias_round``: the bias is added as ``bias.to(bias_round)`` (an fp32 bias of a
     bf16 step); with an activation or a residual the epilogue kernel rounds an fp32
     bias to bf16 as it reads it (no converted copy, no launch for it), else the bias
-    is converted first. The ops' GEMMs call it first (``gemm.tensorwise``)."""
+    is converted first. The ops' GEMMs call it first (``gemm.tensorwise``). The
+    extension's ``fp8_gemm_lean`` makes the common call with these checks in C++
+    (the same bits; None hands a case back to the checks here)."""
     if a.scaling != Scaling.TENSOR or b.scaling != Scaling.TENSOR:
         return None
     x, w = a.data, b.data
+    if bias_round is None or bias is None or bias.dtype is bias_round:  # no bias to convert: the checks in C++
+        out = extension().fp8_gemm_lean(x, w, a.scale_inv, b.scale_inv, bias, residual, out_dtype, fast_accum,
+                                        ACTIVATION_CODES.get(activation, -1), False, stream_of_index(-1))
+        if out is not None:
+            return out
+    elif (activation is not None or residual is not None) and bias.dtype is _FP32 and bias_round is torch.bfloat16:
+        out = extension().fp8_gemm_lean(x, w, a.scale_inv, b.scale_inv, bias, residual, out_dtype, fast_accum,
+                                        ACTIVATION_CODES.get(activation, -1), True, stream_of_index(-1))  # bias as bf16
+        if out is not None:
+            return out
     xs, ws = x.shape, w.shape
     if len(xs) != 2 or len(ws) != 2:
         return None

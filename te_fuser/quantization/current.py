@@ -98,9 +98,12 @@ class Float8CurrentScalingQuantizer(Quantizer):
                    round_bf16: bool = False, sums_dtype: torch.dtype = torch.float32):
         """The lean path's cast of ``x`` flattened to (M, K) through ``kernel``:
         (the copies, the column sums as ``sums_dtype`` or None); ``round_bf16``: of x read as bf16."""
-        x2d = self._flat(x)  # (M, K)
-        data, data_t, scale_inv, sums = self._caster(kernel, x2d.device, generic)(x2d, rowwise, columnwise, round_bf16,
-                                                                                  sums_dtype)
+        caster = self._caster(kernel, x.device, generic)
+        any_shape = getattr(caster, "any_shape", None)  # a backend's cast of x as it comes (no reshape here)
+        out = None if any_shape is None else any_shape(x, rowwise, columnwise, round_bf16, sums_dtype)
+        if out is None:
+            out = caster(self._flat(x), rowwise, columnwise, round_bf16, sums_dtype)  # x as (M, K)
+        data, data_t, scale_inv, sums = out
         q = QuantizedTensor.of_cast(tensor_scaled(data, scale_inv) if rowwise else None,
                                     tensor_scaled(data_t, scale_inv) if columnwise else None, x.shape,
                                     torch.bfloat16 if round_bf16 else x.dtype)
