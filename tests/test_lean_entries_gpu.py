@@ -214,8 +214,8 @@ def test_the_extension_gemm_entry_hands_back_what_the_python_path_must_see():
     offset = torch.empty(64 * 128 + 1, dtype=E4M3, device="cuda")[1:].view(64, 128)  # contiguous, 1 byte off
     offset.copy_(a.data)
     assert call(offset, b.data, a.scale_inv, b.scale_inv) is None
-    loose_scale = torch.empty(2, device="cuda")[1:]  # 4 bytes off a 16-byte boundary
-    loose_scale.copy_(a.scale_inv.reshape(1))
+    loose_scale = torch.empty(2, device="cuda")[1:].reshape(())  # 4 bytes off a 16-byte boundary
+    loose_scale.copy_(a.scale_inv)
     assert call(a.data, b.data, loose_scale, b.scale_inv) is None
     assert call(a.data, b.data, a.scale_inv, b.scale_inv, bias=_x((40,), torch.bfloat16, 1)) is None
     assert call(a.data, b.data, a.scale_inv, b.scale_inv, residual=_x((64, 40), torch.bfloat16, 2)) is None
