@@ -9,7 +9,8 @@ small calls and hides what the calls into C++ cost beside them. Here each
 binding of the CUDA extension and each Triton launch (``kernels.triton._launch.launch``)
 is wrapped in a timer (about half a microsecond a call), installed before the
 first step so the prepared casts bind the wrapped entries. Per arm, medians over
-``--rounds`` rounds of ``--steps`` steps, the arms taking turns: the step (ms),
+``--rounds`` rounds of ``--steps`` steps, the arms taking turns (the order
+reversed every other round): the step (ms),
 the time inside the CUDA bindings and inside the Triton launches (ms a step,
 calls a step), and the rest: te's and torch's Python, torch's own ops, the
 autograd engine and the optimizer. The torch twin runs beside te as the yardstick.
@@ -182,13 +183,16 @@ def main(argv=None) -> None:
 
 def measure(steps: dict, buckets: list[str], rounds: int, count: int, sync, layers: list[str] = ()) -> dict:
     """Per arm (``steps``: label -> a training step), per round its step's ms and
-    each bucket's ms and calls a step, the arms taking turns (each warmed first)."""
+    each bucket's ms and calls a step, the arms taking turns (each warmed first), in
+    reverse order every other round (an arm that follows a GPU-bound one starts on
+    an idle host: the order's effect falls on every arm alike)."""
     for step in steps.values():  # builds, compiles and warms every arm first
         for _ in range(3):
             step()
     rows: dict = {label: defaultdict(list) for label in steps}
-    for _ in range(rounds):
-        for label, step in steps.items():
+    order = list(steps.items())
+    for r in range(rounds):
+        for label, step in (order if r % 2 == 0 else order[::-1]):
             sync()
             _SPENT.clear()
             _CALLS.clear()

@@ -250,12 +250,12 @@ def test_the_lean_entries_run_on_the_current_stream():
     assert_bitwise(got_q.columnwise.data, want_q.columnwise.data)
 
 
-@pytest.mark.parametrize("shape", [(4, 16, 256), (3, 5, 7, 64), (512,)])
+@pytest.mark.parametrize("shape", [(4, 16, 256), (3, 5, 7, 64), (96, 128)])
 @pytest.mark.parametrize("sums", [False, True])
 def test_the_any_shape_current_cast_is_the_cast_of_the_flattening(shape, sums):
-    """``cast.any_shape``: x of any number of dims cast as its 2-D flattening in the
+    """``cast.any_shape``: x of two or more dims cast as its 2-D flattening in the
     extension, with no reshape first: the prepared cast's bits on ``x.reshape(-1, K)``;
-    None for a view that is not contiguous (the caller flattens and casts it)."""
+    None for a view that is not contiguous or a 1-D x (the caller flattens and casts it)."""
     prepared = (cuda.quantize_current_column_sums if sums else cuda.quantize_current).prepare(E4M3)
     x = _x(shape, torch.bfloat16, 27)
     got = prepared.any_shape(x, True, True)
@@ -265,7 +265,8 @@ def test_the_any_shape_current_cast_is_the_cast_of_the_flattening(shape, sums):
         if g is not None:
             assert_bitwise(g, w)
     assert got[0].shape == (x.numel() // shape[-1], shape[-1])
-    assert prepared.any_shape(x.transpose(0, -1), True, True) is None or len(shape) == 1
+    assert prepared.any_shape(x.transpose(0, -1), True, True) is None  # not contiguous
+    assert prepared.any_shape(x.reshape(-1), True, True) is None  # 1-D: the caller's flattening, (1, K)
 
 
 def test_the_delayed_update_entry_hands_back_a_state_it_cannot_read():

@@ -139,7 +139,8 @@ CastOutputs cast_outputs(const at::Tensor& x, int fp8_type, int64_t rows, int64_
   const at::Tensor base = at::empty({end > 0 ? end : 1}, x.options().dtype(at::kByte));
   const at::ScalarType fp8 = fp8_scalar_type(fp8_type);
   CastOutputs out;
-  if (rowwise) out.data = piece_of(base, data_at, fp8, {rows, cols});  // x's 2-D flattening
+  // x's own shape (a checked launcher's 1-D or 2-D x), or its 2-D flattening (a lean entry's x of more dims)
+  if (rowwise) out.data = piece_of(base, data_at, fp8, x.dim() < 3 ? x.sizes() : at::IntArrayRef({rows, cols}));
   if (columnwise) out.data_t = piece_of(base, data_t_at, fp8, {cols, rows});
   if (sums) out.partials = piece_of(base, partials_at, at::kFloat, {tiles, cols});
   if (stats_floats > 0) out.stats = piece_of(base, stats_at, at::kFloat, {stats_floats});
@@ -317,7 +318,7 @@ cast_tensorwise_update(const at::Tensor& x, int hp_type, int fp8_type, int64_t r
   return {out.data, out.data_t, column_sums, next.amax, next.history, next.scale, next.scale_inv, next.count};
 }
 
-// The ops' lean casts (below) take x as it comes, any number of dims, and check it
+// The ops' lean casts (below) take x as it comes, two or more dims, and check it
 // here: a high-precision dtype, contiguous, 16-byte aligned, on the current device,
 // with columns (and, for the column sums, the transposed copy and an element).
 // (hp code, rows, cols, device index) of its 2-D flattening, or hp -1: the caller's
@@ -332,7 +333,7 @@ LeanInput lean_input(const at::Tensor& x, bool columnwise, bool sums) {
   LeanInput in;
   const at::ScalarType t = x.scalar_type();
   const int hp = t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : t == at::kHalf ? 2 : -1;  // cast.py's HP_CODES
-  if (hp < 0 || !x.is_cuda() || x.dim() < 1 || !x.is_contiguous() ||
+  if (hp < 0 || !x.is_cuda() || x.dim() < 2 || !x.is_contiguous() ||
       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) {
     return in;
   }
@@ -368,7 +369,7 @@ LeanCast cast_current_lean(const at::Tensor& x, int fp8_type, bool power_2, doub
 }
 
 // cast_tensorwise_update with x and the state checked here (the state: fp32 scale,
-// contiguous fp32 history, int64 count, on x's device), x of any number of dims:
+// contiguous fp32 history, int64 count, on x's device), x of two or more dims:
 // its outputs, or None for a case the Python path must look at (it then casts and
 // records the amax apart).
 std::optional<std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,

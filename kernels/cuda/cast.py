@@ -257,7 +257,7 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
         None for a case it does not take (the caller casts, then updates apart): x and
         the state are checked in the extension (``cast_tensorwise_update_lean``: x
         contiguous, 16-byte aligned, on the current device; the state fp32 and int64
-        tensors on x's device), x of any number of dims cast as its 2-D flattening."""
+        tensors on x's device), x of two or more dims cast as its 2-D flattening."""
         if (round_bf16 or sums_dtype is not fp32) and not sums:
             raise _no_rounding(op)
         steps, rest = divmod(margin, 64)
@@ -347,7 +347,7 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
     returning everything the launcher returns, ``(data or None, data_t or None,
     scale, scale_inv, amax, sums or None)`` (a delayed-scaling quantizer's first
     cast takes its scale and amax). ``cast.any_shape``: :func:`cast`'s call on x of
-    any number of dims, cast as its 2-D flattening, with x's checks in the extension
+    two or more dims, cast as its 2-D flattening, with x's checks in the extension
     (``cast_current_lean``: no reshape, no Python checks); None for an x they do not
     take (not contiguous or 16-byte aligned, on another device, ...), which the
     caller then casts through ``cast``."""
