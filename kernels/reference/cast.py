@@ -141,7 +141,8 @@ def bf16_copy_reference(x: torch.Tensor) -> torch.Tensor:
     0x7FFF (torch's CPU conversion writes 0xFFFF or 0x7FC0 by code path). What a
     cast through bf16 reads."""
     b = x.to(torch.bfloat16)
-    nan = torch.tensor(_BF16_NAN, dtype=torch.int16, device=b.device).view(torch.bfloat16)
+    # a fill on b's device, not a copy from the host: a CUDA graph being captured takes it
+    nan = torch.full((), _BF16_NAN, dtype=torch.int16, device=b.device).view(torch.bfloat16)
     return torch.where(torch.isnan(b), nan, b)
 
 
