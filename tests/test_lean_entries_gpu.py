@@ -203,10 +203,11 @@ def test_the_extension_gemm_entry_hands_back_what_the_python_path_must_see():
 
     lean = extension().fp8_gemm_lean
     a, b = _operand(64, 128, E4M3, 20), _operand(48, 128, E4M3, 21)
-    stream = stream_of_index(-1)
+    index = torch.cuda.current_device()
 
-    def call(x, w, sa, sb, bias=None, residual=None, activation=0):
-        return lean(x, w, sa, sb, bias, residual, torch.bfloat16, False, activation, False, stream)
+    def call(x, w, sa, sb, bias=None, residual=None, activation=0, device=index):
+        return lean(x, w, sa, sb, bias, residual, torch.bfloat16, False, activation, False, device,
+                    stream_of_index(index))
 
     assert_bitwise(call(a.data, b.data, a.scale_inv, b.scale_inv), cuda.gemm(a, b, torch.bfloat16))
     wide = _operand(64, 144, E4M3, 22).data[:, 16:]  # (64, 128), rows 144 apart: not contiguous
@@ -220,6 +221,7 @@ def test_the_extension_gemm_entry_hands_back_what_the_python_path_must_see():
     assert call(a.data, b.data, a.scale_inv, b.scale_inv, bias=_x((40,), torch.bfloat16, 1)) is None
     assert call(a.data, b.data, a.scale_inv, b.scale_inv, residual=_x((64, 40), torch.bfloat16, 2)) is None
     assert call(a.data, b.data, a.scale_inv, b.scale_inv, activation=4) is None  # swiglu
+    assert call(a.data, b.data, a.scale_inv, b.scale_inv, device=index + 1) is None  # not torch's current device
     for x, sa in ((wide, a.scale_inv), (offset, a.scale_inv), (a.data, loose_scale)):
         op = ScaledOperand(x, sa, "tensor")
         assert_bitwise(cuda.gemm.tensorwise(op, b, torch.bfloat16), cuda.gemm(op, b, torch.bfloat16))
@@ -227,8 +229,8 @@ def test_the_extension_gemm_entry_hands_back_what_the_python_path_must_see():
 
 def test_the_lean_entries_run_on_the_current_stream():
     """Under ``torch.cuda.stream(s)`` the extension's lean GEMM and casts launch on s
-    (``stream_of_index(-1)``: the current device's current stream): the same bits as
-    on the default stream once s is synchronized."""
+    (the callers pass torch's current device and ``stream_of_index`` of it): the same
+    bits as on the default stream once s is synchronized."""
     from te_fuser.kernels.cuda._build import stream_of_index
     from te_fuser.quantization import Float8CurrentScalingQuantizer
 
@@ -241,7 +243,7 @@ def test_the_lean_entries_run_on_the_current_stream():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        assert stream_of_index(-1) == side.cuda_stream
+        assert stream_of_index(torch.cuda.current_device()) == side.cuda_stream
         got_y = cuda.gemm.tensorwise(a, b, torch.bfloat16, bias, True, "gelu")
         got_q = q.cast(x, rowwise=True, columnwise=True)
     side.synchronize()

@@ -3,7 +3,6 @@
 // launchers have already checked every shape, dtype and device. The tensor-scaled
 // casts also have entries that take the input tensor and allocate their outputs
 // here (cast_current, cast_tensorwise): one call from Python per cast.
-#include <cuda_runtime.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -24,7 +23,7 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
                                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                         const std::optional<at::Tensor>& residual, at::ScalarType out_dtype,
                                         bool fast_accum, int64_t activation, bool bias_as_bf16,
-                                        int64_t stream);
+                                        int64_t device, int64_t stream);
 int64_t fp8_gemm_plans();
 int64_t fp8_gemm_set_workspace_limit(int64_t bytes);
 std::tuple<at::Tensor, int64_t> fp8_gemm_tensorwise_candidate(const at::Tensor& a, const at::Tensor& b,
@@ -319,7 +318,8 @@ cast_tensorwise_update(const at::Tensor& x, int hp_type, int fp8_type, int64_t r
 }
 
 // The ops' lean casts (below) take x as it comes, two or more dims, and check it
-// here: a high-precision dtype, contiguous, 16-byte aligned, on the current device,
+// here: a high-precision dtype, contiguous, 16-byte aligned, on `device` (torch's
+// current device, which the caller passes with that device's current stream),
 // with columns (and, for the column sums, the transposed copy and an element).
 // (hp code, rows, cols, device index) of its 2-D flattening, or hp -1: the caller's
 // checked path, which says what is wrong or copies what it must.
@@ -329,7 +329,7 @@ struct LeanInput {
   int index = -1;
 };
 
-LeanInput lean_input(const at::Tensor& x, bool columnwise, bool sums) {
+LeanInput lean_input(const at::Tensor& x, bool columnwise, bool sums, int64_t device) {
   LeanInput in;
   const at::ScalarType t = x.scalar_type();
   const int hp = t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : t == at::kHalf ? 2 : -1;  // cast.py's HP_CODES
@@ -340,8 +340,7 @@ LeanInput lean_input(const at::Tensor& x, bool columnwise, bool sums) {
   const int64_t cols = x.size(-1);
   if (cols == 0 || (sums && (!columnwise || x.numel() == 0))) return in;
   const int index = x.get_device();
-  int current = -1;
-  if (cudaGetDevice(&current) != cudaSuccess || index != current) return in;
+  if (index != device) return in;
   in.hp = hp;
   in.rows = x.numel() / cols;
   in.cols = cols;
@@ -358,10 +357,11 @@ using LeanCast = std::optional<std::tuple<MaybeTensor, MaybeTensor, at::Tensor, 
 
 // Current scaling's cast of x's 2-D flattening, x checked here (see lean_input):
 // (data, data_t, scale_inv, column sums) as cast_current gives them, on `stream`
-// (the current device's current stream); None for an x the Python path must look at.
+// (`device`'s current stream); None for an x the Python path must look at.
 LeanCast cast_current_lean(const at::Tensor& x, int fp8_type, bool power_2, double epsilon, bool rowwise,
-                           bool columnwise, bool sums, bool round_bf16, bool sums_bf16, int64_t stream) {
-  const LeanInput in = lean_input(x, columnwise, sums);
+                           bool columnwise, bool sums, bool round_bf16, bool sums_bf16, int64_t device,
+                           int64_t stream) {
+  const LeanInput in = lean_input(x, columnwise, sums, device);
   if (in.hp < 0) return std::nullopt;
   auto out = cast_current(x, in.hp, fp8_type, in.rows, in.cols, power_2, epsilon, rowwise, columnwise,
                           std::nullopt, sums, round_bf16, sums_bf16, stream);
@@ -377,8 +377,8 @@ std::optional<std::tuple<MaybeTensor, MaybeTensor, MaybeTensor, at::Tensor, at::
 cast_tensorwise_update_lean(const at::Tensor& x, int fp8_type, const at::Tensor& scale, const at::Tensor& history,
                             const at::Tensor& count, int64_t margin_steps, double margin_rest, double fmax,
                             bool algo_max, bool rowwise, bool columnwise, bool sums, bool round_bf16,
-                            bool sums_bf16, int64_t stream) {
-  const LeanInput in = lean_input(x, columnwise, sums);
+                            bool sums_bf16, int64_t device, int64_t stream) {
+  const LeanInput in = lean_input(x, columnwise, sums, device);
   if (in.hp < 0 || !state_scalar(scale, at::kFloat, in.index) || !state_scalar(count, at::kLong, in.index) ||
       history.scalar_type() != at::kFloat || !history.is_cuda() || history.get_device() != in.index ||
       history.dim() != 1 || history.numel() == 0 || !history.is_contiguous()) {

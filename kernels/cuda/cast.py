@@ -256,13 +256,15 @@ def _prepared_tensorwise(fp8_dtype: torch.dtype, sums: bool = False):
         the state as ``delayed_scale_update`` gives it after this amax, bit for bit; or
         None for a case it does not take (the caller casts, then updates apart): x and
         the state are checked in the extension (``cast_tensorwise_update_lean``: x
-        contiguous, 16-byte aligned, on the current device; the state fp32 and int64
+        contiguous, 16-byte aligned, on torch's current device; the state fp32 and int64
         tensors on x's device), x of two or more dims cast as its 2-D flattening."""
         if (round_bf16 or sums_dtype is not fp32) and not sums:
             raise _no_rounding(op)
         steps, rest = divmod(margin, 64)
+        index = current_device_index()
         return call_update(x, code, scale, history, count, min(steps, MARGIN_STEPS), float(2**rest), fmax, algo_max,
-                           rowwise, columnwise, sums, round_bf16, _sums_bf16(sums_dtype, op), stream_of_index(-1))
+                           rowwise, columnwise, sums, round_bf16, _sums_bf16(sums_dtype, op), index,
+                           stream_of_index(index))
 
     cast.with_update = with_update
     return cast
@@ -387,8 +389,9 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
                   sums_dtype: torch.dtype = fp32):
         if (round_bf16 or sums_dtype is not fp32) and not sums:
             raise _no_rounding(op)
+        index = current_device_index()
         return call_lean(x, code, power_2, epsilon, rowwise, columnwise, sums, round_bf16, _sums_bf16(sums_dtype, op),
-                         stream_of_index(-1))
+                         index, stream_of_index(index))
 
     cast.with_scale = with_scale
     cast.any_shape = any_shape

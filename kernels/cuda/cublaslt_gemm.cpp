@@ -229,16 +229,17 @@ bool ready(const at::Tensor& t, int index) {
 // * scale_a * scale_b + bias (N,)) + residual (M, N) as out_dtype, the bias in
 // cuBLASLt's epilogue where it is of out_dtype and nothing else follows, else the
 // product in fp32 through the epilogue kernel (bias_as_bf16: an fp32 bias read
-// rounded to bf16), on `stream` (the current device's current stream). The same
-// bits as the Python path (kernels/cuda/gemm.py's _tensorwise) it stands in for;
-// None for every case that path must look at itself (a tensor elsewhere than the
-// current device, not contiguous or not 16-byte aligned, a dtype or shape it
-// converts or refuses, swiglu), before anything is allocated or launched.
+// rounded to bf16), on `stream`, the current stream of `device` (torch's current
+// device, both passed by the caller). The same bits as the Python path
+// (kernels/cuda/gemm.py's _tensorwise) it stands in for; None for every case that
+// path must look at itself (a tensor elsewhere than `device`, not contiguous or not
+// 16-byte aligned, a dtype or shape it converts or refuses, swiglu), before
+// anything is allocated or launched.
 std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                         const std::optional<at::Tensor>& residual, at::ScalarType out_dtype,
                                         bool fast_accum, int64_t activation, bool bias_as_bf16,
-                                        int64_t stream) {
+                                        int64_t device, int64_t stream) {
   if (a.dim() != 2 || b.dim() != 2) return std::nullopt;
   const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
   const at::ScalarType a_type = a.scalar_type(), b_type = b.scalar_type();
@@ -250,8 +251,7 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
   // the activations that keep the width (swiglu halves it)
   if (out_code < 0 || activation < kActNone || activation > kActSilu || !a.is_cuda()) return std::nullopt;
   const int index = a.get_device();
-  int current = -1;
-  if (cudaGetDevice(&current) != cudaSuccess || index != current || !ready(a, index) || !ready(b, index)) {
+  if (index != device || !ready(a, index) || !ready(b, index)) {
     return std::nullopt;
   }
   for (const at::Tensor* s : {&scale_a, &scale_b}) {

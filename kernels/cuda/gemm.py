@@ -266,14 +266,15 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     if a.scaling != Scaling.TENSOR or b.scaling != Scaling.TENSOR:
         return None
     x, w = a.data, b.data
-    if bias_round is None or bias is None or bias.dtype is bias_round:  # no bias to convert: the checks in C++
-        out = extension().fp8_gemm_lean(x, w, a.scale_inv, b.scale_inv, bias, residual, out_dtype, fast_accum,
-                                        ACTIVATION_CODES.get(activation, -1), False, stream_of_index(-1))
-        if out is not None:
-            return out
+    as_bf16 = None  # whether the C++ entry reads an fp32 bias as bf16; None: a bias to convert first, not there
+    if bias_round is None or bias is None or bias.dtype is bias_round:
+        as_bf16 = False
     elif (activation is not None or residual is not None) and bias.dtype is _FP32 and bias_round is torch.bfloat16:
+        as_bf16 = True
+    if as_bf16 is not None:  # the checks in C++, on torch's current device and its current stream
+        index = current_device_index()
         out = extension().fp8_gemm_lean(x, w, a.scale_inv, b.scale_inv, bias, residual, out_dtype, fast_accum,
-                                        ACTIVATION_CODES.get(activation, -1), True, stream_of_index(-1))  # bias as bf16
+                                        ACTIVATION_CODES.get(activation, -1), as_bf16, index, stream_of_index(index))
         if out is not None:
             return out
     xs, ws = x.shape, w.shape
