@@ -104,12 +104,15 @@ def _method(cls, name: str, bucket: str) -> None:
 def install_layer_timers() -> list[str]:
     """Timers around the layers above the kernels (inclusive: a bucket holds what
     it calls, so buckets nest and do not add up to the step): the model's forward,
-    the autograd backward, te's fused groups forward and backward, the linear
-    layers' forward and backward, their casts, GEMMs and weight copies, the
-    attention core, the optimizer and gradient clipping."""
+    the autograd backward, te's fused groups forward and backward (the autograd
+    function's) and their plans' steps (``run_forward``, ``run_backward``: what the
+    groups spend outside them is the entry's and autograd's), the linear layers'
+    forward and backward, their casts, GEMMs and weight copies, the attention core,
+    LayerNorm, the rotations, the activation's backward with its bias, the
+    optimizer and gradient clipping."""
     from te_fuser.models import gpt
     from te_fuser.ops import fuser, gemm
-    from te_fuser.ops.basic import attention, linear
+    from te_fuser.ops.basic import activation, attention, linear, norm, rotary
     from te_fuser.quantization.base import Quantizer
 
     _method(gpt.GPT, "forward", "model forward")
@@ -119,6 +122,13 @@ def install_layer_timers() -> list[str]:
     _method(torch.optim.AdamW, "step", "optimizer step")
     _method(fuser._FuserFunction, "forward", "te groups forward")
     _method(fuser._FuserFunction, "backward", "te groups backward")
+    _everywhere(fuser.run_forward, _timed("plans' forward", fuser.run_forward))
+    _everywhere(fuser.run_backward, _timed("plans' backward", fuser.run_backward))
+    _method(norm.LayerNorm, "op_forward", "norm forward")
+    _method(norm.LayerNorm, "op_backward_adding", "norm backward")  # op_backward's too
+    _method(rotary.RotaryEmbedding, "rotate_fresh", "rotary")
+    _everywhere(activation.activation_bias_backward,
+                _timed("activation backward", activation.activation_bias_backward))
     _everywhere(linear.linear_forward, _timed("linear forward", linear.linear_forward))
     _everywhere(linear.linear_backward_with_column_sums,
                 _timed("linear backward", linear.linear_backward_with_column_sums))
@@ -136,9 +146,10 @@ def install_layer_timers() -> list[str]:
         for name in ("cast", "quantize_with_column_sums"):
             if name in cls.__dict__:
                 _method(cls, name, "casts")
-    return ["model forward", "te groups forward", "autograd backward", "te groups backward", "linear forward",
-            "linear backward", "casts", "gemm calls", "weight copies", "attention forward", "attention backward",
-            "optimizer step", "clip grad norm"]
+    return ["model forward", "te groups forward", "plans' forward", "autograd backward", "te groups backward",
+            "plans' backward", "linear forward", "linear backward", "casts", "gemm calls", "weight copies",
+            "attention forward", "attention backward", "norm forward", "norm backward", "rotary",
+            "activation backward", "optimizer step", "clip grad norm"]
 
 
 def main(argv=None) -> None:

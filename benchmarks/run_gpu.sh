@@ -77,9 +77,9 @@ for part in $parts; do
         tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
     split)  # where the host's step goes, without a profiler: the GPT at width 128 and at full size, the calls into
       # the extension and the Triton launches timed apart, and the layers above them (host_split.py --layers)
-      timeout 200 python3 benchmarks/host_split.py --layers 2>&1 | tee "$OUT/split.log" | tail -21
+      timeout 200 python3 benchmarks/host_split.py --layers 2>&1 | tee "$OUT/split.log" | tail -28
       timeout 250 python3 benchmarks/host_split.py --layers --full-size --rounds 5 --steps 8 2>&1 \
-        | tee "$OUT/split_full.log" | tail -21 ;;
+        | tee "$OUT/split_full.log" | tail -28 ;;
     workspace)  # the FP8 GEMMs planned without cuBLASLt workspace (no memset before each): their tests, the GEMMs
       # one by one, then the GPT's eager step under each limit in turns, at full size and at width 128 (host cost)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gemm_workspace.py 2>&1 | tee "$OUT/workspace.log" | tail -2
