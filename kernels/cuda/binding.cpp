@@ -59,6 +59,16 @@ at::Tensor piece_of(const at::Tensor& base, int64_t byte_offset, at::ScalarType 
 // Bytes rounded up to a multiple of 16 (cuBLASLt wants 16-byte aligned scales).
 constexpr int64_t aligned16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
+// The kernels' code of a high-precision dtype (cast.py's HP_CODES), or -1 for another dtype.
+int hp_code_or_none(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: return -1;
+  }
+}
+
 void amax(int64_t x, int hp_type, int64_t numel, int64_t amax_out, int64_t stream) {
   te_fuser::launch_amax(as_ptr<const void>(x), hp_type, numel, as_ptr<float>(amax_out), as_stream(stream));
 }
@@ -321,36 +331,31 @@ cast_tensorwise_update(const at::Tensor& x, int hp_type, int fp8_type, int64_t r
 // here: a high-precision dtype, contiguous, 16-byte aligned, on `device` (torch's
 // current device, which the caller passes with that device's current stream),
 // with columns (and, for the column sums, the transposed copy and an element).
-// (hp code, rows, cols, device index) of its 2-D flattening, or hp -1: the caller's
-// checked path, which says what is wrong or copies what it must.
+// (hp code, rows, cols) of its 2-D flattening, or hp -1: the caller's checked path,
+// which says what is wrong or copies what it must.
 struct LeanInput {
   int hp = -1;
   int64_t rows = 0, cols = 0;
-  int index = -1;
 };
 
 LeanInput lean_input(const at::Tensor& x, bool columnwise, bool sums, int64_t device) {
   LeanInput in;
-  const at::ScalarType t = x.scalar_type();
-  const int hp = t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : t == at::kHalf ? 2 : -1;  // cast.py's HP_CODES
-  if (hp < 0 || !x.is_cuda() || x.dim() < 2 || !x.is_contiguous() ||
+  const int hp = hp_code_or_none(x.scalar_type());
+  if (hp < 0 || !x.is_cuda() || x.get_device() != device || x.dim() < 2 || !x.is_contiguous() ||
       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) {
     return in;
   }
   const int64_t cols = x.size(-1);
   if (cols == 0 || (sums && (!columnwise || x.numel() == 0))) return in;
-  const int index = x.get_device();
-  if (index != device) return in;
   in.hp = hp;
   in.rows = x.numel() / cols;
   in.cols = cols;
-  in.index = index;
   return in;
 }
 
-// A one-element fp32 (or int64) state tensor on the device of `index`.
-bool state_scalar(const at::Tensor& t, at::ScalarType dtype, int index) {
-  return t.scalar_type() == dtype && t.is_cuda() && t.get_device() == index && t.numel() == 1;
+// A one-element state tensor of `dtype` on `device`.
+bool state_scalar(const at::Tensor& t, at::ScalarType dtype, int64_t device) {
+  return t.scalar_type() == dtype && t.is_cuda() && t.get_device() == device && t.numel() == 1;
 }
 
 using LeanCast = std::optional<std::tuple<MaybeTensor, MaybeTensor, at::Tensor, MaybeTensor>>;
@@ -379,8 +384,8 @@ cast_tensorwise_update_lean(const at::Tensor& x, int fp8_type, const at::Tensor&
                             bool algo_max, bool rowwise, bool columnwise, bool sums, bool round_bf16,
                             bool sums_bf16, int64_t device, int64_t stream) {
   const LeanInput in = lean_input(x, columnwise, sums, device);
-  if (in.hp < 0 || !state_scalar(scale, at::kFloat, in.index) || !state_scalar(count, at::kLong, in.index) ||
-      history.scalar_type() != at::kFloat || !history.is_cuda() || history.get_device() != in.index ||
+  if (in.hp < 0 || !state_scalar(scale, at::kFloat, device) || !state_scalar(count, at::kLong, device) ||
+      history.scalar_type() != at::kFloat || !history.is_cuda() || history.get_device() != device ||
       history.dim() != 1 || history.numel() == 0 || !history.is_contiguous()) {
     return std::nullopt;
   }
@@ -462,12 +467,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update_
 }
 
 int hp_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return 0;
-    case at::kBFloat16: return 1;
-    case at::kHalf: return 2;
-    default: throw std::invalid_argument("te_fuser norm kernels: a float32, bfloat16 or float16 tensor is needed");
-  }
+  const int code = hp_code_or_none(t);
+  if (code < 0) throw std::invalid_argument("te_fuser norm kernels: a float32, bfloat16 or float16 tensor is needed");
+  return code;
 }
 
 // LayerNorm: (y in out_dtype, mean, rstd), new tensors (x row-major, weight and bias fp32).

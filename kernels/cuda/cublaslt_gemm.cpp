@@ -215,12 +215,11 @@ int hp_code(at::ScalarType t) {
   return -1;
 }
 
-
 bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
-// On the device of `index`, contiguous and 16-byte aligned: what the kernels read as they are.
-bool ready(const at::Tensor& t, int index) {
-  return t.is_cuda() && t.get_device() == index && t.is_contiguous() && alignment(t.data_ptr()) >= 16;
+// On `device`, contiguous and 16-byte aligned: what the kernels read as they are.
+bool ready(const at::Tensor& t, int64_t device) {
+  return t.is_cuda() && t.get_device() == device && t.is_contiguous() && alignment(t.data_ptr()) >= 16;
 }
 
 }  // namespace
@@ -249,26 +248,24 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
   }
   const int out_code = hp_code(out_dtype);
   // the activations that keep the width (swiglu halves it)
-  if (out_code < 0 || activation < kActNone || activation > kActSilu || !a.is_cuda()) return std::nullopt;
-  const int index = a.get_device();
-  if (index != device || !ready(a, index) || !ready(b, index)) {
+  if (out_code < 0 || activation < kActNone || activation > kActSilu || !ready(a, device) || !ready(b, device)) {
     return std::nullopt;
   }
   for (const at::Tensor* s : {&scale_a, &scale_b}) {
-    if (s->scalar_type() != at::kFloat || s->numel() != 1 || !ready(*s, index)) return std::nullopt;
+    if (s->scalar_type() != at::kFloat || s->numel() != 1 || !ready(*s, device)) return std::nullopt;
   }
   int residual_code = 0, bias_code = 0;
   if (residual) {
     const at::Tensor& r = *residual;
     residual_code = hp_code(r.scalar_type());
-    if (r.dim() != 2 || r.size(0) != m || r.size(1) != n || residual_code < 0 || !ready(r, index)) {
+    if (r.dim() != 2 || r.size(0) != m || r.size(1) != n || residual_code < 0 || !ready(r, device)) {
       return std::nullopt;
     }
   }
   if (bias) {
     const at::Tensor& v = *bias;
     bias_code = hp_code(v.scalar_type());
-    if (v.dim() != 1 || v.size(0) != n || bias_code < 0 || !ready(v, index)) return std::nullopt;
+    if (v.dim() != 1 || v.size(0) != n || bias_code < 0 || !ready(v, device)) return std::nullopt;
   }
   const bool fused = activation != 0 || residual.has_value();
   if (bias_as_bf16 && !(fused && bias && bias->scalar_type() == at::kFloat)) return std::nullopt;
