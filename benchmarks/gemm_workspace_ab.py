@@ -17,7 +17,6 @@ two limits' losses may differ in their last bits.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import interleaved_ms  # noqa: E402
-from profile_gpt import RECIPES, step_fn, text_batch  # noqa: E402
+from profile_gpt import RECIPES, host_only, step_fn, text_batch  # noqa: E402
 
 from te_fuser.kernels.cuda.gemm import WORKSPACE_BYTES, set_workspace_limit  # noqa: E402
 from te_fuser.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -67,7 +66,7 @@ def main(argv=None) -> None:
         return
     config = GPTConfig.gpu()
     if args.tiny:
-        config = dataclasses.replace(config, d_model=128, n_head=2, d_ffn=512, seq_len=64, batch_size=2)
+        config = host_only(config)
     batch = text_batch(config)
     rows = []
     for name in args.recipes:

@@ -21,7 +21,6 @@ bindings, no launches there).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from profile_gpt import RECIPES, step_fn, text_batch  # noqa: E402
+from profile_gpt import RECIPES, host_only, step_fn, text_batch  # noqa: E402
 
 from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights  # noqa: E402
 
@@ -168,8 +167,7 @@ def main(argv=None) -> None:
     buckets = install_timers()
     layers = install_layer_timers() if args.layers else []
     base = GPTConfig.gpu() if cuda else GPTConfig.smoke()
-    config = base if args.full_size else dataclasses.replace(base, d_model=128, n_head=2, d_ffn=512, seq_len=64,
-                                                              batch_size=2)
+    config = base if args.full_size else host_only(base)
     device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     if cuda:
