@@ -274,3 +274,23 @@ def test_the_fp8_mha_hand_offs_skip_the_separate_casts(monkeypatch):
     assert "dpa:attn.qkv" not in casts and "linear:proj.input" not in casts, casts
     assert {"linear:qkv.input", "dpa:attn.s", "dpa:attn.o", "dpa:attn.do"} <= set(casts), casts
     assert not model[2].linear.installed_quantizers["input"].seeded
+
+
+def test_attention_kernels_run_outside_autocast_and_turn_it_back_on():
+    """Under torch.autocast the op's kernel call computes as outside it (the reference's
+    fp32 matmuls are not cast down: the same bits), and autocast is on again after the
+    call, also after a kernel that raised."""
+    from te_fuser.ops.basic.attention import _kernel
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 16, 32, generator=gen).to(torch.bfloat16) for _ in range(3))
+    plain = _kernel("attention_forward", torch.device("cpu"))(q, k, v, True, 0.25)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kernel = _kernel("attention_forward", torch.device("cpu"))
+        inside = kernel(q, k, v, True, 0.25)
+        assert torch.is_autocast_enabled("cpu")
+        with pytest.raises(ValueError, match="softmax_scale"):
+            kernel(q, k, v, True, -1.0)
+        assert torch.is_autocast_enabled("cpu")
+    for a, b in zip(plain, inside):
+        assert torch.equal(a, b)

@@ -584,8 +584,7 @@ def _gradient_buffers(q, k, v):
     Hkv, Tk = k.shape[1], k.shape[2]
     if Tq == Tk and q.dtype == k.dtype == v.dtype:
         fused = torch.empty(B, Tq, H + 2 * Hkv, D, dtype=q.dtype, device=q.device)
-        return (fused[:, :, :H].transpose(1, 2), fused[:, :, H:H + Hkv].transpose(1, 2),
-                fused[:, :, H + Hkv:].transpose(1, 2))
+        return fused.transpose(1, 2).split((H, Hkv, Hkv), dim=1)  # (B, heads, T, D) views of it
     return (torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2),
             torch.empty(B, Tk, Hkv, D, dtype=k.dtype, device=q.device).transpose(1, 2),
             torch.empty(B, Tk, Hkv, D, dtype=v.dtype, device=q.device).transpose(1, 2))
@@ -605,16 +604,14 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     delta = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
     meta = dict(CAUSAL=causal, HEAD_DIM=D, OUT_DTYPE=TL_FLOAT[q.dtype], **_dtype_meta(q.dtype, q))
     qk_scale, G = float(softmax_scale) * LOG2E, H // Hkv
+    # each tensor's (batch, head, token) strides, one call a tensor (the head dim's is 1)
+    sq, sk, sv, sdo = q.stride()[:3], k.stride()[:3], v.stride()[:3], do.stride()[:3]
     _launch("dq", _attention_dq_kernel, Tq, B * H, D, q,
             [q, k, v, o, do, lse, delta, dq, qk_scale, float(softmax_scale), H, G, Tq, Tk,
-             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-             do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2)], meta)
+             *sq, *sk, *sv, *o.stride()[:3], *sdo, *dq.stride()[:3]], meta)
     _launch("dkdv", _attention_dkdv_kernel, Tk, B * Hkv, D, q,
             [q, k, v, do, lse, delta, dk, dv, qk_scale, float(softmax_scale), H, Hkv, G, Tq, Tk,
-             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2)], meta)
+             *sq, *sk, *sv, *sdo, *dk.stride()[:3], *dv.stride()[:3]], meta)
     return dq, dk, dv
 
 

@@ -187,7 +187,7 @@ class DotProductAttention(BasicOperation):
         it, no copies (the kernels take any strides with a contiguous head dim)."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         heads = x.reshape(batch, seq, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2 Hkv, T, D), a view
-        return heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
+        return heads.split((H, Hkv, Hkv), dim=1)  # one call for the three views
 
     def merge_heads(self, t: torch.Tensor) -> torch.Tensor:
         """(B, heads, T, D) -> (B, T, heads·D)."""
@@ -203,12 +203,21 @@ def _kernel(name: str, device: torch.device):
     already computes in autocast's dtype, and a kernel's fp32 math (the reference's
     matmuls, the log-sum-exp) must not be cast down by it."""
     fn = backend.resolve(name, device).fn
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return fn
 
     def call(*args):
-        with torch.autocast(device.type, enabled=False):
+        # autocast's switch alone, off for the call and back on after (entering a
+        # torch.autocast(enabled=False) region costs some twenty calls into torch a
+        # kernel; nothing in a kernel call enters or leaves an autocast region)
+        torch.set_autocast_enabled(kind, False)
+        try:
             return fn(*args)
+        finally:
+            torch.set_autocast_enabled(kind, True)
 
-    return call if torch.is_autocast_enabled(device.type) else fn
+    return call
 
 
 def probability_scale(quantizer, device: torch.device) -> torch.Tensor:
@@ -265,7 +274,9 @@ def attention_forward(ctx: OpContext, op: DotProductAttention, x, hand_off: bool
         o, lse = _kernel("attention_forward", x_hp.device)(*saved, op.causal, op.softmax_scale)
     if run.needs_backward:
         ctx.saved.update(qkv=saved, o=o, lse=lse, x_shape=shape, fp8=fp8)
-    o_hp = op.merge_heads(o).reshape(out_shape)  # (..., H·D)
+    o_hp = op.merge_heads(o)  # (B, T, H·D)
+    if len(shape) != 3:
+        o_hp = o_hp.reshape(out_shape)  # (T, H·D) of one sequence
     if not fp8:
         if run.calibrating and fp8_attention(ctx.quantizers):
             ctx.quantizers["s"].observe(torch.ones((1, 1), device=o_hp.device))
