@@ -212,11 +212,19 @@ def _by_size(kernel: str, device: torch.device, split: dict) -> "KernelChoice":
 
 
 def _fallback(kernel: str, failed: str, device: torch.device) -> "KernelChoice":
-    """The next backend for ``kernel`` after ``failed``: triton where it runs, else reference."""
+    """The next backend for ``kernel`` after ``failed``: triton where it runs (sending
+    the operands its kernel names a reason for on to the reference, as triton's own
+    choice does), else reference."""
+    reference = getattr(_module("reference"), f"{kernel}_reference")
     if failed != "triton" and _unavailable_reason("triton", device) is None:
-        if getattr(_module("triton"), kernel, None) is not None:
-            return KernelChoice(kernel, "triton", getattr(_module("triton"), kernel))
-    return KernelChoice(kernel, "reference", getattr(_module("reference"), f"{kernel}_reference"))
+        module = _module("triton")
+        fn = getattr(module, kernel, None)
+        if fn is not None:
+            reason = getattr(module, f"{kernel}_unsupported_reason", None)
+            if reason is not None:
+                fn = _per_call_fallback(getattr(fn, "when_supported", fn), reason, reference, lean_from=fn)
+            return KernelChoice(kernel, "triton", fn)
+    return KernelChoice(kernel, "reference", reference)
 
 
 # A kernel's lean entries, which hand any case they do not take back to the kernel

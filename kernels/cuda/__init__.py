@@ -22,7 +22,9 @@ for bit):
   operand pairs cuBLASLt cannot run go to the reference GEMM
   (:func:`gemm_unsupported_reason` says why);
 - ``attention_forward``, ``attention_backward``: cuDNN's fused flash attention
-  (bf16, fp16) through torch's SDPA operators; other operands go to Triton.
+  (bf16, fp16) through torch's SDPA operators; other operands go to Triton;
+- ``rotary``: rotary position embedding of the fused QKV tensor's q and k heads,
+  its operands checked and its output made in one C++ call (``rotary.lean``).
 
 Not provided (the dispatcher falls back to ``reference`` and says so):
 ``quantize_block``, ``dequantize``, ``activation``, ``activation_grad``.
@@ -42,6 +44,7 @@ from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp
                    quantize_tensorwise, quantize_tensorwise_column_sums)
 from .gemm import block_scaled_mm_available, gemm, gemm_unsupported_reason
 from .norm import layer_norm, layer_norm_grad
+from .rotary import rotary, rotary_unsupported_reason
 from .scaling import delayed_scale_update, delayed_scale_update_many
 
 __all__ = [
@@ -59,6 +62,8 @@ __all__ = [
     "attention_backward",
     "attention_forward_unsupported_reason",
     "attention_backward_unsupported_reason",
+    "rotary",
+    "rotary_unsupported_reason",
     "gemm",
     "gemm_unsupported_reason",
     "block_scaled_mm_available",

@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -472,6 +473,42 @@ int hp_code(at::ScalarType t) {
   return code;
 }
 
+// A contiguous fp32 rotary table (seq, dim) on `device`.
+bool rotary_table(const at::Tensor& t, int64_t seq, int64_t dim, int64_t device) {
+  return t.scalar_type() == at::kFloat && t.is_cuda() && t.get_device() == device && t.dim() == 2 &&
+         t.size(0) == seq && t.size(1) == dim && t.is_contiguous();
+}
+
+// RoPE of x (B, T, heads, D) with the tables cos and sin (T, D) (see launch_rotary):
+// a new y in out_dtype, or x itself in place (its rotated heads rewritten). None
+// for operands the Python path must look at (it checks, names what is wrong or
+// goes to another backend): x not a contiguous CUDA tensor of a high-precision
+// dtype on `device`, an odd or zero head dim, tables not contiguous fp32 (T, D) on
+// it, rotated_heads outside [0, heads], in place into another dtype, more token
+// rows than a grid holds.
+std::optional<at::Tensor> rotary_lean(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                      int64_t rotated_heads, bool inverse, at::ScalarType out_dtype, bool in_place,
+                                      int64_t device, int64_t stream) {
+  const int hp = hp_code_or_none(x.scalar_type()), out = hp_code_or_none(out_dtype);
+  if (hp < 0 || out < 0 || !x.is_cuda() || x.get_device() != device || x.dim() != 4 || !x.is_contiguous()) {
+    return std::nullopt;
+  }
+  const int64_t rows = x.size(0) * x.size(1), seq = x.size(1), heads = x.size(2), dim = x.size(3);
+  if (dim == 0 || dim % 2 != 0 || rotated_heads < 0 || rotated_heads > heads || (in_place && out != hp) ||
+      rows > std::numeric_limits<int32_t>::max() || heads * dim > std::numeric_limits<int32_t>::max() ||
+      !rotary_table(cos, seq, dim, device) || !rotary_table(sin, seq, dim, device)) {
+    return std::nullopt;
+  }
+  at::Tensor y = in_place ? x : at::empty(x.sizes(), x.options().dtype(out_dtype));
+  const int64_t covered = in_place ? rotated_heads : heads;
+  if (rows > 0 && covered > 0) {
+    te_fuser::launch_rotary(x.data_ptr(), hp, y.data_ptr(), out, cos.data_ptr<float>(), sin.data_ptr<float>(), rows,
+                            seq, static_cast<int>(heads), static_cast<int>(rotated_heads), static_cast<int>(covered),
+                            static_cast<int>(dim / 2), inverse, as_stream(stream));
+  }
+  return y;
+}
+
 // LayerNorm: (y in out_dtype, mean, rstd), new tensors (x row-major, weight and bias fp32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm(const at::Tensor& x, const at::Tensor& weight,
                                                           const at::Tensor& bias, double eps, at::ScalarType out_dtype,
@@ -538,6 +575,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the one launch also runs in a CUDA graph being captured; returns the previous state");
   m.def("quantize_rowwise", &quantize_rowwise, "FP8 cast with one scale per row");
   m.def("quantize_mxfp8", &quantize_mxfp8, "MXFP8 cast: one E8M0 scale per 32 elements");
+  m.def("rotary_lean", &rotary_lean,
+        "RoPE of x (B, T, heads, D) into a new tensor or in place, operands checked here; None for a case the "
+        "Python path takes");
   m.def("layer_norm", &layer_norm, "LayerNorm forward, one warp per row, outputs allocated here");
   m.def("layer_norm_grad", &layer_norm_grad, "LayerNorm backward: dx, dweight, dbias, outputs allocated here");
   m.def("epilogue", &epilogue, "bias + activation + residual over a GEMM result");

@@ -168,4 +168,12 @@ void launch_layer_norm_grad(const void* dy, int dy_type, const void* x, int x_ty
                             const float* mean, const float* rstd, const void* add, int add_type, void* dx,
                             float* partial, int64_t rows, int64_t n, int64_t chunks, void* stream);
 
+// Rotary position embedding of x (rows, heads, 2 * half), token row r at position
+// r % seq of the fp32 tables cos and sin (seq, 2 * half): the first `rotated`
+// heads rotated (inverse: the inverse rotation), the rest copied, into y of
+// y_type, over the first `covered` heads (all of them, or in place, y == x, the
+// rotated ones). Products and sums in fp32 without fused multiply-adds.
+void launch_rotary(const void* x, int x_type, void* y, int y_type, const float* cos, const float* sin, int64_t rows,
+                   int64_t seq, int heads, int rotated, int covered, int half, bool inverse, void* stream);
+
 }  // namespace te_fuser
