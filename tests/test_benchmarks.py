@@ -170,3 +170,31 @@ def test_host_split_times_each_arm_in_turns_and_splits_its_step():
         assert float(layers[bucket][0]) > 0 and float(layers[bucket][3]) > 0, run.stdout
     for bucket in ("te groups forward", "linear backward", "casts", "gemm calls"):
         assert float(layers[bucket][0]) == 0 and float(layers[bucket][3]) > 0, run.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is a full benchmark (the GPT's switch steps)")
+def test_switch_split_times_each_switch_and_its_builds():
+    """switch_split.py on the CPU: a row per phase with its switch step, its steps alone
+    and their ratio; a switch into an FP8 recipe builds every fuser's plan and
+    quantizers, the first into delayed scaling seeds every quantizer with a current-
+    scaling cast, and a switch back to bf16 after an FP8 phase builds plans without
+    quantizers."""
+    run = subprocess.run([sys.executable, "benchmarks/switch_split.py", "--schedule", "delayed,current,bf16",
+                          "--steps", "4"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split()[0]: line for line in run.stdout.splitlines() if line.split()[:1] in (["delayed"], ["current"],
+                                                                                               ["bf16"])}
+    assert set(rows) == {"delayed", "current", "bf16"}, run.stdout
+    for name, line in rows.items():
+        first, alone, ratio = (float(c) for c in line.split()[1:4])
+        assert first > 0 and alone > 0 and ratio == pytest.approx(first / alone, abs=0.01), line
+    builds = {name: line.split("(")[1].split(")")[0].strip() for name, line in rows.items()}
+    fusers = builds["delayed"]
+    assert int(fusers) > 0 and builds["current"] == fusers and builds["bf16"] == fusers, run.stdout
+    cells = rows["delayed"].split(")")
+    assert len(cells) == 5, rows["delayed"]  # builds, quantizers, place_states and seeding casts all ran
+    assert rows["bf16"].count("(") == 1, rows["bf16"]  # builds alone: high precision makes no quantizer
+    assert rows["current"].count("(") == 3, rows["current"]  # no seeding cast outside delayed scaling
+    bad = subprocess.run([sys.executable, "benchmarks/switch_split.py", "--schedule", "delayed,fp7"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--schedule: unknown recipe(s) ['fp7']" in bad.stderr
