@@ -8,12 +8,13 @@ the rotary op taking the lean entry in a model."""
 
 from __future__ import annotations
 
+import re
 import pytest
 import torch
 
 from te_fuser import backend
 from te_fuser.kernels.reference import rotary_reference
-from tolerances import assert_bitwise as _assert_bitwise
+from test_rotary_kernel import ARGUMENT_ERRORS, assert_bitwise, inputs, tables, valid_arguments
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda rotary kernel runs on a CUDA GPU")
 
@@ -25,26 +26,6 @@ def _cuda():
     if reason is not None:
         pytest.skip(reason)
     return cuda
-
-
-def assert_bitwise(got, want, context):
-    """Bit for bit, -0 and +0 counted equal (adding +0 makes every zero +0, nothing else moves)."""
-    _assert_bitwise(got + 0.0, want + 0.0, context)
-
-
-def tables(T: int, D: int, offset: int = 0, base: float = 10000.0):
-    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    angles = torch.arange(offset, offset + T, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float().cuda(), angles.sin().float().cuda()
-
-
-def inputs(B, T, heads, D, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = -2.3 + 0.5 * torch.randn(B, T, heads, D, generator=g)  # off-centre
-    x[:, 0, 0] = 0.0
-    x[:, -1, -1, : D // 2] = 3e4  # large values in one head's first half
-    return x.to(dtype).cuda()
 
 
 SHAPES = [(1, 67, 5, 3, 64), (2, 9, 6, 4, 16), (1, 33, 48, 32, 128), (2, 5, 4, 0, 32), (1, 7, 3, 2, 12),
@@ -137,25 +118,12 @@ def test_the_lean_entry_hands_back_what_the_checked_path_must_see():
         assert torch.equal(xx, before), name
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(x=torch.zeros(2, 3, 4)), "x must be a (B, T, heads, D) float tensor"),
-    (dict(x=torch.zeros(1, 3, 2, 5)), "the head dim must be even"),
-    (dict(cos=torch.zeros(3, 6)), "cos must be a (3, 8) float32 table"),
-    (dict(sin=torch.zeros(3, 8, dtype=torch.float64)), "sin must be a (3, 8) float32 table"),
-    (dict(rotated_heads=3), "rotated_heads must be an integer in [0, 2]"),
-    (dict(rotated_heads=True), "rotated_heads must be an integer"),
-    (dict(inverse=1), "inverse must be a bool"),
-    (dict(out_dtype=torch.int8), "out_dtype must be one of"),
-])
+@pytest.mark.parametrize("change, message", ARGUMENT_ERRORS)
 def test_the_checked_path_raises_the_references_errors(change, message):
     cuda = _cuda()
-    args = dict(x=torch.zeros(1, 3, 2, 8), cos=torch.zeros(3, 8), sin=torch.zeros(3, 8), rotated_heads=1,
-                inverse=False, out_dtype=torch.float32)
-    args.update(change)
-    args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    pattern = message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in valid_arguments(**change).items()}
     for fn in (rotary_reference, cuda.rotary):
-        with pytest.raises(ValueError, match=pattern):
+        with pytest.raises(ValueError, match=re.escape(message)):
             fn(**args)
 
 
