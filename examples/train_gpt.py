@@ -65,8 +65,9 @@ on the calling thread: the host's functions by own time are printed and kept in
 the JSON with the phase; that phase's first-step time is then the profiled one's.
 ``--trace-switch NAME`` runs it under torch.profiler instead: the GPU's kernel time
 against the step's wall time, and the CUDA runtime calls (cudaMalloc, waits).
-Every phase records the first step's time and, from eight steps on, a later step's
-timed alone the same way (between two syncs), with the cudaMalloc calls of both.
+Every phase records the first step's time and, from eight steps on, the median of
+three later steps, each timed alone the same way (between two syncs), with the
+cudaMalloc calls of both.
 
     python examples/train_gpt.py --size smoke --steps 20 --json gpt.json --png gpt.png
     python examples/train_gpt.py --size gpu --fp8-params --arms te,torch --json gpt_fp8_params.json
@@ -83,6 +84,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -509,11 +511,11 @@ class PhaseClock:
 
     device: torch.device
     first_step_ms: float | None = None
-    lone_step_ms: float | None = None  # a steady step timed alone, as the first step is (see ``lone``)
+    lone_steps_ms: list = field(default_factory=list)  # steady steps each timed alone, as the first step is
     # segments the CUDA caching allocator took from the driver (cudaMalloc) in the first
     # step and in the step timed alone (None off CUDA)
     first_step_mallocs: int | None = None
-    lone_step_mallocs: int | None = None
+    lone_step_mallocs: int | None = None  # over all the steps timed alone
     _mallocs0: int | None = None
     timed_s: float = 0.0
     timed_steps: int = 0
@@ -546,9 +548,16 @@ class PhaseClock:
         self.restart()
         step()
         _sync(self.device)
-        self.lone_step_ms = 1e3 * (time.perf_counter() - self._t0)
-        self.lone_step_mallocs = self._mallocs()
+        self.lone_steps_ms.append(1e3 * (time.perf_counter() - self._t0))
+        mallocs = self._mallocs()
+        if mallocs is not None:
+            self.lone_step_mallocs = (self.lone_step_mallocs or 0) + mallocs
         self.restart()
+
+    @property
+    def lone_step_ms(self) -> float | None:
+        """The first step's yardstick: the median of the steps timed alone (None: none were)."""
+        return statistics.median(self.lone_steps_ms) if self.lone_steps_ms else None
 
     def read(self) -> tuple[float, int]:
         """Seconds and steps since the last restart (synchronising the device)."""
@@ -594,7 +603,9 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
             if i == profiled.start:
                 _profile_steps(arm, run, phase, recipe, first_step + i, len(profiled), clock)
             continue
-        lone = i == phase.steps - LONE_FROM_END and phase.steps >= LONE_MIN_STEPS
+        # the steps timed alone: LONE_STEPS of them, or under a probe its one step (as the switch ran)
+        lone = phase.steps >= LONE_MIN_STEPS and 0 <= phase.steps - LONE_FROM_END - i < (
+            LONE_STEPS if probe is None else 1)
         if i == 0 and probe is not None:
             probe(arm, run, phase, recipe, first_step)
         elif lone and probe is not None:  # the step alone as the switch was, for comparison
@@ -608,7 +619,7 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
         done = first_step + i + 1
         eval_due = i == phase.steps - 1 or (args.eval_every and done % args.eval_every == 0)
         if i == 0 or eval_due or done % args.log_every == 0:
-            elapsed, steps = (clock.lone_step_ms / 1e3, 1) if lone else clock.read()
+            elapsed, steps = (clock.lone_steps_ms[-1] / 1e3, 1) if lone else clock.read()
             arm.read_losses()
             _log(arm, done, run.total_steps, phase, steps * tokens_per_step / elapsed)
             if eval_due:
@@ -618,9 +629,12 @@ def train_phase(arm: Arm, run: Run, phase: Phase, first_step: int) -> None:
 
 
 PROFILED_STEPS = 3
-# A phase of LONE_MIN_STEPS or more times its step LONE_FROM_END from its end alone
-# (``PhaseClock.lone``), the yardstick of its first step (the switch)
-LONE_MIN_STEPS, LONE_FROM_END = 8, 2
+# A phase of LONE_MIN_STEPS or more times LONE_STEPS of its steps alone, the last of them
+# LONE_FROM_END from its end (``PhaseClock.lone``): their median is the yardstick of its
+# first step (the switch), which one step alone, as noisy as the host, made loose.
+# A profiled or traced switch (--profile-switch, --trace-switch) is measured against
+# its one step alone run the same way.
+LONE_MIN_STEPS, LONE_FROM_END, LONE_STEPS = 8, 2, 3
 
 
 def _profiled_steps(args: argparse.Namespace, phase: Phase) -> range:
@@ -756,6 +770,7 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
     record = {
         "phase": phase.name, "numerics": arm.numerics(phase), "recipe": None if recipe is None else str(recipe),
         "steps": phase.steps, "first_step_ms": first_step_ms, "lone_step_ms": clock.lone_step_ms,
+        "lone_steps_ms": list(clock.lone_steps_ms),
         "first_step_mallocs": clock.first_step_mallocs, "lone_step_mallocs": clock.lone_step_mallocs,
         "tokens_per_s": tokens_per_s,
         "steady_tokens_per_s": clock.steady_tokens_per_s(tokens_per_step),
@@ -773,7 +788,8 @@ def _finish_phase(arm: Arm, phase: Phase, first_step: int, clock: PhaseClock, to
     arm.phases.append(record)
     bf16 = "" if record["val_bpb_bf16"] is None else f", {record['val_bpb_bf16']:.4f} in bf16"
     speed = "" if tokens_per_s is None else f"; {tokens_per_s / 1e3:.1f}k tok/s"
-    lone = "" if clock.lone_step_ms is None else f" (a step alone {clock.lone_step_ms:.1f} ms)"
+    lone = "" if clock.lone_step_ms is None else f" (a step alone {clock.lone_step_ms:.1f} ms, the median of " \
+                                                  f"{len(clock.lone_steps_ms)})"
     if clock.first_step_mallocs is not None:
         lone += f"; cudaMalloc {clock.first_step_mallocs} in the first step, {clock.lone_step_mallocs} alone"
     print(f"[{arm.name:<8}] steps {first_step + 1}-{first_step + phase.steps} {arm.numerics(phase)}: "
@@ -966,9 +982,9 @@ def _phase_entry(phase: Phase) -> dict:
 
 
 def _overall_tokens_per_s(phases: list[dict]) -> float | None:
-    """Over the timed steps of every phase (each phase's first step and a step timed
+    """Over the timed steps of every phase (each phase's first step and its steps timed
     alone excluded)."""
-    rates = [(p["steps"] - 1 - (p["lone_step_ms"] is not None), p["tokens_per_s"]) for p in phases
+    rates = [(p["steps"] - 1 - len(p["lone_steps_ms"]), p["tokens_per_s"]) for p in phases
              if p["tokens_per_s"]]
     if not rates:
         return None
@@ -993,7 +1009,8 @@ def print_summary(arms: list[Arm]) -> None:
             print(f"{arm.name:<8} {p['phase']:<11} {p['numerics']:<11} {p['val_bpb']:>8.4f} {bf16:>8} {speed:>8} "
                   f"{steady:>8} {p['first_step_ms']:>11.1f} {_ms(lone):>8} {switch:>9}")
     print("(k tok/s: a phase's steps after its first; steady: its last --log-every window; 1st/alone: the "
-          "phase's first step, a recipe switch, over a step timed alone; the target is 1.05x at most)")
+          "phase's first step, a recipe switch, over the median of three steps timed alone; the target is 1.05x at "
+          "most)")
     _print_ratios(arms)
     print(f"\n{'arm':<8} {'held as':<12} {'weights MiB':>11} {'params MiB':>10} {'start MiB':>9} {'peak MiB':>9}")
     for arm in arms:

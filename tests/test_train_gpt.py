@@ -384,8 +384,8 @@ def test_a_profiled_phase_trains_the_same_bits_and_records_each_arms_kernels():
     torch.profiler for every arm, out of the phase's clock; the losses are those of
     the run without it, bit for bit, and each arm's record for the phase holds its
     table (CPU ops here). A phase too short to profile says so. A phase of eight
-    steps or more also times its last step but one alone (the yardstick of its first
-    step), out of its rate."""
+    steps or more also times steps alone (the yardstick of its first step), out of
+    its rate."""
     argv = ["--size", "smoke", "--schedule", "bf16:4,delayed:8,bf16:4", "--arms", "te,torch", "--corpus-bytes",
             "300000", "--eval-batches", "2", "--log-every", "4"]
     _, report, stdout = _same_losses_with(argv, ["--profile-phase", "delayed"])
@@ -400,6 +400,12 @@ def test_a_profiled_phase_trains_the_same_bits_and_records_each_arms_kernels():
         lone = [p["lone_step_ms"] for p in report["arms"][arm]["phases"]]
         assert lone[0] is None and lone[1] > 0 and lone[2] is None, (arm, lone)
     assert stdout.count("(a step alone ") == 2
+    report, _ = _run(argv[:3] + ["bf16:4,delayed:9,bf16:4"] + argv[4:])  # three steps alone, their median
+    for arm in ("te", "torch"):
+        phase = report["arms"][arm]["phases"][1]
+        lone = phase["lone_steps_ms"]
+        assert len(lone) == 3 and phase["lone_step_ms"] == sorted(lone)[1], (arm, lone)
+        assert report["arms"][arm]["phases"][0]["lone_steps_ms"] == []
     _, stdout = _run(argv[:3] + ["bf16:3"] + argv[4:] + ["--profile-phase", "bf16"])
     assert "bf16: 3 steps, too few to profile (5 or more)" in stdout
 
@@ -459,6 +465,9 @@ def test_a_traced_switch_trains_the_same_bits_and_records_it_beside_a_step_alone
         assert trace["wall_ms"] > 0 and (trace["gpu_kernels_ms"] is None) == (not torch.cuda.is_available())
         assert f"delayed: the {what} step traced" in stdout
     assert phases[1]["lone_step_ms"] > 0
+    # the traced switch's yardstick is its one step alone, traced alike
+    assert phases[1]["lone_steps_ms"] == [phases[1]["lone_step_ms"]]
+    assert phases[0]["lone_steps_ms"] == [] and phases[0]["lone_step_ms"] is None
     assert all("switch_trace" not in p for p in report["arms"]["torch"]["phases"])
 
 
