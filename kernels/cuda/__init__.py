@@ -24,7 +24,10 @@ for bit):
 - ``attention_forward``, ``attention_backward``: cuDNN's fused flash attention
   (bf16, fp16) through torch's SDPA operators; other operands go to Triton;
 - ``rotary``: rotary position embedding of the fused QKV tensor's q and k heads,
-  its operands checked and its output made in one C++ call (``rotary.lean``).
+  its operands checked and its output made in one C++ call (``rotary.lean``);
+- ``dact_dbias``: the backward of Bias -> a unary activation (gelu, relu, silu,
+  qgelu, srelu) with the bias gradient, in one C++ call (``dact_dbias.lean``); the
+  other kinds go to Triton's.
 
 Not provided (the dispatcher falls back to ``reference`` and says so):
 ``quantize_block``, ``dequantize``, ``activation``, ``activation_grad``.
@@ -38,6 +41,11 @@ what is missing (:func:`unavailable_reason`).
 from ._build import extension as load_extension
 from ._build import (is_loaded, one_launch_casts, set_one_launch_casts, set_one_launch_casts_in_capture,
                      unavailable_reason)
+from .activation import dact_dbias, dact_dbias_unsupported_reason
+
+# The submodule's name is a kernel's (the activations themselves), which this backend
+# leaves to triton: the package's attributes are the kernels it provides.
+globals().pop("activation")  # bound by the submodule's import above
 from .attention import (attention_backward, attention_backward_unsupported_reason, attention_forward,
                         attention_forward_unsupported_reason)
 from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp8, quantize_rowwise,
@@ -64,6 +72,8 @@ __all__ = [
     "attention_backward_unsupported_reason",
     "rotary",
     "rotary_unsupported_reason",
+    "dact_dbias",
+    "dact_dbias_unsupported_reason",
     "gemm",
     "gemm_unsupported_reason",
     "block_scaled_mm_available",

@@ -509,6 +509,35 @@ std::optional<at::Tensor> rotary_lean(const at::Tensor& x, const at::Tensor& cos
   return y;
 }
 
+// The backward of Bias -> activation (see launch_dact_dbias): (dx of x's shape and
+// dtype, dbias (cols,) fp32), new tensors. None for operands the Python path must
+// look at: dy and x not contiguous CUDA tensors of one high-precision dtype and
+// shape on `device`, x without a last dim, an activation code not of the unary
+// kinds, more row tiles than a grid holds.
+std::optional<std::tuple<at::Tensor, at::Tensor>> dact_dbias_lean(const at::Tensor& dy, const at::Tensor& x,
+                                                                   int64_t kind, int64_t device, int64_t stream) {
+  const int type = hp_code_or_none(x.scalar_type());
+  const bool unary = kind == te_fuser::kGradGelu || kind == te_fuser::kGradRelu || kind == te_fuser::kGradSilu ||
+                     kind == te_fuser::kGradQgelu || kind == te_fuser::kGradSrelu;
+  if (type < 0 || !unary || dy.scalar_type() != x.scalar_type() || !x.is_cuda() || !dy.is_cuda() ||
+      x.get_device() != device || dy.get_device() != device || x.dim() == 0 || !dy.sizes().equals(x.sizes()) ||
+      !x.is_contiguous() || !dy.is_contiguous()) {
+    return std::nullopt;
+  }
+  const int64_t cols = x.size(-1);
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  at::Tensor dbias = at::empty({cols}, x.options().dtype(at::kFloat));
+  if (rows == 0 || cols == 0) return std::make_tuple(dx, dbias.zero_());
+  const int64_t tile_rows = te_fuser::dact_dbias_tile_rows(rows);
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  at::Tensor partials = at::empty({tiles, cols}, x.options().dtype(at::kFloat));
+  te_fuser::launch_dact_dbias(dy.data_ptr(), x.data_ptr(), type, dx.data_ptr(), partials.data_ptr<float>(), rows,
+                              cols, static_cast<int>(kind), as_stream(stream));
+  te_fuser::launch_sum_rows(partials.data_ptr<float>(), 1, tiles, cols, dbias.data_ptr<float>(), as_stream(stream));
+  return std::make_tuple(dx, dbias);
+}
+
 // LayerNorm: (y in out_dtype, mean, rstd), new tensors (x row-major, weight and bias fp32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm(const at::Tensor& x, const at::Tensor& weight,
                                                           const at::Tensor& bias, double eps, at::ScalarType out_dtype,
@@ -575,6 +604,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the one launch also runs in a CUDA graph being captured; returns the previous state");
   m.def("quantize_rowwise", &quantize_rowwise, "FP8 cast with one scale per row");
   m.def("quantize_mxfp8", &quantize_mxfp8, "MXFP8 cast: one E8M0 scale per 32 elements");
+  m.def("dact_dbias_lean", &dact_dbias_lean,
+        "the backward of Bias -> a unary activation: (dx, dbias fp32), operands checked here; None for a case the "
+        "Python path takes");
   m.def("rotary_lean", &rotary_lean,
         "RoPE of x (B, T, heads, D) into a new tensor or in place, operands checked here; None for a case the "
         "Python path takes");

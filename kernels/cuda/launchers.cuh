@@ -176,4 +176,17 @@ void launch_layer_norm_grad(const void* dy, int dy_type, const void* x, int x_ty
 void launch_rotary(const void* x, int x_type, void* y, int y_type, const float* cos, const float* sin, int64_t rows,
                    int64_t seq, int heads, int rotated, int covered, int half, bool inverse, void* stream);
 
+// Activation codes of the activations' backward (formats.ACTIVATION_CODES' unary kinds).
+enum ActivationGrad : int { kGradGelu = 1, kGradRelu = 2, kGradSilu = 3, kGradQgelu = 5, kGradSrelu = 6 };
+
+// The rows of x a tile of launch_dact_dbias sums (64, more for more than 65535 tiles).
+int64_t dact_dbias_tile_rows(int64_t rows);
+
+// The backward of Bias -> activation `kind` for dy and x (rows, cols), row-major, of
+// one high-precision type: dx = dy * f'(x) rounded to that type, and into partials
+// ((rows + t - 1) / t, cols) fp32, t = dact_dbias_tile_rows(rows), each tile's sums of
+// the rounded dx over its rows, in order (launch_sum_rows adds them up).
+void launch_dact_dbias(const void* dy, const void* x, int type, void* dx, float* partials, int64_t rows, int64_t cols,
+                       int kind, void* stream);
+
 }  // namespace te_fuser
