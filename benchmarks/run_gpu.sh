@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attngpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attngpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -75,6 +75,12 @@ for part in $parts; do
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
         tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \
         tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
+    autoab)  # one kernel's auto entry on the GPT's eager step, two backends in turns in one process, at width 128
+      # and at full size (auto_entry_ab.py; AB_KERNEL=dact_dbias, AB_ENTRIES="triton cuda")
+      for size in "" "--full-size"; do
+        timeout 200 python3 benchmarks/auto_entry_ab.py --kernel ${AB_KERNEL:-dact_dbias} --entries ${AB_ENTRIES:-triton cuda} \
+          $size 2>&1 | tee -a "$OUT/autoab.log" | tail -4
+      done ;;
     switchsplit)  # each switch step of te's schedule beside its steps alone, its builds, quantizers, state
       # placement and seeding casts timed inside it (switch_split.py; SWITCH_SCHEDULE=... sets the phases)
       timeout 200 python3 benchmarks/switch_split.py ${SWITCH_SCHEDULE:+--schedule $SWITCH_SCHEDULE} 2>&1 \

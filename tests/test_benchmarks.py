@@ -198,3 +198,36 @@ def test_switch_split_times_each_switch_and_its_builds():
     bad = subprocess.run([sys.executable, "benchmarks/switch_split.py", "--schedule", "delayed,fp7"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--schedule: unknown recipe(s) ['fp7']" in bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is a full benchmark (the GPT's step in turns)")
+def test_auto_entry_ab_times_both_entries_in_turns_and_puts_the_table_back():
+    """auto_entry_ab.py on the CPU (where the auto table sends every kernel to the
+    reference, so both entries run alike): a row per recipe with both entries'
+    medians, their ratio and the rounds the second won; an unknown kernel is refused;
+    the table's entry is the one it was after the run (a subprocess: nothing leaks)."""
+    run = subprocess.run([sys.executable, "benchmarks/auto_entry_ab.py", "--kernel", "dact_dbias", "--rounds", "2",
+                          "--steps", "1", "--recipes", "current"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("te current")]
+    assert len(rows) == 1, run.stdout
+    cells = rows[0]
+    assert cells[2] == "triton" and cells[4] == "cuda" and float(cells[3]) > 0 and float(cells[5]) > 0, cells
+    assert cells[-2] in ("0/2", "1/2", "2/2"), cells
+    bad = subprocess.run([sys.executable, "benchmarks/auto_entry_ab.py", "--kernel", "nope"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--kernel: must be one of" in bad.stderr
+
+
+def test_auto_entry_ab_puts_the_entry_back():
+    """Run in this process, the A/B leaves the auto table's entry as it found it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import auto_entry_ab
+
+    from te_fuser import backend
+
+    before = backend._load_auto_table().get("rotary")
+    auto_entry_ab.main(["--kernel", "rotary", "--entries", "cuda", "reference", "--rounds", "1", "--steps", "1",
+                        "--recipes", "bf16"])
+    assert backend._load_auto_table().get("rotary") == before
