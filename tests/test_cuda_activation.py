@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_fuser import backend
+from gpt_testing import CONFIG, step_per_auto_entry
 from te_fuser.kernels import reference as ref
 from test_activations import _x
 from tolerances import assert_bitwise, assert_close
@@ -116,35 +116,8 @@ def test_a_gpt_trains_through_it(monkeypatch):
     gradients' tolerance (a dx one rounding apart may cast to a neighbouring FP8
     value in the backward GEMMs' operands)."""
     cuda = _cuda()
-    import te_fuser as te
-    from te_fuser.models.gpt import GPT, GPTConfig
-
-    calls = []
-    entry = cuda.dact_dbias.lean
-
-    def counted(*args):
-        out = entry(*args)
-        calls.append(out is not None)
-        return out
-
-    config = GPTConfig(n_layer=2, d_model=128, n_head=2, d_ffn=256, seq_len=64, batch_size=2)
-    batch = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0)).cuda()
-    runs = {}
-    for kernel in ("triton", "cuda"):
-        previous = backend.set_auto_entry("dact_dbias", kernel)
-        try:
-            if kernel == "cuda":
-                monkeypatch.setattr(cuda.dact_dbias, "lean", counted)
-            torch.manual_seed(0)
-            model = GPT(config, device="cuda")
-            with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(recipe=te.recipe.Float8CurrentScaling()):
-                logits = model(batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            loss.backward()
-            runs[kernel] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-        finally:
-            backend.set_auto_entry("dact_dbias", previous)
-    assert len(calls) >= config.n_layer and all(calls), calls
+    runs, calls = step_per_auto_entry("dact_dbias", ["triton", "cuda"], cuda.dact_dbias, monkeypatch)
+    assert len(calls) >= CONFIG.n_layer and all(calls), calls
     assert torch.equal(runs["triton"][0], runs["cuda"][0])
     for name, grad in runs["cuda"][1].items():
         assert_close(grad, runs["triton"][1][name], torch.float8_e5m2, f"gradient {name}", scaled=True)

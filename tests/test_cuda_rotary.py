@@ -14,6 +14,7 @@ import torch
 
 from te_fuser import backend
 from te_fuser.kernels.reference import rotary_reference
+from gpt_testing import CONFIG, step_per_auto_entry
 from test_rotary_kernel import ARGUMENT_ERRORS, assert_bitwise, inputs, tables, valid_arguments
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda rotary kernel runs on a CUDA GPU")
@@ -137,38 +138,12 @@ def test_the_dispatcher_sends_float64_elsewhere():
 
 def test_the_rotary_op_takes_the_lean_entry(monkeypatch):
     """A GPT's rotary ops under the auto table call the extension's entry (forward and
-    inverse, in place) and train as the Triton kernel's: the same loss bits."""
+    inverse, in place) and train as the Triton kernel's: the same loss bits and
+    gradients."""
     cuda = _cuda()
-    import te_fuser as te
-    from te_fuser.models.gpt import GPT, GPTConfig
-
-    calls = []
-    entry = cuda.rotary.lean
-
-    def counted(*args):
-        out = entry(*args)
-        calls.append(out is not None)
-        return out
-
-    config = GPTConfig(n_layer=2, d_model=128, n_head=2, d_ffn=256, seq_len=64, batch_size=2)
-    batch = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0)).cuda()
-    losses = {}
-    for kernel in ("triton", "cuda"):
-        previous = backend.set_auto_entry("rotary", kernel)
-        try:
-            if kernel == "cuda":
-                monkeypatch.setattr(cuda.rotary, "lean", counted)
-            torch.manual_seed(0)
-            model = GPT(config, device="cuda")
-            with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(recipe=te.recipe.Float8CurrentScaling()):
-                logits = model(batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            loss.backward()
-            losses[kernel] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
-        finally:
-            backend.set_auto_entry("rotary", previous)
-    assert calls and all(calls), calls  # forward and backward, every call taken
-    assert len(calls) >= 2 * config.n_layer, calls  # a forward and an inverse rotation a layer
-    assert torch.equal(losses["triton"][0], losses["cuda"][0])
-    for a, b in zip(losses["triton"][1], losses["cuda"][1]):
-        assert torch.equal(a, b)
+    runs, calls = step_per_auto_entry("rotary", ["triton", "cuda"], cuda.rotary, monkeypatch)
+    assert calls and all(calls), calls
+    assert len(calls) >= 2 * CONFIG.n_layer, calls  # a forward and an inverse rotation a layer
+    assert torch.equal(runs["triton"][0], runs["cuda"][0])
+    for name, grad in runs["cuda"][1].items():
+        assert torch.equal(grad, runs["triton"][1][name]), name

@@ -45,16 +45,6 @@ __device__ __forceinline__ float activation_grad(float x) {
   }
 }
 
-template <int VEC, typename T>
-__device__ __forceinline__ void load_vec(const T* p, float (&v)[VEC]) {
-  if constexpr (VEC == 8) {
-    load8(p, v);
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) v[j] = to_float(p[j]);
-  }
-}
-
 // Block (x, y): 256 threads over VEC-column chunks, rows [y·tile_rows, (y+1)·tile_rows).
 template <typename T, int KIND, int VEC>
 __global__ void __launch_bounds__(kThreads)
@@ -78,12 +68,7 @@ __global__ void __launch_bounds__(kThreads)
       g[j] = to_float(rounded);  // the value stored, which the sum adds
       sums[j] += g[j];
     }
-    if constexpr (VEC == 8) {
-      store8(dx + at, g);  // exact: each value is already of T
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) dx[at + j] = from_float<T>(g[j]);
-    }
+    store_vec<VEC>(dx + at, g);  // exact: each value is already of T
   }
   float* out = partials + int64_t(blockIdx.y) * cols + c0;
 #pragma unroll

@@ -134,6 +134,18 @@ __device__ __forceinline__ void load8_partial(const T* p, int count, float (&v)[
   for (int j = 0; j < 8; ++j) v[j] = j < count ? to_float(p[j]) : 0.0f;
 }
 
+// VEC consecutive elements as fp32: eight at a 16-byte aligned address (load8), or
+// one by one at any address.
+template <int VEC, typename T>
+__device__ __forceinline__ void load_vec(const T* p, float (&v)[VEC]) {
+  if constexpr (VEC == 8) {
+    load8(p, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = to_float(p[j]);
+  }
+}
+
 __device__ __forceinline__ uint32_t bits16(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
 __device__ __forceinline__ uint32_t bits16(__half v) { return __half_as_ushort(v); }
 
@@ -154,6 +166,18 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
     words[i] = lo_bits | (hi_bits << 16);
   }
   *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// VEC fp32 values stored as T: eight to a 16-byte aligned address (store8), or one
+// by one to any address, each rounded to the nearest T.
+template <int VEC, typename T>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[VEC]) {
+  if constexpr (VEC == 8) {
+    store8(p, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p[j] = from_float<T>(v[j]);
+  }
 }
 
 // ---------------------------------------------------------------------------

@@ -17,26 +17,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <int VEC, typename T>
-__device__ __forceinline__ void load_vec(const T* p, float (&v)[VEC]) {
-  if constexpr (VEC == 8) {
-    load8(p, v);
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) v[j] = to_float(p[j]);
-  }
-}
-
-template <int VEC, typename T>
-__device__ __forceinline__ void store_vec(T* p, const float (&v)[VEC]) {
-  if constexpr (VEC == 8) {
-    store8(p, v);
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) p[j] = from_float<T>(v[j]);
-  }
-}
-
 // One block per token row; its threads take the row's (head, chunk) items, a chunk
 // being VEC consecutive elements of both halves of one head (VEC 8: 16-byte
 // aligned loads and stores; 1: any head dim).
