@@ -6,7 +6,7 @@ of the plan builds, of their quantizers, of ``place_states`` (delayed scaling's
 states placed on the device) and of delayed scaling's seeding casts, with the
 segments the CUDA allocator took from the driver.
 
-    python benchmarks/switch_split.py [--schedule bf16,delayed,current,...] [--steps 6] [--width 128]
+    python benchmarks/switch_split.py [--schedule bf16,delayed,current,...] [--steps 6] [--host-only]
 
 The target (DESIGN.md §6) is a switch step within 1.05x of a step. Timers cost about
 half a microsecond a call (see ``host_split.py``); no profiler runs. On a machine
@@ -16,7 +16,6 @@ without a GPU the smoke GPT runs on the CPU backends.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import host_split  # noqa: E402
-from profile_gpt import RECIPES, step_fn, text_batch  # noqa: E402
+from profile_gpt import RECIPES, host_only, step_fn, text_batch  # noqa: E402
 
 import te_fuser as te  # noqa: E402
 from te_fuser.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -67,13 +66,13 @@ def timed_step(step, device: torch.device) -> tuple[float, int, dict]:
     return ms, _mallocs(device) - before, buckets
 
 
-def run(schedule: list[str], steps: int, width: int | None) -> list[dict]:
+def run(schedule: list[str], steps: int, host: bool = False) -> list[dict]:
     """The schedule's phases, each ``steps`` steps long: a record per phase."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     config = GPTConfig.gpu() if cuda else GPTConfig.smoke()
-    if width is not None:
-        config = dataclasses.replace(config, d_model=width, d_ffn=4 * width, n_head=max(1, width // 64))
+    if host:
+        config = host_only(config)
     torch.manual_seed(0)
     batch = (text_batch(config) if cuda
              else torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1)))
@@ -111,8 +110,8 @@ def main(argv=None) -> None:
     p.add_argument("--schedule", default="bf16,delayed,current,bf16,delayed,current,delayed",
                    help="comma-separated recipe names of profile_gpt.RECIPES, a phase each")
     p.add_argument("--steps", type=int, default=6, help="steps a phase (at least 4: the switch and three alone)")
-    p.add_argument("--width", type=int, default=None, help="d_model (default: the GPT's GPU size on a GPU, the "
-                   "smoke size on a CPU)")
+    p.add_argument("--host-only", action="store_true", help="the GPT at width 128 (profile_gpt.host_only): the "
+                   "switch's host cost alone (default: the GPU size on a GPU, the smoke size on a CPU)")
     args = p.parse_args(argv)
     schedule = args.schedule.split(",")
     unknown = [name for name in schedule if name not in RECIPES]
@@ -120,7 +119,7 @@ def main(argv=None) -> None:
         p.error(f"--schedule: unknown recipe(s) {unknown}; known: {sorted(RECIPES)}")
     if args.steps < 4:
         p.error(f"--steps: at least 4 (the switch and three steps alone), got {args.steps}")
-    records = run(schedule, args.steps, args.width)
+    records = run(schedule, args.steps, args.host_only)
     print(f"torch {torch.__version__}, {'cuda' if torch.cuda.is_available() else 'cpu'}")
     print_records(records)
 

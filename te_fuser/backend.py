@@ -234,6 +234,14 @@ def _fallback(kernel: str, failed: str, device: torch.device) -> "KernelChoice":
 LEAN_ENTRIES = ("prepare", "tensorwise", "lean")
 
 
+def lean_first(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``, through the kernel's ``lean`` entry where it has one and
+    takes the call (an answer that is not None), else through ``fn`` and its checks."""
+    lean = getattr(fn, "lean", None)
+    out = None if lean is None else lean(*args, **kwargs)
+    return fn(*args, **kwargs) if out is None else out
+
+
 def _per_call_fallback(fn: Callable, unsupported_reason: Callable, fallback_fn: Callable,
                        lean_from: Callable | None = None) -> Callable:
     """``fn`` where ``unsupported_reason(*args)`` is None, else ``fallback_fn``; the

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dtype_codes.h"
 #include "launchers.cuh"
 
 namespace te_fuser {
@@ -60,15 +61,7 @@ at::Tensor piece_of(const at::Tensor& base, int64_t byte_offset, at::ScalarType 
 // Bytes rounded up to a multiple of 16 (cuBLASLt wants 16-byte aligned scales).
 constexpr int64_t aligned16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
-// The kernels' code of a high-precision dtype (cast.py's HP_CODES), or -1 for another dtype.
-int hp_code_or_none(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return 0;
-    case at::kBFloat16: return 1;
-    case at::kHalf: return 2;
-    default: return -1;
-  }
-}
+using te_fuser::hp_code_or_none;
 
 void amax(int64_t x, int hp_type, int64_t numel, int64_t amax_out, int64_t stream) {
   te_fuser::launch_amax(as_ptr<const void>(x), hp_type, numel, as_ptr<float>(amax_out), as_stream(stream));

@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dtype_codes.h"
 #include "launchers.cuh"
 
 namespace te_fuser {
@@ -207,14 +208,6 @@ at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const a
 
 namespace {
 
-// The codes the epilogue kernel reads dtypes by (kernels/cuda/cast.py's HP_CODES); -1 for another dtype.
-int hp_code(at::ScalarType t) {
-  if (t == at::kFloat) return 0;
-  if (t == at::kBFloat16) return 1;
-  if (t == at::kHalf) return 2;
-  return -1;
-}
-
 bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 // On `device`, contiguous and 16-byte aligned: what the kernels read as they are.
@@ -246,7 +239,7 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
       (a_type == at::kFloat8_e5m2 && b_type == at::kFloat8_e5m2)) {
     return std::nullopt;
   }
-  const int out_code = hp_code(out_dtype);
+  const int out_code = hp_code_or_none(out_dtype);
   // the activations that keep the width (swiglu halves it)
   if (out_code < 0 || activation < kActNone || activation > kActSilu || !ready(a, device) || !ready(b, device)) {
     return std::nullopt;
@@ -257,14 +250,14 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
   int residual_code = 0, bias_code = 0;
   if (residual) {
     const at::Tensor& r = *residual;
-    residual_code = hp_code(r.scalar_type());
+    residual_code = hp_code_or_none(r.scalar_type());
     if (r.dim() != 2 || r.size(0) != m || r.size(1) != n || residual_code < 0 || !ready(r, device)) {
       return std::nullopt;
     }
   }
   if (bias) {
     const at::Tensor& v = *bias;
-    bias_code = hp_code(v.scalar_type());
+    bias_code = hp_code_or_none(v.scalar_type());
     if (v.dim() != 1 || v.size(0) != n || bias_code < 0 || !ready(v, device)) return std::nullopt;
   }
   const bool fused = activation != 0 || residual.has_value();

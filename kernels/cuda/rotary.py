@@ -42,9 +42,6 @@ def rotary(x, cos, sin, rotated_heads, inverse, out_dtype, in_place: bool = Fals
     reason = rotary_unsupported_reason(x, cos)
     if reason is not None or out_dtype not in HP_CODES:
         raise ValueError(f"rotary: {reason or f'out_dtype {out_dtype} is not bf16, fp16 or fp32'}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if not t.is_cuda:
-            raise ValueError(f"rotary: {name} is on {t.device} but x is on {x.device}")
     device = x.device
     with on_device(device):
         index = current_device_index()

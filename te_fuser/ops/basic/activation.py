@@ -390,9 +390,6 @@ def activation_bias_backward(ctx_act, bias_op, dy):
     x = saved_input(ctx_act)
     op = ctx_act.op
     dy = dy if dy.dtype is x.dtype else dy.to(x.dtype)
-    fn = backend.resolve("dact_dbias", x.device).fn
-    lean = getattr(fn, "lean", None)  # the kernel's call with its checks in C++, where it has one
-    out = None if lean is None else lean(dy, x, op.kind, None, op.params)
-    dx, db = out if out is not None else fn(dy, x, op.kind, params=op.params)
+    dx, db = backend.lean_first(backend.resolve("dact_dbias", x.device).fn, dy, x, op.kind, params=op.params)
     dtype = bias_op.bias.dtype
     return ctx_act.op._interleaved(dx), (db if db.dtype is dtype else db.to(dtype))

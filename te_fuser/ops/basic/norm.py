@@ -97,9 +97,7 @@ class LayerNorm(_Norm):
         bias = bias if bias.dim() == 1 else bias.reshape(-1)
         scale = self._scale(self.weight)
         norm = backend.resolve("layer_norm", x.device).fn
-        lean = getattr(norm, "lean", None)  # the kernel's call without the generic checks, where it has one
-        out = None if lean is None else lean(x2d, scale, bias, self.eps, run.compute_dtype)
-        y2d, mean, rstd = norm(x2d, scale, bias, self.eps, run.compute_dtype) if out is None else out
+        y2d, mean, rstd = backend.lean_first(norm, x2d, scale, bias, self.eps, run.compute_dtype)
         if run.needs_backward:
             ctx.saved["x"], ctx.saved["stats"] = x2d, (mean, rstd)
         return (y2d if x2d is x else y2d.reshape(x.shape)), []
@@ -122,9 +120,7 @@ class LayerNorm(_Norm):
         grad = backend.resolve("layer_norm_grad", x2d.device).fn
         as_x = (lambda t: t if t.dim() == 2 and t.shape == x2d.shape else t.reshape(x2d.shape))  # (M, N)
         dy2d, scale, add2d = as_x(dy), self._scale(weight), None if grad_add is None else as_x(grad_add)
-        lean = getattr(grad, "lean", None)  # the kernel's call without the generic checks, where it has one
-        out = None if lean is None else lean(dy2d, x2d, scale, mean, rstd, add2d)
-        dx, dw, db = grad(dy2d, x2d, scale, mean, rstd, grad_add=add2d) if out is None else out
+        dx, dw, db = backend.lean_first(grad, dy2d, x2d, scale, mean, rstd, grad_add=add2d)
         pgrads = [None if not need else _as_param(g, p) for g, p, need in ((dw, weight, need_w), (db, bias, need_b))]
         return (dx if dx.shape == dy.shape else dx.reshape(dy.shape)), pgrads
 

@@ -109,11 +109,8 @@ class RotaryEmbedding(BasicOperation):
         cos, sin = self.tables(seq, t.device)
         heads = t.reshape(batch, seq, -1, self.head_dim)  # (B, T, H + 2 Hkv, D): a view of a contiguous t
         rotary = backend.resolve("rotary", t.device).fn  # the q and k heads rotated in fp32, v copied: one pass
-        rotated = self.num_heads + self.num_kv_heads
-        lean = getattr(rotary, "lean", None)  # the kernel's call with its checks in C++, where it has one
-        out = None if lean is None else lean(heads, cos, sin, rotated, inverse, dtype, in_place)
-        if out is None:
-            out = rotary(heads, cos, sin, rotated, inverse, dtype, in_place=in_place)
+        out = backend.lean_first(rotary, heads, cos, sin, self.num_heads + self.num_kv_heads, inverse, dtype,
+                                 in_place=in_place)
         return t if in_place else out.reshape(shape)
 
     def op_forward(self, ctx, x, extra_inputs):
