@@ -26,6 +26,15 @@ What cuDNN does not take goes to the Triton kernels per call
 a GPU before sm_80, a torch without cuDNN attention, and causal attention with
 Tq != Tk (both libraries align the mask top-left, but only Tq == Tk is tested
 here on the GPU).
+
+The FP8 forward (:func:`attention_forward_fp8`) is our own kernel
+(``attention_kernels.cu``): Hopper's FP8 tensor cores through wgmma, a producer
+warpgroup staging K and V and two consumer warpgroups running the online softmax,
+with the Triton FP8 forward's meaning and numerics (each key tile's P·V a fresh
+tensor-core product added in fp32). It is not yet among this backend's kernels:
+the ``cuda`` backend and the auto table keep the Triton FP8 forward until this one
+has run against the reference on the GPU and been timed beside it there; the GPU
+tests and ``benchmarks/bench_attention.py`` call it from this module.
 """
 
 from __future__ import annotations
@@ -34,10 +43,10 @@ import functools
 
 import torch
 
-from ..reference.attention import check_attention, check_attention_backward
+from ..reference.attention import check_attention, check_attention_backward, check_attention_fp8
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
-           "attention_backward_unsupported_reason"]
+           "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -163,3 +172,63 @@ def _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale):
 
 
 attention_backward.when_supported = _backward_supported
+
+
+# ------------------------------------------------------------------- FP8 forward
+
+_FP8_HEAD_DIMS = (64, 128)
+
+
+def _fp8_layout_reason(t: torch.Tensor, name: str) -> str | None:
+    """Why the FP8 kernel's 16-byte copies cannot read ``t`` as it is stored."""
+    if t.dim() != 4 or t.shape[-1] not in _FP8_HEAD_DIMS:
+        return f"the cuda FP8 attention kernel takes head dims {_FP8_HEAD_DIMS}, got {name} of shape {tuple(t.shape)}"
+    if t.stride(-1) != 1 or any(s % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
+        return (f"the cuda FP8 attention kernel reads rows of 16-byte aligned chunks; {name} has strides "
+                f"{tuple(t.stride())} at offset {t.data_ptr() % 16} of 16")
+    return None
+
+
+def attention_forward_fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why :func:`attention_forward_fp8` would not run these operands (None: it runs)."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return None  # the check names the argument
+    if q.dtype != torch.float8_e4m3fn:
+        return f"the cuda FP8 attention kernel takes float8_e4m3fn, got {q.dtype}"
+    if q.device.type != "cuda":
+        return f"the cuda FP8 attention kernel needs CUDA tensors, got a {q.device.type} tensor"
+    from ._build import unavailable_reason
+
+    reason = unavailable_reason(q.device)
+    if reason is not None:
+        return reason
+    for t, name in ((q, "q"), (k, "k")):
+        reason = _fp8_layout_reason(t, name)
+        if reason is not None:
+            return reason
+    if q.dim() == 4 and q.shape[0] * q.shape[1] > 65535:
+        return f"the cuda FP8 attention kernel's grid holds 65535 batch·heads, got {q.shape[0] * q.shape[1]}"
+    return None
+
+
+def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale,
+                          out_dtype):
+    """FP8 flash attention forward on Hopper's tensor cores: ``(o, lse)`` as
+    :func:`attention_forward_fp8_reference` (up to where the running maximum puts
+    each probability on the E4M3 grid, as the Triton kernel; see the reference)."""
+    check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
+    reason = attention_forward_fp8_unsupported_reason(q, k) or _fp8_layout_reason(v, "v")
+    if reason is not None:
+        raise ValueError(f"attention_forward_fp8: {reason}")
+    from ._build import extension, stream_of_index
+    from .cast import current_device_index, on_device
+
+    scales = torch.stack([s.reshape(()) for s in (q_scale_inv, k_scale_inv, v_scale_inv, p_scale)])
+    with on_device(q.device):
+        index = current_device_index()
+        out = extension().attention_fp8_forward_lean(q, k, v, scales, float(softmax_scale), bool(causal), out_dtype,
+                                                      index, stream_of_index(index))
+    if out is None:  # every operand checked above
+        raise ValueError(f"attention_forward_fp8: the extension did not take q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    return out

@@ -574,6 +574,72 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grad(const at::Tensor&
   return {dx, piece_of(sums, 0, at::kFloat, {n}), piece_of(sums, n * 4, at::kFloat, {n})};
 }
 
+// A 4-D E4M3 view on `device` whose rows the FP8 attention's copies read as 16-byte
+// chunks: head dim 64 or 128 and contiguous, the start and the other strides
+// multiples of 16 bytes.
+bool attention_fp8_operand(const at::Tensor& t, int64_t device) {
+  if (t.scalar_type() != at::kFloat8_e4m3fn || !t.is_cuda() || t.get_device() != device || t.dim() != 4 ||
+      (t.size(3) != 64 && t.size(3) != 128) || t.stride(3) != 1 ||
+      reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) {
+    return false;
+  }
+  for (int d = 0; d < 3; ++d) {
+    if (t.stride(d) % 16 != 0 || t.size(d) > std::numeric_limits<int32_t>::max()) return false;
+  }
+  return true;
+}
+
+// The FP8 attention forward (see launch_attention_fp8_forward): (o (B, H, Tq, D) in
+// out_dtype, a view of a (B, Tq, H, D) tensor; lse (B, H, Tq) fp32), new tensors.
+// scales: the fp32 q_scale_inv, k_scale_inv, v_scale_inv and p_scale, contiguous.
+// None for operands the Python path must look at: q, k, v not E4M3 views that
+// attention_fp8_operand takes, of one batch and head dim, with k and v of one
+// shape, query heads a multiple of the kv heads, no keys, more batch·heads than a
+// grid holds, scales not four contiguous fp32 on `device`, an out_dtype not bf16,
+// fp16 or fp32.
+std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& scales, double softmax_scale,
+    bool causal, at::ScalarType out_dtype, int64_t device, int64_t stream) {
+  const int out = hp_code_or_none(out_dtype);
+  if (out < 0 || !attention_fp8_operand(q, device) || !attention_fp8_operand(k, device) ||
+      !attention_fp8_operand(v, device) || !k.sizes().equals(v.sizes()) || q.size(0) != k.size(0) ||
+      q.size(3) != k.size(3) || k.size(1) == 0 || q.size(1) % k.size(1) != 0 || k.size(2) == 0 ||
+      q.size(0) * q.size(1) > 65535 || scales.scalar_type() != at::kFloat || !scales.is_cuda() ||
+      scales.get_device() != device || scales.numel() != 4 || !scales.is_contiguous()) {
+    return std::nullopt;
+  }
+  const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), dim = q.size(3);
+  const int64_t kv_heads = k.size(1), tk = k.size(2);
+  const int64_t pitch = te_fuser::attention_fp8_vt_pitch(tk);
+  at::Tensor o = at::empty({batch, tq, heads, dim}, q.options().dtype(out_dtype)).transpose(1, 2);
+  at::Tensor lse = at::empty({batch, heads, tq}, q.options().dtype(at::kFloat));
+  if (batch * heads * tq == 0) return std::make_tuple(o, lse);
+  at::Tensor vt = at::empty({batch * kv_heads * dim * pitch}, q.options().dtype(at::kByte));
+  te_fuser::AttentionFp8Args a;
+  a.q = static_cast<const uint8_t*>(q.data_ptr());
+  a.k = static_cast<const uint8_t*>(k.data_ptr());
+  a.v = static_cast<const uint8_t*>(v.data_ptr());
+  a.vt = vt.data_ptr<uint8_t>();
+  a.o = o.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  a.scales = scales.data_ptr<float>();
+  a.qk_scale = static_cast<float>(softmax_scale * 1.4426950408889634);
+  a.batch = static_cast<int>(batch);
+  a.h = static_cast<int>(heads);
+  a.hkv = static_cast<int>(kv_heads);
+  a.tq = static_cast<int>(tq);
+  a.tk = static_cast<int>(tk);
+  a.head_dim = static_cast<int>(dim);
+  a.causal = causal;
+  a.vt_pitch = pitch;
+  a.q_stride_b = q.stride(0), a.q_stride_h = q.stride(1), a.q_stride_t = q.stride(2);
+  a.k_stride_b = k.stride(0), a.k_stride_h = k.stride(1), a.k_stride_t = k.stride(2);
+  a.v_stride_b = v.stride(0), a.v_stride_h = v.stride(1), a.v_stride_t = v.stride(2);
+  a.o_stride_b = o.stride(0), a.o_stride_h = o.stride(1), a.o_stride_t = o.stride(2);
+  te_fuser::launch_attention_fp8_forward(a, out, as_stream(stream));
+  return std::make_tuple(o, lse);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -602,6 +668,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Python path takes");
   m.def("rotary_lean", &rotary_lean,
         "RoPE of x (B, T, heads, D) into a new tensor or in place, operands checked here; None for a case the "
+        "Python path takes");
+  m.def("attention_fp8_forward_lean", &attention_fp8_forward_lean,
+        "the FP8 attention forward on Hopper's tensor cores: (o, lse), operands checked here; None for a case the "
         "Python path takes");
   m.def("layer_norm", &layer_norm, "LayerNorm forward, one warp per row, outputs allocated here");
   m.def("layer_norm_grad", &layer_norm_grad, "LayerNorm backward: dx, dweight, dbias, outputs allocated here");

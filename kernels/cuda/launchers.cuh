@@ -189,4 +189,37 @@ int64_t dact_dbias_tile_rows(int64_t rows);
 void launch_dact_dbias(const void* dy, const void* x, int type, void* dx, float* partials, int64_t rows, int64_t cols,
                        int kind, void* stream);
 
+// The FP8 attention forward's operands (see attention_kernels.cu): E4M3 q (batch,
+// h, tq, head_dim), k and v (batch, hkv, tk, head_dim) as byte strides of views
+// (the head dim contiguous; every row 16-byte aligned), vt a buffer of batch · hkv
+// · head_dim · vt_pitch bytes (attention_fp8_vt_pitch) for V with its keys inner,
+// o (batch, h, tq, head_dim) in element strides, lse (batch, h, tq) fp32, scales
+// the fp32 q_scale_inv, k_scale_inv, v_scale_inv and p_scale, qk_scale
+// softmax_scale · log2 e.
+struct AttentionFp8Args {
+  const uint8_t* q = nullptr;
+  const uint8_t* k = nullptr;
+  const uint8_t* v = nullptr;
+  uint8_t* vt = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+  const float* scales = nullptr;
+  float qk_scale = 0.0f;
+  int batch = 0, h = 0, hkv = 0, tq = 0, tk = 0, head_dim = 0;
+  bool causal = false;
+  int64_t vt_pitch = 0;
+  int64_t q_stride_b = 0, q_stride_h = 0, q_stride_t = 0;
+  int64_t k_stride_b = 0, k_stride_h = 0, k_stride_t = 0;
+  int64_t v_stride_b = 0, v_stride_h = 0, v_stride_t = 0;
+  int64_t o_stride_b = 0, o_stride_h = 0, o_stride_t = 0;
+};
+
+// Positions of a row of vt: tk rounded up to the key tile.
+int64_t attention_fp8_vt_pitch(int64_t tk);
+
+// V rewritten into vt (keys inner, permuted as the kernel reads them, zeros past
+// tk), then the forward into o and lse (out_type a high-precision code; head dim
+// 64 or 128; sm_90a).
+void launch_attention_fp8_forward(const AttentionFp8Args& args, int out_type, void* stream);
+
 }  // namespace te_fuser

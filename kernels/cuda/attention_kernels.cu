@@ -1,0 +1,532 @@
+// FP8 flash attention forward for Hopper (sm_90a), hand-written: the tensor cores
+// through wgmma, the operands staged by a producer warpgroup, two consumer
+// warpgroups each owning 64 query rows of a 128-row block.
+//
+// Meaning (kernels/reference/attention.py, attention_forward_fp8_reference): E4M3
+// q, k, v with fp32 scale_invs; s = softmax_scale · q_si · k_si · (q kᵀ) in base 2;
+// per row the running maximum m, p = exp2(s - m + log2 p_scale) rounded to E4M3
+// (nearest even, saturating: cvt.rn.satfinite), the row sum l of the unrounded p;
+// o = v_si · (Σ_tiles p8 v) / l, lse = (m + log2 l - log2 p_scale) · ln 2. Each key
+// tile's p8·v is a fresh tensor-core product added to the fp32 accumulator (the
+// FP8 tensor cores add in a narrower accumulator, so the running sum never goes
+// through them), as the Triton kernel of kernels/triton/attention.py does.
+//
+// Block: (128 queries, one head), grid (query blocks, batch · heads); causal grids
+// run the longest rows first. 384 threads:
+//   * warpgroup 0 (producer, 48 registers a thread after setmaxnreg): cp.async of
+//     the Q block once, then of each key tile's K (128 keys x D) and Vᵀ (D x 128
+//     positions) into a ring of kStages stages; once a stage's copies have landed,
+//     each thread fences them for the tensor cores (fence.proxy.async: cp.async
+//     writes through the generic proxy, wgmma reads through the async one) and
+//     arrives on the stage's "full" barrier; a stage is refilled once both
+//     consumers arrived on its "empty" barrier.
+//   * warpgroups 1, 2 (consumers, 224 registers): S = Q Kᵀ (wgmma m64n128k32, Q and
+//     K from shared memory), the online softmax on S in registers, P as the
+//     register A operand of O_tile = P V (wgmma m64nDk32, Vᵀ from shared memory),
+//     O += O_tile in fp32.
+//
+// Shared memory tiles are K-major with the 128-byte (rows of 128 bytes) or 64-byte
+// (rows of 64 bytes) swizzle that wgmma's descriptors name: the 16-byte chunk c
+// of row r sits at chunk c ^ (r mod 8) (128 B) or c ^ ((r / 2) mod 4) (64 B).
+//
+// Why Vᵀ has its keys permuted: the FP8 A operand from registers wants each thread
+// to hold keys {4t .. 4t+3} (t = lane mod 4) of every 16 (rows r and r + 8), while
+// the S accumulator leaves it keys {2t, 2t+1, 2t+8, 2t+9}. Rather than exchange
+// bytes between lanes, the kernel feeds the registers as they are and reorders the
+// keys of Vᵀ to match: position 4t + i of each 16 holds key 2t + (0, 1, 8, 9)[i]
+// (v_keys_inner_kernel writes Vᵀ so, zero past the last key). The sum over keys is
+// the same sum.
+#include "dispatch.cuh"
+#include "fp8_common.cuh"
+#include "launchers.cuh"
+
+namespace te_fuser {
+namespace {
+
+constexpr int kBlockM = 128;  // queries of a block: two consumer warpgroups of 64 rows
+constexpr int kBlockN = 128;  // keys of a tile
+constexpr int kStages = 3;    // the K / Vᵀ ring
+constexpr int kWarpgroup = 128;
+constexpr int kForwardThreads = 3 * kWarpgroup;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// --------------------------------------------------------------------------
+// Shared memory: addresses, barriers, asynchronous copies, swizzle.
+// --------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// Until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// 16 bytes from global to shared memory, asynchronously; zeros where !valid.
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void copies_wait_all_but_newest() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+__device__ __forceinline__ void copies_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// This thread's shared-memory writes (cp.async lands through the generic proxy)
+// ordered before the tensor cores' reads (wgmma reads through the async proxy).
+__device__ __forceinline__ void fence_for_tensor_cores() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW-byte rows
+// under the ROW-byte swizzle (ROW 128 or 64; the tile 1024-byte aligned).
+template <int ROW>
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
+  static_assert(ROW == 128 || ROW == 64, "rows of 64 or 128 bytes");
+  const uint32_t linear = uint32_t(row * ROW + chunk * 16);
+  constexpr uint32_t mask = ROW == 128 ? 7u : 3u;
+  return linear ^ (((linear >> 7) & mask) << 4);
+}
+
+// wgmma's descriptor of a K-major tile of ROW-byte rows at shared address `addr`:
+// the start address (16-byte units), the leading offset (unused by swizzled
+// K-major tiles: 1), the stride between 8-row groups, the swizzle (1: 128 B, 2: 64 B).
+// Adding 2 to it moves the start 32 bytes along K (the next k32 step).
+template <int ROW>
+__device__ __forceinline__ uint64_t tile_descriptor(uint32_t addr) {
+  constexpr uint64_t swizzle = ROW == 128 ? 1 : 2;
+  constexpr uint64_t group_stride = (8 * ROW) >> 4;
+  return uint64_t((addr >> 4) & 0x3FFFu) | (uint64_t(1) << 16) | (group_stride << 32) | (swizzle << 62);
+}
+
+// --------------------------------------------------------------------------
+// wgmma.
+// --------------------------------------------------------------------------
+
+__device__ __forceinline__ void mma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void mma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// After mma_wait_all: the registers' reads stay behind the wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (+)= a·b, one 64 x 128 x 32 step: a (64 x 32) and b (128 x 32) K-major in shared
+// memory (descriptors); accumulate 0 overwrites d.
+__device__ __forceinline__ void mma_ss_n128(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      :
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (+)= a·b, one 64 x 128 x 32 step: a (64 x 32) in registers (the A fragment), b
+// (128 x 32) K-major in shared memory; accumulate 0 overwrites d.
+__device__ __forceinline__ void mma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      :
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+// d (+)= a·b, one 64 x 64 x 32 step: a (64 x 32) in registers (the A fragment), b
+// (64 x 32) K-major in shared memory; accumulate 0 overwrites d.
+__device__ __forceinline__ void mma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      :
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+template <int D>
+struct PvStep;
+template <>
+struct PvStep<128> {
+  static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int acc) {
+    mma_rs_n128(d, a, b, acc);
+  }
+};
+template <>
+struct PvStep<64> {
+  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int acc) {
+    mma_rs_n64(d, a, b, acc);
+  }
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Four probabilities -> four E4M3 bytes of one 32-bit word, the first in the low byte.
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return (lo & 0xFFFFu) | (hi << 16);
+}
+
+template <typename TOut>
+__device__ __forceinline__ void store_pair(TOut* p, float a, float b);
+template <>
+__device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__half>(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+
+// Shared memory of a forward block (bytes past a 1024-byte aligned start).
+template <int D>
+struct ForwardSmem {
+  static constexpr int q = 0;                                 // kBlockM x D
+  static constexpr int k = q + kBlockM * D;                   // kStages x (kBlockN x D)
+  static constexpr int v = k + kStages * kBlockN * D;         // kStages x (D x kBlockN)
+  static constexpr int barriers = v + kStages * D * kBlockN;  // q_full, full[kStages], empty[kStages]
+  static constexpr int bytes = barriers + 8 * (1 + 2 * kStages);
+  static __device__ __forceinline__ uint32_t q_full(uint32_t base) { return base + barriers; }
+  static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + barriers + 8 * (1 + s); }
+  static __device__ __forceinline__ uint32_t empty(uint32_t base, int s) {
+    return base + barriers + 8 * (1 + kStages + s);
+  }
+};
+
+// The producer warpgroup: Q once, then K and Vᵀ of every key tile through the ring.
+// Copies go out in groups (Q, tile 0, tile 1, ...); once a group has landed, each
+// thread fences its writes for the tensor cores' (async proxy) reads and arrives on
+// the group's barrier, one group behind the copies it issues.
+template <int D>
+__device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base, int b, int h, int hk, int m0,
+                                        int tiles, int tid) {
+  using S = ForwardSmem<D>;
+  constexpr int chunks = D / 16;  // 16-byte chunks of a Q or K row
+  const uint8_t* q = a.q + int64_t(b) * a.q_stride_b + int64_t(h) * a.q_stride_h;
+  for (int i = tid; i < kBlockM * chunks; i += kWarpgroup) {
+    const int r = i / chunks, c = i % chunks;
+    const bool ok = m0 + r < a.tq;
+    copy16(base + S::q + swizzled<D>(r, c), ok ? q + int64_t(m0 + r) * a.q_stride_t + c * 16 : q, ok);
+  }
+  copies_commit();
+  const uint8_t* k = a.k + int64_t(b) * a.k_stride_b + int64_t(hk) * a.k_stride_h;
+  const uint8_t* vt = a.vt + (int64_t(b) * a.hkv + hk) * D * a.vt_pitch;
+  for (int j = 0; j < tiles; ++j) {
+    const int s = j % kStages;
+    if (j >= kStages) barrier_wait(S::empty(base, s), ((j / kStages) - 1) & 1);
+    const int n0 = j * kBlockN;
+    const uint32_t k_tile = base + S::k + s * kBlockN * D;
+    for (int i = tid; i < kBlockN * chunks; i += kWarpgroup) {
+      const int r = i / chunks, c = i % chunks;
+      const bool ok = n0 + r < a.tk;
+      copy16(k_tile + swizzled<D>(r, c), ok ? k + int64_t(n0 + r) * a.k_stride_t + c * 16 : k, ok);
+    }
+    const uint32_t v_tile = base + S::v + s * D * kBlockN;
+    for (int i = tid; i < D * (kBlockN / 16); i += kWarpgroup) {  // Vᵀ: D rows of 128 positions, padded with zeros
+      const int r = i / (kBlockN / 16), c = i % (kBlockN / 16);
+      copy16(v_tile + swizzled<kBlockN>(r, c), vt + int64_t(r) * a.vt_pitch + n0 + c * 16, true);
+    }
+    copies_commit();
+    copies_wait_all_but_newest();  // the group before this tile's: Q, or tile j - 1
+    fence_for_tensor_cores();
+    barrier_arrive(j == 0 ? S::q_full(base) : S::full(base, (j - 1) % kStages));
+  }
+  copies_wait_all();
+  fence_for_tensor_cores();
+  barrier_arrive(S::full(base, (tiles - 1) % kStages));
+}
+
+// A consumer warpgroup: 64 query rows through every key tile, then o and lse.
+template <int D, bool CAUSAL, typename TOut>
+__device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base, int b, int h, int m0, int tiles,
+                                        int group, int tid) {
+  using S = ForwardSmem<D>;
+  const int lane = tid % 32;
+  const int row0 = m0 + 64 * group + 16 * (tid / 32) + lane / 4;  // this thread's rows: row0 and row0 + 8
+  const int col = 2 * (lane % 4);                                  // its columns: col, col + 1 of every 8
+  const float qk_scale = a.qk_scale * a.scales[0] * a.scales[1];
+  const float p_shift = log2f(a.scales[3]);
+  const float out_scale = a.scales[2];
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.0f, 0.0f};
+  float acc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+  const uint32_t q_rows = base + S::q + 64 * group * D;  // this warpgroup's 64 rows: whole swizzle groups
+  barrier_wait(S::q_full(base), 0);
+  for (int j = 0; j < tiles; ++j) {
+    const int s = j % kStages;
+    barrier_wait(S::full(base, s), (j / kStages) & 1);
+    float sc[64];  // S: rows row0 + 8·((i / 2) % 2), key n0 + 8·(i / 4) + col + i % 2
+    const uint64_t k_desc = tile_descriptor<D>(base + S::k + s * kBlockN * D);
+    const uint64_t q_desc = tile_descriptor<D>(q_rows);
+    mma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) mma_ss_n128(sc, q_desc + 2 * kk, k_desc + 2 * kk, kk);
+    mma_commit();
+    mma_wait_all();
+    fence_registers(sc);
+    const int n0 = j * kBlockN;
+    const bool masked = n0 + kBlockN > a.tk || (CAUSAL && n0 + kBlockN - 1 > m0 + 64 * group);
+    if (masked) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) {
+        const int key = n0 + 8 * (i / 4) + col + i % 2;
+        const int row = row0 + 8 * ((i / 2) % 2);
+        if (key >= a.tk || (CAUSAL && key > row)) sc[i] = -INFINITY;
+      }
+    }
+    float alpha[2], shift[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int v2 = 0; v2 < 16; ++v2) mx = fmaxf(mx, fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+      const float m_new = fmaxf(m_run[r], mx * qk_scale);  // qk_scale > 0: the scaled maximum, exactly
+      alpha[r] = fast_exp2(m_run[r] - m_new);
+      shift[r] = p_shift - m_new;
+      m_run[r] = m_new;
+    }
+    float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      sc[i] = fast_exp2(fmaf(sc[i], qk_scale, shift[(i / 2) % 2]));  // p · p_scale
+      sum[(i / 2) % 2] += sc[i];
+    }
+    l_run[0] = l_run[0] * alpha[0] + sum[0];
+    l_run[1] = l_run[1] * alpha[1] + sum[1];
+    // P as the A fragment of four k32 steps: step c's word w holds, for row
+    // row0 (w even) or row0 + 8 (w odd), S columns of v2 = 4c + 2·(w / 2) + (0, 1).
+    uint32_t p8[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int first = 4 * (4 * c + 2 * (w / 2)) + 2 * (w % 2);
+        p8[c][w] = e4m3x4(sc[first], sc[first + 1], sc[first + 4], sc[first + 5]);
+      }
+    }
+    float tile_o[D / 2];
+    const uint64_t v_desc = tile_descriptor<kBlockN>(base + S::v + s * D * kBlockN);
+    mma_fence();
+#pragma unroll
+    for (int c = 0; c < 4; ++c) PvStep<D>::run(tile_o, p8[c], v_desc + 2 * c, c);
+    mma_commit();
+    mma_wait_all();
+    fence_registers(tile_o);
+    barrier_arrive(S::empty(base, s));  // K and Vᵀ of stage s read
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = acc[i] * alpha[(i / 2) % 2] + tile_o[i];
+  }
+  TOut* o = static_cast<TOut*>(a.o) + int64_t(b) * a.o_stride_b + int64_t(h) * a.o_stride_h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
+    const int row = row0 + 8 * r;
+    if (row >= a.tq) continue;
+    const float inv = out_scale / l;
+    TOut* o_row = o + int64_t(row) * a.o_stride_t + col;
+#pragma unroll
+    for (int v2 = 0; v2 < D / 8; ++v2) {
+      store_pair(o_row + 8 * v2, acc[4 * v2 + 2 * r] * inv, acc[4 * v2 + 2 * r + 1] * inv);
+    }
+    if (lane % 4 == 0) a.lse[(int64_t(b) * a.h + h) * a.tq + row] = (m_run[r] + log2f(l) - p_shift) * kLn2;
+  }
+}
+
+template <int D, bool CAUSAL, typename TOut>
+__global__ void __launch_bounds__(kForwardThreads, 1)
+    attention_fp8_forward_kernel(const __grid_constant__ AttentionFp8Args a) {
+  using S = ForwardSmem<D>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (shared_address(smem_raw) + 1023u) & ~1023u;
+  const int block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int bh = blockIdx.y;
+  const int b = bh / a.h, h = bh % a.h, hk = h / (a.h / a.hkv);
+  const int m0 = block * kBlockM;
+  const int key_end = CAUSAL ? min(a.tk, m0 + kBlockM) : a.tk;
+  const int tiles = (key_end + kBlockN - 1) / kBlockN;
+  if (threadIdx.x == 0) {
+    barrier_init(S::q_full(base), kWarpgroup);  // the producer's threads
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      barrier_init(S::full(base, s), kWarpgroup);       // the producer's threads
+      barrier_init(S::empty(base, s), 2 * kWarpgroup);  // both consumers' threads
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int group = threadIdx.x / kWarpgroup;
+  const int tid = threadIdx.x % kWarpgroup;
+  if (group == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 48;\n");
+    produce<D>(a, base, b, h, hk, m0, tiles, tid);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+    consume<D, CAUSAL, TOut>(a, base, b, h, m0, tiles, group - 1, tid);
+  }
+}
+
+// --------------------------------------------------------------------------
+// Vᵀ with its keys permuted (see the top of the file).
+// --------------------------------------------------------------------------
+
+constexpr int kTransposeKeys = 64;
+constexpr int kTransposeThreads = 256;
+
+// Block (64 keys, one kv head): the keys' rows into shared memory (zeros past the
+// last key), then each output word of 16 positions gathered from them.
+template <int D>
+__global__ void __launch_bounds__(kTransposeThreads) v_keys_inner_kernel(const __grid_constant__ AttentionFp8Args a) {
+  __shared__ uint32_t tile[kTransposeKeys][D / 4 + 1];  // one word of padding: the gathers' banks differ
+  const int bh = blockIdx.y;
+  const int b = bh / a.hkv, hk = bh % a.hkv;
+  const int n0 = blockIdx.x * kTransposeKeys;
+  const uint8_t* v = a.v + int64_t(b) * a.v_stride_b + int64_t(hk) * a.v_stride_h;
+  for (int i = threadIdx.x; i < kTransposeKeys * (D / 16); i += blockDim.x) {
+    const int r = i / (D / 16), c = i % (D / 16);
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (n0 + r < a.tk) x = *reinterpret_cast<const uint4*>(v + int64_t(n0 + r) * a.v_stride_t + c * 16);
+    tile[r][4 * c] = x.x;
+    tile[r][4 * c + 1] = x.y;
+    tile[r][4 * c + 2] = x.z;
+    tile[r][4 * c + 3] = x.w;
+  }
+  __syncthreads();
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&tile[0][0]);
+  constexpr int pitch = 4 * (D / 4 + 1);
+  uint8_t* vt = a.vt + int64_t(bh) * D * a.vt_pitch + n0;
+  for (int i = threadIdx.x; i < D * (kTransposeKeys / 16); i += blockDim.x) {
+    const int d = i / (kTransposeKeys / 16), group = i % (kTransposeKeys / 16);
+    uint32_t words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {  // positions 4w .. 4w + 3: keys 2w + (0, 1, 8, 9)
+      const int key = 16 * group + 2 * w;
+      words[w] = uint32_t(bytes[key * pitch + d]) | (uint32_t(bytes[(key + 1) * pitch + d]) << 8) |
+                 (uint32_t(bytes[(key + 8) * pitch + d]) << 16) | (uint32_t(bytes[(key + 9) * pitch + d]) << 24);
+    }
+    *reinterpret_cast<uint4*>(vt + int64_t(d) * a.vt_pitch + 16 * group) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+template <int D, bool CAUSAL, typename TOut>
+void launch_forward(const AttentionFp8Args& a, cudaStream_t stream) {
+  auto kernel = attention_fp8_forward_kernel<D, CAUSAL, TOut>;
+  constexpr int bytes = ForwardSmem<D>::bytes + 1024;  // and the alignment's slack
+  static bool sized[64] = {false};  // per instantiation and device: more than the default 48 KiB
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= 64 || !sized[device]) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+               "attention_fp8_forward (shared memory size)");
+    if (device >= 0 && device < 64) sized[device] = true;
+  }
+  const dim3 grid(unsigned((a.tq + kBlockM - 1) / kBlockM), unsigned(a.batch * a.h));
+  kernel<<<grid, kForwardThreads, bytes, stream>>>(a);
+  check_launch("attention_fp8_forward");
+}
+
+template <int D>
+void launch_transpose(const AttentionFp8Args& a, cudaStream_t stream) {
+  const dim3 grid(unsigned(a.vt_pitch / kTransposeKeys), unsigned(a.batch * a.hkv));
+  v_keys_inner_kernel<D><<<grid, kTransposeThreads, 0, stream>>>(a);
+  check_launch("attention_fp8_forward (the keys-inner V)");
+}
+
+template <int D>
+void launch_with_dim(const AttentionFp8Args& a, int out_type, cudaStream_t stream) {
+  launch_transpose<D>(a, stream);
+  dispatch_hp(out_type, "attention_fp8_forward", [&](auto tag) {
+    using TOut = typename decltype(tag)::type;
+    if (a.causal) {
+      launch_forward<D, true, TOut>(a, stream);
+    } else {
+      launch_forward<D, false, TOut>(a, stream);
+    }
+  });
+}
+
+}  // namespace
+
+int64_t attention_fp8_vt_pitch(int64_t tk) { return (tk + kBlockN - 1) / kBlockN * kBlockN; }
+
+void launch_attention_fp8_forward(const AttentionFp8Args& a, int out_type, void* stream) {
+  if (a.batch <= 0 || a.h <= 0 || a.tq <= 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (a.head_dim == 128) {
+    launch_with_dim<128>(a, out_type, s);
+  } else if (a.head_dim == 64) {
+    launch_with_dim<64>(a, out_type, s);
+  } else {
+    throw std::invalid_argument("attention_fp8_forward: head dim " + std::to_string(a.head_dim) +
+                                " is not 64 or 128");
+  }
+}
+
+}  // namespace te_fuser

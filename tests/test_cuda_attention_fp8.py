@@ -1,0 +1,165 @@
+"""The hand-written Hopper FP8 attention forward (``kernels/cuda/attention_kernels.cu``
+through ``te_fuser.kernels.cuda.attention.attention_forward_fp8``): o within the FP8
+forward's error bound of exact attention and lse within its tolerance, on odd
+lengths (one key tile and many, Tq above and below Tk, grouped kv heads, head dims
+64 and 128, causal and not, every output dtype), the probabilities cast with
+p_scale, the fused QKV tensor's views read in place (the same bits as contiguous
+copies), the same bits on every run, the Triton FP8 forward's results to within
+the two kernels' bounds at real sizes, and what the kernel refuses with a reason.
+The kernel runs on sm_90a only; the reasons also run here on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from te_fuser.kernels import reference as ref
+from te_fuser.kernels import triton as tk
+from te_fuser.kernels.cuda import attention as cuda_attn
+from test_attention_kernels import _context, _randn, assert_within_fp8_bound, dequantized, exact_attention, fp8_qkv
+from tolerances import assert_close
+
+
+def _hopper_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    from te_fuser.kernels.cuda._build import unavailable_reason
+
+    return unavailable_reason()
+
+
+_REASON = _hopper_reason()
+hopper = pytest.mark.skipif(_REASON is not None, reason=f"the kernel runs on sm_90a: {_REASON}")
+E4M3 = torch.float8_e4m3fn
+
+# (B, H, Hkv, Tq, Tk, D): one partial key tile; Tq > Tk and Tq < Tk; several tiles
+# with a partial last one and grouped heads 4:1; head dim 128 over 8 tiles of keys
+SHAPES = [(1, 4, 2, 67, 67, 64), (1, 8, 2, 67, 45, 64), (2, 4, 4, 45, 67, 64), (1, 8, 2, 1000, 1000, 64),
+          (2, 4, 1, 300, 300, 128), (1, 2, 2, 1000, 1000, 128)]
+
+
+def _forward(fp8s, scale_invs, p_scale, causal, scale, out_dtype):
+    return cuda_attn.attention_forward_fp8(*fp8s, *scale_invs, p_scale, causal, scale, out_dtype)
+
+
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_within_its_bound(shape, causal):
+    out_dtype = (torch.bfloat16, torch.float32, torch.float16)[SHAPES.index(shape) % 3]
+    fp8s, scale_invs = fp8_qkv(*shape, seed=sum(shape))
+    p_scale = torch.tensor(448.0, device="cuda")
+    scale = 1 / math.sqrt(shape[-1])
+    o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, out_dtype)
+    context = _context("cuda fp8 o", shape, out_dtype, causal)
+    assert o.dtype == out_dtype and o.shape == fp8s[0].shape and lse.dtype == torch.float32
+    assert o.transpose(1, 2).is_contiguous()  # (B, T, H, D) storage: the (B, T, H·D) merge is a view
+    q64, k64, v64 = dequantized(fp8s, scale_invs)
+    assert_within_fp8_bound(o, q64, k64, v64, causal, scale, 448.0, context)
+    _, lse_exact = exact_attention(q64, k64, v64, causal, scale)
+    assert_close(lse, lse_exact, "attention_fp8_lse", context.replace(" o", " lse"))
+
+
+@hopper
+@pytest.mark.parametrize("p_scale,factor", [(448.0, 1.0), (300.0, 288.0 / 300.0), (1000.0, 448.0 / 1000.0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_probabilities_are_cast_with_p_scale(p_scale, factor, causal):
+    """Scores of two values, the row maximum (keys j % 7 == 0) and 22 below it: the
+    top keys' probability 1 is cast as p_scale (300 rounds to 288, 1000 saturates
+    to 448), the others to 0, so o is e4m3(p_scale) / p_scale times the mean of the
+    top keys' values (up to the FP8 tensor cores' accumulation)."""
+    B, H, Hkv, Tq, Tk, D = 1, 2, 1, 140, 150, 64
+    c = 8.0
+    q = torch.zeros(B, H, Tq, D)
+    q[..., 0] = c
+    top = torch.arange(Tk) % 7 == 0
+    k = torch.zeros(B, Hkv, Tk, D)
+    k[..., 0] = torch.where(top, c, -c)
+    v = _randn((B, Hkv, Tk, D), 5, std=4.0).cpu().to(E4M3)
+    ones = torch.tensor(1.0, device="cuda")
+    o, lse = cuda_attn.attention_forward_fp8(q.to(E4M3).cuda(), k.to(E4M3).cuda(), v.cuda(), ones, ones, ones,
+                                             torch.tensor(p_scale, device="cuda"), causal, 1 / math.sqrt(D),
+                                             torch.float32)
+    seen = top[None, :].expand(Tq, Tk)
+    if causal:
+        seen = seen & torch.ones(Tq, Tk, dtype=torch.bool).tril()
+    v_top = (seen.double() @ v.double()[0, 0]) / seen.sum(1, keepdim=True)
+    want = (factor * v_top).expand(B, H, Tq, D)
+    lse_want = (c * c / math.sqrt(D) + torch.log(seen.sum(1).double())).expand(B, H, Tq)
+    context = f"p_scale={p_scale} causal={causal}"
+    assert_close(o.cpu(), want, "fp8_gemm_tensor_core", context, scaled=True)
+    assert_close(lse.cpu(), lse_want, "attention_fp32", f"lse {context}")
+
+
+@hopper
+def test_reads_the_fused_qkv_views_in_place():
+    """q, k, v as the attention op hands them: head ranges of one fused (B, T, H +
+    2·Hkv, D) E4M3 tensor. The same bits as from contiguous copies of the three."""
+    B, H, Hkv, T, D = 2, 8, 2, 200, 128
+    fused = _randn((B, T, H + 2 * Hkv, D), 9, std=24.0).clamp(-448, 448).to(E4M3)
+    heads = fused.transpose(1, 2)
+    views = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
+    scale_invs = tuple(torch.tensor(s, device="cuda") for s in (0.0371, 0.0298, 0.125))
+    p_scale = torch.tensor(448.0, device="cuda")
+    o, lse = _forward(views, scale_invs, p_scale, True, 1 / math.sqrt(D), torch.bfloat16)
+    o_c, lse_c = _forward(tuple(t.contiguous() for t in views), scale_invs, p_scale, True, 1 / math.sqrt(D),
+                          torch.bfloat16)
+    assert torch.equal(o, o_c) and torch.equal(lse, lse_c)
+
+
+@hopper
+def test_the_same_bits_on_every_run():
+    fp8s, scale_invs = fp8_qkv(2, 8, 2, 777, 777, 128, seed=4)
+    p_scale = torch.tensor(448.0, device="cuda")
+    first = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
+    for _ in range(3):
+        again = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@hopper
+@pytest.mark.parametrize("T,D,causal", [(4096, 128, True), (4096, 64, True), (1024, 128, False)])
+def test_at_real_sizes_beside_triton(T, D, causal):
+    """Both FP8 forwards within the bound of exact attention (fp32) at real sizes
+    (Triton's is tested so in test_attention_kernels.py), and their lse alike."""
+    shape = (1, 8, 2, T, T, D)
+    fp8s, scale_invs = fp8_qkv(*shape, seed=T + D)
+    scale = 1 / math.sqrt(D)
+    p_scale = torch.tensor(448.0, device="cuda")
+    o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, torch.bfloat16)
+    q32, k32, v32 = dequantized(fp8s, scale_invs, torch.float32)
+    assert_within_fp8_bound(o, q32, k32, v32, causal, scale, 448.0, _context("cuda fp8 o", shape, "bf16", causal))
+    _, lse32 = ref.attention_forward_reference(q32, k32, v32, causal, scale)
+    assert_close(lse, lse32, "attention_fp8_lse", _context("cuda fp8 lse", shape, "bf16", causal))
+    o_t, lse_t = tk.attention_forward_fp8(*fp8s, *scale_invs, p_scale, causal, scale, torch.bfloat16)
+    assert_within_fp8_bound(o_t, q32, k32, v32, causal, scale, 448.0, _context("triton fp8 o", shape, "bf16", causal))
+    assert_close(lse, lse_t, "attention_fp8_lse", "cuda against triton lse")
+
+
+def test_reasons_name_what_the_kernel_does_not_take():
+    """Checked before anything runs, on any machine."""
+    q = torch.zeros(1, 2, 8, 64).to(E4M3)
+    reason = cuda_attn.attention_forward_fp8_unsupported_reason(q, q)
+    assert reason is not None
+    if q.device.type == "cpu":
+        assert "CUDA tensors" in reason
+    bf16 = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert "float8_e4m3fn" in cuda_attn.attention_forward_fp8_unsupported_reason(bf16, bf16)
+    one = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="attention_forward_fp8: "):
+        cuda_attn.attention_forward_fp8(q, q, q, one, one, one, one, True, 0.125, torch.bfloat16)
+
+
+@hopper
+def test_layouts_it_refuses_on_the_gpu():
+    q = torch.zeros(1, 2, 8, 32, device="cuda").to(E4M3)
+    assert "head dims" in cuda_attn.attention_forward_fp8_unsupported_reason(q, q)
+    wide = torch.zeros(1, 2, 8, 65 * 2, device="cuda").to(E4M3)[..., 1:129:2]  # head dim 64, stride 2
+    assert "16-byte" in cuda_attn.attention_forward_fp8_unsupported_reason(wide, wide)
+    odd = torch.zeros(1, 2, 8, 72, device="cuda").to(E4M3)[..., :64]  # rows 72 bytes apart
+    assert "16-byte" in cuda_attn.attention_forward_fp8_unsupported_reason(odd, odd)
+    one = torch.tensor(1.0, device="cuda")
+    with pytest.raises(ValueError, match="head dims"):
+        cuda_attn.attention_forward_fp8(q, q, q, one, one, one, one, True, 0.125, torch.bfloat16)
