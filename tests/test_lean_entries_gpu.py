@@ -190,6 +190,14 @@ def test_lean_layer_norm_equals_the_checked_launchers(shape, hp, out_dtype, with
         assert_bitwise(a, c)
     assert cuda.layer_norm.lean(x[:, 1:], w[1:], b[1:], 1e-5) is None  # a view: the checked path copies it
     assert cuda.layer_norm.lean(x, w.bfloat16(), b, 1e-5) is None
+    assert cuda.layer_norm.lean(x, w, b[:-1], 1e-5) is None
+    assert cuda.layer_norm.lean(x.cpu(), w, b, 1e-5) is None
+    mean, rstd = got_stats = cuda.layer_norm(x, w, b, 1e-5)[1:]
+    assert cuda.layer_norm_grad.lean(dy, x, w, mean.double(), rstd) is None
+    assert cuda.layer_norm_grad.lean(dy, x, w, mean, rstd[:-1]) is None
+    assert cuda.layer_norm_grad.lean(dy[:-1], x, w, mean, rstd) is None
+    assert cuda.layer_norm_grad.lean(dy, x, w, mean, rstd, dy[:, :1]) is None
+    assert all(t is not None for t in cuda.layer_norm_grad.lean(dy, x, w, *got_stats))
     fn = backend.resolve("layer_norm", x.device).fn
     assert getattr(fn, "lean", None) is not None  # kept on the auto table's size split
 

@@ -574,6 +574,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grad(const at::Tensor&
   return {dx, piece_of(sums, 0, at::kFloat, {n}), piece_of(sums, n * 4, at::kFloat, {n})};
 }
 
+// A contiguous, 16-byte aligned CUDA tensor on `device`.
+bool plain_on(const at::Tensor& t, int64_t device) {
+  return t.is_cuda() && t.get_device() == device && t.is_contiguous() &&
+         reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// A contiguous fp32 vector of n elements on `device` (16-byte aligned: aligned).
+bool fp32_vector(const at::Tensor& t, int64_t n, int64_t device, bool aligned) {
+  return t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n && t.is_cuda() &&
+         t.get_device() == device && t.is_contiguous() &&
+         (!aligned || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0);
+}
+
+// layer_norm with its operands checked here: the same result, or None for
+// operands the Python path must look at (x not a contiguous, 16-byte aligned 2-D
+// CUDA tensor of a high-precision dtype on `device`, weight and bias not aligned
+// contiguous fp32 (N,) there, an out_dtype (default x's) not of the three).
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_lean(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
+    std::optional<at::ScalarType> out_dtype, int64_t device, int64_t stream) {
+  const at::ScalarType out = out_dtype.value_or(x.scalar_type());
+  if (x.dim() != 2 || hp_code_or_none(x.scalar_type()) < 0 || hp_code_or_none(out) < 0 || !plain_on(x, device) ||
+      !fp32_vector(weight, x.size(1), device, true) || !fp32_vector(bias, x.size(1), device, true)) {
+    return std::nullopt;
+  }
+  return layer_norm(x, weight, bias, eps, out, stream);
+}
+
+// layer_norm_grad with its operands checked here, or None (see layer_norm_lean):
+// dy and grad_add of x's shape and a high-precision dtype, aligned and contiguous
+// on `device`, weight as in the forward, mean and rstd contiguous fp32 (rows,) there.
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_lean(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& mean,
+    const at::Tensor& rstd, const std::optional<at::Tensor>& grad_add, int64_t device, int64_t stream) {
+  if (x.dim() != 2 || hp_code_or_none(x.scalar_type()) < 0 || hp_code_or_none(dy.scalar_type()) < 0 ||
+      !dy.sizes().equals(x.sizes()) || !plain_on(x, device) || !plain_on(dy, device) ||
+      !fp32_vector(weight, x.size(1), device, true) || !fp32_vector(mean, x.size(0), device, false) ||
+      !fp32_vector(rstd, x.size(0), device, false)) {
+    return std::nullopt;
+  }
+  if (grad_add && (!grad_add->sizes().equals(x.sizes()) || hp_code_or_none(grad_add->scalar_type()) < 0 ||
+                   !plain_on(*grad_add, device))) {
+    return std::nullopt;
+  }
+  return layer_norm_grad(dy, x, weight, mean, rstd, grad_add, stream);
+}
+
 // A 4-D E4M3 view on `device` whose rows the FP8 attention's copies read as 16-byte
 // chunks: head dim 64 or 128 and contiguous, the start and the other strides
 // multiples of 16 bytes.
@@ -673,6 +720,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the FP8 attention forward on Hopper's tensor cores: (o, lse), operands checked here; None for a case the "
         "Python path takes");
   m.def("layer_norm", &layer_norm, "LayerNorm forward, one warp per row, outputs allocated here");
+  m.def("layer_norm_lean", &layer_norm_lean,
+        "layer_norm with its operands checked here: (y, mean, rstd), or None for a case the Python path takes");
+  m.def("layer_norm_grad_lean", &layer_norm_grad_lean,
+        "layer_norm_grad with its operands checked here: (dx, dweight, dbias), or None for a case the Python path "
+        "takes");
   m.def("layer_norm_grad", &layer_norm_grad, "LayerNorm backward: dx, dweight, dbias, outputs allocated here");
   m.def("epilogue", &epilogue, "bias + activation + residual over a GEMM result");
   m.def("fp8_gemm_tensorwise", &te_fuser::fp8_gemm_tensorwise,

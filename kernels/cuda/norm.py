@@ -16,7 +16,7 @@ import torch
 
 from ..reference.norm import check_grad_add, check_layer_norm
 from ._build import extension, raw_stream, stream_of_index
-from .cast import ALIGNMENT, HP_CODES, aligned_contiguous, check_cuda_tensor, current_device_index, on_device
+from .cast import HP_CODES, aligned_contiguous, check_cuda_tensor, current_device_index, on_device
 
 __all__ = ["layer_norm", "layer_norm_grad"]
 
@@ -73,51 +73,25 @@ def layer_norm_grad(
                                            mean.contiguous(), rstd.contiguous(), grad_add, raw_stream(device))
 
 
-_FP32 = torch.float32
-
-
-def _plain(t: torch.Tensor, index: int) -> bool:
-    """A contiguous, 16-byte aligned CUDA tensor on device ``index``."""
-    return t.is_cuda and t.get_device() == index and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0
-
-
 def _lean_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                      out_dtype: torch.dtype | None = None):
-    """:func:`layer_norm` with the checks a launch needs and no more: the same
-    result, or None for a case it does not take as it is (x not a contiguous 2-D
-    CUDA tensor of a high-precision dtype, parameters not fp32 (N,) on its device,
-    another device current), which then goes through :func:`layer_norm` and its
-    checks. The norm ops call it first (``layer_norm.lean``)."""
-    out_dtype = out_dtype or x.dtype
-    if x.dim() != 2 or x.dtype not in HP_CODES or out_dtype not in HP_CODES or not x.is_cuda:
-        return None
-    index = x.get_device()
-    n = x.shape[1]
-    if (index != current_device_index() or not _plain(x, index) or weight.dtype is not _FP32
-            or bias.dtype is not _FP32 or weight.shape != (n,) or bias.shape != (n,)
-            or not _plain(weight, index) or not _plain(bias, index)):
-        return None
-    return extension().layer_norm(x, weight, bias, float(eps), out_dtype, stream_of_index(index))
+    """:func:`layer_norm` with its operands checked in C++ (``layer_norm_lean`` in
+    ``binding.cpp``): the same result, or None for a case it does not take as it is
+    (x not a contiguous, 16-byte aligned 2-D CUDA tensor of a high-precision dtype
+    on the current device, parameters not aligned fp32 (N,) there), which then goes
+    through :func:`layer_norm` and its checks. The norm ops call it first
+    (``layer_norm.lean``)."""
+    index = current_device_index()
+    return extension().layer_norm_lean(x, weight, bias, float(eps), out_dtype, index, stream_of_index(index))
 
 
 def _lean_layer_norm_grad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
                           rstd: torch.Tensor, grad_add: torch.Tensor | None = None):
-    """:func:`layer_norm_grad` with the checks a launch needs and no more, or None
-    (see :func:`_lean_layer_norm`): dy and grad_add of x's shape, the statistics
-    fp32 (rows,), everything contiguous on x's device."""
-    if x.dim() != 2 or x.dtype not in HP_CODES or dy.dtype not in HP_CODES or not x.is_cuda:
-        return None
-    index = x.get_device()
-    rows, n = x.shape
-    if (index != current_device_index() or dy.shape != x.shape or not _plain(x, index) or not _plain(dy, index)
-            or weight.dtype is not _FP32 or weight.shape != (n,) or not _plain(weight, index)
-            or mean.dtype is not _FP32 or rstd.dtype is not _FP32 or mean.shape != (rows,) or rstd.shape != (rows,)
-            or not mean.is_contiguous() or not rstd.is_contiguous()):
-        return None
-    if grad_add is not None and (grad_add.shape != x.shape or grad_add.dtype not in HP_CODES
-                                 or not _plain(grad_add, index)):
-        return None
-    return extension().layer_norm_grad(dy, x, weight, mean, rstd, grad_add, stream_of_index(index))
+    """:func:`layer_norm_grad` with its operands checked in C++, or None (see
+    :func:`_lean_layer_norm`): dy and grad_add of x's shape, the statistics fp32
+    (rows,), everything contiguous on the current device."""
+    index = current_device_index()
+    return extension().layer_norm_grad_lean(dy, x, weight, mean, rstd, grad_add, index, stream_of_index(index))
 
 
 layer_norm.lean = _lean_layer_norm
