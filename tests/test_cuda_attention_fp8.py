@@ -4,9 +4,9 @@ forward's error bound of exact attention and lse within its tolerance, on odd
 lengths (one key tile and many, Tq above and below Tk, grouped kv heads, head dims
 64 and 128, causal and not, every output dtype), the probabilities cast with
 p_scale, the fused QKV tensor's views read in place (the same bits as contiguous
-copies), the same bits on every run, the Triton FP8 forward's results to within
-the two kernels' bounds at real sizes, and what the kernel refuses with a reason.
-The kernel runs on sm_90a only; the reasons also run here on the CPU."""
+copies), the same bits on every run and with either schedule of the consumers,
+the Triton FP8 forward beside it at real sizes, and what the kernel refuses with a
+reason. The kernel runs on sm_90a only; the reasons also run here on the CPU."""
 
 from __future__ import annotations
 
@@ -62,6 +62,73 @@ def test_forward_within_its_bound(shape, causal):
     assert_close(lse, lse_exact, "attention_fp8_lse", context.replace(" o", " lse"))
 
 
+def _extension_call(name, *args):
+    from te_fuser.kernels.cuda._build import extension, stream_of_index
+
+    index = torch.cuda.current_device()
+    return getattr(extension(), name)(*args, index, stream_of_index(index))
+
+
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_keys_inner_rewrite_of_v(D):
+    """What the forward reads for V (a head range of a fused tensor here): (B·Hkv,
+    D, T rounded up to 128) bytes whose position 16g + 4w + b holds key 16g + 2w +
+    (0, 1, 8, 9)[b], the order in which the S accumulator's registers serve as P,
+    and zeros past the last key."""
+    B, Hkv, T = 2, 3, 300
+    fused = _randn((B, T, 2 + Hkv, D), 7, std=24.0).clamp(-448, 448).to(E4M3)
+    v = fused.transpose(1, 2)[:, 2:]
+    vt = _extension_call("attention_fp8_keys_inner", v)
+    pitch = -(-T // 128) * 128
+    order = torch.tensor([16 * g + 2 * w + off for g in range(pitch // 16) for w in range(4) for off in (0, 1, 8, 9)])
+    padded = torch.zeros(B, Hkv, pitch, D, dtype=torch.uint8, device="cuda")
+    padded[:, :, :T] = v.view(torch.uint8)
+    want = padded[:, :, order].permute(0, 1, 3, 2).reshape(B * Hkv, D, pitch)
+    assert vt.shape == want.shape and torch.equal(vt, want)
+
+
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_uniform_scores_average_the_values(D, causal):
+    """q = 0: every key a row sees scores 0, its probability times p_scale is 448
+    exactly, and o is the mean of the values the row sees; lse is ln(keys seen).
+    P·V, the keys' order in Vᵀ, the masks and the row sums, apart from Q Kᵀ."""
+    B, H, Hkv, T = 1, 4, 2, 300
+    q8 = torch.zeros(B, H, T, D, device="cuda").to(E4M3)
+    k8 = _randn((B, Hkv, T, D), 3, std=24.0).clamp(-448, 448).to(E4M3)
+    v8 = _randn((B, Hkv, T, D), 4, std=8.0).clamp(-448, 448).to(E4M3)
+    ones = torch.tensor(1.0, device="cuda")
+    o, lse = cuda_attn.attention_forward_fp8(q8, k8, v8, ones, ones, ones, torch.tensor(448.0, device="cuda"), causal,
+                                             1 / math.sqrt(D), torch.float32)
+    v = v8.double().cpu().repeat_interleave(H // Hkv, dim=1)
+    seen = torch.ones(T, T, dtype=torch.float64).tril() if causal else torch.ones(T, T, dtype=torch.float64)
+    counts = seen.sum(1)
+    want = (seen @ v) / counts[:, None]
+    assert_close(o.cpu(), want, "fp8_gemm_tensor_core", f"uniform scores D={D} causal={causal}", scaled=True)
+    assert_close(lse.cpu(), torch.log(counts).expand(B, H, T), "attention_fp32", f"uniform lse D={D}")
+
+
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_one_key_per_row(D):
+    """T = D keys k_j = 16·e_j and queries q_i = 16·e_π(i): row i sees one key far
+    above the others (exp(-22) or less: probability 0 once cast), so o_i is
+    v_π(i). Q Kᵀ's operands as the tensor cores read them, apart from the rest."""
+    B, H, T = 1, 2, D
+    perm = torch.randperm(T, generator=torch.Generator().manual_seed(D))
+    eye = torch.eye(D)
+    q = (16.0 * eye[perm]).expand(B, H, T, D).to(E4M3).cuda()
+    k = (16.0 * eye).expand(B, 1, T, D).to(E4M3).cuda()
+    v8 = _randn((B, 1, T, D), 6, std=8.0).clamp(-448, 448).to(E4M3)
+    ones = torch.tensor(1.0, device="cuda")
+    o, _ = cuda_attn.attention_forward_fp8(q, k, v8, ones, ones, ones, torch.tensor(448.0, device="cuda"), False,
+                                           1 / math.sqrt(D), torch.float32)
+    want = v8.double().cpu()[:, :, perm].expand(B, H, T, D)
+    assert_close(o.cpu(), want, "fp8_gemm_tensor_core", f"one key per row D={D}", scaled=True)
+
+
 @hopper
 @pytest.mark.parametrize("p_scale,factor", [(448.0, 1.0), (300.0, 288.0 / 300.0), (1000.0, 448.0 / 1000.0)])
 @pytest.mark.parametrize("causal", [False, True])
@@ -110,12 +177,18 @@ def test_reads_the_fused_qkv_views_in_place():
 
 
 @hopper
-def test_the_same_bits_on_every_run():
-    fp8s, scale_invs = fp8_qkv(2, 8, 2, 777, 777, 128, seed=4)
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_same_bits_on_every_run_and_schedule(D):
+    """Run after run, and with the consumers taking turns at the tensor cores or not."""
+    fp8s, scale_invs = fp8_qkv(2, 8, 2, 777, 777, D, seed=4)
     p_scale = torch.tensor(448.0, device="cuda")
     first = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
-    for _ in range(3):
-        again = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
+    for turns in (True, False, True):
+        previous = cuda_attn.set_fp8_turns(turns)
+        try:
+            again = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
+        finally:
+            cuda_attn.set_fp8_turns(previous)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 

@@ -46,7 +46,8 @@ import torch
 from ..reference.attention import check_attention, check_attention_backward, check_attention_fp8
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
-           "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason"]
+           "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
+           "set_fp8_turns"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -232,3 +233,13 @@ def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scal
         raise ValueError(f"attention_forward_fp8: the extension did not take q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     return out
+
+
+def set_fp8_turns(enable: bool) -> bool:
+    """Whether :func:`attention_forward_fp8`'s two consumer warpgroups take turns at
+    the tensor cores for S = Q Kᵀ (the default: one's softmax runs beside the other's
+    product) or issue it whenever they are ready; the same bits either way. For this
+    process (it builds the extension if need be); returns the previous setting."""
+    from ._build import extension
+
+    return extension().attention_fp8_turns(bool(enable))

@@ -23,7 +23,8 @@
 //   * warpgroups 1, 2 (consumers, 224 registers): S = Q Kᵀ (wgmma m64n128k32, Q and
 //     K from shared memory), the online softmax on S in registers, P as the
 //     register A operand of O_tile = P V (wgmma m64nDk32, Vᵀ from shared memory),
-//     O += O_tile in fp32.
+//     O += O_tile in fp32. By default the two take turns issuing S = Q Kᵀ (named
+//     barriers), so that one's softmax overlaps the other's tensor-core work.
 //
 // Shared memory tiles are K-major with the 128-byte (rows of 128 bytes) or 64-byte
 // (rows of 64 bytes) swizzle that wgmma's descriptors name: the 16-byte chunk c
@@ -83,6 +84,14 @@ __device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
+}
+
+// Named barriers 1 and 2 (0 is __syncthreads'): the consumers' turns at the tensor cores.
+__device__ __forceinline__ void turn_wait(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
 }
 
 __device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -314,6 +323,12 @@ __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
   const uint32_t q_rows = base + S::q + 64 * group * D;  // this warpgroup's 64 rows: whole swizzle groups
+  // Turns (a.turns): the consumers alternate at the tensor cores for S = Q Kᵀ, so
+  // one's softmax runs while the other's product does. Consumer 0 waits on named
+  // barrier 1 and passes to 2, consumer 1 the other way round; consumer 1 passes
+  // first and skips its last pass, so every barrier sees as many passes as waits.
+  const bool turns = a.turns;
+  if (turns && group == 1) turn_pass(1);
   barrier_wait(S::q_full(base), 0);
   for (int j = 0; j < tiles; ++j) {
     const int s = j % kStages;
@@ -321,12 +336,14 @@ __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base
     float sc[64];  // S: rows row0 + 8·((i / 2) % 2), key n0 + 8·(i / 4) + col + i % 2
     const uint64_t k_desc = tile_descriptor<D>(base + S::k + s * kBlockN * D);
     const uint64_t q_desc = tile_descriptor<D>(q_rows);
+    if (turns) turn_wait(1 + group);
     mma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 32; ++kk) mma_ss_n128(sc, q_desc + 2 * kk, k_desc + 2 * kk, kk);
     mma_commit();
     mma_wait_all();
     fence_registers(sc);
+    if (turns && !(group == 1 && j == tiles - 1)) turn_pass(2 - group);
     const int n0 = j * kBlockN;
     const bool masked = n0 + kBlockN > a.tk || (CAUSAL && n0 + kBlockN - 1 > m0 + 64 * group);
     if (masked) {
@@ -515,6 +532,19 @@ void launch_with_dim(const AttentionFp8Args& a, int out_type, cudaStream_t strea
 }  // namespace
 
 int64_t attention_fp8_vt_pitch(int64_t tk) { return (tk + kBlockN - 1) / kBlockN * kBlockN; }
+
+void launch_attention_fp8_keys_inner(const AttentionFp8Args& a, void* stream) {
+  if (a.batch <= 0 || a.hkv <= 0 || a.vt_pitch <= 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (a.head_dim == 128) {
+    launch_transpose<128>(a, s);
+  } else if (a.head_dim == 64) {
+    launch_transpose<64>(a, s);
+  } else {
+    throw std::invalid_argument("attention_fp8_keys_inner: head dim " + std::to_string(a.head_dim) +
+                                " is not 64 or 128");
+  }
+}
 
 void launch_attention_fp8_forward(const AttentionFp8Args& a, int out_type, void* stream) {
   if (a.batch <= 0 || a.h <= 0 || a.tq <= 0) return;

@@ -621,6 +621,16 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
   return layer_norm_grad(dy, x, weight, mean, rstd, grad_add, stream);
 }
 
+// Whether the FP8 attention's consumer warpgroups take turns at the tensor cores
+// (AttentionFp8Args::turns); the same bits either way.
+bool attention_fp8_turns_state = true;
+
+bool attention_fp8_turns(bool enable) {
+  const bool previous = attention_fp8_turns_state;
+  attention_fp8_turns_state = enable;
+  return previous;
+}
+
 // A 4-D E4M3 view on `device` whose rows the FP8 attention's copies read as 16-byte
 // chunks: head dim 64 or 128 and contiguous, the start and the other strides
 // multiples of 16 bytes.
@@ -634,6 +644,27 @@ bool attention_fp8_operand(const at::Tensor& t, int64_t device) {
     if (t.stride(d) % 16 != 0 || t.size(d) > std::numeric_limits<int32_t>::max()) return false;
   }
   return true;
+}
+
+// V (B, Hkv, Tk, D) as the FP8 attention forward reads it: (B·Hkv, D, pitch)
+// bytes, each row's positions holding the keys in the kernel's order, zeros past
+// Tk (launch_attention_fp8_keys_inner). None for a v that attention_fp8_operand
+// does not take.
+std::optional<at::Tensor> attention_fp8_keys_inner(const at::Tensor& v, int64_t device, int64_t stream) {
+  if (!attention_fp8_operand(v, device) || v.size(2) == 0 || v.size(0) * v.size(1) > 65535) return std::nullopt;
+  const int64_t pitch = te_fuser::attention_fp8_vt_pitch(v.size(2));
+  at::Tensor vt = at::empty({v.size(0) * v.size(1), v.size(3), pitch}, v.options().dtype(at::kByte));
+  te_fuser::AttentionFp8Args a;
+  a.v = static_cast<const uint8_t*>(v.data_ptr());
+  a.vt = vt.data_ptr<uint8_t>();
+  a.batch = static_cast<int>(v.size(0));
+  a.hkv = static_cast<int>(v.size(1));
+  a.tk = static_cast<int>(v.size(2));
+  a.head_dim = static_cast<int>(v.size(3));
+  a.vt_pitch = pitch;
+  a.v_stride_b = v.stride(0), a.v_stride_h = v.stride(1), a.v_stride_t = v.stride(2);
+  te_fuser::launch_attention_fp8_keys_inner(a, as_stream(stream));
+  return vt;
 }
 
 // The FP8 attention forward (see launch_attention_fp8_forward): (o (B, H, Tq, D) in
@@ -678,6 +709,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
   a.tk = static_cast<int>(tk);
   a.head_dim = static_cast<int>(dim);
   a.causal = causal;
+  a.turns = attention_fp8_turns_state;
   a.vt_pitch = pitch;
   a.q_stride_b = q.stride(0), a.q_stride_h = q.stride(1), a.q_stride_t = q.stride(2);
   a.k_stride_b = k.stride(0), a.k_stride_h = k.stride(1), a.k_stride_t = k.stride(2);
@@ -716,6 +748,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_lean", &rotary_lean,
         "RoPE of x (B, T, heads, D) into a new tensor or in place, operands checked here; None for a case the "
         "Python path takes");
+  m.def("attention_fp8_keys_inner", &attention_fp8_keys_inner,
+        "V as the FP8 attention forward reads it (keys inner, in the kernel's order), or None");
+  m.def("attention_fp8_turns", &attention_fp8_turns,
+        "whether the FP8 attention's consumer warpgroups take turns at the tensor cores; returns the previous state");
   m.def("attention_fp8_forward_lean", &attention_fp8_forward_lean,
         "the FP8 attention forward on Hopper's tensor cores: (o, lse), operands checked here; None for a case the "
         "Python path takes");

@@ -207,6 +207,7 @@ struct AttentionFp8Args {
   float qk_scale = 0.0f;
   int batch = 0, h = 0, hkv = 0, tq = 0, tk = 0, head_dim = 0;
   bool causal = false;
+  bool turns = true;  // the consumer warpgroups take turns at S = Q Kᵀ (named barriers)
   int64_t vt_pitch = 0;
   int64_t q_stride_b = 0, q_stride_h = 0, q_stride_t = 0;
   int64_t k_stride_b = 0, k_stride_h = 0, k_stride_t = 0;
@@ -221,5 +222,9 @@ int64_t attention_fp8_vt_pitch(int64_t tk);
 // tk), then the forward into o and lse (out_type a high-precision code; head dim
 // 64 or 128; sm_90a).
 void launch_attention_fp8_forward(const AttentionFp8Args& args, int out_type, void* stream);
+
+// The first of the two alone: V (args.v, its strides, batch, hkv, tk, head_dim)
+// into vt (args.vt, vt_pitch) (a test's view of what the forward reads).
+void launch_attention_fp8_keys_inner(const AttentionFp8Args& args, void* stream);
 
 }  // namespace te_fuser
