@@ -135,8 +135,10 @@ for part in $parts; do
     attn)  # flash attention: its tests (CPU sizes compiled, then T=1000/4096), then beside torch SDPA bf16 with the launch-shape sweep
       timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py 2>&1 | tee "$OUT/attn_tests.log" | tail -15
       timeout 260 python3 benchmarks/bench_attention.py --sweep 2>&1 | tee "$OUT/attn.log" | tail -70 ;;
-    attnfp8)  # the Hopper FP8 attention forward (attention_kernels.cu): its tests, then beside Triton's and SDPA bf16
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_fp8.py 2>&1 | tee "$OUT/attnfp8_tests.log" | tail -15
+    attnfp8)  # the Hopper FP8 attention forward (attention_kernels.cu): the extension built, its tests (the isolating
+      # ones first; a short limit, should a barrier never complete), then beside Triton's and SDPA bf16
+      timeout 300 python3 -c "from te_fuser.kernels.cuda import load_extension; load_extension()" 2>&1 | tail -5
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_fp8.py 2>&1 | tee "$OUT/attnfp8_tests.log" | tail -15
       timeout 200 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main d64 gqa gpt} 2>&1 | tee "$OUT/attnfp8.log" | tail -50 ;;
     attngpt)  # the attention backward's launch shapes at the GPT's shape (B 16, 16 heads, seq 1024, head dim 64, causal)
       timeout 250 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels dq dkdv \

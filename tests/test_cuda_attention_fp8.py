@@ -44,24 +44,6 @@ def _forward(fp8s, scale_invs, p_scale, causal, scale, out_dtype):
     return cuda_attn.attention_forward_fp8(*fp8s, *scale_invs, p_scale, causal, scale, out_dtype)
 
 
-@hopper
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_forward_within_its_bound(shape, causal):
-    out_dtype = (torch.bfloat16, torch.float32, torch.float16)[SHAPES.index(shape) % 3]
-    fp8s, scale_invs = fp8_qkv(*shape, seed=sum(shape))
-    p_scale = torch.tensor(448.0, device="cuda")
-    scale = 1 / math.sqrt(shape[-1])
-    o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, out_dtype)
-    context = _context("cuda fp8 o", shape, out_dtype, causal)
-    assert o.dtype == out_dtype and o.shape == fp8s[0].shape and lse.dtype == torch.float32
-    assert o.transpose(1, 2).is_contiguous()  # (B, T, H, D) storage: the (B, T, H·D) merge is a view
-    q64, k64, v64 = dequantized(fp8s, scale_invs)
-    assert_within_fp8_bound(o, q64, k64, v64, causal, scale, 448.0, context)
-    _, lse_exact = exact_attention(q64, k64, v64, causal, scale)
-    assert_close(lse, lse_exact, "attention_fp8_lse", context.replace(" o", " lse"))
-
-
 def _extension_call(name, *args):
     from te_fuser.kernels.cuda._build import extension, stream_of_index
 
@@ -127,6 +109,24 @@ def test_one_key_per_row(D):
                                            1 / math.sqrt(D), torch.float32)
     want = v8.double().cpu()[:, :, perm].expand(B, H, T, D)
     assert_close(o.cpu(), want, "fp8_gemm_tensor_core", f"one key per row D={D}", scaled=True)
+
+
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_within_its_bound(shape, causal):
+    out_dtype = (torch.bfloat16, torch.float32, torch.float16)[SHAPES.index(shape) % 3]
+    fp8s, scale_invs = fp8_qkv(*shape, seed=sum(shape))
+    p_scale = torch.tensor(448.0, device="cuda")
+    scale = 1 / math.sqrt(shape[-1])
+    o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, out_dtype)
+    context = _context("cuda fp8 o", shape, out_dtype, causal)
+    assert o.dtype == out_dtype and o.shape == fp8s[0].shape and lse.dtype == torch.float32
+    assert o.transpose(1, 2).is_contiguous()  # (B, T, H, D) storage: the (B, T, H·D) merge is a view
+    q64, k64, v64 = dequantized(fp8s, scale_invs)
+    assert_within_fp8_bound(o, q64, k64, v64, causal, scale, 448.0, context)
+    _, lse_exact = exact_attention(q64, k64, v64, causal, scale)
+    assert_close(lse, lse_exact, "attention_fp8_lse", context.replace(" o", " lse"))
 
 
 @hopper
