@@ -146,13 +146,18 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
         diff = (f"max|o - sdpa| {(o8c.float() - o_sdpa.float()).abs().max().item():.2e}, "
                 f"max|o - triton fp8| {(o8c.float() - o8.float()).abs().max().item():.2e}")
         row("fwd fp8", "cuda", harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16", diff)
-        cuda_attn.set_fp8_turns(False)  # the consumers not taking turns: the same bits, another schedule
-        try:
-            same = torch.equal(fp8_forward_cuda(*fp8_sets[0])[0], o8c)
-            row("fwd fp8", "cuda, no turns", harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms,
-                "sdpa bf16", "the same bits" if same else "OTHER BITS")
+        default = cuda_attn.set_fp8_schedule()
+        try:  # the other schedules of the consumers: without turns (the same bits), overlapped (other bits)
+            for turns, overlap, label in ((False, False, "cuda, no turns"), (True, True, "cuda, overlapped"),
+                                          (False, True, "cuda, overlapped, no turns")):
+                cuda_attn.set_fp8_schedule(turns, overlap)
+                o8s = fp8_forward_cuda(*fp8_sets[0])[0]
+                note = ("the same bits" if torch.equal(o8s, o8c) else
+                        f"max|o - in order| {(o8s.float() - o8c.float()).abs().max().item():.2e}")
+                row("fwd fp8", label, harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16",
+                    note)
         finally:
-            cuda_attn.set_fp8_turns(True)
+            cuda_attn.set_fp8_schedule(*default)
     # backward
     do = torch.randn_like(q)
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))

@@ -4,12 +4,14 @@ forward's error bound of exact attention and lse within its tolerance, on odd
 lengths (one key tile and many, Tq above and below Tk, grouped kv heads, head dims
 64 and 128, causal and not, every output dtype), the probabilities cast with
 p_scale, the fused QKV tensor's views read in place (the same bits as contiguous
-copies), the same bits on every run and with either schedule of the consumers,
+copies), the same bits on every run and with or without the consumers' turns (the
+overlapped schedule: its own bits, within the same bound),
 the Triton FP8 forward beside it at real sizes, and what the kernel refuses with a
 reason. The kernel runs on sm_90a only; the reasons also run here on the CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -38,6 +40,15 @@ E4M3 = torch.float8_e4m3fn
 # with a partial last one and grouped heads 4:1; head dim 128 over 8 tiles of keys
 SHAPES = [(1, 4, 2, 67, 67, 64), (1, 8, 2, 67, 45, 64), (2, 4, 4, 45, 67, 64), (1, 8, 2, 1000, 1000, 64),
           (2, 4, 1, 300, 300, 128), (1, 2, 2, 1000, 1000, 128)]
+
+
+@contextlib.contextmanager
+def _schedule(turns: bool, overlap: bool):
+    previous = cuda_attn.set_fp8_schedule(turns, overlap)
+    try:
+        yield
+    finally:
+        cuda_attn.set_fp8_schedule(*previous)
 
 
 def _forward(fp8s, scale_invs, p_scale, causal, scale, out_dtype):
@@ -112,15 +123,17 @@ def test_one_key_per_row(D):
 
 
 @hopper
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_forward_within_its_bound(shape, causal):
+def test_forward_within_its_bound(shape, causal, overlap):
     out_dtype = (torch.bfloat16, torch.float32, torch.float16)[SHAPES.index(shape) % 3]
     fp8s, scale_invs = fp8_qkv(*shape, seed=sum(shape))
     p_scale = torch.tensor(448.0, device="cuda")
     scale = 1 / math.sqrt(shape[-1])
-    o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, out_dtype)
-    context = _context("cuda fp8 o", shape, out_dtype, causal)
+    with _schedule(True, overlap):
+        o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, out_dtype)
+    context = _context(f"cuda fp8 o (overlap={overlap})", shape, out_dtype, causal)
     assert o.dtype == out_dtype and o.shape == fp8s[0].shape and lse.dtype == torch.float32
     assert o.transpose(1, 2).is_contiguous()  # (B, T, H, D) storage: the (B, T, H·D) merge is a view
     q64, k64, v64 = dequantized(fp8s, scale_invs)
@@ -179,29 +192,31 @@ def test_reads_the_fused_qkv_views_in_place():
 @hopper
 @pytest.mark.parametrize("D", [64, 128])
 def test_the_same_bits_on_every_run_and_schedule(D):
-    """Run after run, and with the consumers taking turns at the tensor cores or not."""
+    """Run after run; with the consumers taking turns at the tensor cores or not
+    (the same bits); overlapped (its own bits, the same on every run, with turns
+    or without)."""
     fp8s, scale_invs = fp8_qkv(2, 8, 2, 777, 777, D, seed=4)
     p_scale = torch.tensor(448.0, device="cuda")
-    first = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
-    for turns in (True, False, True):
-        previous = cuda_attn.set_fp8_turns(turns)
-        try:
-            again = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
-        finally:
-            cuda_attn.set_fp8_turns(previous)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    results = {}
+    for turns, overlap in ((True, False), (False, False), (True, True), (False, True), (True, False), (True, True)):
+        with _schedule(turns, overlap):
+            got = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
+        first = results.setdefault(overlap, got)
+        assert all(torch.equal(a, b) for a, b in zip(first, got)), (turns, overlap)
 
 
 @hopper
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("T,D,causal", [(4096, 128, True), (4096, 64, True), (1024, 128, False)])
-def test_at_real_sizes_beside_triton(T, D, causal):
+def test_at_real_sizes_beside_triton(T, D, causal, overlap):
     """Both FP8 forwards within the bound of exact attention (fp32) at real sizes
     (Triton's is tested so in test_attention_kernels.py), and their lse alike."""
     shape = (1, 8, 2, T, T, D)
     fp8s, scale_invs = fp8_qkv(*shape, seed=T + D)
     scale = 1 / math.sqrt(D)
     p_scale = torch.tensor(448.0, device="cuda")
-    o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, torch.bfloat16)
+    with _schedule(True, overlap):
+        o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, torch.bfloat16)
     q32, k32, v32 = dequantized(fp8s, scale_invs, torch.float32)
     assert_within_fp8_bound(o, q32, k32, v32, causal, scale, 448.0, _context("cuda fp8 o", shape, "bf16", causal))
     _, lse32 = ref.attention_forward_reference(q32, k32, v32, causal, scale)

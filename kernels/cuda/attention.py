@@ -47,7 +47,7 @@ from ..reference.attention import check_attention, check_attention_backward, che
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
-           "set_fp8_turns"]
+           "set_fp8_schedule"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -235,11 +235,17 @@ def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scal
     return out
 
 
-def set_fp8_turns(enable: bool) -> bool:
-    """Whether :func:`attention_forward_fp8`'s two consumer warpgroups take turns at
-    the tensor cores for S = Q Kᵀ (the default: one's softmax runs beside the other's
-    product) or issue it whenever they are ready; the same bits either way. For this
-    process (it builds the extension if need be); returns the previous setting."""
+def set_fp8_schedule(turns: bool | None = None, overlap: bool | None = None) -> tuple[bool, bool]:
+    """The schedule of :func:`attention_forward_fp8`'s two consumer warpgroups, for
+    this process (it builds the extension if need be); None leaves a setting.
+    ``turns`` (default on): they take turns issuing S = Q Kᵀ, so one's softmax runs
+    beside the other's product; the same bits either way. ``overlap`` (default
+    off): each also keeps the next tile's S = Q Kᵀ and the last tile's P V in
+    flight during its softmax, P V adding into O in the tensor cores' accumulator
+    (other bits, within the same bound). Returns the previous ``(turns, overlap)``."""
     from ._build import extension
 
-    return extension().attention_fp8_turns(bool(enable))
+    def code(value):
+        return -1 if value is None else int(bool(value))
+
+    return tuple(extension().attention_fp8_schedule(code(turns), code(overlap)))

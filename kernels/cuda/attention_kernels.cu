@@ -24,7 +24,10 @@
 //     K from shared memory), the online softmax on S in registers, P as the
 //     register A operand of O_tile = P V (wgmma m64nDk32, Vᵀ from shared memory),
 //     O += O_tile in fp32. By default the two take turns issuing S = Q Kᵀ (named
-//     barriers), so that one's softmax overlaps the other's tensor-core work.
+//     barriers), so that one's softmax overlaps the other's tensor-core work. The
+//     overlapped schedule (AttentionFp8Args::overlap, off by default) also keeps
+//     each consumer's next S = Q Kᵀ and last P V in flight during its softmax,
+//     P V then adding into O in the tensor cores' accumulator (other bits).
 //
 // Shared memory tiles are K-major with the 128-byte (rows of 128 bytes) or 64-byte
 // (rows of 64 bytes) swizzle that wgmma's descriptors name: the 16-byte chunk c
@@ -134,6 +137,9 @@ __device__ __forceinline__ uint64_t tile_descriptor(uint32_t addr) {
 __device__ __forceinline__ void mma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void mma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void mma_wait_all_but_newest() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 
 // After mma_wait_all: the registers' reads stay behind the wait.
 template <int N>
@@ -142,11 +148,41 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (+)= a·b, one 64 x 128 x 32 step: a (64 x 32) and b (128 x 32) K-major in shared
-// memory (descriptors); accumulate 0 overwrites d.
-__device__ __forceinline__ void mma_ss_n128(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+// After mma_wait_all: A fragments an asynchronous product read stay as they are until here.
+__device__ __forceinline__ void fence_registers(uint32_t (&p)[4][4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) asm volatile("" : "+r"(p[c][w])::"memory");
+  }
+}
+
+// d = a·b (first) or d += a·b, one 64 x 128 x 32 step: a (64 x 32) and b (128 x 32)
+// K-major in shared memory (descriptors). The first step only writes d, so the
+// instructions that read the previous tile's d are no inputs of it.
+__device__ __forceinline__ void mma_ss_n128_first(float (&d)[64], uint64_t a, uint64_t b) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      :
+      "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+      "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+      "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+      "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
+      "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
+      "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
+      "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
+      "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+      : "l"(a), "l"(b));
+}
+__device__ __forceinline__ void mma_ss_n128(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
@@ -162,14 +198,34 @@ __device__ __forceinline__ void mma_ss_n128(float (&d)[64], uint64_t a, uint64_t
       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(accumulate));
+      : "l"(a), "l"(b));
 }
 
-// d (+)= a·b, one 64 x 128 x 32 step: a (64 x 32) in registers (the A fragment), b
-// (128 x 32) K-major in shared memory; accumulate 0 overwrites d.
-__device__ __forceinline__ void mma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+// d = a·b (first) or d += a·b, one 64 x 128 x 32 step: a (64 x 32) in registers (the A
+// fragment), b (128 x 32) K-major in shared memory.
+__device__ __forceinline__ void mma_rs_n128_first(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      :
+      "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+      "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+      "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+      "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
+      "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
+      "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
+      "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
+      "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+__device__ __forceinline__ void mma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
@@ -185,14 +241,28 @@ __device__ __forceinline__ void mma_rs_n128(float (&d)[64], const uint32_t (&a)[
       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-// d (+)= a·b, one 64 x 64 x 32 step: a (64 x 32) in registers (the A fragment), b
-// (64 x 32) K-major in shared memory; accumulate 0 overwrites d.
-__device__ __forceinline__ void mma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+// d = a·b (first) or d += a·b, one 64 x 64 x 32 step: a (64 x 32) in registers (the A
+// fragment), b (64 x 32) K-major in shared memory.
+__device__ __forceinline__ void mma_rs_n64_first(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      :
+      "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+      "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+      "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+      "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+__device__ __forceinline__ void mma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
@@ -202,21 +272,30 @@ __device__ __forceinline__ void mma_rs_n64(float (&d)[32], const uint32_t (&a)[4
       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// The P V step at head dim D: first overwrites d, else adds to it.
 template <int D>
 struct PvStep;
 template <>
 struct PvStep<128> {
-  static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int acc) {
-    mma_rs_n128(d, a, b, acc);
+  static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, bool first) {
+    if (first) {
+      mma_rs_n128_first(d, a, b);
+    } else {
+      mma_rs_n128(d, a, b);
+    }
   }
 };
 template <>
 struct PvStep<64> {
-  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int acc) {
-    mma_rs_n64(d, a, b, acc);
+  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool first) {
+    if (first) {
+      mma_rs_n64_first(d, a, b);
+    } else {
+      mma_rs_n64(d, a, b);
+    }
   }
 };
 
@@ -306,91 +385,160 @@ __device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base
   barrier_arrive(S::full(base, (tiles - 1) % kStages));
 }
 
-// A consumer warpgroup: 64 query rows through every key tile, then o and lse.
-template <int D, bool CAUSAL, typename TOut>
-__device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base, int b, int h, int m0, int tiles,
-                                        int group, int tid) {
-  using S = ForwardSmem<D>;
-  const int lane = tid % 32;
-  const int row0 = m0 + 64 * group + 16 * (tid / 32) + lane / 4;  // this thread's rows: row0 and row0 + 8
-  const int col = 2 * (lane % 4);                                  // its columns: col, col + 1 of every 8
-  const float qk_scale = a.qk_scale * a.scales[0] * a.scales[1];
-  const float p_shift = log2f(a.scales[3]);
-  const float out_scale = a.scales[2];
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.0f, 0.0f};
-  float acc[D / 2];
+// A consumer's view of its block: its rows and columns in the accumulator layout,
+// the scales, and the running maximum and sum of its two rows.
+struct ConsumerRows {
+  int row0;          // this thread's rows: row0 and row0 + 8
+  int col;           // its columns of every 8: col and col + 1
+  int first_row;     // the warpgroup's first row
+  float qk_scale;    // softmax_scale · log2 e · q_scale_inv · k_scale_inv
+  float p_shift;     // log2 p_scale
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};  // this thread's part of each row's sum (its lanes' parts added at the end)
+};
+
+// The descriptors of a stage's tiles: K (keys x D) and Vᵀ (D x 128 positions).
+// Made before mma_fence: ptxas serializes every wgmma of a kernel where other
+// instructions define a wgmma's inputs between the fence and the products.
+template <int D>
+__device__ __forceinline__ uint64_t k_descriptor(uint32_t base, int s) {
+  return tile_descriptor<D>(base + ForwardSmem<D>::k + s * kBlockN * D);
+}
+template <int D>
+__device__ __forceinline__ uint64_t v_descriptor(uint32_t base, int s) {
+  return tile_descriptor<kBlockN>(base + ForwardSmem<D>::v + s * D * kBlockN);
+}
+
+// S = Q Kᵀ of one key tile issued (between mma_fence and mma_commit).
+template <int D>
+__device__ __forceinline__ void issue_scores(float (&sc)[64], uint64_t q_desc, uint64_t k_desc) {
+  mma_ss_n128_first(sc, q_desc, k_desc);
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
-  const uint32_t q_rows = base + S::q + 64 * group * D;  // this warpgroup's 64 rows: whole swizzle groups
-  // Turns (a.turns): the consumers alternate at the tensor cores for S = Q Kᵀ, so
-  // one's softmax runs while the other's product does. Consumer 0 waits on named
-  // barrier 1 and passes to 2, consumer 1 the other way round; consumer 1 passes
-  // first and skips its last pass, so every barrier sees as many passes as waits.
-  const bool turns = a.turns;
-  if (turns && group == 1) turn_pass(1);
-  barrier_wait(S::q_full(base), 0);
+  for (int kk = 1; kk < D / 32; ++kk) mma_ss_n128(sc, q_desc + 2 * kk, k_desc + 2 * kk);
+}
+
+// d (+)= P V of one key tile issued: P the A fragments, V the stage's Vᵀ tile;
+// ACCUMULATE false overwrites d.
+template <int D, bool ACCUMULATE>
+__device__ __forceinline__ void issue_values(float (&d)[D / 2], const uint32_t (&p8)[4][4], uint64_t v_desc) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) PvStep<D>::run(d, p8[c], v_desc + 2 * c, !ACCUMULATE && c == 0);
+}
+
+// The online softmax on one tile of S (rows row0, row0 + 8; key n0 + 8·(i / 4) +
+// col + i % 2 in sc[i], row (i / 2) % 2): masked keys to -inf (past tk, and above
+// the diagonal when causal), the new running maximum, alpha = exp2(m_old - m_new)
+// per row, p · p_scale = exp2(s · qk_scale - m_new + p_shift) added to the rows'
+// sums, and P cast to E4M3 as the A fragment of four k32 steps: step c's word w
+// holds, for row0 (w even) or row0 + 8 (w odd), S columns v2 = 4c + 2·(w / 2) + (0, 1).
+template <bool CAUSAL>
+__device__ __forceinline__ void softmax_tile(float (&sc)[64], uint32_t (&p8)[4][4], float (&alpha)[2],
+                                             ConsumerRows& rows, int n0, int tk) {
+  if (n0 + kBlockN > tk || (CAUSAL && n0 + kBlockN - 1 > rows.first_row)) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int key = n0 + 8 * (i / 4) + rows.col + i % 2;
+      const int row = rows.row0 + 8 * ((i / 2) % 2);
+      if (key >= tk || (CAUSAL && key > row)) sc[i] = -INFINITY;
+    }
+  }
+  float shift[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int v2 = 0; v2 < 16; ++v2) mx = fmaxf(mx, fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+    const float m_new = fmaxf(rows.m[r], mx * rows.qk_scale);  // qk_scale > 0: the scaled maximum, exactly
+    alpha[r] = fast_exp2(rows.m[r] - m_new);
+    shift[r] = rows.p_shift - m_new;
+    rows.m[r] = m_new;
+  }
+  float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    sc[i] = fast_exp2(fmaf(sc[i], rows.qk_scale, shift[(i / 2) % 2]));  // p · p_scale
+    sum[(i / 2) % 2] += sc[i];
+  }
+  rows.l[0] = rows.l[0] * alpha[0] + sum[0];
+  rows.l[1] = rows.l[1] * alpha[1] + sum[1];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int first = 4 * (4 * c + 2 * (w / 2)) + 2 * (w % 2);
+      p8[c][w] = e4m3x4(sc[first], sc[first + 1], sc[first + 4], sc[first + 5]);
+    }
+  }
+}
+
+// o = v_scale_inv · acc / l and lse = (m + log2 l - log2 p_scale) · ln 2 of the rows
+// before tq.
+template <int D, typename TOut>
+__device__ __forceinline__ void store_rows(const AttentionFp8Args& a, const float (&acc)[D / 2],
+                                           const ConsumerRows& rows, int b, int h, int lane) {
+  TOut* o = static_cast<TOut*>(a.o) + int64_t(b) * a.o_stride_b + int64_t(h) * a.o_stride_h;
+  const float out_scale = a.scales[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = rows.l[r];
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
+    const int row = rows.row0 + 8 * r;
+    if (row >= a.tq) continue;
+    const float inv = out_scale / l;
+    TOut* o_row = o + int64_t(row) * a.o_stride_t + rows.col;
+#pragma unroll
+    for (int v2 = 0; v2 < D / 8; ++v2) {
+      store_pair(o_row + 8 * v2, acc[4 * v2 + 2 * r] * inv, acc[4 * v2 + 2 * r + 1] * inv);
+    }
+    if (lane % 4 == 0) a.lse[(int64_t(b) * a.h + h) * a.tq + row] = (rows.m[r] + log2f(l) - rows.p_shift) * kLn2;
+  }
+}
+
+// Turns at the tensor cores (a.turns): consumer 0 waits on named barrier 1 and
+// passes to 2, consumer 1 the other way round; consumer 1 passes first and skips
+// its last pass, so every barrier sees as many passes as waits.
+struct Turns {
+  bool on;
+  int group;
+  int tiles;
+  __device__ __forceinline__ void start() const {
+    if (on && group == 1) turn_pass(1);
+  }
+  __device__ __forceinline__ void take() const {
+    if (on) turn_wait(1 + group);
+  }
+  __device__ __forceinline__ void pass(int j) const {
+    if (on && !(group == 1 && j == tiles - 1)) turn_pass(2 - group);
+  }
+};
+
+// A consumer warpgroup, each tile in order: S = Q Kᵀ, the softmax, O_tile = P V a
+// fresh product added to O in fp32 (the Triton kernel's numerics).
+template <int D, bool CAUSAL>
+__device__ __forceinline__ void consume_in_order(uint32_t base, int tiles, int tk, uint64_t q_desc, const Turns& turns,
+                                                 ConsumerRows& rows, float (&acc)[D / 2]) {
+  using S = ForwardSmem<D>;
   for (int j = 0; j < tiles; ++j) {
     const int s = j % kStages;
     barrier_wait(S::full(base, s), (j / kStages) & 1);
-    float sc[64];  // S: rows row0 + 8·((i / 2) % 2), key n0 + 8·(i / 4) + col + i % 2
-    const uint64_t k_desc = tile_descriptor<D>(base + S::k + s * kBlockN * D);
-    const uint64_t q_desc = tile_descriptor<D>(q_rows);
-    if (turns) turn_wait(1 + group);
+    float sc[64];
+    const uint64_t k_desc = k_descriptor<D>(base, s), v_desc = v_descriptor<D>(base, s);
+    turns.take();
     mma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk) mma_ss_n128(sc, q_desc + 2 * kk, k_desc + 2 * kk, kk);
+    issue_scores<D>(sc, q_desc, k_desc);
     mma_commit();
     mma_wait_all();
     fence_registers(sc);
-    if (turns && !(group == 1 && j == tiles - 1)) turn_pass(2 - group);
-    const int n0 = j * kBlockN;
-    const bool masked = n0 + kBlockN > a.tk || (CAUSAL && n0 + kBlockN - 1 > m0 + 64 * group);
-    if (masked) {
-#pragma unroll
-      for (int i = 0; i < 64; ++i) {
-        const int key = n0 + 8 * (i / 4) + col + i % 2;
-        const int row = row0 + 8 * ((i / 2) % 2);
-        if (key >= a.tk || (CAUSAL && key > row)) sc[i] = -INFINITY;
-      }
-    }
-    float alpha[2], shift[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int v2 = 0; v2 < 16; ++v2) mx = fmaxf(mx, fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx * qk_scale);  // qk_scale > 0: the scaled maximum, exactly
-      alpha[r] = fast_exp2(m_run[r] - m_new);
-      shift[r] = p_shift - m_new;
-      m_run[r] = m_new;
-    }
-    float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      sc[i] = fast_exp2(fmaf(sc[i], qk_scale, shift[(i / 2) % 2]));  // p · p_scale
-      sum[(i / 2) % 2] += sc[i];
-    }
-    l_run[0] = l_run[0] * alpha[0] + sum[0];
-    l_run[1] = l_run[1] * alpha[1] + sum[1];
-    // P as the A fragment of four k32 steps: step c's word w holds, for row
-    // row0 (w even) or row0 + 8 (w odd), S columns of v2 = 4c + 2·(w / 2) + (0, 1).
+    turns.pass(j);
+    float alpha[2];
     uint32_t p8[4][4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const int first = 4 * (4 * c + 2 * (w / 2)) + 2 * (w % 2);
-        p8[c][w] = e4m3x4(sc[first], sc[first + 1], sc[first + 4], sc[first + 5]);
-      }
-    }
+    softmax_tile<CAUSAL>(sc, p8, alpha, rows, j * kBlockN, tk);
     float tile_o[D / 2];
-    const uint64_t v_desc = tile_descriptor<kBlockN>(base + S::v + s * D * kBlockN);
     mma_fence();
-#pragma unroll
-    for (int c = 0; c < 4; ++c) PvStep<D>::run(tile_o, p8[c], v_desc + 2 * c, c);
+    issue_values<D, false>(tile_o, p8, v_desc);
     mma_commit();
     mma_wait_all();
     fence_registers(tile_o);
@@ -398,22 +546,118 @@ __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc[i] = acc[i] * alpha[(i / 2) % 2] + tile_o[i];
   }
-  TOut* o = static_cast<TOut*>(a.o) + int64_t(b) * a.o_stride_b + int64_t(h) * a.o_stride_h;
+}
+
+// One tile of consume_overlapped: tile j's S = Q Kᵀ and tile j - 1's P V (P from
+// `previous`) issued together, the softmax of tile j (its P into `next`) while
+// both run, then O rescaled. P alternates between two register sets rather than
+// being copied: ptxas would merge a copy's two sets and see P rewritten while the
+// product still reads it (and then serialize every product of the kernel).
+template <int D, bool CAUSAL>
+__device__ __forceinline__ void overlapped_tile(uint32_t base, int j, int tk, uint64_t q_desc, const Turns& turns,
+                                                ConsumerRows& rows, float (&acc)[D / 2], uint32_t (&previous)[4][4],
+                                                uint32_t (&next)[4][4]) {
+  using S = ForwardSmem<D>;
+  const int s = j % kStages, before = (j - 1) % kStages;
+  barrier_wait(S::full(base, s), (j / kStages) & 1);
+  const uint64_t k_desc = k_descriptor<D>(base, s), v_desc = v_descriptor<D>(base, before);
+  float sc[64];
+  float alpha[2];
+  turns.take();
+  mma_fence();
+  issue_scores<D>(sc, q_desc, k_desc);
+  mma_commit();
+  issue_values<D, true>(acc, previous, v_desc);
+  mma_commit();
+  turns.pass(j);
+  mma_wait_all_but_newest();  // the scores
+  fence_registers(sc);
+  softmax_tile<CAUSAL>(sc, next, alpha, rows, j * kBlockN, tk);
+  mma_wait_all();  // P V of tile j - 1
+  fence_registers(acc);
+  fence_registers(previous);  // read by that product until here
+  barrier_arrive(S::empty(base, before));
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
-    l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
-    const int row = row0 + 8 * r;
-    if (row >= a.tq) continue;
-    const float inv = out_scale / l;
-    TOut* o_row = o + int64_t(row) * a.o_stride_t + col;
-#pragma unroll
-    for (int v2 = 0; v2 < D / 8; ++v2) {
-      store_pair(o_row + 8 * v2, acc[4 * v2 + 2 * r] * inv, acc[4 * v2 + 2 * r + 1] * inv);
-    }
-    if (lane % 4 == 0) a.lse[(int64_t(b) * a.h + h) * a.tq + row] = (m_run[r] + log2f(l) - p_shift) * kLn2;
+  for (int i = 0; i < D / 2; ++i) acc[i] *= alpha[(i / 2) % 2];
+}
+
+// The last tile's P V of consume_overlapped, and its stage released.
+template <int D>
+__device__ __forceinline__ void last_values(uint32_t base, int tiles, float (&acc)[D / 2], uint32_t (&p8)[4][4]) {
+  const int s = (tiles - 1) % kStages;
+  const uint64_t v_desc = v_descriptor<D>(base, s);
+  mma_fence();
+  issue_values<D, true>(acc, p8, v_desc);
+  mma_commit();
+  mma_wait_all();
+  fence_registers(acc);
+  fence_registers(p8);
+  barrier_arrive(ForwardSmem<D>::empty(base, s));
+}
+
+// A consumer warpgroup with the next tile's S = Q Kᵀ and the last tile's P V in
+// flight while it runs a softmax (a.overlap; overlapped_tile): P V adds into O in
+// the tensor cores' accumulator (O rescaled in registers first), so O's sum over
+// the tiles goes through their narrower accumulation: other bits than
+// consume_in_order's, within the same bound.
+template <int D, bool CAUSAL>
+__device__ __forceinline__ void consume_overlapped(uint32_t base, int tiles, int tk, uint64_t q_desc,
+                                                   const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2]) {
+  using S = ForwardSmem<D>;
+  uint32_t even[4][4], odd[4][4];  // P of the even and of the odd tiles
+  {
+    float sc[64];
+    float alpha[2];
+    barrier_wait(S::full(base, 0), 0);
+    const uint64_t k_desc = k_descriptor<D>(base, 0);
+    turns.take();
+    mma_fence();
+    issue_scores<D>(sc, q_desc, k_desc);
+    mma_commit();
+    mma_wait_all();
+    fence_registers(sc);
+    turns.pass(0);
+    softmax_tile<CAUSAL>(sc, even, alpha, rows, 0, tk);  // O is 0: alpha scales nothing
   }
+  int j = 1;
+  for (; j + 1 < tiles; j += 2) {
+    overlapped_tile<D, CAUSAL>(base, j, tk, q_desc, turns, rows, acc, even, odd);
+    overlapped_tile<D, CAUSAL>(base, j + 1, tk, q_desc, turns, rows, acc, odd, even);
+  }
+  if (j < tiles) {
+    overlapped_tile<D, CAUSAL>(base, j, tk, q_desc, turns, rows, acc, even, odd);
+    last_values<D>(base, tiles, acc, odd);
+  } else {
+    last_values<D>(base, tiles, acc, even);
+  }
+}
+
+// A consumer warpgroup: 64 query rows through every key tile, then o and lse.
+template <int D, bool CAUSAL, typename TOut>
+__device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base, int b, int h, int m0, int tiles,
+                                        int group, int tid) {
+  using S = ForwardSmem<D>;
+  const int lane = tid % 32;
+  ConsumerRows rows;
+  rows.row0 = m0 + 64 * group + 16 * (tid / 32) + lane / 4;
+  rows.col = 2 * (lane % 4);
+  rows.first_row = m0 + 64 * group;
+  rows.qk_scale = a.qk_scale * a.scales[0] * a.scales[1];
+  rows.p_shift = log2f(a.scales[3]);
+  float acc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+  // this warpgroup's 64 rows of Q: whole swizzle groups
+  const uint64_t q_desc = tile_descriptor<D>(base + S::q + 64 * group * D);
+  const Turns turns{a.turns, group, tiles};
+  turns.start();
+  barrier_wait(S::q_full(base), 0);
+  if (a.overlap) {
+    consume_overlapped<D, CAUSAL>(base, tiles, a.tk, q_desc, turns, rows, acc);
+  } else {
+    consume_in_order<D, CAUSAL>(base, tiles, a.tk, q_desc, turns, rows, acc);
+  }
+  store_rows<D, TOut>(a, acc, rows, b, h, lane);
 }
 
 template <int D, bool CAUSAL, typename TOut>

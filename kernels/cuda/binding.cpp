@@ -621,13 +621,17 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
   return layer_norm_grad(dy, x, weight, mean, rstd, grad_add, stream);
 }
 
-// Whether the FP8 attention's consumer warpgroups take turns at the tensor cores
-// (AttentionFp8Args::turns); the same bits either way.
+// The FP8 attention's consumer schedule (AttentionFp8Args::turns, ::overlap): turns
+// at the tensor cores (the same bits either way), and the next tile's product in
+// flight during the softmax (other bits). Set for this process.
 bool attention_fp8_turns_state = true;
+bool attention_fp8_overlap_state = false;
 
-bool attention_fp8_turns(bool enable) {
-  const bool previous = attention_fp8_turns_state;
-  attention_fp8_turns_state = enable;
+// Sets each of the two given as 0 or 1 (-1 leaves it); returns the previous pair.
+std::tuple<bool, bool> attention_fp8_schedule(int64_t turns, int64_t overlap) {
+  const std::tuple<bool, bool> previous{attention_fp8_turns_state, attention_fp8_overlap_state};
+  if (turns >= 0) attention_fp8_turns_state = turns != 0;
+  if (overlap >= 0) attention_fp8_overlap_state = overlap != 0;
   return previous;
 }
 
@@ -710,6 +714,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
   a.head_dim = static_cast<int>(dim);
   a.causal = causal;
   a.turns = attention_fp8_turns_state;
+  a.overlap = attention_fp8_overlap_state;
   a.vt_pitch = pitch;
   a.q_stride_b = q.stride(0), a.q_stride_h = q.stride(1), a.q_stride_t = q.stride(2);
   a.k_stride_b = k.stride(0), a.k_stride_h = k.stride(1), a.k_stride_t = k.stride(2);
@@ -750,8 +755,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Python path takes");
   m.def("attention_fp8_keys_inner", &attention_fp8_keys_inner,
         "V as the FP8 attention forward reads it (keys inner, in the kernel's order), or None");
-  m.def("attention_fp8_turns", &attention_fp8_turns,
-        "whether the FP8 attention's consumer warpgroups take turns at the tensor cores; returns the previous state");
+  m.def("attention_fp8_schedule", &attention_fp8_schedule,
+        "the FP8 attention's consumer schedule: (turns, overlap), each 0, 1 or -1 to leave it; returns the previous "
+        "pair");
   m.def("attention_fp8_forward_lean", &attention_fp8_forward_lean,
         "the FP8 attention forward on Hopper's tensor cores: (o, lse), operands checked here; None for a case the "
         "Python path takes");

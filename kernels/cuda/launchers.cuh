@@ -207,7 +207,8 @@ struct AttentionFp8Args {
   float qk_scale = 0.0f;
   int batch = 0, h = 0, hkv = 0, tq = 0, tk = 0, head_dim = 0;
   bool causal = false;
-  bool turns = true;  // the consumer warpgroups take turns at S = Q Kᵀ (named barriers)
+  bool turns = true;     // the consumer warpgroups take turns at S = Q Kᵀ (named barriers)
+  bool overlap = false;  // the next tile's S = Q Kᵀ in flight during the softmax (other bits; see the kernel)
   int64_t vt_pitch = 0;
   int64_t q_stride_b = 0, q_stride_h = 0, q_stride_t = 0;
   int64_t k_stride_b = 0, k_stride_h = 0, k_stride_t = 0;
