@@ -236,16 +236,15 @@ def test_fp8_forward_within_its_bound(shape, out_dtype, causal):
         assert_close(lse, lse_exact, "attention_fp8_lse", context.replace(" o", " lse"))
 
 
-@pytest.mark.parametrize("p_scale,factor", [(448.0, 1.0), (300.0, 288.0 / 300.0), (1000.0, 448.0 / 1000.0)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_fp8_probabilities_are_cast_with_p_scale(p_scale, factor, causal):
-    """Scores of only two values, the row maximum (keys j % 7 == 0) and 22 below it:
-    the top keys' probability 1 is cast as p_scale (300 rounds to 288, 1000
-    saturates to 448), the rest to 0, so o = e4m3(p_scale) / p_scale times the mean
-    of the top keys' values, exactly, in the reference and in every tile of the
-    kernel (tiles without a top key are rescaled to nothing); on a GPU up to the
-    FP8 tensor cores' accumulation."""
-    B, H, Hkv, Tq, Tk, D = 1, 2, 1, 40, 50, 32
+P_SCALE_CASES = [(448.0, 1.0), (300.0, 288.0 / 300.0), (1000.0, 448.0 / 1000.0)]  # (p_scale, e4m3(p_scale) / p_scale)
+
+
+def two_value_scores(shape, p_scale: float, factor: float, causal: bool):
+    """A forward's arguments whose scores take two values, the row maximum (keys
+    j % 7 == 0) and 22 below it, and the (o, lse) they give on the CPU: the top
+    keys' probability 1 is cast as p_scale, the rest to 0, so o is ``factor`` =
+    e4m3(p_scale) / p_scale times the mean of the top keys' values, exactly."""
+    B, H, Hkv, Tq, Tk, D = shape
     c = 8.0
     q = torch.zeros(B, H, Tq, D)
     q[..., 0] = c
@@ -262,6 +261,17 @@ def test_fp8_probabilities_are_cast_with_p_scale(p_scale, factor, causal):
     v_top = (seen.double() @ v.double()[0, 0]) / seen.sum(1, keepdim=True)  # (Tq, D)
     want = (factor * v_top).expand(B, H, Tq, D)
     lse_want = (c * c / math.sqrt(D) + torch.log(seen.sum(1).double())).expand(B, H, Tq)
+    return args, want, lse_want
+
+
+@pytest.mark.parametrize("p_scale,factor", P_SCALE_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_probabilities_are_cast_with_p_scale(p_scale, factor, causal):
+    """Scores of two values (``two_value_scores``): o = e4m3(p_scale) / p_scale times
+    the mean of the top keys' values (300 rounds to 288, 1000 saturates to 448),
+    exactly, in the reference and in every tile of the kernel (tiles without a top
+    key are rescaled to nothing); on a GPU up to the FP8 tensor cores' accumulation."""
+    args, want, lse_want = two_value_scores((1, 2, 1, 40, 50, 32), p_scale, factor, causal)
     for name, fn in (("triton", tk.attention_forward_fp8), ("reference", ref.attention_forward_fp8_reference)):
         o, lse = (t.cpu() for t in fn(*args))
         # Hopper's FP8 tensor cores add P·V's products in their narrow accumulator

@@ -20,7 +20,8 @@ import torch
 from te_fuser.kernels import reference as ref
 from te_fuser.kernels import triton as tk
 from te_fuser.kernels.cuda import attention as cuda_attn
-from test_attention_kernels import _context, _randn, assert_within_fp8_bound, dequantized, exact_attention, fp8_qkv
+from test_attention_kernels import (P_SCALE_CASES, _context, _randn, assert_within_fp8_bound, dequantized,
+                                    exact_attention, fp8_qkv, two_value_scores)
 from tolerances import assert_close
 
 
@@ -143,31 +144,14 @@ def test_forward_within_its_bound(shape, causal, overlap):
 
 
 @hopper
-@pytest.mark.parametrize("p_scale,factor", [(448.0, 1.0), (300.0, 288.0 / 300.0), (1000.0, 448.0 / 1000.0)])
+@pytest.mark.parametrize("p_scale,factor", P_SCALE_CASES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_probabilities_are_cast_with_p_scale(p_scale, factor, causal):
-    """Scores of two values, the row maximum (keys j % 7 == 0) and 22 below it: the
-    top keys' probability 1 is cast as p_scale (300 rounds to 288, 1000 saturates
-    to 448), the others to 0, so o is e4m3(p_scale) / p_scale times the mean of the
-    top keys' values (up to the FP8 tensor cores' accumulation)."""
-    B, H, Hkv, Tq, Tk, D = 1, 2, 1, 140, 150, 64
-    c = 8.0
-    q = torch.zeros(B, H, Tq, D)
-    q[..., 0] = c
-    top = torch.arange(Tk) % 7 == 0
-    k = torch.zeros(B, Hkv, Tk, D)
-    k[..., 0] = torch.where(top, c, -c)
-    v = _randn((B, Hkv, Tk, D), 5, std=4.0).cpu().to(E4M3)
-    ones = torch.tensor(1.0, device="cuda")
-    o, lse = cuda_attn.attention_forward_fp8(q.to(E4M3).cuda(), k.to(E4M3).cuda(), v.cuda(), ones, ones, ones,
-                                             torch.tensor(p_scale, device="cuda"), causal, 1 / math.sqrt(D),
-                                             torch.float32)
-    seen = top[None, :].expand(Tq, Tk)
-    if causal:
-        seen = seen & torch.ones(Tq, Tk, dtype=torch.bool).tril()
-    v_top = (seen.double() @ v.double()[0, 0]) / seen.sum(1, keepdim=True)
-    want = (factor * v_top).expand(B, H, Tq, D)
-    lse_want = (c * c / math.sqrt(D) + torch.log(seen.sum(1).double())).expand(B, H, Tq)
+    """Scores of two values (``two_value_scores``, two key tiles, head dim 64): o is
+    e4m3(p_scale) / p_scale times the mean of the top keys' values (300 rounds to
+    288, 1000 saturates to 448), up to the FP8 tensor cores' accumulation."""
+    args, want, lse_want = two_value_scores((1, 2, 1, 140, 150, 64), p_scale, factor, causal)
+    o, lse = cuda_attn.attention_forward_fp8(*args)
     context = f"p_scale={p_scale} causal={causal}"
     assert_close(o.cpu(), want, "fp8_gemm_tensor_core", context, scaled=True)
     assert_close(lse.cpu(), lse_want, "attention_fp32", f"lse {context}")
