@@ -124,6 +124,13 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
         diff = f"max|o - sdpa| {(o_c.float() - o_sdpa.float()).abs().max().item():.2e}"
         row("fwd bf16", "cuda", harness.time_ms(lambda q, k, v: ck.attention_forward(q, k, v, causal, scale), sets),
             fwd_flops, sdpa_ms, "sdpa bf16", diff)
+    if cuda_attn.attention_forward_hopper_unsupported_reason(q, k) is None:  # our Hopper kernel (wgmma)
+        o_h, _ = cuda_attn.attention_forward_hopper(q, k, v, causal, scale)
+        diff = (f"max|o - sdpa| {(o_h.float() - o_sdpa.float()).abs().max().item():.2e}, "
+                f"max|o - triton| {(o_h.float() - o.float()).abs().max().item():.2e}")
+        row("fwd bf16", "cuda hopper", harness.time_ms(
+            lambda q, k, v: cuda_attn.attention_forward_hopper(q, k, v, causal, scale), sets), fwd_flops, sdpa_ms,
+            "sdpa bf16", diff)
     fp8_sets = [tuple(x for t in s for x in _fp8(t)) for s in sets]  # (q8, qsi, k8, ksi, v8, vsi)
     p_scale = torch.tensor(448.0, device="cuda")
 
@@ -146,18 +153,18 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
         diff = (f"max|o - sdpa| {(o8c.float() - o_sdpa.float()).abs().max().item():.2e}, "
                 f"max|o - triton fp8| {(o8c.float() - o8.float()).abs().max().item():.2e}")
         row("fwd fp8", "cuda", harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16", diff)
-        default = cuda_attn.set_fp8_schedule()
+        default = cuda_attn.set_hopper_schedule()
         try:  # the other schedules of the consumers: without turns (the same bits), overlapped (other bits)
             for turns, overlap, label in ((False, False, "cuda, no turns"), (True, True, "cuda, overlapped"),
                                           (False, True, "cuda, overlapped, no turns")):
-                cuda_attn.set_fp8_schedule(turns, overlap)
+                cuda_attn.set_hopper_schedule(turns, overlap)
                 o8s = fp8_forward_cuda(*fp8_sets[0])[0]
                 note = ("the same bits" if torch.equal(o8s, o8c) else
                         f"max|o - in order| {(o8s.float() - o8c.float()).abs().max().item():.2e}")
                 row("fwd fp8", label, harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16",
                     note)
         finally:
-            cuda_attn.set_fp8_schedule(*default)
+            cuda_attn.set_hopper_schedule(*default)
     # backward
     do = torch.randn_like(q)
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
@@ -229,16 +236,18 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
 def _targets(rows: list[Row]) -> None:
     """Each target against SDPA's flash kernel and against its cuDNN kernel (what
     SDPA picks by default on Hopper), for what the auto backend runs: the cuda
-    backend's (cuDNN) bf16 forward where it ran, the FP8 forward of Triton and of
-    our Hopper kernel (where it ran) and the Triton backward (the deterministic one)."""
+    backend's (cuDNN) bf16 forward where it ran, the FP8 forward of Triton, the
+    Triton backward (the deterministic one), and our Hopper kernels' forwards where
+    they ran."""
     main = _label(*CASES["main"])
     wanted = {"fwd bf16": 0.9, "fwd fp8": 1.3, "bwd bf16": 0.9}
     ms = {(r.case, r.backend): r.ms for r in rows if r.shape == main}
     print()
     for case, target in wanted.items():
         peer_case = "bwd bf16" if case.startswith("bwd") else "fwd bf16"
-        if case == "fwd bf16":
-            candidates = ["cuda"] if (case, "cuda") in ms else ["triton"]
+        if case == "fwd bf16":  # cuDNN's (the cuda backend's) where it ran, else Triton's; and our Hopper kernel's
+            candidates = (["cuda"] if (case, "cuda") in ms else ["triton"]) + (
+                ["cuda hopper"] if (case, "cuda hopper") in ms else [])
         else:  # the FP8 forward: Triton's and our Hopper kernel's, where it ran
             candidates = [b for b in ("triton", "cuda") if (case, b) in ms]
         for ours in candidates:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnfp8 attngpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attngpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -135,11 +135,13 @@ for part in $parts; do
     attn)  # flash attention: its tests (CPU sizes compiled, then T=1000/4096), then beside torch SDPA bf16 with the launch-shape sweep
       timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py 2>&1 | tee "$OUT/attn_tests.log" | tail -15
       timeout 260 python3 benchmarks/bench_attention.py --sweep 2>&1 | tee "$OUT/attn.log" | tail -70 ;;
-    attnfp8)  # the Hopper FP8 attention forward (attention_kernels.cu): the extension built, its tests (the isolating
-      # ones first; a short limit, should a barrier never complete), then beside Triton's and SDPA bf16
+    attnhopper)  # the Hopper attention forwards (attention_kernels.cu FP8, attention_hp_kernels.cu bf16/fp16): the
+      # extension built, their tests (the isolating ones first; a short limit each, should a barrier never
+      # complete), then beside Triton's, cuDNN's and SDPA's
       timeout 300 python3 -c "from te_fuser.kernels.cuda import load_extension; load_extension()" 2>&1 | tail -5
       timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_fp8.py 2>&1 | tee "$OUT/attnfp8_tests.log" | tail -15
-      timeout 200 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main d64 gqa gpt} 2>&1 | tee "$OUT/attnfp8.log" | tail -50 ;;
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_hopper.py 2>&1 | tee "$OUT/attnhp_tests.log" | tail -15
+      timeout 240 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main d64 gqa gpt} 2>&1 | tee "$OUT/attnhopper.log" | tail -60 ;;
     attngpt)  # the attention backward's launch shapes at the GPT's shape (B 16, 16 heads, seq 1024, head dim 64, causal)
       timeout 250 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels dq dkdv \
         2>&1 | tee "$OUT/attngpt.log" | tail -30 ;;

@@ -45,11 +45,11 @@ SHAPES = [(1, 4, 2, 67, 67, 64), (1, 8, 2, 67, 45, 64), (2, 4, 4, 45, 67, 64), (
 
 @contextlib.contextmanager
 def _schedule(turns: bool, overlap: bool):
-    previous = cuda_attn.set_fp8_schedule(turns, overlap)
+    previous = cuda_attn.set_hopper_schedule(turns, overlap)
     try:
         yield
     finally:
-        cuda_attn.set_fp8_schedule(*previous)
+        cuda_attn.set_hopper_schedule(*previous)
 
 
 def _forward(fp8s, scale_invs, p_scale, causal, scale, out_dtype):

@@ -32,7 +32,8 @@ _log = logging.getLogger("te_fuser.kernels.cuda")
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("binding.cpp", "cublaslt_gemm.cpp", "cast_kernels.cu", "epilogue_kernels.cu", "scaling_kernels.cu",
-           "norm_kernels.cu", "rotary_kernels.cu", "activation_kernels.cu", "attention_kernels.cu")
+           "norm_kernels.cu", "rotary_kernels.cu", "activation_kernels.cu", "attention_kernels.cu",
+           "attention_hp_kernels.cu")
 # Bit-exact casts need IEEE arithmetic: no fast-math flags (no flush to zero,
 # exact division). -gencode, not -arch=sm_90a: see the project's Hopper notes.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")

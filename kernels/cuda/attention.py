@@ -35,6 +35,11 @@ tensor-core product added in fp32). It is not yet among this backend's kernels:
 the ``cuda`` backend and the auto table keep the Triton FP8 forward until this one
 has run against the reference on the GPU and been timed beside it there; the GPU
 tests and ``benchmarks/bench_attention.py`` call it from this module.
+
+:func:`attention_forward_hopper` is the same block for bf16 and fp16
+(``attention_hp_kernels.cu``): one C++ call a forward where cuDNN's through torch's
+SDPA operator costs several times the host time, with the Triton forward's
+rounding. It too waits for the GPU before it joins the backend.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from ..reference.attention import check_attention, check_attention_backward, che
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
-           "set_fp8_schedule"]
+           "set_hopper_schedule", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -177,39 +182,50 @@ attention_backward.when_supported = _backward_supported
 
 # ------------------------------------------------------------------- FP8 forward
 
-_FP8_HEAD_DIMS = (64, 128)
+_HOPPER_HEAD_DIMS = (64, 128)  # the Hopper kernels' head dims
 
 
-def _fp8_layout_reason(t: torch.Tensor, name: str) -> str | None:
-    """Why the FP8 kernel's 16-byte copies cannot read ``t`` as it is stored."""
-    if t.dim() != 4 or t.shape[-1] not in _FP8_HEAD_DIMS:
-        return f"the cuda FP8 attention kernel takes head dims {_FP8_HEAD_DIMS}, got {name} of shape {tuple(t.shape)}"
-    if t.stride(-1) != 1 or any(s % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
-        return (f"the cuda FP8 attention kernel reads rows of 16-byte aligned chunks; {name} has strides "
-                f"{tuple(t.stride())} at offset {t.data_ptr() % 16} of 16")
+def _hopper_layout_reason(t: torch.Tensor, name: str, elements: int, kernel: str) -> str | None:
+    """Why a Hopper kernel's 16-byte copies (``elements`` elements) cannot read ``t``
+    as it is stored."""
+    if t.dim() != 4 or t.shape[-1] not in _HOPPER_HEAD_DIMS:
+        return f"{kernel} takes head dims {_HOPPER_HEAD_DIMS}, got {name} of shape {tuple(t.shape)}"
+    if t.stride(-1) != 1 or any(s % elements for s in t.stride()[:3]) or t.data_ptr() % 16:
+        return (f"{kernel} reads rows of 16-byte aligned chunks; {name} has strides {tuple(t.stride())} at offset "
+                f"{t.data_ptr() % 16} of 16")
     return None
 
 
-def attention_forward_fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """Why :func:`attention_forward_fp8` would not run these operands (None: it runs)."""
+def _hopper_reason(q: torch.Tensor, k: torch.Tensor, dtypes: tuple, elements: int, kernel: str) -> str | None:
+    """Why a Hopper kernel (``kernel``, inputs of ``dtypes``, ``elements`` to 16
+    bytes) would not run q and k (None: it runs)."""
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return None  # the check names the argument
-    if q.dtype != torch.float8_e4m3fn:
-        return f"the cuda FP8 attention kernel takes float8_e4m3fn, got {q.dtype}"
+    if q.dtype not in dtypes:
+        return f"{kernel} takes {' and '.join(str(d).replace('torch.', '') for d in dtypes)}, got {q.dtype}"
     if q.device.type != "cuda":
-        return f"the cuda FP8 attention kernel needs CUDA tensors, got a {q.device.type} tensor"
+        return f"{kernel} needs CUDA tensors, got a {q.device.type} tensor"
     from ._build import unavailable_reason
 
     reason = unavailable_reason(q.device)
     if reason is not None:
         return reason
     for t, name in ((q, "q"), (k, "k")):
-        reason = _fp8_layout_reason(t, name)
+        reason = _hopper_layout_reason(t, name, elements, kernel)
         if reason is not None:
             return reason
     if q.dim() == 4 and q.shape[0] * q.shape[1] > 65535:
-        return f"the cuda FP8 attention kernel's grid holds 65535 batch·heads, got {q.shape[0] * q.shape[1]}"
+        return f"{kernel}'s grid holds 65535 batch·heads, got {q.shape[0] * q.shape[1]}"
     return None
+
+
+_FP8_KERNEL = "the cuda FP8 attention kernel"
+_HOPPER_KERNEL = "the cuda Hopper attention kernel"
+
+
+def attention_forward_fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why :func:`attention_forward_fp8` would not run these operands (None: it runs)."""
+    return _hopper_reason(q, k, (torch.float8_e4m3fn,), 16, _FP8_KERNEL)
 
 
 def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale,
@@ -218,7 +234,7 @@ def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scal
     :func:`attention_forward_fp8_reference` (up to where the running maximum puts
     each probability on the E4M3 grid, as the Triton kernel; see the reference)."""
     check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
-    reason = attention_forward_fp8_unsupported_reason(q, k) or _fp8_layout_reason(v, "v")
+    reason = attention_forward_fp8_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", 16, _FP8_KERNEL)
     if reason is not None:
         raise ValueError(f"attention_forward_fp8: {reason}")
     from ._build import extension, stream_of_index
@@ -235,17 +251,48 @@ def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scal
     return out
 
 
-def set_fp8_schedule(turns: bool | None = None, overlap: bool | None = None) -> tuple[bool, bool]:
-    """The schedule of :func:`attention_forward_fp8`'s two consumer warpgroups, for
-    this process (it builds the extension if need be); None leaves a setting.
-    ``turns`` (default on): they take turns issuing S = Q Kᵀ, so one's softmax runs
-    beside the other's product; the same bits either way. ``overlap`` (default
-    off): each also keeps the next tile's S = Q Kᵀ and the last tile's P V in
-    flight during its softmax, P V adding into O in the tensor cores' accumulator
-    (other bits, within the same bound). Returns the previous ``(turns, overlap)``."""
+def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) -> tuple[bool, bool]:
+    """The schedule of the Hopper attention kernels' two consumer warpgroups
+    (:func:`attention_forward_fp8`, :func:`attention_forward_hopper`), for this
+    process (it builds the extension if need be); None leaves a setting. ``turns``
+    (default on): they take turns issuing S = Q Kᵀ, so one's softmax runs beside the
+    other's product; the same bits either way. ``overlap`` (default off; the FP8
+    kernel only): each also keeps the next tile's S = Q Kᵀ and the last tile's P V
+    in flight during its softmax, P V adding into O in the tensor cores'
+    accumulator (other bits, within the same bound). Returns the previous
+    ``(turns, overlap)``."""
     from ._build import extension
 
     def code(value):
         return -1 if value is None else int(bool(value))
 
     return tuple(extension().attention_fp8_schedule(code(turns), code(overlap)))
+
+
+# --------------------------------------------------- bf16 / fp16 forward, Hopper
+
+
+def attention_forward_hopper_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why :func:`attention_forward_hopper` would not run these operands (None: it runs)."""
+    return _hopper_reason(q, k, _DTYPES, 8, _HOPPER_KERNEL)
+
+
+def attention_forward_hopper(q, k, v, causal, softmax_scale):
+    """Flash attention forward, bf16 or fp16, on Hopper's tensor cores in our kernel
+    (``attention_hp_kernels.cu``): ``(o, lse)`` as :func:`attention_forward_reference`,
+    with the Triton forward's rounding."""
+    check_attention(q, k, v, causal, softmax_scale)
+    reason = attention_forward_hopper_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", 8, _HOPPER_KERNEL)
+    if reason is not None:
+        raise ValueError(f"attention_forward_hopper: {reason}")
+    from ._build import extension, stream_of_index
+    from .cast import current_device_index, on_device
+
+    with on_device(q.device):
+        index = current_device_index()
+        out = extension().attention_hp_forward_lean(q, k, v, float(softmax_scale), bool(causal), index,
+                                                     stream_of_index(index))
+    if out is None:  # every operand checked above
+        raise ValueError(f"attention_forward_hopper: the extension did not take q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return out

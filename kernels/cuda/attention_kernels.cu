@@ -40,6 +40,7 @@
 // keys of Vᵀ to match: position 4t + i of each 16 holds key 2t + (0, 1, 8, 9)[i]
 // (v_keys_inner_kernel writes Vᵀ so, zero past the last key). The sum over keys is
 // the same sum.
+#include "attention_common.cuh"
 #include "dispatch.cuh"
 #include "fp8_common.cuh"
 #include "launchers.cuh"
@@ -47,115 +48,9 @@
 namespace te_fuser {
 namespace {
 
-constexpr int kBlockM = 128;  // queries of a block: two consumer warpgroups of 64 rows
-constexpr int kBlockN = 128;  // keys of a tile
-constexpr int kStages = 3;    // the K / Vᵀ ring
-constexpr int kWarpgroup = 128;
-constexpr int kForwardThreads = 3 * kWarpgroup;
-constexpr float kLn2 = 0.6931471805599453f;
+using namespace attention;
 
-// --------------------------------------------------------------------------
-// Shared memory: addresses, barriers, asynchronous copies, swizzle.
-// --------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-
-// Until the barrier's phase of this parity has completed.
-__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// 16 bytes from global to shared memory, asynchronously; zeros where !valid.
-__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-// Named barriers 1 and 2 (0 is __syncthreads'): the consumers' turns at the tensor cores.
-__device__ __forceinline__ void turn_wait(int id) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
-}
-__device__ __forceinline__ void turn_pass(int id) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
-}
-
-__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void copies_wait_all_but_newest() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-__device__ __forceinline__ void copies_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-// This thread's shared-memory writes (cp.async lands through the generic proxy)
-// ordered before the tensor cores' reads (wgmma reads through the async proxy).
-__device__ __forceinline__ void fence_for_tensor_cores() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW-byte rows
-// under the ROW-byte swizzle (ROW 128 or 64; the tile 1024-byte aligned).
-template <int ROW>
-__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-  static_assert(ROW == 128 || ROW == 64, "rows of 64 or 128 bytes");
-  const uint32_t linear = uint32_t(row * ROW + chunk * 16);
-  constexpr uint32_t mask = ROW == 128 ? 7u : 3u;
-  return linear ^ (((linear >> 7) & mask) << 4);
-}
-
-// wgmma's descriptor of a K-major tile of ROW-byte rows at shared address `addr`:
-// the start address (16-byte units), the leading offset (unused by swizzled
-// K-major tiles: 1), the stride between 8-row groups, the swizzle (1: 128 B, 2: 64 B).
-// Adding 2 to it moves the start 32 bytes along K (the next k32 step).
-template <int ROW>
-__device__ __forceinline__ uint64_t tile_descriptor(uint32_t addr) {
-  constexpr uint64_t swizzle = ROW == 128 ? 1 : 2;
-  constexpr uint64_t group_stride = (8 * ROW) >> 4;
-  return uint64_t((addr >> 4) & 0x3FFFu) | (uint64_t(1) << 16) | (group_stride << 32) | (swizzle << 62);
-}
-
-// --------------------------------------------------------------------------
-// wgmma.
-// --------------------------------------------------------------------------
-
-__device__ __forceinline__ void mma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void mma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void mma_wait_all_but_newest() {
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
-
-// After mma_wait_all: the registers' reads stay behind the wait.
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// After mma_wait_all: A fragments an asynchronous product read stay as they are until here.
-__device__ __forceinline__ void fence_registers(uint32_t (&p)[4][4]) {
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-#pragma unroll
-    for (int w = 0; w < 4; ++w) asm volatile("" : "+r"(p[c][w])::"memory");
-  }
-}
+constexpr int kStages = 3;  // the K / Vᵀ ring
 
 // The FP8 products as inline PTX. d is the fp32 accumulator fragment (64 or 32
 // registers); a "first" step only writes d (scale-d 0), so the instructions that
@@ -210,12 +105,6 @@ __device__ __forceinline__ void pv_step(float (&d)[D / 2], const uint32_t (&a)[4
   }
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Four probabilities -> four E4M3 bytes of one 32-bit word, the first in the low byte.
 __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
@@ -223,24 +112,10 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   return (lo & 0xFFFFu) | (hi << 16);
 }
 
-template <typename TOut>
-__device__ __forceinline__ void store_pair(TOut* p, float a, float b);
-template <>
-__device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
-  *reinterpret_cast<float2*>(p) = make_float2(a, b);
-}
-template <>
-__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-template <>
-__device__ __forceinline__ void store_pair<__half>(__half* p, float a, float b) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
-}
-
 // Shared memory of a forward block (bytes past a 1024-byte aligned start).
 template <int D>
 struct ForwardSmem {
+  static constexpr int stages = kStages;
   static constexpr int q = 0;                                 // kBlockM x D
   static constexpr int k = q + kBlockM * D;                   // kStages x (kBlockN x D)
   static constexpr int v = k + kStages * kBlockN * D;         // kStages x (D x kBlockN)
@@ -296,18 +171,6 @@ __device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base
   barrier_arrive(S::full(base, (tiles - 1) % kStages));
 }
 
-// A consumer's view of its block: its rows and columns in the accumulator layout,
-// the scales, and the running maximum and sum of its two rows.
-struct ConsumerRows {
-  int row0;          // this thread's rows: row0 and row0 + 8
-  int col;           // its columns of every 8: col and col + 1
-  int first_row;     // the warpgroup's first row
-  float qk_scale;    // softmax_scale · log2 e · q_scale_inv · k_scale_inv
-  float p_shift;     // log2 p_scale
-  float m[2] = {-INFINITY, -INFINITY};
-  float l[2] = {0.0f, 0.0f};  // this thread's part of each row's sum (its lanes' parts added at the end)
-};
-
 // The descriptors of a stage's tiles: K (keys x D) and Vᵀ (D x 128 positions).
 // Made before mma_fence: ptxas serializes every wgmma of a kernel where other
 // instructions define a wgmma's inputs between the fence and the products.
@@ -328,6 +191,19 @@ __device__ __forceinline__ void issue_scores(float (&sc)[64], uint64_t q_desc, u
   for (int kk = 1; kk < D / 32; ++kk) mma_ss_n128(sc, q_desc + 2 * kk, k_desc + 2 * kk);
 }
 
+// Tile j's S = Q Kᵀ in the consumer's turn at the tensor cores, waited on.
+template <int D>
+__device__ __forceinline__ void scores_in_turn(float (&sc)[64], uint64_t q_desc, uint64_t k_desc, const Turns& turns,
+                                               int j) {
+  turns.take();
+  mma_fence();
+  issue_scores<D>(sc, q_desc, k_desc);
+  mma_commit();
+  mma_wait_all();
+  fence_registers(sc);
+  turns.pass(j);
+}
+
 // d (+)= P V of one key tile issued: P the A fragments, V the stage's Vᵀ tile;
 // ACCUMULATE false overwrites d.
 template <int D, bool ACCUMULATE>
@@ -336,44 +212,13 @@ __device__ __forceinline__ void issue_values(float (&d)[D / 2], const uint32_t (
   for (int c = 0; c < 4; ++c) pv_step<D>(d, p8[c], v_desc + 2 * c, !ACCUMULATE && c == 0);
 }
 
-// The online softmax on one tile of S (rows row0, row0 + 8; key n0 + 8·(i / 4) +
-// col + i % 2 in sc[i], row (i / 2) % 2): masked keys to -inf (past tk, and above
-// the diagonal when causal), the new running maximum, alpha = exp2(m_old - m_new)
-// per row, p · p_scale = exp2(s · qk_scale - m_new + p_shift) added to the rows'
-// sums, and P cast to E4M3 as the A fragment of four k32 steps: step c's word w
-// holds, for row0 (w even) or row0 + 8 (w odd), S columns v2 = 4c + 2·(w / 2) + (0, 1).
+// softmax_rows on one tile of S, then P (times p_scale) cast to E4M3 as the A
+// fragment of four k32 steps: step c's word w holds, for row0 (w even) or row0 + 8
+// (w odd), S columns v2 = 4c + 2·(w / 2) + (0, 1).
 template <bool CAUSAL>
 __device__ __forceinline__ void softmax_tile(float (&sc)[64], uint32_t (&p8)[4][4], float (&alpha)[2],
                                              ConsumerRows& rows, int n0, int tk) {
-  if (n0 + kBlockN > tk || (CAUSAL && n0 + kBlockN - 1 > rows.first_row)) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      const int key = n0 + 8 * (i / 4) + rows.col + i % 2;
-      const int row = rows.row0 + 8 * ((i / 2) % 2);
-      if (key >= tk || (CAUSAL && key > row)) sc[i] = -INFINITY;
-    }
-  }
-  float shift[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int v2 = 0; v2 < 16; ++v2) mx = fmaxf(mx, fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-    const float m_new = fmaxf(rows.m[r], mx * rows.qk_scale);  // qk_scale > 0: the scaled maximum, exactly
-    alpha[r] = fast_exp2(rows.m[r] - m_new);
-    shift[r] = rows.p_shift - m_new;
-    rows.m[r] = m_new;
-  }
-  float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    sc[i] = fast_exp2(fmaf(sc[i], rows.qk_scale, shift[(i / 2) % 2]));  // p · p_scale
-    sum[(i / 2) % 2] += sc[i];
-  }
-  rows.l[0] = rows.l[0] * alpha[0] + sum[0];
-  rows.l[1] = rows.l[1] * alpha[1] + sum[1];
+  softmax_rows<CAUSAL>(sc, alpha, rows, n0, tk);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
 #pragma unroll
@@ -383,48 +228,6 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], uint32_t (&p8)[4][
     }
   }
 }
-
-// o = v_scale_inv · acc / l and lse = (m + log2 l - log2 p_scale) · ln 2 of the rows
-// before tq.
-template <int D, typename TOut>
-__device__ __forceinline__ void store_rows(const AttentionFp8Args& a, const float (&acc)[D / 2],
-                                           const ConsumerRows& rows, int b, int h, int lane) {
-  TOut* o = static_cast<TOut*>(a.o) + int64_t(b) * a.o_stride_b + int64_t(h) * a.o_stride_h;
-  const float out_scale = a.scales[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = rows.l[r];
-    l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
-    l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
-    const int row = rows.row0 + 8 * r;
-    if (row >= a.tq) continue;
-    const float inv = out_scale / l;
-    TOut* o_row = o + int64_t(row) * a.o_stride_t + rows.col;
-#pragma unroll
-    for (int v2 = 0; v2 < D / 8; ++v2) {
-      store_pair(o_row + 8 * v2, acc[4 * v2 + 2 * r] * inv, acc[4 * v2 + 2 * r + 1] * inv);
-    }
-    if (lane % 4 == 0) a.lse[(int64_t(b) * a.h + h) * a.tq + row] = (rows.m[r] + log2f(l) - rows.p_shift) * kLn2;
-  }
-}
-
-// Turns at the tensor cores (a.turns): consumer 0 waits on named barrier 1 and
-// passes to 2, consumer 1 the other way round; consumer 1 passes first and skips
-// its last pass, so every barrier sees as many passes as waits.
-struct Turns {
-  bool on;
-  int group;
-  int tiles;
-  __device__ __forceinline__ void start() const {
-    if (on && group == 1) turn_pass(1);
-  }
-  __device__ __forceinline__ void take() const {
-    if (on) turn_wait(1 + group);
-  }
-  __device__ __forceinline__ void pass(int j) const {
-    if (on && !(group == 1 && j == tiles - 1)) turn_pass(2 - group);
-  }
-};
 
 // A consumer warpgroup, each tile in order: S = Q Kᵀ, the softmax, O_tile = P V a
 // fresh product added to O in fp32 (the Triton kernel's numerics).
@@ -437,13 +240,7 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int tiles, int t
     barrier_wait(S::full(base, s), (j / kStages) & 1);
     float sc[64];
     const uint64_t k_desc = k_descriptor<D>(base, s), v_desc = v_descriptor<D>(base, s);
-    turns.take();
-    mma_fence();
-    issue_scores<D>(sc, q_desc, k_desc);
-    mma_commit();
-    mma_wait_all();
-    fence_registers(sc);
-    turns.pass(j);
+    scores_in_turn<D>(sc, q_desc, k_desc, turns, j);
     float alpha[2];
     uint32_t p8[4][4];
     softmax_tile<CAUSAL>(sc, p8, alpha, rows, j * kBlockN, tk);
@@ -520,14 +317,7 @@ __device__ __forceinline__ void consume_overlapped(uint32_t base, int tiles, int
     float sc[64];
     float alpha[2];
     barrier_wait(S::full(base, 0), 0);
-    const uint64_t k_desc = k_descriptor<D>(base, 0);
-    turns.take();
-    mma_fence();
-    issue_scores<D>(sc, q_desc, k_desc);
-    mma_commit();
-    mma_wait_all();
-    fence_registers(sc);
-    turns.pass(0);
+    scores_in_turn<D>(sc, q_desc, k_descriptor<D>(base, 0), turns, 0);
     softmax_tile<CAUSAL>(sc, even, alpha, rows, 0, tk);  // O is 0: alpha scales nothing
   }
   int j = 1;
@@ -568,39 +358,23 @@ __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base
   } else {
     consume_in_order<D, CAUSAL>(base, tiles, a.tk, q_desc, turns, rows, acc);
   }
-  store_rows<D, TOut>(a, acc, rows, b, h, lane);
+  store_rows<D, TOut>(a, acc, rows, a.scales[2], b, h, lane);
 }
 
 template <int D, bool CAUSAL, typename TOut>
 __global__ void __launch_bounds__(kForwardThreads, 1)
     attention_fp8_forward_kernel(const __grid_constant__ AttentionFp8Args a) {
-  using S = ForwardSmem<D>;
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = (shared_address(smem_raw) + 1023u) & ~1023u;
-  const int block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int bh = blockIdx.y;
-  const int b = bh / a.h, h = bh % a.h, hk = h / (a.h / a.hkv);
-  const int m0 = block * kBlockM;
-  const int key_end = CAUSAL ? min(a.tk, m0 + kBlockM) : a.tk;
-  const int tiles = (key_end + kBlockN - 1) / kBlockN;
-  if (threadIdx.x == 0) {
-    barrier_init(S::q_full(base), kWarpgroup);  // the producer's threads
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      barrier_init(S::full(base, s), kWarpgroup);       // the producer's threads
-      barrier_init(S::empty(base, s), 2 * kWarpgroup);  // both consumers' threads
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  const uint32_t base = block_shared_memory<ForwardSmem<D>>(smem_raw);
+  const BlockWork w = block_work<CAUSAL>(a);
   const int group = threadIdx.x / kWarpgroup;
   const int tid = threadIdx.x % kWarpgroup;
   if (group == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 48;\n");
-    produce<D>(a, base, b, h, hk, m0, tiles, tid);
+    producer_registers();
+    produce<D>(a, base, w.b, w.h, w.hk, w.m0, w.tiles, tid);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
-    consume<D, CAUSAL, TOut>(a, base, b, h, m0, tiles, group - 1, tid);
+    consumer_registers();
+    consume<D, CAUSAL, TOut>(a, base, w.b, w.h, w.m0, w.tiles, group - 1, tid);
   }
 }
 
@@ -649,19 +423,8 @@ __global__ void __launch_bounds__(kTransposeThreads) v_keys_inner_kernel(const _
 
 template <int D, bool CAUSAL, typename TOut>
 void launch_forward(const AttentionFp8Args& a, cudaStream_t stream) {
-  auto kernel = attention_fp8_forward_kernel<D, CAUSAL, TOut>;
-  constexpr int bytes = ForwardSmem<D>::bytes + 1024;  // and the alignment's slack
-  static bool sized[64] = {false};  // per instantiation and device: more than the default 48 KiB
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= 64 || !sized[device]) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-               "attention_fp8_forward (shared memory size)");
-    if (device >= 0 && device < 64) sized[device] = true;
-  }
-  const dim3 grid(unsigned((a.tq + kBlockM - 1) / kBlockM), unsigned(a.batch * a.h));
-  kernel<<<grid, kForwardThreads, bytes, stream>>>(a);
-  check_launch("attention_fp8_forward");
+  launch_blocks<attention_fp8_forward_kernel<D, CAUSAL, TOut>>(ForwardSmem<D>::bytes + 1024,  // and the alignment's slack
+                                                               a, stream, "attention_fp8_forward");
 }
 
 template <int D>

@@ -621,9 +621,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
   return layer_norm_grad(dy, x, weight, mean, rstd, grad_add, stream);
 }
 
-// The FP8 attention's consumer schedule (AttentionFp8Args::turns, ::overlap): turns
-// at the tensor cores (the same bits either way), and the next tile's product in
-// flight during the softmax (other bits). Set for this process.
+// The Hopper attention kernels' consumer schedule (AttentionFp8Args::turns,
+// ::overlap; AttentionHpArgs::turns): turns at the tensor cores (the same bits
+// either way), and, FP8 only, the next tile's product in flight during the softmax
+// (other bits). Set for this process.
 bool attention_fp8_turns_state = true;
 bool attention_fp8_overlap_state = false;
 
@@ -648,6 +649,64 @@ bool attention_fp8_operand(const at::Tensor& t, int64_t device) {
     if (t.stride(d) % 16 != 0 || t.size(d) > std::numeric_limits<int32_t>::max()) return false;
   }
   return true;
+}
+
+// A 4-D bf16 or fp16 view of `type` on `device` whose rows the Hopper attention's
+// copies read as 16-byte chunks: head dim 64 or 128 and contiguous, the start and
+// the other strides multiples of 8 elements.
+bool attention_hp_operand(const at::Tensor& t, at::ScalarType type, int64_t device) {
+  if (t.scalar_type() != type || !t.is_cuda() || t.get_device() != device || t.dim() != 4 ||
+      (t.size(3) != 64 && t.size(3) != 128) || t.stride(3) != 1 ||
+      reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) {
+    return false;
+  }
+  for (int d = 0; d < 3; ++d) {
+    if (t.stride(d) % 8 != 0 || t.size(d) > std::numeric_limits<int32_t>::max()) return false;
+  }
+  return true;
+}
+
+// The bf16 / fp16 attention forward on Hopper (launch_attention_hp_forward): (o (B,
+// H, Tq, D) in q's dtype, a view of a (B, Tq, H, D) tensor; lse (B, H, Tq) fp32),
+// new tensors. None for operands the Python path must look at: q, k, v not views
+// attention_hp_operand takes, of one dtype, batch and head dim, k and v of one
+// shape, query heads a multiple of the kv heads, no keys, more batch·heads than a
+// grid holds.
+std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_forward_lean(const at::Tensor& q, const at::Tensor& k,
+                                                                            const at::Tensor& v, double softmax_scale,
+                                                                            bool causal, int64_t device,
+                                                                            int64_t stream) {
+  const at::ScalarType type = q.scalar_type();
+  if ((type != at::kBFloat16 && type != at::kHalf) || !attention_hp_operand(q, type, device) ||
+      !attention_hp_operand(k, type, device) || !attention_hp_operand(v, type, device) ||
+      !k.sizes().equals(v.sizes()) || q.size(0) != k.size(0) || q.size(3) != k.size(3) || k.size(1) == 0 ||
+      q.size(1) % k.size(1) != 0 || k.size(2) == 0 || q.size(0) * q.size(1) > 65535) {
+    return std::nullopt;
+  }
+  const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), dim = q.size(3);
+  at::Tensor o = at::empty({batch, tq, heads, dim}, q.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({batch, heads, tq}, q.options().dtype(at::kFloat));
+  te_fuser::AttentionHpArgs a;
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.o = o.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  a.qk_scale = static_cast<float>(softmax_scale * 1.4426950408889634);
+  a.batch = static_cast<int>(batch);
+  a.h = static_cast<int>(heads);
+  a.hkv = static_cast<int>(k.size(1));
+  a.tq = static_cast<int>(tq);
+  a.tk = static_cast<int>(k.size(2));
+  a.head_dim = static_cast<int>(dim);
+  a.causal = causal;
+  a.turns = attention_fp8_turns_state;
+  a.q_stride_b = q.stride(0), a.q_stride_h = q.stride(1), a.q_stride_t = q.stride(2);
+  a.k_stride_b = k.stride(0), a.k_stride_h = k.stride(1), a.k_stride_t = k.stride(2);
+  a.v_stride_b = v.stride(0), a.v_stride_h = v.stride(1), a.v_stride_t = v.stride(2);
+  a.o_stride_b = o.stride(0), a.o_stride_h = o.stride(1), a.o_stride_t = o.stride(2);
+  te_fuser::launch_attention_hp_forward(a, hp_code_or_none(type), as_stream(stream));
+  return std::make_tuple(o, lse);
 }
 
 // V (B, Hkv, Tk, D) as the FP8 attention forward reads it: (B·Hkv, D, pitch)
@@ -753,6 +812,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_lean", &rotary_lean,
         "RoPE of x (B, T, heads, D) into a new tensor or in place, operands checked here; None for a case the "
         "Python path takes");
+  m.def("attention_hp_forward_lean", &attention_hp_forward_lean,
+        "the bf16 / fp16 attention forward on Hopper's tensor cores: (o, lse), operands checked here; None for a "
+        "case the Python path takes");
   m.def("attention_fp8_keys_inner", &attention_fp8_keys_inner,
         "V as the FP8 attention forward reads it (keys inner, in the kernel's order), or None");
   m.def("attention_fp8_schedule", &attention_fp8_schedule,

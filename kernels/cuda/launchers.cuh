@@ -189,31 +189,36 @@ int64_t dact_dbias_tile_rows(int64_t rows);
 void launch_dact_dbias(const void* dy, const void* x, int type, void* dx, float* partials, int64_t rows, int64_t cols,
                        int kind, void* stream);
 
-// The FP8 attention forward's operands (see attention_kernels.cu): E4M3 q (batch,
-// h, tq, head_dim), k and v (batch, hkv, tk, head_dim) as byte strides of views
-// (the head dim contiguous; every row 16-byte aligned), vt a buffer of batch · hkv
-// · head_dim · vt_pitch bytes (attention_fp8_vt_pitch) for V with its keys inner,
-// o (batch, h, tq, head_dim) in element strides, lse (batch, h, tq) fp32, scales
-// the fp32 q_scale_inv, k_scale_inv, v_scale_inv and p_scale, qk_scale
-// softmax_scale · log2 e.
-struct AttentionFp8Args {
+// What the Hopper attention forwards share of their operands (see
+// attention_common.cuh): q (batch, h, tq, head_dim), k and v (batch, hkv, tk,
+// head_dim) and o (batch, h, tq, head_dim) as strides of views in elements (bytes
+// for FP8), the head dim contiguous and every row 16-byte aligned; lse (batch, h,
+// tq) fp32; qk_scale softmax_scale · log2 e.
+struct AttentionShape {
+  float* lse = nullptr;
+  float qk_scale = 0.0f;
+  int batch = 0, h = 0, hkv = 0, tq = 0, tk = 0, head_dim = 0;
+  bool causal = false;
+  bool turns = true;  // the consumer warpgroups take turns at S = Q Kᵀ (named barriers)
+  int64_t q_stride_b = 0, q_stride_h = 0, q_stride_t = 0;
+  int64_t k_stride_b = 0, k_stride_h = 0, k_stride_t = 0;
+  int64_t v_stride_b = 0, v_stride_h = 0, v_stride_t = 0;
+  int64_t o_stride_b = 0, o_stride_h = 0, o_stride_t = 0;
+};
+
+// The FP8 forward's (attention_kernels.cu): E4M3 q, k, v; vt a buffer of batch · hkv
+// · head_dim · vt_pitch bytes (attention_fp8_vt_pitch) for V with its keys inner; o
+// of a high-precision type; scales the fp32 q_scale_inv, k_scale_inv, v_scale_inv
+// and p_scale.
+struct AttentionFp8Args : AttentionShape {
   const uint8_t* q = nullptr;
   const uint8_t* k = nullptr;
   const uint8_t* v = nullptr;
   uint8_t* vt = nullptr;
   void* o = nullptr;
-  float* lse = nullptr;
   const float* scales = nullptr;
-  float qk_scale = 0.0f;
-  int batch = 0, h = 0, hkv = 0, tq = 0, tk = 0, head_dim = 0;
-  bool causal = false;
-  bool turns = true;     // the consumer warpgroups take turns at S = Q Kᵀ (named barriers)
   bool overlap = false;  // the next tile's S = Q Kᵀ in flight during the softmax (other bits; see the kernel)
   int64_t vt_pitch = 0;
-  int64_t q_stride_b = 0, q_stride_h = 0, q_stride_t = 0;
-  int64_t k_stride_b = 0, k_stride_h = 0, k_stride_t = 0;
-  int64_t v_stride_b = 0, v_stride_h = 0, v_stride_t = 0;
-  int64_t o_stride_b = 0, o_stride_h = 0, o_stride_t = 0;
 };
 
 // Positions of a row of vt: tk rounded up to the key tile.
@@ -223,6 +228,18 @@ int64_t attention_fp8_vt_pitch(int64_t tk);
 // tk), then the forward into o and lse (out_type a high-precision code; head dim
 // 64 or 128; sm_90a).
 void launch_attention_fp8_forward(const AttentionFp8Args& args, int out_type, void* stream);
+
+// The bf16 / fp16 forward's (attention_hp_kernels.cu): q, k, v and o of that type.
+struct AttentionHpArgs : AttentionShape {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+};
+
+// The forward into o and lse (type a high-precision code: bf16 or fp16; head dim 64
+// or 128; sm_90a).
+void launch_attention_hp_forward(const AttentionHpArgs& args, int type, void* stream);
 
 // The first of the two alone: V (args.v, its strides, batch, hkv, tk, head_dim)
 // into vt (args.vt, vt_pitch) (a test's view of what the forward reads).

@@ -1,0 +1,306 @@
+// The pieces of the hand-written Hopper attention kernels (attention_kernels.cu:
+// FP8; attention_hp_kernels.cu: bf16 and fp16) that do not depend on the element
+// type: shared-memory addresses, mbarriers and asynchronous copies, the swizzle and
+// wgmma's descriptors of K-major tiles, the wgmma fences, a consumer warpgroup's
+// rows and online softmax, its turns at the tensor cores and its stores.
+//
+// Layout of a block (both kernels): 128 queries of one head; warpgroup 0 the
+// producer, warpgroups 1 and 2 consumers of 64 rows each; key tiles of 128. A
+// consumer thread holds, in wgmma's accumulator layout, rows row0 and row0 + 8 and
+// of every 8 columns the two from col (sc[i]: row (i / 2) % 2, column
+// 8·(i / 4) + col + i % 2).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "dispatch.cuh"
+
+namespace te_fuser {
+namespace attention {
+
+constexpr int kBlockM = 128;  // queries of a block: two consumer warpgroups of 64 rows
+constexpr int kBlockN = 128;  // keys of a tile
+constexpr int kWarpgroup = 128;
+constexpr int kForwardThreads = 3 * kWarpgroup;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// --------------------------------------------------------------------------
+// Shared memory: addresses, barriers, asynchronous copies, swizzle.
+// --------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// Until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// 16 bytes from global to shared memory, asynchronously; zeros where !valid.
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Named barriers 1 and 2 (0 is __syncthreads'): the consumers' turns at the tensor cores.
+__device__ __forceinline__ void turn_wait(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
+}
+
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void copies_wait_all_but_newest() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+__device__ __forceinline__ void copies_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// This thread's shared-memory writes (cp.async lands through the generic proxy)
+// ordered before the tensor cores' reads (wgmma reads through the async proxy).
+__device__ __forceinline__ void fence_for_tensor_cores() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW-byte rows
+// under the ROW-byte swizzle (ROW 128 or 64; the tile 1024-byte aligned).
+template <int ROW>
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
+  static_assert(ROW == 128 || ROW == 64, "rows of 64 or 128 bytes");
+  const uint32_t linear = uint32_t(row * ROW + chunk * 16);
+  constexpr uint32_t mask = ROW == 128 ? 7u : 3u;
+  return linear ^ (((linear >> 7) & mask) << 4);
+}
+
+// wgmma's descriptor of a K-major tile of ROW-byte rows at shared address `addr`:
+// the start address (16-byte units), the leading offset (unused by swizzled
+// K-major tiles: 1), the stride between 8-row groups, the swizzle (1: 128 B, 2: 64 B).
+// Adding 2 to it moves the start 32 bytes along K (the next k32 step).
+template <int ROW>
+__device__ __forceinline__ uint64_t tile_descriptor(uint32_t addr) {
+  constexpr uint64_t swizzle = ROW == 128 ? 1 : 2;
+  constexpr uint64_t group_stride = (8 * ROW) >> 4;
+  return uint64_t((addr >> 4) & 0x3FFFu) | (uint64_t(1) << 16) | (group_stride << 32) | (swizzle << 62);
+}
+
+// --------------------------------------------------------------------------
+// wgmma.
+// --------------------------------------------------------------------------
+
+__device__ __forceinline__ void mma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void mma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void mma_wait_all_but_newest() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
+
+// After mma_wait_all: the registers' reads stay behind the wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// After mma_wait_all: A fragments an asynchronous product read stay as they are until here.
+__device__ __forceinline__ void fence_registers(uint32_t (&p)[4][4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) asm volatile("" : "+r"(p[c][w])::"memory");
+  }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename TOut>
+__device__ __forceinline__ void store_pair(TOut* p, float a, float b);
+template <>
+__device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__half>(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+
+// A consumer's view of its block: its rows and columns in the accumulator layout,
+// the scales, and the running maximum and sum of its two rows.
+struct ConsumerRows {
+  int row0;          // this thread's rows: row0 and row0 + 8
+  int col;           // its columns of every 8: col and col + 1
+  int first_row;     // the warpgroup's first row
+  float qk_scale;    // softmax_scale · log2 e (FP8: times q's and k's scale_inv)
+  float p_shift;     // log2 p_scale (FP8; 0 where P is not scaled)
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};  // this thread's part of each row's sum (its lanes' parts added at the end)
+};
+
+// The online softmax on one tile of S (rows row0, row0 + 8; key n0 + 8·(i / 4) +
+// col + i % 2 in sc[i], row (i / 2) % 2): masked keys to -inf (past tk, and above
+// the diagonal when causal), the new running maximum, alpha = exp2(m_old - m_new)
+// per row, and sc[i] = p · p_scale = exp2(s · qk_scale - m_new + p_shift), added to
+// the rows' sums (p_shift 0 where P is not scaled).
+template <bool CAUSAL>
+__device__ __forceinline__ void softmax_rows(float (&sc)[64], float (&alpha)[2], ConsumerRows& rows, int n0,
+                                             int tk) {
+  if (n0 + kBlockN > tk || (CAUSAL && n0 + kBlockN - 1 > rows.first_row)) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int key = n0 + 8 * (i / 4) + rows.col + i % 2;
+      const int row = rows.row0 + 8 * ((i / 2) % 2);
+      if (key >= tk || (CAUSAL && key > row)) sc[i] = -INFINITY;
+    }
+  }
+  float shift[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int v2 = 0; v2 < 16; ++v2) mx = fmaxf(mx, fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+    const float m_new = fmaxf(rows.m[r], mx * rows.qk_scale);  // qk_scale > 0: the scaled maximum, exactly
+    alpha[r] = fast_exp2(rows.m[r] - m_new);
+    shift[r] = rows.p_shift - m_new;
+    rows.m[r] = m_new;
+  }
+  float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    sc[i] = fast_exp2(fmaf(sc[i], rows.qk_scale, shift[(i / 2) % 2]));
+    sum[(i / 2) % 2] += sc[i];
+  }
+  rows.l[0] = rows.l[0] * alpha[0] + sum[0];
+  rows.l[1] = rows.l[1] * alpha[1] + sum[1];
+}
+
+// Turns of a block's two consumer warpgroups at the tensor cores (when on): consumer 0 waits on named barrier 1 and
+// passes to 2, consumer 1 the other way round; consumer 1 passes first and skips
+// its last pass, so every barrier sees as many passes as waits.
+struct Turns {
+  bool on;
+  int group;
+  int tiles;
+  __device__ __forceinline__ void start() const {
+    if (on && group == 1) turn_pass(1);
+  }
+  __device__ __forceinline__ void take() const {
+    if (on) turn_wait(1 + group);
+  }
+  __device__ __forceinline__ void pass(int j) const {
+    if (on && !(group == 1 && j == tiles - 1)) turn_pass(2 - group);
+  }
+};
+
+// o = out_scale · acc / l and lse = (m + log2 l - p_shift) · ln 2 of the rows before
+// a.tq, from a consumer's accumulator (rows row0 and row0 + 8, columns col + 8·v2
+// and one more). Args: the forward's operands (o, its strides, lse, h, tq).
+template <int D, typename TOut, typename Args>
+__device__ __forceinline__ void store_rows(const Args& a, const float (&acc)[D / 2], const ConsumerRows& rows,
+                                           float out_scale, int b, int h, int lane) {
+  TOut* o = static_cast<TOut*>(a.o) + int64_t(b) * a.o_stride_b + int64_t(h) * a.o_stride_h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = rows.l[r];
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
+    const int row = rows.row0 + 8 * r;
+    if (row >= a.tq) continue;
+    const float inv = out_scale / l;
+    TOut* o_row = o + int64_t(row) * a.o_stride_t + rows.col;
+#pragma unroll
+    for (int v2 = 0; v2 < D / 8; ++v2) {
+      store_pair(o_row + 8 * v2, acc[4 * v2 + 2 * r] * inv, acc[4 * v2 + 2 * r + 1] * inv);
+    }
+    if (lane % 4 == 0) a.lse[(int64_t(b) * a.h + h) * a.tq + row] = (rows.m[r] + log2f(l) - rows.p_shift) * kLn2;
+  }
+}
+
+// What a block works on: batch b, query head h, its kv head hk, the first query row
+// m0 and the key tiles its queries see (causal: those up to its last row's diagonal).
+struct BlockWork {
+  int b, h, hk, m0, tiles;
+};
+
+template <bool CAUSAL, typename Args>
+__device__ __forceinline__ BlockWork block_work(const Args& a) {
+  const int block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);  // causal: longest rows first
+  const int bh = blockIdx.y;
+  BlockWork w;
+  w.b = bh / a.h;
+  w.h = bh % a.h;
+  w.hk = w.h / (a.h / a.hkv);
+  w.m0 = block * kBlockM;
+  const int key_end = CAUSAL ? min(a.tk, w.m0 + kBlockM) : a.tk;
+  w.tiles = (key_end + kBlockN - 1) / kBlockN;
+  return w;
+}
+
+// The block's shared memory (1024-byte aligned), its barriers initialized (Smem:
+// q_full, full and empty of Smem::stages stages) and seen by every thread.
+template <typename Smem>
+__device__ __forceinline__ uint32_t block_shared_memory(uint8_t* smem_raw) {
+  const uint32_t base = (shared_address(smem_raw) + 1023u) & ~1023u;
+  if (threadIdx.x == 0) {
+    barrier_init(Smem::q_full(base), kWarpgroup);  // the producer's threads
+#pragma unroll
+    for (int s = 0; s < Smem::stages; ++s) {
+      barrier_init(Smem::full(base, s), kWarpgroup);       // the producer's threads
+      barrier_init(Smem::empty(base, s), 2 * kWarpgroup);  // both consumers' threads
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  return base;
+}
+
+// The producer's registers (after setmaxnreg) and the consumers'.
+__device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 48;\n"); }
+__device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n"); }
+
+// Launch of a forward kernel over (query blocks, batch · heads), 384 threads and
+// `bytes` of dynamic shared memory (the attribute set once per kernel and device).
+template <auto kernel, typename Args>
+void launch_blocks(int bytes, const Args& a, cudaStream_t stream, const char* name) {
+  static bool sized[64] = {false};  // per kernel (a template argument) and device
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= 64 || !sized[device]) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), name);
+    if (device >= 0 && device < 64) sized[device] = true;
+  }
+  const dim3 grid(unsigned((a.tq + kBlockM - 1) / kBlockM), unsigned(a.batch * a.h));
+  kernel<<<grid, kForwardThreads, bytes, stream>>>(a);
+  check_launch(name);
+}
+
+}  // namespace attention
+}  // namespace te_fuser

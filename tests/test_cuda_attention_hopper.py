@@ -1,0 +1,128 @@
+"""The hand-written Hopper bf16 / fp16 attention forward (``kernels/cuda/
+attention_hp_kernels.cu`` through ``te_fuser.kernels.cuda.attention.
+attention_forward_hopper``): o and lse against float64 attention on odd lengths
+(one key tile and several, Tq above and below Tk, grouped kv heads, head dims 64
+and 128, causal and not), with the Triton backward fed its o and lse (the pairing
+the auto table would run) against float64 autograd, at real sizes against the
+reference in fp32, uniform scores (P V apart from Q Kᵀ), the fused QKV tensor's
+views read in place, the same bits on every run and with or without the
+consumers' turns, and what it refuses with a reason. The kernel runs on sm_90a
+only; the reasons also run here on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from te_fuser.kernels import triton as tk
+from te_fuser.kernels.cuda import attention as cuda_attn
+from test_attention_kernels import GPU_CASES, SHAPES, _randn, check_bf16_at_real_size, check_kernels
+from test_cuda_attention_fp8 import hopper
+from tolerances import assert_close
+
+
+class HopperForward:
+    """The Hopper forward beside the Triton backward, as ``check_kernels`` takes a backend."""
+
+    attention_forward = staticmethod(cuda_attn.attention_forward_hopper)
+    attention_backward = staticmethod(tk.attention_backward)
+
+
+# test_attention_kernels' odd lengths (head dim 64), and head dim 128 over several key tiles
+HOPPER_SHAPES = SHAPES + [(1, 4, 1, 300, 300, 128), (2, 2, 2, 1000, 1000, 128), (1, 8, 2, 200, 130, 128)]
+
+
+@contextlib.contextmanager
+def _turns(turns: bool):
+    previous = cuda_attn.set_hopper_schedule(turns=turns)
+    try:
+        yield
+    finally:
+        cuda_attn.set_hopper_schedule(*previous)
+
+
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", HOPPER_SHAPES)
+def test_forward_and_the_triton_backward_against_float64(shape, causal):
+    check_kernels(shape, torch.bfloat16, causal, kernels=HopperForward, name="cuda hopper")
+
+
+@hopper
+@pytest.mark.parametrize("shape", [HOPPER_SHAPES[0], HOPPER_SHAPES[4]])
+def test_fp16_against_float64(shape):
+    check_kernels(shape, torch.float16, True, kernels=HopperForward, name="cuda hopper")
+
+
+@hopper
+@pytest.mark.parametrize("T,D,causal", GPU_CASES)
+def test_at_real_sizes(T, D, causal):
+    check_bf16_at_real_size(HopperForward, T, D, causal, name="cuda hopper")
+
+
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_uniform_scores_average_the_values(D):
+    """q = 0: every key a row sees has probability 1 (exact in bf16), so o is the
+    mean of the values the row sees (rounded once) and lse ln(keys seen): P V
+    through V's transposed descriptor, the masks and the sums, apart from Q Kᵀ."""
+    B, H, Hkv, T = 1, 4, 2, 300
+    q = torch.zeros(B, H, T, D, dtype=torch.bfloat16, device="cuda")
+    k = _randn((B, Hkv, T, D), 3, torch.bfloat16)
+    v = _randn((B, Hkv, T, D), 4, torch.bfloat16)
+    o, lse = cuda_attn.attention_forward_hopper(q, k, v, True, 1 / math.sqrt(D))
+    seen = torch.ones(T, T, dtype=torch.float64).tril()
+    counts = seen.sum(1)
+    want = (seen @ v.double().cpu().repeat_interleave(H // Hkv, dim=1)) / counts[:, None]
+    assert_close(o.cpu(), want, "attention_bf16", f"uniform scores D={D}", scaled=True)
+    assert_close(lse.cpu(), torch.log(counts).expand(B, H, T), "attention_fp32", f"uniform lse D={D}")
+
+
+@hopper
+def test_reads_the_fused_qkv_views_in_place():
+    """q, k, v as head ranges of one fused (B, T, H + 2·Hkv, D) tensor: the same bits
+    as from contiguous copies, and o stored (B, T, H, D)."""
+    B, H, Hkv, T, D = 2, 8, 2, 200, 128
+    heads = _randn((B, T, H + 2 * Hkv, D), 9, torch.bfloat16).transpose(1, 2)
+    views = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
+    o, lse = cuda_attn.attention_forward_hopper(*views, True, 1 / math.sqrt(D))
+    o_c, lse_c = cuda_attn.attention_forward_hopper(*(t.contiguous() for t in views), True, 1 / math.sqrt(D))
+    assert o.transpose(1, 2).is_contiguous()
+    assert torch.equal(o, o_c) and torch.equal(lse, lse_c)
+
+
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_same_bits_on_every_run_and_with_or_without_turns(D):
+    q, k, v = (_randn((2, heads, 777, D), seed, torch.bfloat16) for seed, heads in ((1, 8), (2, 2), (3, 2)))
+    first = cuda_attn.attention_forward_hopper(q, k, v, True, 0.09)
+    for turns in (True, False, True):
+        with _turns(turns):
+            again = cuda_attn.attention_forward_hopper(q, k, v, True, 0.09)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), turns
+
+
+def test_reasons_name_what_the_kernel_does_not_take():
+    """Checked before anything runs, on any machine."""
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    reason = cuda_attn.attention_forward_hopper_unsupported_reason(q, q)
+    assert reason is not None
+    if q.device.type == "cpu":
+        assert "CUDA tensors" in reason
+    q32 = q.float()
+    assert "bfloat16 and float16" in cuda_attn.attention_forward_hopper_unsupported_reason(q32, q32)
+    with pytest.raises(ValueError, match="attention_forward_hopper: "):
+        cuda_attn.attention_forward_hopper(q, q, q, True, 0.125)
+
+
+@hopper
+def test_layouts_it_refuses_on_the_gpu():
+    q = torch.zeros(1, 2, 8, 32, dtype=torch.bfloat16, device="cuda")
+    assert "head dims" in cuda_attn.attention_forward_hopper_unsupported_reason(q, q)
+    odd = torch.zeros(1, 2, 8, 68, dtype=torch.bfloat16, device="cuda")[..., :64]  # rows 136 bytes apart
+    assert "16-byte" in cuda_attn.attention_forward_hopper_unsupported_reason(odd, odd)
+    with pytest.raises(ValueError, match="head dims"):
+        cuda_attn.attention_forward_hopper(q, q, q, True, 0.125)
