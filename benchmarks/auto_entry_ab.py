@@ -4,6 +4,10 @@ turns, the order reversed every other round, one untimed step after each switch
 (the plans rebuild for it), then ``--steps`` steps timed between two syncs.
 
     python benchmarks/auto_entry_ab.py --kernel dact_dbias --entries triton cuda [--full-size] [--rounds 8]
+    python benchmarks/auto_entry_ab.py --cuda-forward [--entries cudnn hopper]
+
+``--cuda-forward`` takes, instead of an auto entry, the cuda backend's bf16
+attention forward in turns: cuDNN's and our Hopper kernel's (``set_forward_kernel``).
 
 Per recipe: each entry's median ms a step and in how many rounds the second entry
 was faster. Between processes the host's speed moves by ±15% (RESULTS.md), so an
@@ -31,15 +35,16 @@ from te_fuser.kernels.contract import KERNELS  # noqa: E402
 from te_fuser.models.gpt import GPT, GPTConfig  # noqa: E402
 
 
-def compare(step, kernel: str, entries: list[str], rounds: int, steps: int, sync) -> dict:
-    """Per entry, its ms a step in each round (the entries in turns)."""
+def compare(step, switch, entries: list[str], rounds: int, steps: int, sync) -> dict:
+    """Per entry, its ms a step in each round (the entries in turns; ``switch(entry)``
+    makes one the current)."""
     times: dict = {entry: [] for entry in entries}
     for entry in entries * 2:  # every entry's plans built and warm before the first timed round
-        backend.set_auto_entry(kernel, entry)
+        switch(entry)
         step()
     for r in range(rounds):
         for entry in (entries if r % 2 == 0 else entries[::-1]):
-            backend.set_auto_entry(kernel, entry)
+            switch(entry)
             step()  # the rebuild for this entry, untimed
             sync()
             t0 = time.perf_counter()
@@ -52,16 +57,23 @@ def compare(step, kernel: str, entries: list[str], rounds: int, steps: int, sync
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", required=True, help="a kernel of kernels/contract.py's KERNELS")
-    p.add_argument("--entries", nargs=2, default=["triton", "cuda"], metavar="BACKEND",
+    p.add_argument("--kernel", help="a kernel of kernels/contract.py's KERNELS")
+    p.add_argument("--entries", nargs=2, default=None, metavar="BACKEND",
                    help="the two backends the entry takes in turns (default: triton cuda)")
+    p.add_argument("--cuda-forward", action="store_true",
+                   help="instead of an auto entry, the cuda backend's attention forward kernels in turns "
+                        "(set_forward_kernel; default entries: cudnn hopper)")
     p.add_argument("--recipes", nargs="+", default=["current", "delayed"], choices=sorted(RECIPES))
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=10, help="steps timed a turn")
     p.add_argument("--full-size", action="store_true", help="the GPT at its GPU size (default: width 128)")
     args = p.parse_args(argv)
-    if args.kernel not in KERNELS:
+    if args.cuda_forward:
+        args.kernel = "attention_forward"
+        args.entries = args.entries or ["cudnn", "hopper"]
+    elif args.kernel not in KERNELS:
         p.error(f"--kernel: must be one of {sorted(KERNELS)}, got {args.kernel!r}")
+    args.entries = args.entries or ["triton", "cuda"]
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     base = GPTConfig.gpu() if cuda else GPTConfig.smoke()
@@ -73,19 +85,31 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     first, second = args.entries
-    previous = backend.set_auto_entry(args.kernel, first)
+    if args.cuda_forward:
+        from te_fuser.kernels.cuda import attention as cuda_attention
+
+        for entry in args.entries:
+            if entry not in cuda_attention.FORWARD_KERNELS:
+                p.error(f"--entries: with --cuda-forward, of {list(cuda_attention.FORWARD_KERNELS)}, got {entry!r}")
+        previous = cuda_attention.set_forward_kernel(first)
+        switch = cuda_attention.set_forward_kernel
+        restore = lambda: cuda_attention.set_forward_kernel(previous)  # noqa: E731
+    else:
+        previous = backend.set_auto_entry(args.kernel, first)
+        switch = lambda entry: backend.set_auto_entry(args.kernel, entry)  # noqa: E731
+        restore = lambda: backend.set_auto_entry(args.kernel, previous if previous is not None else "triton")  # noqa
     try:
         print(f"torch {torch.__version__}, {device}, width {config.d_model}, {args.kernel}: {first} against "
               f"{second}, {args.rounds} rounds x {args.steps} steps in turns (medians, ms a step)")
         for name in args.recipes:
             step = step_fn(model, opt, RECIPES[name], batch, device_type=device, clip=1.0)
-            times = compare(step, args.kernel, [first, second], args.rounds, args.steps, sync)
+            times = compare(step, switch, [first, second], args.rounds, args.steps, sync)
             a, b = statistics.median(times[first]), statistics.median(times[second])
             wins = sum(x > y for x, y in zip(times[first], times[second]))
             print(f"te {name:<8} {first} {a:8.2f}  {second} {b:8.2f}  ({b / a:.3f}x; {second} faster in "
                   f"{wins}/{args.rounds} rounds)", flush=True)
     finally:
-        backend.set_auto_entry(args.kernel, previous if previous is not None else "triton")
+        restore()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attngpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attngpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -80,6 +80,11 @@ for part in $parts; do
       for size in "" "--full-size"; do
         timeout 200 python3 benchmarks/auto_entry_ab.py --kernel ${AB_KERNEL:-dact_dbias} --entries ${AB_ENTRIES:-triton cuda} \
           $size 2>&1 | tee -a "$OUT/autoab.log" | tail -4
+      done ;;
+    abforward)  # the cuda backend's bf16 attention forward, cuDNN's against our Hopper kernel, on the GPT's eager
+      # step in turns in one process, at width 128 and at full size (auto_entry_ab.py --cuda-forward)
+      for size in "" "--full-size"; do
+        timeout 200 python3 benchmarks/auto_entry_ab.py --cuda-forward $size 2>&1 | tee -a "$OUT/abforward.log" | tail -4
       done ;;
     switchsplit)  # each switch step of te's schedule beside its steps alone, its builds, quantizers, state
       # placement and seeding casts timed inside it (switch_split.py; SWITCH_SCHEDULE=... sets the phases)

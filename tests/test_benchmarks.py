@@ -218,6 +218,16 @@ def test_auto_entry_ab_times_both_entries_in_turns_and_puts_the_table_back():
     bad = subprocess.run([sys.executable, "benchmarks/auto_entry_ab.py", "--kernel", "nope"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--kernel: must be one of" in bad.stderr
+    # the cuda backend's attention forward kernels in turns (on the CPU the reference runs both turns)
+    run = subprocess.run([sys.executable, "benchmarks/auto_entry_ab.py", "--cuda-forward", "--rounds", "2",
+                          "--steps", "1", "--recipes", "current"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cells = [line.split() for line in run.stdout.splitlines() if line.startswith("te current")][0]
+    assert cells[2] == "cudnn" and cells[4] == "hopper", cells
+    bad = subprocess.run([sys.executable, "benchmarks/auto_entry_ab.py", "--cuda-forward", "--entries", "cudnn", "x"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--entries: with --cuda-forward" in bad.stderr
 
 
 def test_auto_entry_ab_puts_the_entry_back():

@@ -105,6 +105,41 @@ def test_the_same_bits_on_every_run_and_with_or_without_turns(D):
         assert all(torch.equal(a, b) for a, b in zip(first, again)), turns
 
 
+def test_the_backends_forward_kernel_is_a_choice_of_two():
+    """set_forward_kernel: cuDNN's (the default) or ours, the previous one returned; a
+    name of neither refused before anything changes."""
+    assert cuda_attn._forward_kernel["name"] == "cudnn"
+    assert cuda_attn.set_forward_kernel("hopper") == "cudnn"
+    try:
+        with pytest.raises(ValueError, match="set_forward_kernel: name must be one of"):
+            cuda_attn.set_forward_kernel("flash")
+        assert cuda_attn._forward_kernel["name"] == "hopper"
+    finally:
+        assert cuda_attn.set_forward_kernel("cudnn") == "hopper"
+
+
+@hopper
+def test_the_backends_forward_runs_the_hopper_kernel_when_chosen():
+    """With "hopper" the cuda backend's forward gives this kernel's bits (the operands
+    it takes), and cuDNN's again after; a head dim it does not take goes to cuDNN."""
+    from te_fuser.kernels import cuda as ck
+
+    q, k, v = (_randn((2, heads, 300, 128), seed, torch.bfloat16) for seed, heads in ((1, 8), (2, 2), (3, 2)))
+    mine = cuda_attn.attention_forward_hopper(q, k, v, True, 0.09)
+    cudnn = ck.attention_forward(q, k, v, True, 0.09)
+    previous = cuda_attn.set_forward_kernel("hopper")
+    try:
+        chosen = ck.attention_forward(q, k, v, True, 0.09)
+        q32, k32, v32 = (_randn((1, 2, 40, 32), seed, torch.bfloat16) for seed in (4, 5, 6))
+        small = ck.attention_forward(q32, k32, v32, True, 0.2)  # head dim 32: cuDNN's
+    finally:
+        cuda_attn.set_forward_kernel(previous)
+    assert all(torch.equal(a, b) for a, b in zip(chosen, mine))
+    assert all(torch.equal(a, b) for a, b in zip(ck.attention_forward(q, k, v, True, 0.09), cudnn))
+    want = ck.attention_forward(q32, k32, v32, True, 0.2)
+    assert all(torch.equal(a, b) for a, b in zip(small, want))
+
+
 def test_reasons_name_what_the_kernel_does_not_take():
     """Checked before anything runs, on any machine."""
     q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)

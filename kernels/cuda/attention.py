@@ -39,7 +39,9 @@ tests and ``benchmarks/bench_attention.py`` call it from this module.
 :func:`attention_forward_hopper` is the same block for bf16 and fp16
 (``attention_hp_kernels.cu``): one C++ call a forward where cuDNN's through torch's
 SDPA operator costs several times the host time, with the Triton forward's
-rounding. It too waits for the GPU before it joins the backend.
+rounding. It too waits for the GPU before it joins the backend; until then
+:func:`set_forward_kernel` makes this backend's forward run it in a process (what
+``benchmarks/auto_entry_ab.py --cuda-forward`` measures on the GPT's step).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ from ..reference.attention import check_attention, check_attention_backward, che
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
-           "set_hopper_schedule", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason"]
+           "set_hopper_schedule", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason",
+           "set_forward_kernel", "FORWARD_KERNELS"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -98,16 +101,46 @@ def _require(reason: str | None, kernel: str) -> None:
 
 
 def attention_forward(q, k, v, causal, softmax_scale):
-    """``(o, lse)`` as :func:`attention_forward_reference`, on cuDNN."""
+    """``(o, lse)`` as :func:`attention_forward_reference`, on cuDNN (or on our Hopper
+    kernel, see :func:`set_forward_kernel`)."""
     check_attention(q, k, v, causal, softmax_scale)
     _require(attention_forward_unsupported_reason(q, k), "attention_forward")
-    return _cudnn_forward(q, k, v, causal, softmax_scale)
+    return _chosen_forward(q, k, v, causal, softmax_scale)
 
 
 def _forward_supported(q, k, v, causal, softmax_scale):
     """:func:`attention_forward` for operands whose reason ``te_fuser.backend`` has
     already asked: the argument checks without a second one."""
     check_attention(q, k, v, causal, softmax_scale)
+    return _chosen_forward(q, k, v, causal, softmax_scale)
+
+
+FORWARD_KERNELS = ("cudnn", "hopper")
+_forward_kernel = {"name": "cudnn"}
+
+
+def set_forward_kernel(name: str) -> str:
+    """Which kernel this backend's bf16 / fp16 attention forward runs in this process:
+    ``"cudnn"`` (the default) or ``"hopper"`` (:func:`attention_forward_hopper`, for
+    the operands its extension entry takes, cuDNN's for the rest), the choice to
+    measure on the GPU before either becomes the default. Returns the previous one."""
+    if name not in FORWARD_KERNELS:
+        raise ValueError(f"set_forward_kernel: name must be one of {list(FORWARD_KERNELS)}, got {name!r}")
+    previous = _forward_kernel["name"]
+    _forward_kernel["name"] = name
+    return previous
+
+
+def _chosen_forward(q, k, v, causal, softmax_scale):
+    if _forward_kernel["name"] == "hopper":  # the extension checks the operands: None for what it does not take
+        from ._build import extension, stream_of_index
+        from .cast import current_device_index
+
+        index = current_device_index()
+        out = extension().attention_hp_forward_lean(q, k, v, float(softmax_scale), bool(causal), index,
+                                                     stream_of_index(index))
+        if out is not None:
+            return out
     return _cudnn_forward(q, k, v, causal, softmax_scale)
 
 
