@@ -213,25 +213,25 @@ def _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale):
 attention_backward.when_supported = _backward_supported
 
 
-# ------------------------------------------------------------------- FP8 forward
+# ------------------------------------------------- the Hopper kernels' forwards
 
 _HOPPER_HEAD_DIMS = (64, 128)  # the Hopper kernels' head dims
 
 
-def _hopper_layout_reason(t: torch.Tensor, name: str, elements: int, kernel: str) -> str | None:
-    """Why a Hopper kernel's 16-byte copies (``elements`` elements) cannot read ``t``
-    as it is stored."""
+def _hopper_layout_reason(t: torch.Tensor, name: str, kernel: str) -> str | None:
+    """Why a Hopper kernel's 16-byte copies cannot read ``t`` as it is stored."""
     if t.dim() != 4 or t.shape[-1] not in _HOPPER_HEAD_DIMS:
         return f"{kernel} takes head dims {_HOPPER_HEAD_DIMS}, got {name} of shape {tuple(t.shape)}"
-    if t.stride(-1) != 1 or any(s % elements for s in t.stride()[:3]) or t.data_ptr() % 16:
+    per_chunk = 16 // t.element_size()
+    if t.stride(-1) != 1 or any(s % per_chunk for s in t.stride()[:3]) or t.data_ptr() % 16:
         return (f"{kernel} reads rows of 16-byte aligned chunks; {name} has strides {tuple(t.stride())} at offset "
                 f"{t.data_ptr() % 16} of 16")
     return None
 
 
-def _hopper_reason(q: torch.Tensor, k: torch.Tensor, dtypes: tuple, elements: int, kernel: str) -> str | None:
-    """Why a Hopper kernel (``kernel``, inputs of ``dtypes``, ``elements`` to 16
-    bytes) would not run q and k (None: it runs)."""
+def _hopper_reason(q: torch.Tensor, k: torch.Tensor, dtypes: tuple, kernel: str) -> str | None:
+    """Why a Hopper kernel (``kernel``, inputs of ``dtypes``) would not run q and k
+    (None: it runs)."""
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return None  # the check names the argument
     if q.dtype not in dtypes:
@@ -244,7 +244,7 @@ def _hopper_reason(q: torch.Tensor, k: torch.Tensor, dtypes: tuple, elements: in
     if reason is not None:
         return reason
     for t, name in ((q, "q"), (k, "k")):
-        reason = _hopper_layout_reason(t, name, elements, kernel)
+        reason = _hopper_layout_reason(t, name, kernel)
         if reason is not None:
             return reason
     if q.dim() == 4 and q.shape[0] * q.shape[1] > 65535:
@@ -258,7 +258,7 @@ _HOPPER_KERNEL = "the cuda Hopper attention kernel"
 
 def attention_forward_fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why :func:`attention_forward_fp8` would not run these operands (None: it runs)."""
-    return _hopper_reason(q, k, (torch.float8_e4m3fn,), 16, _FP8_KERNEL)
+    return _hopper_reason(q, k, (torch.float8_e4m3fn,), _FP8_KERNEL)
 
 
 def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale,
@@ -267,19 +267,25 @@ def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scal
     :func:`attention_forward_fp8_reference` (up to where the running maximum puts
     each probability on the E4M3 grid, as the Triton kernel; see the reference)."""
     check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
-    reason = attention_forward_fp8_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", 16, _FP8_KERNEL)
+    reason = attention_forward_fp8_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", _FP8_KERNEL)
+    scales = torch.stack([s.reshape(()) for s in (q_scale_inv, k_scale_inv, v_scale_inv, p_scale)])
+    return _run_checked("attention_forward_fp8", "attention_fp8_forward_lean", reason, q, k, v, scales,
+                        float(softmax_scale), bool(causal), out_dtype)
+
+
+def _run_checked(kernel: str, entry: str, reason: str | None, q, k, v, *args):
+    """The extension's ``entry(q, k, v, *args, device, stream)`` on q's device, for
+    ``kernel``'s operands whose checks passed (``reason`` None, else raised)."""
     if reason is not None:
-        raise ValueError(f"attention_forward_fp8: {reason}")
+        raise ValueError(f"{kernel}: {reason}")
     from ._build import extension, stream_of_index
     from .cast import current_device_index, on_device
 
-    scales = torch.stack([s.reshape(()) for s in (q_scale_inv, k_scale_inv, v_scale_inv, p_scale)])
     with on_device(q.device):
         index = current_device_index()
-        out = extension().attention_fp8_forward_lean(q, k, v, scales, float(softmax_scale), bool(causal), out_dtype,
-                                                      index, stream_of_index(index))
-    if out is None:  # every operand checked above
-        raise ValueError(f"attention_forward_fp8: the extension did not take q {tuple(q.shape)}, k {tuple(k.shape)}, "
+        out = getattr(extension(), entry)(q, k, v, *args, index, stream_of_index(index))
+    if out is None:  # every operand checked
+        raise ValueError(f"{kernel}: the extension did not take q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     return out
 
@@ -299,7 +305,7 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) 
     def code(value):
         return -1 if value is None else int(bool(value))
 
-    return tuple(extension().attention_fp8_schedule(code(turns), code(overlap)))
+    return tuple(extension().attention_schedule(code(turns), code(overlap)))
 
 
 # --------------------------------------------------- bf16 / fp16 forward, Hopper
@@ -307,7 +313,7 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) 
 
 def attention_forward_hopper_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why :func:`attention_forward_hopper` would not run these operands (None: it runs)."""
-    return _hopper_reason(q, k, _DTYPES, 8, _HOPPER_KERNEL)
+    return _hopper_reason(q, k, _DTYPES, _HOPPER_KERNEL)
 
 
 def attention_forward_hopper(q, k, v, causal, softmax_scale):
@@ -315,17 +321,6 @@ def attention_forward_hopper(q, k, v, causal, softmax_scale):
     (``attention_hp_kernels.cu``): ``(o, lse)`` as :func:`attention_forward_reference`,
     with the Triton forward's rounding."""
     check_attention(q, k, v, causal, softmax_scale)
-    reason = attention_forward_hopper_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", 8, _HOPPER_KERNEL)
-    if reason is not None:
-        raise ValueError(f"attention_forward_hopper: {reason}")
-    from ._build import extension, stream_of_index
-    from .cast import current_device_index, on_device
-
-    with on_device(q.device):
-        index = current_device_index()
-        out = extension().attention_hp_forward_lean(q, k, v, float(softmax_scale), bool(causal), index,
-                                                     stream_of_index(index))
-    if out is None:  # every operand checked above
-        raise ValueError(f"attention_forward_hopper: the extension did not take q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    return out
+    reason = attention_forward_hopper_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", _HOPPER_KERNEL)
+    return _run_checked("attention_forward_hopper", "attention_hp_forward_lean", reason, q, k, v,
+                        float(softmax_scale), bool(causal))

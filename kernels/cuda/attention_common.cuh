@@ -1,8 +1,9 @@
 // The pieces of the hand-written Hopper attention kernels (attention_kernels.cu:
 // FP8; attention_hp_kernels.cu: bf16 and fp16) that do not depend on the element
 // type: shared-memory addresses, mbarriers and asynchronous copies, the swizzle and
-// wgmma's descriptors of K-major tiles, the wgmma fences, a consumer warpgroup's
-// rows and online softmax, its turns at the tensor cores and its stores.
+// wgmma's descriptors of K-major tiles, the wgmma fences and operand lists, a
+// consumer warpgroup's rows and online softmax, its turns at the tensor cores and
+// its stores, the producer's side of the ring, and a block's setup and launch.
 //
 // Layout of a block (both kernels): 128 queries of one head; warpgroup 0 the
 // producer, warpgroups 1 and 2 consumers of 64 rows each; key tiles of 128. A
@@ -114,6 +115,30 @@ __device__ __forceinline__ void mma_wait_all_but_newest() {
   asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 }
 
+// The products as inline PTX. d is the fp32 accumulator fragment (64 or 32
+// registers; asm operands %0 .. %63 or %31); a "first" step only writes d
+// (scale-d 0, "=f"), so the instructions that read the last tile's d are no inputs
+// of it; the others add to it ("+f").
+#define TE_D8(c, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3]), c(d[i + 4]), c(d[i + 5]), c(d[i + 6]), c(d[i + 7])
+#define TE_D32(c) TE_D8(c, 0), TE_D8(c, 8), TE_D8(c, 16), TE_D8(c, 24)
+#define TE_D64(c) TE_D32(c), TE_D8(c, 32), TE_D8(c, 40), TE_D8(c, 48), TE_D8(c, 56)
+#define TE_R32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define TE_R64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+// One wgmma of `shape` and input `types` into fp32: d, the operands, then the
+// immediates after scale-d (scale-a, scale-b and, 16-bit inputs, the transposes).
+#define TE_WGMMA(shape, types, scale_d, d_regs, operands, immediates)                       \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, " #scale_d ", 0;\n"                                  \
+  "wgmma.mma_async.sync.aligned." shape ".f32." types " " d_regs ", " operands ", p, " \
+  immediates ";\n}\n"
+// A from registers (its four words a[0..3]), then b's descriptor.
+#define TE_A_OPERANDS "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
+
 // After mma_wait_all: the registers' reads stay behind the wait.
 template <int N>
 __device__ __forceinline__ void fence_registers(float (&d)[N]) {
@@ -161,6 +186,17 @@ struct ConsumerRows {
   float p_shift;     // log2 p_scale (FP8; 0 where P is not scaled)
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.0f, 0.0f};  // this thread's part of each row's sum (its lanes' parts added at the end)
+
+  // Thread tid of consumer `group` of the block whose first row is m0.
+  static __device__ __forceinline__ ConsumerRows of(int m0, int group, int tid, float qk_scale, float p_shift) {
+    ConsumerRows rows;
+    rows.row0 = m0 + 64 * group + 16 * (tid / 32) + (tid % 32) / 4;
+    rows.col = 2 * (tid % 4);
+    rows.first_row = m0 + 64 * group;
+    rows.qk_scale = qk_scale;
+    rows.p_shift = p_shift;
+    return rows;
+  }
 };
 
 // The online softmax on one tile of S (rows row0, row0 + 8; key n0 + 8·(i / 4) +
@@ -287,9 +323,11 @@ __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n"); }
 
 // Launch of a forward kernel over (query blocks, batch · heads), 384 threads and
-// `bytes` of dynamic shared memory (the attribute set once per kernel and device).
-template <auto kernel, typename Args>
-void launch_blocks(int bytes, const Args& a, cudaStream_t stream, const char* name) {
+// Smem::bytes of dynamic shared memory and the slack block_shared_memory aligns
+// within (the attribute set once per kernel and device).
+template <auto kernel, typename Smem, typename Args>
+void launch_blocks(const Args& a, cudaStream_t stream, const char* name) {
+  constexpr int bytes = Smem::bytes + 1024;
   static bool sized[64] = {false};  // per kernel (a template argument) and device
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -300,6 +338,59 @@ void launch_blocks(int bytes, const Args& a, cudaStream_t stream, const char* na
   const dim3 grid(unsigned((a.tq + kBlockM - 1) / kBlockM), unsigned(a.batch * a.h));
   kernel<<<grid, kForwardThreads, bytes, stream>>>(a);
   check_launch(name);
+}
+
+// The ring of a block's shared memory (Smem: q_full, and full and empty of
+// Smem::stages stages). Tile j sits in stage j % stages; its round j / stages names
+// the phase a barrier completes for it.
+template <typename Smem>
+__device__ __forceinline__ void wait_tile(uint32_t base, int j) {
+  barrier_wait(Smem::full(base, j % Smem::stages), (j / Smem::stages) & 1);
+}
+template <typename Smem>
+__device__ __forceinline__ void release_tile(uint32_t base, int j) {
+  barrier_arrive(Smem::empty(base, j % Smem::stages));
+}
+
+// The producer warpgroup's side of the ring: copy_q() (Q's copies), then for each
+// tile copy_tile(j, stage) once both consumers released the stage's last tile. The
+// copies go out in groups (Q, tile 0, tile 1, ...); once a group has landed, each
+// thread fences its writes for the tensor cores' (async proxy) reads and arrives on
+// the group's barrier, one group behind the copies it issues.
+template <typename Smem, typename CopyQ, typename CopyTile>
+__device__ __forceinline__ void produce_ring(uint32_t base, int tiles, CopyQ copy_q, CopyTile copy_tile) {
+  copy_q();
+  copies_commit();
+  for (int j = 0; j < tiles; ++j) {
+    const int s = j % Smem::stages;
+    if (j >= Smem::stages) barrier_wait(Smem::empty(base, s), ((j / Smem::stages) - 1) & 1);
+    copy_tile(j, s);
+    copies_commit();
+    copies_wait_all_but_newest();  // the group before this tile's: Q, or tile j - 1
+    fence_for_tensor_cores();
+    barrier_arrive(j == 0 ? Smem::q_full(base) : Smem::full(base, (j - 1) % Smem::stages));
+  }
+  copies_wait_all();
+  fence_for_tensor_cores();
+  barrier_arrive(Smem::full(base, (tiles - 1) % Smem::stages));
+}
+
+// A forward block: its shared memory and work, then produce(base, work, tid) in
+// warpgroup 0 and consume(base, work, group, tid) in consumers 0 and 1, each with
+// its registers.
+template <typename Smem, bool CAUSAL, typename Args, typename Produce, typename Consume>
+__device__ __forceinline__ void run_block(const Args& a, uint8_t* smem_raw, Produce produce, Consume consume) {
+  const uint32_t base = block_shared_memory<Smem>(smem_raw);
+  const BlockWork w = block_work<CAUSAL>(a);
+  const int group = threadIdx.x / kWarpgroup;
+  const int tid = threadIdx.x % kWarpgroup;
+  if (group == 0) {
+    producer_registers();
+    produce(base, w, tid);
+  } else {
+    consumer_registers();
+    consume(base, w, group - 1, tid);
+  }
 }
 
 }  // namespace attention

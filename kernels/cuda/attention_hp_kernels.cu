@@ -33,62 +33,47 @@ using namespace attention;
 constexpr int kBlockBytes = 128 * 128;  // one 64-column block of a 128-row tile
 
 // ---------------------------------------------------------------------------
-// The 16-bit products as inline PTX (see attention_kernels.cu's FP8 ones).
+// The 16-bit products (attention_common.cuh's TE_WGMMA).
 // ---------------------------------------------------------------------------
-
-#define TE_H8(c, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3]), c(d[i + 4]), c(d[i + 5]), c(d[i + 6]), c(d[i + 7])
-#define TE_H32(c) TE_H8(c, 0), TE_H8(c, 8), TE_H8(c, 16), TE_H8(c, 24)
-#define TE_H64(c) TE_H32(c), TE_H8(c, 32), TE_H8(c, 40), TE_H8(c, 48), TE_H8(c, 56)
-#define TE_HR32                                                                    \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define TE_HR64                                                                    \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "    \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-// One wgmma m64nNk16 of 16-bit inputs into fp32: d, the operands, then the
-// immediates after scale-d (scale-a, scale-b and the transposes).
-#define TE_HGMMA(shape, type, scale_d, d_regs, operands, immediates)                   \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, " #scale_d ", 0;\n"                             \
-  "wgmma.mma_async.sync.aligned." shape ".f32." type "." type " " d_regs ", " operands \
-  ", p, " immediates ";\n}\n"
 
 // d (=|+=) a·b, 64 x 128 x 16: a (64 x 16) and b (128 x 16) K-major in shared memory.
 template <bool F16>
 __device__ __forceinline__ void hmma_scores_first(float (&d)[64], uint64_t a, uint64_t b) {
   if constexpr (F16) {
-    asm volatile(TE_HGMMA("m64n128k16", "f16", 0, TE_HR64, "%64, %65", "1, 1, 0, 0") : TE_H64("=f") : "l"(a), "l"(b));
+    asm volatile(TE_WGMMA("m64n128k16", "f16.f16", 0, TE_R64, "%64, %65", "1, 1, 0, 0") : TE_D64("=f")
+                 : "l"(a), "l"(b));
   } else {
-    asm volatile(TE_HGMMA("m64n128k16", "bf16", 0, TE_HR64, "%64, %65", "1, 1, 0, 0") : TE_H64("=f") : "l"(a), "l"(b));
+    asm volatile(TE_WGMMA("m64n128k16", "bf16.bf16", 0, TE_R64, "%64, %65", "1, 1, 0, 0") : TE_D64("=f")
+                 : "l"(a), "l"(b));
   }
 }
 template <bool F16>
 __device__ __forceinline__ void hmma_scores(float (&d)[64], uint64_t a, uint64_t b) {
   if constexpr (F16) {
-    asm volatile(TE_HGMMA("m64n128k16", "f16", 1, TE_HR64, "%64, %65", "1, 1, 0, 0") : TE_H64("+f") : "l"(a), "l"(b));
+    asm volatile(TE_WGMMA("m64n128k16", "f16.f16", 1, TE_R64, "%64, %65", "1, 1, 0, 0") : TE_D64("+f")
+                 : "l"(a), "l"(b));
   } else {
-    asm volatile(TE_HGMMA("m64n128k16", "bf16", 1, TE_HR64, "%64, %65", "1, 1, 0, 0") : TE_H64("+f") : "l"(a), "l"(b));
+    asm volatile(TE_WGMMA("m64n128k16", "bf16.bf16", 1, TE_R64, "%64, %65", "1, 1, 0, 0") : TE_D64("+f")
+                 : "l"(a), "l"(b));
   }
 }
 
 // d += a·b, 64 x D x 16: a (64 x 16) in registers (the A fragment), b (16 x D)
-// MN-major in shared memory (the V tile as it lies).
-#define TE_HA_OPERANDS "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
+// MN-major in shared memory (the V tile as it lies: the transpose immediate 1).
 template <int D, bool F16>
 __device__ __forceinline__ void hmma_values(float (&d)[D / 2], const uint32_t (&a)[4], uint64_t b) {
   if constexpr (D == 128 && F16) {
-    asm volatile(TE_HGMMA("m64n128k16", "f16", 1, TE_HR64, "{%64, %65, %66, %67}, %68", "1, 1, 1")
-                 : TE_H64("+f") : TE_HA_OPERANDS);
+    asm volatile(TE_WGMMA("m64n128k16", "f16.f16", 1, TE_R64, "{%64, %65, %66, %67}, %68", "1, 1, 1")
+                 : TE_D64("+f") : TE_A_OPERANDS);
   } else if constexpr (D == 128) {
-    asm volatile(TE_HGMMA("m64n128k16", "bf16", 1, TE_HR64, "{%64, %65, %66, %67}, %68", "1, 1, 1")
-                 : TE_H64("+f") : TE_HA_OPERANDS);
+    asm volatile(TE_WGMMA("m64n128k16", "bf16.bf16", 1, TE_R64, "{%64, %65, %66, %67}, %68", "1, 1, 1")
+                 : TE_D64("+f") : TE_A_OPERANDS);
   } else if constexpr (F16) {
-    asm volatile(TE_HGMMA("m64n64k16", "f16", 1, TE_HR32, "{%32, %33, %34, %35}, %36", "1, 1, 1")
-                 : TE_H32("+f") : TE_HA_OPERANDS);
+    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 1, TE_R32, "{%32, %33, %34, %35}, %36", "1, 1, 1")
+                 : TE_D32("+f") : TE_A_OPERANDS);
   } else {
-    asm volatile(TE_HGMMA("m64n64k16", "bf16", 1, TE_HR32, "{%32, %33, %34, %35}, %36", "1, 1, 1")
-                 : TE_H32("+f") : TE_HA_OPERANDS);
+    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 1, TE_R32, "{%32, %33, %34, %35}, %36", "1, 1, 1")
+                 : TE_D32("+f") : TE_A_OPERANDS);
   }
 }
 
@@ -146,64 +131,48 @@ __device__ __forceinline__ void copy_rows(uint32_t tile, const T* rows, int64_t 
   }
 }
 
-// The producer warpgroup (see attention_kernels.cu's produce): Q, then K and V of
-// every key tile, each group fenced for the tensor cores once it has landed.
+// The producer warpgroup: Q, then K and V of every key tile (produce_ring).
 template <int D, typename T>
-__device__ __forceinline__ void produce(const AttentionHpArgs& a, uint32_t base, int b, int h, int hk, int m0,
-                                        int tiles, int tid) {
+__device__ __forceinline__ void produce(const AttentionHpArgs& a, uint32_t base, const BlockWork& w, int tid) {
   using S = HpSmem<D>;
-  const T* q = static_cast<const T*>(a.q) + int64_t(b) * a.q_stride_b + int64_t(h) * a.q_stride_h;
-  const T* k = static_cast<const T*>(a.k) + int64_t(b) * a.k_stride_b + int64_t(hk) * a.k_stride_h;
-  const T* v = static_cast<const T*>(a.v) + int64_t(b) * a.v_stride_b + int64_t(hk) * a.v_stride_h;
-  copy_rows<D>(base + S::q, q, a.q_stride_t, m0, a.tq, tid);
-  copies_commit();
-  for (int j = 0; j < tiles; ++j) {
-    const int s = j % S::stages;
-    if (j >= S::stages) barrier_wait(S::empty(base, s), ((j / S::stages) - 1) & 1);
-    copy_rows<D>(base + S::k + s * S::tile, k, a.k_stride_t, j * kBlockN, a.tk, tid);
-    copy_rows<D>(base + S::v + s * S::tile, v, a.v_stride_t, j * kBlockN, a.tk, tid);  // zeros past tk
-    copies_commit();
-    copies_wait_all_but_newest();  // the group before this tile's: Q, or tile j - 1
-    fence_for_tensor_cores();
-    barrier_arrive(j == 0 ? S::q_full(base) : S::full(base, (j - 1) % S::stages));
-  }
-  copies_wait_all();
-  fence_for_tensor_cores();
-  barrier_arrive(S::full(base, (tiles - 1) % S::stages));
+  const T* q = static_cast<const T*>(a.q) + int64_t(w.b) * a.q_stride_b + int64_t(w.h) * a.q_stride_h;
+  const T* k = static_cast<const T*>(a.k) + int64_t(w.b) * a.k_stride_b + int64_t(w.hk) * a.k_stride_h;
+  const T* v = static_cast<const T*>(a.v) + int64_t(w.b) * a.v_stride_b + int64_t(w.hk) * a.v_stride_h;
+  produce_ring<S>(
+      base, w.tiles, [&] { copy_rows<D>(base + S::q, q, a.q_stride_t, w.m0, a.tq, tid); },
+      [&](int j, int s) {
+        copy_rows<D>(base + S::k + s * S::tile, k, a.k_stride_t, j * kBlockN, a.tk, tid);
+        copy_rows<D>(base + S::v + s * S::tile, v, a.v_stride_t, j * kBlockN, a.tk, tid);  // zeros past tk
+      });
 }
 
 // A consumer warpgroup: each tile's S = Q Kᵀ (its turn at the tensor cores), the
 // softmax, O rescaled, O += P V; then o and lse.
 template <int D, bool CAUSAL, typename T>
-__device__ __forceinline__ void consume(const AttentionHpArgs& a, uint32_t base, int b, int h, int m0, int tiles,
-                                        int group, int tid) {
+__device__ __forceinline__ void consume(const AttentionHpArgs& a, uint32_t base, const BlockWork& w, int group,
+                                        int tid) {
   using S = HpSmem<D>;
   constexpr bool f16 = std::is_same<T, __half>::value;
-  const int lane = tid % 32;
-  ConsumerRows rows;
-  rows.row0 = m0 + 64 * group + 16 * (tid / 32) + lane / 4;
-  rows.col = 2 * (lane % 4);
-  rows.first_row = m0 + 64 * group;
-  rows.qk_scale = a.qk_scale;
-  rows.p_shift = 0.0f;
+  ConsumerRows rows = ConsumerRows::of(w.m0, group, tid, a.qk_scale, 0.0f);
   float acc[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
-  const uint32_t q_rows = base + S::q + 64 * group * 128;  // this warpgroup's 64 rows of each column block
-  const Turns turns{a.turns, group, tiles};
+  uint64_t q_desc[D / 64];  // this warpgroup's 64 rows of each 64-column block of Q
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk) {
+    q_desc[blk] = tile_descriptor<128>(base + S::q + 64 * group * 128 + blk * kBlockBytes);
+  }
+  const Turns turns{a.turns, group, w.tiles};
   turns.start();
   barrier_wait(S::q_full(base), 0);
-  for (int j = 0; j < tiles; ++j) {
+  for (int j = 0; j < w.tiles; ++j) {
     const int s = j % S::stages;
-    barrier_wait(S::full(base, s), (j / S::stages) & 1);
+    wait_tile<S>(base, j);
     const uint32_t k_tile = base + S::k + s * S::tile;
     const uint64_t v_desc = mn_descriptor(base + S::v + s * S::tile);
-    uint64_t q_desc[D / 64], k_desc[D / 64];  // per 64-column block, made before the fence
+    uint64_t k_desc[D / 64];  // per 64-column block, made before the fence
 #pragma unroll
-    for (int blk = 0; blk < D / 64; ++blk) {
-      q_desc[blk] = tile_descriptor<128>(q_rows + blk * kBlockBytes);
-      k_desc[blk] = tile_descriptor<128>(k_tile + blk * kBlockBytes);
-    }
+    for (int blk = 0; blk < D / 64; ++blk) k_desc[blk] = tile_descriptor<128>(k_tile + blk * kBlockBytes);
     float sc[64];
     turns.take();
     mma_fence();
@@ -224,7 +193,7 @@ __device__ __forceinline__ void consume(const AttentionHpArgs& a, uint32_t base,
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {  // keys 16kk .. 16kk + 15: S columns 8kk .. 8kk + 7
 #pragma unroll
-      for (int w = 0; w < 4; ++w) p[kk][w] = pack2<f16>(sc[8 * kk + 2 * w], sc[8 * kk + 2 * w + 1]);
+      for (int w2 = 0; w2 < 4; ++w2) p[kk][w2] = pack2<f16>(sc[8 * kk + 2 * w2], sc[8 * kk + 2 * w2 + 1]);
     }
     mma_fence();
 #pragma unroll
@@ -232,32 +201,23 @@ __device__ __forceinline__ void consume(const AttentionHpArgs& a, uint32_t base,
     mma_commit();
     mma_wait_all();
     fence_registers(acc);
-    barrier_arrive(S::empty(base, s));  // K and V of stage s read
+    release_tile<S>(base, j);  // its K and V read
   }
-  store_rows<D, T>(a, acc, rows, 1.0f, b, h, lane);
+  store_rows<D, T>(a, acc, rows, 1.0f, w.b, w.h, tid % 32);
 }
 
 template <int D, bool CAUSAL, typename T>
 __global__ void __launch_bounds__(kForwardThreads, 1)
     attention_hp_forward_kernel(const __grid_constant__ AttentionHpArgs a) {
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = block_shared_memory<HpSmem<D>>(smem_raw);
-  const BlockWork w = block_work<CAUSAL>(a);
-  const int group = threadIdx.x / kWarpgroup;
-  const int tid = threadIdx.x % kWarpgroup;
-  if (group == 0) {
-    producer_registers();
-    produce<D, T>(a, base, w.b, w.h, w.hk, w.m0, w.tiles, tid);
-  } else {
-    consumer_registers();
-    consume<D, CAUSAL, T>(a, base, w.b, w.h, w.m0, w.tiles, group - 1, tid);
-  }
+  run_block<HpSmem<D>, CAUSAL>(
+      a, smem_raw, [&](uint32_t base, const BlockWork& w, int tid) { produce<D, T>(a, base, w, tid); },
+      [&](uint32_t base, const BlockWork& w, int group, int tid) { consume<D, CAUSAL, T>(a, base, w, group, tid); });
 }
 
 template <int D, bool CAUSAL, typename T>
 void launch_forward(const AttentionHpArgs& a, cudaStream_t stream) {
-  launch_blocks<attention_hp_forward_kernel<D, CAUSAL, T>>(HpSmem<D>::bytes + 1024,  // and the alignment's slack
-                                                           a, stream, "attention_hp_forward");
+  launch_blocks<attention_hp_forward_kernel<D, CAUSAL, T>, HpSmem<D>>(a, stream, "attention_hp_forward");
 }
 
 template <typename T>

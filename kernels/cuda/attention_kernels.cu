@@ -52,47 +52,31 @@ using namespace attention;
 
 constexpr int kStages = 3;  // the K / Vᵀ ring
 
-// The FP8 products as inline PTX. d is the fp32 accumulator fragment (64 or 32
-// registers); a "first" step only writes d (scale-d 0), so the instructions that
-// read the last tile's d are no inputs of it; the others add to it.
-#define TE_D8(c, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3]), c(d[i + 4]), c(d[i + 5]), c(d[i + 6]), c(d[i + 7])
-#define TE_D32(c) TE_D8(c, 0), TE_D8(c, 8), TE_D8(c, 16), TE_D8(c, 24)
-#define TE_D64(c) TE_D32(c), TE_D8(c, 32), TE_D8(c, 40), TE_D8(c, 48), TE_D8(c, 56)
-#define TE_R32 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define TE_R64 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-// One wgmma of shape m64nNk32 (E4M3 x E4M3 -> fp32): d, then a's and b's operands.
-#define TE_WGMMA(shape, scale_d, d_regs, operands)                                   \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, " #scale_d ", 0;\n"                          \
-  "wgmma.mma_async.sync.aligned." shape ".f32.e4m3.e4m3 " d_regs ", " operands ", p, 1, 1;\n}\n"
-
 // d (=|+=) a·b, 64 x 128 x 32: a (64 x 32) and b (128 x 32) K-major in shared memory.
 __device__ __forceinline__ void mma_ss_n128_first(float (&d)[64], uint64_t a, uint64_t b) {
-  asm volatile(TE_WGMMA("m64n128k32", 0, TE_R64, "%64, %65") : TE_D64("=f") : "l"(a), "l"(b));
+  asm volatile(TE_WGMMA("m64n128k32", "e4m3.e4m3", 0, TE_R64, "%64, %65", "1, 1") : TE_D64("=f") : "l"(a), "l"(b));
 }
 __device__ __forceinline__ void mma_ss_n128(float (&d)[64], uint64_t a, uint64_t b) {
-  asm volatile(TE_WGMMA("m64n128k32", 1, TE_R64, "%64, %65") : TE_D64("+f") : "l"(a), "l"(b));
+  asm volatile(TE_WGMMA("m64n128k32", "e4m3.e4m3", 1, TE_R64, "%64, %65", "1, 1") : TE_D64("+f") : "l"(a), "l"(b));
 }
 
 // d (=|+=) a·b, 64 x N x 32: a (64 x 32) in registers (the A fragment), b (N x 32)
 // K-major in shared memory.
-#define TE_A_OPERANDS "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
 __device__ __forceinline__ void mma_rs_n128_first(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(TE_WGMMA("m64n128k32", 0, TE_R64, "{%64, %65, %66, %67}, %68") : TE_D64("=f") : TE_A_OPERANDS);
+  asm volatile(TE_WGMMA("m64n128k32", "e4m3.e4m3", 0, TE_R64, "{%64, %65, %66, %67}, %68", "1, 1")
+               : TE_D64("=f") : TE_A_OPERANDS);
 }
 __device__ __forceinline__ void mma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(TE_WGMMA("m64n128k32", 1, TE_R64, "{%64, %65, %66, %67}, %68") : TE_D64("+f") : TE_A_OPERANDS);
+  asm volatile(TE_WGMMA("m64n128k32", "e4m3.e4m3", 1, TE_R64, "{%64, %65, %66, %67}, %68", "1, 1")
+               : TE_D64("+f") : TE_A_OPERANDS);
 }
 __device__ __forceinline__ void mma_rs_n64_first(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(TE_WGMMA("m64n64k32", 0, TE_R32, "{%32, %33, %34, %35}, %36") : TE_D32("=f") : TE_A_OPERANDS);
+  asm volatile(TE_WGMMA("m64n64k32", "e4m3.e4m3", 0, TE_R32, "{%32, %33, %34, %35}, %36", "1, 1")
+               : TE_D32("=f") : TE_A_OPERANDS);
 }
 __device__ __forceinline__ void mma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(TE_WGMMA("m64n64k32", 1, TE_R32, "{%32, %33, %34, %35}, %36") : TE_D32("+f") : TE_A_OPERANDS);
+  asm volatile(TE_WGMMA("m64n64k32", "e4m3.e4m3", 1, TE_R32, "{%32, %33, %34, %35}, %36", "1, 1")
+               : TE_D32("+f") : TE_A_OPERANDS);
 }
 
 // The P V step at head dim D: first overwrites d, else adds to it.
@@ -128,27 +112,22 @@ struct ForwardSmem {
   }
 };
 
-// The producer warpgroup: Q once, then K and Vᵀ of every key tile through the ring.
-// Copies go out in groups (Q, tile 0, tile 1, ...); once a group has landed, each
-// thread fences its writes for the tensor cores' (async proxy) reads and arrives on
-// the group's barrier, one group behind the copies it issues.
+// The producer warpgroup: Q once, then K and Vᵀ of every key tile (produce_ring).
 template <int D>
-__device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base, int b, int h, int hk, int m0,
-                                        int tiles, int tid) {
+__device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base, const BlockWork& w, int tid) {
   using S = ForwardSmem<D>;
   constexpr int chunks = D / 16;  // 16-byte chunks of a Q or K row
-  const uint8_t* q = a.q + int64_t(b) * a.q_stride_b + int64_t(h) * a.q_stride_h;
-  for (int i = tid; i < kBlockM * chunks; i += kWarpgroup) {
-    const int r = i / chunks, c = i % chunks;
-    const bool ok = m0 + r < a.tq;
-    copy16(base + S::q + swizzled<D>(r, c), ok ? q + int64_t(m0 + r) * a.q_stride_t + c * 16 : q, ok);
-  }
-  copies_commit();
-  const uint8_t* k = a.k + int64_t(b) * a.k_stride_b + int64_t(hk) * a.k_stride_h;
-  const uint8_t* vt = a.vt + (int64_t(b) * a.hkv + hk) * D * a.vt_pitch;
-  for (int j = 0; j < tiles; ++j) {
-    const int s = j % kStages;
-    if (j >= kStages) barrier_wait(S::empty(base, s), ((j / kStages) - 1) & 1);
+  const uint8_t* q = a.q + int64_t(w.b) * a.q_stride_b + int64_t(w.h) * a.q_stride_h;
+  const uint8_t* k = a.k + int64_t(w.b) * a.k_stride_b + int64_t(w.hk) * a.k_stride_h;
+  const uint8_t* vt = a.vt + (int64_t(w.b) * a.hkv + w.hk) * D * a.vt_pitch;
+  auto copy_q = [&] {
+    for (int i = tid; i < kBlockM * chunks; i += kWarpgroup) {
+      const int r = i / chunks, c = i % chunks;
+      const bool ok = w.m0 + r < a.tq;
+      copy16(base + S::q + swizzled<D>(r, c), ok ? q + int64_t(w.m0 + r) * a.q_stride_t + c * 16 : q, ok);
+    }
+  };
+  auto copy_tile = [&](int j, int s) {
     const int n0 = j * kBlockN;
     const uint32_t k_tile = base + S::k + s * kBlockN * D;
     for (int i = tid; i < kBlockN * chunks; i += kWarpgroup) {
@@ -161,14 +140,8 @@ __device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base
       const int r = i / (kBlockN / 16), c = i % (kBlockN / 16);
       copy16(v_tile + swizzled<kBlockN>(r, c), vt + int64_t(r) * a.vt_pitch + n0 + c * 16, true);
     }
-    copies_commit();
-    copies_wait_all_but_newest();  // the group before this tile's: Q, or tile j - 1
-    fence_for_tensor_cores();
-    barrier_arrive(j == 0 ? S::q_full(base) : S::full(base, (j - 1) % kStages));
-  }
-  copies_wait_all();
-  fence_for_tensor_cores();
-  barrier_arrive(S::full(base, (tiles - 1) % kStages));
+  };
+  produce_ring<S>(base, w.tiles, copy_q, copy_tile);
 }
 
 // The descriptors of a stage's tiles: K (keys x D) and Vᵀ (D x 128 positions).
@@ -237,7 +210,7 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int tiles, int t
   using S = ForwardSmem<D>;
   for (int j = 0; j < tiles; ++j) {
     const int s = j % kStages;
-    barrier_wait(S::full(base, s), (j / kStages) & 1);
+    wait_tile<S>(base, j);
     float sc[64];
     const uint64_t k_desc = k_descriptor<D>(base, s), v_desc = v_descriptor<D>(base, s);
     scores_in_turn<D>(sc, q_desc, k_desc, turns, j);
@@ -250,7 +223,7 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int tiles, int t
     mma_commit();
     mma_wait_all();
     fence_registers(tile_o);
-    barrier_arrive(S::empty(base, s));  // K and Vᵀ of stage s read
+    release_tile<S>(base, j);  // its K and Vᵀ read
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc[i] = acc[i] * alpha[(i / 2) % 2] + tile_o[i];
   }
@@ -266,9 +239,8 @@ __device__ __forceinline__ void overlapped_tile(uint32_t base, int j, int tk, ui
                                                 ConsumerRows& rows, float (&acc)[D / 2], uint32_t (&previous)[4][4],
                                                 uint32_t (&next)[4][4]) {
   using S = ForwardSmem<D>;
-  const int s = j % kStages, before = (j - 1) % kStages;
-  barrier_wait(S::full(base, s), (j / kStages) & 1);
-  const uint64_t k_desc = k_descriptor<D>(base, s), v_desc = v_descriptor<D>(base, before);
+  wait_tile<S>(base, j);
+  const uint64_t k_desc = k_descriptor<D>(base, j % kStages), v_desc = v_descriptor<D>(base, (j - 1) % kStages);
   float sc[64];
   float alpha[2];
   turns.take();
@@ -284,7 +256,7 @@ __device__ __forceinline__ void overlapped_tile(uint32_t base, int j, int tk, ui
   mma_wait_all();  // P V of tile j - 1
   fence_registers(acc);
   fence_registers(previous);  // read by that product until here
-  barrier_arrive(S::empty(base, before));
+  release_tile<S>(base, j - 1);
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc[i] *= alpha[(i / 2) % 2];
 }
@@ -292,15 +264,14 @@ __device__ __forceinline__ void overlapped_tile(uint32_t base, int j, int tk, ui
 // The last tile's P V of consume_overlapped, and its stage released.
 template <int D>
 __device__ __forceinline__ void last_values(uint32_t base, int tiles, float (&acc)[D / 2], uint32_t (&p8)[4][4]) {
-  const int s = (tiles - 1) % kStages;
-  const uint64_t v_desc = v_descriptor<D>(base, s);
+  const uint64_t v_desc = v_descriptor<D>(base, (tiles - 1) % kStages);
   mma_fence();
   issue_values<D, true>(acc, p8, v_desc);
   mma_commit();
   mma_wait_all();
   fence_registers(acc);
   fence_registers(p8);
-  barrier_arrive(ForwardSmem<D>::empty(base, s));
+  release_tile<ForwardSmem<D>>(base, tiles - 1);
 }
 
 // A consumer warpgroup with the next tile's S = Q Kᵀ and the last tile's P V in
@@ -316,7 +287,7 @@ __device__ __forceinline__ void consume_overlapped(uint32_t base, int tiles, int
   {
     float sc[64];
     float alpha[2];
-    barrier_wait(S::full(base, 0), 0);
+    wait_tile<S>(base, 0);
     scores_in_turn<D>(sc, q_desc, k_descriptor<D>(base, 0), turns, 0);
     softmax_tile<CAUSAL>(sc, even, alpha, rows, 0, tk);  // O is 0: alpha scales nothing
   }
@@ -335,47 +306,35 @@ __device__ __forceinline__ void consume_overlapped(uint32_t base, int tiles, int
 
 // A consumer warpgroup: 64 query rows through every key tile, then o and lse.
 template <int D, bool CAUSAL, typename TOut>
-__device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base, int b, int h, int m0, int tiles,
-                                        int group, int tid) {
+__device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base, const BlockWork& w, int group,
+                                        int tid) {
   using S = ForwardSmem<D>;
-  const int lane = tid % 32;
-  ConsumerRows rows;
-  rows.row0 = m0 + 64 * group + 16 * (tid / 32) + lane / 4;
-  rows.col = 2 * (lane % 4);
-  rows.first_row = m0 + 64 * group;
-  rows.qk_scale = a.qk_scale * a.scales[0] * a.scales[1];
-  rows.p_shift = log2f(a.scales[3]);
+  ConsumerRows rows = ConsumerRows::of(w.m0, group, tid, a.qk_scale * a.scales[0] * a.scales[1], log2f(a.scales[3]));
   float acc[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
   // this warpgroup's 64 rows of Q: whole swizzle groups
   const uint64_t q_desc = tile_descriptor<D>(base + S::q + 64 * group * D);
-  const Turns turns{a.turns, group, tiles};
+  const Turns turns{a.turns, group, w.tiles};
   turns.start();
   barrier_wait(S::q_full(base), 0);
   if (a.overlap) {
-    consume_overlapped<D, CAUSAL>(base, tiles, a.tk, q_desc, turns, rows, acc);
+    consume_overlapped<D, CAUSAL>(base, w.tiles, a.tk, q_desc, turns, rows, acc);
   } else {
-    consume_in_order<D, CAUSAL>(base, tiles, a.tk, q_desc, turns, rows, acc);
+    consume_in_order<D, CAUSAL>(base, w.tiles, a.tk, q_desc, turns, rows, acc);
   }
-  store_rows<D, TOut>(a, acc, rows, a.scales[2], b, h, lane);
+  store_rows<D, TOut>(a, acc, rows, a.scales[2], w.b, w.h, tid % 32);
 }
 
 template <int D, bool CAUSAL, typename TOut>
 __global__ void __launch_bounds__(kForwardThreads, 1)
     attention_fp8_forward_kernel(const __grid_constant__ AttentionFp8Args a) {
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = block_shared_memory<ForwardSmem<D>>(smem_raw);
-  const BlockWork w = block_work<CAUSAL>(a);
-  const int group = threadIdx.x / kWarpgroup;
-  const int tid = threadIdx.x % kWarpgroup;
-  if (group == 0) {
-    producer_registers();
-    produce<D>(a, base, w.b, w.h, w.hk, w.m0, w.tiles, tid);
-  } else {
-    consumer_registers();
-    consume<D, CAUSAL, TOut>(a, base, w.b, w.h, w.m0, w.tiles, group - 1, tid);
-  }
+  run_block<ForwardSmem<D>, CAUSAL>(
+      a, smem_raw, [&](uint32_t base, const BlockWork& w, int tid) { produce<D>(a, base, w, tid); },
+      [&](uint32_t base, const BlockWork& w, int group, int tid) {
+        consume<D, CAUSAL, TOut>(a, base, w, group, tid);
+      });
 }
 
 // --------------------------------------------------------------------------
@@ -423,8 +382,7 @@ __global__ void __launch_bounds__(kTransposeThreads) v_keys_inner_kernel(const _
 
 template <int D, bool CAUSAL, typename TOut>
 void launch_forward(const AttentionFp8Args& a, cudaStream_t stream) {
-  launch_blocks<attention_fp8_forward_kernel<D, CAUSAL, TOut>>(ForwardSmem<D>::bytes + 1024,  // and the alignment's slack
-                                                               a, stream, "attention_fp8_forward");
+  launch_blocks<attention_fp8_forward_kernel<D, CAUSAL, TOut>, ForwardSmem<D>>(a, stream, "attention_fp8_forward");
 }
 
 template <int D>

@@ -621,100 +621,104 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
   return layer_norm_grad(dy, x, weight, mean, rstd, grad_add, stream);
 }
 
-// The Hopper attention kernels' consumer schedule (AttentionFp8Args::turns,
-// ::overlap; AttentionHpArgs::turns): turns at the tensor cores (the same bits
-// either way), and, FP8 only, the next tile's product in flight during the softmax
-// (other bits). Set for this process.
-bool attention_fp8_turns_state = true;
-bool attention_fp8_overlap_state = false;
+// The Hopper attention kernels' consumer schedule (AttentionShape::turns,
+// AttentionFp8Args::overlap): turns at the tensor cores (the same bits either way),
+// and, FP8 only, the next tile's product in flight during the softmax (other bits).
+// Set for this process.
+bool attention_turns_state = true;
+bool attention_overlap_state = false;
 
 // Sets each of the two given as 0 or 1 (-1 leaves it); returns the previous pair.
-std::tuple<bool, bool> attention_fp8_schedule(int64_t turns, int64_t overlap) {
-  const std::tuple<bool, bool> previous{attention_fp8_turns_state, attention_fp8_overlap_state};
-  if (turns >= 0) attention_fp8_turns_state = turns != 0;
-  if (overlap >= 0) attention_fp8_overlap_state = overlap != 0;
+std::tuple<bool, bool> attention_schedule(int64_t turns, int64_t overlap) {
+  const std::tuple<bool, bool> previous{attention_turns_state, attention_overlap_state};
+  if (turns >= 0) attention_turns_state = turns != 0;
+  if (overlap >= 0) attention_overlap_state = overlap != 0;
   return previous;
 }
 
-// A 4-D E4M3 view on `device` whose rows the FP8 attention's copies read as 16-byte
-// chunks: head dim 64 or 128 and contiguous, the start and the other strides
-// multiples of 16 bytes.
-bool attention_fp8_operand(const at::Tensor& t, int64_t device) {
-  if (t.scalar_type() != at::kFloat8_e4m3fn || !t.is_cuda() || t.get_device() != device || t.dim() != 4 ||
-      (t.size(3) != 64 && t.size(3) != 128) || t.stride(3) != 1 ||
-      reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) {
-    return false;
-  }
-  for (int d = 0; d < 3; ++d) {
-    if (t.stride(d) % 16 != 0 || t.size(d) > std::numeric_limits<int32_t>::max()) return false;
-  }
-  return true;
-}
-
-// A 4-D bf16 or fp16 view of `type` on `device` whose rows the Hopper attention's
-// copies read as 16-byte chunks: head dim 64 or 128 and contiguous, the start and
-// the other strides multiples of 8 elements.
-bool attention_hp_operand(const at::Tensor& t, at::ScalarType type, int64_t device) {
+// A 4-D view of `type` on `device` whose rows the Hopper attention kernels' copies
+// read as 16-byte chunks: head dim 64 or 128 and contiguous, the start and the
+// other strides multiples of 16 bytes.
+bool attention_operand(const at::Tensor& t, at::ScalarType type, int64_t device) {
   if (t.scalar_type() != type || !t.is_cuda() || t.get_device() != device || t.dim() != 4 ||
       (t.size(3) != 64 && t.size(3) != 128) || t.stride(3) != 1 ||
       reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) {
     return false;
   }
+  const int64_t per_chunk = 16 / t.element_size();
   for (int d = 0; d < 3; ++d) {
-    if (t.stride(d) % 8 != 0 || t.size(d) > std::numeric_limits<int32_t>::max()) return false;
+    if (t.stride(d) % per_chunk != 0 || t.size(d) > std::numeric_limits<int32_t>::max()) return false;
   }
   return true;
+}
+
+// q (B, H, Tq, D), k and v (B, Hkv, Tk, D) of `type` as attention_operand takes
+// them, of one batch and head dim, with k and v of one shape, query heads a
+// multiple of the kv heads, keys, and no more batch·heads than a grid holds.
+bool attention_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::ScalarType type,
+                        int64_t device) {
+  return attention_operand(q, type, device) && attention_operand(k, type, device) &&
+         attention_operand(v, type, device) && k.sizes().equals(v.sizes()) && q.size(0) == k.size(0) &&
+         q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 && k.size(2) > 0 &&
+         q.size(0) * q.size(1) <= 65535;
+}
+
+// The launch's shape of q, k, v, their output o and its lse (see AttentionShape).
+void describe_attention(te_fuser::AttentionShape& a, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& o, const at::Tensor& lse, double softmax_scale, bool causal) {
+  a.lse = lse.data_ptr<float>();
+  a.qk_scale = static_cast<float>(softmax_scale * 1.4426950408889634);
+  a.batch = static_cast<int>(q.size(0));
+  a.h = static_cast<int>(q.size(1));
+  a.hkv = static_cast<int>(k.size(1));
+  a.tq = static_cast<int>(q.size(2));
+  a.tk = static_cast<int>(k.size(2));
+  a.head_dim = static_cast<int>(q.size(3));
+  a.causal = causal;
+  a.turns = attention_turns_state;
+  a.q_stride_b = q.stride(0), a.q_stride_h = q.stride(1), a.q_stride_t = q.stride(2);
+  a.k_stride_b = k.stride(0), a.k_stride_h = k.stride(1), a.k_stride_t = k.stride(2);
+  a.v_stride_b = v.stride(0), a.v_stride_h = v.stride(1), a.v_stride_t = v.stride(2);
+  a.o_stride_b = o.stride(0), a.o_stride_h = o.stride(1), a.o_stride_t = o.stride(2);
+}
+
+// o (B, H, Tq, D) in `type`, a view of a (B, Tq, H, D) tensor (its (B, Tq, H·D)
+// merge a view), and lse (B, H, Tq) fp32 of q's attention: new tensors.
+std::tuple<at::Tensor, at::Tensor> attention_outputs(const at::Tensor& q, at::ScalarType type) {
+  const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), dim = q.size(3);
+  return {at::empty({batch, tq, heads, dim}, q.options().dtype(type)).transpose(1, 2),
+          at::empty({batch, heads, tq}, q.options().dtype(at::kFloat))};
 }
 
 // The bf16 / fp16 attention forward on Hopper (launch_attention_hp_forward): (o (B,
 // H, Tq, D) in q's dtype, a view of a (B, Tq, H, D) tensor; lse (B, H, Tq) fp32),
 // new tensors. None for operands the Python path must look at: q, k, v not views
-// attention_hp_operand takes, of one dtype, batch and head dim, k and v of one
-// shape, query heads a multiple of the kv heads, no keys, more batch·heads than a
-// grid holds.
+// attention_operands takes (of one dtype).
 std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_forward_lean(const at::Tensor& q, const at::Tensor& k,
                                                                             const at::Tensor& v, double softmax_scale,
                                                                             bool causal, int64_t device,
                                                                             int64_t stream) {
   const at::ScalarType type = q.scalar_type();
-  if ((type != at::kBFloat16 && type != at::kHalf) || !attention_hp_operand(q, type, device) ||
-      !attention_hp_operand(k, type, device) || !attention_hp_operand(v, type, device) ||
-      !k.sizes().equals(v.sizes()) || q.size(0) != k.size(0) || q.size(3) != k.size(3) || k.size(1) == 0 ||
-      q.size(1) % k.size(1) != 0 || k.size(2) == 0 || q.size(0) * q.size(1) > 65535) {
-    return std::nullopt;
-  }
-  const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), dim = q.size(3);
-  at::Tensor o = at::empty({batch, tq, heads, dim}, q.options()).transpose(1, 2);
-  at::Tensor lse = at::empty({batch, heads, tq}, q.options().dtype(at::kFloat));
+  if ((type != at::kBFloat16 && type != at::kHalf) || !attention_operands(q, k, v, type, device)) return std::nullopt;
+  auto [o, lse] = attention_outputs(q, type);
   te_fuser::AttentionHpArgs a;
+  describe_attention(a, q, k, v, o, lse, softmax_scale, causal);
   a.q = q.data_ptr();
   a.k = k.data_ptr();
   a.v = v.data_ptr();
   a.o = o.data_ptr();
-  a.lse = lse.data_ptr<float>();
-  a.qk_scale = static_cast<float>(softmax_scale * 1.4426950408889634);
-  a.batch = static_cast<int>(batch);
-  a.h = static_cast<int>(heads);
-  a.hkv = static_cast<int>(k.size(1));
-  a.tq = static_cast<int>(tq);
-  a.tk = static_cast<int>(k.size(2));
-  a.head_dim = static_cast<int>(dim);
-  a.causal = causal;
-  a.turns = attention_fp8_turns_state;
-  a.q_stride_b = q.stride(0), a.q_stride_h = q.stride(1), a.q_stride_t = q.stride(2);
-  a.k_stride_b = k.stride(0), a.k_stride_h = k.stride(1), a.k_stride_t = k.stride(2);
-  a.v_stride_b = v.stride(0), a.v_stride_h = v.stride(1), a.v_stride_t = v.stride(2);
-  a.o_stride_b = o.stride(0), a.o_stride_h = o.stride(1), a.o_stride_t = o.stride(2);
   te_fuser::launch_attention_hp_forward(a, hp_code_or_none(type), as_stream(stream));
   return std::make_tuple(o, lse);
 }
 
 // V (B, Hkv, Tk, D) as the FP8 attention forward reads it: (B·Hkv, D, pitch)
 // bytes, each row's positions holding the keys in the kernel's order, zeros past
-// Tk (launch_attention_fp8_keys_inner). None for a v that attention_fp8_operand
-// does not take.
+// Tk (launch_attention_fp8_keys_inner). None for a v that attention_operand does
+// not take.
 std::optional<at::Tensor> attention_fp8_keys_inner(const at::Tensor& v, int64_t device, int64_t stream) {
-  if (!attention_fp8_operand(v, device) || v.size(2) == 0 || v.size(0) * v.size(1) > 65535) return std::nullopt;
+  if (!attention_operand(v, at::kFloat8_e4m3fn, device) || v.size(2) == 0 || v.size(0) * v.size(1) > 65535) {
+    return std::nullopt;
+  }
   const int64_t pitch = te_fuser::attention_fp8_vt_pitch(v.size(2));
   at::Tensor vt = at::empty({v.size(0) * v.size(1), v.size(3), pitch}, v.options().dtype(at::kByte));
   te_fuser::AttentionFp8Args a;
@@ -734,51 +738,30 @@ std::optional<at::Tensor> attention_fp8_keys_inner(const at::Tensor& v, int64_t 
 // out_dtype, a view of a (B, Tq, H, D) tensor; lse (B, H, Tq) fp32), new tensors.
 // scales: the fp32 q_scale_inv, k_scale_inv, v_scale_inv and p_scale, contiguous.
 // None for operands the Python path must look at: q, k, v not E4M3 views that
-// attention_fp8_operand takes, of one batch and head dim, with k and v of one
-// shape, query heads a multiple of the kv heads, no keys, more batch·heads than a
-// grid holds, scales not four contiguous fp32 on `device`, an out_dtype not bf16,
-// fp16 or fp32.
+// attention_operands takes, scales not four contiguous fp32 on `device`, an
+// out_dtype not bf16, fp16 or fp32.
 std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& scales, double softmax_scale,
     bool causal, at::ScalarType out_dtype, int64_t device, int64_t stream) {
   const int out = hp_code_or_none(out_dtype);
-  if (out < 0 || !attention_fp8_operand(q, device) || !attention_fp8_operand(k, device) ||
-      !attention_fp8_operand(v, device) || !k.sizes().equals(v.sizes()) || q.size(0) != k.size(0) ||
-      q.size(3) != k.size(3) || k.size(1) == 0 || q.size(1) % k.size(1) != 0 || k.size(2) == 0 ||
-      q.size(0) * q.size(1) > 65535 || scales.scalar_type() != at::kFloat || !scales.is_cuda() ||
-      scales.get_device() != device || scales.numel() != 4 || !scales.is_contiguous()) {
+  if (out < 0 || !attention_operands(q, k, v, at::kFloat8_e4m3fn, device) || scales.scalar_type() != at::kFloat ||
+      !scales.is_cuda() || scales.get_device() != device || scales.numel() != 4 || !scales.is_contiguous()) {
     return std::nullopt;
   }
-  const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), dim = q.size(3);
-  const int64_t kv_heads = k.size(1), tk = k.size(2);
-  const int64_t pitch = te_fuser::attention_fp8_vt_pitch(tk);
-  at::Tensor o = at::empty({batch, tq, heads, dim}, q.options().dtype(out_dtype)).transpose(1, 2);
-  at::Tensor lse = at::empty({batch, heads, tq}, q.options().dtype(at::kFloat));
-  if (batch * heads * tq == 0) return std::make_tuple(o, lse);
-  at::Tensor vt = at::empty({batch * kv_heads * dim * pitch}, q.options().dtype(at::kByte));
+  auto [o, lse] = attention_outputs(q, out_dtype);
+  if (q.size(0) * q.size(1) * q.size(2) == 0) return std::make_tuple(o, lse);
+  const int64_t pitch = te_fuser::attention_fp8_vt_pitch(k.size(2));
+  at::Tensor vt = at::empty({k.size(0) * k.size(1) * q.size(3) * pitch}, q.options().dtype(at::kByte));
   te_fuser::AttentionFp8Args a;
+  describe_attention(a, q, k, v, o, lse, softmax_scale, causal);
   a.q = static_cast<const uint8_t*>(q.data_ptr());
   a.k = static_cast<const uint8_t*>(k.data_ptr());
   a.v = static_cast<const uint8_t*>(v.data_ptr());
   a.vt = vt.data_ptr<uint8_t>();
   a.o = o.data_ptr();
-  a.lse = lse.data_ptr<float>();
   a.scales = scales.data_ptr<float>();
-  a.qk_scale = static_cast<float>(softmax_scale * 1.4426950408889634);
-  a.batch = static_cast<int>(batch);
-  a.h = static_cast<int>(heads);
-  a.hkv = static_cast<int>(kv_heads);
-  a.tq = static_cast<int>(tq);
-  a.tk = static_cast<int>(tk);
-  a.head_dim = static_cast<int>(dim);
-  a.causal = causal;
-  a.turns = attention_fp8_turns_state;
-  a.overlap = attention_fp8_overlap_state;
+  a.overlap = attention_overlap_state;
   a.vt_pitch = pitch;
-  a.q_stride_b = q.stride(0), a.q_stride_h = q.stride(1), a.q_stride_t = q.stride(2);
-  a.k_stride_b = k.stride(0), a.k_stride_h = k.stride(1), a.k_stride_t = k.stride(2);
-  a.v_stride_b = v.stride(0), a.v_stride_h = v.stride(1), a.v_stride_t = v.stride(2);
-  a.o_stride_b = o.stride(0), a.o_stride_h = o.stride(1), a.o_stride_t = o.stride(2);
   te_fuser::launch_attention_fp8_forward(a, out, as_stream(stream));
   return std::make_tuple(o, lse);
 }
@@ -817,9 +800,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "case the Python path takes");
   m.def("attention_fp8_keys_inner", &attention_fp8_keys_inner,
         "V as the FP8 attention forward reads it (keys inner, in the kernel's order), or None");
-  m.def("attention_fp8_schedule", &attention_fp8_schedule,
-        "the FP8 attention's consumer schedule: (turns, overlap), each 0, 1 or -1 to leave it; returns the previous "
-        "pair");
+  m.def("attention_schedule", &attention_schedule,
+        "the Hopper attention kernels' consumer schedule: (turns, overlap), each 0, 1 or -1 to leave it; returns "
+        "the previous pair");
   m.def("attention_fp8_forward_lean", &attention_fp8_forward_lean,
         "the FP8 attention forward on Hopper's tensor cores: (o, lse), operands checked here; None for a case the "
         "Python path takes");
