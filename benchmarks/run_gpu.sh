@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attngpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnordered attngpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -147,6 +147,15 @@ for part in $parts; do
       timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_fp8.py 2>&1 | tee "$OUT/attnfp8_tests.log" | tail -15
       timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_hopper.py 2>&1 | tee "$OUT/attnhp_tests.log" | tail -15
       timeout 240 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main d64 gqa gpt} 2>&1 | tee "$OUT/attnhopper.log" | tail -60 ;;
+    attnordered)  # the one-kernel attention backward (dq added in key-block order): its tests first under a short
+      # limit (programs that waited forever for a turn would hang there), then its launch shapes at the main case
+      # and the GPT's beside the two-kernel backward's best, then the side-by-side rows (bench_attention.py)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/test_attention_backward_ordered.py 2>&1 \
+        | tee "$OUT/attnordered_tests.log" | tail -15
+      timeout 200 python3 benchmarks/bench_attention.py --cases main --sweep --sweep-kernels bwd 2>&1 \
+        | tee "$OUT/attnordered_sweep.log" | tail -24
+      timeout 150 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels bwd 2>&1 \
+        | tee "$OUT/attnordered_gpt.log" | tail -24 ;;
     attngpt)  # the attention backward's launch shapes at the GPT's shape (B 16, 16 heads, seq 1024, head dim 64, causal)
       timeout 250 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels dq dkdv \
         2>&1 | tee "$OUT/attngpt.log" | tail -30 ;;
