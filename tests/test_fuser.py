@@ -392,7 +392,8 @@ def test_a_new_kernel_backend_rebuilds_the_plan_and_its_report_names_it(monkeypa
 def test_a_switch_back_matches_no_rules_and_equals_a_fresh_model(a, b, monkeypatch):
     """A -> B -> A: the switch back to A takes the fusion steps, kernel notes and
     validated shapes matched under A before (the plan template) and builds only
-    fresh quantizers, and trains bit for bit as a fresh model built on A."""
+    fresh quantizers (under a recipe with scaling state; without, A's plan is
+    published again), and trains bit for bit as a fresh model built on A."""
     x = [representable(32, H, generator=torch.Generator().manual_seed(i)) * 0.125 for i in range(8)]
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -406,6 +407,98 @@ def test_a_switch_back_matches_no_rules_and_equals_a_fresh_model(a, b, monkeypat
     assert model.fusion_stats().builds == builds + 1 and matched == []
     fresh = assert_trains_as_a_fresh_model(model, opt, x, range(5, 8), RECIPES[a])
     assert model.fusion_plan() == fresh.fusion_plan()
+
+
+@pytest.mark.parametrize("a", ["current", "mxfp8", "block", "rowwise", "none"])
+def test_a_switch_back_to_a_recipe_without_state_publishes_its_plan_again(a):
+    """A recipe whose quantizers keep no scaling state: the switch back publishes
+    the plan built under it before (its quantizers, prepared casts and steps), a
+    "kept" build, where a recipe with state (delayed scaling) builds fresh
+    quantizers; both train bit for bit as a fresh model on the recipe."""
+    x = [representable(32, H, generator=torch.Generator().manual_seed(i)) * 0.125 for i in range(6)]
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    step(model, x[0], RECIPES[a], opt)
+    plans = [f._plan for f in model._fusers()]
+    installed = [op.installed_quantizers for f in model._fusers() for op in f.ops]
+    step(model, x[1], RECIPES["delayed"], opt)
+    builds = model.fusion_stats().builds
+    step(model, x[2], RECIPES[a], opt)
+    assert [f._plan for f in model._fusers()] == plans and all(
+        f._plan is p for f, p in zip(model._fusers(), plans)), "the plan built before, published again"
+    assert model.fusion_stats().builds == builds + len(plans)
+    assert set(model.fusion_stats().last_build_phases) == {"kept", "publish"}
+    if a != "none":  # a high-precision plan installs none (the delayed ones stay)
+        ops = [op for f in model._fusers() for op in f.ops]
+        assert all(op.installed_quantizers is qs for op, qs in zip(ops, installed)), "its quantizers, again"
+    assert_trains_as_a_fresh_model(model, opt, x, range(3, 6), RECIPES[a])
+    step(model, x[3], RECIPES["current"], opt)
+    step(model, x[4], RECIPES["delayed"], opt)
+    delayed_plans = [f._plan for f in model._fusers()]
+    step(model, x[5], RECIPES["current"], opt)
+    step(model, x[5], RECIPES["delayed"], opt)
+    assert not any(f._plan is p for f, p in zip(model._fusers(), delayed_plans)), "delayed scaling builds again"
+    assert "kept" not in model.fusion_stats().last_build_phases
+
+
+def test_a_subclass_of_a_quantizer_without_state_is_built_afresh():
+    """Only the built-in classes without state are kept: a custom recipe's
+    subclass (which may keep state of its own) gets fresh quantizers at every
+    switch back."""
+    from te_fuser.quantization import Float8CurrentScalingQuantizer
+
+    class Counting(Float8CurrentScalingQuantizer):
+        pass
+
+    def factory(role):
+        return Counting(torch.float8_e4m3fn)
+
+    custom = R.CustomRecipe(factory, qfactory_key="counting")
+    model, x = mlp(), torch.randn(8, H)
+    step(model, x, custom)
+    first = [f._plan for f in model._fusers()]
+    step(model, x, RECIPES["current"])
+    step(model, x, custom)
+    assert not any(f._plan is p for f, p in zip(model._fusers(), first))
+    assert "kept" not in model.fusion_stats().last_build_phases
+
+
+def test_plans_of_one_recipe_share_its_quantizers_after_a_switch_back():
+    """A training and an evaluation plan of one recipe share the installed
+    quantizers (one plan is published at a time: each call of the other kind
+    publishes its own again). After a switch away and back, both kept plans are
+    published again on those same quantizers; one built afresh in between (the
+    kept one was for another te.autocast group) takes the installed ones, and the
+    kept plan of the other kind is then built again on them, not published with
+    quantizers of its own."""
+    model, x = mlp(), torch.randn(8, H)
+    current = RECIPES["current"]
+
+    def evaluate(group=None):
+        with torch.no_grad(), te.autocast(recipe=current, amax_reduction_group=group):
+            model(x)
+        return [f._plan for f in model._fusers()]
+
+    def train():
+        step(model, x, current)
+        return [f._plan for f in model._fusers()]
+
+    def shared(a, b):
+        return all(qa is qb for pa, pb in zip(a, b) for qa, qb in zip(pa.quantizers, pb.quantizers))
+
+    trained, evaluated = train(), evaluate()
+    assert shared(trained, evaluated)
+    step(model, x, RECIPES["delayed"])
+    assert evaluate() == evaluated and train() == trained and shared(trained, evaluated)
+    assert set(model.fusion_stats().last_build_phases) == {"kept", "publish"}
+    step(model, x, RECIPES["delayed"])
+    other_group = evaluate(group=object())  # a plan of its own for another group: built, on new quantizers
+    assert not any(p is q for p, q in zip(other_group, evaluated))
+    retrained = train()  # the kept training plan holds other quantizers than the installed ones of its key: built
+    assert not any(p is q for p, q in zip(retrained, trained)) and shared(retrained, other_group)
+    for f in model._fusers():
+        for op, qs in zip(f.ops, f._plan.quantizers):
+            assert op.installed_quantizers is qs
 
 
 def test_a_switch_back_matches_again_under_another_rule_table():

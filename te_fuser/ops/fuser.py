@@ -34,6 +34,11 @@ from ..autocast import STATE_STACK as _AUTOCAST_STACK
 from ..callable_key import FallbackChurnDetector
 from ..quantization import quantizer_for
 from ..quantization.base import Quantizer
+from ..quantization.block import Float8BlockQuantizer
+from ..quantization.current import Float8CurrentScalingQuantizer
+from ..quantization.identity import IdentityQuantizer
+from ..quantization.mxfp8 import MXFP8Quantizer
+from ..quantization.rowwise import Float8RowwiseQuantizer
 from ..quantization.amax_reduction import WORLD
 from ..quantization.delayed import EVALUATING as _EVALUATING
 from ..quantization.delayed import place_states
@@ -186,6 +191,7 @@ class PlanTemplate:
     backward: MatchResult
     notes: list[str]
     shapes: dict = field(default_factory=dict)
+    plans: dict = field(default_factory=dict)  # PlanKey -> a plan built from it whose quantizers hold no state
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -564,6 +570,19 @@ class OperationFuser:
             check_ranks_agree(recipe_key)  # a recipe's first training plan: every rank builds one (or an error)
         if recipe is not None:
             casts_beside_collectives(device)
+        plan_recipe = recipe if (recipe is not None and not calibrating) else None
+        key = PlanKey(recipe_key, needs_backward, dtype, training, calibrating, device.type, backend.get_backend())
+        template = self._template(plan_recipe, recipe_key, needs_backward, device)
+        kept = template.plans.get(key)
+        if kept is not None and kept.amax_reduction_group is amax_reduction_group and self._may_publish_again(kept):
+            shape = torch.Size(shape)
+            if shape not in kept.shapes:  # the plan's checks of another shape (raising leaves it as it was)
+                _remember_shape(kept.shapes, shape, self._check_shapes(shape, kept.quantizers))
+            kept.in_shape = shape
+            kept.build_phases = {"kept": time.perf_counter() - t0}
+            return kept
+        t1 = time.perf_counter()
+        phases["fusion"] = t1 - t0
         if recipe is None:  # high precision reads no quantizer and leaves the installed ones (their state) alone
             quantizers = [{} for _ in self.ops]
         elif all(op.quantizer_key == recipe_key for op in self.ops):
@@ -573,12 +592,8 @@ class OperationFuser:
         else:
             quantizers = self._build_quantizers(recipe, recipe_key, borrow_state=device.type == "cuda")
             place_states([q for qs in quantizers for q in qs.values()], device)  # at once, not four copies each
-        t1 = time.perf_counter()
-        phases["quantizers"] = t1 - t0
-        plan_recipe = recipe if (recipe is not None and not calibrating) else None
-        template = self._template(plan_recipe, recipe_key, needs_backward, device)
         t2 = time.perf_counter()
-        phases["fusion"] = t2 - t1
+        phases["quantizers"] = t2 - t1
         shape = torch.Size(shape)
         out_shape = template.shapes.get(shape)
         if out_shape is None:
@@ -589,13 +604,27 @@ class OperationFuser:
         fwd, bwd, notes = template.forward, template.backward, template.notes
         t3 = time.perf_counter()
         phases["validation"] = t3 - t2
-        key = PlanKey(recipe_key, needs_backward, dtype, training, calibrating, device.type, backend.get_backend())
         run = RunConfig(recipe, calibrating, dtype, needs_backward, training, recipe_key)
         plan = FusionPlan(key, recipe_key, run, quantizers, fwd.steps, bwd.steps, fwd.declined + bwd.declined, notes,
                           out_shape=out_shape, amax_reduction_group=amax_reduction_group,
                           in_shape=shape, shapes=template.shapes)  # a shape one plan takes, all of its template take
         plan.build_phases = phases
+        if _keepable(quantizers):
+            template.plans[key] = plan
         return plan
+
+    def _may_publish_again(self, kept: FusionPlan) -> bool:
+        """Whether ``kept`` (a plan whose quantizers hold no state, published before)
+        may be published for its key again instead of a new one: unless the ops
+        hold quantizers of its recipe key already that are not its own, as where
+        another plan of that key was built since (the plans of one recipe key share
+        the installed quantizers; see :meth:`candidate`)."""
+        if not kept.installs:
+            return True
+        for op, qs in zip(self.ops, kept.quantizers):
+            if op.quantizer_key == kept.recipe_key and op.installed_quantizers is not qs:
+                return False
+        return True
 
     def _template(self, plan_recipe, recipe_key: str, needs_backward: bool, device: torch.device) -> PlanTemplate:
         """The parts of a plan that the recipe's key, the build context, the kernel
@@ -763,6 +792,24 @@ class OperationFuser:
         if changed:
             _EPOCH[0] += 1
         plan.epoch = _EPOCH[0]
+
+
+# Quantizer classes whose quantizers hold no scaling state: one built for a recipe
+# key casts as a fresh one of that key does, whatever it cast before (its prepared
+# casts are constants of its configuration). Exactly these classes: a subclass
+# may keep state of its own.
+_STATELESS = (Float8CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, Float8RowwiseQuantizer,
+              IdentityQuantizer)
+
+
+def _keepable(quantizers: list[dict]) -> bool:
+    """Whether a plan with ``quantizers`` may be published again for its key later
+    instead of a new one (``PlanTemplate.plans``): none of them keeps state."""
+    for qs in quantizers:
+        for q in qs.values():
+            if type(q) not in _STATELESS:
+                return False
+    return True
 
 
 def _remember_shape(shapes: dict, shape: torch.Size, out_shape: torch.Size) -> None:
