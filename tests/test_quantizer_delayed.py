@@ -769,7 +769,7 @@ def test_placed_states_cast_as_states_moved_one_by_one(with_loaded):
     place_states(placed, torch.device("cuda"))
     for q, r in zip(placed, alone):
         for name in q.STATE_TENSORS:
-            t = getattr(q, name)
+            t = getattr(q, f"_{name}")  # as placed (a public read would hand out a copy of a shared tensor)
             assert t.is_cuda and t.data_ptr() % 16 == 0, name
             assert_bitwise(t.cpu(), getattr(r, name))
     torch.manual_seed(0)
@@ -785,9 +785,10 @@ def test_placed_states_cast_as_states_moved_one_by_one(with_loaded):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
 def test_placing_fresh_states_does_not_wait_for_the_gpu():
-    """``place_states`` hands fresh states out of a block made before: no launch and
-    no copy, so a plan's build in a switch step does not wait behind the GPU's
-    queued work (the control, a read of a device value, does wait)."""
+    """``place_states`` gives fresh quantizers the device's shared fresh state made
+    before: no launch and no copy, so a plan's build in a switch step does not
+    wait behind the GPU's queued work (the control, a read of a device value,
+    does wait)."""
     from te_fuser.quantization.delayed import place_states
 
     def host_seconds(work) -> float:
@@ -799,7 +800,8 @@ def test_placing_fresh_states_does_not_wait_for_the_gpu():
         torch.cuda.synchronize()
         return elapsed
 
-    place_states([DelayedScalingQuantizer(E4M3) for _ in range(2)], torch.device("cuda"))  # the block, made once
+    place_states([DelayedScalingQuantizer(E4M3, amax_history_len=16) for _ in range(2)],
+                 torch.device("cuda"))  # the shared state, made once
     waiting = host_seconds(lambda: torch.zeros(1, device="cuda").item())
     quantizers = [DelayedScalingQuantizer(E4M3, amax_history_len=16) for _ in range(8)]
     placed = host_seconds(lambda: place_states(quantizers, torch.device("cuda")))
@@ -807,72 +809,84 @@ def test_placing_fresh_states_does_not_wait_for_the_gpu():
     assert waiting > 0.05 and placed < waiting / 4, (waiting, placed)
 
 
-@pytest.mark.parametrize("lengths", [[1, 5, 16], [1024, 3, 4, 7]])
-def test_fresh_state_blocks_hand_each_region_out_once(lengths):
-    """``_FreshStates``: each quantizer's scale and inverse scale 1, history and count
-    0, every tensor on a 16-byte boundary and of its own memory; regions are handed
-    out once (a state written in place leaves the next regions fresh) until the
-    block is full (then None: place_states makes another)."""
-    from te_fuser.quantization.delayed import _FreshStates
+@pytest.mark.parametrize("lengths", [[1, 5, 16], [1024, 3, 4, 7, 5]])
+def test_fresh_quantizers_share_one_fresh_state_that_nothing_writes(lengths):
+    """``_bind_shared``: fresh quantizers of one history length hold the same four
+    tensors (scale and inverse scale 1, history and count 0, made once per device
+    and length). Casting rebinds a quantizer's state and leaves them fresh; a
+    public read (the properties, ``state_tensors``, a CUDA graph's slot) hands out
+    the quantizer's own copies first, so a holder that writes in place reaches
+    neither the shared tensors nor another quantizer; each casts as a quantizer
+    with a state of its own, bit for bit."""
+    from te_fuser.quantization import delayed
 
-    block = _FreshStates(torch.device("cpu"), slots=2 * len(lengths), history_floats=2 * sum(lengths) + 64)
-    seen = set()
-    for _ in range(2):
-        scales, scale_invs, histories, counts = block.take(lengths)
-        for scale, scale_inv, history, count, length in zip(scales, scale_invs, histories, counts, lengths):
-            assert scale.shape == scale_inv.shape == count.shape == () and history.shape == (length,)
-            assert scale.item() == scale_inv.item() == 1.0 and count.dtype == torch.int64 and count.item() == 0
-            assert not history.any()
-            for t in (scale, scale_inv, history, count):
-                assert t.data_ptr() % 16 == 0 and t.data_ptr() not in seen
-                seen.add(t.data_ptr())
-            scale.fill_(7.0)  # a state written in place
-            history.fill_(3.0)
-            count.fill_(2)
-    assert block.take(lengths) is None
+    device = torch.device("cpu")
+    group = [DelayedScalingQuantizer(E4M3, amax_history_len=n) for n in lengths]
+    alone = [DelayedScalingQuantizer(E4M3, amax_history_len=n) for n in lengths]
+    assert delayed._bind_shared(group, device)
+    for q in group:
+        shared = delayed._shared_fresh_state(device, q.amax_history_len)
+        assert (q._scale, q._scale_inv, q._amax_history, q._nonfinite_amax_count) == shared
+        assert all(a is b for a, b in zip((q._scale, q._scale_inv, q._amax_history, q._nonfinite_amax_count), shared))
+        assert q._holds_fresh_state() and not q._borrows_state()
+    held = group[1].state_tensors()  # a holder: copies of the quantizer's own
+    assert held["amax_history"] is not delayed._shared_fresh_state(device, lengths[1])[2]
+    held["amax_history"].fill_(5.0)
+    held["scale"].fill_(3.0)
+    group[2].scale.fill_(9.0)
+    x = torch.randn(16, 32)
+    for q, r in zip(group, alone):
+        if q is group[1] or q is group[2]:
+            continue
+        a, b = q.cast(x, rowwise=True, columnwise=True), r.cast(x, rowwise=True, columnwise=True)
+        assert_bitwise(a.rowwise.data.view(torch.uint8), b.rowwise.data.view(torch.uint8))
+        q._flush()
+        r._flush()
+        for name in q.STATE_TENSORS:
+            assert_bitwise(getattr(q, name), getattr(r, name), name)
+    for (_, n), (scale, scale_inv, history, count) in [(k, v) for k, v in delayed._SHARED_FRESH.items()
+                                                        if k[0] == device]:
+        assert scale.item() == scale_inv.item() == 1.0 and count.item() == 0 and not history.any(), n
+    later = [DelayedScalingQuantizer(E4M3, amax_history_len=n) for n in lengths]
+    assert delayed._bind_shared(later, device)
+    assert all(q._scale is delayed._shared_fresh_state(device, q.amax_history_len)[0] for q in later)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
-def test_placed_fresh_states_span_blocks(monkeypatch):
-    """With small blocks, groups of fresh quantizers are placed across several, each
-    state fresh and its own, and cast as states moved one by one."""
+def test_groups_placed_apart_share_the_fresh_state_and_cast_as_their_own():
+    """Groups of fresh quantizers placed by separate builds hold the device's one
+    fresh state per history length and cast as states moved one by one."""
     from te_fuser.quantization import delayed
 
-    monkeypatch.setattr(delayed._FreshStates, "SLOTS", 5)
-    monkeypatch.setattr(delayed._FreshStates, "HISTORY_FLOATS", 40)
-    monkeypatch.setattr(delayed, "_FRESH_STATES", {})
     groups = [[DelayedScalingQuantizer(E4M3, amax_history_len=n) for n in (1, 8, 16)] for _ in range(3)]
     alone = [[DelayedScalingQuantizer(E4M3, amax_history_len=n) for n in (1, 8, 16)] for _ in range(3)]
     x = torch.randn(16, 32, device="cuda")
-    pointers = set()
     for group, others in zip(groups, alone):
         delayed.place_states(group, torch.device("cuda"))
         for q, r in zip(group, others):
-            for name in q.STATE_TENSORS:
-                t = getattr(q, name)
-                assert t.is_cuda and t.data_ptr() % 16 == 0 and t.data_ptr() not in pointers, name
-                pointers.add(t.data_ptr())
-                assert_bitwise(t.cpu(), getattr(r, name))
+            assert q._amax_history is groups[0][[1, 8, 16].index(q.amax_history_len)]._fresh[2]
             a, b = q.cast(x, rowwise=True, columnwise=True), r.cast(x, rowwise=True, columnwise=True)
             assert_bitwise(a.rowwise.data.view(torch.uint8), b.rowwise.data.view(torch.uint8))
+    for key, (scale, _, history, count) in delayed._SHARED_FRESH.items():
+        assert scale.item() == 1.0 and not history.any() and count.item() == 0, key
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the states move to a CUDA device")
-def test_no_fresh_state_block_is_made_while_a_graph_is_captured(monkeypatch):
-    """A block made inside a CUDA graph's capture would hold its fresh values only
-    once the graph replays: place_states takes regions of a block made before, or
+def test_no_shared_fresh_state_is_made_while_a_graph_is_captured(monkeypatch):
+    """A state made inside a CUDA graph's capture would hold its fresh values only
+    once the graph replays: place_states binds a shared state made before, or
     leaves the states where they are."""
     from te_fuser.quantization import delayed
 
-    monkeypatch.setattr(delayed, "_FRESH_STATES", {})
+    monkeypatch.setattr(delayed, "_SHARED_FRESH", {})
     device = torch.device("cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     left = [DelayedScalingQuantizer(E4M3, amax_history_len=8) for _ in range(3)]
     with torch.cuda.stream(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
         delayed.place_states(left, device)
-    assert delayed._FRESH_STATES == {} and all(q._scale.device.type == "cpu" for q in left)
-    delayed.place_states([DelayedScalingQuantizer(E4M3) for _ in range(2)], device)  # a block, made outside
+    assert delayed._SHARED_FRESH == {} and all(q._scale.device.type == "cpu" for q in left)
+    delayed.place_states([DelayedScalingQuantizer(E4M3, amax_history_len=8) for _ in range(2)], device)  # made outside
     served = [DelayedScalingQuantizer(E4M3, amax_history_len=8) for _ in range(3)]
     with torch.cuda.stream(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
         delayed.place_states(served, device)
@@ -914,8 +928,8 @@ def _borrowing_quantizers(recipe):
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_borrowed_fresh_states_are_each_quantizers_own_once_placed(device):
     """A plan's fresh copies borrow their prototype's fresh state until
-    ``place_states``, which leaves none borrowing: on a GPU each takes device views
-    of fresh values, elsewhere (and for one left alone) a new CPU state of its own.
+    ``place_states``, which leaves none borrowing: on a GPU each takes the device's
+    shared fresh state, elsewhere (and for one left alone) a new CPU state of its own.
     A copy continued from an earlier quantizer or given a loaded state keeps that
     state; the prototypes' tensors keep a fresh state's values; each then casts as a
     new quantizer does, bit for bit."""

@@ -590,8 +590,8 @@ class OperationFuser:
             # mode or dtype under the same recipe shares the installed ones.
             quantizers = [op.installed_quantizers for op in self.ops]
         else:
-            quantizers = self._build_quantizers(recipe, recipe_key, borrow_state=device.type == "cuda")
-            place_states([q for qs in quantizers for q in qs.values()], device)  # at once, not four copies each
+            quantizers = self._build_quantizers(recipe, recipe_key, borrow_state=True)
+            place_states([q for qs in quantizers for q in qs.values()], device)  # fresh ones share one state
         t2 = time.perf_counter()
         phases["quantizers"] = t2 - t1
         shape = torch.Size(shape)

@@ -111,6 +111,8 @@ def _flushed_state(name: str) -> property:
 
     def read(self) -> torch.Tensor:
         self._flush()
+        if self.__dict__.get("_shared") is not None:  # a holder gets tensors of this quantizer's own
+            self._own_shared_tensors()
         return getattr(self, stored)
 
     def write(self, value: torch.Tensor) -> None:
@@ -224,10 +226,24 @@ class DelayedScalingQuantizer(Quantizer):
         self._nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
         self.seeded = False
         self._borrowed = None
+        self._shared = None
         # The fresh state's own tensors: while the state is still these (nothing
         # rebound them, and _continue, the one writer in place, cleared this), it
         # holds a fresh state's values, which place_states makes without a copy.
         self._fresh = (self._scale, self._scale_inv, self._amax_history, self._nonfinite_amax_count)
+
+    def _own_shared_tensors(self) -> None:
+        """Replace each state tensor that is still one of the device's shared fresh
+        ones (``place_states``) by a copy of its own, before anyone outside the
+        quantizer holds it: a holder may write it in place (a CUDA graph's fixed
+        copy of the state does), which a shared tensor must never see."""
+        shared = self._shared
+        self._shared = None
+        own = tuple(t.clone() if any(t is u for u in shared) else t
+                    for t in (self._scale, self._scale_inv, self._amax_history, self._nonfinite_amax_count))
+        if self._fresh is shared:
+            self._fresh = own
+        self._scale, self._scale_inv, self._amax_history, self._nonfinite_amax_count = own
 
     def _holds_fresh_state(self) -> bool:
         fresh = getattr(self, "_fresh", None)  # None in a quantizer pickled before it was kept
@@ -695,74 +711,70 @@ class DelayedScalingQuantizer(Quantizer):
         return text + ")"
 
 
-# Where place_states lays a quantizer's state out in its shared block: every tensor
+# Where _copied_states lays the states it copies out in its blocks: every tensor
 # starts on a 16-byte boundary (the GEMM takes a scale's address as it is there,
 # and Triton specialises on a pointer's alignment).
 _FLOATS_PER_SLOT = 4
 _INT64S_PER_SLOT = 2
 
 
-class _FreshStates:
-    """Device memory laid out as fresh delayed-scaling states (scales 1, histories
-    and counts 0), handed out once, region by region, to the quantizers that
-    place_states places: two launches make room for thousands of quantizers, and
-    a region is never handed out again (nothing writes a state in place: an update
-    rebinds it), so what it holds when handed out is a fresh state's values. The
-    block lives while any quantizer still holds a view of it. Layout, each tensor
-    on a 16-byte boundary (the GEMM takes a scale's address as it is, and Triton
-    specialises on a pointer's alignment): the scales and inverse scales in slots
-    of ``_FLOATS_PER_SLOT``, the histories, the counts (int64, in slots of
-    ``_INT64S_PER_SLOT``)."""
-
-    SLOTS, HISTORY_FLOATS = 4096, 1 << 20  # quantizers, and history entries, a block holds (at least)
-
-    def __init__(self, device: torch.device, slots: int, history_floats: int) -> None:
-        f, i = _FLOATS_PER_SLOT, _INT64S_PER_SLOT
-        self.slots, self.history_floats = slots, history_floats
-        scale_floats, count_floats = 2 * slots * f, slots * i * 2  # an int64 is two floats
-        block = torch.zeros(scale_floats + history_floats + count_floats, dtype=torch.float32, device=device)
-        block[:scale_floats].view(2 * slots, f)[:, 0] = 1.0
-        self.scales = block[:scale_floats]
-        self.histories = block[scale_floats:scale_floats + history_floats]
-        self.counts = block[scale_floats + history_floats:].view(torch.int64)
-        self.next_slot = self.next_history = 0
-
-    def take(self, history_lengths: list[int]):
-        """Views for ``len(history_lengths)`` quantizers (see ``_state_views``);
-        None when they do not fit."""
-        n, f, i = len(history_lengths), _FLOATS_PER_SLOT, _INT64S_PER_SLOT
-        need = _history_floats(history_lengths)
-        if self.next_slot + n > self.slots or self.next_history + need > self.history_floats:
-            return None
-        s0, h0 = self.next_slot, self.next_history
-        self.next_slot, self.next_history = s0 + n, h0 + need
-        return _state_views(self.scales[2 * s0 * f:2 * (s0 + n) * f], self.histories[h0:h0 + need],
-                            self.counts[s0 * i:(s0 + n) * i], history_lengths)
-
-
-def _history_floats(history_lengths: list[int]) -> int:
-    """The floats the histories of these lengths take, each padded to a slot."""
-    return sum(_padded(length, _FLOATS_PER_SLOT) for length in history_lengths)
-
-
 def _state_views(scales: torch.Tensor, histories: torch.Tensor, counts: torch.Tensor, history_lengths: list[int]):
     """Each quantizer's scale, inverse scale, history and count as views of blocks
-    laid out as ``_FreshStates``' (``scales``: its scale and inverse scale slots,
-    ``histories``: its padded histories, ``counts``: its int64 count slots), as four
-    tuples in the quantizers' order."""
+    laid out as ``_copied_states`` lays them (``scales``: its scale and inverse
+    scale slots, ``histories``: its padded histories, ``counts``: its int64 count
+    slots), as four tuples in the quantizers' order."""
     n, f, i = len(history_lengths), _FLOATS_PER_SLOT, _INT64S_PER_SLOT
     both = scales.view(2 * n, f)[:, 0].unbind()
     sizes = [size for length in history_lengths for size in (length, _padded(length, f) - length)]
     return both[0::2], both[1::2], histories.split(sizes)[::2], counts.view(n, i)[:, 0].unbind()
 
 
-_FRESH_STATES: dict = {}  # device -> its _FreshStates being handed out
+# (device, history length) -> a fresh state's four tensors on that device, which
+# every fresh delayed-scaling quantizer placed there holds until its first update
+# rebinds them: nothing writes a state tensor in place (the quantizer's accessors
+# hand a holder copies of its own first), so one set serves every quantizer.
+_SHARED_FRESH: dict = {}
+
+
+def _shared_fresh_state(device: torch.device, history_len: int):
+    """The device's shared fresh state for histories of ``history_len`` (made at its
+    first use: scale and inverse scale 1, history and count 0); None while a CUDA
+    graph is captured and it is not made yet (a tensor made in a capture holds its
+    values only once the graph replays)."""
+    key = (device, history_len)
+    shared = _SHARED_FRESH.get(key)
+    if shared is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        shared = (torch.ones((), dtype=torch.float32, device=device), torch.ones((), dtype=torch.float32, device=device),
+                  torch.zeros(history_len, dtype=torch.float32, device=device),
+                  torch.zeros((), dtype=torch.int64, device=device))
+        _SHARED_FRESH[key] = shared
+    return shared
+
+
+def _bind_shared(movers, device: torch.device) -> bool:
+    """Give each of ``movers`` (fresh quantizers) the device's shared fresh state of
+    its history length; False (nothing bound) where one is missing (see
+    :func:`_shared_fresh_state`)."""
+    states = []
+    for q in movers:
+        shared = _shared_fresh_state(device, q.amax_history_len)
+        if shared is None:
+            return False
+        states.append(shared)
+    for q, shared in zip(movers, states):
+        q._scale, q._scale_inv, q._amax_history, q._nonfinite_amax_count = shared
+        q._fresh = q._shared = shared
+        q._borrowed = None
+    return True
 
 
 def place_states(quantizers, device: torch.device) -> None:
     """``_place``, then none of ``quantizers`` still borrows the fresh state of the one
-    it was copied from (``fresh_copy(borrow_state=True)``): each holds its own, the
-    device's views or, where none were placed, a new CPU state as a new quantizer's."""
+    it was copied from (``fresh_copy(borrow_state=True)``): each holds the device's
+    shared fresh state, views of its copied one or, where none were placed, a new
+    CPU state as a new quantizer's."""
     _place(quantizers, device)
     for q in quantizers:
         if isinstance(q, DelayedScalingQuantizer) and q._borrows_state():
@@ -774,43 +786,33 @@ def _place(quantizers, device: torch.device) -> None:
     that still hold it on the CPU (fresh ones, or ones given a loaded state) to
     ``device`` at once, instead of four copies a quantizer at its first cast: a plan
     built at a switch to delayed scaling has a hundred such quantizers in a GPT.
-    Fresh states take regions of a device block laid out as fresh states
-    (``_FreshStates``: no launch, no copy, in most builds); where a loaded or
-    carried state is among them, the states are copied in two blocks laid out
-    alike. Each tensor becomes a view, 16-byte aligned. The same values as moving
-    each quantizer alone. While a CUDA graph is captured only a block made before
-    serves; otherwise the states stay where they are."""
+    Fresh ones all take the device's shared fresh state (``_SHARED_FRESH``: no
+    launch, no copy, no tensor made, after its first use), on the CPU too; where a
+    loaded or carried state is among them, the states are copied to a GPU in two
+    blocks, each tensor a view, 16-byte aligned. The same values as moving each
+    quantizer alone. While a CUDA graph is captured only a shared state made before
+    serves, and nothing is copied; otherwise the states stay where they are."""
     movers = [q for q in quantizers if isinstance(q, DelayedScalingQuantizer) and q._scale.device.type == "cpu"]
-    if device.type != "cuda" or len(movers) < 2:
-        return  # elsewhere, or for one quantizer, the state moves at the first cast as before
+    if not movers:
+        return
     for q in movers:
         q._flush()
-    lengths = [q.amax_history_len for q in movers]
-    capturing = torch.cuda.is_current_stream_capturing()
     if all(q._holds_fresh_state() for q in movers):
-        pool = _FRESH_STATES.get(device)
-        views = None if pool is None else pool.take(lengths)
-        if views is None and capturing:
-            # A block made while a CUDA graph is captured would hold its values only
-            # once the graph replays; the states move at their first cast, as before.
-            return
-        if views is None:
-            pool = _FreshStates(device, max(_FreshStates.SLOTS, len(movers)),
-                                max(_FreshStates.HISTORY_FLOATS, _history_floats(lengths)))
-            _FRESH_STATES[device] = pool
-            views = pool.take(lengths)
-        scales, scale_invs, histories, counts = views
-    elif capturing:  # no copy from the host while a CUDA graph is captured
+        _bind_shared(movers, device)  # on any device
         return
-    else:  # a loaded or carried state among them
-        scales, scale_invs, histories, counts = _copied_states(movers, lengths, device)
+    if device.type != "cuda" or len(movers) < 2 or torch.cuda.is_current_stream_capturing():
+        return  # elsewhere, for one quantizer, or in a capture, a state moves at its first cast as before
+    lengths = [q.amax_history_len for q in movers]
+    scales, scale_invs, histories, counts = _copied_states(movers, lengths, device)  # a loaded or carried state
     for q, scale, scale_inv, history, count in zip(movers, scales, scale_invs, histories, counts):
         q._scale, q._scale_inv, q._amax_history, q._nonfinite_amax_count = scale, scale_inv, history, count
 
 
 def _copied_states(movers: list, history_lengths: list[int], device: torch.device):
-    """The movers' states copied to ``device`` in two blocks laid out as
-    ``_FreshStates``' (``_state_views`` of them)."""
+    """The movers' states copied to ``device`` in two blocks (``_state_views`` of
+    them): the scales and inverse scales in slots of ``_FLOATS_PER_SLOT``, then
+    the histories, each padded to a slot; the counts (int64) in slots of
+    ``_INT64S_PER_SLOT``."""
     n, f, i = len(movers), _FLOATS_PER_SLOT, _INT64S_PER_SLOT
     pad = torch.zeros(f, dtype=torch.float32)
     pieces = []
