@@ -123,9 +123,9 @@ ATTENTION_PLANS = {
     ("dkdv", 64): AttentionPlan(32, 64, 4, 3),  # run 103: 0.385 ms a backward against 0.533 (32x128 w8 s2)
     # the one-kernel backward (BACKWARD = "ordered"; block_n keys a program, block_m queries a
     # step), from sm_90 builds only, not yet timed: every product a wgmma, the loads pipelined;
-    # head dim 64 without spills, 128 with 280 spilled bytes (the dkdv plan above: 256)
+    # head dim 64 without spills (228 registers: two blocks an SM), 128 with 20 spilled bytes
     ("bwd", 128): AttentionPlan(64, 64, 8, 2),
-    ("bwd", 64): AttentionPlan(64, 64, 8, 2),
+    ("bwd", 64): AttentionPlan(64, 64, 4, 2),
 }
 _INTERPRETED_PLANS = {  # small tiles: several per sequence at test sizes, both loops of each kernel run
     "fwd": AttentionPlan(32, 16, 4, 1),
@@ -155,8 +155,8 @@ AUTOTUNE_CONFIGS = {
     "dkdv": _configs([(32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 2), (32, 64, 8, 3),
                       (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
                       (64, 128, 4, 2), (128, 128, 8, 2)]),
-    "bwd": _configs([(64, 64, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (64, 64, 8, 3), (128, 64, 8, 2),
-                     (64, 128, 8, 3), (32, 64, 4, 3), (128, 128, 8, 2)]),
+    "bwd": _configs([(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 8, 3),
+                     (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 3)]),
 }
 
 
@@ -575,9 +575,10 @@ def _backward_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, acc_bas
                     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, P_DTYPE: tl.constexpr,
                     OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPIN: tl.constexpr):
     """``_dkdv_tiles``' products over the query tiles ``[lo, hi)`` of one query
-    head, and each tile's ``dq`` part ``ds k`` added in key-block order
-    (:func:`_add_dq_in_turn`). ``last_turn``: the last key block adding to the
-    tiles all key blocks reach (CAUSAL: each tile's own, from its last row)."""
+    head (MASKED: the causal mask on each), and each tile's ``dq`` part ``ds k``
+    added in key-block order (:func:`_add_dq_in_turn`). ``last_turn``: the last key
+    block adding to the tiles all key blocks reach (CAUSAL: each tile's own, from
+    its last row)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -647,12 +648,10 @@ def _attention_backward_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    if CAUSAL:
-        lo = (n0 // BLOCK_M) * BLOCK_M
-        mid = tl.minimum(lo + tl.cdiv(n0 + BLOCK_N - lo, BLOCK_M) * BLOCK_M, Tq)
-    else:
-        lo = 0
-        mid = 0
+    # the query tiles that see a key of the block: from the one holding query n0 (CAUSAL) or the first; one
+    # loop, the causal mask on every tile (where the dk / dv kernel splits off the diagonal's): the same values,
+    # half the code, so the registers hold (sm_90 builds at head dim 128: 20 spilled bytes against 280)
+    lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
     last_turn = tl.num_programs(1) - 1
     for g in range(0, G):
         h = hk * G + g
@@ -665,12 +664,8 @@ def _attention_backward_kernel(
         dq_base = dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
         lock_base = lock_ptr + bh.to(tl.int64) * LOCKS_PER_HEAD
         dk, dv = _backward_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, acc_base, dq_base, lock_base,
-                                 misses_ptr, stride_qt, stride_dot, stride_dqt, offs_n, offs_d, lo, mid, Tq,
-                                 qk_scale, softmax_scale, j, last_turn, BLOCK_M, BLOCK_N, True, CAUSAL, HEAD_DIM,
-                                 UPCAST, P_DTYPE, OUT_DTYPE, PRECISION, SPIN)
-        dk, dv = _backward_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, acc_base, dq_base, lock_base,
-                                 misses_ptr, stride_qt, stride_dot, stride_dqt, offs_n, offs_d, mid, Tq, Tq,
-                                 qk_scale, softmax_scale, j, last_turn, BLOCK_M, BLOCK_N, False, CAUSAL, HEAD_DIM,
+                                 misses_ptr, stride_qt, stride_dot, stride_dqt, offs_n, offs_d, lo, Tq, Tq,
+                                 qk_scale, softmax_scale, j, last_turn, BLOCK_M, BLOCK_N, CAUSAL, CAUSAL, HEAD_DIM,
                                  UPCAST, P_DTYPE, OUT_DTYPE, PRECISION, SPIN)
     dk_base = dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
     dv_base = dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
