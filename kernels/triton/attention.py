@@ -108,7 +108,8 @@ class AttentionPlan:
 # sm_90 builds (Triton's compiler run ahead of time for capability 9.0, with the
 # launch's specializations: 16-divisible pointers and strides): every entry
 # pipelines its loads (cp.async), runs its dots as wgmma and spills no registers
-# (dkdv at head dim 128: 6 spilled words); the FP8 forward's from the sweep
+# (dkdv at head dim 128: none since its one loop; 6 spilled words before under
+# Triton 3.6, 256 bytes under 3.9); the FP8 forward's from the sweep
 # of bench_attention.py on an H200 (RESULTS.md run 56), the backward's at head
 # dim 64 from the sweep at the GPT's shape (run 103: B 16, 16 heads, seq 1024).
 ATTENTION_PLANS = {
@@ -391,8 +392,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
                 P_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """``dv += pᵀ do``, ``dk += dsᵀ q`` over the query tiles ``[lo, hi)`` of one
     query head, for one key block (kept transposed: keys along the rows). MASKED:
-    the tiles on the causal diagonal. Query rows past ``Tq`` load as zeros and
-    add nothing (their do, q and delta are 0)."""
+    the causal mask on each tile. Query rows past ``Tq`` load as zeros and add
+    nothing (their do, q and delta are 0)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -449,13 +450,11 @@ def _attention_dkdv_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    # queries [lo, mid): the diagonal tiles (some key of the block is above some query); [mid, Tq): seen whole
-    if CAUSAL:
-        lo = (n0 // BLOCK_M) * BLOCK_M
-        mid = tl.minimum(lo + tl.cdiv(n0 + BLOCK_N - lo, BLOCK_M) * BLOCK_M, Tq)
-    else:
-        lo = 0
-        mid = 0
+    # the query tiles that see a key of the block: from the one holding query n0 (CAUSAL) or the first; one
+    # loop with the causal mask on every tile, where the tiles past the diagonal need none: the same values,
+    # half the code, and the registers hold (sm_90 builds at head dim 128, 32x64: no spills against 256 bytes
+    # with the diagonal's tiles in a loop of their own; at head dim 64, 164 registers against 253)
+    lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
     for g in range(0, G):
         h = hk * G + g
         bh = b * H + h
@@ -464,9 +463,7 @@ def _attention_dkdv_kernel(
         lse_base = lse_ptr + bh.to(tl.int64) * Tq
         delta_base = delta_ptr + bh.to(tl.int64) * Tq
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
-                             offs_d, lo, mid, Tq, qk_scale, True, BLOCK_M, UPCAST, P_DTYPE, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
-                             offs_d, mid, Tq, Tq, qk_scale, False, BLOCK_M, UPCAST, P_DTYPE, PRECISION)
+                             offs_d, lo, Tq, Tq, qk_scale, CAUSAL, BLOCK_M, UPCAST, P_DTYPE, PRECISION)
     dk_base = dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
     dv_base = dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
     tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :], to_output(dk * softmax_scale, OUT_DTYPE),
