@@ -8,6 +8,8 @@ segments the CUDA allocator took from the driver.
 
     python benchmarks/switch_split.py [--schedule bf16,delayed,current,...] [--steps 6] [--host-only]
 
+A switch into a recipe whose quantizers keep no scaling state (current scaling,
+bf16) publishes the plans kept from the warm-up: its builds make no quantizers.
 The target (DESIGN.md §6) is a switch step within 1.05x of a step. Timers cost about
 half a microsecond a call (see ``host_split.py``); no profiler runs. On a machine
 without a GPU the smoke GPT runs on the CPU backends.
