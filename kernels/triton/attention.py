@@ -387,40 +387,106 @@ def _attention_dq_kernel(
 
 
 @triton.jit
+def _key_block(k_ptr, v_ptr, b, hk, n0, Tk, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+               CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The keys ``[n0, n0 + BLOCK_N)`` of kv head ``hk`` of batch ``b``: their rows,
+    the head dim's offsets, the K and V tiles (keys past ``Tk`` as zeros) and the
+    first query tile that sees one of them (CAUSAL: the one holding query n0).
+    The backwards walk the query tiles from there in one loop with the causal mask
+    on every tile, where the tiles past the diagonal need none: the same values,
+    half the code, and the registers hold (sm_90 builds at head dim 128: the dk /
+    dv kernel spills nothing where a loop of the diagonal's own made it spill 256
+    bytes; the one-kernel backward 20 bytes against 280)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < Tk
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    return offs_n, offs_d, k, v, lo
+
+
+@triton.jit
+def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, offs_n, offs_d, Tk, softmax_scale, stride_dkb, stride_dkh, stride_dkt,
+                stride_dvb, stride_dvh, stride_dvt, OUT_DTYPE: tl.constexpr):
+    """Store ``dk · softmax_scale`` and ``dv`` of a key block in the output dtype (rows past ``Tk`` left)."""
+    key_ok = (offs_n < Tk)[:, None]
+    dk_base = dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+    dv_base = dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+    tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :], to_output(dk * softmax_scale, OUT_DTYPE),
+             mask=key_ok)
+    tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_d[None, :], to_output(dv, OUT_DTYPE), mask=key_ok)
+
+
+@triton.jit
+def _query_head(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, Tq, stride_qb, stride_qh, stride_dob, stride_doh):
+    """Where query head ``h`` of batch ``b`` (row ``bh`` of lse and delta) starts in q, do, lse and delta."""
+    return (q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+            do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+            lse_ptr + bh.to(tl.int64) * Tq, delta_ptr + bh.to(tl.int64) * Tq)
+
+
+@triton.jit
+def _query_tile(q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_d, start_m, Tq,
+                BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+    """What a key block's products read of one query tile: its rows, ``qᵀ``
+    (D, BLOCK_M), ``do`` (BLOCK_M, D), the base-2 lse and delta. Rows past ``Tq``
+    load as zeros and add nothing (their do, q and delta are 0)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < Tq
+    qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(lse_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+        do = do.to(tl.float32)
+    return offs_m, qt, do, lse2, delta
+
+
+@triton.jit
+def _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED: tl.constexpr,
+                   UPCAST: tl.constexpr, P_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """``dv += pᵀ do``, ``dk += dsᵀ q`` for one query tile (kept transposed: keys
+    along the rows; MASKED: the causal mask): ``(dk, dv, dsᵀ)``, dsᵀ as it entered
+    the product (rounded to ``P_DTYPE``)."""
+    st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+    pt = tl.math.exp2(st - lse2[None, :])
+    if MASKED:
+        pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+    if UPCAST:
+        p_in = round_through(pt, P_DTYPE)
+    else:
+        p_in = pt.to(P_DTYPE)
+    dv = tl.dot(p_in, do, dv, input_precision=PRECISION)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    dst = pt * (dpt - delta[None, :])
+    if UPCAST:
+        dst = round_through(dst, P_DTYPE)
+    else:
+        dst = dst.to(P_DTYPE)
+    dk = tl.dot(dst, tl.trans(qt), dk, input_precision=PRECISION)
+    return dk, dv, dst
+
+
+@triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d, lo, hi,
                 Tq, qk_scale, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr,
                 P_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """``dv += pᵀ do``, ``dk += dsᵀ q`` over the query tiles ``[lo, hi)`` of one
-    query head, for one key block (kept transposed: keys along the rows). MASKED:
-    the causal mask on each tile. Query rows past ``Tq`` load as zeros and add
-    nothing (their do, q and delta are 0)."""
+    query head, for one key block (MASKED: the causal mask on each tile)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < Tq
-        qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse2 = tl.load(lse_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        if UPCAST:
-            qt = qt.to(tl.float32)
-            do = do.to(tl.float32)
-        st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-        pt = tl.math.exp2(st - lse2[None, :])
-        if MASKED:
-            pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
-        if UPCAST:
-            p_in = round_through(pt, P_DTYPE)
-        else:
-            p_in = pt.to(P_DTYPE)
-        dv = tl.dot(p_in, do, dv, input_precision=PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        if UPCAST:
-            dst = round_through(dst, P_DTYPE)
-        else:
-            dst = dst.to(P_DTYPE)
-        dk = tl.dot(dst, tl.trans(qt), dk, input_precision=PRECISION)
+        offs_m, qt, do, lse2, delta = _query_tile(q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                                  offs_d, start_m, Tq, BLOCK_M, UPCAST)
+        dk, dv, _ = _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED, UPCAST,
+                                   P_DTYPE, PRECISION)
     return dk, dv
 
 
@@ -433,42 +499,23 @@ def _attention_dkdv_kernel(
         OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``dk`` and ``dv`` of BLOCK_N keys of one kv head, summed over the G query
     heads that read it."""
-    pid = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // Hkv
     hk = bhk % Hkv
-    n0 = pid * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n < Tk
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n, offs_d, k, v, lo = _key_block(k_ptr, v_ptr, b, hk, n0, Tk, stride_kb, stride_kh, stride_kt, stride_vb,
+                                          stride_vh, stride_vt, CAUSAL, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    # the query tiles that see a key of the block: from the one holding query n0 (CAUSAL) or the first; one
-    # loop with the causal mask on every tile, where the tiles past the diagonal need none: the same values,
-    # half the code, and the registers hold (sm_90 builds at head dim 128, 32x64: no spills against 256 bytes
-    # with the diagonal's tiles in a loop of their own; at head dim 64, 164 registers against 253)
-    lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
     for g in range(0, G):
         h = hk * G + g
         bh = b * H + h
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        lse_base = lse_ptr + bh.to(tl.int64) * Tq
-        delta_base = delta_ptr + bh.to(tl.int64) * Tq
+        q_base, do_base, lse_base, delta_base = _query_head(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, Tq, stride_qb,
+                                                            stride_qh, stride_dob, stride_doh)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
                              offs_d, lo, Tq, Tq, qk_scale, CAUSAL, BLOCK_M, UPCAST, P_DTYPE, PRECISION)
-    dk_base = dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
-    dv_base = dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-    tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :], to_output(dk * softmax_scale, OUT_DTYPE),
-             mask=key_ok[:, None])
-    tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_d[None, :], to_output(dv, OUT_DTYPE), mask=key_ok[:, None])
+    _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, offs_n, offs_d, Tk, softmax_scale, stride_dkb, stride_dkh, stride_dkt,
+                stride_dvb, stride_dvh, stride_dvt, OUT_DTYPE)
 
 
 # ------------------------------------------ backward in one kernel, dq in order
@@ -578,31 +625,10 @@ def _backward_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, acc_bas
     its last row)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < Tq
-        qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse2 = tl.load(lse_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        if UPCAST:
-            qt = qt.to(tl.float32)
-            do = do.to(tl.float32)
-        st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-        pt = tl.math.exp2(st - lse2[None, :])
-        if MASKED:
-            pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
-        if UPCAST:
-            p_in = round_through(pt, P_DTYPE)
-        else:
-            p_in = pt.to(P_DTYPE)
-        dv = tl.dot(p_in, do, dv, input_precision=PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        if UPCAST:
-            dst = round_through(dst, P_DTYPE)
-        else:
-            dst = dst.to(P_DTYPE)
-        dk = tl.dot(dst, tl.trans(qt), dk, input_precision=PRECISION)
+        offs_m, qt, do, lse2, delta = _query_tile(q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                                  offs_d, start_m, Tq, BLOCK_M, UPCAST)
+        dk, dv, dst = _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED, UPCAST,
+                                     P_DTYPE, PRECISION)
         dq_part = tl.dot(tl.trans(dst), k, input_precision=PRECISION)  # (BLOCK_M, D)
         tile = start_m // BLOCK_M
         last = last_turn
@@ -632,31 +658,16 @@ def _attention_backward_kernel(
     j = tl.program_id(1)
     b = bhk // Hkv
     hk = bhk % Hkv
-    n0 = j * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n < Tk
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    offs_n, offs_d, k, v, lo = _key_block(k_ptr, v_ptr, b, hk, j * BLOCK_N, Tk, stride_kb, stride_kh, stride_kt,
+                                          stride_vb, stride_vh, stride_vt, CAUSAL, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    # the query tiles that see a key of the block: from the one holding query n0 (CAUSAL) or the first; one
-    # loop, the causal mask on every tile (where the dk / dv kernel splits off the diagonal's): the same values,
-    # half the code, so the registers hold (sm_90 builds at head dim 128: 20 spilled bytes against 280)
-    lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
     last_turn = tl.num_programs(1) - 1
     for g in range(0, G):
         h = hk * G + g
         bh = b * H + h
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        lse_base = lse_ptr + bh.to(tl.int64) * Tq
-        delta_base = delta_ptr + bh.to(tl.int64) * Tq
+        q_base, do_base, lse_base, delta_base = _query_head(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, Tq, stride_qb,
+                                                            stride_qh, stride_dob, stride_doh)
         acc_base = acc_ptr + bh.to(tl.int64) * Tq * HEAD_DIM
         dq_base = dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
         lock_base = lock_ptr + bh.to(tl.int64) * LOCKS_PER_HEAD
@@ -664,11 +675,8 @@ def _attention_backward_kernel(
                                  misses_ptr, stride_qt, stride_dot, stride_dqt, offs_n, offs_d, lo, Tq, Tq,
                                  qk_scale, softmax_scale, j, last_turn, BLOCK_M, BLOCK_N, CAUSAL, CAUSAL, HEAD_DIM,
                                  UPCAST, P_DTYPE, OUT_DTYPE, PRECISION, SPIN)
-    dk_base = dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
-    dv_base = dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-    tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :], to_output(dk * softmax_scale, OUT_DTYPE),
-             mask=key_ok[:, None])
-    tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_d[None, :], to_output(dv, OUT_DTYPE), mask=key_ok[:, None])
+    _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, offs_n, offs_d, Tk, softmax_scale, stride_dkb, stride_dkh, stride_dkt,
+                stride_dvb, stride_dvh, stride_dvt, OUT_DTYPE)
 
 
 # -------------------------------------------------------------------- launchers
