@@ -231,7 +231,7 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
         saved_backward = attn.set_backward("ordered" if kernel == "bwd" else "split")
         for config in configs:
             plan = attn.AttentionPlan(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
-                                      config.num_stages)
+                                      config.num_stages, config.kwargs.get("ONE_LOOP", False))
             attn.ATTENTION_PLANS[(kernel, D)] = plan
             try:
                 fn()
@@ -240,6 +240,7 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
                 ms, note = float("nan"), f"{type(err).__name__}: {str(err)[:60]}"
             rate = factor * _flops(B, H, T, D, causal) / (ms * 1e-3) / 1e12
             case = (f"{kernel} {plan.block_m}x{plan.block_n} w{plan.num_warps} s{plan.num_stages}"
+                    + (" one loop" if plan.one_loop else "")
                     + (" (whole backward)" if kernel in ("dq", "dkdv", "bwd") else ""))
             rows.append(harness.progress(Row("attention-sweep", case, "triton", label, ms, rate, "TFLOP/s",
                                              of_ceiling=rate / ceiling, note=note)))

@@ -12,6 +12,7 @@ tests marked ``gpu`` add real sizes (T = 1000 and 4096, head dims 64 and 128).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -358,6 +359,40 @@ def test_empty_batch_gives_empty_outputs():
     assert o.shape == q.shape and lse.shape == (0, 4, 8)
     dq, dk, dv = tk.attention_backward(q, k, v, o, lse, do, True, 0.2)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_forward_in_one_loop_gives_the_same_bits(fp8, causal, monkeypatch):
+    """``AttentionPlan.one_loop``: every key tile in one loop with the masks on each
+    (the diagonal's and the last tiles in a loop of their own by default): the same
+    o and lse, bit for bit, Tq != Tk and GQA."""
+    from te_fuser.kernels.triton import attention as attn
+
+    shape, scale = (1, 4, 2, 67, 45, 64), 0.125
+    if fp8:
+        fp8s, scale_invs = fp8_qkv(*shape, seed=3)
+        p_scale = torch.tensor(448.0, device=DEVICE)
+
+        def forward():
+            return tk.attention_forward_fp8(*fp8s, *scale_invs, p_scale, causal, scale, torch.bfloat16)
+    else:
+        q, k, v, _ = qkv(*shape, torch.bfloat16, seed=3)
+
+        def forward():
+            return tk.attention_forward(q, k, v, causal, scale)
+    kernel = "fwd_fp8" if fp8 else "fwd"
+    two = forward()
+    plans = dict(attn._INTERPRETED_PLANS) if DEVICE == "cpu" else dict(attn.ATTENTION_PLANS)
+    if DEVICE == "cpu":
+        plans[kernel] = dataclasses.replace(plans[kernel], one_loop=True)
+        monkeypatch.setattr(attn, "_INTERPRETED_PLANS", plans)
+    else:
+        plans[(kernel, 64)] = dataclasses.replace(plans[(kernel, 64)], one_loop=True)
+        monkeypatch.setattr(attn, "ATTENTION_PLANS", plans)
+    one = forward()
+    assert_bitwise(one[0], two[0], f"{kernel} o, one loop")
+    assert_bitwise(one[1], two[1], f"{kernel} lse, one loop")
 
 
 # ------------------------------------------------------------- GPU, real sizes
