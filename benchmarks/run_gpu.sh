@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnordered attngpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnordered attnsweep attngpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -156,6 +156,10 @@ for part in $parts; do
         | tee "$OUT/attnordered_sweep.log" | tail -24
       timeout 150 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels bwd 2>&1 \
         | tee "$OUT/attnordered_gpt.log" | tail -24 ;;
+    attnsweep)  # every Triton attention kernel's launch shapes at the main case (the forwards' one-loop shapes
+      # and the dk / dv kernel's since its one loop among them): what ATTENTION_PLANS should hold
+      timeout 400 python3 benchmarks/bench_attention.py --cases main --sweep --sweep-kernels fwd fwd_fp8 dq dkdv 2>&1 \
+        | tee "$OUT/attnsweep.log" | tail -40 ;;
     attngpt)  # the attention backward's launch shapes at the GPT's shape (B 16, 16 heads, seq 1024, head dim 64, causal)
       timeout 250 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels dq dkdv \
         2>&1 | tee "$OUT/attngpt.log" | tail -30 ;;
