@@ -147,10 +147,10 @@ for part in $parts; do
       timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_fp8.py 2>&1 | tee "$OUT/attnfp8_tests.log" | tail -15
       timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_hopper.py 2>&1 | tee "$OUT/attnhp_tests.log" | tail -15
       timeout 240 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main d64 gqa gpt} 2>&1 | tee "$OUT/attnhopper.log" | tail -60 ;;
-    attnordered)  # the one-kernel attention backward (dq added in key-block order): its tests first under a short
+    attnordered)  # the one-kernel attention backward (dq added in key-block order): its tests first under a limit
       # limit (programs that waited forever for a turn would hang there), then its launch shapes at the main case
       # and the GPT's beside the two-kernel backward's best, then the side-by-side rows (bench_attention.py)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/test_attention_backward_ordered.py 2>&1 \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_attention_backward_ordered.py 2>&1 \
         | tee "$OUT/attnordered_tests.log" | tail -15
       timeout 200 python3 benchmarks/bench_attention.py --cases main --sweep --sweep-kernels bwd 2>&1 \
         | tee "$OUT/attnordered_sweep.log" | tail -24
