@@ -114,8 +114,36 @@ def _fresh(value):
     return value
 
 
-def stub_kernels() -> None:
-    """Make every kernel ``backend.resolve`` hands out a stand-in (see ``--stub-kernels``)."""
+def _update_in_call(kernel, sums: bool):
+    """A ``prepare`` entry for the stand-in of a tensor-scaled cast whose prepared cast
+    also has ``with_update`` (the cuda backend's signature: the cast and delayed
+    scaling's state update in one call), returning fresh outputs of its shapes: so
+    delayed scaling's casts take the path they take on a GPU."""
+    def prepare(fp8_dtype):
+        def cast(x, scale, rowwise, columnwise, round_bf16=False, sums_dtype=torch.float32):
+            amax = torch.empty(1)
+            extra = {"round_bf16": True} if round_bf16 else {}
+            data, data_t, _, *rest = kernel(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise,
+                                            amax_out=amax, **extra)
+            return data, data_t, (rest[0] if rest else None), amax
+
+        def with_update(x, scale, history, count, margin, algo_max, rowwise, columnwise, round_bf16=False,
+                        sums_dtype=torch.float32):
+            rows, cols = x.numel() // x.shape[-1], x.shape[-1]
+            return (torch.empty(rows, cols, dtype=fp8_dtype) if rowwise else None,
+                    torch.empty(cols, rows, dtype=fp8_dtype) if columnwise else None,
+                    torch.empty(cols, dtype=sums_dtype) if sums else None, torch.empty(1),
+                    torch.empty_like(history), torch.empty_like(scale), torch.empty_like(scale), torch.empty_like(count))
+
+        cast.with_update = with_update
+        return cast
+
+    return prepare
+
+
+def stub_kernels(update_in_call: bool = False) -> None:
+    """Make every kernel ``backend.resolve`` hands out a stand-in (see ``--stub-kernels``;
+    ``update_in_call``: see ``--update-in-call``)."""
     real_resolve, stubs = backend.resolve, {}
 
     def stub(choice):
@@ -128,6 +156,8 @@ def stub_kernels() -> None:
                 out = seen[key] = fn(*args, **kwargs)
             return _fresh(out)
 
+        if update_in_call and choice.kernel in ("quantize_tensorwise", "quantize_tensorwise_column_sums"):
+            kernel.prepare = _update_in_call(kernel, choice.kernel.endswith("sums"))
         return backend.KernelChoice(choice.kernel, choice.backend, kernel, choice.note)
 
     def resolve(kernel, device, backend=None):
@@ -183,9 +213,14 @@ def main(argv=None) -> None:
                         "(the CPU's bf16 GEMMs cost tens of microseconds at any size, which hides the host layers)")
     p.add_argument("--stub-kernels", action="store_true",
                    help="the backend's kernels as stand-ins that only allocate their outputs (the layers above alone)")
+    p.add_argument("--update-in-call", action="store_true",
+                   help="with --stub-kernels: the tensor-scaled casts' stand-ins also update delayed scaling's state "
+                        "in the call, as the cuda backend's do, so its casts take their GPU path")
     args = p.parse_args(argv)
+    if args.update_in_call and not args.stub_kernels:
+        p.error("--update-in-call: only with --stub-kernels")
     if args.stub_kernels:
-        stub_kernels()
+        stub_kernels(args.update_in_call)
     AUTOCAST["bf16"] = args.dtype == "bf16"
     torch.set_num_threads(1)  # the host's own time, without intra-op threads taking turns
     print(f"torch {torch.__version__}, backend {te.get_backend()}{' (stubbed kernels)' if args.stub_kernels else ''}, "
