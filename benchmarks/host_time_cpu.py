@@ -30,7 +30,10 @@ a stand-in that returns fresh empty tensors shaped as the kernel's outputs for
 those arguments (one allocation per output, about what a launch costs the host
 beside its launcher), so the rows show the layers above the kernels; the numbers
 computed are then meaningless. ``--stub-kernels --dtype fp32`` is the layers'
-cost alone. On a busy machine the times still move by 10-20%; a count of the
+cost alone. ``--update-in-call`` gives the tensor-scaled casts' stand-ins the cuda
+backend's ``with_update`` entry, so delayed scaling's casts take the path they take
+on a GPU (the cast and the state update in one call) rather than the CPU backends'
+deferred update. On a busy machine the times still move by 10-20%; a count of the
 instructions per step (e.g. under ``valgrind --tool=callgrind``, instrumentation
 switched on after the warm-up steps) does not. ``--profile MODEL:RECIPE`` prints
 that arm's cProfile own time per step, the backward on the calling thread.
