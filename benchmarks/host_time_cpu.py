@@ -56,6 +56,7 @@ from profile_gpt import step_fn  # noqa: E402
 import te_fuser as te  # noqa: E402
 from te_fuser import backend  # noqa: E402
 from te_fuser.kernels.operand import ScaledOperand  # noqa: E402
+from te_fuser.quantization.delayed import _generic_tensorwise  # noqa: E402
 from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT, copy_weights  # noqa: E402
 
 RECIPES = {"bf16": None, "current": te.recipe.Float8CurrentScaling(), "delayed": te.recipe.DelayedScaling()}
@@ -123,12 +124,7 @@ def _update_in_call(kernel, sums: bool):
     scaling's state update in one call), returning fresh outputs of its shapes: so
     delayed scaling's casts take the path they take on a GPU."""
     def prepare(fp8_dtype):
-        def cast(x, scale, rowwise, columnwise, round_bf16=False, sums_dtype=torch.float32):
-            amax = torch.empty(1)
-            extra = {"round_bf16": True} if round_bf16 else {}
-            data, data_t, _, *rest = kernel(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise,
-                                            amax_out=amax, **extra)
-            return data, data_t, (rest[0] if rest else None), amax
+        cast = _generic_tensorwise(kernel, fp8_dtype)  # the cast alone, as for a kernel without a prepare entry
 
         def with_update(x, scale, history, count, margin, algo_max, rowwise, columnwise, round_bf16=False,
                         sums_dtype=torch.float32):
