@@ -621,8 +621,14 @@ class DelayedScalingQuantizer(Quantizer):
 
     # -- state -----------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """:meth:`Quantizer.state_tensors`: the waiting amaxes applied and shared
+        fresh tensors made the quantizer's own once (not once a name: a CUDA
+        graph's replay reads every quantizer's state)."""
         self._flush()
-        return super().state_tensors()
+        if self.__dict__.get("_shared") is not None:
+            self._own_shared_tensors()
+        return {"scale": self._scale, "scale_inv": self._scale_inv, "amax_history": self._amax_history,
+                "nonfinite_amax_count": self._nonfinite_amax_count}
 
     def state_dict(self) -> dict[str, Any]:
         self._flush()
