@@ -22,8 +22,8 @@ def step_per_auto_entry(kernel: str, entries: list[str], lean_owner, monkeypatch
     calls: list = []
     entry = lean_owner.lean
 
-    def counted(*args):
-        out = entry(*args)
+    def counted(*args, **kwargs):  # the ops pass some lean arguments by keyword (in_place, params)
+        out = entry(*args, **kwargs)
         calls.append(out is not None)
         return out
 
