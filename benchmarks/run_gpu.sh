@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnordered attnsweep attngpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnordered attnsweep attngpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -75,6 +75,15 @@ for part in $parts; do
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
         tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \
         tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
+    pending)  # what runs 185-190 left: the ordered backward's tests at its new plan, the two tests whose helper was
+      # fixed, the GPU files not run since the last two stops' changes; then the small Linear beside bf16 eager
+      # and delayed scaling's host time in it (the #14 criterion still open)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backward_ordered.py \
+        tests/test_cuda_activation.py::test_a_gpt_trains_through_it tests/test_cuda_rotary.py::test_the_rotary_op_takes_the_lean_entry \
+        tests/test_checkpoint.py tests/test_compile.py tests/test_cuda_attention.py tests/test_loss_scaling.py \
+        tests/test_quantizer_interface.py tests/test_grouped_linear.py 2>&1 | tee "$OUT/pending.log" | tail -15
+      timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24
+      timeout 100 python3 benchmarks/profile_step.py --recipe delayed --main-thread 2>&1 | tee "$OUT/profsmall_delayed.log" | tail -40 ;;
     autoab)  # one kernel's auto entry on the GPT's eager step, two backends in turns in one process, at width 128
       # and at full size (auto_entry_ab.py; AB_KERNEL=dact_dbias, AB_ENTRIES="triton cuda")
       for size in "" "--full-size"; do
