@@ -132,8 +132,9 @@ ATTENTION_PLANS = {
     ("dkdv", 64): AttentionPlan(32, 64, 4, 3),  # run 103: 0.385 ms a backward against 0.533 (32x128 w8 s2)
     # the one-kernel backward (BACKWARD = "ordered"; block_n keys a program, block_m queries a
     # step): every product a wgmma, the loads pipelined in sm_90 builds; head dim 128 from
-    # run 186's sweep at the main case (3.60 ms against 6.41 for 64x64 w8 s2; the two-kernel
-    # backward 1.99), head dim 64 from builds only (no spills, 228 registers: two blocks an SM)
+    # run 186's sweep at the main case (3.60 ms against 6.41 for 64x64 w8 s2, though its build
+    # spills 164 bytes to 64x64's 20; the two-kernel backward 1.99), head dim 64 from builds
+    # only (no spills, 228 registers: two blocks an SM)
     ("bwd", 128): AttentionPlan(64, 128, 8, 2),
     ("bwd", 64): AttentionPlan(64, 64, 4, 2),
 }
