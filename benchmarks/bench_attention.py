@@ -176,19 +176,6 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
     diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
     row("bwd bf16", "triton", harness.time_ms(lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)),
         bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
-    split = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
-    old = attn.set_backward("ordered")  # the one-kernel backward, dq added in key-block order
-    try:
-        ordered = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
-        same = all(torch.equal(a, b) for a, b in zip(ordered[1:], split[1:]))
-        diff = (f"dk, dv {'the same bits' if same else 'OTHER BITS'}; max|dq - split| "
-                f"{(ordered[0].float() - split[0].float()).abs().max().item():.2e}")
-        row("bwd bf16", "triton ordered", harness.time_ms(
-            lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)), bwd_flops, sdpa_bwd_ms, "sdpa bf16",
-            diff)
-    finally:
-        attn.set_backward(old)
-    del split
     if cudnn:
         try:
             with torch.enable_grad():
@@ -220,7 +207,6 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
                                                      torch.bfloat16), 1.0),
         "dq": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
         "dkdv": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
-        "bwd": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
     }
     rows = []
     for kernel, configs in attn.AUTOTUNE_CONFIGS.items():
@@ -228,7 +214,6 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
             continue
         fn, factor = calls[kernel]
         saved = attn.ATTENTION_PLANS.get((kernel, D))
-        saved_backward = attn.set_backward("ordered" if kernel == "bwd" else "split")
         for config in configs:
             plan = attn.AttentionPlan(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
                                       config.num_stages, config.kwargs.get("ONE_LOOP", False))
@@ -241,12 +226,11 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
             rate = factor * _flops(B, H, T, D, causal) / (ms * 1e-3) / 1e12
             case = (f"{kernel} {plan.block_m}x{plan.block_n} w{plan.num_warps} s{plan.num_stages}"
                     + (" one loop" if plan.one_loop else "")
-                    + (" (whole backward)" if kernel in ("dq", "dkdv", "bwd") else ""))
+                    + (" (whole backward)" if kernel in ("dq", "dkdv") else ""))
             rows.append(harness.progress(Row("attention-sweep", case, "triton", label, ms, rate, "TFLOP/s",
                                              of_ceiling=rate / ceiling, note=note)))
         if saved is not None:
             attn.ATTENTION_PLANS[(kernel, D)] = saved
-        attn.set_backward(saved_backward)
     return rows
 
 
@@ -265,9 +249,9 @@ def _targets(rows: list[Row]) -> None:
         if case == "fwd bf16":  # cuDNN's (the cuda backend's) where it ran, else Triton's; and our Hopper kernel's
             candidates = (["cuda"] if (case, "cuda") in ms else ["triton"]) + (
                 ["cuda hopper"] if (case, "cuda hopper") in ms else [])
-        else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: both Triton ones, where they ran
-            candidates = [b for b in ("triton", "triton ordered", "cuda") if (case, b) in ms
-                          and not (case.startswith("bwd") and b == "cuda")]
+        else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: Triton's (cuDNN's is not deterministic)
+            candidates = [b for b in ("triton", "cuda")
+                          if (case, b) in ms and not (case.startswith("bwd") and b == "cuda")]
         for ours in candidates:
             for peer in ("torch sdpa flash", "torch sdpa cudnn"):
                 if (peer_case, peer) in ms:
@@ -281,7 +265,7 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--cases", nargs="+", default=["all"], help=f"of {list(CASES)} or all")
     parser.add_argument("--sweep", action="store_true", help="time every launch shape at the main case")
     parser.add_argument("--sweep-case", default="main", choices=list(CASES), help="the case the sweep runs at")
-    parser.add_argument("--sweep-kernels", nargs="+", choices=["fwd", "fwd_fp8", "dq", "dkdv", "bwd"],
+    parser.add_argument("--sweep-kernels", nargs="+", choices=["fwd", "fwd_fp8", "dq", "dkdv"],
                         help="the kernels the sweep times (default: all)")
     parser.add_argument("--autotune", action="store_true", help="the kernels under triton.autotune")
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/out/results.csv, untracked)")

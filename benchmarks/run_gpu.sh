@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnordered attnsweep attngpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -75,11 +75,11 @@ for part in $parts; do
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
         tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \
         tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
-    pending)  # what runs 185-190 left: the ordered backward's tests at its new plan, the two tests whose helper was
-      # fixed, the GPU files not run since the last two stops' changes; then the small Linear beside bf16 eager
-      # and delayed scaling's host time in it (the #14 criterion still open)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backward_ordered.py \
-        tests/test_cuda_activation.py::test_a_gpt_trains_through_it tests/test_cuda_rotary.py::test_the_rotary_op_takes_the_lean_entry \
+    pending)  # what runs 185-190 left: the two tests whose helper was fixed, the GPU files not run since the last
+      # two stops' changes; then the small Linear beside bf16 eager and delayed scaling's host time in it (the
+      # #14 criterion still open)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_activation.py::test_a_gpt_trains_through_it \
+        tests/test_cuda_rotary.py::test_the_rotary_op_takes_the_lean_entry \
         tests/test_checkpoint.py tests/test_compile.py tests/test_cuda_attention.py tests/test_loss_scaling.py \
         tests/test_quantizer_interface.py tests/test_grouped_linear.py 2>&1 | tee "$OUT/pending.log" | tail -15
       timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24
@@ -156,15 +156,6 @@ for part in $parts; do
       timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_fp8.py 2>&1 | tee "$OUT/attnfp8_tests.log" | tail -15
       timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_hopper.py 2>&1 | tee "$OUT/attnhp_tests.log" | tail -15
       timeout 240 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main d64 gqa gpt} 2>&1 | tee "$OUT/attnhopper.log" | tail -60 ;;
-    attnordered)  # the one-kernel attention backward (dq added in key-block order): its tests first under a limit
-      # limit (programs that waited forever for a turn would hang there), then its launch shapes at the main case
-      # and the GPT's beside the two-kernel backward's best, then the side-by-side rows (bench_attention.py)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_attention_backward_ordered.py 2>&1 \
-        | tee "$OUT/attnordered_tests.log" | tail -15
-      timeout 200 python3 benchmarks/bench_attention.py --cases main --sweep --sweep-kernels bwd 2>&1 \
-        | tee "$OUT/attnordered_sweep.log" | tail -24
-      timeout 150 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels bwd 2>&1 \
-        | tee "$OUT/attnordered_gpt.log" | tail -24 ;;
     attnsweep)  # every Triton attention kernel's launch shapes at the main case (the forwards' one-loop shapes
       # and the dk / dv kernel's since its one loop among them): what ATTENTION_PLANS should hold
       timeout 400 python3 benchmarks/bench_attention.py --cases main --sweep --sweep-kernels fwd fwd_fp8 dq dkdv 2>&1 \

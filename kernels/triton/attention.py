@@ -37,19 +37,6 @@ sums over the group stay in registers (no atomics, deterministic). Both scale by
 ``softmax_scale`` at the end. P and dS enter the tensor-core products in the
 inputs' dtype, as in FlashAttention.
 
-One-kernel backward (``BACKWARD = "ordered"``, :func:`set_backward`): a small
-kernel stores delta, then ``_attention_backward_kernel`` (one program per key block
-and kv head) runs the dk / dv kernel's loop and also forms each query tile's part
-``ds k`` of dq: five products a tile pair where the two kernels run seven. The
-parts of one dq tile come from every key block that reaches it; they are added to
-an fp32 sum in key-block order (key block ``j`` adds in turn ``j``; the first
-writes, the last stores dq in the output dtype), the programs taking turns
-through a counter per tile (acquire and release in inline PTX; see
-``_WAIT_TURN_PTX``), so the bits do not depend on timing. The grid puts the kv
-heads on its first axis: a GPU starts blocks in order of their index, so the key
-blocks of a head start in order and a program only ever waits for one started
-before it.
-
 Exactness under ``TRITON_INTERPRET=1`` (DESIGN §4): bf16 tiles are widened to fp32
 right after the load and the dots run in fp32 (``UPCAST``); a probability tile is
 rounded onto the bf16 (fp16) grid in fp32 where the GPU converts it
@@ -130,20 +117,12 @@ ATTENTION_PLANS = {
     ("dq", 64): AttentionPlan(64, 64, 4, 3),  # run 103's sweep at the GPT's shape: 0.498 ms against 0.532 (128x32)
     ("dkdv", 128): AttentionPlan(32, 64, 4, 3),  # run 108: 2.159 ms a backward against 2.361 (32x128 w8 s2)
     ("dkdv", 64): AttentionPlan(32, 64, 4, 3),  # run 103: 0.385 ms a backward against 0.533 (32x128 w8 s2)
-    # the one-kernel backward (BACKWARD = "ordered"; block_n keys a program, block_m queries a
-    # step): every product a wgmma, the loads pipelined in sm_90 builds; head dim 128 from
-    # run 186's sweep at the main case (3.60 ms against 6.41 for 64x64 w8 s2, though its build
-    # spills 164 bytes to 64x64's 20; the two-kernel backward 1.99), head dim 64 from builds
-    # only (no spills, 228 registers: two blocks an SM)
-    ("bwd", 128): AttentionPlan(64, 128, 8, 2),
-    ("bwd", 64): AttentionPlan(64, 64, 4, 2),
 }
 _INTERPRETED_PLANS = {  # small tiles: several per sequence at test sizes, both loops of each kernel run
     "fwd": AttentionPlan(32, 16, 4, 1),
     "fwd_fp8": AttentionPlan(32, 16, 4, 1),
     "dq": AttentionPlan(32, 16, 4, 1),
     "dkdv": AttentionPlan(16, 32, 4, 1),
-    "bwd": AttentionPlan(16, 32, 4, 1),
 }
 
 # True: compiled kernels choose their launch shape with triton.autotune among
@@ -173,15 +152,13 @@ AUTOTUNE_CONFIGS = {
     "dkdv": _configs([(32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 2), (32, 64, 8, 3),
                       (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
                       (64, 128, 4, 2), (128, 128, 8, 2)]),
-    "bwd": _configs([(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 8, 3),
-                     (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 3)]),
 }
 
 
 # fp32 inputs (a check, not a fast path: IEEE fp32 dots run on the FMA units, and
 # spill at any useful tile size): small tiles that fit in shared memory at head dim 128.
 _FP32_PLANS = {"fwd": AttentionPlan(32, 32, 4, 2), "dq": AttentionPlan(32, 32, 4, 2),
-               "dkdv": AttentionPlan(32, 32, 4, 2), "bwd": AttentionPlan(32, 32, 4, 2)}
+               "dkdv": AttentionPlan(32, 32, 4, 2)}
 
 
 def _plan(kernel: str, head_dim: int, t: torch.Tensor) -> AttentionPlan:
@@ -414,11 +391,10 @@ def _key_block(k_ptr, v_ptr, b, hk, n0, Tk, stride_kb, stride_kh, stride_kt, str
     """The keys ``[n0, n0 + BLOCK_N)`` of kv head ``hk`` of batch ``b``: their rows,
     the head dim's offsets, the K and V tiles (keys past ``Tk`` as zeros) and the
     first query tile that sees one of them (CAUSAL: the one holding query n0).
-    The backwards walk the query tiles from there in one loop with the causal mask
-    on every tile, where the tiles past the diagonal need none: the same values,
-    half the code, and the registers hold (sm_90 builds at head dim 128: the dk /
-    dv kernel spills nothing where a loop of the diagonal's own made it spill 256
-    bytes; the one-kernel backward 20 bytes against 280)."""
+    The dk / dv kernel walks the query tiles from there in one loop with the
+    causal mask on every tile, where the tiles past the diagonal need none: the
+    same values, half the code, and the registers hold (sm_90 builds at head dim
+    128: no spills, where a loop of the diagonal's own spilled 256 bytes)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < Tk
@@ -475,8 +451,7 @@ def _query_tile(q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, of
 def _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED: tl.constexpr,
                    UPCAST: tl.constexpr, P_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """``dv += pᵀ do``, ``dk += dsᵀ q`` for one query tile (kept transposed: keys
-    along the rows; MASKED: the causal mask): ``(dk, dv, dsᵀ)``, dsᵀ as it entered
-    the product (rounded to ``P_DTYPE``)."""
+    along the rows; MASKED: the causal mask): ``(dk, dv)``."""
     st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
     pt = tl.math.exp2(st - lse2[None, :])
     if MASKED:
@@ -493,7 +468,7 @@ def _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, 
     else:
         dst = dst.to(P_DTYPE)
     dk = tl.dot(dst, tl.trans(qt), dk, input_precision=PRECISION)
-    return dk, dv, dst
+    return dk, dv
 
 
 @triton.jit
@@ -506,8 +481,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m, qt, do, lse2, delta = _query_tile(q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                                   offs_d, start_m, Tq, BLOCK_M, UPCAST)
-        dk, dv, _ = _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED, UPCAST,
-                                   P_DTYPE, PRECISION)
+        dk, dv = _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED, UPCAST,
+                                P_DTYPE, PRECISION)
     return dk, dv
 
 
@@ -539,167 +514,6 @@ def _attention_dkdv_kernel(
                 stride_dvb, stride_dvh, stride_dvt, OUT_DTYPE)
 
 
-# ------------------------------------------ backward in one kernel, dq in order
-
-
-@triton.jit
-def _attention_delta_kernel(o_ptr, do_ptr, delta_ptr, H, Tq, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
-                            stride_dot, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``delta = rowsum(o · do)`` in fp32 of BLOCK_M rows of one head, as the dq kernel computes it."""
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < Tq
-    o = tl.load(o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_ot
-                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dot
-                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    tl.store(delta_ptr + bh.to(tl.int64) * Tq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
-
-
-# A key block's turn at a dq tile, on a GPU: the program that had the turn before
-# passes it on once every thread's part of the sum is stored (a barrier of the
-# block, then thread 0 adds 1 to the tile's counter with release semantics), so
-# the turn ``t`` has come when the counter reads ``t``. Every thread waits for that
-# itself (an acquire load in a loop) and reads the sum after it. In PTX: Triton's
-# pipeliner keeps its prefetching loads out of a loop that holds a loop or a
-# barrier of its own, and these hold neither.
-_WAIT_TURN_PTX = tl.constexpr("""{
-.reg .pred turn_not_yet;
-WAIT_FOR_TURN:
-ld.acquire.gpu.global.u32 $0, [$1];
-setp.lt.u32 turn_not_yet, $0, $2;
-@turn_not_yet bra WAIT_FOR_TURN;
-}""")
-_PASS_TURN_PTX = tl.constexpr("""{
-.reg .pred turn_lead;
-.reg .u32 turn_thread;
-mov.u32 $0, 0;
-mov.u32 turn_thread, %tid.x;
-bar.sync 0;
-setp.eq.u32 turn_lead, turn_thread, 0;
-@turn_lead red.release.gpu.global.add.u32 [$1], 1;
-}""")
-
-
-@triton.jit
-def _wait_turn(lock, turn, misses_ptr, SPIN: tl.constexpr):
-    """Wait until the key blocks before this one have added their parts of the dq
-    tile that ``lock`` counts for (see ``_WAIT_TURN_PTX``); returns the count read,
-    which the caller's load of the sum depends on. SPIN off (the interpreter runs
-    the programs one after another, in key-block order within a head): the turn
-    must have come already, and ``misses_ptr`` counts the times it had not."""
-    if SPIN:
-        seen = tl.inline_asm_elementwise(_WAIT_TURN_PTX, "=r,l,r", [lock, turn], dtype=tl.int32, is_pure=False,
-                                         pack=1)
-    else:
-        seen = tl.atomic_add(lock, 0, sem="acquire")
-        tl.atomic_add(misses_ptr, (seen != turn).to(tl.int32))
-    return seen
-
-
-@triton.jit
-def _pass_turn(lock, SPIN: tl.constexpr):
-    """Give the dq tile that ``lock`` counts for to the next key block, once this
-    program's part is stored (see ``_WAIT_TURN_PTX``)."""
-    if SPIN:
-        tl.inline_asm_elementwise(_PASS_TURN_PTX, "=r,l", [lock], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.atomic_add(lock, 1, sem="release")
-
-
-@triton.jit
-def _add_dq_in_turn(dq_part, acc_base, dq_base, stride_dqt, lock, misses_ptr, turn, last, softmax_scale, offs_m,
-                    offs_d, Tq, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr, SPIN: tl.constexpr):
-    """Add this key block's part of one dq tile in key-block order: wait for its
-    ``turn`` (the key blocks before it have added theirs), add the fp32 sum so far
-    (the first key block adds to nothing), and keep the sum, or, the ``last`` key
-    block, store ``dq = sum · softmax_scale`` in the output dtype; then pass the
-    turn on. The sum is read and written through the L2 (``.cg``), where the other
-    programs' writes are; its load depends on the count read, so no compiler hoists
-    or prefetches it past the wait."""
-    seen = _wait_turn(lock, turn, misses_ptr, SPIN)
-    row_ok = (offs_m < Tq)[:, None]
-    # columns: the interpreter masks no tile with a scalar's comparison
-    turns = (offs_m * 0 + turn)[:, None]
-    after_wait = (offs_m * 0 + seen)[:, None] >= 0  # always true; the load waits for the count read
-    acc_ptrs = acc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    acc = tl.load(acc_ptrs, mask=row_ok & (turns > 0) & after_wait, other=0.0, cache_modifier=".cg") + dq_part
-    tl.store(acc_ptrs, acc, mask=row_ok & (turns != last), cache_modifier=".cg")
-    tl.store(dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :], to_output(acc * softmax_scale, OUT_DTYPE),
-             mask=row_ok & (turns == last))
-    _pass_turn(lock, SPIN)
-
-
-@triton.jit
-def _backward_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, acc_base, dq_base, lock_base, misses_ptr,
-                    stride_qt, stride_dot, stride_dqt, offs_n, offs_d, lo, hi, Tq, qk_scale, softmax_scale, turn,
-                    last_turn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, P_DTYPE: tl.constexpr,
-                    OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPIN: tl.constexpr):
-    """``_dkdv_tiles``' products over the query tiles ``[lo, hi)`` of one query
-    head (MASKED: the causal mask on each), and each tile's ``dq`` part ``ds k``
-    added in key-block order (:func:`_add_dq_in_turn`). ``last_turn``: the last key
-    block adding to the tiles all key blocks reach (CAUSAL: each tile's own, from
-    its last row)."""
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        offs_m, qt, do, lse2, delta = _query_tile(q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                                  offs_d, start_m, Tq, BLOCK_M, UPCAST)
-        dk, dv, dst = _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED, UPCAST,
-                                     P_DTYPE, PRECISION)
-        dq_part = tl.dot(tl.trans(dst), k, input_precision=PRECISION)  # (BLOCK_M, D)
-        tile = start_m // BLOCK_M
-        last = last_turn
-        if CAUSAL:  # the key blocks that reach this tile: those starting at or before its last row
-            last = tl.minimum(last_turn, ((tile + 1) * BLOCK_M - 1) // BLOCK_N)
-        _add_dq_in_turn(dq_part, acc_base, dq_base, stride_dqt, lock_base + tile, misses_ptr, turn, last,
-                        softmax_scale, offs_m, offs_d, Tq, HEAD_DIM, OUT_DTYPE, SPIN)
-    return dk, dv
-
-
-@triton.jit
-def _attention_backward_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, acc_ptr, lock_ptr, misses_ptr, dq_ptr, dk_ptr, dv_ptr,
-        qk_scale, softmax_scale, H, Hkv, G, Tq, Tk, LOCKS_PER_HEAD,
-        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-        stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt,
-        stride_dvb, stride_dvh, stride_dvt,
-        CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, P_DTYPE: tl.constexpr,
-        OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPIN: tl.constexpr):
-    """The whole backward of BLOCK_N keys of one kv head (grid: kv heads on axis 0,
-    key blocks on axis 1): ``dk`` and ``dv`` summed over the G query heads in
-    registers, as ``_attention_dkdv_kernel``, and each query tile's ``dq`` part
-    added to its fp32 sum in key-block order, key block ``j`` in turn ``j`` (see
-    :func:`attention_backward`)."""
-    bhk = tl.program_id(0)
-    j = tl.program_id(1)
-    b = bhk // Hkv
-    hk = bhk % Hkv
-    offs_n, offs_d, k, v, lo = _key_block(k_ptr, v_ptr, b, hk, j * BLOCK_N, Tk, stride_kb, stride_kh, stride_kt,
-                                          stride_vb, stride_vh, stride_vt, CAUSAL, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    last_turn = tl.num_programs(1) - 1
-    for g in range(0, G):
-        h = hk * G + g
-        bh = b * H + h
-        q_base, do_base, lse_base, delta_base = _query_head(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, Tq, stride_qb,
-                                                            stride_qh, stride_dob, stride_doh)
-        acc_base = acc_ptr + bh.to(tl.int64) * Tq * HEAD_DIM
-        dq_base = dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-        lock_base = lock_ptr + bh.to(tl.int64) * LOCKS_PER_HEAD
-        dk, dv = _backward_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, acc_base, dq_base, lock_base,
-                                 misses_ptr, stride_qt, stride_dot, stride_dqt, offs_n, offs_d, lo, Tq, Tq,
-                                 qk_scale, softmax_scale, j, last_turn, BLOCK_M, BLOCK_N, CAUSAL, CAUSAL, HEAD_DIM,
-                                 UPCAST, P_DTYPE, OUT_DTYPE, PRECISION, SPIN)
-    _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, offs_n, offs_d, Tk, softmax_scale, stride_dkb, stride_dkh, stride_dkt,
-                stride_dvb, stride_dvh, stride_dvt, OUT_DTYPE)
-
-
 # -------------------------------------------------------------------- launchers
 
 
@@ -708,11 +522,8 @@ def _autotuned(kernel: str):
     """The jit kernel under triton.autotune, keyed by the sizes and the constexprs
     that change the work (built on first use)."""
     fn = {"fwd": _attention_forward_kernel, "fwd_fp8": _attention_forward_kernel, "dq": _attention_dq_kernel,
-          "dkdv": _attention_dkdv_kernel, "bwd": _attention_backward_kernel}[kernel]
-    # the one-kernel backward's turns start from 0 in every timed run, and in the run that follows
-    reset = ["lock_ptr"] if kernel == "bwd" else None
-    return triton.autotune(AUTOTUNE_CONFIGS[kernel], key=["Tq", "Tk", "G", "CAUSAL", "HEAD_DIM", "P_DTYPE"],
-                           reset_to_zero=reset)(fn)
+          "dkdv": _attention_dkdv_kernel}[kernel]
+    return triton.autotune(AUTOTUNE_CONFIGS[kernel], key=["Tq", "Tk", "G", "CAUSAL", "HEAD_DIM", "P_DTYPE"])(fn)
 
 
 def _launch(kernel: str, jit_fn, rows: int, batch_heads: int, head_dim: int, t: torch.Tensor, args: list,
@@ -842,30 +653,8 @@ def _gradient_buffers(q, k, v):
             torch.empty(B, Tk, Hkv, D, dtype=v.dtype, device=q.device).transpose(1, 2))
 
 
-# Which backward runs: "split", a dq kernel (one program a query block) and a dk / dv
-# kernel (one a key block), each computing the probabilities and dS again, seven
-# products a tile pair; or "ordered", one kernel (one program a key block) with five,
-# whose programs add their parts of each dq tile to an fp32 sum in key-block order,
-# taking turns through a counter a tile. Both give the same bits run to run; they
-# differ from each other in dq's last bits (a sum in the tensor cores' accumulator
-# against a sum of products). Set per process (the benchmarks compare them).
-BACKWARD = "split"
-BACKWARD_KERNELS = ("split", "ordered")
-
-
-def set_backward(kernel: str) -> str:
-    """Run ``kernel`` (one of :data:`BACKWARD_KERNELS`) as the backward from now on;
-    returns the one it replaces."""
-    global BACKWARD
-    if kernel not in BACKWARD_KERNELS:
-        raise ValueError(f"set_backward: kernel must be one of {BACKWARD_KERNELS}, got {kernel!r}")
-    old, BACKWARD = BACKWARD, kernel
-    return old
-
-
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
-    """Flash attention backward: ``(dq, dk, dv)`` as :func:`attention_backward_reference`
-    (:data:`BACKWARD` says which kernels)."""
+    """Flash attention backward: ``(dq, dk, dv)`` as :func:`attention_backward_reference`."""
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
     _require_supported(q, "attention_backward")
     B, H, Tq, D = q.shape
@@ -880,9 +669,6 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     qk_scale, G = float(softmax_scale) * LOG2E, H // Hkv
     # each tensor's (batch, head, token) strides, one call a tensor (the head dim's is 1)
     sq, sk, sv, sdo = q.stride()[:3], k.stride()[:3], v.stride()[:3], do.stride()[:3]
-    if BACKWARD == "ordered":
-        _ordered_backward(q, k, v, o, lse, do, dq, dk, dv, delta, qk_scale, float(softmax_scale), G, meta)
-        return dq, dk, dv
     _launch("dq", _attention_dq_kernel, Tq, B * H, D, q,
             [q, k, v, o, do, lse, delta, dq, qk_scale, float(softmax_scale), H, G, Tq, Tk,
              *sq, *sk, *sv, *o.stride()[:3], *sdo, *dq.stride()[:3]], meta)
@@ -890,48 +676,6 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
             [q, k, v, do, lse, delta, dk, dv, qk_scale, float(softmax_scale), H, Hkv, G, Tq, Tk,
              *sq, *sk, *sv, *sdo, *dk.stride()[:3], *dv.stride()[:3]], meta)
     return dq, dk, dv
-
-
-
-_LOCK_ROWS = 16  # the smallest query tile of any plan: one turn counter per 16 rows of a head is enough
-
-
-def _turn_counters(n: int, device) -> torch.Tensor:
-    """The one-kernel backward's turn counters, one a dq tile, all at turn 0."""
-    return torch.zeros(n, dtype=torch.int32, device=device)
-
-
-def _ordered_backward(q, k, v, o, lse, do, dq, dk, dv, delta, qk_scale: float, softmax_scale: float, G: int,
-                      meta: dict) -> None:
-    """The one-kernel backward (``BACKWARD = "ordered"``) into dq, dk, dv: ``delta``
-    first (its own launch: every key block reads it), then one program per (kv
-    head, key block), the kv heads along the grid's first axis. A GPU starts the
-    programs in order of that index, so a key block's program waits only for
-    programs started before it; the interpreter runs them one after another,
-    where a wait would never end, and counts instead every turn that had not come
-    (an error here)."""
-    B, H, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    interpreted = is_interpreted(q)
-    block = 16 if interpreted else 64
-    launch(_attention_delta_kernel, (cdiv(Tq, block), B * H), o, do, delta, H, Tq, *o.stride()[:3],
-           *do.stride()[:3], HEAD_DIM=D, BLOCK_M=block, num_warps=4)
-    acc = torch.empty(B, H, Tq, D, dtype=torch.float32, device=q.device)  # dq's sums: each written before read
-    locks_per_head = cdiv(Tq, _LOCK_ROWS)
-    locks = _turn_counters(B * H * locks_per_head, q.device)
-    misses = torch.zeros(1, dtype=torch.int32, device=q.device) if interpreted else locks
-    args = [q, k, v, do, lse, delta, acc, locks, misses, dq, dk, dv, qk_scale, softmax_scale, H, Hkv, G, Tq, Tk,
-            locks_per_head, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-            *dk.stride()[:3], *dv.stride()[:3]]
-    meta = dict(meta, SPIN=not interpreted)
-    if AUTOTUNE and not interpreted:
-        _autotuned("bwd")[lambda m: (B * Hkv, cdiv(Tk, m["BLOCK_N"]))](*args, **meta)
-    else:
-        plan = _plan("bwd", D, q)
-        launch(_attention_backward_kernel, (B * Hkv, cdiv(Tk, plan.block_n)), *args, **meta, BLOCK_M=plan.block_m,
-               BLOCK_N=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if interpreted and int(misses.item()):
-        raise RuntimeError(f"attention_backward: {int(misses.item())} dq part(s) added out of key-block order")
 
 
 # ------------------------------------------------ the fused gradient's layout
