@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -84,6 +84,9 @@ for part in $parts; do
         tests/test_quantizer_interface.py tests/test_grouped_linear.py 2>&1 | tee "$OUT/pending.log" | tail -15
       timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24
       timeout 100 python3 benchmarks/profile_step.py --recipe delayed --main-thread 2>&1 | tee "$OUT/profsmall_delayed.log" | tail -40 ;;
+    threads)  # the small Linear's backward with autograd's device threads and on the calling thread, split by
+      # timestamps (backward_threads.py)
+      timeout 200 python3 benchmarks/backward_threads.py 2>&1 | tee "$OUT/threads.log" | tail -8 ;;
     autoab)  # one kernel's auto entry on the GPT's eager step, two backends in turns in one process, at width 128
       # and at full size (auto_entry_ab.py; AB_KERNEL=dact_dbias, AB_ENTRIES="triton cuda")
       for size in "" "--full-size"; do
