@@ -7,7 +7,8 @@ A host-bound step (Linear 1024^3 in bf16 with a bias, as ``small_loop.py``'s):
 with CUDA tensors, autograd runs the backward on a device thread and the
 calling thread waits for it, so each step pays two thread hand-offs, and the
 backward's Python runs on a thread of its own. Per arm (bf16 eager, te_fuser
-under current and delayed scaling) and per mode, medians over ``--rounds``
+under current scaling and delayed scaling with the default amax history of 1024 and
+with one of 16) and per mode, medians over ``--rounds``
 rounds of ``--steps`` steps, the arms and modes taking turns: the step, the
 forward, and the backward split by timestamps into
 
@@ -28,7 +29,8 @@ import torch
 import te_fuser as te
 from te_fuser.ops import fuser as fuser_module
 
-RECIPES = {"current": te.recipe.Float8CurrentScaling(), "delayed": te.recipe.DelayedScaling()}
+RECIPES = {"current": te.recipe.Float8CurrentScaling(), "delayed": te.recipe.DelayedScaling(),
+           "delayed h16": te.recipe.DelayedScaling(amax_history_len=16)}
 
 
 def main(argv=None) -> None:
