@@ -123,10 +123,10 @@ def main(argv=None) -> None:
             split["fuser"] = inside[0]
             for k in keys:
                 rows[(name, threaded)][k].append(split[k] * 1e6 / args.steps)
-    print(f"{'arm':18s} {'backward on':13s} " + " ".join(f"{k:>8s}" for k in keys)
+    print(f"{'arm':21s} {'backward on':13s} " + " ".join(f"{k:>8s}" for k in keys)
           + f"   (us a step, medians of {args.rounds} rounds of {args.steps} steps)")
     for (name, threaded), cols in rows.items():
-        print(f"{name:18s} {'device thread' if threaded else 'caller':13s} "
+        print(f"{name:21s} {'device thread' if threaded else 'caller':13s} "
               + " ".join(f"{statistics.median(cols[k]):8.1f}" for k in keys))
 
 
