@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -163,6 +163,16 @@ for part in $parts; do
       # and the dk / dv kernel's since its one loop among them): what ATTENTION_PLANS should hold
       timeout 400 python3 benchmarks/bench_attention.py --cases main --sweep --sweep-kernels fwd fwd_fp8 dq dkdv 2>&1 \
         | tee "$OUT/attnsweep.log" | tail -40 ;;
+    fp8attn)  # the Hopper FP8 attention forward as the cuda backend's and the auto table's (overlapped schedule by
+      # default): the extension built, its tests and the op's and the GPT's attention tests on it, then the forwards
+      # side by side
+      timeout 300 python3 -c "from te_fuser.kernels.cuda import load_extension; load_extension()" 2>&1 | tail -5
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention_fp8.py tests/test_cuda_attention.py \
+        2>&1 | tee "$OUT/fp8attn_tests.log" | tail -8
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_op.py tests/test_gpt_attention_ops.py \
+        2>&1 | tee -a "$OUT/fp8attn_tests.log" | tail -8
+      timeout 150 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main gpt} 2>&1 | tee "$OUT/fp8attn.log" \
+        | grep -E "fwd|bwd" | tail -30 ;;
     attngpt)  # the attention backward's launch shapes at the GPT's shape (B 16, 16 heads, seq 1024, head dim 64, causal)
       timeout 250 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels dq dkdv \
         2>&1 | tee "$OUT/attngpt.log" | tail -30 ;;

@@ -88,11 +88,12 @@ def test_what_cudnn_does_not_take_goes_to_triton():
         ck.attention_forward(q, k, v, True, 0.125)
 
 
-def test_auto_sends_the_bf16_forward_to_cudnn_and_keeps_the_deterministic_backward():
+def test_auto_sends_the_forwards_to_cuda_and_keeps_the_deterministic_backward():
+    """The bf16 forward to cuDNN, the FP8 forward to our Hopper kernel, the backward to Triton."""
     with backend.use_backend("auto"):
         assert backend.resolve("attention_forward", "cuda").backend == "cuda"
         assert backend.resolve("attention_backward", "cuda").backend == "triton"
-        assert backend.resolve("attention_forward_fp8", "cuda").backend == "triton"
+        assert backend.resolve("attention_forward_fp8", "cuda").backend == "cuda"
 
 
 def test_cudnn_forward_then_triton_backward_against_float64():

@@ -6,7 +6,8 @@ lengths (one key tile and many, Tq above and below Tk, grouped kv heads, head di
 p_scale, the fused QKV tensor's views read in place (the same bits as contiguous
 copies), the same bits on every run and with or without the consumers' turns (the
 overlapped schedule: its own bits, within the same bound),
-the Triton FP8 forward beside it at real sizes, and what the kernel refuses with a
+the Triton FP8 forward beside it at real sizes, the backend's dispatch (Triton's kernel for
+what this one does not take), the default schedule, and what the kernel refuses with a
 reason. The kernel runs on sm_90a only; the reasons also run here on the CPU."""
 
 from __future__ import annotations
@@ -235,3 +236,44 @@ def test_layouts_it_refuses_on_the_gpu():
     one = torch.tensor(1.0, device="cuda")
     with pytest.raises(ValueError, match="head dims"):
         cuda_attn.attention_forward_fp8(q, q, q, one, one, one, one, True, 0.125, torch.bfloat16)
+
+
+@hopper
+def test_the_backend_runs_it_and_sends_what_it_refuses_to_triton():
+    """The auto table's FP8 forward is this kernel: through ``backend.resolve`` the
+    same bits as the direct call (default schedule); a head dim it does not take
+    (32) goes to Triton's kernel per call, with Triton's bits; a v whose rows its
+    copies cannot read, beside a q and k they can, is refused by name."""
+    from te_fuser import backend
+
+    with backend.use_backend("auto"):
+        choice = backend.resolve("attention_forward_fp8", "cuda")
+    assert choice.backend == "cuda"
+    p_scale = torch.tensor(448.0, device="cuda")
+    fp8s, scale_invs = fp8_qkv(2, 8, 2, 300, 300, 128, seed=11)
+    got = choice.fn(*fp8s, *scale_invs, p_scale, True, 0.09, torch.bfloat16)
+    want = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    fp8s, scale_invs = fp8_qkv(1, 4, 2, 67, 67, 32, seed=12)
+    assert "head dims" in cuda_attn.attention_forward_fp8_unsupported_reason(fp8s[0], fp8s[1])
+    got = choice.fn(*fp8s, *scale_invs, p_scale, False, 0.2, torch.bfloat16)
+    want = tk.attention_forward_fp8(*fp8s, *scale_invs, p_scale, False, 0.2, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    q = torch.zeros(1, 2, 8, 64, device="cuda").to(E4M3)
+    odd_v = torch.zeros(1, 2, 8, 72, device="cuda").to(E4M3)[..., :64]
+    one = torch.tensor(1.0, device="cuda")
+    with pytest.raises(ValueError, match="attention_forward_fp8: .*v has strides"):
+        choice.fn(q, q, odd_v, one, one, one, one, True, 0.125, torch.bfloat16)
+
+
+@hopper
+def test_the_default_schedule_is_the_overlapped_one():
+    """The process starts overlapped with turns (what the auto table's choice was
+    timed with); in order gives other bits, both within the bound (above)."""
+    assert cuda_attn.set_hopper_schedule() == (True, True)
+    fp8s, scale_invs = fp8_qkv(1, 4, 4, 1000, 1000, 128, seed=13)
+    p_scale = torch.tensor(448.0, device="cuda")
+    default = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
+    with _schedule(True, True):
+        overlapped = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(default, overlapped))

@@ -19,7 +19,8 @@ from te_fuser.kernels.operand import ScaledOperand
 REPO = Path(__file__).resolve().parent.parent
 PROVIDED = ("quantize_tensorwise", "quantize_tensorwise_column_sums", "quantize_current", "quantize_current_column_sums",
             "quantize_rowwise", "quantize_mxfp8", "gemm", "delayed_scale_update", "delayed_scale_update_many",
-            "attention_forward", "attention_backward", "layer_norm", "layer_norm_grad", "rotary", "dact_dbias")
+            "attention_forward", "attention_backward", "attention_forward_fp8", "layer_norm", "layer_norm_grad", "rotary",
+            "dact_dbias")
 
 
 def test_import_compiles_nothing_and_needs_no_gpu():

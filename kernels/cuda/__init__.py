@@ -23,6 +23,10 @@ for bit):
   (:func:`gemm_unsupported_reason` says why);
 - ``attention_forward``, ``attention_backward``: cuDNN's fused flash attention
   (bf16, fp16) through torch's SDPA operators; other operands go to Triton;
+- ``attention_forward_fp8``: our Hopper FP8 flash attention forward (wgmma, a
+  producer warpgroup and two consumers, P·V added in the tensor cores'
+  accumulator); head dims other than 64 and 128, other GPUs and layouts its copies
+  cannot read go to Triton per call;
 - ``rotary``: rotary position embedding of the fused QKV tensor's q and k heads,
   its operands checked and its output made in one C++ call (``rotary.lean``);
 - ``dact_dbias``: the backward of Bias -> a unary activation (gelu, relu, silu,
@@ -47,6 +51,7 @@ from .activation import dact_dbias, dact_dbias_unsupported_reason
 # leaves to triton: the package's attributes are the kernels it provides.
 globals().pop("activation")  # bound by the submodule's import above
 from .attention import (attention_backward, attention_backward_unsupported_reason, attention_forward,
+                        attention_forward_fp8, attention_forward_fp8_unsupported_reason,
                         attention_forward_unsupported_reason)
 from .cast import (quantize_current, quantize_current_column_sums, quantize_mxfp8, quantize_rowwise,
                    quantize_tensorwise, quantize_tensorwise_column_sums)
@@ -70,6 +75,8 @@ __all__ = [
     "attention_backward",
     "attention_forward_unsupported_reason",
     "attention_backward_unsupported_reason",
+    "attention_forward_fp8",
+    "attention_forward_fp8_unsupported_reason",
     "rotary",
     "rotary_unsupported_reason",
     "dact_dbias",

@@ -6,7 +6,7 @@ and results: the forward returns o (B, H, T, D) and the natural log-sum-exp lse
 use the same convention) and returns dq, dk, dv. cuDNN's fused attention is
 faster than our Triton kernels on Hopper at the shapes a transformer runs
 (``benchmarks/RESULTS.md``), so the auto table sends the bf16 and fp16 forward
-here; the FP8 forward stays Triton's.
+here; the FP8 forward is our own Hopper kernel (below).
 
 The backward is not deterministic: cuDNN accumulates dq across key tiles with
 atomics, so two runs of one training step may differ in the last bits (and a
@@ -30,11 +30,18 @@ here on the GPU).
 The FP8 forward (:func:`attention_forward_fp8`) is our own kernel
 (``attention_kernels.cu``): Hopper's FP8 tensor cores through wgmma, a producer
 warpgroup staging K and V and two consumer warpgroups running the online softmax,
-with the Triton FP8 forward's meaning and numerics (each key tile's P·V a fresh
-tensor-core product added in fp32). It is not yet among this backend's kernels:
-the ``cuda`` backend and the auto table keep the Triton FP8 forward until this one
-has run against the reference on the GPU and been timed beside it there; the GPU
-tests and ``benchmarks/bench_attention.py`` call it from this module.
+with the Triton FP8 forward's meaning. Its default schedule keeps each consumer's
+next S = Q Kᵀ and last P·V in flight during its softmax, P·V adding into O in the
+tensor cores' accumulator: other bits than Triton's (which adds each key tile's
+product in fp32), within the same FP8 bound of exact attention, the same on every
+run. On the H200 it is 1.36x Triton's FP8 forward at B 4, 16 heads, T 4096, head
+dim 128, 1.08x with grouped kv heads and 1.13x at the GPT's shape, 0.98x at head
+dim 64 with T 4096 (RESULTS.md run 186), so the auto table sends the FP8 forward
+here; head dims other than 64 and 128, GPUs before sm_90 and layouts its 16-byte
+copies cannot read go to Triton per call
+(:func:`attention_forward_fp8_unsupported_reason`). ``set_hopper_schedule(overlap=False)``
+gives the in-order schedule (each tile's P·V a fresh product added in fp32, Triton's
+numerics; 0.99x cuDNN's bf16 forward at the main case against the overlapped 1.10x).
 
 :func:`attention_forward_hopper` is the same block for bf16 and fp16
 (``attention_hp_kernels.cu``): one C++ call a forward where cuDNN's through torch's
@@ -265,12 +272,30 @@ def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scal
                           out_dtype):
     """FP8 flash attention forward on Hopper's tensor cores: ``(o, lse)`` as
     :func:`attention_forward_fp8_reference` (up to where the running maximum puts
-    each probability on the E4M3 grid, as the Triton kernel; see the reference)."""
+    each probability on the E4M3 grid, as the Triton kernel, and, in the default
+    schedule, the tensor cores' accumulation of P·V; see the reference)."""
     check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
     reason = attention_forward_fp8_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", _FP8_KERNEL)
+    return _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype,
+                        reason)
+
+
+def _fp8_forward_supported(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale,
+                           out_dtype):
+    """:func:`attention_forward_fp8` for q and k whose reason ``te_fuser.backend``
+    has already asked: the argument checks and v's layout without a second one."""
+    check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
+    return _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype,
+                        _hopper_layout_reason(v, "v", _FP8_KERNEL))
+
+
+def _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype, reason):
     scales = torch.stack([s.reshape(()) for s in (q_scale_inv, k_scale_inv, v_scale_inv, p_scale)])
     return _run_checked("attention_forward_fp8", "attention_fp8_forward_lean", reason, q, k, v, scales,
                         float(softmax_scale), bool(causal), out_dtype)
+
+
+attention_forward_fp8.when_supported = _fp8_forward_supported
 
 
 def _run_checked(kernel: str, entry: str, reason: str | None, q, k, v, *args):
@@ -295,10 +320,11 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) 
     (:func:`attention_forward_fp8`, :func:`attention_forward_hopper`), for this
     process (it builds the extension if need be); None leaves a setting. ``turns``
     (default on): they take turns issuing S = Q Kᵀ, so one's softmax runs beside the
-    other's product; the same bits either way. ``overlap`` (default off; the FP8
+    other's product; the same bits either way. ``overlap`` (default on; the FP8
     kernel only): each also keeps the next tile's S = Q Kᵀ and the last tile's P V
     in flight during its softmax, P V adding into O in the tensor cores'
-    accumulator (other bits, within the same bound). Returns the previous
+    accumulator (other bits, within the same bound); off, each tile's P V is a
+    fresh product added in fp32, as Triton's kernel adds it. Returns the previous
     ``(turns, overlap)``."""
     from ._build import extension
 

@@ -623,10 +623,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
 
 // The Hopper attention kernels' consumer schedule (AttentionShape::turns,
 // AttentionFp8Args::overlap): turns at the tensor cores (the same bits either way),
-// and, FP8 only, the next tile's product in flight during the softmax (other bits).
-// Set for this process.
+// and, FP8 only, the next tile's product in flight during the softmax (other bits;
+// the default, as the faster on the H200 at every shape measured but one, within 2%
+// there: RESULTS.md run 186). Set for this process.
 bool attention_turns_state = true;
-bool attention_overlap_state = false;
+bool attention_overlap_state = true;
 
 // Sets each of the two given as 0 or 1 (-1 leaves it); returns the previous pair.
 std::tuple<bool, bool> attention_schedule(int64_t turns, int64_t overlap) {
