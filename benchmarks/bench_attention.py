@@ -155,13 +155,13 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
         row("fwd fp8", "cuda", harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16", diff)
         default = cuda_attn.set_hopper_schedule()
         try:  # the other schedules of the consumers: in order (other bits), without turns (the same bits)
-            for turns, overlap, label in ((True, False, "cuda, in order"), (False, False, "cuda, in order, no turns"),
+            for turns, overlap, schedule in ((True, False, "cuda, in order"), (False, False, "cuda, in order, no turns"),
                                           (False, True, "cuda, no turns")):
                 cuda_attn.set_hopper_schedule(turns, overlap)
                 o8s = fp8_forward_cuda(*fp8_sets[0])[0]
                 note = ("the same bits" if torch.equal(o8s, o8c) else
                         f"max|o - overlapped| {(o8s.float() - o8c.float()).abs().max().item():.2e}")
-                row("fwd fp8", label, harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16",
+                row("fwd fp8", schedule, harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16",
                     note)
         finally:
             cuda_attn.set_hopper_schedule(*default)
