@@ -76,11 +76,11 @@ for part in $parts; do
         tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \
         tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
     pending)  # what runs 191-193 left: the GPT through FP8-attention phases on the Hopper FP8 forward (now the auto
-      # table's), te beside its eager twin for loss parity, then the GPU tests that train the GPT
+      # table's), te beside its eager twin for loss parity, then the GPU tests that train the GPT and graph FP8 attention
       timeout 400 python3 examples/train_gpt.py --size gpu --steps 20 --arms te,torch \
         --schedule bf16:20,current:20,current_dpa:20,delayed:20,delayed_mha:20 --json "$OUT/gptdpa.json" 2>&1 \
         | tee "$OUT/gptdpa.log" | tail -25
-      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_train_gpt.py 2>&1 | tee "$OUT/pending.log" | tail -6 ;;
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_train_gpt.py tests/test_graphs.py 2>&1 | tee "$OUT/pending.log" | tail -6 ;;
     threads)  # the small Linear's backward with autograd's device threads and on the calling thread, split by
       # timestamps (backward_threads.py)
       timeout 200 python3 benchmarks/backward_threads.py 2>&1 | tee "$OUT/threads.log" | tail -8 ;;

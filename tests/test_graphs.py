@@ -39,10 +39,11 @@ def _assert_same(eager, graphed, context):
 
 
 class _Pair:
-    """An eager model and a graphed copy, each with its own SGD."""
+    """An eager model and a graphed copy, each with its own SGD (``model``: a
+    factory of the eager model from the device; 256 features in and out)."""
 
-    def __init__(self, device="cuda"):
-        self.eager = mlp(device)
+    def __init__(self, device="cuda", model=mlp):
+        self.eager = model(device)
         self.graphed = te.make_graphed(copy.deepcopy(self.eager))
         self.opt_e = torch.optim.SGD(self.eager.parameters(), lr=0.01)
         self.opt_g = torch.optim.SGD(self.graphed.parameters(), lr=0.01)
@@ -89,6 +90,29 @@ def test_replayed_training_matches_eager_bit_for_bit(recipe_name):
         pair.step(RECIPES[recipe_name], context=f"{recipe_name} step {i}")
     stats = pair.graphed.stats
     assert (stats.eager_steps, stats.captures, stats.replays) == (1, 1, 5)
+
+
+def attention_block(device: str) -> te.ops.Sequential:
+    """An attention sub-layer at head dim 64 (4 query heads, 2 kv heads, causal): the
+    Hopper FP8 forward's under ``fp8_dpa`` and ``fp8_mha`` on an H100 / H200."""
+    torch.manual_seed(0)
+    return te.ops.Sequential(
+        te.ops.LayerNorm(256), te.ops.Linear(256, 512), te.ops.DotProductAttention(4, 64, 2), te.ops.Linear(256, 256)
+    ).to(device, torch.bfloat16)
+
+
+@needs_gpu
+def test_fp8_attention_replays_as_it_runs_eagerly_through_switches():
+    """The attention kernels captured and replayed (the FP8 forward, its probabilities'
+    cast, the backward) train as the eager steps, bit for bit, through switches in and
+    out of FP8 attention and its FP8 hand-offs."""
+    pair = _Pair(model=attention_block)
+    dpa = te.recipe.DelayedScaling(amax_history_len=4, fp8_dpa=True)
+    mha = te.recipe.Float8CurrentScaling(fp8_mha=True)
+    schedule = [dpa, dpa, dpa, RECIPES["delayed"], RECIPES["delayed"], mha, mha, mha, dpa, dpa]
+    for i, recipe in enumerate(schedule):
+        pair.step(recipe, context=f"step {i} ({recipe})")
+    assert pair.graphed.stats.captures == 4  # dpa, delayed, mha, dpa again
 
 
 @needs_gpu
