@@ -2,7 +2,7 @@
 
 ``attention_forward`` and ``attention_backward`` with the references' signatures
 and results: the forward returns o (B, H, T, D) and the natural log-sum-exp lse
-(B, H, T) in fp32; the backward takes them (or the Triton FP8 forward's, which
+(B, H, T) in fp32; the backward takes them (or an FP8 forward's, which
 use the same convention) and returns dq, dk, dv. cuDNN's fused attention is
 faster than our Triton kernels on Hopper at the shapes a transformer runs
 (``benchmarks/RESULTS.md``), so the auto table sends the bf16 and fp16 forward
