@@ -236,6 +236,9 @@ def _hopper_layout_reason(t: torch.Tensor, name: str, kernel: str) -> str | None
     return None
 
 
+_READY_DEVICES: set = set()  # the devices the loaded extension runs on (the FP8 forward asks on every call)
+
+
 def _hopper_reason(q: torch.Tensor, k: torch.Tensor, dtypes: tuple, kernel: str) -> str | None:
     """Why a Hopper kernel (``kernel``, inputs of ``dtypes``) would not run q and k
     (None: it runs)."""
@@ -245,11 +248,14 @@ def _hopper_reason(q: torch.Tensor, k: torch.Tensor, dtypes: tuple, kernel: str)
         return f"{kernel} takes {' and '.join(str(d).replace('torch.', '') for d in dtypes)}, got {q.dtype}"
     if q.device.type != "cuda":
         return f"{kernel} needs CUDA tensors, got a {q.device.type} tensor"
-    from ._build import unavailable_reason
+    if q.device not in _READY_DEVICES:  # asked once the extension is loaded: nothing can change after
+        from ._build import is_loaded, unavailable_reason
 
-    reason = unavailable_reason(q.device)
-    if reason is not None:
-        return reason
+        reason = unavailable_reason(q.device)
+        if reason is not None:
+            return reason
+        if is_loaded():
+            _READY_DEVICES.add(q.device)
     for t, name in ((q, "q"), (k, "k")):
         reason = _hopper_layout_reason(t, name, kernel)
         if reason is not None:
