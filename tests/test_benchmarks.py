@@ -242,3 +242,27 @@ def test_auto_entry_ab_puts_the_entry_back():
     auto_entry_ab.main(["--kernel", "rotary", "--entries", "cuda", "reference", "--rounds", "1", "--steps", "1",
                         "--recipes", "bf16"])
     assert backend._load_auto_table().get("rotary") == before
+
+
+def test_backward_threads_splits_each_arms_step_in_both_modes():
+    """backward_threads.py (on the CPU, where autograd has no device thread to hand
+    the backward to, both modes run on the caller's): a row per arm and mode, the
+    split's pieces within the step, the time inside te's fused backward for te's
+    arms only and within its backward's body."""
+    run = subprocess.run([sys.executable, "benchmarks/backward_threads.py", "--size", "64", "--steps", "2",
+                          "--rounds", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    arms = ("bf16 eager", "te_fuser current", "te_fuser delayed", "te_fuser delayed h16")
+    rows = {}
+    for line in run.stdout.splitlines():
+        for arm in arms:
+            rest = line[len(arm):].split() if line.startswith(arm + " ") else []
+            if rest[:1] in (["device"], ["caller"]):
+                mode = rest[0]
+                cells = [float(c) for c in rest[2 if mode == "device" else 1:]]
+                rows[(arm, mode)] = dict(zip(("step", "forward", "start", "body", "end", "fuser"), cells))
+    assert set(rows) == {(arm, mode) for arm in arms for mode in ("device", "caller")}, run.stdout
+    for (arm, _), r in rows.items():
+        assert all(r[k] > 0 for k in ("step", "forward", "start", "body", "end")), (arm, r)
+        assert r["forward"] + r["start"] + r["body"] + r["end"] <= r["step"], (arm, r)
+        assert (r["fuser"] == 0) == (arm == "bf16 eager") and r["fuser"] <= r["body"], (arm, r)
