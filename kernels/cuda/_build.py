@@ -71,8 +71,15 @@ def _cublaslt() -> tuple[Path, Path] | None:
     return (headers[0], libraries[0]) if headers and libraries else None
 
 
+_READY_DEVICES: set = set()  # devices the loaded extension was found to run on: nothing can change after
+
+
 def unavailable_reason(device: torch.device | None = None) -> str | None:
-    """Why the CUDA kernels cannot run here (``None`` when they can)."""
+    """Why the CUDA kernels cannot run here (``None`` when they can). Once the
+    extension is loaded, a device found able is not asked again (the Hopper
+    attention kernels ask on every call)."""
+    if device in _READY_DEVICES:
+        return None
     if torch.version.cuda is None:
         return "PyTorch is a CPU-only build (torch.version.cuda is None)"
     if not torch.cuda.is_available():
@@ -89,6 +96,8 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
             return "ninja was not found; torch.utils.cpp_extension needs it to build the CUDA kernels"
         if _cublaslt() is None:
             return "cuBLASLt (cublasLt.h and libcublasLt.so) was found neither in CUDA_HOME nor in the nvidia wheels"
+    elif device is not None:
+        _READY_DEVICES.add(device)
     return None
 
 

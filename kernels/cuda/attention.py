@@ -236,9 +236,6 @@ def _hopper_layout_reason(t: torch.Tensor, name: str, kernel: str) -> str | None
     return None
 
 
-_READY_DEVICES: set = set()  # the devices the loaded extension runs on (the FP8 forward asks on every call)
-
-
 def _hopper_reason(q: torch.Tensor, k: torch.Tensor, dtypes: tuple, kernel: str) -> str | None:
     """Why a Hopper kernel (``kernel``, inputs of ``dtypes``) would not run q and k
     (None: it runs)."""
@@ -248,14 +245,11 @@ def _hopper_reason(q: torch.Tensor, k: torch.Tensor, dtypes: tuple, kernel: str)
         return f"{kernel} takes {' and '.join(str(d).replace('torch.', '') for d in dtypes)}, got {q.dtype}"
     if q.device.type != "cuda":
         return f"{kernel} needs CUDA tensors, got a {q.device.type} tensor"
-    if q.device not in _READY_DEVICES:  # asked once the extension is loaded: nothing can change after
-        from ._build import is_loaded, unavailable_reason
+    from ._build import unavailable_reason
 
-        reason = unavailable_reason(q.device)
-        if reason is not None:
-            return reason
-        if is_loaded():
-            _READY_DEVICES.add(q.device)
+    reason = unavailable_reason(q.device)
+    if reason is not None:
+        return reason
     for t, name in ((q, "q"), (k, "k")):
         reason = _hopper_layout_reason(t, name, kernel)
         if reason is not None:
@@ -281,22 +275,22 @@ def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scal
     each probability on the E4M3 grid, as the Triton kernel, and, in the default
     schedule, the tensor cores' accumulation of P·V; see the reference)."""
     check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
-    reason = attention_forward_fp8_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", _FP8_KERNEL)
-    return _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype,
-                        reason)
+    _require(attention_forward_fp8_unsupported_reason(q, k), "attention_forward_fp8")
+    return _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
 
 
 def _fp8_forward_supported(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale,
                            out_dtype):
     """:func:`attention_forward_fp8` for q and k whose reason ``te_fuser.backend``
-    has already asked: the argument checks and v's layout without a second one."""
+    has already asked: the argument checks without a second one."""
     check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
-    return _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype,
-                        _hopper_layout_reason(v, "v", _FP8_KERNEL))
+    return _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
 
 
-def _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype, reason):
+def _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype):
+    """The kernel on checked arguments whose q and k it takes (v's layout asked here)."""
     scales = torch.stack([s.reshape(()) for s in (q_scale_inv, k_scale_inv, v_scale_inv, p_scale)])
+    reason = _hopper_layout_reason(v, "v", _FP8_KERNEL)
     return _run_checked("attention_forward_fp8", "attention_fp8_forward_lean", reason, q, k, v, scales,
                         float(softmax_scale), bool(causal), out_dtype)
 
