@@ -21,13 +21,19 @@ forward, and the backward split by timestamps into
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-import te_fuser as te
-from te_fuser.ops import fuser as fuser_module
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import host_split  # noqa: E402
+
+import te_fuser as te  # noqa: E402
+from te_fuser.ops import fuser as fuser_module  # noqa: E402
 
 RECIPES = {"current": te.recipe.Float8CurrentScaling(), "delayed": te.recipe.DelayedScaling(),
            "delayed h16": te.recipe.DelayedScaling(amax_history_len=16)}
@@ -48,18 +54,7 @@ def main(argv=None) -> None:
     dy = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     clock = time.perf_counter
     marks: dict[str, float] = {}
-    inside = [0.0]
-
-    run_backward = fuser_module.run_backward
-
-    def timed_run_backward(*a, **k):
-        t0 = clock()
-        try:
-            return run_backward(*a, **k)
-        finally:
-            inside[0] += clock() - t0
-
-    fuser_module.run_backward = timed_run_backward
+    fuser_module.run_backward = host_split._timed("fuser", fuser_module.run_backward)
 
     def on_leaf(_t):
         marks["last_leaf"] = clock()
@@ -110,7 +105,7 @@ def main(argv=None) -> None:
         order = list(rows) if r % 2 == 0 else list(reversed(rows))
         for name, threaded in order:
             split = {k: 0.0 for k in keys}
-            inside[0] = 0.0
+            host_split._SPENT.clear()
             with torch.autograd.set_multithreading_enabled(threaded):
                 if device == "cuda":
                     torch.cuda.synchronize()
@@ -120,7 +115,7 @@ def main(argv=None) -> None:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 split["step"] = clock() - t0
-            split["fuser"] = inside[0]
+            split["fuser"] = host_split._SPENT["fuser"]
             for k in keys:
                 rows[(name, threaded)][k].append(split[k] * 1e6 / args.steps)
     print(f"{'arm':21s} {'backward on':13s} " + " ".join(f"{k:>8s}" for k in keys)
