@@ -156,7 +156,7 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
         default = cuda_attn.set_hopper_schedule()
         try:  # the other schedules of the consumers: in order (other bits), without turns (the same bits)
             for turns, overlap, schedule in ((True, False, "cuda, in order"), (False, False, "cuda, in order, no turns"),
-                                          (False, True, "cuda, no turns")):
+                                             (False, True, "cuda, no turns")):
                 cuda_attn.set_hopper_schedule(turns, overlap)
                 o8s = fp8_forward_cuda(*fp8_sets[0])[0]
                 note = ("the same bits" if torch.equal(o8s, o8c) else
