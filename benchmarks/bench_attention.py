@@ -176,6 +176,18 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
     diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
     row("bwd bf16", "triton", harness.time_ms(lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)),
         bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
+    previous = attn.set_backward_schedule("fused")
+    try:  # one kernel, five products a tile pair, dq's shares added in turn
+        fused = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
+        again = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
+        same = all(torch.equal(a, b) for a, b in zip(fused, again))
+        diff = (f"max|dq - sdpa| {(fused[0].float() - dq_sdpa.float()).abs().max().item():.2e}, "
+                f"{'same bits twice' if same else 'NOT THE SAME BITS TWICE'}")
+        row("bwd bf16", "triton fused", harness.time_ms(
+            lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)), bwd_flops, sdpa_bwd_ms, "sdpa bf16",
+            diff)
+    finally:
+        attn.set_backward_schedule(previous)
     if cudnn:
         try:
             with torch.enable_grad():
@@ -190,6 +202,15 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
         row("bwd bf16", "cuda", harness.time_ms(lambda: ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)),
             bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
     return rows
+
+
+def _fused_backward(*args):
+    """The Triton backward under the fused schedule (the default schedule after)."""
+    previous = attn.set_backward_schedule("fused")
+    try:
+        return tk.attention_backward(*args)
+    finally:
+        attn.set_backward_schedule(previous)
 
 
 def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
@@ -207,6 +228,7 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
                                                      torch.bfloat16), 1.0),
         "dq": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
         "dkdv": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
+        "bwd": (lambda: _fused_backward(q, k, v, o, lse, do, causal, scale), 2.5),
     }
     rows = []
     for kernel, configs in attn.AUTOTUNE_CONFIGS.items():
@@ -226,7 +248,8 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
             rate = factor * _flops(B, H, T, D, causal) / (ms * 1e-3) / 1e12
             case = (f"{kernel} {plan.block_m}x{plan.block_n} w{plan.num_warps} s{plan.num_stages}"
                     + (" one loop" if plan.one_loop else "")
-                    + (" (whole backward)" if kernel in ("dq", "dkdv") else ""))
+                    + (" (whole backward)" if kernel in ("dq", "dkdv") else "")
+                    + (" (fused backward)" if kernel == "bwd" else ""))
             rows.append(harness.progress(Row("attention-sweep", case, "triton", label, ms, rate, "TFLOP/s",
                                              of_ceiling=rate / ceiling, note=note)))
         if saved is not None:
@@ -238,7 +261,7 @@ def _targets(rows: list[Row]) -> None:
     """Each target against SDPA's flash kernel and against its cuDNN kernel (what
     SDPA picks by default on Hopper), for what the auto backend runs: the cuda
     backend's (cuDNN) bf16 forward where it ran, the FP8 forward of Triton, the
-    Triton backward (the deterministic one), and our Hopper kernels' forwards where
+    Triton backward in both schedules (the deterministic ones), and our Hopper kernels' forwards where
     they ran."""
     main = _label(*CASES["main"])
     wanted = {"fwd bf16": 0.9, "fwd fp8": 1.3, "bwd bf16": 0.9}
@@ -249,8 +272,9 @@ def _targets(rows: list[Row]) -> None:
         if case == "fwd bf16":  # cuDNN's (the cuda backend's) where it ran, else Triton's; and our Hopper kernel's
             candidates = (["cuda"] if (case, "cuda") in ms else ["triton"]) + (
                 ["cuda hopper"] if (case, "cuda hopper") in ms else [])
-        else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: Triton's (cuDNN's is not deterministic)
-            candidates = [b for b in ("triton", "cuda")
+        else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: Triton's two schedules (cuDNN's
+            # is not deterministic)
+            candidates = [b for b in ("triton", "triton fused", "cuda")
                           if (case, b) in ms and not (case.startswith("bwd") and b == "cuda")]
         for ours in candidates:
             for peer in ("torch sdpa flash", "torch sdpa cudnn"):
@@ -265,7 +289,7 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--cases", nargs="+", default=["all"], help=f"of {list(CASES)} or all")
     parser.add_argument("--sweep", action="store_true", help="time every launch shape at the main case")
     parser.add_argument("--sweep-case", default="main", choices=list(CASES), help="the case the sweep runs at")
-    parser.add_argument("--sweep-kernels", nargs="+", choices=["fwd", "fwd_fp8", "dq", "dkdv"],
+    parser.add_argument("--sweep-kernels", nargs="+", choices=["fwd", "fwd_fp8", "dq", "dkdv", "bwd"],
                         help="the kernels the sweep times (default: all)")
     parser.add_argument("--autotune", action="store_true", help="the kernels under triton.autotune")
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/out/results.csv, untracked)")

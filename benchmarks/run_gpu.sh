@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn fusedbwd grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -75,6 +75,21 @@ for part in $parts; do
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
         tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \
         tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
+    fusedbwd)  # the fused attention backward (one kernel, dq's shares added in turn): one call at the main case
+      # bounded by a minute (a key block out of turn would wait for ever), its tests, then beside the two kernels and
+      # SDPA, and its launch shapes at the main case and at the GPT's
+      timeout 60 python3 -c "
+import torch; from te_fuser.kernels.triton import attention as a
+q, k, v, do = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.bfloat16) for _ in range(4))
+o, lse = a.attention_forward(q, k, v, True, 0.088); a.set_backward_schedule('fused')
+a.attention_backward(q, k, v, o, lse, do, True, 0.088); torch.cuda.synchronize(); print('fused backward: returned')
+" 2>&1 | tee "$OUT/fusedbwd.log" | tail -3
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py -k "fused or schedule or backward" \
+        2>&1 | tee -a "$OUT/fusedbwd.log" | tail -6
+      timeout 200 python3 benchmarks/bench_attention.py --cases main d64 gqa gpt --sweep --sweep-kernels bwd 2>&1 \
+        | tee -a "$OUT/fusedbwd.log" | tail -50
+      timeout 120 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels bwd 2>&1 \
+        | tee -a "$OUT/fusedbwd.log" | grep -A14 "launch shapes" ;;
     pending)  # what runs 191-193 left: the GPT through FP8-attention phases on the Hopper FP8 forward (now the auto
       # table's), te beside its eager twin for loss parity, then the GPU tests that train the GPT and graph FP8 attention
       timeout 400 python3 examples/train_gpt.py --size gpu --steps 20 --arms te,torch \
