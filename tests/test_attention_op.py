@@ -294,3 +294,59 @@ def test_attention_kernels_run_outside_autocast_and_turn_it_back_on():
         assert torch.is_autocast_enabled("cpu")
     for a, b in zip(plain, inside):
         assert torch.equal(a, b)
+
+
+
+def _with_backward(schedule, fn):
+    """``fn()`` on the Triton kernels with the attention backward's ``schedule``."""
+    from te_fuser import backend
+    from te_fuser.kernels.triton import attention as attn
+
+    previous = attn.set_backward_schedule(schedule)
+    try:
+        with backend.use_backend("triton"):
+            return fn()
+    finally:
+        attn.set_backward_schedule(previous)
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "delayed_mha"])
+def test_the_fused_attention_backward_gives_the_ops_input_gradient(recipe_name):
+    """The op's fused QKV gradient from the fused backward (sequence 67: several key
+    blocks share each dq tile): its dk and dv heads are the two kernels' bits, its
+    dq heads within attention's tolerance of theirs and of float64."""
+    gen = torch.Generator().manual_seed(4)
+    x, dy = _inputs(gen, torch.bfloat16)
+    op = te.ops.DotProductAttention(H, D, HKV)
+
+    def grad():
+        return run(op, x, recipe=ALL[recipe_name], dy=dy)[1]["x"]
+
+    split, fused = _with_backward("split", grad), _with_backward("fused", grad)
+    x64 = x.double().requires_grad_(True)
+    attention64(x64, True).backward(dy.double())
+    key = _tolerance(recipe_name, torch.bfloat16)
+    assert_close(fused[..., :H * D], split[..., :H * D], key, f"{recipe_name}: dq, fused vs two kernels", scaled=True)
+    assert_close(fused[..., :H * D], x64.grad[..., :H * D], key, f"{recipe_name}: dq, fused vs float64", scaled=True)
+    assert torch.equal(fused[..., H * D:], split[..., H * D:]), f"{recipe_name}: dk, dv"
+
+
+def test_the_fused_attention_backward_trains_the_same_bits_twice():
+    """Two AdamW steps of QKV -> attention -> projection (sequence 40: two key
+    blocks share a dq tile) with the fused backward, twice: the same outputs and
+    gradients, bit for bit (its dq adds in a fixed order), and the last step's
+    output within attention's tolerance of the two kernels' run."""
+    x = [representable(B, 40, 64, generator=torch.Generator().manual_seed(i), scale_exp=-3).to(torch.bfloat16)
+         for i in range(2)]
+
+    def train():
+        model = _trained_model().to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return [_step(model, xi, None, opt) for xi in x]
+
+    split, fused, again = (_with_backward(s, train) for s in ("split", "fused", "fused"))
+    for i, ((out_f, g_f), (out_a, g_a)) in enumerate(zip(fused, again)):
+        assert torch.equal(out_f, out_a), f"step {i}: output"
+        for name in g_f:
+            assert torch.equal(g_f[name], g_a[name]), f"step {i}: grad {name}"
+    assert_close(fused[-1][0], split[-1][0], "attention_bf16", "last step's output, fused vs two kernels", scaled=True)

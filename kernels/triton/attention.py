@@ -141,7 +141,7 @@ ATTENTION_PLANS = {
     # (cp.async) and run wgmma; at head dim 128, 64x64 with 8 warps spills 60
     # bytes (32x64: 8), at 64 none do.
     ("bwd", 128): AttentionPlan(64, 64, 8, 2),
-    ("bwd", 64): AttentionPlan(64, 64, 4, 2),
+    ("bwd", 64): AttentionPlan(64, 128, 8, 2),  # 128 keys a block: half the dq adds of 64
 }
 _INTERPRETED_PLANS = {  # small tiles: several per sequence at test sizes, both loops of each kernel run
     "fwd": AttentionPlan(32, 16, 4, 1),
