@@ -204,6 +204,31 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
     return rows
 
 
+_JIT = {"fwd": "_attention_forward_kernel", "fwd_fp8": "_attention_forward_kernel", "dq": "_attention_dq_kernel",
+        "dkdv": "_attention_dkdv_kernel", "bwd": "_attention_backward_fused_kernel"}
+
+
+def _resources(kernel: str, plan) -> str:
+    """The registers and local (spilled) bytes a thread of ``kernel``'s build at
+    ``plan`` (the builds the direct launches kept; each specialization), or ""."""
+    from te_fuser.kernels.triton import _launch
+
+    jit_fn = getattr(attn, _JIT[kernel])
+    seen = []
+    for key, (compiled, _) in list(_launch._kept.items()):
+        meta = dict(key[2])
+        if key[0] is not jit_fn or (meta.get("BLOCK_M"), meta.get("BLOCK_N"), meta.get("num_warps"),
+                                    meta.get("num_stages")) != (plan.block_m, plan.block_n, plan.num_warps,
+                                                                plan.num_stages):
+            continue
+        if kernel in ("fwd", "fwd_fp8") and meta.get("FP8") != (kernel == "fwd_fp8"):
+            continue
+        regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+        if regs is not None:
+            seen.append(f"{regs} regs, {spills} B local")
+    return "; ".join(dict.fromkeys(seen))
+
+
 def _fused_backward(*args):
     """The Triton backward under the fused schedule (the default schedule after)."""
     previous = attn.set_backward_schedule("fused")
@@ -242,7 +267,7 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
             attn.ATTENTION_PLANS[(kernel, D)] = plan
             try:
                 fn()
-                ms, note = harness.time_ms(fn), ""
+                ms, note = harness.time_ms(fn), _resources(kernel, plan)
             except Exception as err:  # a shape that does not fit (shared memory, registers) is reported
                 ms, note = float("nan"), f"{type(err).__name__}: {str(err)[:60]}"
             rate = factor * _flops(B, H, T, D, causal) / (ms * 1e-3) / 1e12
