@@ -47,8 +47,9 @@ sum of the shares of the key blocks that see it, added in the order in which
 they reach it: the block on the tile's diagonal first, block 0 last, each
 waiting for the tile's counter to show the blocks above it; the first stores its
 share into an fp32 accumulator, the middle ones add theirs, block 0 adds its own
-to the sum and writes dq (``_add_dq_in_turn``). A fixed order: the same bits on
-every run, as the two kernels give. The grid launches the highest key blocks
+to the sum and writes dq (``_add_dq_in_turn``); each counts itself on the tile
+after its next tile's products. A fixed order: the same bits on every run, as
+the two kernels give. The grid launches the highest key blocks
 first, so a block waits only on blocks launched before it. The waits and counts
 are PTX (acquire reads, release adds after a warp barrier), predicated rather
 than branched, so the tile loop stays one pipelined loop; under the
@@ -629,7 +630,8 @@ def _add_dq_in_turn(dq, n, last, turn, acc_ptrs, out_ptrs, rows, Tq, softmax_sca
     WARPS``; block ``last`` stores its share into the fp32 accumulator, the
     middle ones add theirs (relaxed atomics: L2 holds the sum), and block 0 adds
     the sum so far (read past L1) to its own and writes the tile's dq, times
-    softmax_scale, in the output dtype; then each counts itself. Predicated, not
+    softmax_scale, in the output dtype. It counts itself later
+    (:func:`_count_done`, after its next tile's products). Predicated, not
     branched (each step's rows: ``rows`` below its limit, Tq or 0), and no CTA
     barrier: the tile loop around it stays one pipelined loop."""
     dq += _wait_for_turn(turn, (last - n) * WARPS, COMPILED)
@@ -642,13 +644,12 @@ def _add_dq_in_turn(dq, n, last, turn, acc_ptrs, out_ptrs, rows, Tq, softmax_sca
     tl.atomic_add(acc_ptrs, dq, mask=rows < middle, sem="relaxed")
     dq += tl.load(acc_ptrs, mask=rows < earlier, other=0.0, cache_modifier=".cg")
     tl.store(out_ptrs, to_output(dq * softmax_scale, OUT_DTYPE), mask=rows < final)
-    _count_done(turn, WARPS, COMPILED)
 
 
 @triton.jit
 def _attention_backward_fused_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, acc_ptr, turn_ptr, dq_ptr, dk_ptr, dv_ptr, qk_scale,
-        softmax_scale, H, Hkv, G, Tq, Tk, n_turns,
+        softmax_scale, H, Hkv, G, Tq, Tk, n_turns, spare,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt,
         stride_dvb, stride_dvh, stride_dvt,
@@ -669,7 +670,13 @@ def _attention_backward_fused_kernel(
     before: no block idles at its start (adding from block 0 up made block
     ``n`` wait about ``n`` steps for the blocks below it, about half of every
     program's time). A block waits only on blocks launched before it, which
-    never wait on it."""
+    never wait on it.
+
+    A block counts itself on a tile after its next tile's products (its first
+    "previous" counter is a spare one at ``turn_ptr[spare]``, which no block
+    reads, and the last tile's count follows the loops): a count is a release,
+    which waits until the warp's adds reached L2, and there the wait overlaps the
+    tensor cores' work instead of preceding it."""
     bhk = tl.program_id(1)
     b = bhk // Hkv
     hk = bhk % Hkv
@@ -679,6 +686,7 @@ def _attention_backward_fused_kernel(
                                           stride_vb, stride_vh, stride_vt, True, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    done = turn_ptr + spare  # the counter of the tile added last, counted after the next tile's products
     for g in range(0, G):
         h = hk * G + g
         bh = b * H + h
@@ -694,12 +702,14 @@ def _attention_backward_fused_kernel(
             dk, dv, dst = _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, True, UPCAST,
                                          P_DTYPE, PRECISION)
             dq = tl.dot(tl.trans(dst), k, input_precision=PRECISION)  # (BLOCK_M, D)
+            _count_done(done, WARPS, COMPILED)
+            done = turn_base + start_m // TURN_ROWS
             # the key blocks that see this tile: those starting before its end
             last = tl.minimum(n_blocks, tl.cdiv(start_m + BLOCK_M, BLOCK_N)) - 1
-            _add_dq_in_turn(dq, n, last, turn_base + start_m // TURN_ROWS,
-                            acc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+            _add_dq_in_turn(dq, n, last, done, acc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
                             dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :], offs_m[:, None], Tq,
                             softmax_scale, OUT_DTYPE, WARPS, COMPILED)
+    _count_done(done, WARPS, COMPILED)
     _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, offs_n, offs_d, Tk, softmax_scale, stride_dkb, stride_dkh, stride_dkt,
                 stride_dvb, stride_dvh, stride_dvt, OUT_DTYPE)
 
@@ -892,7 +902,7 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     sq, sk, sv, sdo = q.stride()[:3], k.stride()[:3], v.stride()[:3], do.stride()[:3]
     if _backward["schedule"] == "fused" and causal and Tk > 0:
         n_turns = cdiv(Tq, TURN_ROWS)
-        turns = torch.empty(B * H * n_turns, dtype=torch.int32, device=q.device)
+        turns = torch.empty(B * H * n_turns + 1, dtype=torch.int32, device=q.device)  # and a spare, never read
         acc = torch.empty(B, H, Tq, D, dtype=torch.float32, device=q.device)  # dq's running fp32 sums
         prep_m = 32 if is_interpreted(q) else 64
         launch(_backward_prep_kernel, (cdiv(Tq, prep_m), B * H), o, do, delta, turns, H, Tq, n_turns,
@@ -900,7 +910,7 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
         meta.pop("CAUSAL")
         _launch("bwd", _attention_backward_fused_kernel, Tk, B * Hkv, D, q,
                 [q, k, v, do, lse, delta, acc, turns, dq, dk, dv, qk_scale, float(softmax_scale), H, Hkv, G, Tq, Tk,
-                 n_turns, *sq, *sk, *sv, *sdo, *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3]],
+                 n_turns, B * H * n_turns, *sq, *sk, *sv, *sdo, *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3]],
                 dict(meta, TURN_ROWS=TURN_ROWS, COMPILED=not is_interpreted(q)))
         return dq, dk, dv
     _launch("dq", _attention_dq_kernel, Tq, B * H, D, q,
