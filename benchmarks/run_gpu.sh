@@ -84,8 +84,8 @@ q, k, v, do = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.bfloat16
 o, lse = a.attention_forward(q, k, v, True, 0.088); a.set_backward_schedule('fused')
 a.attention_backward(q, k, v, o, lse, do, True, 0.088); torch.cuda.synchronize(); print('fused backward: returned')
 " 2>&1 | tee "$OUT/fusedbwd.log" | tail -3
-      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py -k "fused or schedule or backward" \
-        2>&1 | tee -a "$OUT/fusedbwd.log" | tail -6
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py tests/test_attention_op.py \
+        tests/test_graphs.py -k "fused or schedule" 2>&1 | tee -a "$OUT/fusedbwd.log" | tail -6
       timeout 200 python3 benchmarks/bench_attention.py --cases main d64 gqa gpt --sweep --sweep-kernels bwd 2>&1 \
         | tee -a "$OUT/fusedbwd.log" | tail -50
       timeout 120 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels bwd 2>&1 \
