@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn fusedbwd grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn fusedbwd fusedgpt grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -84,17 +84,17 @@ q, k, v, do = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.bfloat16
 o, lse = a.attention_forward(q, k, v, True, 0.088); a.set_backward_schedule('fused')
 a.attention_backward(q, k, v, o, lse, do, True, 0.088); torch.cuda.synchronize(); print('fused backward: returned')
 " 2>&1 | tee "$OUT/fusedbwd.log" | tail -3
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py tests/test_attention_op.py \
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py tests/test_attention_op.py \
         tests/test_graphs.py tests/test_train_gpt.py -k "fused or schedule or attention_backward" 2>&1 \
         | tee -a "$OUT/fusedbwd.log" | tail -6
-      timeout 200 python3 benchmarks/bench_attention.py --cases main d64 gqa gpt --sweep --sweep-kernels bwd 2>&1 \
+      timeout 180 python3 benchmarks/bench_attention.py --cases main d64 gqa gpt --sweep --sweep-kernels bwd 2>&1 \
         | tee -a "$OUT/fusedbwd.log" | tail -50
-      timeout 120 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels bwd 2>&1 \
-        | tee -a "$OUT/fusedbwd.log" | grep -A14 "launch shapes"
-      for bwd in split fused; do  # the GPT's te arm with each backward, one process after the other (FUSED_GPT=0: skip)
-        [ "${FUSED_GPT:-1}" = 0 ] && break
-        timeout 200 python3 examples/train_gpt.py --size gpu --arms te --schedule bf16:15,delayed_mha:15 \
-          --attention-backward $bwd --json "$OUT/gpt_bwd_$bwd.json" 2>&1 | tee -a "$OUT/fusedbwd.log" | tail -8
+      timeout 100 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels bwd 2>&1 \
+        | tee -a "$OUT/fusedbwd.log" | grep -A14 "launch shapes" ;;
+    fusedgpt)  # the GPT's te arm with the attention backward in two kernels, then fused, one process after the other
+      for bwd in split fused; do
+        timeout 250 python3 examples/train_gpt.py --size gpu --arms te --schedule bf16:15,delayed_mha:15 \
+          --attention-backward $bwd --json "$OUT/gpt_bwd_$bwd.json" 2>&1 | tee -a "$OUT/fusedgpt.log" | tail -8
       done ;;
     pending)  # what runs 191-193 left: the GPT through FP8-attention phases on the Hopper FP8 forward (now the auto
       # table's), te beside its eager twin for loss parity, then the GPU tests that train the GPT and graph FP8 attention
