@@ -87,7 +87,7 @@ a.attention_backward(q, k, v, o, lse, do, True, 0.088); torch.cuda.synchronize()
       timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py tests/test_attention_op.py \
         tests/test_graphs.py tests/test_train_gpt.py -k "fused or schedule or attention_backward" 2>&1 \
         | tee -a "$OUT/fusedbwd.log" | tail -6
-      timeout 180 python3 benchmarks/bench_attention.py --cases main d64 gqa gpt --sweep --sweep-kernels bwd 2>&1 \
+      timeout 180 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main gqa} --sweep --sweep-kernels bwd 2>&1 \
         | tee -a "$OUT/fusedbwd.log" | tail -50
       timeout 100 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels bwd 2>&1 \
         | tee -a "$OUT/fusedbwd.log" | grep -A14 "launch shapes" ;;
