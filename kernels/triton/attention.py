@@ -139,8 +139,8 @@ ATTENTION_PLANS = {
     ("dkdv", 64): AttentionPlan(32, 64, 4, 3),  # run 103: 0.385 ms a backward against 0.533 (32x128 w8 s2)
     # the fused backward (block_n keys per program, block_m queries per step), not
     # yet swept on a GPU. sm_90 builds under Triton 3.9 pipeline the tile loop
-    # (cp.async) and run wgmma; at head dim 128 with 8 warps, 64x64 spills 104
-    # bytes, 32x64 4, 64x128 404, 16x128 none (the dq adds scale with the keys a
+    # (cp.async) and run wgmma; at head dim 128 with 8 warps, 64x64 spills 80
+    # bytes, 32x64 none, 64x128 412, 16x128 24 (the dq adds scale with the keys a
     # block: 128 halve 64's); at head dim 64, 64x64 and 64x128 spill none.
     ("bwd", 128): AttentionPlan(64, 64, 8, 2),
     ("bwd", 64): AttentionPlan(64, 128, 8, 2),  # 128 keys a block: half the dq adds of 64
