@@ -422,6 +422,8 @@ def test_fused_backward_against_float64(shape, fused_backward):
     ((1, 4, 1, 33, 50, 16), torch.float32, "contiguous"),   # 4:1 groups, the smallest head dim
     ((2, 4, 2, 35, 35, 32), torch.bfloat16, "bthd"),        # strided heads, no copies
     ((1, 2, 1, 40, 40, 128), torch.bfloat16, "contiguous"),  # the head dim of the benchmarks
+    ((1, 3, 1, 48, 16, 32), torch.float32, "contiguous"),   # 3:1 groups; query tiles past the last key
+    ((1, 2, 2, 5, 17, 32), torch.float32, "contiguous"),    # key blocks that see no query: no turn to take
 ])
 def test_fused_backward_other_dtypes_head_dims_and_layouts(shape, dtype, layout, fused_backward):
     check_kernels(shape, dtype, True, layout=layout)
