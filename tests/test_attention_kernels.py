@@ -429,6 +429,18 @@ def test_fused_backward_other_dtypes_head_dims_and_layouts(shape, dtype, layout,
     check_kernels(shape, dtype, True, layout=layout)
 
 
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_fused_backward_with_taller_query_tiles_than_key_blocks(shape, fused_backward, monkeypatch):
+    """block_m twice block_n: two key blocks start on each diagonal tile and reach it
+    in the same step; the higher adds first, the lower waits for it."""
+    attn = fused_backward
+    if DEVICE == "cpu":
+        monkeypatch.setitem(attn._INTERPRETED_PLANS, "bwd", attn.AttentionPlan(32, 16, 4, 1))
+    else:
+        monkeypatch.setitem(attn.ATTENTION_PLANS, ("bwd", 64), attn.AttentionPlan(128, 64, 8, 2))
+    check_kernels(shape, torch.bfloat16, True)
+
+
 @pytest.mark.parametrize("shape", [(1, 4, 2, 67, 67, 64), (1, 2, 2, 45, 67, 32), (1, 2, 1, 67, 40, 32)])
 def test_fused_backward_dk_dv_are_the_split_ones_and_dq_the_same_bits_each_run(shape, fused_backward):
     """The fused kernel's dk and dv are the dk / dv kernel's products in the same
