@@ -49,8 +49,9 @@ waiting for the tile's counter to show the blocks above it; the first stores its
 share into an fp32 accumulator, the middle ones add theirs, block 0 adds its own
 to the sum and writes dq (``_add_dq_in_turn``); each counts itself on the tile
 after its next tile's products. A fixed order: the same bits on every run, as
-the two kernels give. The grid launches the highest key blocks
-first, so a block waits only on blocks launched before it. The waits and counts
+the two kernels give. The programs take the key blocks from a work counter,
+a head's highest first, so a block waits only on blocks a running program
+took before it, whatever order the GPU starts the programs in. The waits and counts
 are PTX (acquire reads, release adds after a warp barrier), predicated rather
 than branched, so the tile loop stays one pipelined loop; under the
 interpreter, which runs the programs in order, a block out of turn poisons dq
@@ -139,9 +140,11 @@ ATTENTION_PLANS = {
     ("dkdv", 64): AttentionPlan(32, 64, 4, 3),  # run 103: 0.385 ms a backward against 0.533 (32x128 w8 s2)
     # the fused backward (block_n keys per program, block_m queries per step), not
     # yet swept on a GPU. sm_90 builds under Triton 3.9 pipeline the tile loop
-    # (cp.async) and run wgmma; at head dim 128 with 8 warps, 64x64 spills 80
-    # bytes, 32x64 none, 64x128 412, 16x128 24 (the dq adds scale with the keys a
-    # block: 128 halve 64's); at head dim 64, 64x64 and 64x128 spill none.
+    # (cp.async) and run wgmma; at head dim 128 with 8 warps, 64x64 spills 132
+    # bytes, 32x64 36, 64x128 472, 16x128 48 (the dq adds scale with the keys a
+    # block: 128 halve 64's); at head dim 64, 64x128 none, 64x64 (4 warps) 76.
+    # (Taking the work from a counter costs registers: a grid index is cheap to
+    # recompute, a counter's value stays live; before, 80, 0, 412, 24 and 0, 0.)
     ("bwd", 128): AttentionPlan(64, 64, 8, 2),
     ("bwd", 64): AttentionPlan(64, 128, 8, 2),  # 128 keys a block: half the dq adds of 64
 }
@@ -553,11 +556,12 @@ def _attention_dkdv_kernel(
 
 
 @triton.jit
-def _backward_prep_kernel(o_ptr, do_ptr, delta_ptr, turn_ptr, H, Tq, n_turns, stride_ob, stride_oh, stride_ot,
+def _backward_prep_kernel(o_ptr, do_ptr, delta_ptr, turn_ptr, H, Tq, n_turns, spare, stride_ob, stride_oh, stride_ot,
                           stride_dob, stride_doh, stride_dot, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                           TURN_ROWS: tl.constexpr):
     """``delta = rowsum(o · do)`` of BLOCK_M queries of one head (the values the
-    dq kernel stores), and their dq tiles' turn counters set to 0."""
+    dq kernel stores), and their dq tiles' turn counters set to 0; the first
+    program also zeroes the fused kernel's work counter (``turn_ptr[spare + 1]``)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -573,6 +577,8 @@ def _backward_prep_kernel(o_ptr, do_ptr, delta_ptr, turn_ptr, H, Tq, n_turns, st
     turns = pid * (BLOCK_M // TURN_ROWS) + tl.arange(0, BLOCK_M // TURN_ROWS)
     tl.store(turn_ptr + bh.to(tl.int64) * n_turns + turns, tl.zeros([BLOCK_M // TURN_ROWS], tl.int32),
              mask=turns < n_turns)
+    if pid + bh == 0:
+        tl.store(turn_ptr + spare + 1, 0)
 
 
 # The fused backward's turns, in PTX (Triton's own barrier or loop in the tile loop
@@ -665,23 +671,30 @@ def _attention_backward_fused_kernel(
     Key block ``n`` starts at the tile holding query ``n · BLOCK_N`` and walks
     down the sequence; a tile's first visitor is the key block on its diagonal,
     then each lower block one step later. So the key blocks add from the
-    highest to block 0, the grid runs them highest first, and at each step a
-    block waits for the block above it, which reached the same tile one step
+    highest to block 0, the programs take them highest first, and at each step
+    a block waits for the block above it, which reached the same tile one step
     before: no block idles at its start (adding from block 0 up made block
     ``n`` wait about ``n`` steps for the blocks below it, about half of every
-    program's time). A block waits only on blocks launched before it, which
-    never wait on it.
+    program's time). A block waits only on blocks taken before it, which never
+    wait on it.
+
+    Which (kv head, key block) a program takes is not its grid index: each takes
+    the next from a work counter (``turn_ptr[spare + 1]``, 0 from the prep
+    kernel), a head's blocks from the highest down. So the block a program waits
+    on was taken before, by a program that runs, whatever order the GPU starts
+    the programs in.
 
     A block counts itself on a tile after its next tile's products (its first
     "previous" counter is a spare one at ``turn_ptr[spare]``, which no block
     reads, and the last tile's count follows the loops): a count is a release,
     which waits until the warp's adds reached L2, and there the wait overlaps the
     tensor cores' work instead of preceding it."""
-    bhk = tl.program_id(1)
+    n_blocks = tl.cdiv(Tk, BLOCK_N)
+    work = tl.atomic_add(turn_ptr + spare + 1, 1)  # this program's (kv head, key block), in the order taken
+    bhk = work // n_blocks
     b = bhk // Hkv
     hk = bhk % Hkv
-    n_blocks = tl.cdiv(Tk, BLOCK_N)
-    n = n_blocks - 1 - tl.program_id(0)
+    n = n_blocks - 1 - work % n_blocks
     offs_n, offs_d, k, v, lo = _key_block(k_ptr, v_ptr, b, hk, n * BLOCK_N, Tk, stride_kb, stride_kh, stride_kt,
                                           stride_vb, stride_vh, stride_vt, True, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -902,11 +915,12 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     sq, sk, sv, sdo = q.stride()[:3], k.stride()[:3], v.stride()[:3], do.stride()[:3]
     if _backward["schedule"] == "fused" and causal and Tk > 0:
         n_turns = cdiv(Tq, TURN_ROWS)
-        turns = torch.empty(B * H * n_turns + 1, dtype=torch.int32, device=q.device)  # and a spare, never read
+        # the turn counters, a spare one no block reads, the work counter
+        turns = torch.empty(B * H * n_turns + 2, dtype=torch.int32, device=q.device)
         acc = torch.empty(B, H, Tq, D, dtype=torch.float32, device=q.device)  # dq's running fp32 sums
         prep_m = 32 if is_interpreted(q) else 64
         launch(_backward_prep_kernel, (cdiv(Tq, prep_m), B * H), o, do, delta, turns, H, Tq, n_turns,
-               *o.stride()[:3], *sdo, HEAD_DIM=D, BLOCK_M=prep_m, TURN_ROWS=TURN_ROWS, num_warps=4)
+               B * H * n_turns, *o.stride()[:3], *sdo, HEAD_DIM=D, BLOCK_M=prep_m, TURN_ROWS=TURN_ROWS, num_warps=4)
         meta.pop("CAUSAL")
         _launch("bwd", _attention_backward_fused_kernel, Tk, B * Hkv, D, q,
                 [q, k, v, do, lse, delta, acc, turns, dq, dk, dv, qk_scale, float(softmax_scale), H, Hkv, G, Tq, Tk,
