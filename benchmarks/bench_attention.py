@@ -176,8 +176,7 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
     diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
     row("bwd bf16", "triton", harness.time_ms(lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)),
         bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
-    previous = attn.set_backward_schedule("fused")
-    try:  # one kernel, five products a tile pair, dq's shares added in turn
+    with attn.backward_schedule("fused"):  # one kernel, five products a tile pair, dq's shares added in turn
         fused = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
         again = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
         same = all(torch.equal(a, b) for a, b in zip(fused, again))
@@ -186,8 +185,6 @@ def bench_case(name: str, ceiling: float) -> list[Row]:
         row("bwd bf16", "triton fused", harness.time_ms(
             lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)), bwd_flops, sdpa_bwd_ms, "sdpa bf16",
             diff)
-    finally:
-        attn.set_backward_schedule(previous)
     if cudnn:
         try:
             with torch.enable_grad():
@@ -231,11 +228,8 @@ def _resources(kernel: str, plan) -> str:
 
 def _fused_backward(*args):
     """The Triton backward under the fused schedule (the default schedule after)."""
-    previous = attn.set_backward_schedule("fused")
-    try:
+    with attn.backward_schedule("fused"):
         return tk.attention_backward(*args)
-    finally:
-        attn.set_backward_schedule(previous)
 
 
 def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:

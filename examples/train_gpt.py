@@ -1103,13 +1103,10 @@ def main(argv=None) -> dict:
     if args.fp8_params:
         print(f"te arm: linear weights as FP8 parameters, first cast under {args.fp8_params_recipe}")
     arms, skipped = build_arms(run)
-    previous = attention_kernels.set_backward_schedule(args.attention_backward)
-    try:
-        with torch.autograd.set_multithreading_enabled(args.backward_thread == "autograd"):  # this thread's setting
-            for arm in arms:
-                train_arm(arm, run)
-    finally:
-        attention_kernels.set_backward_schedule(previous)
+    with attention_kernels.backward_schedule(args.attention_backward), \
+            torch.autograd.set_multithreading_enabled(args.backward_thread == "autograd"):  # this thread's setting
+        for arm in arms:
+            train_arm(arm, run)
     print_summary(arms)
     report = make_report(run, arms, skipped, corpus)
     if args.json:

@@ -403,9 +403,8 @@ def fused_backward():
     """The Triton backward under its fused schedule for one test (the default after)."""
     from te_fuser.kernels.triton import attention as attn
 
-    previous = attn.set_backward_schedule("fused")
-    yield attn
-    attn.set_backward_schedule(previous)
+    with attn.backward_schedule("fused"):
+        yield attn
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -302,12 +302,8 @@ def _with_backward(schedule, fn):
     from te_fuser import backend
     from te_fuser.kernels.triton import attention as attn
 
-    previous = attn.set_backward_schedule(schedule)
-    try:
-        with backend.use_backend("triton"):
-            return fn()
-    finally:
-        attn.set_backward_schedule(previous)
+    with attn.backward_schedule(schedule), backend.use_backend("triton"):
+        return fn()
 
 
 @pytest.mark.parametrize("recipe_name", ["none", "delayed_mha"])

@@ -124,15 +124,12 @@ def test_the_fused_attention_backward_replays_as_it_runs_eagerly(monkeypatch):
     from te_fuser.kernels.triton import attention as attn
 
     monkeypatch.setitem(attn.ATTENTION_PLANS, ("bwd", 64), attn.AttentionPlan(16, 32, 4, 2))
-    previous = attn.set_backward_schedule("fused")
-    try:
+    with attn.backward_schedule("fused"):
         pair = _Pair(model=attention_block)
         dpa = te.recipe.DelayedScaling(amax_history_len=4, fp8_dpa=True)
         for i, recipe in enumerate([RECIPES["bf16"]] * 3 + [dpa] * 3):
             pair.step(recipe, context=f"step {i} ({recipe})")
         assert pair.graphed.stats.captures == 2
-    finally:
-        attn.set_backward_schedule(previous)
 
 
 @needs_gpu

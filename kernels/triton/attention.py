@@ -73,6 +73,7 @@ kernels pick among :data:`AUTOTUNE_CONFIGS` by ``triton.autotune`` instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -93,6 +94,7 @@ __all__ = [
     "attention_backward_unsupported_reason",
     "attention_forward_fp8_unsupported_reason",
     "set_backward_schedule",
+    "backward_schedule",
 ]
 
 LOG2E = 1.4426950408889634
@@ -894,6 +896,16 @@ def set_backward_schedule(schedule: str | None = None) -> str:
     if schedule is not None:
         _backward["schedule"] = schedule
     return previous
+
+
+@contextlib.contextmanager
+def backward_schedule(schedule: str):
+    """:func:`set_backward_schedule` for the block; the previous schedule after it."""
+    previous = set_backward_schedule(schedule)
+    try:
+        yield
+    finally:
+        set_backward_schedule(previous)
 
 
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
