@@ -21,11 +21,13 @@ the wheels cannot be installed (nothing compiled), 0 otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 import sysconfig
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,19 +124,24 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     sources, nvcc_flags, cxx_flags = build_settings()
     cuda = toolchain(args.toolchain)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in sources:
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        # every source at once (a compiler a core), reported in the build's order
+        def check(name: str) -> str | None:
             source = SOURCE_DIR / name
             if name.endswith(".cu"):
-                report = compile_cuda(source, cuda, nvcc_flags, Path(tmp) / (source.stem + ".cubin"), args.registers)
-                print(f"{name}: compiles (sm_90a)", flush=True)
-                rows = resources(report)
-                for (_, usage), kernel in zip(rows, demangled([kernel for kernel, _ in rows])):
-                    print(f"  {usage:<24} {kernel}")
-            else:
-                compile_host(source, cuda, cxx_flags)
-                print(f"{name}: compiles (host, syntax and types)", flush=True)
+                return compile_cuda(source, cuda, nvcc_flags, Path(tmp) / (source.stem + ".cubin"), args.registers)
+            compile_host(source, cuda, cxx_flags)
+            return None
 
+        for name, job in [(name, pool.submit(check, name)) for name in sources]:
+            report = job.result()  # the first source that does not compile (in this order) exits with its message
+            if report is None:
+                print(f"{name}: compiles (host, syntax and types)", flush=True)
+                continue
+            print(f"{name}: compiles (sm_90a)", flush=True)
+            rows = resources(report)
+            for (_, usage), kernel in zip(rows, demangled([kernel for kernel, _ in rows])):
+                print(f"  {usage:<24} {kernel}")
 
 if __name__ == "__main__":
     main()

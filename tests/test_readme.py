@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,11 +24,20 @@ EXPECTED = {"apply_recipe.py": "re-fusions: 3", "convert_hf_style.py": "converte
 
 
 def test_examples_run():
+    examples = []
     for example in sorted((ROOT / "examples").glob("*.py")):
         if example.name in OWN_TESTS:
             assert (ROOT / OWN_TESTS[example.name]).exists()
-            continue
-        out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        else:
+            examples.append(example)
+
+    def run(example):
+        return subprocess.run([sys.executable, str(example)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+    # two at a time: each spends most of its few seconds importing torch on one core
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outs = list(pool.map(run, examples))
+    for example, out in zip(examples, outs):
         assert out.returncode == 0, f"{example.name} failed:\n{out.stderr[-3000:]}"
         assert EXPECTED.get(example.name, "re-fusions: 2") in out.stdout, f"{example.name}: {out.stdout[-500:]}"
 
