@@ -81,124 +81,163 @@ def _fp8(t: torch.Tensor):
     return data.view(t.shape), scale_inv.reshape(())
 
 
-def bench_case(name: str, ceiling: float) -> list[Row]:
-    B, H, Hkv, T, D, causal = CASES[name]
-    label, scale = _label(B, H, Hkv, T, D, causal), 1 / math.sqrt(D)
-    fwd_flops = _flops(B, H, T, D, causal)
-    bwd_flops = 2.5 * fwd_flops
+class _Case:
+    """One case's inputs (rotating sets of bf16 q, k, v on ``device``) and its rows."""
 
-    def make():
-        q = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16)
-        return q, k, v
+    def __init__(self, name: str, ceiling: float, device: str) -> None:
+        B, H, Hkv, T, D, causal = CASES[name]
+        self.causal, self.scale, self.ceiling, self.device = causal, 1 / math.sqrt(D), ceiling, device
+        self.label = _label(B, H, Hkv, T, D, causal)
+        self.fwd_flops = _flops(B, H, T, D, causal)
+        self.bwd_flops = 2.5 * self.fwd_flops
 
-    sets = harness.rotation(make, 2 * (B * H * T * D + 2 * B * Hkv * T * D))
-    rows: list[Row] = []
+        def make():
+            q = torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16)
+            k = torch.randn(B, Hkv, T, D, device=device, dtype=torch.bfloat16)
+            v = torch.randn(B, Hkv, T, D, device=device, dtype=torch.bfloat16)
+            return q, k, v
 
-    def row(case, backend, ms, flops, peer_ms=None, peer="", note=""):
+        self.sets = harness.rotation(make, 2 * (B * H * T * D + 2 * B * Hkv * T * D))
+        self.rows: list[Row] = []
+
+    def row(self, case, backend, ms, flops, peer_ms=None, peer="", note="") -> float:
         rate = flops / (ms * 1e-3) / 1e12
-        r = Row("attention", case, backend, label, ms, rate, "TFLOP/s", of_ceiling=rate / ceiling,
+        r = Row("attention", case, backend, self.label, ms, rate, "TFLOP/s", of_ceiling=rate / self.ceiling,
                 vs_peer=None if peer_ms is None else peer_ms / ms, peer=peer, note=note)
-        rows.append(harness.progress(r))
+        self.rows.append(harness.progress(r))
         return ms
 
-    # forward
-    sdpa_ms = row("fwd bf16", "torch sdpa flash", harness.time_ms(lambda q, k, v: _sdpa(q, k, v, causal), sets),
-                  fwd_flops)
+
+def bench_case(name: str, ceiling: float, device: str = "cuda") -> list[Row]:
+    """Every row of case ``name`` (on a CPU: the Triton kernels under the
+    interpreter and SDPA's flash kernel; the others refuse the CPU's tensors)."""
+    c = _Case(name, ceiling, device)
+    sdpa_ms, o_sdpa, triton_out, cuda_out = _bf16_forward_rows(c)
+    _fp8_forward_rows(c, sdpa_ms, o_sdpa)
+    _backward_rows(c, triton_out, cuda_out)
+    return c.rows
+
+
+def _bf16_forward_rows(c: _Case):
+    """SDPA's flash and cuDNN kernels, Triton's, the cuda backend's (cuDNN) and our
+    Hopper kernel: ``(sdpa ms, sdpa's o, Triton's (o, lse), the cuda backend's (o,
+    lse) or None where it does not take the case)``."""
+    causal, scale, fwd_flops = c.causal, c.scale, c.fwd_flops
+    sdpa_ms = c.row("fwd bf16", "torch sdpa flash", harness.time_ms(lambda q, k, v: _sdpa(q, k, v, causal), c.sets),
+                    fwd_flops)
     try:  # cuDNN's kernel, what SDPA picks by default on Hopper: a second peer
-        _sdpa(*sets[0], causal, "cudnn")
-        row("fwd bf16", "torch sdpa cudnn", harness.time_ms(lambda q, k, v: _sdpa(q, k, v, causal, "cudnn"), sets),
-            fwd_flops, sdpa_ms, "sdpa bf16")
+        _sdpa(*c.sets[0], causal, "cudnn")
+        c.row("fwd bf16", "torch sdpa cudnn",
+              harness.time_ms(lambda q, k, v: _sdpa(q, k, v, causal, "cudnn"), c.sets), fwd_flops, sdpa_ms,
+              "sdpa bf16")
     except RuntimeError as err:
         print(f"  (sdpa cudnn: {str(err)[:80]})")
-    q, k, v = sets[0]
+    q, k, v = c.sets[0]
     o_sdpa = _sdpa(q, k, v, causal)
     o, lse = tk.attention_forward(q, k, v, causal, scale)
     diff = f"max|o - sdpa| {(o.float() - o_sdpa.float()).abs().max().item():.2e}"
-    row("fwd bf16", "triton", harness.time_ms(lambda q, k, v: tk.attention_forward(q, k, v, causal, scale), sets),
-        fwd_flops, sdpa_ms, "sdpa bf16", diff)
-    cudnn = ck.attention_forward_unsupported_reason(q, k) is None  # the cuda backend's kernels (cuDNN)
-    if cudnn:
-        o_c, lse_c = ck.attention_forward(q, k, v, causal, scale)
+    c.row("fwd bf16", "triton", harness.time_ms(lambda q, k, v: tk.attention_forward(q, k, v, causal, scale), c.sets),
+          fwd_flops, sdpa_ms, "sdpa bf16", diff)
+    cuda_out = None
+    if ck.attention_forward_unsupported_reason(q, k) is None:  # the cuda backend's kernels (cuDNN)
+        cuda_out = ck.attention_forward(q, k, v, causal, scale)
+        o_c = cuda_out[0]
         diff = f"max|o - sdpa| {(o_c.float() - o_sdpa.float()).abs().max().item():.2e}"
-        row("fwd bf16", "cuda", harness.time_ms(lambda q, k, v: ck.attention_forward(q, k, v, causal, scale), sets),
-            fwd_flops, sdpa_ms, "sdpa bf16", diff)
+        c.row("fwd bf16", "cuda",
+              harness.time_ms(lambda q, k, v: ck.attention_forward(q, k, v, causal, scale), c.sets), fwd_flops,
+              sdpa_ms, "sdpa bf16", diff)
     if cuda_attn.attention_forward_hopper_unsupported_reason(q, k) is None:  # our Hopper kernel (wgmma)
         o_h, _ = cuda_attn.attention_forward_hopper(q, k, v, causal, scale)
         diff = (f"max|o - sdpa| {(o_h.float() - o_sdpa.float()).abs().max().item():.2e}, "
                 f"max|o - triton| {(o_h.float() - o.float()).abs().max().item():.2e}")
-        row("fwd bf16", "cuda hopper", harness.time_ms(
-            lambda q, k, v: cuda_attn.attention_forward_hopper(q, k, v, causal, scale), sets), fwd_flops, sdpa_ms,
+        c.row("fwd bf16", "cuda hopper", harness.time_ms(
+            lambda q, k, v: cuda_attn.attention_forward_hopper(q, k, v, causal, scale), c.sets), fwd_flops, sdpa_ms,
             "sdpa bf16", diff)
-    fp8_sets = [tuple(x for t in s for x in _fp8(t)) for s in sets]  # (q8, qsi, k8, ksi, v8, vsi)
-    p_scale = torch.tensor(448.0, device="cuda")
+    return sdpa_ms, o_sdpa, (o, lse), cuda_out
+
+
+def _fp8_forward_rows(c: _Case, sdpa_ms: float, o_sdpa: torch.Tensor) -> None:
+    """The FP8 forwards (E4M3 q, k, v by current scaling): Triton's, with the three
+    casts, and our Hopper kernel under each consumer schedule."""
+    causal, scale, fwd_flops = c.causal, c.scale, c.fwd_flops
+    fp8_sets = [tuple(x for t in s for x in _fp8(t)) for s in c.sets]  # (q8, qsi, k8, ksi, v8, vsi)
+    p_scale = torch.tensor(448.0, device=c.device)
 
     def fp8_forward(q8, qsi, k8, ksi, v8, vsi):
         return tk.attention_forward_fp8(q8, k8, v8, qsi, ksi, vsi, p_scale, causal, scale, torch.bfloat16)
 
     o8, _ = fp8_forward(*fp8_sets[0])
     diff = f"max|o - sdpa| {(o8.float() - o_sdpa.float()).abs().max().item():.2e}"
-    row("fwd fp8", "triton", harness.time_ms(fp8_forward, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16", diff)
-    row("fwd fp8 + q/k/v casts", "triton",
-        harness.time_ms(lambda q, k, v: fp8_forward(*_fp8(q), *_fp8(k), *_fp8(v)), sets), fwd_flops, sdpa_ms,
-        "sdpa bf16")
+    c.row("fwd fp8", "triton", harness.time_ms(fp8_forward, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16", diff)
+    c.row("fwd fp8 + q/k/v casts", "triton",
+          harness.time_ms(lambda q, k, v: fp8_forward(*_fp8(q), *_fp8(k), *_fp8(v)), c.sets), fwd_flops, sdpa_ms,
+          "sdpa bf16")
     q8 = fp8_sets[0][0]
-    if cuda_attn.attention_forward_fp8_unsupported_reason(q8, q8) is None:  # our Hopper kernel (wgmma)
+    if cuda_attn.attention_forward_fp8_unsupported_reason(q8, q8) is not None:  # our Hopper kernel (wgmma)
+        return
 
-        def fp8_forward_cuda(q8, qsi, k8, ksi, v8, vsi):
-            return cuda_attn.attention_forward_fp8(q8, k8, v8, qsi, ksi, vsi, p_scale, causal, scale, torch.bfloat16)
+    def fp8_forward_cuda(q8, qsi, k8, ksi, v8, vsi):
+        return cuda_attn.attention_forward_fp8(q8, k8, v8, qsi, ksi, vsi, p_scale, causal, scale, torch.bfloat16)
 
-        o8c, _ = fp8_forward_cuda(*fp8_sets[0])
-        diff = (f"max|o - sdpa| {(o8c.float() - o_sdpa.float()).abs().max().item():.2e}, "
-                f"max|o - triton fp8| {(o8c.float() - o8.float()).abs().max().item():.2e}")
-        row("fwd fp8", "cuda", harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16", diff)
-        default = cuda_attn.set_hopper_schedule()
-        try:  # the other schedules of the consumers: in order (other bits), without turns (the same bits)
-            for turns, overlap, schedule in ((True, False, "cuda, in order"), (False, False, "cuda, in order, no turns"),
-                                             (False, True, "cuda, no turns")):
-                cuda_attn.set_hopper_schedule(turns, overlap)
-                o8s = fp8_forward_cuda(*fp8_sets[0])[0]
-                note = ("the same bits" if torch.equal(o8s, o8c) else
-                        f"max|o - overlapped| {(o8s.float() - o8c.float()).abs().max().item():.2e}")
-                row("fwd fp8", schedule, harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16",
-                    note)
-        finally:
-            cuda_attn.set_hopper_schedule(*default)
-    # backward
+    o8c, _ = fp8_forward_cuda(*fp8_sets[0])
+    diff = (f"max|o - sdpa| {(o8c.float() - o_sdpa.float()).abs().max().item():.2e}, "
+            f"max|o - triton fp8| {(o8c.float() - o8.float()).abs().max().item():.2e}")
+    c.row("fwd fp8", "cuda", harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16", diff)
+    default = cuda_attn.set_hopper_schedule()
+    try:  # the other schedules of the consumers: in order (other bits), without turns (the same bits)
+        for turns, overlap, schedule in ((True, False, "cuda, in order"), (False, False, "cuda, in order, no turns"),
+                                         (False, True, "cuda, no turns")):
+            cuda_attn.set_hopper_schedule(turns, overlap)
+            o8s = fp8_forward_cuda(*fp8_sets[0])[0]
+            note = ("the same bits" if torch.equal(o8s, o8c) else
+                    f"max|o - overlapped| {(o8s.float() - o8c.float()).abs().max().item():.2e}")
+            c.row("fwd fp8", schedule, harness.time_ms(fp8_forward_cuda, fp8_sets), fwd_flops, sdpa_ms, "sdpa bf16",
+                  note)
+    finally:
+        cuda_attn.set_hopper_schedule(*default)
+
+
+def _backward_rows(c: _Case, triton_out: tuple, cuda_out: tuple | None) -> None:
+    """The bf16 backwards from each forward's o and lse: SDPA's flash and cuDNN
+    kernels, Triton's two kernels and its fused one (the same bits twice), the cuda
+    backend's (cuDNN)."""
+    causal, scale, bwd_flops = c.causal, c.scale, c.bwd_flops
+    q, k, v = c.sets[0]
+    o, lse = triton_out
     do = torch.randn_like(q)
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     o_graph = _sdpa(qg, kg, vg, causal)
-    sdpa_bwd_ms = row("bwd bf16", "torch sdpa flash", harness.time_ms(
+    sdpa_bwd_ms = c.row("bwd bf16", "torch sdpa flash", harness.time_ms(
         lambda: torch.autograd.grad(o_graph, (qg, kg, vg), do, retain_graph=True)), bwd_flops)
     dq_sdpa = torch.autograd.grad(o_graph, (qg, kg, vg), do, retain_graph=True)[0]
     dq = tk.attention_backward(q, k, v, o, lse, do, causal, scale)[0]
     diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
-    row("bwd bf16", "triton", harness.time_ms(lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)),
-        bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
+    c.row("bwd bf16", "triton", harness.time_ms(lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)),
+          bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
     with attn.backward_schedule("fused"):  # one kernel, five products a tile pair, dq's shares added in turn
         fused = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
         again = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
         same = all(torch.equal(a, b) for a, b in zip(fused, again))
         diff = (f"max|dq - sdpa| {(fused[0].float() - dq_sdpa.float()).abs().max().item():.2e}, "
                 f"{'same bits twice' if same else 'NOT THE SAME BITS TWICE'}")
-        row("bwd bf16", "triton fused", harness.time_ms(
+        c.row("bwd bf16", "triton fused", harness.time_ms(
             lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)), bwd_flops, sdpa_bwd_ms, "sdpa bf16",
             diff)
-    if cudnn:
-        try:
-            with torch.enable_grad():
-                o_cg = _sdpa(qg, kg, vg, causal, "cudnn")
-            row("bwd bf16", "torch sdpa cudnn", harness.time_ms(
-                lambda: torch.autograd.grad(o_cg, (qg, kg, vg), do, retain_graph=True)), bwd_flops, sdpa_bwd_ms,
-                "sdpa bf16")
-        except RuntimeError as err:
-            print(f"  (sdpa cudnn backward: {str(err)[:80]})")
-        dq = ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)[0]
-        diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
-        row("bwd bf16", "cuda", harness.time_ms(lambda: ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)),
-            bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
-    return rows
+    if cuda_out is None:
+        return
+    try:
+        with torch.enable_grad():
+            o_cg = _sdpa(qg, kg, vg, causal, "cudnn")
+        c.row("bwd bf16", "torch sdpa cudnn", harness.time_ms(
+            lambda: torch.autograd.grad(o_cg, (qg, kg, vg), do, retain_graph=True)), bwd_flops, sdpa_bwd_ms,
+            "sdpa bf16")
+    except RuntimeError as err:
+        print(f"  (sdpa cudnn backward: {str(err)[:80]})")
+    o_c, lse_c = cuda_out
+    dq = ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)[0]
+    diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
+    c.row("bwd bf16", "cuda", harness.time_ms(lambda: ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)),
+          bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
 
 
 _JIT = {"fwd": "_attention_forward_kernel", "fwd_fp8": "_attention_forward_kernel", "dq": "_attention_dq_kernel",

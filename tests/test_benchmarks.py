@@ -266,3 +266,37 @@ def test_backward_threads_splits_each_arms_step_in_both_modes():
         assert all(r[k] > 0 for k in ("step", "forward", "start", "body", "end")), (arm, r)
         assert r["forward"] + r["start"] + r["body"] + r["end"] <= r["step"], (arm, r)
         assert (r["fuser"] == 0) == (arm == "bf16 eager") and r["fuser"] <= r["body"], (arm, r)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full benchmark (run_gpu.sh attention)")
+def test_bench_attention_runs_a_case_through_every_row_the_cpu_takes(monkeypatch):
+    """One small causal case of bench_attention.py on the CPU (each timing one call):
+    SDPA's flash rows, Triton's bf16 and FP8 forwards and both of its backwards,
+    the fused one computed twice with the same bits; the cuDNN and Hopper rows are
+    left out (their kernels refuse the CPU's tensors), and the schedule is put back."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_attention
+    import harness
+
+    from te_fuser.kernels.triton import attention as attn
+
+    def once(fn, inputs=((),), **_):
+        fn(*inputs[0])
+        return 1.0
+
+    monkeypatch.setattr(harness, "time_ms", once)
+    monkeypatch.setattr(harness, "rotation", lambda make, _bytes: [make()])
+    monkeypatch.setitem(bench_attention.CASES, "cpu", (1, 2, 1, 40, 64, True))
+    before = attn.set_backward_schedule()
+    rows = bench_attention.bench_case("cpu", ceiling=1.0, device="cpu")
+    names = [(r.case, r.backend) for r in rows]
+    assert names == [("fwd bf16", "torch sdpa flash"), ("fwd bf16", "triton"), ("fwd fp8", "triton"),
+                     ("fwd fp8 + q/k/v casts", "triton"), ("bwd bf16", "torch sdpa flash"), ("bwd bf16", "triton"),
+                     ("bwd bf16", "triton fused")], names
+    fused = rows[-1]
+    assert "same bits twice" in fused.note and "NOT" not in fused.note, fused.note
+    for r in rows:  # each check against SDPA's output: bf16 rounding, or FP8's (randn q, k, v)
+        if "sdpa|" in r.note:
+            diff = float(re.search(r"sdpa\| ([0-9.e+-]+)", r.note).group(1))
+            assert diff < (0.25 if "fp8" in r.case else 0.02), (r.case, r.backend, r.note)
+    assert attn.set_backward_schedule() == before
