@@ -271,13 +271,14 @@ def _fused_backward(*args):
         return tk.attention_backward(*args)
 
 
-def sweep(ceiling: float, case_name: str = "main", kernels=None) -> list[Row]:
-    """Every launch shape of AUTOTUNE_CONFIGS for each kernel (or those named), at one case."""
+def sweep(ceiling: float, case_name: str = "main", kernels=None, device: str = "cuda") -> list[Row]:
+    """Every launch shape of AUTOTUNE_CONFIGS for each kernel (or those named), at
+    one case (a shape that does not fit is a row with its error)."""
     B, H, Hkv, T, D, causal = CASES[case_name]
     label, scale = _label(B, H, Hkv, T, D, causal), 1 / math.sqrt(D)
-    q, k, v = (torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
+    q, k, v = (torch.randn(B, h, T, D, device=device, dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
     (q8, qsi), (k8, ksi), (v8, vsi) = _fp8(q), _fp8(k), _fp8(v)
-    p_scale = torch.tensor(448.0, device="cuda")
+    p_scale = torch.tensor(448.0, device=device)
     o, lse = tk.attention_forward(q, k, v, causal, scale)
     do = torch.randn_like(q)
     calls = {

@@ -300,3 +300,24 @@ def test_bench_attention_runs_a_case_through_every_row_the_cpu_takes(monkeypatch
             diff = float(re.search(r"sdpa\| ([0-9.e+-]+)", r.note).group(1))
             assert diff < (0.25 if "fp8" in r.case else 0.02), (r.case, r.backend, r.note)
     assert attn.set_backward_schedule() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full sweep (run_gpu.sh fusedbwd)")
+def test_bench_attention_sweeps_the_fused_backwards_shapes_and_puts_its_plan_back(monkeypatch):
+    """bench_attention.py's sweep of the fused backward at a small case on the CPU:
+    a row for every launch shape of AUTOTUNE_CONFIGS["bwd"], each of which ran (no
+    error in its note), and the plan table as it was."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_attention
+    import harness
+
+    from te_fuser.kernels.triton import attention as attn
+
+    monkeypatch.setattr(harness, "time_ms", lambda fn, inputs=((),), **_: (fn(*inputs[0]), 1.0)[1])
+    monkeypatch.setitem(bench_attention.CASES, "cpu", (1, 2, 1, 40, 64, True))
+    plans = dict(attn.ATTENTION_PLANS)
+    rows = bench_attention.sweep(1.0, "cpu", kernels=["bwd"], device="cpu")
+    assert len(rows) == len(attn.AUTOTUNE_CONFIGS["bwd"])
+    for r in rows:
+        assert r.case.startswith("bwd ") and "(fused backward)" in r.case and r.ms == 1.0, (r.case, r.note)
+    assert attn.ATTENTION_PLANS == plans
