@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn fusedbwd fusedgpt grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn fusedbwd fusedgpt ncuattn grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -94,6 +94,11 @@ a.attention_backward(q, k, v, o, lse, do, True, 0.088); torch.cuda.synchronize()
       else
         echo "fused backward: no return within a minute (a turn that never comes?); its tests and timings skipped"
       fi ;;
+    ncuattn)  # the attention kernels under Nsight Compute (ncu_attention.py): per kernel its duration, throughput,
+      # occupancy, stall reasons and pipes, for our FP8 and bf16 forwards, both Triton backwards and cuDNN's; the reports
+      # and their CSVs in $OUT/ncu (NCU_TARGETS="fp8fwd bwd" for some, NCU_CASE=gpt for the GPT's shape)
+      timeout 480 python3 benchmarks/ncu_attention.py --out "$OUT/ncu" --case ${NCU_CASE:-main} \
+        ${NCU_TARGETS:+--targets $NCU_TARGETS} 2>&1 | tee "$OUT/ncuattn.log" | tail -40 ;;
     fusedgpt)  # the GPT's te arm with the attention backward in two kernels, then fused, one process after the other
       for bwd in split fused; do
         timeout 250 python3 examples/train_gpt.py --size gpu --arms te --schedule bf16:15,delayed_mha:15 \

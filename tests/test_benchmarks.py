@@ -50,7 +50,8 @@ def test_benchmark_rows_go_to_an_untracked_file_and_are_recorded_only_when_asked
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU they are full benchmarks (run_gpu.sh handoff, launches)")
-@pytest.mark.parametrize("script", ["bench_handoff.py", "count_launches.py", "gemm_workspace_ab.py"])
+@pytest.mark.parametrize("script", ["bench_handoff.py", "count_launches.py", "gemm_workspace_ab.py",
+                                    "ncu_attention.py"])
 def test_a_gpu_benchmark_imports_and_asks_for_a_gpu_on_cpu(script):
     run = subprocess.run([sys.executable, f"benchmarks/{script}"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
@@ -321,3 +322,89 @@ def test_bench_attention_sweeps_the_fused_backwards_shapes_and_puts_its_plan_bac
     for r in rows:
         assert r.case.startswith("bwd ") and "(fused backward)" in r.case and r.ms == 1.0, (r.case, r.note)
     assert attn.ATTENTION_PLANS == plans
+
+
+# Two kernels of an ``ncu --csv --page details`` export, as Nsight Compute writes one
+# (thousands separators inside the quoted values; the raw counters asked for with
+# --metrics under their own names)
+_NCU_CSV = """\
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","7","python3","127.0.0.1","v_keys_inner_kernel","1","7","(256, 1, 1)","(32, 64, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","us","21.31"
+"0","7","python3","127.0.0.1","v_keys_inner_kernel","1","7","(256, 1, 1)","(32, 64, 1)","0","9.0","GPU Speed Of Light Throughput","Memory Throughput","%","71.20"
+"1","7","python3","127.0.0.1","attention_fp8_forward_kernel","1","7","(384, 1, 1)","(32, 64, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","us","1,478.56"
+"1","7","python3","127.0.0.1","attention_fp8_forward_kernel","1","7","(384, 1, 1)","(32, 64, 1)","0","9.0","GPU Speed Of Light Throughput","Compute (SM) Throughput","%","48.10"
+"1","7","python3","127.0.0.1","attention_fp8_forward_kernel","1","7","(384, 1, 1)","(32, 64, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","168"
+"1","7","python3","127.0.0.1","attention_fp8_forward_kernel","1","7","(384, 1, 1)","(32, 64, 1)","0","9.0","Command line profiler metrics","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","","0.52"
+"1","7","python3","127.0.0.1","attention_fp8_forward_kernel","1","7","(384, 1, 1)","(32, 64, 1)","0","9.0","Command line profiler metrics","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","","1.93"
+"1","7","python3","127.0.0.1","attention_fp8_forward_kernel","1","7","(384, 1, 1)","(32, 64, 1)","0","9.0","Command line profiler metrics","smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio","","n/a"
+"1","7","python3","127.0.0.1","attention_fp8_forward_kernel","1","7","(384, 1, 1)","(32, 64, 1)","0","9.0","Command line profiler metrics","sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active","%","61.50"
+"1","7","python3","127.0.0.1","attention_fp8_forward_kernel","1","7","(384, 1, 1)","(32, 64, 1)","0","9.0","Command line profiler metrics","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active","%","38.00"
+"1","7","python3","127.0.0.1","attention_fp8_forward_kernel","1","7","(384, 1, 1)","(32, 64, 1)","0","9.0","Command line profiler metrics","sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active","%","12.25"
+"""
+
+
+def test_ncu_attention_condenses_an_ncu_export_per_kernel(capsys):
+    """ncu_attention.py's summary of a details export: kernels in launch order, the
+    sections' figures by their names, stall reasons and pipes largest first (a
+    value ncu leaves out is not a number and goes last), and the same from a saved
+    CSV through --summarize."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ncu_attention
+
+    kernels = ncu_attention.summarize(_NCU_CSV)
+    assert [k["kernel"] for k in kernels] == ["v_keys_inner_kernel", "attention_fp8_forward_kernel"]
+    v, fwd = kernels
+    assert v["shown"] == {"duration": (21.31, "us"), "memory %": (71.2, "%")} and not v["stalls"]
+    assert fwd["shown"]["duration"] == (1478.56, "us") and fwd["shown"]["registers"] == (168.0, "register/thread")
+    assert [r for r, _ in fwd["stalls"]] == ["wait", "barrier", "math_pipe_throttle"]
+    assert fwd["pipes"] == [("xu (inst)", 61.5), ("tensor_op_gmma (cycles)", 38.0), ("fma (inst)", 12.25)]
+    ncu_attention.print_summary("fp8fwd", kernels)
+    out = capsys.readouterr().out
+    assert "fp8fwd    attention_fp8_forward_kernel: duration 1478.56 us, SM % 48.1, registers 168" in out
+    assert "stalls (cycles a warp waited per issued instruction): wait 1.93, barrier 0.52" in out
+    assert "pipes (% of peak while active): xu (inst) 61.5, tensor_op_gmma (cycles) 38.0" in out
+
+
+def test_ncu_attention_profiles_one_call_with_the_clocks_as_they_are(tmp_path):
+    """The ncu command: only the kernels between cudaProfilerStart and Stop (the child's
+    one call after its warm-up), the clocks left alone, the report exported, the
+    sections and the raw stall and pipe counters (left out on the retry)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ncu_attention
+
+    cmd = ncu_attention.ncu_command("ncu", "fusedbwd", "gpt", tmp_path / "fusedbwd")
+    text = " ".join(cmd)
+    assert "--profile-from-start off" in text and "--clock-control none" in text
+    assert f"--export {tmp_path / 'fusedbwd'}" in text and "--section WarpStateStats" in text
+    assert cmd[-4:] == ["--launch", "fusedbwd", "--case", "gpt"] and cmd[-5].endswith("ncu_attention.py")
+    assert "--metrics" in cmd and "--metrics" not in ncu_attention.ncu_command("ncu", "bwd", "main", tmp_path, False)
+    (tmp_path / "fp8fwd.csv").write_text(_NCU_CSV)
+    run = subprocess.run([sys.executable, "benchmarks/ncu_attention.py", "--summarize", str(tmp_path / "fp8fwd.csv")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0 and "fp8fwd    v_keys_inner_kernel: duration 21.31 us" in run.stdout, run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU ncu profiles them (run_gpu.sh ncuattn)")
+def test_ncu_attentions_backward_targets_run_their_schedule(monkeypatch):
+    """The calls ncu_attention.py profiles for the two Triton backwards, at a small
+    case on the CPU: each runs under its own schedule (the fused one's dk and dv are
+    the two kernels' bits), and the process's schedule is the one asked last."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_attention
+    import ncu_attention
+
+    from te_fuser.kernels.triton import attention as attn
+
+    monkeypatch.setitem(bench_attention.CASES, "cpu", (1, 2, 1, 40, 64, True))
+    before = attn.set_backward_schedule()
+    try:
+        torch.manual_seed(0)
+        split = ncu_attention._call("bwd", "cpu", device="cpu")()
+        assert attn.set_backward_schedule() == "split"
+        torch.manual_seed(0)
+        fused = ncu_attention._call("fusedbwd", "cpu", device="cpu")()
+        assert attn.set_backward_schedule() == "fused"
+    finally:
+        attn.set_backward_schedule(before)
+    assert torch.equal(split[1], fused[1]) and torch.equal(split[2], fused[2])
+    assert (split[0].float() - fused[0].float()).abs().max() < 0.02

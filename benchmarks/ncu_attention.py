@@ -1,0 +1,240 @@
+"""Where the attention kernels' time goes, from the GPU's hardware counters (Nsight Compute).
+
+Timing variants tells how long a kernel takes, not what holds it back. This runs
+one call of each attention path under ``ncu`` and condenses its report: per kernel
+the duration, the SM's and memory's throughput against peak, achieved occupancy,
+registers, the issue slots used, the warps' stall reasons (cycles a warp waited
+per instruction it issued, by reason) and the pipes' utilization (tensor, FMA,
+ALU, the XU that runs ``ex2`` and conversions, ...). The targets, each at one case
+of ``bench_attention.CASES`` (default the main one, 4x16x4096x128 causal):
+
+- ``fp8fwd``: our Hopper FP8 forward (``kernels/cuda/attention_kernels.cu``), with
+  the kernel that writes V transposed (``v_keys_inner_kernel``) before it;
+- ``hpfwd``: our Hopper bf16 forward (``attention_hp_kernels.cu``);
+- ``cudnnfwd`` / ``cudnnbwd``: SDPA's cuDNN kernels, the yardstick;
+- ``bwd``: Triton's two-kernel backward (dq's kernel, then dk / dv's);
+- ``fusedbwd``: Triton's fused backward (the prep kernel, then the fused one).
+
+    python benchmarks/ncu_attention.py [--targets fp8fwd ...] [--case main] [--out DIR]
+
+Each target is a child process (``--launch TARGET``) that warms the path up, then
+runs one call between ``cudaProfilerStart`` and ``cudaProfilerStop``; ``ncu``
+(``--profile-from-start off``, ``--clock-control none``: the clocks as they are)
+profiles the kernels of that call into ``DIR/TARGET.ncu-rep``, then exports its
+details as ``DIR/TARGET.csv``, which :func:`summarize` reads. Where the counters
+cannot be read (a runtime without them) ``ncu``'s message is printed instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+TARGETS = ("fp8fwd", "hpfwd", "cudnnfwd", "bwd", "fusedbwd", "cudnnbwd")
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis", "WarpStateStats")
+# Raw counters beside the sections: every stall reason and every pipe's utilization
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+PEAK = ".avg.pct_of_peak_sustained_active"
+# (prefix, suffix, label) of the pipes' figures: instructions issued to a pipe, and
+# the cycles a pipe was busy (the tensor pipe's products take many cycles each)
+PIPES = (("sm__inst_executed_pipe_", PEAK, "inst"), ("sm__pipe_", "_cycles_active" + PEAK, "cycles"))
+METRICS = (f"regex:^{STALL_PREFIX}.*_per_issue_active\\.ratio$",
+           "regex:^sm__inst_executed_pipe_.*\\.avg\\.pct_of_peak_sustained_active$",
+           "regex:^sm__pipe_.*_cycles_active\\.avg\\.pct_of_peak_sustained_active$")
+# The sections' figures a summary line shows, by their names in the report
+SHOWN = {"Duration": "duration", "Compute (SM) Throughput": "SM %", "Memory Throughput": "memory %",
+         "Achieved Occupancy": "occupancy %", "Registers Per Thread": "registers", "Issue Slots Busy": "issue %",
+         "Warp Cycles Per Issued Instruction": "cycles / issue"}
+
+
+def ncu_command(ncu: str, target: str, case: str, report: Path, counters: bool = True) -> list[str]:
+    """``ncu`` over one child launching ``target`` at ``case``, its report at ``report``
+    (``.ncu-rep`` added); ``counters``: the raw stall and pipe counters too."""
+    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--force-overwrite", "--export", str(report)]
+    for section in SECTIONS:
+        cmd += ["--section", section]
+    if counters:
+        cmd += ["--metrics", ",".join(METRICS)]
+    return cmd + [sys.executable, str(Path(__file__).resolve()), "--launch", target, "--case", case]
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return math.nan
+
+
+def summarize(csv_text: str) -> list[dict]:
+    """Per kernel of an ``ncu --csv --page details`` export, in launch order:
+    ``{"kernel", "shown": {label: (value, unit)}, "stalls": [(reason, cycles)],
+    "pipes": [(pipe, percent)]}``, stalls and pipes largest first."""
+    kernels: dict = {}
+    for row in csv.DictReader(csv_text.splitlines()):
+        metric = row.get("Metric Name", "")
+        if not metric or "ID" not in row:
+            continue
+        k = kernels.setdefault(row["ID"], {"kernel": row["Kernel Name"], "shown": {}, "stalls": [], "pipes": []})
+        value, unit = _number(row.get("Metric Value", "")), row.get("Metric Unit", "")
+        if metric in SHOWN:
+            k["shown"][SHOWN[metric]] = (value, unit)
+        elif metric.startswith(STALL_PREFIX) and metric.endswith(STALL_SUFFIX):
+            k["stalls"].append((metric[len(STALL_PREFIX):-len(STALL_SUFFIX)], value))
+        else:
+            for prefix, suffix, label in PIPES:
+                if metric.startswith(prefix) and metric.endswith(suffix):
+                    k["pipes"].append((f"{metric[len(prefix):-len(suffix)]} ({label})", value))
+                    break
+    out = [kernels[i] for i in sorted(kernels, key=_number)]
+    for k in out:
+        k["stalls"].sort(key=lambda item: -item[1] if item[1] == item[1] else 0.0)
+        k["pipes"].sort(key=lambda item: -item[1] if item[1] == item[1] else 0.0)
+    return out
+
+
+def print_summary(target: str, kernels: list[dict], top: int = 6) -> None:
+    for k in kernels:
+        name = k["kernel"] if len(k["kernel"]) <= 60 else k["kernel"][:57] + "..."
+        shown = ", ".join(f"{label} {value:g}{' ' + unit if unit and unit != '%' else ''}"
+                          for label, (value, unit) in k["shown"].items())
+        print(f"{target:9s} {name}: {shown}")
+        if k["stalls"]:
+            print("    stalls (cycles a warp waited per issued instruction): "
+                  + ", ".join(f"{reason} {cycles:.2f}" for reason, cycles in k["stalls"][:top]))
+        if k["pipes"]:
+            print("    pipes (% of peak while active): "
+                  + ", ".join(f"{pipe} {pct:.1f}" for pipe, pct in k["pipes"][:top]))
+
+
+def profile(ncu: str, target: str, case: str, out: Path) -> list[dict] | None:
+    """One target under ncu (without the raw counters where ncu refuses them): its
+    kernels' summaries, or None with ncu's message printed."""
+    report = out / target
+    message = ""
+    for counters in (True, False):
+        try:
+            run = subprocess.run(ncu_command(ncu, target, case, report, counters), capture_output=True, text=True,
+                                 timeout=150)
+        except subprocess.TimeoutExpired:
+            message = "no report within 150 s"
+            continue
+        if run.returncode == 0 and report.with_suffix(".ncu-rep").exists():
+            break
+        message = (run.stdout + run.stderr)[-1500:]
+    else:
+        print(f"{target}: ncu failed: {message}")
+        return None
+    exported = subprocess.run([ncu, "--import", str(report.with_suffix(".ncu-rep")), "--csv", "--page", "details"],
+                              capture_output=True, text=True, timeout=120)
+    report.with_suffix(".csv").write_text(exported.stdout)
+    if exported.returncode != 0:
+        print(f"{target}: ncu --import failed:\n{exported.stderr[-1500:]}")
+        return None
+    return summarize(exported.stdout)
+
+
+def _call(target: str, case: str, device: str = "cuda"):
+    """The call ``target`` profiles at ``case``, its inputs made (bf16 q, k, v on ``device``)."""
+    import importlib
+    import math as _math
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_attention as ba
+
+    from te_fuser.kernels import triton as tk
+
+    B, H, Hkv, T, D, causal = ba.CASES[case]
+    scale = 1 / _math.sqrt(D)
+    q, k, v = (torch.randn(B, h, T, D, device=device, dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
+    do = torch.randn_like(q)
+    cuda_attn = importlib.import_module("te_fuser.kernels.cuda.attention")
+    attn = importlib.import_module("te_fuser.kernels.triton.attention")
+    if target == "fp8fwd":
+        (q8, qsi), (k8, ksi), (v8, vsi) = ba._fp8(q), ba._fp8(k), ba._fp8(v)
+        reason = cuda_attn.attention_forward_fp8_unsupported_reason(q8, k8)
+        if reason is not None:
+            raise SystemExit(f"ncu_attention: fp8fwd: {reason}")
+        p_scale = torch.tensor(448.0, device=device)
+        return lambda: cuda_attn.attention_forward_fp8(q8, k8, v8, qsi, ksi, vsi, p_scale, causal, scale,
+                                                       torch.bfloat16)
+    if target == "hpfwd":
+        reason = cuda_attn.attention_forward_hopper_unsupported_reason(q, k)
+        if reason is not None:
+            raise SystemExit(f"ncu_attention: hpfwd: {reason}")
+        return lambda: cuda_attn.attention_forward_hopper(q, k, v, causal, scale)
+    if target == "cudnnfwd":
+        return lambda: ba._sdpa(q, k, v, causal, "cudnn")
+    if target == "cudnnbwd":
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        o = ba._sdpa(qg, kg, vg, causal, "cudnn")
+        return lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+    o, lse = tk.attention_forward(q, k, v, causal, scale)
+    attn.set_backward_schedule("fused" if target == "fusedbwd" else "split")
+    return lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)
+
+
+def launch(target: str, case: str) -> None:
+    """The child ncu runs: two calls to warm up (compilation, plans), then one call
+    between cudaProfilerStart and cudaProfilerStop, the only kernels profiled."""
+    import torch
+
+    call = _call(target, case)
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def _ncu() -> str | None:
+    """The ncu on the PATH, else one of the CUDA toolkit's or Nsight Compute's own."""
+    found = shutil.which("ncu")
+    if found:
+        return found
+    installed = sorted(Path("/usr/local").glob("cuda*/bin/ncu")) + sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))
+    return str(installed[-1]) if installed else None
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+    p.add_argument("--case", default="main", help="a case of bench_attention.CASES")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out/ncu"), help="where the reports and CSVs go")
+    p.add_argument("--launch", choices=TARGETS, help=argparse.SUPPRESS)  # the child ncu runs
+    p.add_argument("--summarize", type=Path, nargs="+", metavar="CSV",
+                   help="print the summary of exported reports (TARGET.csv) instead of profiling")
+    args = p.parse_args(argv)
+    if args.summarize:
+        for path in args.summarize:
+            print_summary(path.stem, summarize(path.read_text()))
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        print("ncu_attention needs a GPU")
+        return
+    if args.launch:
+        launch(args.launch, args.case)
+        return
+    ncu = _ncu()
+    if ncu is None:
+        print("ncu_attention: ncu (Nsight Compute) is not installed here")
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    for target in args.targets:
+        kernels = profile(ncu, target, args.case, args.out)
+        if kernels is not None:
+            print_summary(target, kernels)
+
+
+if __name__ == "__main__":
+    main()
