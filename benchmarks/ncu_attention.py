@@ -75,7 +75,9 @@ def summarize(csv_text: str) -> list[dict]:
     ``{"kernel", "shown": {label: (value, unit)}, "stalls": [(reason, cycles)],
     "pipes": [(pipe, percent)]}``, stalls and pipes largest first."""
     kernels: dict = {}
-    for row in csv.DictReader(csv_text.splitlines()):
+    lines = csv_text.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), len(lines))  # past ==PROF== lines
+    for row in csv.DictReader(lines[header:]):
         metric = row.get("Metric Name", "")
         if not metric or "ID" not in row:
             continue

@@ -352,6 +352,7 @@ def test_ncu_attention_condenses_an_ncu_export_per_kernel(capsys):
     import ncu_attention
 
     kernels = ncu_attention.summarize(_NCU_CSV)
+    assert ncu_attention.summarize("==PROF== Connected to process 7\n" + _NCU_CSV) == kernels
     assert [k["kernel"] for k in kernels] == ["v_keys_inner_kernel", "attention_fp8_forward_kernel"]
     v, fwd = kernels
     assert v["shown"] == {"duration": (21.31, "us"), "memory %": (71.2, "%")} and not v["stalls"]
