@@ -199,8 +199,7 @@ def _fp8_forward_rows(c: _Case, sdpa_ms: float, o_sdpa: torch.Tensor) -> None:
 
 def _backward_rows(c: _Case, triton_out: tuple, cuda_out: tuple | None) -> None:
     """The bf16 backwards from each forward's o and lse: SDPA's flash and cuDNN
-    kernels, Triton's two kernels and its fused one (the same bits twice), the cuda
-    backend's (cuDNN)."""
+    kernels, Triton's two kernels, the cuda backend's (cuDNN)."""
     causal, scale, bwd_flops = c.causal, c.scale, c.bwd_flops
     q, k, v = c.sets[0]
     o, lse = triton_out
@@ -214,15 +213,6 @@ def _backward_rows(c: _Case, triton_out: tuple, cuda_out: tuple | None) -> None:
     diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
     c.row("bwd bf16", "triton", harness.time_ms(lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)),
           bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
-    with attn.backward_schedule("fused"):  # one kernel, five products a tile pair, dq's shares added in turn
-        fused = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
-        again = tk.attention_backward(q, k, v, o, lse, do, causal, scale)
-        same = all(torch.equal(a, b) for a, b in zip(fused, again))
-        diff = (f"max|dq - sdpa| {(fused[0].float() - dq_sdpa.float()).abs().max().item():.2e}, "
-                f"{'same bits twice' if same else 'NOT THE SAME BITS TWICE'}")
-        c.row("bwd bf16", "triton fused", harness.time_ms(
-            lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)), bwd_flops, sdpa_bwd_ms, "sdpa bf16",
-            diff)
     if cuda_out is None:
         return
     try:
@@ -241,7 +231,7 @@ def _backward_rows(c: _Case, triton_out: tuple, cuda_out: tuple | None) -> None:
 
 
 _JIT = {"fwd": "_attention_forward_kernel", "fwd_fp8": "_attention_forward_kernel", "dq": "_attention_dq_kernel",
-        "dkdv": "_attention_dkdv_kernel", "bwd": "_attention_backward_fused_kernel"}
+        "dkdv": "_attention_dkdv_kernel"}
 
 
 def _resources(kernel: str, plan) -> str:
@@ -265,12 +255,6 @@ def _resources(kernel: str, plan) -> str:
     return "; ".join(dict.fromkeys(seen))
 
 
-def _fused_backward(*args):
-    """The Triton backward under the fused schedule (the default schedule after)."""
-    with attn.backward_schedule("fused"):
-        return tk.attention_backward(*args)
-
-
 def sweep(ceiling: float, case_name: str = "main", kernels=None, device: str = "cuda") -> list[Row]:
     """Every launch shape of AUTOTUNE_CONFIGS for each kernel (or those named), at
     one case (a shape that does not fit is a row with its error)."""
@@ -287,7 +271,6 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None, device: str = "
                                                      torch.bfloat16), 1.0),
         "dq": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
         "dkdv": (lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale), 2.5),
-        "bwd": (lambda: _fused_backward(q, k, v, o, lse, do, causal, scale), 2.5),
     }
     rows = []
     for kernel, configs in attn.AUTOTUNE_CONFIGS.items():
@@ -307,8 +290,7 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None, device: str = "
             rate = factor * _flops(B, H, T, D, causal) / (ms * 1e-3) / 1e12
             case = (f"{kernel} {plan.block_m}x{plan.block_n} w{plan.num_warps} s{plan.num_stages}"
                     + (" one loop" if plan.one_loop else "")
-                    + (" (whole backward)" if kernel in ("dq", "dkdv") else "")
-                    + (" (fused backward)" if kernel == "bwd" else ""))
+                    + (" (whole backward)" if kernel in ("dq", "dkdv") else ""))
             rows.append(harness.progress(Row("attention-sweep", case, "triton", label, ms, rate, "TFLOP/s",
                                              of_ceiling=rate / ceiling, note=note)))
         if saved is not None:
@@ -320,7 +302,7 @@ def _targets(rows: list[Row]) -> None:
     """Each target against SDPA's flash kernel and against its cuDNN kernel (what
     SDPA picks by default on Hopper), for what the auto backend runs: the cuda
     backend's (cuDNN) bf16 forward where it ran, the FP8 forward of Triton, the
-    Triton backward in both schedules (the deterministic ones), and our Hopper kernels' forwards where
+    Triton backward (the deterministic one), and our Hopper kernels' forwards where
     they ran."""
     main = _label(*CASES["main"])
     wanted = {"fwd bf16": 0.9, "fwd fp8": 1.3, "bwd bf16": 0.9}
@@ -331,9 +313,8 @@ def _targets(rows: list[Row]) -> None:
         if case == "fwd bf16":  # cuDNN's (the cuda backend's) where it ran, else Triton's; and our Hopper kernel's
             candidates = (["cuda"] if (case, "cuda") in ms else ["triton"]) + (
                 ["cuda hopper"] if (case, "cuda hopper") in ms else [])
-        else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: Triton's two schedules (cuDNN's
-            # is not deterministic)
-            candidates = [b for b in ("triton", "triton fused", "cuda")
+        else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: Triton's (cuDNN's is not deterministic)
+            candidates = [b for b in ("triton", "cuda")
                           if (case, b) in ms and not (case.startswith("bwd") and b == "cuda")]
         for ours in candidates:
             for peer in ("torch sdpa flash", "torch sdpa cudnn"):
@@ -348,7 +329,7 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--cases", nargs="+", default=["all"], help=f"of {list(CASES)} or all")
     parser.add_argument("--sweep", action="store_true", help="time every launch shape at the main case")
     parser.add_argument("--sweep-case", default="main", choices=list(CASES), help="the case the sweep runs at")
-    parser.add_argument("--sweep-kernels", nargs="+", choices=["fwd", "fwd_fp8", "dq", "dkdv", "bwd"],
+    parser.add_argument("--sweep-kernels", nargs="+", choices=["fwd", "fwd_fp8", "dq", "dkdv"],
                         help="the kernels the sweep times (default: all)")
     parser.add_argument("--autotune", action="store_true", help="the kernels under triton.autotune")
     parser.add_argument("--csv", default=None, help="results CSV (default benchmarks/out/results.csv, untracked)")

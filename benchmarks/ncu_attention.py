@@ -12,8 +12,7 @@ of ``bench_attention.CASES`` (default the main one, 4x16x4096x128 causal):
   the kernel that writes V transposed (``v_keys_inner_kernel``) before it;
 - ``hpfwd``: our Hopper bf16 forward (``attention_hp_kernels.cu``);
 - ``cudnnfwd`` / ``cudnnbwd``: SDPA's cuDNN kernels, the yardstick;
-- ``bwd``: Triton's two-kernel backward (dq's kernel, then dk / dv's);
-- ``fusedbwd``: Triton's fused backward (the prep kernel, then the fused one).
+- ``bwd``: Triton's two-kernel backward (dq's kernel, then dk / dv's).
 
     python benchmarks/ncu_attention.py [--targets fp8fwd ...] [--case main] [--out DIR]
 
@@ -35,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TARGETS = ("fp8fwd", "hpfwd", "cudnnfwd", "bwd", "fusedbwd", "cudnnbwd")
+TARGETS = ("fp8fwd", "hpfwd", "cudnnfwd", "bwd", "cudnnbwd")
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis", "WarpStateStats")
 # Raw counters beside the sections: every stall reason and every pipe's utilization
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
@@ -157,7 +156,6 @@ def _call(target: str, case: str, device: str = "cuda"):
     q, k, v = (torch.randn(B, h, T, D, device=device, dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
     do = torch.randn_like(q)
     cuda_attn = importlib.import_module("te_fuser.kernels.cuda.attention")
-    attn = importlib.import_module("te_fuser.kernels.triton.attention")
     if target == "fp8fwd":
         (q8, qsi), (k8, ksi), (v8, vsi) = ba._fp8(q), ba._fp8(k), ba._fp8(v)
         reason = cuda_attn.attention_forward_fp8_unsupported_reason(q8, k8)
@@ -178,7 +176,6 @@ def _call(target: str, case: str, device: str = "cuda"):
         o = ba._sdpa(qg, kg, vg, causal, "cudnn")
         return lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
     o, lse = tk.attention_forward(q, k, v, causal, scale)
-    attn.set_backward_schedule("fused" if target == "fusedbwd" else "split")
     return lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)
 
 

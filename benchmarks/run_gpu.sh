@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn fusedbwd fusedgpt ncuattn grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -75,35 +75,11 @@ for part in $parts; do
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
         tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \
         tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
-    fusedbwd)  # the fused attention backward (one kernel, dq's shares added in turn): one call at the main case
-      # bounded by a minute (a key block out of turn would wait for ever; then the rest is skipped), its tests, then
-      # beside the two kernels and SDPA with its launch shapes at the main case, and at the GPT's
-      if timeout 60 python3 -c "
-import torch; from te_fuser.kernels.triton import attention as a
-q, k, v, do = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.bfloat16) for _ in range(4))
-o, lse = a.attention_forward(q, k, v, True, 0.088); a.set_backward_schedule('fused')
-a.attention_backward(q, k, v, o, lse, do, True, 0.088); torch.cuda.synchronize(); print('fused backward: returned')
-" 2>&1 | tee "$OUT/fusedbwd.log" | tail -3; then
-        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py tests/test_attention_op.py \
-          tests/test_graphs.py tests/test_train_gpt.py -k "fused or schedule or attention_backward" 2>&1 \
-          | tee -a "$OUT/fusedbwd.log" | tail -6
-        timeout 180 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main gqa} --sweep --sweep-kernels bwd 2>&1 \
-          | tee -a "$OUT/fusedbwd.log" | tail -50
-        timeout 100 python3 benchmarks/bench_attention.py --cases gpt --sweep --sweep-case gpt --sweep-kernels bwd 2>&1 \
-          | tee -a "$OUT/fusedbwd.log" | grep -A14 "launch shapes"
-      else
-        echo "fused backward: no return within a minute (a turn that never comes?); its tests and timings skipped"
-      fi ;;
     ncuattn)  # the attention kernels under Nsight Compute (ncu_attention.py): per kernel its duration, throughput,
-      # occupancy, stall reasons and pipes, for our FP8 and bf16 forwards, both Triton backwards and cuDNN's; the reports
+      # occupancy, stall reasons and pipes, for our FP8 and bf16 forwards, Triton's backward and cuDNN's; the reports
       # and their CSVs in $OUT/ncu (NCU_TARGETS="fp8fwd bwd" for some, NCU_CASE=gpt for the GPT's shape)
       timeout 480 python3 benchmarks/ncu_attention.py --out "$OUT/ncu" --case ${NCU_CASE:-main} \
         ${NCU_TARGETS:+--targets $NCU_TARGETS} 2>&1 | tee "$OUT/ncuattn.log" | tail -40 ;;
-    fusedgpt)  # the GPT's te arm with the attention backward in two kernels, then fused, one process after the other
-      for bwd in split fused; do
-        timeout 250 python3 examples/train_gpt.py --size gpu --arms te --schedule bf16:15,delayed_mha:15 \
-          --attention-backward $bwd --json "$OUT/gpt_bwd_$bwd.json" 2>&1 | tee -a "$OUT/fusedgpt.log" | tail -8
-      done ;;
     pending)  # what runs 191-193 left: the GPT through FP8-attention phases on the Hopper FP8 forward (now the auto
       # table's), te beside its eager twin for loss parity, then the GPU tests that train the GPT and graph FP8 attention
       timeout 400 python3 examples/train_gpt.py --size gpu --steps 20 --arms te,torch \

@@ -55,11 +55,6 @@ fuser builds the phase's plan, then the graph is captured). AdamW is then
 before each step. The numbers are the eager step's; the host's launch cost is
 gone, so the rows show what the GPU work of the step costs.
 
-``--attention-backward fused`` runs the te arm's causal attention backward on the
-Triton kernels in one kernel instead of two (five products a tile pair against
-seven, dq's shares added in a fixed order: the same bits on every run); it
-changes nothing where the backend runs another kernel.
-
 ``--profile-phase NAME`` runs three steps in the middle of phase NAME under
 torch.profiler, for every arm: each arm's kernels by GPU time a step (its CPU ops
 on a CPU) are printed and kept in the JSON with the phase, and those steps are left
@@ -105,7 +100,6 @@ from te_fuser.models import (
     GPT, VALIDATION_FRACTION, GPTConfig, TorchGPT, compile_blocks, copy_weights, load_stdlib_corpus, sample_windows,
     split_corpus, torchao_float8,
 )
-from te_fuser.kernels.triton import attention as attention_kernels
 from te_fuser.quantization.float8_tensor import Float8Tensor
 
 RECIPES = {
@@ -246,9 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where every arm's backward runs: autograd's device thread (torch's default) or the "
                         "calling thread (torch.autograd.set_multithreading_enabled(False), for the whole run)")
     p.add_argument("--backend", choices=te.backend.BACKENDS, help="te_fuser kernel backend (default: the library's)")
-    p.add_argument("--attention-backward", choices=("split", "fused"), default="split",
-                   help="the Triton attention backward of the te arm: two kernels, or causal attention in one "
-                        "(te_fuser.kernels.triton.attention.set_backward_schedule)")
     p.add_argument("--profile-phase", metavar="NAME",
                    help="profile three steps in the middle of phase NAME for every arm (torch.profiler): the kernels "
                         "(on CUDA; the CPU ops elsewhere) by time a step, printed and in the JSON; those steps are "
@@ -967,7 +958,7 @@ def make_report(run: Run, arms: list[Arm], skipped: dict[str, str], corpus: dict
     args = run.args
     settings = {k: getattr(args, k) for k in ("size", "schedule", "lr", "warmup_steps", "weight_decay", "clip",
                                                "adamw", "eval_every", "eval_batches", "seed", "backend",
-                                               "fp8_params", "graphed", "backward_thread", "attention_backward")}
+                                               "fp8_params", "graphed", "backward_thread")}
     settings["fp8_params_recipe"] = None if args.fp8_params_recipe is None else str(args.fp8_params_recipe)
     return {
         "config": {**asdict(args.config), **settings, "phases": [_phase_entry(p) for p in args.phases]},
@@ -1103,8 +1094,7 @@ def main(argv=None) -> dict:
     if args.fp8_params:
         print(f"te arm: linear weights as FP8 parameters, first cast under {args.fp8_params_recipe}")
     arms, skipped = build_arms(run)
-    with attention_kernels.backward_schedule(args.attention_backward), \
-            torch.autograd.set_multithreading_enabled(args.backward_thread == "autograd"):  # this thread's setting
+    with torch.autograd.set_multithreading_enabled(args.backward_thread == "autograd"):  # this thread's setting
         for arm in arms:
             train_arm(arm, run)
     print_summary(arms)

@@ -395,101 +395,6 @@ def test_a_forward_in_one_loop_gives_the_same_bits(fp8, causal, monkeypatch):
     assert_bitwise(one[1], two[1], f"{kernel} lse, one loop")
 
 
-# ------------------------------------------------------------- the fused backward
-
-
-@pytest.fixture
-def fused_backward():
-    """The Triton backward under its fused schedule for one test (the default after)."""
-    from te_fuser.kernels.triton import attention as attn
-
-    with attn.backward_schedule("fused"):
-        yield attn
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_fused_backward_against_float64(shape, fused_backward):
-    """One kernel, five products a tile pair, dq's shares added in turn (causal):
-    the same checks as the two kernels' (grouped heads, Tq != Tk both ways, rows
-    and keys that are not a multiple of any block)."""
-    check_kernels(shape, torch.bfloat16, True)
-
-
-@pytest.mark.parametrize("shape,dtype,layout", [
-    ((1, 4, 2, 45, 67, 64), torch.float16, "contiguous"),
-    ((1, 8, 2, 67, 45, 64), torch.float32, "contiguous"),
-    ((1, 4, 1, 33, 50, 16), torch.float32, "contiguous"),   # 4:1 groups, the smallest head dim
-    ((2, 4, 2, 35, 35, 32), torch.bfloat16, "bthd"),        # strided heads, no copies
-    ((1, 2, 1, 40, 40, 128), torch.bfloat16, "contiguous"),  # the head dim of the benchmarks
-    ((1, 3, 1, 48, 16, 32), torch.float32, "contiguous"),   # 3:1 groups; query tiles past the last key
-    ((1, 2, 2, 5, 17, 32), torch.float32, "contiguous"),    # key blocks that see no query: no turn to take
-])
-def test_fused_backward_other_dtypes_head_dims_and_layouts(shape, dtype, layout, fused_backward):
-    check_kernels(shape, dtype, True, layout=layout)
-
-
-@pytest.mark.parametrize("shape", SHAPES[:2])
-def test_fused_backward_with_taller_query_tiles_than_key_blocks(shape, fused_backward, monkeypatch):
-    """block_m twice block_n: two key blocks start on each diagonal tile and reach it
-    in the same step; the higher adds first, the lower waits for it."""
-    attn = fused_backward
-    if DEVICE == "cpu":
-        monkeypatch.setitem(attn._INTERPRETED_PLANS, "bwd", attn.AttentionPlan(32, 16, 4, 1))
-    else:
-        monkeypatch.setitem(attn.ATTENTION_PLANS, ("bwd", 64), attn.AttentionPlan(128, 64, 8, 2))
-    check_kernels(shape, torch.bfloat16, True)
-
-
-@pytest.mark.parametrize("shape", [(1, 4, 2, 67, 67, 64), (1, 2, 2, 45, 67, 32), (1, 2, 1, 67, 40, 32)])
-def test_fused_backward_dk_dv_are_the_split_ones_and_dq_the_same_bits_each_run(shape, fused_backward):
-    """The fused kernel's dk and dv are the dk / dv kernel's products in the same
-    order (the same bits); its dq, summed in turn, is the same bits on every run.
-    Non-causal attention runs the two kernels under either schedule."""
-    q, k, v, do = qkv(*shape, torch.bfloat16, seed=5)
-    scale = 0.125
-    o, lse = tk.attention_forward(q, k, v, True, scale)
-    once = tk.attention_backward(q, k, v, o, lse, do, True, scale)
-    again = tk.attention_backward(q, k, v, o, lse, do, True, scale)
-    o_full, lse_full = tk.attention_forward(q, k, v, False, scale)
-    full = tk.attention_backward(q, k, v, o_full, lse_full, do, False, scale)
-    fused_backward.set_backward_schedule("split")
-    split = tk.attention_backward(q, k, v, o, lse, do, True, scale)
-    split_full = tk.attention_backward(q, k, v, o_full, lse_full, do, False, scale)
-    for name, a, b, c, d, e in zip(("dq", "dk", "dv"), once, again, split, full, split_full):
-        assert_bitwise(a, b, f"fused {name}, run twice")
-        assert_bitwise(d, e, f"non-causal {name} under the fused schedule against split's")
-        if name != "dq":
-            assert_bitwise(a, c, f"fused {name} against split's")
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="compiled, a block out of turn would wait forever")
-def test_fused_backward_out_of_turn_poisons_dq(fused_backward, monkeypatch):
-    """Under the interpreter a key block that finds its turn counter at another
-    value than its own (here: counters spoiled after the prep kernel set them)
-    writes NaN into dq instead of waiting for ever."""
-    attn = fused_backward
-    real_launch = attn.launch
-
-    def launch_then_spoil(fn, grid, *args, **meta):
-        real_launch(fn, grid, *args, **meta)
-        if fn is attn._backward_prep_kernel:
-            args[3][:-2].fill_(7)  # the turn counters (not the spare and the work counter after them)
-
-    monkeypatch.setattr(attn, "launch", launch_then_spoil)
-    q, k, v, do = qkv(1, 2, 2, 40, 40, 32, torch.float32, seed=6)
-    o, lse = tk.attention_forward(q, k, v, True, 0.2)
-    dq, dk, dv = tk.attention_backward(q, k, v, o, lse, do, True, 0.2)
-    assert torch.isnan(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
-
-
-def test_backward_schedule_names_its_choices():
-    from te_fuser.kernels.triton import attention as attn
-
-    with pytest.raises(ValueError, match=r"set_backward_schedule: schedule must be one of \('split', 'fused'\)"):
-        attn.set_backward_schedule("atomic")
-    assert attn.set_backward_schedule() == "split"
-
-
 # ------------------------------------------------------------- GPU, real sizes
 
 
@@ -500,27 +405,6 @@ GPU_CASES = [(T, D, causal) for T in (1000, 4096) for D in (64, 128) for causal 
 @pytest.mark.parametrize("T,D,causal", GPU_CASES)
 def test_gpu_bf16_at_real_sizes(T, D, causal):
     check_bf16_at_real_size(tk, T, D, causal)
-
-
-@gpu
-@pytest.mark.parametrize("T,D", [(T, D) for T, D, causal in GPU_CASES if causal])
-def test_gpu_fused_backward_at_real_sizes(T, D, fused_backward):
-    check_bf16_at_real_size(tk, T, D, True, "gpu fused")
-
-
-@gpu
-@pytest.mark.parametrize("D", [64, 128])
-def test_gpu_fused_backward_is_the_same_bits_on_every_run_at_many_waves(D, fused_backward):
-    """64 heads of 4096 keys causal (thousands of key blocks, many waves of
-    programs waiting on the ones launched before them): it finishes, and dq, dk
-    and dv are the same bits over five runs."""
-    q, k, v, do = qkv(4, 16, 16, 4096, 4096, D, torch.bfloat16, seed=D)
-    o, lse = tk.attention_forward(q, k, v, True, 1 / math.sqrt(D))
-    first = tk.attention_backward(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
-    for run in range(4):
-        again = tk.attention_backward(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
-        for name, a, b in zip(("dq", "dk", "dv"), first, again):
-            assert_bitwise(b, a, f"fused {name}, run {run + 2}")
 
 
 def check_bf16_at_real_size(kernels, T, D, causal, name: str = "gpu"):

@@ -272,14 +272,12 @@ def test_backward_threads_splits_each_arms_step_in_both_modes():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full benchmark (run_gpu.sh attention)")
 def test_bench_attention_runs_a_case_through_every_row_the_cpu_takes(monkeypatch):
     """One small causal case of bench_attention.py on the CPU (each timing one call):
-    SDPA's flash rows, Triton's bf16 and FP8 forwards and both of its backwards,
-    the fused one computed twice with the same bits; the cuDNN and Hopper rows are
-    left out (their kernels refuse the CPU's tensors), and the schedule is put back."""
+    SDPA's flash rows, Triton's bf16 and FP8 forwards and its backward, each within
+    bound of SDPA's output; the cuDNN and Hopper rows are left out (their kernels
+    refuse the CPU's tensors)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_attention
     import harness
-
-    from te_fuser.kernels.triton import attention as attn
 
     def once(fn, inputs=((),), **_):
         fn(*inputs[0])
@@ -288,26 +286,21 @@ def test_bench_attention_runs_a_case_through_every_row_the_cpu_takes(monkeypatch
     monkeypatch.setattr(harness, "time_ms", once)
     monkeypatch.setattr(harness, "rotation", lambda make, _bytes: [make()])
     monkeypatch.setitem(bench_attention.CASES, "cpu", (1, 2, 1, 40, 64, True))
-    before = attn.set_backward_schedule()
     rows = bench_attention.bench_case("cpu", ceiling=1.0, device="cpu")
     names = [(r.case, r.backend) for r in rows]
     assert names == [("fwd bf16", "torch sdpa flash"), ("fwd bf16", "triton"), ("fwd fp8", "triton"),
-                     ("fwd fp8 + q/k/v casts", "triton"), ("bwd bf16", "torch sdpa flash"), ("bwd bf16", "triton"),
-                     ("bwd bf16", "triton fused")], names
-    fused = rows[-1]
-    assert "same bits twice" in fused.note and "NOT" not in fused.note, fused.note
+                     ("fwd fp8 + q/k/v casts", "triton"), ("bwd bf16", "torch sdpa flash"), ("bwd bf16", "triton")], names
     for r in rows:  # each check against SDPA's output: bf16 rounding, or FP8's (randn q, k, v)
         if "sdpa|" in r.note:
             diff = float(re.search(r"sdpa\| ([0-9.e+-]+)", r.note).group(1))
             assert diff < (0.25 if "fp8" in r.case else 0.02), (r.case, r.backend, r.note)
-    assert attn.set_backward_schedule() == before
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full sweep (run_gpu.sh fusedbwd)")
-def test_bench_attention_sweeps_the_fused_backwards_shapes_and_puts_its_plan_back(monkeypatch):
-    """bench_attention.py's sweep of the fused backward at a small case on the CPU:
-    a row for every launch shape of AUTOTUNE_CONFIGS["bwd"], each of which ran (no
-    error in its note), and the plan table as it was."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full sweep (run_gpu.sh attnsweep)")
+def test_bench_attention_sweeps_the_backwards_shapes_and_puts_the_plans_back(monkeypatch):
+    """bench_attention.py's sweep of the backward's two kernels at a small case on
+    the CPU: a row for every launch shape of AUTOTUNE_CONFIGS["dq"] and ["dkdv"],
+    each of which ran (no error in its note), and the plan table as it was."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_attention
     import harness
@@ -317,10 +310,10 @@ def test_bench_attention_sweeps_the_fused_backwards_shapes_and_puts_its_plan_bac
     monkeypatch.setattr(harness, "time_ms", lambda fn, inputs=((),), **_: (fn(*inputs[0]), 1.0)[1])
     monkeypatch.setitem(bench_attention.CASES, "cpu", (1, 2, 1, 40, 64, True))
     plans = dict(attn.ATTENTION_PLANS)
-    rows = bench_attention.sweep(1.0, "cpu", kernels=["bwd"], device="cpu")
-    assert len(rows) == len(attn.AUTOTUNE_CONFIGS["bwd"])
+    rows = bench_attention.sweep(1.0, "cpu", kernels=["dq", "dkdv"], device="cpu")
+    assert len(rows) == len(attn.AUTOTUNE_CONFIGS["dq"]) + len(attn.AUTOTUNE_CONFIGS["dkdv"])
     for r in rows:
-        assert r.case.startswith("bwd ") and "(fused backward)" in r.case and r.ms == 1.0, (r.case, r.note)
+        assert r.case.split()[0] in ("dq", "dkdv") and "(whole backward)" in r.case and r.ms == 1.0, (r.case, r.note)
     assert attn.ATTENTION_PLANS == plans
 
 
@@ -373,12 +366,12 @@ def test_ncu_attention_profiles_one_call_with_the_clocks_as_they_are(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import ncu_attention
 
-    cmd = ncu_attention.ncu_command("ncu", "fusedbwd", "gpt", tmp_path / "fusedbwd")
+    cmd = ncu_attention.ncu_command("ncu", "bwd", "gpt", tmp_path / "bwd")
     text = " ".join(cmd)
     assert "--profile-from-start off" in text and "--clock-control none" in text
-    assert f"--export {tmp_path / 'fusedbwd'}" in text and "--section WarpStateStats" in text
-    assert cmd[-4:] == ["--launch", "fusedbwd", "--case", "gpt"] and cmd[-5].endswith("ncu_attention.py")
-    assert "--metrics" in cmd and "--metrics" not in ncu_attention.ncu_command("ncu", "bwd", "main", tmp_path, False)
+    assert f"--export {tmp_path / 'bwd'}" in text and "--section WarpStateStats" in text
+    assert cmd[-4:] == ["--launch", "bwd", "--case", "gpt"] and cmd[-5].endswith("ncu_attention.py")
+    assert "--metrics" in cmd and "--metrics" not in ncu_attention.ncu_command("ncu", "fp8fwd", "main", tmp_path, False)
     (tmp_path / "fp8fwd.csv").write_text(_NCU_CSV)
     run = subprocess.run([sys.executable, "benchmarks/ncu_attention.py", "--summarize", str(tmp_path / "fp8fwd.csv")],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -386,26 +379,21 @@ def test_ncu_attention_profiles_one_call_with_the_clocks_as_they_are(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU ncu profiles them (run_gpu.sh ncuattn)")
-def test_ncu_attentions_backward_targets_run_their_schedule(monkeypatch):
-    """The calls ncu_attention.py profiles for the two Triton backwards, at a small
-    case on the CPU: each runs under its own schedule (the fused one's dk and dv are
-    the two kernels' bits), and the process's schedule is the one asked last."""
+def test_ncu_attentions_backward_target_is_triton_backward(monkeypatch):
+    """The call ncu_attention.py profiles for Triton's backward, at a small case on
+    the CPU: the two kernels' dq, dk and dv of that case's inputs."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_attention
     import ncu_attention
 
-    from te_fuser.kernels.triton import attention as attn
+    from te_fuser.kernels import triton as tk
 
     monkeypatch.setitem(bench_attention.CASES, "cpu", (1, 2, 1, 40, 64, True))
-    before = attn.set_backward_schedule()
-    try:
-        torch.manual_seed(0)
-        split = ncu_attention._call("bwd", "cpu", device="cpu")()
-        assert attn.set_backward_schedule() == "split"
-        torch.manual_seed(0)
-        fused = ncu_attention._call("fusedbwd", "cpu", device="cpu")()
-        assert attn.set_backward_schedule() == "fused"
-    finally:
-        attn.set_backward_schedule(before)
-    assert torch.equal(split[1], fused[1]) and torch.equal(split[2], fused[2])
-    assert (split[0].float() - fused[0].float()).abs().max() < 0.02
+    torch.manual_seed(0)
+    grads = ncu_attention._call("bwd", "cpu", device="cpu")()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, 40, 64, dtype=torch.bfloat16) for h in (2, 1, 1))
+    do = torch.randn_like(q)
+    o, lse = tk.attention_forward(q, k, v, True, 1 / 8)
+    for got, want in zip(grads, tk.attention_backward(q, k, v, o, lse, do, True, 1 / 8)):
+        assert torch.equal(got, want)

@@ -116,23 +116,6 @@ def test_fp8_attention_replays_as_it_runs_eagerly_through_switches():
 
 
 @needs_gpu
-def test_the_fused_attention_backward_replays_as_it_runs_eagerly(monkeypatch):
-    """The fused attention backward (its turn counters zeroed by the prep kernel
-    inside the graph) captured and replayed trains as the eager steps, bit for bit,
-    in high precision and through a switch into FP8 attention; 32 keys a block, so
-    the 64 tokens' dq tiles take two key blocks' shares in turn."""
-    from te_fuser.kernels.triton import attention as attn
-
-    monkeypatch.setitem(attn.ATTENTION_PLANS, ("bwd", 64), attn.AttentionPlan(16, 32, 4, 2))
-    with attn.backward_schedule("fused"):
-        pair = _Pair(model=attention_block)
-        dpa = te.recipe.DelayedScaling(amax_history_len=4, fp8_dpa=True)
-        for i, recipe in enumerate([RECIPES["bf16"]] * 3 + [dpa] * 3):
-            pair.step(recipe, context=f"step {i} ({recipe})")
-        assert pair.graphed.stats.captures == 2
-
-
-@needs_gpu
 def test_recipe_switches_recapture_and_stay_bit_identical():
     pair = _Pair()
     schedule = ["bf16", "delayed", "delayed", "delayed", "current", "current", "current", "delayed", "delayed"]

@@ -305,34 +305,6 @@ def test_graphed_steps_train_as_the_eager_steps(monkeypatch):
     assert b == a
 
 
-def test_the_attention_backward_flag_is_recorded_and_restored():
-    """``--attention-backward fused``: the report's config names it, and the
-    process's schedule is the previous one again after the run."""
-    from te_fuser.kernels.triton import attention as attention_kernels
-
-    report, _ = _run(["--size", "smoke", "--schedule", "bf16:2", "--arms", "te", "--corpus-bytes", "300000",
-                      "--eval-batches", "1", "--log-every", "100", "--attention-backward", "fused"])
-    assert report["config"]["attention_backward"] == "fused"
-    assert attention_kernels.set_backward_schedule() == "split"
-    assert train_gpt.parse_args([]).attention_backward == "split"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton attention kernels run compiled on a GPU")
-def test_the_fused_attention_backward_trains_the_gpt_as_the_two_kernels_do():
-    """The smoke GPT on the GPU through bf16 and delayed scaling with FP8 attention,
-    the attention backward fused and in two kernels: the fused run gives the same
-    loss bits twice (its dq adds in a fixed order), and each of its losses lies
-    within 0.02 bits per byte of the two kernels' (other rounding of dq only)."""
-    argv = ["--size", "smoke", "--device", "cuda", "--schedule", "bf16:6,delayed_mha:6", "--arms", "te",
-            "--corpus-bytes", "300000", "--eval-batches", "1", "--log-every", "100"]
-    split, _ = _run(argv)
-    fused, _ = _run(argv + ["--attention-backward", "fused"])
-    again, _ = _run(argv + ["--attention-backward", "fused"])
-    a, b, c = (r["arms"]["te"]["losses"] for r in (split, fused, again))
-    assert b == c
-    assert len(a) == len(b) == 12 and max(abs(x - y) for x, y in zip(a, b)) < 0.02, (a, b)
-
-
 def test_the_determinism_check_finds_two_runs_identical(capsys):
     """``benchmarks/check_determinism.py``: the te arm trained twice in one process,
     through an evaluation between phases of one recipe and a switch, gives the same

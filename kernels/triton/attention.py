@@ -35,27 +35,7 @@ keeps its K and V tiles in registers and walks, for each query head of its group
 the query tiles at or below the diagonal: ``dv += pᵀ do``, ``dk += dsᵀ q``; the
 sums over the group stay in registers (no atomics, deterministic). Both scale by
 ``softmax_scale`` at the end. P and dS enter the tensor-core products in the
-inputs' dtype, as in FlashAttention. Seven products a (query tile, key tile)
-pair: dq's kernel computes S and dP again.
-
-Fused backward (``set_backward_schedule("fused")``, causal attention; the two
-kernels stay the default until the GPU has timed it): ``_backward_prep_kernel``
-stores delta and zeroes one turn counter per 16 query rows;
-``_attention_backward_fused_kernel`` is the dk / dv kernel's walk with a fifth
-product per tile, ``dq = ds k``: five products a pair. A query tile's dq is the
-sum of the shares of the key blocks that see it, added in the order in which
-they reach it: the block on the tile's diagonal first, block 0 last, each
-waiting for the tile's counter to show the blocks above it; the first stores its
-share into an fp32 accumulator, the middle ones add theirs, block 0 adds its own
-to the sum and writes dq (``_add_dq_in_turn``); each counts itself on the tile
-after its next tile's products. A fixed order: the same bits on every run, as
-the two kernels give. The programs take the key blocks from a work counter,
-a head's highest first, so a block waits only on blocks a running program
-took before it, whatever order the GPU starts the programs in. The waits and counts
-are PTX (acquire reads, release adds after a warp barrier), predicated rather
-than branched, so the tile loop stays one pipelined loop; under the
-interpreter, which runs the programs in order, a block out of turn poisons dq
-with NaN instead.
+inputs' dtype, as in FlashAttention.
 
 Exactness under ``TRITON_INTERPRET=1`` (DESIGN §4): bf16 tiles are widened to fp32
 right after the load and the dots run in fp32 (``UPCAST``); a probability tile is
@@ -73,7 +53,6 @@ kernels pick among :data:`AUTOTUNE_CONFIGS` by ``triton.autotune`` instead.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -93,8 +72,6 @@ __all__ = [
     "attention_forward_unsupported_reason",
     "attention_backward_unsupported_reason",
     "attention_forward_fp8_unsupported_reason",
-    "set_backward_schedule",
-    "backward_schedule",
 ]
 
 LOG2E = 1.4426950408889634
@@ -140,22 +117,12 @@ ATTENTION_PLANS = {
     ("dq", 64): AttentionPlan(64, 64, 4, 3),  # run 103's sweep at the GPT's shape: 0.498 ms against 0.532 (128x32)
     ("dkdv", 128): AttentionPlan(32, 64, 4, 3),  # run 108: 2.159 ms a backward against 2.361 (32x128 w8 s2)
     ("dkdv", 64): AttentionPlan(32, 64, 4, 3),  # run 103: 0.385 ms a backward against 0.533 (32x128 w8 s2)
-    # the fused backward (block_n keys per program, block_m queries per step), not
-    # yet swept on a GPU. sm_90 builds under Triton 3.9 pipeline the tile loop
-    # (cp.async) and run wgmma; at head dim 128 with 8 warps, 64x64 spills 132
-    # bytes, 32x64 36, 64x128 472, 16x128 48 (the dq adds scale with the keys a
-    # block: 128 halve 64's); at head dim 64, 64x128 none, 64x64 (4 warps) 76.
-    # (Taking the work from a counter costs registers: a grid index is cheap to
-    # recompute, a counter's value stays live; before, 80, 0, 412, 24 and 0, 0.)
-    ("bwd", 128): AttentionPlan(64, 64, 8, 2),
-    ("bwd", 64): AttentionPlan(64, 128, 8, 2),  # 128 keys a block: half the dq adds of 64
 }
 _INTERPRETED_PLANS = {  # small tiles: several per sequence at test sizes, both loops of each kernel run
     "fwd": AttentionPlan(32, 16, 4, 1),
     "fwd_fp8": AttentionPlan(32, 16, 4, 1),
     "dq": AttentionPlan(32, 16, 4, 1),
     "dkdv": AttentionPlan(16, 32, 4, 1),
-    "bwd": AttentionPlan(16, 32, 4, 1),  # three key blocks at T 67: a first, a middle and a last share of dq
 }
 
 # True: compiled kernels choose their launch shape with triton.autotune among
@@ -164,16 +131,13 @@ _INTERPRETED_PLANS = {  # small tiles: several per sequence at test sizes, both 
 AUTOTUNE = False
 
 
-def _configs(shapes, forward: bool = False, warps: bool = False) -> list:
-    """Configs of (block_m, block_n, warps, stages[, one_loop]); a forward's carry
-    ONE_LOOP, the fused backward's (``warps``) WARPS, its warp count."""
+def _configs(shapes, forward: bool = False) -> list:
+    """Configs of (block_m, block_n, warps, stages[, one_loop]); a forward's carry ONE_LOOP."""
     configs = []
     for m, n, w, s, *one_loop in shapes:
         kwargs = {"BLOCK_M": m, "BLOCK_N": n}
         if forward:
             kwargs["ONE_LOOP"] = bool(one_loop and one_loop[0])
-        if warps:
-            kwargs["WARPS"] = w
         configs.append(triton.Config(kwargs, num_warps=w, num_stages=s))
     return configs
 
@@ -188,16 +152,13 @@ AUTOTUNE_CONFIGS = {
     "dkdv": _configs([(32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 2), (32, 64, 8, 3),
                       (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
                       (64, 128, 4, 2), (128, 128, 8, 2)]),
-    "bwd": _configs([(64, 64, 8, 2), (32, 64, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2),
-                     (16, 128, 8, 2), (16, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2),
-                     (16, 64, 4, 3)], warps=True),
 }
 
 
 # fp32 inputs (a check, not a fast path: IEEE fp32 dots run on the FMA units, and
 # spill at any useful tile size): small tiles that fit in shared memory at head dim 128.
 _FP32_PLANS = {"fwd": AttentionPlan(32, 32, 4, 2), "dq": AttentionPlan(32, 32, 4, 2),
-               "dkdv": AttentionPlan(32, 32, 4, 2), "bwd": AttentionPlan(32, 32, 4, 2)}
+               "dkdv": AttentionPlan(32, 32, 4, 2)}
 
 
 def _plan(kernel: str, head_dim: int, t: torch.Tensor) -> AttentionPlan:
@@ -490,8 +451,7 @@ def _query_tile(q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, of
 def _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED: tl.constexpr,
                    UPCAST: tl.constexpr, P_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """``dv += pᵀ do``, ``dk += dsᵀ q`` for one query tile (kept transposed: keys
-    along the rows; MASKED: the causal mask): ``(dk, dv, dsᵀ)``, dsᵀ in the
-    products' dtype (what the fused backward's ``dq`` product reads)."""
+    along the rows; MASKED: the causal mask): ``(dk, dv)``."""
     st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
     pt = tl.math.exp2(st - lse2[None, :])
     if MASKED:
@@ -508,7 +468,7 @@ def _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, 
     else:
         dst = dst.to(P_DTYPE)
     dk = tl.dot(dst, tl.trans(qt), dk, input_precision=PRECISION)
-    return dk, dv, dst
+    return dk, dv
 
 
 @triton.jit
@@ -521,8 +481,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m, qt, do, lse2, delta = _query_tile(q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                                   offs_d, start_m, Tq, BLOCK_M, UPCAST)
-        dk, dv, _ = _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED, UPCAST,
-                                   P_DTYPE, PRECISION)
+        dk, dv = _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, MASKED, UPCAST,
+                                P_DTYPE, PRECISION)
     return dk, dv
 
 
@@ -554,181 +514,6 @@ def _attention_dkdv_kernel(
                 stride_dvb, stride_dvh, stride_dvt, OUT_DTYPE)
 
 
-# ------------------------------------------------------- the fused backward
-
-
-@triton.jit
-def _backward_prep_kernel(o_ptr, do_ptr, delta_ptr, turn_ptr, H, Tq, n_turns, spare, stride_ob, stride_oh, stride_ot,
-                          stride_dob, stride_doh, stride_dot, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                          TURN_ROWS: tl.constexpr):
-    """``delta = rowsum(o · do)`` of BLOCK_M queries of one head (the values the
-    dq kernel stores), and their dq tiles' turn counters set to 0; the first
-    program also zeroes the fused kernel's work counter (``turn_ptr[spare + 1]``)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < Tq
-    o = tl.load(o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_ot
-                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dot
-                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    tl.store(delta_ptr + bh.to(tl.int64) * Tq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
-    turns = pid * (BLOCK_M // TURN_ROWS) + tl.arange(0, BLOCK_M // TURN_ROWS)
-    tl.store(turn_ptr + bh.to(tl.int64) * n_turns + turns, tl.zeros([BLOCK_M // TURN_ROWS], tl.int32),
-             mask=turns < n_turns)
-    if pid + bh == 0:
-        tl.store(turn_ptr + spare + 1, 0)
-
-
-# The fused backward's turns, in PTX (Triton's own barrier or loop in the tile loop
-# would keep the compiler from pipelining it). Each thread reads the turn
-# counter with acquire until it holds the wanted value; each warp, once its
-# lanes have met (bar.warp.sync: their adds before it), counts itself with a
-# release add from lane 0. Labels inside braces are local to them.
-_WAIT_PTX = tl.constexpr("""{
-.reg .pred not_yet;
-WAIT_FOR_TURN:
-ld.global.acquire.gpu.b32 $0, [$1];
-setp.ne.s32 not_yet, $0, $2;
-@not_yet bra WAIT_FOR_TURN;
-}""")
-_DONE_PTX = tl.constexpr("""{
-.reg .pred lead;
-.reg .b32 lane;
-bar.warp.sync -1;
-mov.u32 lane, %laneid;
-setp.eq.u32 lead, lane, 0;
-@lead red.release.gpu.global.add.u32 [$1], 1;
-mov.u32 $0, 0;
-}""")
-
-
-@triton.jit
-def _wait_for_turn(turn, count, COMPILED: tl.constexpr):
-    """0.0 once ``*turn`` reads ``count``. Under the interpreter, whose programs run
-    one after another in the grid's order, the counter holds ``count`` already
-    or never will: read once, NaN if not (the dq it poisons fails every check,
-    where a spin would hang)."""
-    if COMPILED:
-        tl.inline_asm_elementwise(_WAIT_PTX, "=r,l,r", [turn, count], dtype=tl.int32, is_pure=False, pack=1)
-        return 0.0
-    else:
-        return tl.where(tl.atomic_add(turn, 0) == count, 0.0, float("nan"))
-
-
-@triton.jit
-def _count_done(turn, WARPS: tl.constexpr, COMPILED: tl.constexpr):
-    """Add this program's WARPS to ``*turn`` (compiled: each warp its own 1, with release)."""
-    if COMPILED:
-        tl.inline_asm_elementwise(_DONE_PTX, "=r,l", [turn], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.atomic_add(turn, WARPS)
-
-
-@triton.jit
-def _add_dq_in_turn(dq, n, last, turn, acc_ptrs, out_ptrs, rows, Tq, softmax_scale, OUT_DTYPE: tl.constexpr,
-                    WARPS: tl.constexpr, COMPILED: tl.constexpr):
-    """Add key block ``n``'s share ``dq`` of one query tile, which the key blocks
-    ``last, last-1, .., 0`` share, in that order: fp32 sums in a fixed order, the
-    same bits on every run. ``turn`` counts the warps of the blocks that added
-    (0 from the prep kernel): block ``n`` waits until it reads ``(last - n) ·
-    WARPS``; block ``last`` stores its share into the fp32 accumulator, the
-    middle ones add theirs (relaxed atomics: L2 holds the sum), and block 0 adds
-    the sum so far (read past L1) to its own and writes the tile's dq, times
-    softmax_scale, in the output dtype. It counts itself later
-    (:func:`_count_done`, after its next tile's products). Predicated, not
-    branched (each step's rows: ``rows`` below its limit, Tq or 0), and no CTA
-    barrier: the tile loop around it stays one pipelined loop."""
-    dq += _wait_for_turn(turn, (last - n) * WARPS, COMPILED)
-    to_sum = tl.where(n == 0, 0, Tq)  # every block but the one that writes dq
-    first = tl.where(n == last, to_sum, 0)
-    middle = tl.where(n == last, 0, to_sum)
-    final = tl.where(n == 0, Tq, 0)
-    earlier = tl.where(n == last, 0, final)
-    tl.store(acc_ptrs, dq, mask=rows < first)
-    tl.atomic_add(acc_ptrs, dq, mask=rows < middle, sem="relaxed")
-    dq += tl.load(acc_ptrs, mask=rows < earlier, other=0.0, cache_modifier=".cg")
-    tl.store(out_ptrs, to_output(dq * softmax_scale, OUT_DTYPE), mask=rows < final)
-
-
-@triton.jit
-def _attention_backward_fused_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, acc_ptr, turn_ptr, dq_ptr, dk_ptr, dv_ptr, qk_scale,
-        softmax_scale, H, Hkv, G, Tq, Tk, n_turns, spare,
-        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-        stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt,
-        stride_dvb, stride_dvh, stride_dvt,
-        HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, P_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TURN_ROWS: tl.constexpr,
-        WARPS: tl.constexpr, COMPILED: tl.constexpr):
-    """The whole causal backward of BLOCK_N keys of one kv head: the dk / dv
-    kernel's walk over the query tiles of each head of the group, with a fifth
-    product per tile, ``dq = ds k``, added into the tile's dq in turn
-    (:func:`_add_dq_in_turn`).
-
-    The order of a tile's shares is the order in which the key blocks reach it.
-    Key block ``n`` starts at the tile holding query ``n · BLOCK_N`` and walks
-    down the sequence; a tile's first visitor is the key block on its diagonal,
-    then each lower block one step later. So the key blocks add from the
-    highest to block 0, the programs take them highest first, and at each step
-    a block waits for the block above it, which reached the same tile one step
-    before: no block idles at its start (adding from block 0 up made block
-    ``n`` wait about ``n`` steps for the blocks below it, about half of every
-    program's time). A block waits only on blocks taken before it, which never
-    wait on it.
-
-    Which (kv head, key block) a program takes is not its grid index: each takes
-    the next from a work counter (``turn_ptr[spare + 1]``, 0 from the prep
-    kernel), a head's blocks from the highest down. So the block a program waits
-    on was taken before, by a program that runs, whatever order the GPU starts
-    the programs in.
-
-    A block counts itself on a tile after its next tile's products (its first
-    "previous" counter is a spare one at ``turn_ptr[spare]``, which no block
-    reads, and the last tile's count follows the loops): a count is a release,
-    which waits until the warp's adds reached L2, and there the wait overlaps the
-    tensor cores' work instead of preceding it."""
-    n_blocks = tl.cdiv(Tk, BLOCK_N)
-    work = tl.atomic_add(turn_ptr + spare + 1, 1)  # this program's (kv head, key block), in the order taken
-    bhk = work // n_blocks
-    b = bhk // Hkv
-    hk = bhk % Hkv
-    n = n_blocks - 1 - work % n_blocks
-    offs_n, offs_d, k, v, lo = _key_block(k_ptr, v_ptr, b, hk, n * BLOCK_N, Tk, stride_kb, stride_kh, stride_kt,
-                                          stride_vb, stride_vh, stride_vt, True, HEAD_DIM, UPCAST, BLOCK_M, BLOCK_N)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    done = turn_ptr + spare  # the counter of the tile added last, counted after the next tile's products
-    for g in range(0, G):
-        h = hk * G + g
-        bh = b * H + h
-        q_base, do_base, lse_base, delta_base = _query_head(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, Tq, stride_qb,
-                                                            stride_qh, stride_dob, stride_doh)
-        acc_base = acc_ptr + bh.to(tl.int64) * Tq * HEAD_DIM
-        dq_base = dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-        turn_base = turn_ptr + bh.to(tl.int64) * n_turns
-        for start_m in range(lo, Tq, BLOCK_M):
-            start_m = tl.multiple_of(start_m, BLOCK_M)
-            offs_m, qt, do, lse2, delta = _query_tile(q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                                      offs_d, start_m, Tq, BLOCK_M, UPCAST)
-            dk, dv, dst = _dkdv_products(dk, dv, k, v, qt, do, lse2, delta, offs_m, offs_n, qk_scale, True, UPCAST,
-                                         P_DTYPE, PRECISION)
-            dq = tl.dot(tl.trans(dst), k, input_precision=PRECISION)  # (BLOCK_M, D)
-            _count_done(done, WARPS, COMPILED)
-            done = turn_base + start_m // TURN_ROWS
-            # the key blocks that see this tile: those starting before its end
-            last = tl.minimum(n_blocks, tl.cdiv(start_m + BLOCK_M, BLOCK_N)) - 1
-            _add_dq_in_turn(dq, n, last, done, acc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-                            dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :], offs_m[:, None], Tq,
-                            softmax_scale, OUT_DTYPE, WARPS, COMPILED)
-    _count_done(done, WARPS, COMPILED)
-    _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, offs_n, offs_d, Tk, softmax_scale, stride_dkb, stride_dkh, stride_dkt,
-                stride_dvb, stride_dvh, stride_dvt, OUT_DTYPE)
-
-
 # -------------------------------------------------------------------- launchers
 
 
@@ -737,14 +522,8 @@ def _autotuned(kernel: str):
     """The jit kernel under triton.autotune, keyed by the sizes and the constexprs
     that change the work (built on first use)."""
     fn = {"fwd": _attention_forward_kernel, "fwd_fp8": _attention_forward_kernel, "dq": _attention_dq_kernel,
-          "dkdv": _attention_dkdv_kernel, "bwd": _attention_backward_fused_kernel}[kernel]
-    # the fused backward's turn counters start at 0 on every timed run
-    reset = ["turn_ptr"] if kernel == "bwd" else None
-    keys = ["Tq", "Tk", "G", "HEAD_DIM", "P_DTYPE"] + ([] if kernel == "bwd" else ["CAUSAL"])  # bwd: causal only
-    return triton.autotune(AUTOTUNE_CONFIGS[kernel], key=keys, reset_to_zero=reset)(fn)
-
-
-_KEY_BLOCKED = ("dkdv", "bwd")  # kernels with one program per key block
+          "dkdv": _attention_dkdv_kernel}[kernel]
+    return triton.autotune(AUTOTUNE_CONFIGS[kernel], key=["Tq", "Tk", "G", "CAUSAL", "HEAD_DIM", "P_DTYPE"])(fn)
 
 
 def _launch(kernel: str, jit_fn, rows: int, batch_heads: int, head_dim: int, t: torch.Tensor, args: list,
@@ -752,15 +531,13 @@ def _launch(kernel: str, jit_fn, rows: int, batch_heads: int, head_dim: int, t: 
     """Launch over (row blocks, batch · heads) with the plan of ``kernel``, or let
     triton.autotune pick it (:data:`AUTOTUNE`, compiled kernels only)."""
     if AUTOTUNE and not is_interpreted(t):
-        block = "BLOCK_N" if kernel in _KEY_BLOCKED else "BLOCK_M"
+        block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"
         _autotuned(kernel)[lambda m: (cdiv(rows, m[block]), batch_heads)](*args, **meta)
         return
     plan = _plan(kernel, head_dim, t)
-    block = plan.block_n if kernel in _KEY_BLOCKED else plan.block_m
+    block = plan.block_n if kernel == "dkdv" else plan.block_m
     if kernel in ("fwd", "fwd_fp8"):
         meta = dict(meta, ONE_LOOP=plan.one_loop)
-    if kernel == "bwd":
-        meta = dict(meta, WARPS=plan.num_warps)
     launch(jit_fn, (cdiv(rows, block), batch_heads), *args, **meta, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
            num_warps=plan.num_warps, num_stages=plan.num_stages)
 
@@ -876,41 +653,8 @@ def _gradient_buffers(q, k, v):
             torch.empty(B, Tk, Hkv, D, dtype=v.dtype, device=q.device).transpose(1, 2))
 
 
-BACKWARD_SCHEDULES = ("split", "fused")
-_backward = {"schedule": "split"}
-TURN_ROWS = 16  # query rows per turn counter of the fused backward (every block_m is a multiple)
-
-
-def set_backward_schedule(schedule: str | None = None) -> str:
-    """How :func:`attention_backward` runs, for this process (None leaves it);
-    returns the previous schedule. ``"split"`` (default): two kernels, dq's
-    (which recomputes S and dP) and dk / dv's, seven products a tile pair.
-    ``"fused"``, causal attention: one kernel walks each key block's query tiles
-    once, five products a tile pair, and adds dq's shares in a fixed order (the
-    same bits on every run, other bits than split's, within the same bound);
-    non-causal attention keeps the two kernels (there every key block would start
-    at the first query tile and wait there for the blocks ahead of it)."""
-    if schedule is not None and schedule not in BACKWARD_SCHEDULES:
-        raise ValueError(f"set_backward_schedule: schedule must be one of {BACKWARD_SCHEDULES}, got {schedule!r}")
-    previous = _backward["schedule"]
-    if schedule is not None:
-        _backward["schedule"] = schedule
-    return previous
-
-
-@contextlib.contextmanager
-def backward_schedule(schedule: str):
-    """:func:`set_backward_schedule` for the block; the previous schedule after it."""
-    previous = set_backward_schedule(schedule)
-    try:
-        yield
-    finally:
-        set_backward_schedule(previous)
-
-
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
-    """Flash attention backward: ``(dq, dk, dv)`` as :func:`attention_backward_reference`
-    (two kernels or one: :func:`set_backward_schedule`)."""
+    """Flash attention backward: ``(dq, dk, dv)`` as :func:`attention_backward_reference`."""
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
     _require_supported(q, "attention_backward")
     B, H, Tq, D = q.shape
@@ -925,20 +669,6 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     qk_scale, G = float(softmax_scale) * LOG2E, H // Hkv
     # each tensor's (batch, head, token) strides, one call a tensor (the head dim's is 1)
     sq, sk, sv, sdo = q.stride()[:3], k.stride()[:3], v.stride()[:3], do.stride()[:3]
-    if _backward["schedule"] == "fused" and causal and Tk > 0:
-        n_turns = cdiv(Tq, TURN_ROWS)
-        # the turn counters, a spare one no block reads, the work counter
-        turns = torch.empty(B * H * n_turns + 2, dtype=torch.int32, device=q.device)
-        acc = torch.empty(B, H, Tq, D, dtype=torch.float32, device=q.device)  # dq's running fp32 sums
-        prep_m = 32 if is_interpreted(q) else 64
-        launch(_backward_prep_kernel, (cdiv(Tq, prep_m), B * H), o, do, delta, turns, H, Tq, n_turns,
-               B * H * n_turns, *o.stride()[:3], *sdo, HEAD_DIM=D, BLOCK_M=prep_m, TURN_ROWS=TURN_ROWS, num_warps=4)
-        meta.pop("CAUSAL")
-        _launch("bwd", _attention_backward_fused_kernel, Tk, B * Hkv, D, q,
-                [q, k, v, do, lse, delta, acc, turns, dq, dk, dv, qk_scale, float(softmax_scale), H, Hkv, G, Tq, Tk,
-                 n_turns, B * H * n_turns, *sq, *sk, *sv, *sdo, *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3]],
-                dict(meta, TURN_ROWS=TURN_ROWS, COMPILED=not is_interpreted(q)))
-        return dq, dk, dv
     _launch("dq", _attention_dq_kernel, Tq, B * H, D, q,
             [q, k, v, o, do, lse, delta, dq, qk_scale, float(softmax_scale), H, G, Tq, Tk,
              *sq, *sk, *sv, *o.stride()[:3], *sdo, *dq.stride()[:3]], meta)
