@@ -109,7 +109,21 @@ def print_summary(target: str, kernels: list[dict], top: int = 6) -> None:
                   + ", ".join(f"{reason} {cycles:.2f}" for reason, cycles in k["stalls"][:top]))
         if k["pipes"]:
             print("    pipes (% of peak while active): "
-                  + ", ".join(f"{pipe} {pct:.1f}" for pipe, pct in k["pipes"][:top]))
+                  + ", ".join(f"{pipe} {pct:.1f}" for pipe, pct in _distinct(k["pipes"])[:top]))
+
+
+def _distinct(pipes: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """``pipes`` without the aliases of one pipe (Hopper reports the tensor pipe's
+    busy cycles under five names, among them the shared pipe's, and the XU's
+    under two): of the names with one value, a tensor one, else the shortest."""
+    def rank(pipe):
+        return not pipe.startswith("tensor"), len(pipe)
+
+    by_value: dict = {}
+    for pipe, pct in pipes:
+        if pct not in by_value or rank(pipe) < rank(by_value[pct]):
+            by_value[pct] = pipe
+    return [(pipe, pct) for pipe, pct in pipes if by_value.get(pct) == pipe]
 
 
 def profile(ncu: str, target: str, case: str, out: Path) -> list[dict] | None:

@@ -357,6 +357,9 @@ def test_ncu_attention_condenses_an_ncu_export_per_kernel(capsys):
     assert "fp8fwd    attention_fp8_forward_kernel: duration 1478.56 us, SM % 48.1, registers 168" in out
     assert "stalls (cycles a warp waited per issued instruction): wait 1.93, barrier 0.52" in out
     assert "pipes (% of peak while active): xu (inst) 61.5, tensor_op_gmma (cycles) 38.0" in out
+    shown = ncu_attention._distinct([("xu (inst)", 36.1), ("xu_realtime (inst)", 36.1), ("shared (cycles)", 34.5),
+                                     ("tensor (cycles)", 34.5), ("tensor_op_hmma (cycles)", 34.5), ("alu (inst)", 2.0)])
+    assert shown == [("xu (inst)", 36.1), ("tensor (cycles)", 34.5), ("alu (inst)", 2.0)]
 
 
 def test_ncu_attention_profiles_one_call_with_the_clocks_as_they_are(tmp_path):
