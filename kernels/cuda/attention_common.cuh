@@ -218,14 +218,9 @@ __device__ __forceinline__ void softmax_rows(float (&sc)[64], float (&alpha)[2],
   float shift[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    // four partial maxima, chains of 4 where one maximum was a chain of 16 (fmaxf
-    // takes no order: the same maximum, NaN operands dropped either way)
-    float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float mx = -INFINITY;
 #pragma unroll
-    for (int v2 = 0; v2 < 16; ++v2) {
-      part[v2 % 4] = fmaxf(part[v2 % 4], fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]));
-    }
-    float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+    for (int v2 = 0; v2 < 16; ++v2) mx = fmaxf(mx, fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
     const float m_new = fmaxf(rows.m[r], mx * rows.qk_scale);  // qk_scale > 0: the scaled maximum, exactly
@@ -233,19 +228,14 @@ __device__ __forceinline__ void softmax_rows(float (&sc)[64], float (&alpha)[2],
     shift[r] = rows.p_shift - m_new;
     rows.m[r] = m_new;
   }
-  // each row's sum in four parts (chains of 8 adds where one sum was a chain of 32),
-  // added pairwise at the end: other rounding of l than one running sum, the same
-  // on every run
-  float sum[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  float sum[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
     sc[i] = fast_exp2(fmaf(sc[i], rows.qk_scale, shift[(i / 2) % 2]));
-    sum[(i / 2) % 2][(i / 4) % 4] += sc[i];
+    sum[(i / 2) % 2] += sc[i];
   }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    rows.l[r] = rows.l[r] * alpha[r] + ((sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]));
-  }
+  rows.l[0] = rows.l[0] * alpha[0] + sum[0];
+  rows.l[1] = rows.l[1] * alpha[1] + sum[1];
 }
 
 // Turns of a block's two consumer warpgroups at the tensor cores (when on): consumer 0 waits on named barrier 1 and
