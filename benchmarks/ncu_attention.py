@@ -14,14 +14,17 @@ of ``bench_attention.CASES`` (default the main one, 4x16x4096x128 causal):
 - ``cudnnfwd`` / ``cudnnbwd``: SDPA's cuDNN kernels, the yardstick;
 - ``bwd``: Triton's two-kernel backward (dq's kernel, then dk / dv's).
 
-    python benchmarks/ncu_attention.py [--targets fp8fwd ...] [--case main] [--out DIR]
+    python benchmarks/ncu_attention.py [--targets fp8fwd ...] [--case main] [--out DIR] [--source]
 
 Each target is a child process (``--launch TARGET``) that warms the path up, then
 runs one call between ``cudaProfilerStart`` and ``cudaProfilerStop``; ``ncu``
 (``--profile-from-start off``, ``--clock-control none``: the clocks as they are)
 profiles the kernels of that call into ``DIR/TARGET.ncu-rep``, then exports its
-details as ``DIR/TARGET.csv``, which :func:`summarize` reads. Where the counters
-cannot be read (a runtime without them) ``ncu``'s message is printed instead.
+details as ``DIR/TARGET.csv``, which :func:`summarize` reads. ``--source`` asks for
+the warps' stall samples of each machine instruction instead (``DIR/TARGET-source.csv``,
+read by :func:`summarize_source`): where a kernel's warps wait, by instruction, opcode
+and reason. Where the counters cannot be read (a runtime without them) ``ncu``'s
+message is printed instead.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 
 TARGETS = ("fp8fwd", "hpfwd", "cudnnfwd", "bwd", "cudnnbwd")
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis", "WarpStateStats")
+SOURCE_SECTIONS = ("WarpStateStats", "SourceCounters")  # the stall samples of each SASS instruction
 # Raw counters beside the sections: every stall reason and every pipe's utilization
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 PEAK = ".avg.pct_of_peak_sustained_active"
@@ -51,13 +55,15 @@ SHOWN = {"Duration": "duration", "Compute (SM) Throughput": "SM %", "Memory Thro
          "Warp Cycles Per Issued Instruction": "cycles / issue"}
 
 
-def ncu_command(ncu: str, target: str, case: str, report: Path, counters: bool = True) -> list[str]:
+def ncu_command(ncu: str, target: str, case: str, report: Path, counters: bool = True,
+                source: bool = False) -> list[str]:
     """``ncu`` over one child launching ``target`` at ``case``, its report at ``report``
-    (``.ncu-rep`` added); ``counters``: the raw stall and pipe counters too."""
+    (``.ncu-rep`` added); ``counters``: the raw stall and pipe counters too;
+    ``source``: instead, the warps' stall samples per machine instruction."""
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--force-overwrite", "--export", str(report)]
-    for section in SECTIONS:
+    for section in SOURCE_SECTIONS if source else SECTIONS:
         cmd += ["--section", section]
-    if counters:
+    if counters and not source:
         cmd += ["--metrics", ",".join(METRICS)]
     return cmd + [sys.executable, str(Path(__file__).resolve()), "--launch", target, "--case", case]
 
@@ -126,15 +132,73 @@ def _distinct(pipes: list[tuple[str, float]]) -> list[tuple[str, float]]:
     return [(pipe, pct) for pipe, pct in pipes if by_value.get(pct) == pipe]
 
 
-def profile(ncu: str, target: str, case: str, out: Path) -> list[dict] | None:
+def summarize_source(csv_text: str, top: int = 12) -> list[dict]:
+    """Per kernel of an ``ncu --csv --page source --print-source sass`` export (a
+    ``"Kernel Name"`` line before each kernel's table): ``{"kernel", "samples",
+    "reasons": [(reason, share)], "opcodes": [(opcode, share)], "top": [(address,
+    instruction, share, [(reason, share of its samples)])]}``, shares of the
+    kernel's warp samples, largest first."""
+    blocks, lines = [], csv_text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith('"Kernel Name"'):
+            blocks.append((next(csv.reader([line]))[1], i + 1))
+    out = []
+    for n, (kernel, start) in enumerate(blocks):
+        end = blocks[n + 1][1] - 1 if n + 1 < len(blocks) else len(lines)
+        rows = list(csv.DictReader(lines[start:end]))
+        samples = [_number(r.get("Warp Stall Sampling (All Samples)", "")) for r in rows]
+        samples = [0.0 if x != x else x for x in samples]
+        total = sum(samples) or 1.0
+        reasons = [k for k in (rows[0] if rows else {}) if k.startswith("stall_") and "Not Issued" not in k]
+
+        def share(values):
+            merged: dict = {}
+            for key, value in values:
+                merged[key] = merged.get(key, 0.0) + (0.0 if value != value else value)
+            return sorted(((k, v / total) for k, v in merged.items()), key=lambda kv: -kv[1])
+
+        opcode = [(r["Source"].split()[1 if r["Source"].lstrip().startswith("@") else 0].split(".")[0]
+                   if r["Source"].split() else "?", x) for r, x in zip(rows, samples)]
+        previous = {r["Address"]: " ".join(rows[i - 1]["Source"].split()) for i, r in enumerate(rows) if i}
+        ranked = sorted(zip(rows, samples), key=lambda rx: -rx[1])[:top]
+        out.append({"kernel": kernel, "samples": total,
+                    "reasons": share((k[len("stall_"):], _number(r[k])) for r in rows for k in reasons),
+                    "opcodes": share(opcode),
+                    "top": [(r["Address"], _with_wait(" ".join(r["Source"].split()), previous.get(r["Address"], "")),
+                             x / total,
+                             sorted(((k[len("stall_"):], _number(r[k]) / x) for k in reasons if x),
+                                    key=lambda kv: -kv[1])[:2]) for r, x in ranked]})
+    return out
+
+
+def _with_wait(instruction: str, before: str) -> str:
+    """A branch with the instruction before it where that is a wait it loops on (an
+    mbarrier's try-wait): the wait names the barrier."""
+    if "BRA" in instruction and ("TRYWAIT" in before or "SYNCS" in before):
+        return f"{instruction} (after {before})"
+    return instruction
+
+
+def print_source_summary(target: str, kernels: list[dict], top: int = 8) -> None:
+    for k in kernels:
+        print(f"{target:9s} {k['kernel'][:70]}: {k['samples']:.0f} warp samples")
+        print("    by reason: " + ", ".join(f"{r} {v:.1%}" for r, v in k["reasons"][:top]))
+        print("    by opcode: " + ", ".join(f"{o} {v:.1%}" for o, v in k["opcodes"][:top]))
+        for address, instruction, part, why in k["top"]:
+            print(f"    {part:6.1%} {address[-6:]} {instruction[:110]:60s} "
+                  + ", ".join(f"{r} {v:.0%}" for r, v in why))
+
+
+def profile(ncu: str, target: str, case: str, out: Path, source: bool = False) -> list[dict] | None:
     """One target under ncu (without the raw counters where ncu refuses them): its
-    kernels' summaries, or None with ncu's message printed."""
-    report = out / target
+    kernels' summaries (``source``: per instruction), or None with ncu's message
+    printed."""
+    report = out / (target + ("-source" if source else ""))
     message = ""
     for counters in (True, False):
         try:
-            run = subprocess.run(ncu_command(ncu, target, case, report, counters), capture_output=True, text=True,
-                                 timeout=150)
+            run = subprocess.run(ncu_command(ncu, target, case, report, counters, source), capture_output=True,
+                                 text=True, timeout=150)
         except subprocess.TimeoutExpired:
             message = "no report within 150 s"
             continue
@@ -144,13 +208,14 @@ def profile(ncu: str, target: str, case: str, out: Path) -> list[dict] | None:
     else:
         print(f"{target}: ncu failed: {message}")
         return None
-    exported = subprocess.run([ncu, "--import", str(report.with_suffix(".ncu-rep")), "--csv", "--page", "details"],
+    page = ["--page", "source", "--print-source", "sass"] if source else ["--page", "details"]
+    exported = subprocess.run([ncu, "--import", str(report.with_suffix(".ncu-rep")), "--csv", *page],
                               capture_output=True, text=True, timeout=120)
     report.with_suffix(".csv").write_text(exported.stdout)
     if exported.returncode != 0:
         print(f"{target}: ncu --import failed:\n{exported.stderr[-1500:]}")
         return None
-    return summarize(exported.stdout)
+    return summarize_source(exported.stdout) if source else summarize(exported.stdout)
 
 
 def _call(target: str, case: str, device: str = "cuda"):
@@ -225,10 +290,16 @@ def main(argv=None) -> None:
     p.add_argument("--launch", choices=TARGETS, help=argparse.SUPPRESS)  # the child ncu runs
     p.add_argument("--summarize", type=Path, nargs="+", metavar="CSV",
                    help="print the summary of exported reports (TARGET.csv) instead of profiling")
+    p.add_argument("--source", action="store_true",
+                   help="the warps' stall samples per machine instruction instead (ncu's SourceCounters)")
     args = p.parse_args(argv)
     if args.summarize:
         for path in args.summarize:
-            print_summary(path.stem, summarize(path.read_text()))
+            text = path.read_text()
+            if text.lstrip().startswith('"Kernel Name"'):  # a source page
+                print_source_summary(path.stem, summarize_source(text))
+            else:
+                print_summary(path.stem, summarize(text))
         return
     import torch
 
@@ -244,9 +315,9 @@ def main(argv=None) -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     for target in args.targets:
-        kernels = profile(ncu, target, args.case, args.out)
+        kernels = profile(ncu, target, args.case, args.out, args.source)
         if kernels is not None:
-            print_summary(target, kernels)
+            (print_source_summary if args.source else print_summary)(target, kernels)
 
 
 if __name__ == "__main__":

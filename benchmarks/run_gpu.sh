@@ -77,9 +77,10 @@ for part in $parts; do
         tests/test_hot_guard.py tests/test_fuser.py tests/test_ops_gpu.py tests/test_training.py 2>&1 | tee "$OUT/new.log" | tail -15 ;;
     ncuattn)  # the attention kernels under Nsight Compute (ncu_attention.py): per kernel its duration, throughput,
       # occupancy, stall reasons and pipes, for our FP8 and bf16 forwards, Triton's backward and cuDNN's; the reports
-      # and their CSVs in $OUT/ncu (NCU_TARGETS="fp8fwd bwd" for some, NCU_CASE=gpt for the GPT's shape)
+      # and their CSVs in $OUT/ncu (NCU_TARGETS="fp8fwd bwd" for some, NCU_CASE=gpt for the GPT's shape, NCU_SOURCE=1
+      # for the warps' stall samples per machine instruction instead)
       timeout 480 python3 benchmarks/ncu_attention.py --out "$OUT/ncu" --case ${NCU_CASE:-main} \
-        ${NCU_TARGETS:+--targets $NCU_TARGETS} 2>&1 | tee "$OUT/ncuattn.log" | tail -40 ;;
+        ${NCU_TARGETS:+--targets $NCU_TARGETS} ${NCU_SOURCE:+--source} 2>&1 | tee "$OUT/ncuattn.log" | tail -60 ;;
     pending)  # what runs 191-193 left: the GPT through FP8-attention phases on the Hopper FP8 forward (now the auto
       # table's), te beside its eager twin for loss parity, then the GPU tests that train the GPT and graph FP8 attention
       timeout 400 python3 examples/train_gpt.py --size gpu --steps 20 --arms te,torch \

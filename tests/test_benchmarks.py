@@ -400,3 +400,42 @@ def test_ncu_attentions_backward_target_is_triton_backward(monkeypatch):
     o, lse = tk.attention_forward(q, k, v, True, 1 / 8)
     for got, want in zip(grads, tk.attention_backward(q, k, v, o, lse, do, True, 1 / 8)):
         assert torch.equal(got, want)
+
+
+# Two kernels of an ``ncu --csv --page source --print-source sass`` export (a
+# "Kernel Name" line before each kernel's table; stall samples per instruction)
+_NCU_SOURCE_CSV = """\
+"Kernel Name","v_keys_inner_kernel<128>(te_fuser::AttentionFp8Args)",
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_barrier","stall_long_sb","stall_wait","stall_long_sb (Not Issued)"
+"0x10","LDG.E R2, desc[UR4][R2.64]","10","9","0","10","0","9"
+"0x20","STS [R5], R2","30","20","0","28","2","20"
+"Kernel Name","attention_fp8_forward_kernel<128, true, __nv_bfloat16>(te_fuser::AttentionFp8Args)",
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_barrier","stall_long_sb","stall_wait","stall_long_sb (Not Issued)"
+"0x100","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ+0x1c020], R2","5","5","0","0","5","0"
+"0x110","@!P0 BRA 0x900","60","60","0","60","0","60"
+"0x120","MUFU.EX2 R4, R4","25","10","20","0","5","0"
+"0x130","WARPGROUP.DEPBAR.LE gsb0, 0x1","10","10","10","0","0","0"
+"""
+
+
+def test_ncu_attention_places_the_warps_stalls_by_instruction(capsys, tmp_path):
+    """ncu_attention.py --source's summary of a source page: per kernel its warp
+    samples, their shares by reason and by opcode (a predicate dropped), and its
+    instructions most sampled, a branch shown with the wait it loops on; the
+    command asks for ncu's SourceCounters without the raw counters."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ncu_attention
+
+    v, fwd = ncu_attention.summarize_source(_NCU_SOURCE_CSV)
+    assert v["kernel"].startswith("v_keys_inner_kernel") and v["samples"] == 40
+    assert fwd["samples"] == 100 and fwd["reasons"][0] == ("long_sb", 0.6)
+    assert dict(fwd["opcodes"]) == {"SYNCS": 0.05, "BRA": 0.6, "MUFU": 0.25, "WARPGROUP": 0.1}
+    address, instruction, share, why = fwd["top"][0]
+    assert (address, share, why[0]) == ("0x110", 0.6, ("long_sb", 1.0))
+    assert instruction == "@!P0 BRA 0x900 (after SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ+0x1c020], R2)"
+    (tmp_path / "fp8fwd-source.csv").write_text(_NCU_SOURCE_CSV)
+    ncu_attention.main(["--summarize", str(tmp_path / "fp8fwd-source.csv")])
+    out = capsys.readouterr().out
+    assert "fp8fwd-source attention_fp8_forward_kernel" in out and "by opcode: BRA 60.0%, MUFU 25.0%" in out
+    cmd = ncu_attention.ncu_command("ncu", "fp8fwd", "main", tmp_path / "x", source=True)
+    assert "SourceCounters" in cmd and "--metrics" not in cmd and "SpeedOfLight" not in cmd
