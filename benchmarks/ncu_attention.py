@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -46,9 +47,8 @@ PEAK = ".avg.pct_of_peak_sustained_active"
 # (prefix, suffix, label) of the pipes' figures: instructions issued to a pipe, and
 # the cycles a pipe was busy (the tensor pipe's products take many cycles each)
 PIPES = (("sm__inst_executed_pipe_", PEAK, "inst"), ("sm__pipe_", "_cycles_active" + PEAK, "cycles"))
-METRICS = (f"regex:^{STALL_PREFIX}.*_per_issue_active\\.ratio$",
-           "regex:^sm__inst_executed_pipe_.*\\.avg\\.pct_of_peak_sustained_active$",
-           "regex:^sm__pipe_.*_cycles_active\\.avg\\.pct_of_peak_sustained_active$")
+METRICS = tuple(f"regex:^{re.escape(prefix)}.*{re.escape(suffix)}$"
+                for prefix, suffix in ((STALL_PREFIX, STALL_SUFFIX), *((p, s) for p, s, _ in PIPES)))
 # The sections' figures a summary line shows, by their names in the report
 SHOWN = {"Duration": "duration", "Compute (SM) Throughput": "SM %", "Memory Throughput": "memory %",
          "Achieved Occupancy": "occupancy %", "Registers Per Thread": "registers", "Issue Slots Busy": "issue %",
@@ -84,7 +84,7 @@ def summarize(csv_text: str) -> list[dict]:
     header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), len(lines))  # past ==PROF== lines
     for row in csv.DictReader(lines[header:]):
         metric = row.get("Metric Name", "")
-        if not metric or "ID" not in row:
+        if not metric:
             continue
         k = kernels.setdefault(row["ID"], {"kernel": row["Kernel Name"], "shown": {}, "stalls": [], "pipes": []})
         value, unit = _number(row.get("Metric Value", "")), row.get("Metric Unit", "")
@@ -99,9 +99,14 @@ def summarize(csv_text: str) -> list[dict]:
                     break
     out = [kernels[i] for i in sorted(kernels, key=_number)]
     for k in out:
-        k["stalls"].sort(key=lambda item: -item[1] if item[1] == item[1] else 0.0)
-        k["pipes"].sort(key=lambda item: -item[1] if item[1] == item[1] else 0.0)
+        k["stalls"].sort(key=_largest_first)
+        k["pipes"].sort(key=_largest_first)
     return out
+
+
+def _largest_first(item: tuple[str, float]) -> float:
+    """A sort key: larger values first, a value ncu left out (NaN) after them."""
+    return -item[1] if item[1] == item[1] else 0.0
 
 
 def print_summary(target: str, kernels: list[dict], top: int = 6) -> None:
@@ -138,37 +143,47 @@ def summarize_source(csv_text: str, top: int = 12) -> list[dict]:
     "reasons": [(reason, share)], "opcodes": [(opcode, share)], "top": [(address,
     instruction, share, [(reason, share of its samples)])]}``, shares of the
     kernel's warp samples, largest first."""
-    blocks, lines = [], csv_text.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith('"Kernel Name"'):
-            blocks.append((next(csv.reader([line]))[1], i + 1))
+    lines = csv_text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith('"Kernel Name"')]
     out = []
-    for n, (kernel, start) in enumerate(blocks):
-        end = blocks[n + 1][1] - 1 if n + 1 < len(blocks) else len(lines)
-        rows = list(csv.DictReader(lines[start:end]))
-        samples = [_number(r.get("Warp Stall Sampling (All Samples)", "")) for r in rows]
-        samples = [0.0 if x != x else x for x in samples]
+    for n, start in enumerate(starts):
+        kernel = next(csv.reader([lines[start]]))[1]
+        rows = list(csv.DictReader(lines[start + 1:starts[n + 1] if n + 1 < len(starts) else len(lines)]))
+        samples = [_count(r.get("Warp Stall Sampling (All Samples)", "")) for r in rows]
         total = sum(samples) or 1.0
         reasons = [k for k in (rows[0] if rows else {}) if k.startswith("stall_") and "Not Issued" not in k]
-
-        def share(values):
-            merged: dict = {}
-            for key, value in values:
-                merged[key] = merged.get(key, 0.0) + (0.0 if value != value else value)
-            return sorted(((k, v / total) for k, v in merged.items()), key=lambda kv: -kv[1])
-
-        opcode = [(r["Source"].split()[1 if r["Source"].lstrip().startswith("@") else 0].split(".")[0]
-                   if r["Source"].split() else "?", x) for r, x in zip(rows, samples)]
-        previous = {r["Address"]: " ".join(rows[i - 1]["Source"].split()) for i, r in enumerate(rows) if i}
-        ranked = sorted(zip(rows, samples), key=lambda rx: -rx[1])[:top]
-        out.append({"kernel": kernel, "samples": total,
-                    "reasons": share((k[len("stall_"):], _number(r[k])) for r in rows for k in reasons),
-                    "opcodes": share(opcode),
-                    "top": [(r["Address"], _with_wait(" ".join(r["Source"].split()), previous.get(r["Address"], "")),
-                             x / total,
-                             sorted(((k[len("stall_"):], _number(r[k]) / x) for k in reasons if x),
-                                    key=lambda kv: -kv[1])[:2]) for r, x in ranked]})
+        texts = [" ".join(r["Source"].split()) for r in rows]
+        ranked = sorted(range(len(rows)), key=lambda i: -samples[i])[:top]
+        out.append({
+            "kernel": kernel, "samples": total,
+            "reasons": _shares(((k[len("stall_"):], _count(r[k])) for r in rows for k in reasons), total),
+            "opcodes": _shares(((_opcode(t), x) for t, x in zip(texts, samples)), total),
+            "top": [(rows[i]["Address"], _with_wait(texts[i], texts[i - 1] if i else ""), samples[i] / total,
+                     _shares(((k[len("stall_"):], _count(rows[i][k])) for k in reasons), samples[i] or 1.0)[:2])
+                    for i in ranked]})
     return out
+
+
+def _count(text: str) -> float:
+    """A sample count of the export (0 where it shows none)."""
+    value = _number(text)
+    return value if value == value else 0.0
+
+
+def _shares(pairs, total: float) -> list[tuple[str, float]]:
+    """``(key, count)`` pairs summed per key, as shares of ``total``, largest first."""
+    merged: dict = {}
+    for key, count in pairs:
+        merged[key] = merged.get(key, 0.0) + count
+    return sorted(((k, v / total) for k, v in merged.items()), key=_largest_first)
+
+
+def _opcode(instruction: str) -> str:
+    """``@!P0 BRA 0x900`` -> ``BRA``, ``MUFU.EX2 R4, R4`` -> ``MUFU``."""
+    words = instruction.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else "?"
 
 
 def _with_wait(instruction: str, before: str) -> str:
