@@ -15,20 +15,19 @@
 // run the longest rows first. 384 threads:
 //   * warpgroup 0 (producer, 48 registers a thread after setmaxnreg): cp.async of
 //     the Q block once, then of each key tile's K (128 keys x D) and Vᵀ (D x 128
-//     positions) into a ring of kStages stages; each thread's copies arrive on
-//     the stage's "full" barrier as they land (cp.async.mbarrier.arrive), and a
-//     consumer that saw it complete fences them for its tensor cores
-//     (fence.proxy.async: cp.async writes through the generic proxy, wgmma reads
-//     through the async one); a stage is refilled once both consumers arrived on
-//     its "empty" barrier.
+//     positions) into a ring of kStages stages; once a stage's copies have landed,
+//     each thread fences them for the tensor cores (fence.proxy.async: cp.async
+//     writes through the generic proxy, wgmma reads through the async one) and
+//     arrives on the stage's "full" barrier; a stage is refilled once both
+//     consumers arrived on its "empty" barrier.
 //   * warpgroups 1, 2 (consumers, 224 registers): S = Q Kᵀ (wgmma m64n128k32, Q and
 //     K from shared memory), the online softmax on S in registers, P as the
 //     register A operand of O_tile = P V (wgmma m64nDk32, Vᵀ from shared memory),
 //     O += O_tile in fp32. By default the two take turns issuing S = Q Kᵀ (named
 //     barriers), so that one's softmax overlaps the other's tensor-core work. The
-//     overlapped schedule (AttentionFp8Args::overlap, the extension's default)
-//     also keeps each consumer's next S = Q Kᵀ and last P V in flight during its
-//     softmax, P V then adding into O in the tensor cores' accumulator (other bits).
+//     overlapped schedule (AttentionFp8Args::overlap, off by default) also keeps
+//     each consumer's next S = Q Kᵀ and last P V in flight during its softmax,
+//     P V then adding into O in the tensor cores' accumulator (other bits).
 //
 // Shared memory tiles are K-major with the 128-byte (rows of 128 bytes) or 64-byte
 // (rows of 64 bytes) swizzle that wgmma's descriptors name: the 16-byte chunk c
@@ -186,10 +185,13 @@ __device__ __forceinline__ void issue_values(float (&d)[D / 2], const uint32_t (
   for (int c = 0; c < 4; ++c) pv_step<D>(d, p8[c], v_desc + 2 * c, !ACCUMULATE && c == 0);
 }
 
-// P (times p_scale) of a tile softmax_rows has run on, cast to E4M3 as the A
+// softmax_rows on one tile of S, then P (times p_scale) cast to E4M3 as the A
 // fragment of four k32 steps: step c's word w holds, for row0 (w even) or row0 + 8
 // (w odd), S columns v2 = 4c + 2·(w / 2) + (0, 1).
-__device__ __forceinline__ void pack_p(const float (&sc)[64], uint32_t (&p8)[4][4]) {
+template <bool CAUSAL>
+__device__ __forceinline__ void softmax_tile(float (&sc)[64], uint32_t (&p8)[4][4], float (&alpha)[2],
+                                             ConsumerRows& rows, int n0, int tk) {
+  softmax_rows<CAUSAL>(sc, alpha, rows, n0, tk);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
 #pragma unroll
@@ -198,14 +200,6 @@ __device__ __forceinline__ void pack_p(const float (&sc)[64], uint32_t (&p8)[4][
       p8[c][w] = e4m3x4(sc[first], sc[first + 1], sc[first + 4], sc[first + 5]);
     }
   }
-}
-
-// softmax_rows on one tile of S, then its P packed.
-template <bool CAUSAL>
-__device__ __forceinline__ void softmax_tile(float (&sc)[64], uint32_t (&p8)[4][4], float (&alpha)[2],
-                                             ConsumerRows& rows, int n0, int tk) {
-  softmax_rows<CAUSAL>(sc, alpha, rows, n0, tk);
-  pack_p(sc, p8);
 }
 
 // A consumer warpgroup, each tile in order: S = Q Kᵀ, the softmax, O_tile = P V a
@@ -235,21 +229,17 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int tiles, int t
   }
 }
 
-// Ends ptxas's scheduling region: a branch it cannot remove (tk is never negative).
-// Without it ptxas hoists the next wgmma wait to the top of its region, above the
-// softmax, and the softmax no longer runs while the P V product is in flight.
-__device__ __forceinline__ void schedule_fence(int tk) {
-  if (tk < 0) __trap();
-}
-
-// One tile of consume_overlapped: tile j's S = Q Kᵀ and tile j - 1's P V issued
-// together, tile j's softmax in fp32 (in S's registers) while both run, then, once
-// P V has read P, tile j's P packed into the same registers and O rescaled. (P in
-// two register sets, one written while the product reads the other, would not
-// help: ptxas gives both the same registers and waits for the product first.)
+// One tile of consume_overlapped: tile j's S = Q Kᵀ and tile j - 1's P V (P from
+// `previous`) issued together, the softmax of tile j (its P into `next`), then O
+// rescaled. P alternates between two register sets rather than being copied
+// (ptxas would see a copy's P rewritten while the product still reads it and
+// serialize every product of the kernel). It still gives both sets the same
+// registers and so waits for P V before the softmax, not after it; keeping the
+// wait below the softmax was measured slower (ARCHITECTURE, RESULTS runs 201-202).
 template <int D, bool CAUSAL>
 __device__ __forceinline__ void overlapped_tile(uint32_t base, int j, int tk, uint64_t q_desc, const Turns& turns,
-                                                ConsumerRows& rows, float (&acc)[D / 2], uint32_t (&p8)[4][4]) {
+                                                ConsumerRows& rows, float (&acc)[D / 2], uint32_t (&previous)[4][4],
+                                                uint32_t (&next)[4][4]) {
   using S = ForwardSmem<D>;
   wait_tile<S>(base, j);
   const uint64_t k_desc = k_descriptor<D>(base, j % kStages), v_desc = v_descriptor<D>(base, (j - 1) % kStages);
@@ -259,18 +249,16 @@ __device__ __forceinline__ void overlapped_tile(uint32_t base, int j, int tk, ui
   mma_fence();
   issue_scores<D>(sc, q_desc, k_desc);
   mma_commit();
-  issue_values<D, true>(acc, p8, v_desc);
+  issue_values<D, true>(acc, previous, v_desc);
   mma_commit();
   turns.pass(j);
   mma_wait_all_but_newest();  // the scores
   fence_registers(sc);
-  softmax_rows<CAUSAL>(sc, alpha, rows, j * kBlockN, tk);
-  schedule_fence(tk);
+  softmax_tile<CAUSAL>(sc, next, alpha, rows, j * kBlockN, tk);
   mma_wait_all();  // P V of tile j - 1
   fence_registers(acc);
-  fence_registers(p8);  // read by that product until here
+  fence_registers(previous);  // read by that product until here
   release_tile<S>(base, j - 1);
-  pack_p(sc, p8);
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc[i] *= alpha[(i / 2) % 2];
 }
@@ -297,16 +285,25 @@ template <int D, bool CAUSAL>
 __device__ __forceinline__ void consume_overlapped(uint32_t base, int tiles, int tk, uint64_t q_desc,
                                                    const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2]) {
   using S = ForwardSmem<D>;
-  uint32_t p8[4][4];  // P of the last tile whose softmax ran
+  uint32_t even[4][4], odd[4][4];  // P of the even and of the odd tiles
   {
     float sc[64];
     float alpha[2];
     wait_tile<S>(base, 0);
     scores_in_turn<D>(sc, q_desc, k_descriptor<D>(base, 0), turns, 0);
-    softmax_tile<CAUSAL>(sc, p8, alpha, rows, 0, tk);  // O is 0: alpha scales nothing
+    softmax_tile<CAUSAL>(sc, even, alpha, rows, 0, tk);  // O is 0: alpha scales nothing
   }
-  for (int j = 1; j < tiles; ++j) overlapped_tile<D, CAUSAL>(base, j, tk, q_desc, turns, rows, acc, p8);
-  last_values<D>(base, tiles, acc, p8);
+  int j = 1;
+  for (; j + 1 < tiles; j += 2) {
+    overlapped_tile<D, CAUSAL>(base, j, tk, q_desc, turns, rows, acc, even, odd);
+    overlapped_tile<D, CAUSAL>(base, j + 1, tk, q_desc, turns, rows, acc, odd, even);
+  }
+  if (j < tiles) {
+    overlapped_tile<D, CAUSAL>(base, j, tk, q_desc, turns, rows, acc, even, odd);
+    last_values<D>(base, tiles, acc, odd);
+  } else {
+    last_values<D>(base, tiles, acc, even);
+  }
 }
 
 // A consumer warpgroup: 64 query rows through every key tile, then o and lse.
@@ -322,7 +319,7 @@ __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base
   const uint64_t q_desc = tile_descriptor<D>(base + S::q + 64 * group * D);
   const Turns turns{a.turns, group, w.tiles};
   turns.start();
-  wait_q<S>(base);
+  barrier_wait(S::q_full(base), 0);
   if (a.overlap) {
     consume_overlapped<D, CAUSAL>(base, w.tiles, a.tk, q_desc, turns, rows, acc);
   } else {
