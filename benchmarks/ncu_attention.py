@@ -235,9 +235,6 @@ def profile(ncu: str, target: str, case: str, out: Path, source: bool = False) -
 
 def _call(target: str, case: str, device: str = "cuda"):
     """The call ``target`` profiles at ``case``, its inputs made (bf16 q, k, v on ``device``)."""
-    import importlib
-    import math as _math
-
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -245,11 +242,11 @@ def _call(target: str, case: str, device: str = "cuda"):
 
     from te_fuser.kernels import triton as tk
 
+    cuda_attn = ba.cuda_attn
     B, H, Hkv, T, D, causal = ba.CASES[case]
-    scale = 1 / _math.sqrt(D)
+    scale = 1 / math.sqrt(D)
     q, k, v = (torch.randn(B, h, T, D, device=device, dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
     do = torch.randn_like(q)
-    cuda_attn = importlib.import_module("te_fuser.kernels.cuda.attention")
     if target == "fp8fwd":
         (q8, qsi), (k8, ksi), (v8, vsi) = ba._fp8(q), ba._fp8(k), ba._fp8(v)
         reason = cuda_attn.attention_forward_fp8_unsupported_reason(q8, k8)

@@ -269,12 +269,10 @@ def test_backward_threads_splits_each_arms_step_in_both_modes():
         assert (r["fuser"] == 0) == (arm == "bf16 eager") and r["fuser"] <= r["body"], (arm, r)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full benchmark (run_gpu.sh attention)")
-def test_bench_attention_runs_a_case_through_every_row_the_cpu_takes(monkeypatch):
-    """One small causal case of bench_attention.py on the CPU (each timing one call):
-    SDPA's flash rows, Triton's bf16 and FP8 forwards and its backward, each within
-    bound of SDPA's output; the cuDNN and Hopper rows are left out (their kernels
-    refuse the CPU's tensors)."""
+@pytest.fixture
+def bench_attention_on_cpu(monkeypatch):
+    """bench_attention.py with a small causal case "cpu" (1x2:1x40x64), each timing
+    one call (1.0 ms) and one set of inputs."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_attention
     import harness
@@ -286,7 +284,16 @@ def test_bench_attention_runs_a_case_through_every_row_the_cpu_takes(monkeypatch
     monkeypatch.setattr(harness, "time_ms", once)
     monkeypatch.setattr(harness, "rotation", lambda make, _bytes: [make()])
     monkeypatch.setitem(bench_attention.CASES, "cpu", (1, 2, 1, 40, 64, True))
-    rows = bench_attention.bench_case("cpu", ceiling=1.0, device="cpu")
+    return bench_attention
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full benchmark (run_gpu.sh attention)")
+def test_bench_attention_runs_a_case_through_every_row_the_cpu_takes(bench_attention_on_cpu):
+    """One small causal case of bench_attention.py on the CPU (each timing one call):
+    SDPA's flash rows, Triton's bf16 and FP8 forwards and its backward, each within
+    bound of SDPA's output; the cuDNN and Hopper rows are left out (their kernels
+    refuse the CPU's tensors)."""
+    rows = bench_attention_on_cpu.bench_case("cpu", ceiling=1.0, device="cpu")
     names = [(r.case, r.backend) for r in rows]
     assert names == [("fwd bf16", "torch sdpa flash"), ("fwd bf16", "triton"), ("fwd fp8", "triton"),
                      ("fwd fp8 + q/k/v casts", "triton"), ("bwd bf16", "torch sdpa flash"), ("bwd bf16", "triton")], names
@@ -297,20 +304,14 @@ def test_bench_attention_runs_a_case_through_every_row_the_cpu_takes(monkeypatch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full sweep (run_gpu.sh attnsweep)")
-def test_bench_attention_sweeps_the_backwards_shapes_and_puts_the_plans_back(monkeypatch):
+def test_bench_attention_sweeps_the_backwards_shapes_and_puts_the_plans_back(bench_attention_on_cpu):
     """bench_attention.py's sweep of the backward's two kernels at a small case on
     the CPU: a row for every launch shape of AUTOTUNE_CONFIGS["dq"] and ["dkdv"],
     each of which ran (no error in its note), and the plan table as it was."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_attention
-    import harness
-
     from te_fuser.kernels.triton import attention as attn
 
-    monkeypatch.setattr(harness, "time_ms", lambda fn, inputs=((),), **_: (fn(*inputs[0]), 1.0)[1])
-    monkeypatch.setitem(bench_attention.CASES, "cpu", (1, 2, 1, 40, 64, True))
     plans = dict(attn.ATTENTION_PLANS)
-    rows = bench_attention.sweep(1.0, "cpu", kernels=["dq", "dkdv"], device="cpu")
+    rows = bench_attention_on_cpu.sweep(1.0, "cpu", kernels=["dq", "dkdv"], device="cpu")
     assert len(rows) == len(attn.AUTOTUNE_CONFIGS["dq"]) + len(attn.AUTOTUNE_CONFIGS["dkdv"])
     for r in rows:
         assert r.case.split()[0] in ("dq", "dkdv") and "(whole backward)" in r.case and r.ms == 1.0, (r.case, r.note)
@@ -382,16 +383,13 @@ def test_ncu_attention_profiles_one_call_with_the_clocks_as_they_are(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU ncu profiles them (run_gpu.sh ncuattn)")
-def test_ncu_attentions_backward_target_is_triton_backward(monkeypatch):
+def test_ncu_attentions_backward_target_is_triton_backward(bench_attention_on_cpu):
     """The call ncu_attention.py profiles for Triton's backward, at a small case on
     the CPU: the two kernels' dq, dk and dv of that case's inputs."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_attention
     import ncu_attention
 
     from te_fuser.kernels import triton as tk
 
-    monkeypatch.setitem(bench_attention.CASES, "cpu", (1, 2, 1, 40, 64, True))
     torch.manual_seed(0)
     grads = ncu_attention._call("bwd", "cpu", device="cpu")()
     torch.manual_seed(0)
