@@ -71,14 +71,15 @@ __device__ __forceinline__ void turn_pass(int id) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
 }
 
-__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void copies_wait_all_but_newest() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+// One arrival on the barrier once every cp.async this thread has issued so far has
+// landed (the thread goes on at once; .noinc: the barrier's count includes it).
+__device__ __forceinline__ void barrier_arrive_when_copied(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void copies_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// This thread's shared-memory writes (cp.async lands through the generic proxy)
-// ordered before the tensor cores' reads (wgmma reads through the async proxy).
+// Shared-memory writes this thread has seen land (cp.async writes through the
+// generic proxy; a barrier wait made them visible) ordered before its tensor
+// cores' reads (wgmma reads through the async proxy).
 __device__ __forceinline__ void fence_for_tensor_cores() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -342,10 +343,17 @@ void launch_blocks(const Args& a, cudaStream_t stream, const char* name) {
 
 // The ring of a block's shared memory (Smem: q_full, and full and empty of
 // Smem::stages stages). Tile j sits in stage j % stages; its round j / stages names
-// the phase a barrier completes for it.
+// the phase a barrier completes for it. A consumer's waits end with the copies
+// ordered before its tensor cores' reads.
+template <typename Smem>
+__device__ __forceinline__ void wait_q(uint32_t base) {
+  barrier_wait(Smem::q_full(base), 0);
+  fence_for_tensor_cores();
+}
 template <typename Smem>
 __device__ __forceinline__ void wait_tile(uint32_t base, int j) {
   barrier_wait(Smem::full(base, j % Smem::stages), (j / Smem::stages) & 1);
+  fence_for_tensor_cores();
 }
 template <typename Smem>
 __device__ __forceinline__ void release_tile(uint32_t base, int j) {
@@ -353,26 +361,21 @@ __device__ __forceinline__ void release_tile(uint32_t base, int j) {
 }
 
 // The producer warpgroup's side of the ring: copy_q() (Q's copies), then for each
-// tile copy_tile(j, stage) once both consumers released the stage's last tile. The
-// copies go out in groups (Q, tile 0, tile 1, ...); once a group has landed, each
-// thread fences its writes for the tensor cores' (async proxy) reads and arrives on
-// the group's barrier, one group behind the copies it issues.
+// tile copy_tile(j, stage) once both consumers released the stage's last tile.
+// Each thread's copies arrive on their barrier when they land, so the producer
+// never waits for a copy: a tile is published as soon as it is in, whatever the
+// stages after it wait for (the consumers fence the copies for their tensor cores:
+// wait_q, wait_tile).
 template <typename Smem, typename CopyQ, typename CopyTile>
 __device__ __forceinline__ void produce_ring(uint32_t base, int tiles, CopyQ copy_q, CopyTile copy_tile) {
   copy_q();
-  copies_commit();
+  barrier_arrive_when_copied(Smem::q_full(base));
   for (int j = 0; j < tiles; ++j) {
     const int s = j % Smem::stages;
     if (j >= Smem::stages) barrier_wait(Smem::empty(base, s), ((j / Smem::stages) - 1) & 1);
     copy_tile(j, s);
-    copies_commit();
-    copies_wait_all_but_newest();  // the group before this tile's: Q, or tile j - 1
-    fence_for_tensor_cores();
-    barrier_arrive(j == 0 ? Smem::q_full(base) : Smem::full(base, (j - 1) % Smem::stages));
+    barrier_arrive_when_copied(Smem::full(base, s));
   }
-  copies_wait_all();
-  fence_for_tensor_cores();
-  barrier_arrive(Smem::full(base, (tiles - 1) % Smem::stages));
 }
 
 // A forward block: its shared memory and work, then produce(base, work, tid) in

@@ -164,7 +164,7 @@ __device__ __forceinline__ void consume(const AttentionHpArgs& a, uint32_t base,
   }
   const Turns turns{a.turns, group, w.tiles};
   turns.start();
-  barrier_wait(S::q_full(base), 0);
+  wait_q<S>(base);
   for (int j = 0; j < w.tiles; ++j) {
     const int s = j % S::stages;
     wait_tile<S>(base, j);

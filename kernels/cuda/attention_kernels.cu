@@ -15,11 +15,12 @@
 // run the longest rows first. 384 threads:
 //   * warpgroup 0 (producer, 48 registers a thread after setmaxnreg): cp.async of
 //     the Q block once, then of each key tile's K (128 keys x D) and Vᵀ (D x 128
-//     positions) into a ring of kStages stages; once a stage's copies have landed,
-//     each thread fences them for the tensor cores (fence.proxy.async: cp.async
-//     writes through the generic proxy, wgmma reads through the async one) and
-//     arrives on the stage's "full" barrier; a stage is refilled once both
-//     consumers arrived on its "empty" barrier.
+//     positions) into a ring of kStages stages; each thread's copies arrive on
+//     the stage's "full" barrier as they land (cp.async.mbarrier.arrive), and a
+//     consumer that saw it complete fences them for its tensor cores
+//     (fence.proxy.async: cp.async writes through the generic proxy, wgmma reads
+//     through the async one); a stage is refilled once both consumers arrived on
+//     its "empty" barrier.
 //   * warpgroups 1, 2 (consumers, 224 registers): S = Q Kᵀ (wgmma m64n128k32, Q and
 //     K from shared memory), the online softmax on S in registers, P as the
 //     register A operand of O_tile = P V (wgmma m64nDk32, Vᵀ from shared memory),
@@ -319,7 +320,7 @@ __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base
   const uint64_t q_desc = tile_descriptor<D>(base + S::q + 64 * group * D);
   const Turns turns{a.turns, group, w.tiles};
   turns.start();
-  barrier_wait(S::q_full(base), 0);
+  wait_q<S>(base);
   if (a.overlap) {
     consume_overlapped<D, CAUSAL>(base, w.tiles, a.tk, q_desc, turns, rows, acc);
   } else {
