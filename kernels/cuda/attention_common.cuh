@@ -71,6 +71,8 @@ __device__ __forceinline__ void turn_pass(int id) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
 }
 
+__device__ __forceinline__ void copies_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // One arrival on the barrier once every cp.async this thread has issued so far has
 // landed (the thread goes on at once; .noinc: the barrier's count includes it).
 __device__ __forceinline__ void barrier_arrive_when_copied(uint32_t bar) {
@@ -441,6 +443,7 @@ __device__ __forceinline__ void run_block(const Args& a, uint8_t* smem_raw, Prod
   if (group == 0) {
     producer_registers();
     for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { produce(base, w, n, t0, tid); });
+    copies_wait_all();  // not gone before its last copies have landed (and arrived)
   } else {
     consumer_registers();
     for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { consume(base, w, n, t0, group - 1, tid); });
