@@ -71,14 +71,17 @@ __device__ __forceinline__ void turn_pass(int id) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
 }
 
-__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void copies_wait_all_but_newest() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-__device__ __forceinline__ void copies_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void copies_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// This thread's shared-memory writes (cp.async lands through the generic proxy)
-// ordered before the tensor cores' reads (wgmma reads through the async proxy).
+// One arrival on the barrier once every cp.async this thread has issued so far has
+// landed (the thread goes on at once; .noinc: the barrier's count includes it).
+__device__ __forceinline__ void barrier_arrive_when_copied(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Shared-memory writes this thread has seen land (cp.async writes through the
+// generic proxy; a barrier wait made them visible) ordered before its tensor
+// cores' reads (wgmma reads through the async proxy).
 __device__ __forceinline__ void fence_for_tensor_cores() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -286,10 +289,20 @@ struct BlockWork {
   int b, h, hk, m0, tiles;
 };
 
+// The work items of a forward: its query blocks of 128 rows for every (batch, head).
+template <typename Args>
+__device__ __forceinline__ int work_items(const Args& a) {
+  return (a.tq + kBlockM - 1) / kBlockM * (a.batch * a.h);
+}
+
+// Work item `item`: the items run longest first (causal: the last query blocks,
+// whose rows see the most keys), every (batch, head) at one rank before the next.
 template <bool CAUSAL, typename Args>
-__device__ __forceinline__ BlockWork block_work(const Args& a) {
-  const int block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);  // causal: longest rows first
-  const int bh = blockIdx.y;
+__device__ __forceinline__ BlockWork block_work(const Args& a, int item) {
+  const int blocks = (a.tq + kBlockM - 1) / kBlockM;
+  const int heads = a.batch * a.h;
+  const int rank = item / heads, bh = item % heads;
+  const int block = CAUSAL ? blocks - 1 - rank : rank;
   BlockWork w;
   w.b = bh / a.h;
   w.h = bh % a.h;
@@ -301,12 +314,17 @@ __device__ __forceinline__ BlockWork block_work(const Args& a) {
 }
 
 // The block's shared memory (1024-byte aligned), its barriers initialized (Smem:
-// q_full, full and empty of Smem::stages stages) and seen by every thread.
+// q_full and q_empty of two Q buffers, full and empty of Smem::stages stages) and
+// seen by every thread.
 template <typename Smem>
 __device__ __forceinline__ uint32_t block_shared_memory(uint8_t* smem_raw) {
   const uint32_t base = (shared_address(smem_raw) + 1023u) & ~1023u;
   if (threadIdx.x == 0) {
-    barrier_init(Smem::q_full(base), kWarpgroup);  // the producer's threads
+#pragma unroll
+    for (int buffer = 0; buffer < 2; ++buffer) {
+      barrier_init(Smem::q_full(base, buffer), kWarpgroup);       // the producer's threads
+      barrier_init(Smem::q_empty(base, buffer), 2 * kWarpgroup);  // both consumers' threads
+    }
 #pragma unroll
     for (int s = 0; s < Smem::stages; ++s) {
       barrier_init(Smem::full(base, s), kWarpgroup);       // the producer's threads
@@ -322,9 +340,21 @@ __device__ __forceinline__ uint32_t block_shared_memory(uint8_t* smem_raw) {
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 48;\n"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n"); }
 
-// Launch of a forward kernel over (query blocks, batch · heads), 384 threads and
-// Smem::bytes of dynamic shared memory and the slack block_shared_memory aligns
-// within (the attribute set once per kernel and device).
+// The SMs of the current device (asked once per device).
+inline int multiprocessors() {
+  static int count[64] = {0};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device >= 0 && device < 64 && count[device] > 0) return count[device];
+  int n = 0;
+  check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  if (device >= 0 && device < 64) count[device] = n;
+  return n;
+}
+
+// Launch of a forward kernel: one block an SM (or one an item, if fewer), 384
+// threads, Smem::bytes of dynamic shared memory and the slack block_shared_memory
+// aligns within (the attribute set once per kernel and device).
 template <auto kernel, typename Smem, typename Args>
 void launch_blocks(const Args& a, cudaStream_t stream, const char* name) {
   constexpr int bytes = Smem::bytes + 1024;
@@ -335,61 +365,88 @@ void launch_blocks(const Args& a, cudaStream_t stream, const char* name) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), name);
     if (device >= 0 && device < 64) sized[device] = true;
   }
-  const dim3 grid(unsigned((a.tq + kBlockM - 1) / kBlockM), unsigned(a.batch * a.h));
-  kernel<<<grid, kForwardThreads, bytes, stream>>>(a);
+  const int64_t items = (a.tq + kBlockM - 1) / kBlockM * int64_t(a.batch) * a.h;
+  const int64_t grid = std::min<int64_t>(items, multiprocessors());
+  kernel<<<unsigned(grid), kForwardThreads, bytes, stream>>>(a);
   check_launch(name);
 }
 
-// The ring of a block's shared memory (Smem: q_full, and full and empty of
-// Smem::stages stages). Tile j sits in stage j % stages; its round j / stages names
-// the phase a barrier completes for it.
+// The ring of a block's shared memory (Smem: q_full and q_empty of two Q buffers,
+// full and empty of Smem::stages stages). Item n's Q sits in buffer n % 2; the
+// block's tile t (counted over its items) in stage t % stages; the round n / 2 or
+// t / stages names the phase a barrier completes for it. A consumer's waits end
+// with the copies ordered before its tensor cores' reads.
 template <typename Smem>
-__device__ __forceinline__ void wait_tile(uint32_t base, int j) {
-  barrier_wait(Smem::full(base, j % Smem::stages), (j / Smem::stages) & 1);
-}
-template <typename Smem>
-__device__ __forceinline__ void release_tile(uint32_t base, int j) {
-  barrier_arrive(Smem::empty(base, j % Smem::stages));
-}
-
-// The producer warpgroup's side of the ring: copy_q() (Q's copies), then for each
-// tile copy_tile(j, stage) once both consumers released the stage's last tile. The
-// copies go out in groups (Q, tile 0, tile 1, ...); once a group has landed, each
-// thread fences its writes for the tensor cores' (async proxy) reads and arrives on
-// the group's barrier, one group behind the copies it issues.
-template <typename Smem, typename CopyQ, typename CopyTile>
-__device__ __forceinline__ void produce_ring(uint32_t base, int tiles, CopyQ copy_q, CopyTile copy_tile) {
-  copy_q();
-  copies_commit();
-  for (int j = 0; j < tiles; ++j) {
-    const int s = j % Smem::stages;
-    if (j >= Smem::stages) barrier_wait(Smem::empty(base, s), ((j / Smem::stages) - 1) & 1);
-    copy_tile(j, s);
-    copies_commit();
-    copies_wait_all_but_newest();  // the group before this tile's: Q, or tile j - 1
-    fence_for_tensor_cores();
-    barrier_arrive(j == 0 ? Smem::q_full(base) : Smem::full(base, (j - 1) % Smem::stages));
-  }
-  copies_wait_all();
+__device__ __forceinline__ void wait_q(uint32_t base, int n) {
+  barrier_wait(Smem::q_full(base, n % 2), (n / 2) & 1);
   fence_for_tensor_cores();
-  barrier_arrive(Smem::full(base, (tiles - 1) % Smem::stages));
+}
+template <typename Smem>
+__device__ __forceinline__ void release_q(uint32_t base, int n) {
+  barrier_arrive(Smem::q_empty(base, n % 2));
+}
+template <typename Smem>
+__device__ __forceinline__ void wait_tile(uint32_t base, int t) {
+  barrier_wait(Smem::full(base, t % Smem::stages), (t / Smem::stages) & 1);
+  fence_for_tensor_cores();
+}
+template <typename Smem>
+__device__ __forceinline__ void release_tile(uint32_t base, int t) {
+  barrier_arrive(Smem::empty(base, t % Smem::stages));
 }
 
-// A forward block: its shared memory and work, then produce(base, work, tid) in
-// warpgroup 0 and consume(base, work, group, tid) in consumers 0 and 1, each with
-// its registers.
+// The producer warpgroup's side of the ring for item n, whose first tile is the
+// block's tile t0: copy_q(buffer) once both consumers released the buffer's last
+// Q, then copy_tile(j, stage) for each of `tiles` tiles once both released the
+// stage's last tile. Each thread's copies arrive on their barrier when they land,
+// so the producer never waits for a copy: a tile is published as soon as it is
+// in, whatever the stages after it wait for (the consumers fence the copies for
+// their tensor cores: wait_q, wait_tile).
+template <typename Smem, typename CopyQ, typename CopyTile>
+__device__ __forceinline__ void produce_ring(uint32_t base, int n, int t0, int tiles, CopyQ copy_q,
+                                             CopyTile copy_tile) {
+  if (n >= 2) barrier_wait(Smem::q_empty(base, n % 2), ((n / 2) - 1) & 1);
+  copy_q(n % 2);
+  barrier_arrive_when_copied(Smem::q_full(base, n % 2));
+  for (int j = 0; j < tiles; ++j) {
+    const int t = t0 + j, s = t % Smem::stages;
+    if (t >= Smem::stages) barrier_wait(Smem::empty(base, s), ((t / Smem::stages) - 1) & 1);
+    copy_tile(j, s);
+    barrier_arrive_when_copied(Smem::full(base, s));
+  }
+}
+
+// This block's items (blockIdx.x, then every gridDim.x-th): f(work, n, t0), n
+// counting the block's items, t0 the tiles of the items before.
+template <bool CAUSAL, typename Args, typename F>
+__device__ __forceinline__ void for_each_item(const Args& a, F f) {
+  const int items = work_items(a);
+  int t0 = 0;
+  for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
+    const BlockWork w = block_work<CAUSAL>(a, item);
+    f(w, n, t0);
+    t0 += w.tiles;
+  }
+}
+
+// A forward block, persistent: its shared memory, then item after item
+// produce(base, work, n, t0, tid) in warpgroup 0 and consume(base, work, n, t0,
+// group, tid) in consumers 0 and 1. The producer runs ahead into the next item
+// (its Q in the other buffer, its tiles in the ring) while the consumers finish
+// one and store it. Each role loops after its setmaxnreg: a loop both share would
+// be compiled to the kernel's launch limit of registers.
 template <typename Smem, bool CAUSAL, typename Args, typename Produce, typename Consume>
 __device__ __forceinline__ void run_block(const Args& a, uint8_t* smem_raw, Produce produce, Consume consume) {
   const uint32_t base = block_shared_memory<Smem>(smem_raw);
-  const BlockWork w = block_work<CAUSAL>(a);
   const int group = threadIdx.x / kWarpgroup;
   const int tid = threadIdx.x % kWarpgroup;
   if (group == 0) {
     producer_registers();
-    produce(base, w, tid);
+    for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { produce(base, w, n, t0, tid); });
+    copies_wait_all();  // not gone before its last copies have landed (and arrived)
   } else {
     consumer_registers();
-    consume(base, w, group - 1, tid);
+    for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { consume(base, w, n, t0, group - 1, tid); });
   }
 }
 

@@ -97,20 +97,23 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// Shared memory of a block: Q, then the ring of K and V tiles, then the barriers.
+// Shared memory of a block: two Q buffers, then the ring of K and V tiles, then the
+// barriers.
 template <int D>
 struct HpSmem {
-  static constexpr int stages = D == 128 ? 2 : 3;  // 160 and 112 KiB with Q
-  static constexpr int tile = kBlockN * D * 2;     // a K or V tile (and the Q block: kBlockM == kBlockN)
+  static constexpr int stages = D == 128 ? 2 : 3;  // 192 and 128 KiB with the Q buffers
+  static constexpr int tile = kBlockN * D * 2;     // a K or V tile (and a Q block: kBlockM == kBlockN)
+  static constexpr int q_bytes = tile;
   static constexpr int q = 0;
-  static constexpr int k = q + tile;
+  static constexpr int k = q + 2 * tile;
   static constexpr int v = k + stages * tile;
-  static constexpr int barriers = v + stages * tile;  // q_full, full[stages], empty[stages]
-  static constexpr int bytes = barriers + 8 * (1 + 2 * stages);
-  static __device__ __forceinline__ uint32_t q_full(uint32_t base) { return base + barriers; }
-  static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + barriers + 8 * (1 + s); }
+  static constexpr int barriers = v + stages * tile;  // q_full[2], q_empty[2], full[stages], empty[stages]
+  static constexpr int bytes = barriers + 8 * (4 + 2 * stages);
+  static __device__ __forceinline__ uint32_t q_full(uint32_t base, int b) { return base + barriers + 8 * b; }
+  static __device__ __forceinline__ uint32_t q_empty(uint32_t base, int b) { return base + barriers + 8 * (2 + b); }
+  static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + barriers + 8 * (4 + s); }
   static __device__ __forceinline__ uint32_t empty(uint32_t base, int s) {
-    return base + barriers + 8 * (1 + stages + s);
+    return base + barriers + 8 * (4 + stages + s);
   }
 };
 
@@ -131,26 +134,30 @@ __device__ __forceinline__ void copy_rows(uint32_t tile, const T* rows, int64_t 
   }
 }
 
-// The producer warpgroup: Q, then K and V of every key tile (produce_ring).
+// The producer warpgroup for item n (its first tile the block's t0): Q, then K and V
+// of every key tile (produce_ring).
 template <int D, typename T>
-__device__ __forceinline__ void produce(const AttentionHpArgs& a, uint32_t base, const BlockWork& w, int tid) {
+__device__ __forceinline__ void produce(const AttentionHpArgs& a, uint32_t base, const BlockWork& w, int n, int t0,
+                                        int tid) {
   using S = HpSmem<D>;
   const T* q = static_cast<const T*>(a.q) + int64_t(w.b) * a.q_stride_b + int64_t(w.h) * a.q_stride_h;
   const T* k = static_cast<const T*>(a.k) + int64_t(w.b) * a.k_stride_b + int64_t(w.hk) * a.k_stride_h;
   const T* v = static_cast<const T*>(a.v) + int64_t(w.b) * a.v_stride_b + int64_t(w.hk) * a.v_stride_h;
   produce_ring<S>(
-      base, w.tiles, [&] { copy_rows<D>(base + S::q, q, a.q_stride_t, w.m0, a.tq, tid); },
+      base, n, t0, w.tiles,
+      [&](int buffer) { copy_rows<D>(base + S::q + buffer * S::q_bytes, q, a.q_stride_t, w.m0, a.tq, tid); },
       [&](int j, int s) {
         copy_rows<D>(base + S::k + s * S::tile, k, a.k_stride_t, j * kBlockN, a.tk, tid);
         copy_rows<D>(base + S::v + s * S::tile, v, a.v_stride_t, j * kBlockN, a.tk, tid);  // zeros past tk
       });
 }
 
-// A consumer warpgroup: each tile's S = Q Kᵀ (its turn at the tensor cores), the
-// softmax, O rescaled, O += P V; then o and lse.
+// A consumer warpgroup on item n (its first tile the block's t0): each tile's S =
+// Q Kᵀ (its turn at the tensor cores), the softmax, O rescaled, O += P V; its Q
+// buffer released, then o and lse.
 template <int D, bool CAUSAL, typename T>
-__device__ __forceinline__ void consume(const AttentionHpArgs& a, uint32_t base, const BlockWork& w, int group,
-                                        int tid) {
+__device__ __forceinline__ void consume(const AttentionHpArgs& a, uint32_t base, const BlockWork& w, int n, int t0,
+                                        int group, int tid) {
   using S = HpSmem<D>;
   constexpr bool f16 = std::is_same<T, __half>::value;
   ConsumerRows rows = ConsumerRows::of(w.m0, group, tid, a.qk_scale, 0.0f);
@@ -160,14 +167,14 @@ __device__ __forceinline__ void consume(const AttentionHpArgs& a, uint32_t base,
   uint64_t q_desc[D / 64];  // this warpgroup's 64 rows of each 64-column block of Q
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk) {
-    q_desc[blk] = tile_descriptor<128>(base + S::q + 64 * group * 128 + blk * kBlockBytes);
+    q_desc[blk] = tile_descriptor<128>(base + S::q + (n % 2) * S::q_bytes + 64 * group * 128 + blk * kBlockBytes);
   }
   const Turns turns{a.turns, group, w.tiles};
   turns.start();
-  barrier_wait(S::q_full(base), 0);
+  wait_q<S>(base, n);
   for (int j = 0; j < w.tiles; ++j) {
-    const int s = j % S::stages;
-    wait_tile<S>(base, j);
+    const int s = (t0 + j) % S::stages;
+    wait_tile<S>(base, t0 + j);
     const uint32_t k_tile = base + S::k + s * S::tile;
     const uint64_t v_desc = mn_descriptor(base + S::v + s * S::tile);
     uint64_t k_desc[D / 64];  // per 64-column block, made before the fence
@@ -201,8 +208,9 @@ __device__ __forceinline__ void consume(const AttentionHpArgs& a, uint32_t base,
     mma_commit();
     mma_wait_all();
     fence_registers(acc);
-    release_tile<S>(base, j);  // its K and V read
+    release_tile<S>(base, t0 + j);  // its K and V read
   }
+  release_q<S>(base, n);
   store_rows<D, T>(a, acc, rows, 1.0f, w.b, w.h, tid % 32);
 }
 
@@ -211,8 +219,10 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
     attention_hp_forward_kernel(const __grid_constant__ AttentionHpArgs a) {
   extern __shared__ uint8_t smem_raw[];
   run_block<HpSmem<D>, CAUSAL>(
-      a, smem_raw, [&](uint32_t base, const BlockWork& w, int tid) { produce<D, T>(a, base, w, tid); },
-      [&](uint32_t base, const BlockWork& w, int group, int tid) { consume<D, CAUSAL, T>(a, base, w, group, tid); });
+      a, smem_raw, [&](uint32_t base, const BlockWork& w, int n, int t0, int tid) { produce<D, T>(a, base, w, n, t0, tid); },
+      [&](uint32_t base, const BlockWork& w, int n, int t0, int group, int tid) {
+        consume<D, CAUSAL, T>(a, base, w, n, t0, group, tid);
+      });
 }
 
 template <int D, bool CAUSAL, typename T>

@@ -11,15 +11,18 @@
 // FP8 tensor cores add in a narrower accumulator, so the running sum never goes
 // through them), as the Triton kernel of kernels/triton/attention.py does.
 //
-// Block: (128 queries, one head), grid (query blocks, batch · heads); causal grids
-// run the longest rows first. 384 threads:
+// Blocks are persistent, one an SM (attention_common.cuh's run_block): each works
+// through items (128 queries of one head), every gridDim.x-th of the list that
+// runs the longest rows first (causal). 384 threads:
 //   * warpgroup 0 (producer, 48 registers a thread after setmaxnreg): cp.async of
-//     the Q block once, then of each key tile's K (128 keys x D) and Vᵀ (D x 128
-//     positions) into a ring of kStages stages; once a stage's copies have landed,
-//     each thread fences them for the tensor cores (fence.proxy.async: cp.async
-//     writes through the generic proxy, wgmma reads through the async one) and
-//     arrives on the stage's "full" barrier; a stage is refilled once both
-//     consumers arrived on its "empty" barrier.
+//     an item's Q block into one of two buffers (the next item's while the
+//     consumers finish this one), then of each key tile's K (128 keys x D) and Vᵀ (D x 128
+//     positions) into a ring of kStages stages; each thread's copies arrive on
+//     the stage's "full" barrier as they land (cp.async.mbarrier.arrive), and a
+//     consumer that saw it complete fences them for its tensor cores
+//     (fence.proxy.async: cp.async writes through the generic proxy, wgmma reads
+//     through the async one); a stage is refilled once both consumers arrived on
+//     its "empty" barrier.
 //   * warpgroups 1, 2 (consumers, 224 registers): S = Q Kᵀ (wgmma m64n128k32, Q and
 //     K from shared memory), the online softmax on S in registers, P as the
 //     register A operand of O_tile = P V (wgmma m64nDk32, Vᵀ from shared memory),
@@ -100,31 +103,36 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
 template <int D>
 struct ForwardSmem {
   static constexpr int stages = kStages;
-  static constexpr int q = 0;                                 // kBlockM x D
-  static constexpr int k = q + kBlockM * D;                   // kStages x (kBlockN x D)
+  static constexpr int q_bytes = kBlockM * D;
+  static constexpr int q = 0;                                 // two buffers of kBlockM x D
+  static constexpr int k = q + 2 * q_bytes;                   // kStages x (kBlockN x D)
   static constexpr int v = k + kStages * kBlockN * D;         // kStages x (D x kBlockN)
-  static constexpr int barriers = v + kStages * D * kBlockN;  // q_full, full[kStages], empty[kStages]
-  static constexpr int bytes = barriers + 8 * (1 + 2 * kStages);
-  static __device__ __forceinline__ uint32_t q_full(uint32_t base) { return base + barriers; }
-  static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + barriers + 8 * (1 + s); }
+  static constexpr int barriers = v + kStages * D * kBlockN;  // q_full[2], q_empty[2], full[kStages], empty[kStages]
+  static constexpr int bytes = barriers + 8 * (4 + 2 * kStages);
+  static __device__ __forceinline__ uint32_t q_full(uint32_t base, int b) { return base + barriers + 8 * b; }
+  static __device__ __forceinline__ uint32_t q_empty(uint32_t base, int b) { return base + barriers + 8 * (2 + b); }
+  static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + barriers + 8 * (4 + s); }
   static __device__ __forceinline__ uint32_t empty(uint32_t base, int s) {
-    return base + barriers + 8 * (1 + kStages + s);
+    return base + barriers + 8 * (4 + kStages + s);
   }
 };
 
-// The producer warpgroup: Q once, then K and Vᵀ of every key tile (produce_ring).
+// The producer warpgroup for item n (its first tile the block's t0): Q, then K and
+// Vᵀ of every key tile (produce_ring).
 template <int D>
-__device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base, const BlockWork& w, int tid) {
+__device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base, const BlockWork& w, int n, int t0,
+                                        int tid) {
   using S = ForwardSmem<D>;
   constexpr int chunks = D / 16;  // 16-byte chunks of a Q or K row
   const uint8_t* q = a.q + int64_t(w.b) * a.q_stride_b + int64_t(w.h) * a.q_stride_h;
   const uint8_t* k = a.k + int64_t(w.b) * a.k_stride_b + int64_t(w.hk) * a.k_stride_h;
   const uint8_t* vt = a.vt + (int64_t(w.b) * a.hkv + w.hk) * D * a.vt_pitch;
-  auto copy_q = [&] {
+  auto copy_q = [&](int buffer) {
+    const uint32_t q_tile = base + S::q + buffer * S::q_bytes;
     for (int i = tid; i < kBlockM * chunks; i += kWarpgroup) {
       const int r = i / chunks, c = i % chunks;
       const bool ok = w.m0 + r < a.tq;
-      copy16(base + S::q + swizzled<D>(r, c), ok ? q + int64_t(w.m0 + r) * a.q_stride_t + c * 16 : q, ok);
+      copy16(q_tile + swizzled<D>(r, c), ok ? q + int64_t(w.m0 + r) * a.q_stride_t + c * 16 : q, ok);
     }
   };
   auto copy_tile = [&](int j, int s) {
@@ -141,7 +149,7 @@ __device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base
       copy16(v_tile + swizzled<kBlockN>(r, c), vt + int64_t(r) * a.vt_pitch + n0 + c * 16, true);
     }
   };
-  produce_ring<S>(base, w.tiles, copy_q, copy_tile);
+  produce_ring<S>(base, n, t0, w.tiles, copy_q, copy_tile);
 }
 
 // The descriptors of a stage's tiles: K (keys x D) and Vᵀ (D x 128 positions).
@@ -205,12 +213,12 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], uint32_t (&p8)[4][
 // A consumer warpgroup, each tile in order: S = Q Kᵀ, the softmax, O_tile = P V a
 // fresh product added to O in fp32 (the Triton kernel's numerics).
 template <int D, bool CAUSAL>
-__device__ __forceinline__ void consume_in_order(uint32_t base, int tiles, int tk, uint64_t q_desc, const Turns& turns,
-                                                 ConsumerRows& rows, float (&acc)[D / 2]) {
+__device__ __forceinline__ void consume_in_order(uint32_t base, int t0, int tiles, int tk, uint64_t q_desc,
+                                                 const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2]) {
   using S = ForwardSmem<D>;
   for (int j = 0; j < tiles; ++j) {
-    const int s = j % kStages;
-    wait_tile<S>(base, j);
+    const int s = (t0 + j) % kStages;
+    wait_tile<S>(base, t0 + j);
     float sc[64];
     const uint64_t k_desc = k_descriptor<D>(base, s), v_desc = v_descriptor<D>(base, s);
     scores_in_turn<D>(sc, q_desc, k_desc, turns, j);
@@ -223,7 +231,7 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int tiles, int t
     mma_commit();
     mma_wait_all();
     fence_registers(tile_o);
-    release_tile<S>(base, j);  // its K and Vᵀ read
+    release_tile<S>(base, t0 + j);  // its K and Vᵀ read
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc[i] = acc[i] * alpha[(i / 2) % 2] + tile_o[i];
   }
@@ -237,12 +245,13 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int tiles, int t
 // registers and so waits for P V before the softmax, not after it; keeping the
 // wait below the softmax was measured slower (ARCHITECTURE, RESULTS runs 201-202).
 template <int D, bool CAUSAL>
-__device__ __forceinline__ void overlapped_tile(uint32_t base, int j, int tk, uint64_t q_desc, const Turns& turns,
-                                                ConsumerRows& rows, float (&acc)[D / 2], uint32_t (&previous)[4][4],
-                                                uint32_t (&next)[4][4]) {
+__device__ __forceinline__ void overlapped_tile(uint32_t base, int t0, int j, int tk, uint64_t q_desc,
+                                                const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2],
+                                                uint32_t (&previous)[4][4], uint32_t (&next)[4][4]) {
   using S = ForwardSmem<D>;
-  wait_tile<S>(base, j);
-  const uint64_t k_desc = k_descriptor<D>(base, j % kStages), v_desc = v_descriptor<D>(base, (j - 1) % kStages);
+  const int t = t0 + j;
+  wait_tile<S>(base, t);
+  const uint64_t k_desc = k_descriptor<D>(base, t % kStages), v_desc = v_descriptor<D>(base, (t - 1) % kStages);
   float sc[64];
   float alpha[2];
   turns.take();
@@ -258,22 +267,24 @@ __device__ __forceinline__ void overlapped_tile(uint32_t base, int j, int tk, ui
   mma_wait_all();  // P V of tile j - 1
   fence_registers(acc);
   fence_registers(previous);  // read by that product until here
-  release_tile<S>(base, j - 1);
+  release_tile<S>(base, t - 1);
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc[i] *= alpha[(i / 2) % 2];
 }
 
 // The last tile's P V of consume_overlapped, and its stage released.
 template <int D>
-__device__ __forceinline__ void last_values(uint32_t base, int tiles, float (&acc)[D / 2], uint32_t (&p8)[4][4]) {
-  const uint64_t v_desc = v_descriptor<D>(base, (tiles - 1) % kStages);
+__device__ __forceinline__ void last_values(uint32_t base, int t0, int tiles, float (&acc)[D / 2],
+                                            uint32_t (&p8)[4][4]) {
+  const int t = t0 + tiles - 1;
+  const uint64_t v_desc = v_descriptor<D>(base, t % kStages);
   mma_fence();
   issue_values<D, true>(acc, p8, v_desc);
   mma_commit();
   mma_wait_all();
   fence_registers(acc);
   fence_registers(p8);
-  release_tile<ForwardSmem<D>>(base, tiles - 1);
+  release_tile<ForwardSmem<D>>(base, t);
 }
 
 // A consumer warpgroup with the next tile's S = Q Kᵀ and the last tile's P V in
@@ -282,49 +293,52 @@ __device__ __forceinline__ void last_values(uint32_t base, int tiles, float (&ac
 // the tiles goes through their narrower accumulation: other bits than
 // consume_in_order's, within the same bound.
 template <int D, bool CAUSAL>
-__device__ __forceinline__ void consume_overlapped(uint32_t base, int tiles, int tk, uint64_t q_desc,
+__device__ __forceinline__ void consume_overlapped(uint32_t base, int t0, int tiles, int tk, uint64_t q_desc,
                                                    const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2]) {
   using S = ForwardSmem<D>;
   uint32_t even[4][4], odd[4][4];  // P of the even and of the odd tiles
   {
     float sc[64];
     float alpha[2];
-    wait_tile<S>(base, 0);
-    scores_in_turn<D>(sc, q_desc, k_descriptor<D>(base, 0), turns, 0);
+    wait_tile<S>(base, t0);
+    scores_in_turn<D>(sc, q_desc, k_descriptor<D>(base, t0 % kStages), turns, 0);
     softmax_tile<CAUSAL>(sc, even, alpha, rows, 0, tk);  // O is 0: alpha scales nothing
   }
   int j = 1;
   for (; j + 1 < tiles; j += 2) {
-    overlapped_tile<D, CAUSAL>(base, j, tk, q_desc, turns, rows, acc, even, odd);
-    overlapped_tile<D, CAUSAL>(base, j + 1, tk, q_desc, turns, rows, acc, odd, even);
+    overlapped_tile<D, CAUSAL>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd);
+    overlapped_tile<D, CAUSAL>(base, t0, j + 1, tk, q_desc, turns, rows, acc, odd, even);
   }
   if (j < tiles) {
-    overlapped_tile<D, CAUSAL>(base, j, tk, q_desc, turns, rows, acc, even, odd);
-    last_values<D>(base, tiles, acc, odd);
+    overlapped_tile<D, CAUSAL>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd);
+    last_values<D>(base, t0, tiles, acc, odd);
   } else {
-    last_values<D>(base, tiles, acc, even);
+    last_values<D>(base, t0, tiles, acc, even);
   }
 }
 
-// A consumer warpgroup: 64 query rows through every key tile, then o and lse.
+// A consumer warpgroup: 64 query rows of item n (its first tile the block's t0)
+// through every key tile, its Q buffer released once every tile is read, then o
+// and lse.
 template <int D, bool CAUSAL, typename TOut>
-__device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base, const BlockWork& w, int group,
-                                        int tid) {
+__device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base, const BlockWork& w, int n, int t0,
+                                        int group, int tid) {
   using S = ForwardSmem<D>;
   ConsumerRows rows = ConsumerRows::of(w.m0, group, tid, a.qk_scale * a.scales[0] * a.scales[1], log2f(a.scales[3]));
   float acc[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
   // this warpgroup's 64 rows of Q: whole swizzle groups
-  const uint64_t q_desc = tile_descriptor<D>(base + S::q + 64 * group * D);
+  const uint64_t q_desc = tile_descriptor<D>(base + S::q + (n % 2) * S::q_bytes + 64 * group * D);
   const Turns turns{a.turns, group, w.tiles};
   turns.start();
-  barrier_wait(S::q_full(base), 0);
+  wait_q<S>(base, n);
   if (a.overlap) {
-    consume_overlapped<D, CAUSAL>(base, w.tiles, a.tk, q_desc, turns, rows, acc);
+    consume_overlapped<D, CAUSAL>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc);
   } else {
-    consume_in_order<D, CAUSAL>(base, w.tiles, a.tk, q_desc, turns, rows, acc);
+    consume_in_order<D, CAUSAL>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc);
   }
+  release_q<S>(base, n);
   store_rows<D, TOut>(a, acc, rows, a.scales[2], w.b, w.h, tid % 32);
 }
 
@@ -333,9 +347,9 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
     attention_fp8_forward_kernel(const __grid_constant__ AttentionFp8Args a) {
   extern __shared__ uint8_t smem_raw[];
   run_block<ForwardSmem<D>, CAUSAL>(
-      a, smem_raw, [&](uint32_t base, const BlockWork& w, int tid) { produce<D>(a, base, w, tid); },
-      [&](uint32_t base, const BlockWork& w, int group, int tid) {
-        consume<D, CAUSAL, TOut>(a, base, w, group, tid);
+      a, smem_raw, [&](uint32_t base, const BlockWork& w, int n, int t0, int tid) { produce<D>(a, base, w, n, t0, tid); },
+      [&](uint32_t base, const BlockWork& w, int n, int t0, int group, int tid) {
+        consume<D, CAUSAL, TOut>(a, base, w, n, t0, group, tid);
       });
 }
 
