@@ -211,6 +211,28 @@ def test_at_real_sizes_beside_triton(T, D, causal, overlap):
     assert_close(lse, lse_t, "attention_fp8_lse", "cuda against triton lse")
 
 
+@hopper
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("shape,causal", [((8, 16, 4, 300, 300, 64), True), ((8, 16, 4, 300, 300, 64), False),
+                                          ((4, 16, 16, 700, 700, 128), True)])
+def test_a_block_works_through_several_items(shape, causal, overlap):
+    """More items (128 queries of one head) than SMs, so each persistent block
+    works through several, of unlike tile counts (causal), its Q buffers and ring
+    stages reused across them: o within the FP8 bound of exact attention and lse as
+    Triton's, for every item."""
+    B, H, _, T, _, D = shape
+    assert -(-T // 128) * B * H > 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    fp8s, scale_invs = fp8_qkv(*shape, seed=T + D + B)
+    scale = 1 / math.sqrt(D)
+    p_scale = torch.tensor(448.0, device="cuda")
+    with _schedule(True, overlap):
+        o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, torch.bfloat16)
+    q32, k32, v32 = dequantized(fp8s, scale_invs, torch.float32)
+    assert_within_fp8_bound(o, q32, k32, v32, causal, scale, 448.0, _context("cuda fp8 o", shape, "bf16", causal))
+    _, lse_t = tk.attention_forward_fp8(*fp8s, *scale_invs, p_scale, causal, scale, torch.bfloat16)
+    assert_close(lse, lse_t, "attention_fp8_lse", "cuda against triton lse")
+
+
 def test_reasons_name_what_the_kernel_does_not_take():
     """Checked before anything runs, on any machine."""
     q = torch.zeros(1, 2, 8, 64).to(E4M3)
