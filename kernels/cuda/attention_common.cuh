@@ -283,6 +283,20 @@ __device__ __forceinline__ void store_rows(const Args& a, const float (&acc)[D /
   }
 }
 
+// A block's mbarriers, placed at byte AT of its shared memory (past its buffers):
+// q_full and q_empty of the two Q buffers, then full and empty of each of STAGES
+// ring stages. A kernel's shared-memory layout derives from it.
+template <int STAGES, int AT>
+struct RingBarriers {
+  static constexpr int stages = STAGES;
+  static constexpr int barriers = AT;
+  static constexpr int bytes = AT + 8 * (4 + 2 * STAGES);
+  static __device__ __forceinline__ uint32_t q_full(uint32_t base, int b) { return base + AT + 8 * b; }
+  static __device__ __forceinline__ uint32_t q_empty(uint32_t base, int b) { return base + AT + 8 * (2 + b); }
+  static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + AT + 8 * (4 + s); }
+  static __device__ __forceinline__ uint32_t empty(uint32_t base, int s) { return base + AT + 8 * (4 + STAGES + s); }
+};
+
 // What a block works on: batch b, query head h, its kv head hk, the first query row
 // m0 and the key tiles its queries see (causal: those up to its last row's diagonal).
 struct BlockWork {
@@ -291,7 +305,7 @@ struct BlockWork {
 
 // The work items of a forward: its query blocks of 128 rows for every (batch, head).
 template <typename Args>
-__device__ __forceinline__ int work_items(const Args& a) {
+__host__ __device__ __forceinline__ int work_items(const Args& a) {
   return (a.tq + kBlockM - 1) / kBlockM * (a.batch * a.h);
 }
 
@@ -365,8 +379,7 @@ void launch_blocks(const Args& a, cudaStream_t stream, const char* name) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), name);
     if (device >= 0 && device < 64) sized[device] = true;
   }
-  const int64_t items = (a.tq + kBlockM - 1) / kBlockM * int64_t(a.batch) * a.h;
-  const int64_t grid = std::min<int64_t>(items, multiprocessors());
+  const int grid = std::min(work_items(a), multiprocessors());
   kernel<<<unsigned(grid), kForwardThreads, bytes, stream>>>(a);
   check_launch(name);
 }

@@ -97,24 +97,17 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// Shared memory of a block: two Q buffers, then the ring of K and V tiles, then the
-// barriers.
+// Shared memory of a block: two Q buffers, then the ring of K and V tiles (stages:
+// 192 and 128 KiB with the Q buffers), then the barriers.
+constexpr int hp_stages(int d) { return d == 128 ? 2 : 3; }
+constexpr int hp_tile(int d) { return kBlockN * d * 2; }  // a K or V tile (and a Q block: kBlockM == kBlockN)
 template <int D>
-struct HpSmem {
-  static constexpr int stages = D == 128 ? 2 : 3;  // 192 and 128 KiB with the Q buffers
-  static constexpr int tile = kBlockN * D * 2;     // a K or V tile (and a Q block: kBlockM == kBlockN)
+struct HpSmem : RingBarriers<hp_stages(D), (2 + 2 * hp_stages(D)) * hp_tile(D)> {
+  static constexpr int tile = hp_tile(D);
   static constexpr int q_bytes = tile;
   static constexpr int q = 0;
   static constexpr int k = q + 2 * tile;
-  static constexpr int v = k + stages * tile;
-  static constexpr int barriers = v + stages * tile;  // q_full[2], q_empty[2], full[stages], empty[stages]
-  static constexpr int bytes = barriers + 8 * (4 + 2 * stages);
-  static __device__ __forceinline__ uint32_t q_full(uint32_t base, int b) { return base + barriers + 8 * b; }
-  static __device__ __forceinline__ uint32_t q_empty(uint32_t base, int b) { return base + barriers + 8 * (2 + b); }
-  static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + barriers + 8 * (4 + s); }
-  static __device__ __forceinline__ uint32_t empty(uint32_t base, int s) {
-    return base + barriers + 8 * (4 + stages + s);
-  }
+  static constexpr int v = k + hp_stages(D) * tile;
 };
 
 // Byte offset of the 16-byte chunk c (elements 8c .. 8c + 7) of row r in a tile.

@@ -101,20 +101,11 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
 
 // Shared memory of a forward block (bytes past a 1024-byte aligned start).
 template <int D>
-struct ForwardSmem {
-  static constexpr int stages = kStages;
+struct ForwardSmem : RingBarriers<kStages, 2 * kBlockM * D + 2 * kStages * kBlockN * D> {
   static constexpr int q_bytes = kBlockM * D;
-  static constexpr int q = 0;                                 // two buffers of kBlockM x D
-  static constexpr int k = q + 2 * q_bytes;                   // kStages x (kBlockN x D)
-  static constexpr int v = k + kStages * kBlockN * D;         // kStages x (D x kBlockN)
-  static constexpr int barriers = v + kStages * D * kBlockN;  // q_full[2], q_empty[2], full[kStages], empty[kStages]
-  static constexpr int bytes = barriers + 8 * (4 + 2 * kStages);
-  static __device__ __forceinline__ uint32_t q_full(uint32_t base, int b) { return base + barriers + 8 * b; }
-  static __device__ __forceinline__ uint32_t q_empty(uint32_t base, int b) { return base + barriers + 8 * (2 + b); }
-  static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + barriers + 8 * (4 + s); }
-  static __device__ __forceinline__ uint32_t empty(uint32_t base, int s) {
-    return base + barriers + 8 * (4 + kStages + s);
-  }
+  static constexpr int q = 0;                          // two buffers of kBlockM x D
+  static constexpr int k = q + 2 * q_bytes;            // kStages x (kBlockN x D)
+  static constexpr int v = k + kStages * kBlockN * D;  // kStages x (D x kBlockN), then the barriers
 };
 
 // The producer warpgroup for item n (its first tile the block's t0): Q, then K and
