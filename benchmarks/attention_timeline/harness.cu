@@ -1,4 +1,5 @@
-// Times the FP8 Hopper forward at one shape; with -DTE_TRACE writes the timeline marks to trace.bin.
+// Times the FP8 Hopper forward at one shape, without torch: ./h B H HKV T D CAUSAL [OVERLAP].
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -33,12 +34,6 @@ int main(int argc, char** argv) {
   a.v_stride_b = a.k_stride_b; a.v_stride_h = a.k_stride_h; a.v_stride_t = D;
   a.o_stride_b = a.q_stride_b; a.o_stride_h = a.q_stride_h; a.o_stride_t = D;
   a.q = q; a.k = k; a.v = v; a.vt = vt; a.o = o; a.scales = scales; a.overlap = overlap; a.vt_pitch = pitch;
-#ifdef TE_TRACE
-  const int grid_blocks = (T + 127) / 128 * B * H;
-  unsigned long long* buf; const size_t slots = size_t(grid_blocks) * 3 * kTraceSlots;
-  cudaMalloc(&buf, slots * 8); cudaMemset(buf, 0, slots * 8);
-  cudaMemcpyToSymbol(te_trace_buf, &buf, sizeof(buf));
-#endif
   void* flush; cudaMalloc(&flush, 256 << 20);
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
   std::vector<float> ms;
@@ -53,11 +48,5 @@ int main(int argc, char** argv) {
   cudaError_t err = cudaGetLastError();
   printf("shape %dx%d:%dx%dx%d causal %d overlap %d: median %.4f ms (min %.4f) %s\n", B, H, HKV, T, D, causal, overlap,
          ms[ms.size() / 2], ms[0], cudaGetErrorString(err));
-#ifdef TE_TRACE
-  std::vector<unsigned long long> h(slots);
-  cudaMemcpy(h.data(), buf, slots * 8, cudaMemcpyDeviceToHost);
-  FILE* f = fopen(argv[8], "wb"); fwrite(h.data(), 8, slots, f); fclose(f);
-  printf("trace: %d blocks x 3 x %d slots -> %s\n", grid_blocks, kTraceSlots, argv[8]);
-#endif
   return 0;
 }
