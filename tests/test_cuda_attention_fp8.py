@@ -190,14 +190,12 @@ def test_the_same_bits_on_every_run_and_schedule(D):
         assert all(torch.equal(a, b) for a, b in zip(first, got)), (turns, overlap)
 
 
-@hopper
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("T,D,causal", [(4096, 128, True), (4096, 64, True), (1024, 128, False)])
-def test_at_real_sizes_beside_triton(T, D, causal, overlap):
-    """Both FP8 forwards within the bound of exact attention (fp32) at real sizes
-    (Triton's is tested so in test_attention_kernels.py), and their lse alike."""
-    shape = (1, 8, 2, T, T, D)
-    fp8s, scale_invs = fp8_qkv(*shape, seed=T + D)
+def _beside_triton(shape, causal, overlap, seed):
+    """The Hopper FP8 forward of random E4M3 q, k, v of ``shape`` within the bound of
+    exact attention (fp32), its lse as the reference's and as Triton's, and Triton's
+    FP8 forward within the same bound (it is tested so in test_attention_kernels.py)."""
+    D = shape[-1]
+    fp8s, scale_invs = fp8_qkv(*shape, seed=seed)
     scale = 1 / math.sqrt(D)
     p_scale = torch.tensor(448.0, device="cuda")
     with _schedule(True, overlap):
@@ -213,24 +211,25 @@ def test_at_real_sizes_beside_triton(T, D, causal, overlap):
 
 @hopper
 @pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("T,D,causal", [(4096, 128, True), (4096, 64, True), (1024, 128, False)])
+def test_at_real_sizes_beside_triton(T, D, causal, overlap):
+    """Both FP8 forwards within the bound of exact attention at real sizes, and their
+    lse alike."""
+    _beside_triton((1, 8, 2, T, T, D), causal, overlap, seed=T + D)
+
+
+@hopper
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("shape,causal", [((8, 16, 4, 300, 300, 64), True), ((8, 16, 4, 300, 300, 64), False),
                                           ((4, 16, 16, 700, 700, 128), True)])
 def test_a_block_works_through_several_items(shape, causal, overlap):
-    """More items (128 queries of one head) than SMs, so each persistent block
-    works through several, of unlike tile counts (causal), its Q buffers and ring
-    stages reused across them: o within the FP8 bound of exact attention and lse as
-    Triton's, for every item."""
+    """More items (128 queries of one head) than twice the SMs, so each persistent
+    block works through several, of unlike tile counts (causal), its Q buffers and
+    ring stages reused across them: every item's o within the FP8 bound and its lse
+    as the reference's and Triton's."""
     B, H, _, T, _, D = shape
     assert -(-T // 128) * B * H > 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    fp8s, scale_invs = fp8_qkv(*shape, seed=T + D + B)
-    scale = 1 / math.sqrt(D)
-    p_scale = torch.tensor(448.0, device="cuda")
-    with _schedule(True, overlap):
-        o, lse = _forward(fp8s, scale_invs, p_scale, causal, scale, torch.bfloat16)
-    q32, k32, v32 = dequantized(fp8s, scale_invs, torch.float32)
-    assert_within_fp8_bound(o, q32, k32, v32, causal, scale, 448.0, _context("cuda fp8 o", shape, "bf16", causal))
-    _, lse_t = tk.attention_forward_fp8(*fp8s, *scale_invs, p_scale, causal, scale, torch.bfloat16)
-    assert_close(lse, lse_t, "attention_fp8_lse", "cuda against triton lse")
+    _beside_triton(shape, causal, overlap, seed=T + D + B)
 
 
 def test_reasons_name_what_the_kernel_does_not_take():
