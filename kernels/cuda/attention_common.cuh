@@ -12,10 +12,15 @@
 // 8·(i / 4) + col + i % 2).
 #pragma once
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "dispatch.cuh"
 
@@ -55,6 +60,38 @@ __device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
       "}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+
+// One arrival on the barrier that also expects `bytes` more bytes of asynchronous
+// copies (the tensor copies' complete_tx) before its phase completes.
+__device__ __forceinline__ void barrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+
+// A box of the tensor `map` (a __grid_constant__ CUtensorMap) at coordinates
+// (c0 innermost ..) into shared memory at dst, by the tensor memory accelerator:
+// swizzled as the map says, zeros outside the tensor, its bytes counted on `bar`.
+__device__ __forceinline__ void tensor_copy_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tensor_copy_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                               uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+// The map's descriptor fetched ahead of its first copy.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
 // 16 bytes from global to shared memory, asynchronously; zeros where !valid.
@@ -285,12 +322,18 @@ __device__ __forceinline__ void store_rows(const Args& a, const float (&acc)[D /
 
 // A block's mbarriers, placed at byte AT of its shared memory (past its buffers):
 // q_full and q_empty of the two Q buffers, then full and empty of each of STAGES
-// ring stages. A kernel's shared-memory layout derives from it.
+// ring stages. A kernel's shared-memory layout derives from it, and may restate
+// how many producer threads arrive on a full barrier (the copying threads) and the
+// registers each role keeps after setmaxnreg.
 template <int STAGES, int AT>
 struct RingBarriers {
   static constexpr int stages = STAGES;
   static constexpr int barriers = AT;
   static constexpr int bytes = AT + 8 * (4 + 2 * STAGES);
+  static constexpr int producer_arrivals = kWarpgroup;
+  static constexpr bool generic_copies = true;  // cp.async: a consumer fences what it waited for (wait_q, wait_tile)
+  static constexpr int producer_registers = 48;
+  static constexpr int consumer_registers = 224;
   static __device__ __forceinline__ uint32_t q_full(uint32_t base, int b) { return base + AT + 8 * b; }
   static __device__ __forceinline__ uint32_t q_empty(uint32_t base, int b) { return base + AT + 8 * (2 + b); }
   static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + AT + 8 * (4 + s); }
@@ -336,12 +379,12 @@ __device__ __forceinline__ uint32_t block_shared_memory(uint8_t* smem_raw) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int buffer = 0; buffer < 2; ++buffer) {
-      barrier_init(Smem::q_full(base, buffer), kWarpgroup);       // the producer's threads
+      barrier_init(Smem::q_full(base, buffer), Smem::producer_arrivals);  // the producer's copying threads
       barrier_init(Smem::q_empty(base, buffer), 2 * kWarpgroup);  // both consumers' threads
     }
 #pragma unroll
     for (int s = 0; s < Smem::stages; ++s) {
-      barrier_init(Smem::full(base, s), kWarpgroup);       // the producer's threads
+      barrier_init(Smem::full(base, s), Smem::producer_arrivals);  // the producer's copying threads
       barrier_init(Smem::empty(base, s), 2 * kWarpgroup);  // both consumers' threads
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -350,9 +393,15 @@ __device__ __forceinline__ uint32_t block_shared_memory(uint8_t* smem_raw) {
   return base;
 }
 
-// The producer's registers (after setmaxnreg) and the consumers'.
-__device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 48;\n"); }
-__device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n"); }
+// A warpgroup's registers a thread from here on (setmaxnreg): fewer, or more.
+template <int N>
+__device__ __forceinline__ void fewer_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void more_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
 
 // The SMs of the current device (asked once per device).
 inline int multiprocessors() {
@@ -368,9 +417,10 @@ inline int multiprocessors() {
 
 // Launch of a forward kernel: one block an SM (or one an item, if fewer), 384
 // threads, Smem::bytes of dynamic shared memory and the slack block_shared_memory
-// aligns within (the attribute set once per kernel and device).
-template <auto kernel, typename Smem, typename Args>
-void launch_blocks(const Args& a, cudaStream_t stream, const char* name) {
+// aligns within (the attribute set once per kernel and device); the kernel's
+// arguments a, then `more`.
+template <auto kernel, typename Smem, typename Args, typename... More>
+void launch_blocks(const Args& a, cudaStream_t stream, const char* name, const More&... more) {
   constexpr int bytes = Smem::bytes + 1024;
   static bool sized[64] = {false};  // per kernel (a template argument) and device
   int device = 0;
@@ -380,8 +430,46 @@ void launch_blocks(const Args& a, cudaStream_t stream, const char* name) {
     if (device >= 0 && device < 64) sized[device] = true;
   }
   const int grid = std::min(work_items(a), multiprocessors());
-  kernel<<<unsigned(grid), kForwardThreads, bytes, stream>>>(a);
+  kernel<<<unsigned(grid), kForwardThreads, bytes, stream>>>(a, more...);
   check_launch(name);
+}
+
+// The driver's cuTensorMapEncodeTiled, asked of the runtime once (no link to the
+// driver library).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found),
+               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled (tensor copies need CUDA 12 or later)");
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// The tensor map of a byte tensor of RANK dims at `data` (dims[0] innermost and
+// contiguous; strides[i] the bytes between steps of dim i + 1), copied in boxes of
+// `box` whose rows (box[0] bytes: 64 or 128) land under the swizzle of that many
+// bytes, as wgmma's descriptors read them (tile_descriptor). `what` names the
+// operand in an error.
+template <int RANK>
+CUtensorMap byte_tensor_map(const void* data, const uint64_t (&dims)[RANK], const uint64_t (&strides)[RANK - 1],
+                            const uint32_t (&box)[RANK], const char* what) {
+  CUtensorMap map;
+  uint32_t unit[RANK];
+  for (int i = 0; i < RANK; ++i) unit[i] = 1;
+  const CUtensorMapSwizzle swizzle = box[0] == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  const CUresult status = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, RANK, const_cast<void*>(data), dims, strides, box, unit,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS) {
+    throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what + " (CUresult " +
+                             std::to_string(int(status)) + ")");
+  }
+  return map;
 }
 
 // The ring of a block's shared memory (Smem: q_full and q_empty of two Q buffers,
@@ -392,7 +480,7 @@ void launch_blocks(const Args& a, cudaStream_t stream, const char* name) {
 template <typename Smem>
 __device__ __forceinline__ void wait_q(uint32_t base, int n) {
   barrier_wait(Smem::q_full(base, n % 2), (n / 2) & 1);
-  fence_for_tensor_cores();
+  if constexpr (Smem::generic_copies) fence_for_tensor_cores();
 }
 template <typename Smem>
 __device__ __forceinline__ void release_q(uint32_t base, int n) {
@@ -401,7 +489,7 @@ __device__ __forceinline__ void release_q(uint32_t base, int n) {
 template <typename Smem>
 __device__ __forceinline__ void wait_tile(uint32_t base, int t) {
   barrier_wait(Smem::full(base, t % Smem::stages), (t / Smem::stages) & 1);
-  fence_for_tensor_cores();
+  if constexpr (Smem::generic_copies) fence_for_tensor_cores();
 }
 template <typename Smem>
 __device__ __forceinline__ void release_tile(uint32_t base, int t) {
@@ -454,11 +542,11 @@ __device__ __forceinline__ void run_block(const Args& a, uint8_t* smem_raw, Prod
   const int group = threadIdx.x / kWarpgroup;
   const int tid = threadIdx.x % kWarpgroup;
   if (group == 0) {
-    producer_registers();
+    fewer_registers<Smem::producer_registers>();
     for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { produce(base, w, n, t0, tid); });
     copies_wait_all();  // not gone before its last copies have landed (and arrived)
   } else {
-    consumer_registers();
+    more_registers<Smem::consumer_registers>();
     for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { consume(base, w, n, t0, group - 1, tid); });
   }
 }

@@ -99,48 +99,54 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   return (lo & 0xFFFFu) | (hi << 16);
 }
 
-// Shared memory of a forward block (bytes past a 1024-byte aligned start).
+// Shared memory of a forward block (bytes past a 1024-byte aligned start). One
+// producer thread issues the tensor copies and arrives on a full barrier; the
+// producer warpgroup keeps 32 registers a thread, the consumers 232.
 template <int D>
 struct ForwardSmem : RingBarriers<kStages, 2 * kBlockM * D + 2 * kStages * kBlockN * D> {
   static constexpr int q_bytes = kBlockM * D;
   static constexpr int q = 0;                          // two buffers of kBlockM x D
   static constexpr int k = q + 2 * q_bytes;            // kStages x (kBlockN x D)
   static constexpr int v = k + kStages * kBlockN * D;  // kStages x (D x kBlockN), then the barriers
+  static constexpr int producer_arrivals = 1;
+  static constexpr bool generic_copies = false;  // tensor copies write through the async proxy wgmma reads
+  static constexpr int producer_registers = 32;
+  static constexpr int consumer_registers = 232;
 };
 
-// The producer warpgroup for item n (its first tile the block's t0): Q, then K and
-// Vᵀ of every key tile (produce_ring).
+// The tensor maps the producer copies through: q and k as (D, T, heads, batch)
+// in boxes of (D, 128, 1, 1), Vᵀ as (positions, batch · kv heads · D) in boxes of
+// (128, D); each box lands swizzled as the tile's wgmma descriptor reads it.
+struct ForwardMaps {
+  CUtensorMap q, k, vt;
+};
+
+// The producer warpgroup for item n (its first tile the block's t0), one thread of
+// it: Q into buffer n % 2 once both consumers released that buffer's last item,
+// then K and Vᵀ of every key tile into the ring once both released the stage, each
+// a tensor copy whose bytes complete the stage's full barrier.
 template <int D>
-__device__ __forceinline__ void produce(const AttentionFp8Args& a, uint32_t base, const BlockWork& w, int n, int t0,
-                                        int tid) {
+__device__ __forceinline__ void produce(const AttentionFp8Args& a, const ForwardMaps& maps, uint32_t base,
+                                        const BlockWork& w, int n, int t0, int tid) {
   using S = ForwardSmem<D>;
-  constexpr int chunks = D / 16;  // 16-byte chunks of a Q or K row
-  const uint8_t* q = a.q + int64_t(w.b) * a.q_stride_b + int64_t(w.h) * a.q_stride_h;
-  const uint8_t* k = a.k + int64_t(w.b) * a.k_stride_b + int64_t(w.hk) * a.k_stride_h;
-  const uint8_t* vt = a.vt + (int64_t(w.b) * a.hkv + w.hk) * D * a.vt_pitch;
-  auto copy_q = [&](int buffer) {
-    const uint32_t q_tile = base + S::q + buffer * S::q_bytes;
-    for (int i = tid; i < kBlockM * chunks; i += kWarpgroup) {
-      const int r = i / chunks, c = i % chunks;
-      const bool ok = w.m0 + r < a.tq;
-      copy16(q_tile + swizzled<D>(r, c), ok ? q + int64_t(w.m0 + r) * a.q_stride_t + c * 16 : q, ok);
-    }
-  };
-  auto copy_tile = [&](int j, int s) {
-    const int n0 = j * kBlockN;
-    const uint32_t k_tile = base + S::k + s * kBlockN * D;
-    for (int i = tid; i < kBlockN * chunks; i += kWarpgroup) {
-      const int r = i / chunks, c = i % chunks;
-      const bool ok = n0 + r < a.tk;
-      copy16(k_tile + swizzled<D>(r, c), ok ? k + int64_t(n0 + r) * a.k_stride_t + c * 16 : k, ok);
-    }
-    const uint32_t v_tile = base + S::v + s * D * kBlockN;
-    for (int i = tid; i < D * (kBlockN / 16); i += kWarpgroup) {  // Vᵀ: D rows of 128 positions, padded with zeros
-      const int r = i / (kBlockN / 16), c = i % (kBlockN / 16);
-      copy16(v_tile + swizzled<kBlockN>(r, c), vt + int64_t(r) * a.vt_pitch + n0 + c * 16, true);
-    }
-  };
-  produce_ring<S>(base, n, t0, w.tiles, copy_q, copy_tile);
+  if (tid != 0) return;
+  if (n == 0) {
+    prefetch_tensor_map(&maps.q);
+    prefetch_tensor_map(&maps.k);
+    prefetch_tensor_map(&maps.vt);
+  }
+  const int buffer = n % 2;
+  if (n >= 2) barrier_wait(S::q_empty(base, buffer), ((n / 2) - 1) & 1);
+  barrier_arrive_expect_bytes(S::q_full(base, buffer), S::q_bytes);
+  tensor_copy_4d(base + S::q + buffer * S::q_bytes, &maps.q, 0, w.m0, w.h, w.b, S::q_full(base, buffer));
+  const int vt_row = (w.b * a.hkv + w.hk) * D;
+  for (int j = 0; j < w.tiles; ++j) {
+    const int t = t0 + j, s = t % kStages;
+    if (t >= kStages) barrier_wait(S::empty(base, s), ((t / kStages) - 1) & 1);
+    barrier_arrive_expect_bytes(S::full(base, s), 2 * kBlockN * D);
+    tensor_copy_4d(base + S::k + s * kBlockN * D, &maps.k, 0, j * kBlockN, w.hk, w.b, S::full(base, s));
+    tensor_copy_2d(base + S::v + s * D * kBlockN, &maps.vt, j * kBlockN, vt_row, S::full(base, s));
+  }
 }
 
 // The descriptors of a stage's tiles: K (keys x D) and Vᵀ (D x 128 positions).
@@ -335,10 +341,11 @@ __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base
 
 template <int D, bool CAUSAL, typename TOut>
 __global__ void __launch_bounds__(kForwardThreads, 1)
-    attention_fp8_forward_kernel(const __grid_constant__ AttentionFp8Args a) {
+    attention_fp8_forward_kernel(const __grid_constant__ AttentionFp8Args a, const __grid_constant__ ForwardMaps maps) {
   extern __shared__ uint8_t smem_raw[];
   run_block<ForwardSmem<D>, CAUSAL>(
-      a, smem_raw, [&](uint32_t base, const BlockWork& w, int n, int t0, int tid) { produce<D>(a, base, w, n, t0, tid); },
+      a, smem_raw,
+      [&](uint32_t base, const BlockWork& w, int n, int t0, int tid) { produce<D>(a, maps, base, w, n, t0, tid); },
       [&](uint32_t base, const BlockWork& w, int n, int t0, int group, int tid) {
         consume<D, CAUSAL, TOut>(a, base, w, n, t0, group, tid);
       });
@@ -387,9 +394,27 @@ __global__ void __launch_bounds__(kTransposeThreads) v_keys_inner_kernel(const _
   }
 }
 
+// The forward's tensor maps (forward_maps's layouts) of a's q, k and vt.
+template <int D>
+ForwardMaps forward_maps(const AttentionFp8Args& a) {
+  ForwardMaps maps;
+  const uint32_t rows[4] = {uint32_t(D), uint32_t(kBlockM), 1u, 1u};
+  maps.q = byte_tensor_map<4>(a.q, {uint64_t(D), uint64_t(a.tq), uint64_t(a.h), uint64_t(a.batch)},
+                              {uint64_t(a.q_stride_t), uint64_t(a.q_stride_h), uint64_t(a.q_stride_b)}, rows,
+                              "attention_fp8_forward's q");
+  const uint32_t keys[4] = {uint32_t(D), uint32_t(kBlockN), 1u, 1u};
+  maps.k = byte_tensor_map<4>(a.k, {uint64_t(D), uint64_t(a.tk), uint64_t(a.hkv), uint64_t(a.batch)},
+                              {uint64_t(a.k_stride_t), uint64_t(a.k_stride_h), uint64_t(a.k_stride_b)}, keys,
+                              "attention_fp8_forward's k");
+  maps.vt = byte_tensor_map<2>(a.vt, {uint64_t(a.vt_pitch), uint64_t(a.batch) * a.hkv * D}, {uint64_t(a.vt_pitch)},
+                               {uint32_t(kBlockN), uint32_t(D)}, "attention_fp8_forward's vt");
+  return maps;
+}
+
 template <int D, bool CAUSAL, typename TOut>
 void launch_forward(const AttentionFp8Args& a, cudaStream_t stream) {
-  launch_blocks<attention_fp8_forward_kernel<D, CAUSAL, TOut>, ForwardSmem<D>>(a, stream, "attention_fp8_forward");
+  launch_blocks<attention_fp8_forward_kernel<D, CAUSAL, TOut>, ForwardSmem<D>>(a, stream, "attention_fp8_forward",
+                                                                              forward_maps<D>(a));
 }
 
 template <int D>
