@@ -1,9 +1,11 @@
 // The pieces of the hand-written Hopper attention kernels (attention_kernels.cu:
 // FP8; attention_hp_kernels.cu: bf16 and fp16) that do not depend on the element
-// type: shared-memory addresses, mbarriers and asynchronous copies, the swizzle and
-// wgmma's descriptors of K-major tiles, the wgmma fences and operand lists, a
-// consumer warpgroup's rows and online softmax, its turns at the tensor cores and
-// its stores, the producer's side of the ring, and a block's setup and launch.
+// type: shared-memory addresses, mbarriers and asynchronous copies (16-byte and
+// tensor copies, and the tensor maps of the latter), the swizzle and wgmma's
+// descriptors of K-major tiles, the wgmma fences and operand lists, a consumer
+// warpgroup's rows and online softmax, its turns at the tensor cores and its
+// stores, the 16-byte copying producer's side of the ring, and a block's setup
+// and launch.
 //
 // Layout of a block (both kernels): 128 queries of one head; warpgroup 0 the
 // producer, warpgroups 1 and 2 consumers of 64 rows each; key tiles of 128. A
@@ -323,8 +325,9 @@ __device__ __forceinline__ void store_rows(const Args& a, const float (&acc)[D /
 // A block's mbarriers, placed at byte AT of its shared memory (past its buffers):
 // q_full and q_empty of the two Q buffers, then full and empty of each of STAGES
 // ring stages. A kernel's shared-memory layout derives from it, and may restate
-// how many producer threads arrive on a full barrier (the copying threads) and the
-// registers each role keeps after setmaxnreg.
+// how many producer threads arrive on a full barrier (the copying threads), how
+// the copies write (generic_copies: cp.async, which the consumers fence for their
+// tensor cores) and the registers each role keeps after setmaxnreg (per mask).
 template <int STAGES, int AT>
 struct RingBarriers {
   static constexpr int stages = STAGES;
@@ -332,7 +335,9 @@ struct RingBarriers {
   static constexpr int bytes = AT + 8 * (4 + 2 * STAGES);
   static constexpr int producer_arrivals = kWarpgroup;
   static constexpr bool generic_copies = true;  // cp.async: a consumer fences what it waited for (wait_q, wait_tile)
+  template <bool CAUSAL>
   static constexpr int producer_registers = 48;
+  template <bool CAUSAL>
   static constexpr int consumer_registers = 224;
   static __device__ __forceinline__ uint32_t q_full(uint32_t base, int b) { return base + AT + 8 * b; }
   static __device__ __forceinline__ uint32_t q_empty(uint32_t base, int b) { return base + AT + 8 * (2 + b); }
@@ -496,24 +501,26 @@ __device__ __forceinline__ void release_tile(uint32_t base, int t) {
   barrier_arrive(Smem::empty(base, t % Smem::stages));
 }
 
-// The producer warpgroup's side of the ring for item n, whose first tile is the
-// block's tile t0: copy_q(buffer) once both consumers released the buffer's last
-// Q, then copy_tile(j, stage) for each of `tiles` tiles once both released the
-// stage's last tile. Each thread's copies arrive on their barrier when they land,
-// so the producer never waits for a copy: a tile is published as soon as it is
-// in, whatever the stages after it wait for (the consumers fence the copies for
-// their tensor cores: wait_q, wait_tile).
+// The producer's side of the ring for item n, whose first tile is the block's
+// tile t0: copy_q(buffer) once both consumers released the buffer's last Q, then
+// copy_tile(j, stage) for each of `tiles` tiles once both released the stage's
+// last tile. The producer never waits for a copy: a tile is published as soon as
+// it is in, whatever the stages after it wait for. 16-byte copies
+// (Smem::generic_copies) arrive on their barrier from each thread when they land
+// (the consumers fence them for their tensor cores: wait_q, wait_tile); tensor
+// copies are one thread's, whose copy_q and copy_tile arrive on the barrier with
+// the bytes to expect before copying.
 template <typename Smem, typename CopyQ, typename CopyTile>
 __device__ __forceinline__ void produce_ring(uint32_t base, int n, int t0, int tiles, CopyQ copy_q,
                                              CopyTile copy_tile) {
   if (n >= 2) barrier_wait(Smem::q_empty(base, n % 2), ((n / 2) - 1) & 1);
   copy_q(n % 2);
-  barrier_arrive_when_copied(Smem::q_full(base, n % 2));
+  if constexpr (Smem::generic_copies) barrier_arrive_when_copied(Smem::q_full(base, n % 2));
   for (int j = 0; j < tiles; ++j) {
     const int t = t0 + j, s = t % Smem::stages;
     if (t >= Smem::stages) barrier_wait(Smem::empty(base, s), ((t / Smem::stages) - 1) & 1);
     copy_tile(j, s);
-    barrier_arrive_when_copied(Smem::full(base, s));
+    if constexpr (Smem::generic_copies) barrier_arrive_when_copied(Smem::full(base, s));
   }
 }
 
@@ -542,11 +549,11 @@ __device__ __forceinline__ void run_block(const Args& a, uint8_t* smem_raw, Prod
   const int group = threadIdx.x / kWarpgroup;
   const int tid = threadIdx.x % kWarpgroup;
   if (group == 0) {
-    fewer_registers<Smem::producer_registers>();
+    fewer_registers<Smem::template producer_registers<CAUSAL>>();
     for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { produce(base, w, n, t0, tid); });
     copies_wait_all();  // not gone before its last copies have landed (and arrived)
   } else {
-    more_registers<Smem::consumer_registers>();
+    more_registers<Smem::template consumer_registers<CAUSAL>>();
     for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { consume(base, w, n, t0, group - 1, tid); });
   }
 }
