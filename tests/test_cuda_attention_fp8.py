@@ -244,6 +244,9 @@ def test_reasons_name_what_the_kernel_does_not_take():
     one = torch.tensor(1.0)
     with pytest.raises(ValueError, match="attention_forward_fp8: "):
         cuda_attn.attention_forward_fp8(q, q, q, one, one, one, one, True, 0.125, torch.bfloat16)
+    shared = torch.zeros(1, 1, 8, 64).to(E4M3).expand(1, 2, 8, 64)  # one kv head broadcast over two
+    assert "strides (512, 0, 64, 1)" in cuda_attn._tensor_map_reason(shared, "k")
+    assert cuda_attn._tensor_map_reason(shared[:, :1], "k") is None  # stride 0 over one element reads nothing twice
 
 
 @hopper
@@ -254,6 +257,8 @@ def test_layouts_it_refuses_on_the_gpu():
     assert "16-byte" in cuda_attn.attention_forward_fp8_unsupported_reason(wide, wide)
     odd = torch.zeros(1, 2, 8, 72, device="cuda").to(E4M3)[..., :64]  # rows 72 bytes apart
     assert "16-byte" in cuda_attn.attention_forward_fp8_unsupported_reason(odd, odd)
+    shared = torch.zeros(1, 1, 8, 64, device="cuda").to(E4M3).expand(1, 2, 8, 64)
+    assert "tensor maps" in cuda_attn.attention_forward_fp8_unsupported_reason(q, shared)
     one = torch.tensor(1.0, device="cuda")
     with pytest.raises(ValueError, match="head dims"):
         cuda_attn.attention_forward_fp8(q, q, q, one, one, one, one, True, 0.125, torch.bfloat16)

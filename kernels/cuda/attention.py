@@ -263,9 +263,21 @@ _FP8_KERNEL = "the cuda FP8 attention kernel"
 _HOPPER_KERNEL = "the cuda Hopper attention kernel"
 
 
+def _tensor_map_reason(t: torch.Tensor, name: str) -> str | None:
+    """Why the FP8 kernel's tensor maps do not describe ``t``: a broadcast dim (stride
+    0 over more than one element), which its tensor copies are not made for."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        return None  # another check names it
+    if any(size > 1 and stride == 0 for size, stride in zip(t.shape[:3], t.stride()[:3])):
+        return (f"{_FP8_KERNEL} copies {name} through tensor maps of its strides, none of them 0 on a dim of "
+                f"more than one element; {name} has shape {tuple(t.shape)} and strides {tuple(t.stride())}")
+    return None
+
+
 def attention_forward_fp8_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why :func:`attention_forward_fp8` would not run these operands (None: it runs)."""
-    return _hopper_reason(q, k, (torch.float8_e4m3fn,), _FP8_KERNEL)
+    return (_hopper_reason(q, k, (torch.float8_e4m3fn,), _FP8_KERNEL) or _tensor_map_reason(q, "q")
+            or _tensor_map_reason(k, "k"))
 
 
 def attention_forward_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale,

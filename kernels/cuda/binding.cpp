@@ -653,6 +653,15 @@ bool attention_operand(const at::Tensor& t, at::ScalarType type, int64_t device)
   return true;
 }
 
+// Whether t has a broadcast dim among its first three (stride 0 over more than one
+// element), which the FP8 forward's tensor maps are not made for.
+bool broadcast_dim(const at::Tensor& t) {
+  for (int d = 0; d < 3; ++d) {
+    if (t.size(d) > 1 && t.stride(d) == 0) return true;
+  }
+  return false;
+}
+
 // q (B, H, Tq, D), k and v (B, Hkv, Tk, D) of `type` as attention_operand takes
 // them, of one batch and head dim, with k and v of one shape, query heads a
 // multiple of the kv heads, keys, and no more batch·heads than a grid holds.
@@ -745,7 +754,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& scales, double softmax_scale,
     bool causal, at::ScalarType out_dtype, int64_t device, int64_t stream) {
   const int out = hp_code_or_none(out_dtype);
-  if (out < 0 || !attention_operands(q, k, v, at::kFloat8_e4m3fn, device) || scales.scalar_type() != at::kFloat ||
+  if (out < 0 || !attention_operands(q, k, v, at::kFloat8_e4m3fn, device) || broadcast_dim(q) || broadcast_dim(k) ||
+      scales.scalar_type() != at::kFloat ||
       !scales.is_cuda() || scales.get_device() != device || scales.numel() != 4 || !scales.is_contiguous()) {
     return std::nullopt;
   }
