@@ -161,3 +161,61 @@ def test_layouts_it_refuses_on_the_gpu():
     assert "16-byte" in cuda_attn.attention_forward_hopper_unsupported_reason(odd, odd)
     with pytest.raises(ValueError, match="head dims"):
         cuda_attn.attention_forward_hopper(q, q, q, True, 0.125)
+
+
+# -- the backward's dk / dv kernel ---------------------------------------------------------
+
+
+def _backward_with_hopper_dkdv(q, k, v, o, lse, do, causal, scale):
+    """Triton's dq beside our Hopper dk and dv."""
+    dq = tk.attention_backward(q, k, v, o, lse, do, causal, scale)[0]
+    return (dq, *cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, causal, scale))
+
+
+class HopperDkdv:
+    """Triton's forward, then the backward with our dk / dv kernel, as ``check_kernels`` takes a backend."""
+
+    attention_forward = staticmethod(tk.attention_forward)
+    attention_backward = staticmethod(_backward_with_hopper_dkdv)
+
+
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", HOPPER_SHAPES)
+def test_dkdv_against_float64(shape, causal):
+    """dk and dv on odd lengths (a partial key block, Tq above and below Tk, grouped
+    kv heads summed over their query heads, head dims 64 and 128) against float64
+    attention fed the same o and lse."""
+    check_kernels(shape, torch.bfloat16, causal, kernels=HopperDkdv, name="cuda hopper dkdv")
+
+
+@hopper
+def test_dkdv_fp16_against_float64():
+    check_kernels(HOPPER_SHAPES[4], torch.float16, True, kernels=HopperDkdv, name="cuda hopper dkdv")
+
+
+@hopper
+@pytest.mark.parametrize("T,D,causal", GPU_CASES)
+def test_dkdv_at_real_sizes(T, D, causal):
+    check_bf16_at_real_size(HopperDkdv, T, D, causal, name="cuda hopper dkdv")
+
+
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_dkdv_the_same_bits_on_every_run(D):
+    """No atomics: every dk and dv is written once, by the block of its keys."""
+    q, k, v, do = (_randn((2, heads, 777, D), seed, torch.bfloat16) for seed, heads in ((1, 8), (2, 2), (3, 2), (4, 8)))
+    o, lse = tk.attention_forward(q, k, v, True, 0.09)
+    first = cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, True, 0.09)
+    for _ in range(3):
+        again = cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, True, 0.09)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@hopper
+def test_dkdv_refuses_what_its_tensor_maps_do_not_describe():
+    q = torch.zeros(1, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
+    shared = torch.zeros(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16).expand(1, 2, 8, 64)
+    lse = torch.zeros(1, 2, 8, device="cuda")
+    with pytest.raises(ValueError, match="attention_dkdv_hopper: .*tensor maps"):
+        cuda_attn.attention_dkdv_hopper(q, shared, q, q, lse, q, True, 0.125)

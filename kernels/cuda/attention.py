@@ -62,7 +62,7 @@ from ..reference.attention import check_attention, check_attention_backward, che
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
            "set_hopper_schedule", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason",
-           "set_forward_kernel", "FORWARD_KERNELS"]
+           "set_forward_kernel", "FORWARD_KERNELS", "attention_dkdv_hopper"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -263,13 +263,13 @@ _FP8_KERNEL = "the cuda FP8 attention kernel"
 _HOPPER_KERNEL = "the cuda Hopper attention kernel"
 
 
-def _tensor_map_reason(t: torch.Tensor, name: str) -> str | None:
-    """Why the FP8 kernel's tensor maps do not describe ``t``: a broadcast dim (stride
+def _tensor_map_reason(t: torch.Tensor, name: str, kernel: str = _FP8_KERNEL) -> str | None:
+    """Why a Hopper kernel's tensor maps do not describe ``t``: a broadcast dim (stride
     0 over more than one element), which its tensor copies are not made for."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
         return None  # another check names it
     if any(size > 1 and stride == 0 for size, stride in zip(t.shape[:3], t.stride()[:3])):
-        return (f"{_FP8_KERNEL} copies {name} through tensor maps of its strides, none of them 0 on a dim of "
+        return (f"{kernel} copies {name} through tensor maps of its strides, none of them 0 on a dim of "
                 f"more than one element; {name} has shape {tuple(t.shape)} and strides {tuple(t.stride())}")
     return None
 
@@ -352,6 +352,23 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) 
 def attention_forward_hopper_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why :func:`attention_forward_hopper` would not run these operands (None: it runs)."""
     return _hopper_reason(q, k, _DTYPES, _HOPPER_KERNEL)
+
+
+def attention_dkdv_hopper(q, k, v, o, lse, do, causal, softmax_scale):
+    """``(dk, dv)`` of :func:`attention_backward_reference`, bf16 or fp16, on Hopper's
+    tensor cores in our kernel (``attention_hp_kernels.cu``): each block keeps the dk
+    and dv of 128 keys in registers over every query that reads them, so the same
+    bits come every run (no atomics); P and dS rounded to the input type for their
+    products, as the Triton dk / dv kernel does. ``delta = rowsum(o · do)`` is made
+    here in fp32."""
+    check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    reason = (attention_forward_hopper_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", _HOPPER_KERNEL)
+              or _hopper_layout_reason(do, "do", _HOPPER_KERNEL))
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (do, "do")):
+        reason = reason or _tensor_map_reason(t, name, _HOPPER_KERNEL)
+    delta = (o.float() * do.float()).sum(-1).contiguous()
+    return _run_checked("attention_dkdv_hopper", "attention_hp_dkdv", reason, q, k, v, do, lse.float().contiguous(),
+                        delta, float(softmax_scale), bool(causal))
 
 
 def attention_forward_hopper(q, k, v, causal, softmax_scale):

@@ -235,6 +235,296 @@ void launch_typed(const AttentionHpArgs& a, cudaStream_t stream) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// The backward's dk and dv (the Triton dk / dv kernel's meaning, kernels/triton/
+// attention.py): a block holds 128 keys of one kv head (K and V copied once) and
+// works through 64-query steps of every query head that reads it (causal: from the
+// step of its first key); each consumer warpgroup owns 64 of the keys and keeps
+// their dk and dv in fp32 registers across the steps, products kept transposed
+// (keys along the rows):
+//   Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ · qk_scale - lse · log2 e) (masked), dv += Pᵀ do,
+//   dPᵀ = V doᵀ, dSᵀ = Pᵀ ∘ (dPᵀ - delta), dk += dSᵀ q; dk · softmax_scale at the end.
+// Pᵀ and dSᵀ are rounded to the input type as the A operand of their products (the
+// accumulator's layout, as P in the forward); q and do are the B operand of those
+// MN-major (queries along their rows), of Sᵀ and dPᵀ K-major. One producer thread
+// copies by tensor maps; no atomics: every dk, dv is written once, by its block.
+// ---------------------------------------------------------------------------
+
+constexpr int kStepRows = 64;  // queries a step
+constexpr int kDkdvStages = 2;
+
+// d (=|+=) a·b, 64 x 64 x 16: a (64 x 16) and b (64 x 16) K-major in shared memory.
+template <bool F16, bool FIRST>
+__device__ __forceinline__ void hmma_n64(float (&d)[32], uint64_t a, uint64_t b) {
+  if constexpr (F16 && FIRST) {
+    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 0, TE_R32, "%32, %33", "1, 1, 0, 0") : TE_D32("=f")
+                 : "l"(a), "l"(b));
+  } else if constexpr (F16) {
+    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 1, TE_R32, "%32, %33", "1, 1, 0, 0") : TE_D32("+f")
+                 : "l"(a), "l"(b));
+  } else if constexpr (FIRST) {
+    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 0, TE_R32, "%32, %33", "1, 1, 0, 0") : TE_D32("=f")
+                 : "l"(a), "l"(b));
+  } else {
+    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 1, TE_R32, "%32, %33", "1, 1, 0, 0") : TE_D32("+f")
+                 : "l"(a), "l"(b));
+  }
+}
+
+// d = a · bᵀ over the head dim, 64 x 64: a 64 rows of a 128-row tile (its D / 64
+// column blocks' descriptors), b a 64-row step (likewise).
+template <int D, bool F16>
+__device__ __forceinline__ void hmma_rows(float (&d)[32], const uint64_t (&a)[D / 64], const uint64_t (&b)[D / 64]) {
+  hmma_n64<F16, true>(d, a[0], b[0]);
+#pragma unroll
+  for (int kk = 1; kk < D / 16; ++kk) hmma_n64<F16, false>(d, a[kk / 4] + 2 * (kk % 4), b[kk / 4] + 2 * (kk % 4));
+}
+
+// The descriptor of a 64-row step read MN-major (queries along its rows): 8-row
+// groups 1024 bytes apart, 64-column blocks a step block apart; + 128: 16 rows on.
+__device__ __forceinline__ uint64_t step_mn_descriptor(uint32_t addr) {
+  constexpr uint64_t block_stride = (kStepRows * 128) >> 4, group_stride = 1024 >> 4;
+  return uint64_t((addr >> 4) & 0x3FFFu) | (block_stride << 16) | (group_stride << 32) | (uint64_t(1) << 62);
+}
+
+// Shared memory: K and V (128 rows each, kBlockBytes a 64-column block), the ring
+// of steps (q, then do: 64 rows each, 8 KiB a column block), then the barriers:
+// q_full(0) for K and V, full / empty a stage.
+template <int D>
+struct DkdvSmem : RingBarriers<kDkdvStages, 2 * kBlockN * D * 2 + kDkdvStages * 2 * kStepRows * D * 2> {
+  static constexpr int kv_bytes = kBlockN * D * 2;
+  static constexpr int rows_bytes = kStepRows * D * 2;
+  static constexpr int row_block = kStepRows * 128;
+  static constexpr int k = 0;
+  static constexpr int v = kv_bytes;
+  static constexpr int steps = 2 * kv_bytes;
+  static constexpr int producer_arrivals = 1;  // the copying thread, with the bytes
+  template <bool CAUSAL>
+  static constexpr int producer_registers = 24;
+  template <bool CAUSAL>
+  static constexpr int consumer_registers = 240;
+  static __device__ __forceinline__ uint32_t q_of(uint32_t base, int s) { return base + steps + s * 2 * rows_bytes; }
+  static __device__ __forceinline__ uint32_t do_of(uint32_t base, int s) { return q_of(base, s) + rows_bytes; }
+};
+
+// The tensor maps of q, do (boxes of 64 columns x 64 rows), k and v (64 x 128), as
+// bytes: (2·D, T, heads, batch).
+struct DkdvMaps {
+  CUtensorMap q, dout, k, v;
+};
+
+// The steps of a block: 64-query steps of each of the G query heads of kv head hk,
+// from `first` (causal: the step of the block's first key) to tq.
+struct DkdvWork {
+  int b, hk, n0, first, per_head, steps;
+  static __device__ __forceinline__ DkdvWork of(const AttentionDkdvArgs& a, bool causal) {
+    DkdvWork w;
+    w.b = blockIdx.y / a.hkv;
+    w.hk = blockIdx.y % a.hkv;
+    w.n0 = blockIdx.x * kBlockN;
+    w.first = causal ? w.n0 / kStepRows * kStepRows : 0;
+    w.per_head = w.first < a.tq ? (a.tq - w.first + kStepRows - 1) / kStepRows : 0;
+    w.steps = w.per_head * (a.h / a.hkv);
+    return w;
+  }
+  __device__ __forceinline__ int head(const AttentionDkdvArgs& a, int i) const {
+    return hk * (a.h / a.hkv) + i / per_head;
+  }
+  __device__ __forceinline__ int row(int i) const { return first + kStepRows * (i % per_head); }
+};
+
+template <int D>
+__device__ __forceinline__ void produce_dkdv(const DkdvMaps& maps, uint32_t base, const AttentionDkdvArgs& a,
+                                             const DkdvWork& w) {
+  using S = DkdvSmem<D>;
+  const uint32_t kv = S::q_full(base, 0);
+  barrier_arrive_expect_bytes(kv, 2 * S::kv_bytes);
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk) {
+    tensor_copy_4d(base + S::k + blk * kBlockBytes, &maps.k, 128 * blk, w.n0, w.hk, w.b, kv);
+    tensor_copy_4d(base + S::v + blk * kBlockBytes, &maps.v, 128 * blk, w.n0, w.hk, w.b, kv);
+  }
+  for (int i = 0; i < w.steps; ++i) {
+    const int s = i % kDkdvStages, h = w.head(a, i), m0 = w.row(i);
+    if (i >= kDkdvStages) barrier_wait(S::empty(base, s), ((i / kDkdvStages) - 1) & 1);
+    const uint32_t full = S::full(base, s);
+    barrier_arrive_expect_bytes(full, 2 * S::rows_bytes);
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk) {
+      tensor_copy_4d(S::q_of(base, s) + blk * S::row_block, &maps.q, 128 * blk, m0, h, w.b, full);
+      tensor_copy_4d(S::do_of(base, s) + blk * S::row_block, &maps.dout, 128 * blk, m0, h, w.b, full);
+    }
+  }
+}
+
+// A consumer warpgroup: dk and dv of its 64 keys over the block's steps, then stored.
+template <int D, bool CAUSAL, typename T>
+__device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionDkdvArgs& a, const DkdvWork& w, int group,
+                                             int tid) {
+  using S = DkdvSmem<D>;
+  constexpr bool f16 = std::is_same<T, __half>::value;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int lane = tid % 32, col = 2 * (lane % 4);
+  const int key0 = w.n0 + 64 * group + 16 * (tid / 32) + lane / 4;  // this thread's keys: key0, key0 + 8
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
+  uint64_t k_desc[D / 64], v_desc[D / 64];  // this warpgroup's 64 keys of each column block
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk) {
+    k_desc[blk] = tile_descriptor<128>(base + S::k + blk * kBlockBytes + 64 * group * 128);
+    v_desc[blk] = tile_descriptor<128>(base + S::v + blk * kBlockBytes + 64 * group * 128);
+  }
+  barrier_wait(S::q_full(base, 0), 0);
+  for (int i = 0; i < w.steps; ++i) {
+    const int s = i % kDkdvStages, h = w.head(a, i), m0 = w.row(i);
+    const int64_t bh = int64_t(w.b) * a.h + h;
+    // lse of this thread's 16 query columns (8v + col + e), in base 2; 0 past tq (masked below)
+    float lse2[16];
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      const int query = m0 + 8 * (c / 2) + col + c % 2;
+      lse2[c] = query < a.tq ? a.lse[bh * a.tq + query] * kLog2e : 0.0f;
+    }
+    uint64_t q_desc[D / 64], do_desc[D / 64];
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk) {
+      q_desc[blk] = tile_descriptor<128>(S::q_of(base, s) + blk * S::row_block);
+      do_desc[blk] = tile_descriptor<128>(S::do_of(base, s) + blk * S::row_block);
+    }
+    const uint64_t q_mn = step_mn_descriptor(S::q_of(base, s)), do_mn = step_mn_descriptor(S::do_of(base, s));
+    barrier_wait(S::full(base, s), (i / kDkdvStages) & 1);
+    float st[32];
+    mma_fence();
+    hmma_rows<D, f16>(st, k_desc, q_desc);
+    mma_commit();
+    mma_wait_all();
+    fence_registers(st);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {  // row key0 + 8·((e / 2) % 2), column 8·(e / 4) + col + e % 2
+      const int key = key0 + 8 * ((e / 2) % 2), c = 2 * (e / 4) + e % 2, query = m0 + 8 * (e / 4) + col + e % 2;
+      const bool seen = query < a.tq && (!CAUSAL || query >= key);
+      st[e] = seen ? fast_exp2(fmaf(st[e], a.qk_scale, -lse2[c])) : 0.0f;
+    }
+    uint32_t pf[4][4];  // Pᵀ as the A operand: queries 16kk .. 16kk + 15 of step kk
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int w2 = 0; w2 < 4; ++w2) pf[kk][w2] = pack2<f16>(st[8 * kk + 2 * w2], st[8 * kk + 2 * w2 + 1]);
+    }
+    float dp[32];
+    mma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dv, pf[kk], do_mn + 128 * kk);
+    mma_commit();
+    hmma_rows<D, f16>(dp, v_desc, do_desc);
+    mma_commit();
+    float delta[16];
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      const int query = m0 + 8 * (c / 2) + col + c % 2;
+      delta[c] = query < a.tq ? a.delta[bh * a.tq + query] : 0.0f;
+    }
+    mma_wait_all();
+    fence_registers(dv);
+    fence_registers(dp);
+    fence_registers(pf);
+    uint32_t df[4][4];  // dSᵀ as the A operand
+#pragma unroll
+    for (int e = 0; e < 32; ++e) dp[e] = st[e] * (dp[e] - delta[2 * (e / 4) + e % 2]);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int w2 = 0; w2 < 4; ++w2) df[kk][w2] = pack2<f16>(dp[8 * kk + 2 * w2], dp[8 * kk + 2 * w2 + 1]);
+    }
+    mma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dk, df[kk], q_mn + 128 * kk);
+    mma_commit();
+    mma_wait_all();
+    fence_registers(dk);
+    fence_registers(df);
+    barrier_arrive(S::empty(base, s));
+  }
+  T* dk_out = static_cast<T*>(a.dk) + int64_t(w.b) * a.dk_stride_b + int64_t(w.hk) * a.dk_stride_h + col;
+  T* dv_out = static_cast<T*>(a.dv) + int64_t(w.b) * a.dv_stride_b + int64_t(w.hk) * a.dv_stride_h + col;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= a.tk) continue;
+#pragma unroll
+    for (int v2 = 0; v2 < D / 8; ++v2) {
+      store_pair(dk_out + int64_t(key) * a.dk_stride_t + 8 * v2, dk[4 * v2 + 2 * r] * a.softmax_scale,
+                 dk[4 * v2 + 2 * r + 1] * a.softmax_scale);
+      store_pair(dv_out + int64_t(key) * a.dv_stride_t + 8 * v2, dv[4 * v2 + 2 * r], dv[4 * v2 + 2 * r + 1]);
+    }
+  }
+}
+
+template <int D, bool CAUSAL, typename T>
+__global__ void __launch_bounds__(kForwardThreads, 1)
+    attention_hp_dkdv_kernel(const __grid_constant__ AttentionDkdvArgs a, const __grid_constant__ DkdvMaps maps) {
+  using S = DkdvSmem<D>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = block_shared_memory<S>(smem_raw);
+  const DkdvWork w = DkdvWork::of(a, CAUSAL);
+  const int group = threadIdx.x / kWarpgroup, tid = threadIdx.x % kWarpgroup;
+  if (group == 0) {
+    fewer_registers<S::template producer_registers<CAUSAL>>();
+    if (tid == 0) produce_dkdv<D>(maps, base, a, w);
+  } else {
+    more_registers<S::template consumer_registers<CAUSAL>>();
+    consume_dkdv<D, CAUSAL, T>(base, a, w, group - 1, tid);
+  }
+}
+
+// The tensor map of a 16-bit (B, heads, T, D) operand, as bytes, read in boxes of
+// 64 columns x `rows` rows.
+inline CUtensorMap rows_map(const void* data, int batch, int heads, int t, int d, int64_t sb, int64_t sh, int64_t st,
+                            int rows, const char* what) {
+  return byte_tensor_map<4>(data, {uint64_t(2 * d), uint64_t(t), uint64_t(heads), uint64_t(batch)},
+                            {uint64_t(2 * st), uint64_t(2 * sh), uint64_t(2 * sb)}, {128u, uint32_t(rows), 1u, 1u},
+                            what);
+}
+
+template <int D, bool CAUSAL, typename T>
+void launch_dkdv(const AttentionDkdvArgs& a, cudaStream_t stream) {
+  using S = DkdvSmem<D>;
+  auto kernel = attention_hp_dkdv_kernel<D, CAUSAL, T>;
+  constexpr int bytes = S::bytes + 1024;
+  static bool sized[64] = {false};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= 64 || !sized[device]) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+               "attention_hp_dkdv");
+    if (device >= 0 && device < 64) sized[device] = true;
+  }
+  DkdvMaps maps;
+  maps.q = rows_map(a.q, a.batch, a.h, a.tq, D, a.q_stride_b, a.q_stride_h, a.q_stride_t, kStepRows,
+                    "attention_hp_dkdv's q");
+  maps.dout = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kStepRows,
+                       "attention_hp_dkdv's do");
+  maps.k = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kBlockN,
+                    "attention_hp_dkdv's k");
+  maps.v = rows_map(a.v, a.batch, a.hkv, a.tk, D, a.v_stride_b, a.v_stride_h, a.v_stride_t, kBlockN,
+                    "attention_hp_dkdv's v");
+  const dim3 grid(unsigned((a.tk + kBlockN - 1) / kBlockN), unsigned(a.batch * a.hkv));
+  kernel<<<grid, kForwardThreads, bytes, stream>>>(a, maps);
+  check_launch("attention_hp_dkdv");
+}
+
+template <typename T>
+void launch_dkdv_typed(const AttentionDkdvArgs& a, cudaStream_t stream) {
+  if (a.head_dim == 128) {
+    a.causal ? launch_dkdv<128, true, T>(a, stream) : launch_dkdv<128, false, T>(a, stream);
+  } else if (a.head_dim == 64) {
+    a.causal ? launch_dkdv<64, true, T>(a, stream) : launch_dkdv<64, false, T>(a, stream);
+  } else {
+    throw std::invalid_argument("attention_hp_dkdv: head dim " + std::to_string(a.head_dim) + " is not 64 or 128");
+  }
+}
+
 }  // namespace
 
 void launch_attention_hp_forward(const AttentionHpArgs& a, int type, void* stream) {
@@ -246,6 +536,19 @@ void launch_attention_hp_forward(const AttentionHpArgs& a, int type, void* strea
     launch_typed<__half>(a, s);
   } else {
     throw std::invalid_argument("attention_hp_forward: the inputs must be bfloat16 or float16 (type code " +
+                                std::to_string(type) + ")");
+  }
+}
+
+void launch_attention_hp_dkdv(const AttentionDkdvArgs& a, int type, void* stream) {
+  if (a.batch <= 0 || a.hkv <= 0 || a.tk <= 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (type == kBFloat16) {
+    launch_dkdv_typed<__nv_bfloat16>(a, s);
+  } else if (type == kFloat16) {
+    launch_dkdv_typed<__half>(a, s);
+  } else {
+    throw std::invalid_argument("attention_hp_dkdv: the inputs must be bfloat16 or float16 (type code " +
                                 std::to_string(type) + ")");
   }
 }

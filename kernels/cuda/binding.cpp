@@ -721,6 +721,45 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_forward_lean(cons
   return std::make_tuple(o, lse);
 }
 
+// dk and dv of the bf16 / fp16 attention backward on Hopper (launch_attention_hp_dkdv):
+// new tensors (B, Hkv, Tk, D) of q's dtype. lse and delta (rowsum(do ∘ o)) fp32 (B,
+// H, Tq), contiguous. None for operands the Python path must look at: q, k, v and do
+// not views attention_operands takes (of one dtype, no broadcast dim), do not of q's
+// shape, lse or delta not as said.
+std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(const at::Tensor& q, const at::Tensor& k,
+                                                                    const at::Tensor& v, const at::Tensor& dout,
+                                                                    const at::Tensor& lse, const at::Tensor& delta,
+                                                                    double softmax_scale, bool causal, int64_t device,
+                                                                    int64_t stream) {
+  const at::ScalarType type = q.scalar_type();
+  const auto rows_of = [&](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.is_cuda() && t.get_device() == device && t.is_contiguous() &&
+           t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(2) == q.size(2);
+  };
+  if ((type != at::kBFloat16 && type != at::kHalf) || !attention_operands(q, k, v, type, device) ||
+      !attention_operand(dout, type, device) || !dout.sizes().equals(q.sizes()) || broadcast_dim(q) ||
+      broadcast_dim(k) || broadcast_dim(v) || broadcast_dim(dout) || !rows_of(lse) || !rows_of(delta)) {
+    return std::nullopt;
+  }
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  te_fuser::AttentionDkdvArgs a;
+  describe_attention(a, q, k, v, dout, lse, softmax_scale, causal);
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.dout = dout.data_ptr();
+  a.delta = delta.data_ptr<float>();
+  a.dk = dk.data_ptr();
+  a.dv = dv.data_ptr();
+  a.softmax_scale = static_cast<float>(softmax_scale);
+  a.do_stride_b = dout.stride(0), a.do_stride_h = dout.stride(1), a.do_stride_t = dout.stride(2);
+  a.dk_stride_b = dk.stride(0), a.dk_stride_h = dk.stride(1), a.dk_stride_t = dk.stride(2);
+  a.dv_stride_b = dv.stride(0), a.dv_stride_h = dv.stride(1), a.dv_stride_t = dv.stride(2);
+  te_fuser::launch_attention_hp_dkdv(a, hp_code_or_none(type), as_stream(stream));
+  return std::make_tuple(dk, dv);
+}
+
 // V (B, Hkv, Tk, D) as the FP8 attention forward reads it: (B·Hkv, D, pitch)
 // bytes, each row's positions holding the keys in the kernel's order, zeros past
 // Tk (launch_attention_fp8_keys_inner). None for a v that attention_operand does
@@ -811,6 +850,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "case the Python path takes");
   m.def("attention_fp8_keys_inner", &attention_fp8_keys_inner,
         "V as the FP8 attention forward reads it (keys inner, in the kernel's order), or None");
+  m.def("attention_hp_dkdv", &attention_hp_dkdv,
+        "dk and dv of the bf16 / fp16 attention backward on Hopper's tensor cores (deterministic), or None for "
+        "operands the Python path takes");
   m.def("attention_schedule", &attention_schedule,
         "the Hopper attention kernels' consumer schedule: (turns, overlap), each 0, 1 or -1 to leave it; returns "
         "the previous pair");
