@@ -228,6 +228,33 @@ def _backward_rows(c: _Case, triton_out: tuple, cuda_out: tuple | None) -> None:
     diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
     c.row("bwd bf16", "cuda", harness.time_ms(lambda: ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)),
           bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
+    if cuda_attn.attention_forward_hopper_unsupported_reason(q, k) is None:
+        _hopper_dkdv_rows(c, o, lse, do, dq_sdpa, sdpa_bwd_ms)
+
+
+def _hopper_dkdv_rows(c: _Case, o, lse, do, dq_sdpa, sdpa_bwd_ms: float) -> None:
+    """The deterministic backward with our Hopper dk / dv kernel: Triton's dq kernel
+    (which also stores delta), then ours; and each part alone (Triton's dk / dv
+    kernel's time is its whole backward's less its dq kernel's)."""
+    causal, scale, bwd_flops = c.causal, c.scale, c.bwd_flops
+    q, k, v = c.sets[0]
+
+    def backward():
+        dq, delta = attn.attention_dq(q, k, v, o, lse, do, causal, scale)
+        return (dq, *cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, causal, scale, delta=delta))
+
+    dk_triton = tk.attention_backward(q, k, v, o, lse, do, causal, scale)[1]
+    dq, dk, _ = backward()
+    diff = (f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}, "
+            f"max|dk - triton| {(dk.float() - dk_triton.float()).abs().max().item():.2e}")
+    c.row("bwd bf16", "triton dq + cuda hopper dk/dv", harness.time_ms(backward), bwd_flops, sdpa_bwd_ms,
+          "sdpa bf16", diff)
+    delta = attn.attention_dq(q, k, v, o, lse, do, causal, scale)[1]
+    c.row("bwd bf16 part", "triton dq (and delta)", harness.time_ms(
+        lambda: attn.attention_dq(q, k, v, o, lse, do, causal, scale)), bwd_flops, sdpa_bwd_ms)
+    c.row("bwd bf16 part", "cuda hopper dk/dv", harness.time_ms(
+        lambda: cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, causal, scale, delta=delta)), bwd_flops,
+        sdpa_bwd_ms)
 
 
 _JIT = {"fwd": "_attention_forward_kernel", "fwd_fp8": "_attention_forward_kernel", "dq": "_attention_dq_kernel",
@@ -313,8 +340,8 @@ def _targets(rows: list[Row]) -> None:
         if case == "fwd bf16":  # cuDNN's (the cuda backend's) where it ran, else Triton's; and our Hopper kernel's
             candidates = (["cuda"] if (case, "cuda") in ms else ["triton"]) + (
                 ["cuda hopper"] if (case, "cuda hopper") in ms else [])
-        else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: Triton's (cuDNN's is not deterministic)
-            candidates = [b for b in ("triton", "cuda")
+        else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: the deterministic ones (not cuDNN's)
+            candidates = [b for b in ("triton", "cuda", "triton dq + cuda hopper dk/dv")
                           if (case, b) in ms and not (case.startswith("bwd") and b == "cuda")]
         for ours in candidates:
             for peer in ("torch sdpa flash", "torch sdpa cudnn"):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from te_fuser.kernels import triton as tk
+from te_fuser.kernels.triton import attention as triton_attention
 from te_fuser.kernels.cuda import attention as cuda_attn
 from test_attention_kernels import GPU_CASES, SHAPES, _randn, check_bf16_at_real_size, check_kernels
 from test_cuda_attention_fp8 import hopper
@@ -167,9 +168,9 @@ def test_layouts_it_refuses_on_the_gpu():
 
 
 def _backward_with_hopper_dkdv(q, k, v, o, lse, do, causal, scale):
-    """Triton's dq beside our Hopper dk and dv."""
-    dq = tk.attention_backward(q, k, v, o, lse, do, causal, scale)[0]
-    return (dq, *cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, causal, scale))
+    """Triton's dq kernel (with the delta it stores), then our Hopper dk and dv."""
+    dq, delta = triton_attention.attention_dq(q, k, v, o, lse, do, causal, scale)
+    return (dq, *cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, causal, scale, delta=delta))
 
 
 class HopperDkdv:
@@ -210,6 +211,10 @@ def test_dkdv_the_same_bits_on_every_run(D):
     for _ in range(3):
         again = cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, True, 0.09)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+    delta = triton_attention.attention_dq(q, k, v, o, lse, do, True, 0.09)[1]  # the same sums, another order
+    beside = cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, True, 0.09, delta=delta)
+    for a, b in zip(first, beside):
+        assert_close(a, b, "attention_bf16", f"delta from torch and from Triton's dq kernel, D={D}", scaled=True)
 
 
 @hopper

@@ -354,21 +354,22 @@ def attention_forward_hopper_unsupported_reason(q: torch.Tensor, k: torch.Tensor
     return _hopper_reason(q, k, _DTYPES, _HOPPER_KERNEL)
 
 
-def attention_dkdv_hopper(q, k, v, o, lse, do, causal, softmax_scale):
+def attention_dkdv_hopper(q, k, v, o, lse, do, causal, softmax_scale, delta=None):
     """``(dk, dv)`` of :func:`attention_backward_reference`, bf16 or fp16, on Hopper's
     tensor cores in our kernel (``attention_hp_kernels.cu``): each block keeps the dk
     and dv of 128 keys in registers over every query that reads them, so the same
     bits come every run (no atomics); P and dS rounded to the input type for their
-    products, as the Triton dk / dv kernel does. ``delta = rowsum(o · do)`` is made
-    here in fp32."""
+    products, as the Triton dk / dv kernel does. ``delta = rowsum(o · do)`` fp32 (B,
+    H, Tq), as Triton's dq kernel stores it (``attention_dq``); made here if None."""
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
     reason = (attention_forward_hopper_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", _HOPPER_KERNEL)
               or _hopper_layout_reason(do, "do", _HOPPER_KERNEL))
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (do, "do")):
         reason = reason or _tensor_map_reason(t, name, _HOPPER_KERNEL)
-    delta = (o.float() * do.float()).sum(-1).contiguous()
+    if delta is None:
+        delta = (o.float() * do.float()).sum(-1)
     return _run_checked("attention_dkdv_hopper", "attention_hp_dkdv", reason, q, k, v, do, lse.float().contiguous(),
-                        delta, float(softmax_scale), bool(causal))
+                        delta.contiguous(), float(softmax_scale), bool(causal))
 
 
 def attention_forward_hopper(q, k, v, causal, softmax_scale):

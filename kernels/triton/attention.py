@@ -655,16 +655,39 @@ def _gradient_buffers(q, k, v):
 
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     """Flash attention backward: ``(dq, dk, dv)`` as :func:`attention_backward_reference`."""
+    dq, dk, dv, delta, launch = _backward_start(q, k, v, o, lse, do, causal, softmax_scale, "attention_backward")
+    if launch is not None:
+        q, k, v, do, lse, meta, qk_scale, G = launch
+        B, H, Tq, D = q.shape
+        Hkv, Tk = k.shape[1], k.shape[2]
+        sq, sk, sv, sdo = q.stride()[:3], k.stride()[:3], v.stride()[:3], do.stride()[:3]
+        _launch("dkdv", _attention_dkdv_kernel, Tk, B * Hkv, D, q,
+                [q, k, v, do, lse, delta, dk, dv, qk_scale, float(softmax_scale), H, Hkv, G, Tq, Tk,
+                 *sq, *sk, *sv, *sdo, *dk.stride()[:3], *dv.stride()[:3]], meta)
+    return dq, dk, dv
+
+
+def attention_dq(q, k, v, o, lse, do, causal, softmax_scale):
+    """The backward's first kernel alone: ``(dq, delta)``, ``delta = rowsum(o · do)``
+    fp32 (B, H, Tq), contiguous, what a dk / dv kernel reads beside lse."""
+    dq, _, _, delta, _ = _backward_start(q, k, v, o, lse, do, causal, softmax_scale, "attention_dq")
+    return dq, delta
+
+
+def _backward_start(q, k, v, o, lse, do, causal, softmax_scale, kernel: str):
+    """The checks, the gradients' buffers and the dq kernel (which stores delta):
+    ``(dq, dk, dv, delta, launch)``, launch the dk / dv kernel's operands (None:
+    nothing to run)."""
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
-    _require_supported(q, "attention_backward")
+    _require_supported(q, kernel)
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     q, k, v, o, do = (_inner(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
     dq, dk, dv = _gradient_buffers(q, k, v)
-    if B * H * Tq == 0:
-        return dq, dk.zero_(), dv.zero_()
     delta = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
+    if B * H * Tq == 0:
+        return dq, dk.zero_(), dv.zero_(), delta, None
     meta = dict(CAUSAL=causal, HEAD_DIM=D, OUT_DTYPE=TL_FLOAT[q.dtype], **_dtype_meta(q.dtype, q))
     qk_scale, G = float(softmax_scale) * LOG2E, H // Hkv
     # each tensor's (batch, head, token) strides, one call a tensor (the head dim's is 1)
@@ -672,10 +695,7 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     _launch("dq", _attention_dq_kernel, Tq, B * H, D, q,
             [q, k, v, o, do, lse, delta, dq, qk_scale, float(softmax_scale), H, G, Tq, Tk,
              *sq, *sk, *sv, *o.stride()[:3], *sdo, *dq.stride()[:3]], meta)
-    _launch("dkdv", _attention_dkdv_kernel, Tk, B * Hkv, D, q,
-            [q, k, v, do, lse, delta, dk, dv, qk_scale, float(softmax_scale), H, Hkv, G, Tq, Tk,
-             *sq, *sk, *sv, *sdo, *dk.stride()[:3], *dv.stride()[:3]], meta)
-    return dq, dk, dv
+    return dq, dk, dv, delta, (q, k, v, do, lse, meta, qk_scale, G)
 
 
 # ------------------------------------------------ the fused gradient's layout
