@@ -357,6 +357,34 @@ __device__ __forceinline__ void produce_dkdv(const DkdvMaps& maps, uint32_t base
   }
 }
 
+// This thread's 16 query columns of a step (column c: query m0 + 8·(c / 2) + col +
+// c % 2) of a per-query fp32 row `row`, times `scale`; 0 past tq (masked there).
+__device__ __forceinline__ void column_values(float (&out)[16], const float* row, int m0, int col, int tq,
+                                              float scale) {
+#pragma unroll
+  for (int c = 0; c < 16; ++c) {
+    const int query = m0 + 8 * (c / 2) + col + c % 2;
+    out[c] = query < tq ? row[query] * scale : 0.0f;
+  }
+}
+
+// A consumer's accumulator (keys key0 and key0 + 8, columns col + 8·v2 and one more)
+// times `scale` into `out` (keys `stride` elements apart), the keys before tk.
+template <int D, typename T>
+__device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[D / 2], float scale, int64_t stride,
+                                               int key0, int col, int tk) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= tk) continue;
+#pragma unroll
+    for (int v2 = 0; v2 < D / 8; ++v2) {
+      store_pair(out + int64_t(key) * stride + col + 8 * v2, acc[4 * v2 + 2 * r] * scale,
+                 acc[4 * v2 + 2 * r + 1] * scale);
+    }
+  }
+}
+
 // A consumer warpgroup: dk and dv of its 64 keys over the block's steps, then stored.
 template <int D, bool CAUSAL, typename T>
 __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionDkdvArgs& a, const DkdvWork& w, int group,
@@ -379,13 +407,8 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionDkdvA
   for (int i = 0; i < w.steps; ++i) {
     const int s = i % kDkdvStages, h = w.head(a, i), m0 = w.row(i);
     const int64_t bh = int64_t(w.b) * a.h + h;
-    // lse of this thread's 16 query columns (8v + col + e), in base 2; 0 past tq (masked below)
-    float lse2[16];
-#pragma unroll
-    for (int c = 0; c < 16; ++c) {
-      const int query = m0 + 8 * (c / 2) + col + c % 2;
-      lse2[c] = query < a.tq ? a.lse[bh * a.tq + query] * kLog2e : 0.0f;
-    }
+    float lse2[16];  // in base 2
+    column_values(lse2, a.lse + bh * a.tq, m0, col, a.tq, kLog2e);
     uint64_t q_desc[D / 64], do_desc[D / 64];
 #pragma unroll
     for (int blk = 0; blk < D / 64; ++blk) {
@@ -420,11 +443,7 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionDkdvA
     hmma_rows<D, f16>(dp, v_desc, do_desc);
     mma_commit();
     float delta[16];
-#pragma unroll
-    for (int c = 0; c < 16; ++c) {
-      const int query = m0 + 8 * (c / 2) + col + c % 2;
-      delta[c] = query < a.tq ? a.delta[bh * a.tq + query] : 0.0f;
-    }
+    column_values(delta, a.delta + bh * a.tq, m0, col, a.tq, 1.0f);
     mma_wait_all();
     fence_registers(dv);
     fence_registers(dp);
@@ -446,19 +465,10 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionDkdvA
     fence_registers(df);
     barrier_arrive(S::empty(base, s));
   }
-  T* dk_out = static_cast<T*>(a.dk) + int64_t(w.b) * a.dk_stride_b + int64_t(w.hk) * a.dk_stride_h + col;
-  T* dv_out = static_cast<T*>(a.dv) + int64_t(w.b) * a.dv_stride_b + int64_t(w.hk) * a.dv_stride_h + col;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key0 + 8 * r;
-    if (key >= a.tk) continue;
-#pragma unroll
-    for (int v2 = 0; v2 < D / 8; ++v2) {
-      store_pair(dk_out + int64_t(key) * a.dk_stride_t + 8 * v2, dk[4 * v2 + 2 * r] * a.softmax_scale,
-                 dk[4 * v2 + 2 * r + 1] * a.softmax_scale);
-      store_pair(dv_out + int64_t(key) * a.dv_stride_t + 8 * v2, dv[4 * v2 + 2 * r], dv[4 * v2 + 2 * r + 1]);
-    }
-  }
+  store_key_rows<D, T>(static_cast<T*>(a.dk) + int64_t(w.b) * a.dk_stride_b + int64_t(w.hk) * a.dk_stride_h, dk,
+                       a.softmax_scale, a.dk_stride_t, key0, col, a.tk);
+  store_key_rows<D, T>(static_cast<T*>(a.dv) + int64_t(w.b) * a.dv_stride_b + int64_t(w.hk) * a.dv_stride_h, dv,
+                       1.0f, a.dv_stride_t, key0, col, a.tk);
 }
 
 template <int D, bool CAUSAL, typename T>
