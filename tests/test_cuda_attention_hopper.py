@@ -224,3 +224,14 @@ def test_dkdv_refuses_what_its_tensor_maps_do_not_describe():
     lse = torch.zeros(1, 2, 8, device="cuda")
     with pytest.raises(ValueError, match="attention_dkdv_hopper: .*tensor maps"):
         cuda_attn.attention_dkdv_hopper(q, shared, q, q, lse, q, True, 0.125)
+
+
+def test_dkdv_names_what_it_does_not_take():
+    """Checked before anything runs, on any machine: CPU tensors, another dtype."""
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="attention_dkdv_hopper: .*CUDA tensors"):
+        cuda_attn.attention_dkdv_hopper(q, q, q, q, lse, q, True, 0.125)
+    f32 = q.float()
+    with pytest.raises(ValueError, match="attention_dkdv_hopper: "):
+        cuda_attn.attention_dkdv_hopper(f32, f32, f32, f32, lse, f32, True, 0.125)
