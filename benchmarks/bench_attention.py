@@ -233,9 +233,9 @@ def _backward_rows(c: _Case, triton_out: tuple, cuda_out: tuple | None) -> None:
 
 
 def _hopper_dkdv_rows(c: _Case, o, lse, do, dq_sdpa, sdpa_bwd_ms: float) -> None:
-    """The deterministic backward with our Hopper dk / dv kernel: Triton's dq kernel
-    (which also stores delta), then ours; and each part alone (Triton's dk / dv
-    kernel's time is its whole backward's less its dq kernel's)."""
+    """The deterministic backwards with our Hopper kernels: Triton's dq kernel (which
+    also stores delta), then our dk / dv kernel, each part alone (Triton's dk / dv
+    kernel's time is its whole backward's less its dq kernel's), and our two kernels."""
     causal, scale, bwd_flops = c.causal, c.scale, c.bwd_flops
     q, k, v = c.sets[0]
 
@@ -255,6 +255,12 @@ def _hopper_dkdv_rows(c: _Case, o, lse, do, dq_sdpa, sdpa_bwd_ms: float) -> None
     c.row("bwd bf16 part", "cuda hopper dk/dv", harness.time_ms(
         lambda: cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, causal, scale, delta=delta)), bwd_flops,
         sdpa_bwd_ms)
+    dq, dk, _ = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, causal, scale)
+    diff = (f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}, "
+            f"max|dk - triton| {(dk.float() - dk_triton.float()).abs().max().item():.2e}")
+    c.row("bwd bf16", "cuda hopper", harness.time_ms(
+        lambda: cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, causal, scale)), bwd_flops, sdpa_bwd_ms,
+        "sdpa bf16", diff)
 
 
 _JIT = {"fwd": "_attention_forward_kernel", "fwd_fp8": "_attention_forward_kernel", "dq": "_attention_dq_kernel",
@@ -341,7 +347,7 @@ def _targets(rows: list[Row]) -> None:
             candidates = (["cuda"] if (case, "cuda") in ms else ["triton"]) + (
                 ["cuda hopper"] if (case, "cuda hopper") in ms else [])
         else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: the deterministic ones (not cuDNN's)
-            candidates = [b for b in ("triton", "cuda", "triton dq + cuda hopper dk/dv")
+            candidates = [b for b in ("triton", "cuda", "triton dq + cuda hopper dk/dv", "cuda hopper")
                           if (case, b) in ms and not (case.startswith("bwd") and b == "cuda")]
         for ours in candidates:
             for peer in ("torch sdpa flash", "torch sdpa cudnn"):

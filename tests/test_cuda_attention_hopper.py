@@ -235,3 +235,49 @@ def test_dkdv_names_what_it_does_not_take():
     f32 = q.float()
     with pytest.raises(ValueError, match="attention_dkdv_hopper: "):
         cuda_attn.attention_dkdv_hopper(f32, f32, f32, f32, lse, f32, True, 0.125)
+
+
+# -- the whole backward: our dq kernel (and the delta it writes), then dk / dv -------------
+
+
+class HopperBackward:
+    """Triton's forward, then our Hopper backward (both kernels), as ``check_kernels`` takes a backend."""
+
+    attention_forward = staticmethod(tk.attention_forward)
+    attention_backward = staticmethod(cuda_attn.attention_backward_hopper)
+
+
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", HOPPER_SHAPES)
+def test_backward_against_float64(shape, causal):
+    """dq, dk and dv on odd lengths (partial blocks of queries and keys, Tq above and
+    below Tk, grouped kv heads, head dims 64 and 128) against float64 attention fed the
+    same o and lse."""
+    check_kernels(shape, torch.bfloat16, causal, kernels=HopperBackward, name="cuda hopper backward")
+
+
+@hopper
+def test_backward_fp16_against_float64():
+    check_kernels(HOPPER_SHAPES[4], torch.float16, True, kernels=HopperBackward, name="cuda hopper backward")
+
+
+@hopper
+@pytest.mark.parametrize("T,D,causal", GPU_CASES)
+def test_backward_at_real_sizes(T, D, causal):
+    check_bf16_at_real_size(HopperBackward, T, D, causal, name="cuda hopper backward")
+
+
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_backward_the_same_bits_on_every_run_and_beside_triton(D):
+    """No atomics: the same bits on every run; dq and the delta it writes as close to
+    Triton's dq kernel's as bf16 products allow."""
+    q, k, v, do = (_randn((2, heads, 777, D), seed, torch.bfloat16) for seed, heads in ((1, 8), (2, 2), (3, 2), (4, 8)))
+    o, lse = tk.attention_forward(q, k, v, True, 0.09)
+    first = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 0.09)
+    for _ in range(3):
+        again = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 0.09)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    dq_triton = triton_attention.attention_dq(q, k, v, o, lse, do, True, 0.09)[0]
+    assert_close(first[0], dq_triton, "attention_bf16", f"dq beside Triton's, D={D}", scaled=True)

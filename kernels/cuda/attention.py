@@ -62,7 +62,8 @@ from ..reference.attention import check_attention, check_attention_backward, che
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
            "set_hopper_schedule", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason",
-           "set_forward_kernel", "FORWARD_KERNELS", "attention_dkdv_hopper"]
+           "set_forward_kernel", "FORWARD_KERNELS", "attention_dkdv_hopper",
+           "attention_backward_hopper"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -362,14 +363,35 @@ def attention_dkdv_hopper(q, k, v, o, lse, do, causal, softmax_scale, delta=None
     products, as the Triton dk / dv kernel does. ``delta = rowsum(o · do)`` fp32 (B,
     H, Tq), as Triton's dq kernel stores it (``attention_dq``); made here if None."""
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
-    reason = (attention_forward_hopper_unsupported_reason(q, k) or _hopper_layout_reason(v, "v", _HOPPER_KERNEL)
-              or _hopper_layout_reason(do, "do", _HOPPER_KERNEL))
-    for t, name in ((q, "q"), (k, "k"), (v, "v"), (do, "do")):
-        reason = reason or _tensor_map_reason(t, name, _HOPPER_KERNEL)
+    reason = _hopper_backward_reason(q, k, v, do)
     if delta is None:
         delta = (o.float() * do.float()).sum(-1)
     return _run_checked("attention_dkdv_hopper", "attention_hp_dkdv", reason, q, k, v, do, lse.float().contiguous(),
                         delta.contiguous(), float(softmax_scale), bool(causal))
+
+
+def attention_backward_hopper(q, k, v, o, lse, do, causal, softmax_scale):
+    """``(dq, dk, dv)`` of :func:`attention_backward_reference`, bf16 or fp16, on
+    Hopper's tensor cores in our two kernels (``attention_hp_kernels.cu``): dq over
+    blocks of 128 queries (it also writes ``delta = rowsum(o · do)``), then dk and dv
+    over blocks of 128 keys (:func:`attention_dkdv_hopper`'s kernel). Every gradient
+    is written once, by one block: the same bits every run. P and dS are rounded to
+    the input type for their products, as Triton's backward does."""
+    check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    reason = _hopper_backward_reason(q, k, v, do, o)
+    return _run_checked("attention_backward_hopper", "attention_hp_backward", reason, q, k, v, o,
+                        lse.float().contiguous(), do, float(softmax_scale), bool(causal))
+
+
+def _hopper_backward_reason(q, k, v, do, o=None) -> str | None:
+    """Why the Hopper backward kernels would not read these operands (None: they do)."""
+    reason = attention_forward_hopper_unsupported_reason(q, k)
+    for t, name in ((v, "v"), (do, "do"), (o, "o")):
+        if t is not None:
+            reason = reason or _hopper_layout_reason(t, name, _HOPPER_KERNEL)
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (do, "do")):
+        reason = reason or _tensor_map_reason(t, name, _HOPPER_KERNEL)
+    return reason
 
 
 def attention_forward_hopper(q, k, v, causal, softmax_scale):

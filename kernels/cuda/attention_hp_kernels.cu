@@ -317,7 +317,7 @@ struct DkdvMaps {
 // from `first` (causal: the step of the block's first key) to tq.
 struct DkdvWork {
   int b, hk, n0, first, per_head, steps;
-  static __device__ __forceinline__ DkdvWork of(const AttentionDkdvArgs& a, bool causal) {
+  static __device__ __forceinline__ DkdvWork of(const AttentionBwdArgs& a, bool causal) {
     DkdvWork w;
     w.b = blockIdx.y / a.hkv;
     w.hk = blockIdx.y % a.hkv;
@@ -327,14 +327,14 @@ struct DkdvWork {
     w.steps = w.per_head * (a.h / a.hkv);
     return w;
   }
-  __device__ __forceinline__ int head(const AttentionDkdvArgs& a, int i) const {
+  __device__ __forceinline__ int head(const AttentionBwdArgs& a, int i) const {
     return hk * (a.h / a.hkv) + i / per_head;
   }
   __device__ __forceinline__ int row(int i) const { return first + kStepRows * (i % per_head); }
 };
 
 template <int D>
-__device__ __forceinline__ void produce_dkdv(const DkdvMaps& maps, uint32_t base, const AttentionDkdvArgs& a,
+__device__ __forceinline__ void produce_dkdv(const DkdvMaps& maps, uint32_t base, const AttentionBwdArgs& a,
                                              const DkdvWork& w) {
   using S = DkdvSmem<D>;
   const uint32_t kv = S::q_full(base, 0);
@@ -387,7 +387,7 @@ __device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[D / 2]
 
 // A consumer warpgroup: dk and dv of its 64 keys over the block's steps, then stored.
 template <int D, bool CAUSAL, typename T>
-__device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionDkdvArgs& a, const DkdvWork& w, int group,
+__device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdArgs& a, const DkdvWork& w, int group,
                                              int tid) {
   using S = DkdvSmem<D>;
   constexpr bool f16 = std::is_same<T, __half>::value;
@@ -473,7 +473,7 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionDkdvA
 
 template <int D, bool CAUSAL, typename T>
 __global__ void __launch_bounds__(kForwardThreads, 1)
-    attention_hp_dkdv_kernel(const __grid_constant__ AttentionDkdvArgs a, const __grid_constant__ DkdvMaps maps) {
+    attention_hp_dkdv_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ DkdvMaps maps) {
   using S = DkdvSmem<D>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = block_shared_memory<S>(smem_raw);
@@ -498,7 +498,7 @@ inline CUtensorMap rows_map(const void* data, int batch, int heads, int t, int d
 }
 
 template <int D, bool CAUSAL, typename T>
-void launch_dkdv(const AttentionDkdvArgs& a, cudaStream_t stream) {
+void launch_dkdv(const AttentionBwdArgs& a, cudaStream_t stream) {
   using S = DkdvSmem<D>;
   auto kernel = attention_hp_dkdv_kernel<D, CAUSAL, T>;
   constexpr int bytes = S::bytes + 1024;
@@ -525,13 +525,262 @@ void launch_dkdv(const AttentionDkdvArgs& a, cudaStream_t stream) {
 }
 
 template <typename T>
-void launch_dkdv_typed(const AttentionDkdvArgs& a, cudaStream_t stream) {
+void launch_dkdv_typed(const AttentionBwdArgs& a, cudaStream_t stream) {
   if (a.head_dim == 128) {
     a.causal ? launch_dkdv<128, true, T>(a, stream) : launch_dkdv<128, false, T>(a, stream);
   } else if (a.head_dim == 64) {
     a.causal ? launch_dkdv<64, true, T>(a, stream) : launch_dkdv<64, false, T>(a, stream);
   } else {
     throw std::invalid_argument("attention_hp_dkdv: head dim " + std::to_string(a.head_dim) + " is not 64 or 128");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The backward's dq (and delta, which the dk / dv kernel reads): a block holds 128
+// queries of one head (q and do copied once) and works through 64-key steps
+// (causal: the keys up to its last query); each consumer warpgroup owns 64 of the
+// queries and keeps their dq in fp32 registers:
+//   delta = rowsum(o ∘ do) (its rows, read from global memory, stored),
+//   S = Q Kᵀ and dP = dO Vᵀ issued together, P = exp2(S · qk_scale - lse · log2 e)
+//   (masked) while dP runs, dS = P ∘ (dP - delta), dq += dS K (K read MN-major);
+//   dq · softmax_scale at the end.
+// ---------------------------------------------------------------------------
+
+constexpr int kStepKeys = 64;  // keys a step (the 64-row step layout of the dk / dv kernel)
+constexpr int kDqStages = 3;
+
+// Shared memory: q and do (128 rows each, kBlockBytes a 64-column block), the ring
+// of steps (k, then v: 64 rows each), then the barriers: q_full(0) for q and do.
+template <int D>
+struct DqSmem : RingBarriers<kDqStages, 2 * kBlockM * D * 2 + kDqStages * 2 * kStepKeys * D * 2> {
+  static constexpr int block_bytes = kBlockM * D * 2;
+  static constexpr int step_bytes = kStepKeys * D * 2;
+  static constexpr int step_block = kStepKeys * 128;
+  static constexpr int q = 0;
+  static constexpr int dout = block_bytes;
+  static constexpr int steps = 2 * block_bytes;
+  static constexpr int producer_arrivals = 1;  // the copying thread, with the bytes
+  template <bool CAUSAL>
+  static constexpr int producer_registers = 24;
+  template <bool CAUSAL>
+  static constexpr int consumer_registers = 240;
+  static __device__ __forceinline__ uint32_t k_of(uint32_t base, int s) { return base + steps + s * 2 * step_bytes; }
+  static __device__ __forceinline__ uint32_t v_of(uint32_t base, int s) { return k_of(base, s) + step_bytes; }
+};
+
+// The tensor maps of q, do (boxes of 64 columns x 128 rows), k and v (64 x 64).
+struct DqMaps {
+  CUtensorMap q, dout, k, v;
+};
+
+// A block's queries and key steps.
+struct DqWork {
+  int b, h, hk, m0, steps;
+  static __device__ __forceinline__ DqWork of(const AttentionBwdArgs& a, bool causal) {
+    DqWork w;
+    w.b = blockIdx.y / a.h;
+    w.h = blockIdx.y % a.h;
+    w.hk = w.h / (a.h / a.hkv);
+    w.m0 = blockIdx.x * kBlockM;
+    const int key_end = causal ? min(a.tk, w.m0 + kBlockM) : a.tk;
+    w.steps = (key_end + kStepKeys - 1) / kStepKeys;
+    return w;
+  }
+};
+
+template <int D>
+__device__ __forceinline__ void produce_dq(const DqMaps& maps, uint32_t base, const DqWork& w) {
+  using S = DqSmem<D>;
+  const uint32_t rows = S::q_full(base, 0);
+  barrier_arrive_expect_bytes(rows, 2 * S::block_bytes);
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk) {
+    tensor_copy_4d(base + S::q + blk * kBlockBytes, &maps.q, 128 * blk, w.m0, w.h, w.b, rows);
+    tensor_copy_4d(base + S::dout + blk * kBlockBytes, &maps.dout, 128 * blk, w.m0, w.h, w.b, rows);
+  }
+  for (int j = 0; j < w.steps; ++j) {
+    const int s = j % kDqStages;
+    if (j >= kDqStages) barrier_wait(S::empty(base, s), ((j / kDqStages) - 1) & 1);
+    const uint32_t full = S::full(base, s);
+    barrier_arrive_expect_bytes(full, 2 * S::step_bytes);
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk) {
+      tensor_copy_4d(S::k_of(base, s) + blk * S::step_block, &maps.k, 128 * blk, j * kStepKeys, w.hk, w.b, full);
+      tensor_copy_4d(S::v_of(base, s) + blk * S::step_block, &maps.v, 128 * blk, j * kStepKeys, w.hk, w.b, full);
+    }
+  }
+}
+
+// Σ a[i] · b[i] over 8 elements of T at 16-byte aligned a and b, in fp32.
+template <typename T>
+__device__ __forceinline__ float dot8(const T* a, const T* b) {
+  const uint4 x = *reinterpret_cast<const uint4*>(a), y = *reinterpret_cast<const uint4*>(b);
+  const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 u, v;
+    if constexpr (std::is_same<T, __half>::value) {
+      u = __half22float2(*reinterpret_cast<const __half2*>(&xs[i]));
+      v = __half22float2(*reinterpret_cast<const __half2*>(&ys[i]));
+    } else {
+      u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xs[i]));
+      v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ys[i]));
+    }
+    sum = fmaf(u.x, v.x, fmaf(u.y, v.y, sum));
+  }
+  return sum;
+}
+
+// delta = rowsum(o ∘ do) of a consumer's rows row0 and row0 + 8 (0 past tq), its quad
+// of lanes a quarter of the head dim each; stored by the quad's first lane.
+template <int D, typename T>
+__device__ __forceinline__ void row_deltas(const AttentionBwdArgs& a, const DqWork& w, int row0, int lane,
+                                           float (&delta)[2]) {
+  const T* o = static_cast<const T*>(a.o) + int64_t(w.b) * a.o_stride_b + int64_t(w.h) * a.o_stride_h;
+  const T* dout = static_cast<const T*>(a.dout) + int64_t(w.b) * a.do_stride_b + int64_t(w.h) * a.do_stride_h;
+  const int part = (lane % 4) * (D / 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    float sum = 0.0f;
+    if (row < a.tq) {
+#pragma unroll
+      for (int j = 0; j < D / 4; j += 8) {
+        sum += dot8(o + int64_t(row) * a.o_stride_t + part + j, dout + int64_t(row) * a.do_stride_t + part + j);
+      }
+    }
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+    delta[r] = sum;
+    if (lane % 4 == 0 && row < a.tq) a.delta[(int64_t(w.b) * a.h + w.h) * a.tq + row] = sum;
+  }
+}
+
+// A consumer warpgroup: dq of its 64 queries over the block's key steps, then stored.
+template <int D, bool CAUSAL, typename T>
+__device__ __forceinline__ void consume_dq(uint32_t base, const AttentionBwdArgs& a, const DqWork& w, int group,
+                                           int tid) {
+  using S = DqSmem<D>;
+  constexpr bool f16 = std::is_same<T, __half>::value;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int lane = tid % 32, col = 2 * (lane % 4);
+  const int row0 = w.m0 + 64 * group + 16 * (tid / 32) + lane / 4;  // this thread's queries: row0, row0 + 8
+  float delta[2], lse2[2];
+  row_deltas<D, T>(a, w, row0, lane, delta);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    lse2[r] = row < a.tq ? a.lse[(int64_t(w.b) * a.h + w.h) * a.tq + row] * kLog2e : 0.0f;
+  }
+  float dq[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dq[i] = 0.0f;
+  uint64_t q_desc[D / 64], do_desc[D / 64];  // this warpgroup's 64 queries of each column block
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk) {
+    q_desc[blk] = tile_descriptor<128>(base + S::q + blk * kBlockBytes + 64 * group * 128);
+    do_desc[blk] = tile_descriptor<128>(base + S::dout + blk * kBlockBytes + 64 * group * 128);
+  }
+  barrier_wait(S::q_full(base, 0), 0);
+  for (int j = 0; j < w.steps; ++j) {
+    const int s = j % kDqStages;
+    uint64_t k_desc[D / 64], v_desc[D / 64];
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk) {
+      k_desc[blk] = tile_descriptor<128>(S::k_of(base, s) + blk * S::step_block);
+      v_desc[blk] = tile_descriptor<128>(S::v_of(base, s) + blk * S::step_block);
+    }
+    const uint64_t k_mn = step_mn_descriptor(S::k_of(base, s));
+    barrier_wait(S::full(base, s), (j / kDqStages) & 1);
+    float st[32], dp[32];
+    mma_fence();
+    hmma_rows<D, f16>(st, q_desc, k_desc);
+    mma_commit();
+    hmma_rows<D, f16>(dp, do_desc, v_desc);
+    mma_commit();
+    mma_wait_all_but_newest();  // S
+    fence_registers(st);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {  // row row0 + 8·((e / 2) % 2), key 64j + 8·(e / 4) + col + e % 2
+      const int row = row0 + 8 * ((e / 2) % 2), key = j * kStepKeys + 8 * (e / 4) + col + e % 2;
+      const bool seen = key < a.tk && row < a.tq && (!CAUSAL || key <= row);
+      st[e] = seen ? fast_exp2(fmaf(st[e], a.qk_scale, -lse2[(e / 2) % 2])) : 0.0f;
+    }
+    mma_wait_all();  // dP
+    fence_registers(dp);
+    uint32_t df[4][4];  // dS as the A operand: keys 16kk .. 16kk + 15 of step kk
+#pragma unroll
+    for (int e = 0; e < 32; ++e) dp[e] = st[e] * (dp[e] - delta[(e / 2) % 2]);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int w2 = 0; w2 < 4; ++w2) df[kk][w2] = pack2<f16>(dp[8 * kk + 2 * w2], dp[8 * kk + 2 * w2 + 1]);
+    }
+    mma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dq, df[kk], k_mn + 128 * kk);
+    mma_commit();
+    mma_wait_all();
+    fence_registers(dq);
+    fence_registers(df);
+    barrier_arrive(S::empty(base, s));
+  }
+  store_key_rows<D, T>(static_cast<T*>(a.dq) + int64_t(w.b) * a.dq_stride_b + int64_t(w.h) * a.dq_stride_h, dq,
+                       a.softmax_scale, a.dq_stride_t, row0, col, a.tq);
+}
+
+template <int D, bool CAUSAL, typename T>
+__global__ void __launch_bounds__(kForwardThreads, 1)
+    attention_hp_dq_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ DqMaps maps) {
+  using S = DqSmem<D>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = block_shared_memory<S>(smem_raw);
+  const DqWork w = DqWork::of(a, CAUSAL);
+  const int group = threadIdx.x / kWarpgroup, tid = threadIdx.x % kWarpgroup;
+  if (group == 0) {
+    fewer_registers<S::template producer_registers<CAUSAL>>();
+    if (tid == 0) produce_dq<D>(maps, base, w);
+  } else {
+    more_registers<S::template consumer_registers<CAUSAL>>();
+    consume_dq<D, CAUSAL, T>(base, a, w, group - 1, tid);
+  }
+}
+
+template <int D, bool CAUSAL, typename T>
+void launch_dq(const AttentionBwdArgs& a, cudaStream_t stream) {
+  using S = DqSmem<D>;
+  auto kernel = attention_hp_dq_kernel<D, CAUSAL, T>;
+  constexpr int bytes = S::bytes + 1024;
+  static bool sized[64] = {false};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= 64 || !sized[device]) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "attention_hp_dq");
+    if (device >= 0 && device < 64) sized[device] = true;
+  }
+  DqMaps maps;
+  maps.q = rows_map(a.q, a.batch, a.h, a.tq, D, a.q_stride_b, a.q_stride_h, a.q_stride_t, kBlockM,
+                    "attention_hp_dq's q");
+  maps.dout = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kBlockM,
+                       "attention_hp_dq's do");
+  maps.k = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kStepKeys,
+                    "attention_hp_dq's k");
+  maps.v = rows_map(a.v, a.batch, a.hkv, a.tk, D, a.v_stride_b, a.v_stride_h, a.v_stride_t, kStepKeys,
+                    "attention_hp_dq's v");
+  const dim3 grid(unsigned((a.tq + kBlockM - 1) / kBlockM), unsigned(a.batch * a.h));
+  kernel<<<grid, kForwardThreads, bytes, stream>>>(a, maps);
+  check_launch("attention_hp_dq");
+}
+
+template <typename T>
+void launch_dq_typed(const AttentionBwdArgs& a, cudaStream_t stream) {
+  if (a.head_dim == 128) {
+    a.causal ? launch_dq<128, true, T>(a, stream) : launch_dq<128, false, T>(a, stream);
+  } else if (a.head_dim == 64) {
+    a.causal ? launch_dq<64, true, T>(a, stream) : launch_dq<64, false, T>(a, stream);
+  } else {
+    throw std::invalid_argument("attention_hp_dq: head dim " + std::to_string(a.head_dim) + " is not 64 or 128");
   }
 }
 
@@ -550,7 +799,20 @@ void launch_attention_hp_forward(const AttentionHpArgs& a, int type, void* strea
   }
 }
 
-void launch_attention_hp_dkdv(const AttentionDkdvArgs& a, int type, void* stream) {
+void launch_attention_hp_dq(const AttentionBwdArgs& a, int type, void* stream) {
+  if (a.batch <= 0 || a.h <= 0 || a.tq <= 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (type == kBFloat16) {
+    launch_dq_typed<__nv_bfloat16>(a, s);
+  } else if (type == kFloat16) {
+    launch_dq_typed<__half>(a, s);
+  } else {
+    throw std::invalid_argument("attention_hp_dq: the inputs must be bfloat16 or float16 (type code " +
+                                std::to_string(type) + ")");
+  }
+}
+
+void launch_attention_hp_dkdv(const AttentionBwdArgs& a, int type, void* stream) {
   if (a.batch <= 0 || a.hkv <= 0 || a.tk <= 0) return;
   auto s = static_cast<cudaStream_t>(stream);
   if (type == kBFloat16) {

@@ -721,43 +721,78 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_forward_lean(cons
   return std::make_tuple(o, lse);
 }
 
-// dk and dv of the bf16 / fp16 attention backward on Hopper (launch_attention_hp_dkdv):
-// new tensors (B, Hkv, Tk, D) of q's dtype. lse and delta (rowsum(do ∘ o)) fp32 (B,
-// H, Tq), contiguous. None for operands the Python path must look at: q, k, v and do
-// not views attention_operands takes (of one dtype, no broadcast dim), do not of q's
-// shape, lse or delta not as said.
-std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(const at::Tensor& q, const at::Tensor& k,
-                                                                    const at::Tensor& v, const at::Tensor& dout,
-                                                                    const at::Tensor& lse, const at::Tensor& delta,
-                                                                    double softmax_scale, bool causal, int64_t device,
-                                                                    int64_t stream) {
+// Whether q, k, v, o and do of a bf16 / fp16 attention backward are views the Hopper
+// backward kernels read (attention_operands; o and do of q's shape; no broadcast
+// dim) and lse (and delta, if defined) fp32 (B, H, Tq) contiguous.
+bool hp_backward_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+                          const at::Tensor& dout, const at::Tensor& lse, const at::Tensor* delta, int64_t device) {
   const at::ScalarType type = q.scalar_type();
   const auto rows_of = [&](const at::Tensor& t) {
     return t.scalar_type() == at::kFloat && t.is_cuda() && t.get_device() == device && t.is_contiguous() &&
            t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(2) == q.size(2);
   };
-  if ((type != at::kBFloat16 && type != at::kHalf) || !attention_operands(q, k, v, type, device) ||
-      !attention_operand(dout, type, device) || !dout.sizes().equals(q.sizes()) || broadcast_dim(q) ||
-      broadcast_dim(k) || broadcast_dim(v) || broadcast_dim(dout) || !rows_of(lse) || !rows_of(delta)) {
-    return std::nullopt;
-  }
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
-  te_fuser::AttentionDkdvArgs a;
-  describe_attention(a, q, k, v, dout, lse, softmax_scale, causal);
+  return (type == at::kBFloat16 || type == at::kHalf) && attention_operands(q, k, v, type, device) &&
+         attention_operand(o, type, device) && attention_operand(dout, type, device) && o.sizes().equals(q.sizes()) &&
+         dout.sizes().equals(q.sizes()) && !broadcast_dim(q) && !broadcast_dim(k) && !broadcast_dim(v) &&
+         !broadcast_dim(dout) && rows_of(lse) && (delta == nullptr || rows_of(*delta));
+}
+
+// The launch's arguments of the Hopper backward kernels (dq, dk, dv: their outputs).
+te_fuser::AttentionBwdArgs hp_backward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& o, const at::Tensor& dout, const at::Tensor& lse,
+                                            const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
+                                            const at::Tensor& dv, double softmax_scale, bool causal) {
+  te_fuser::AttentionBwdArgs a;
+  describe_attention(a, q, k, v, o, lse, softmax_scale, causal);
   a.q = q.data_ptr();
   a.k = k.data_ptr();
   a.v = v.data_ptr();
+  a.o = o.data_ptr();
   a.dout = dout.data_ptr();
   a.delta = delta.data_ptr<float>();
+  a.dq = dq.defined() ? dq.data_ptr() : nullptr;
   a.dk = dk.data_ptr();
   a.dv = dv.data_ptr();
   a.softmax_scale = static_cast<float>(softmax_scale);
   a.do_stride_b = dout.stride(0), a.do_stride_h = dout.stride(1), a.do_stride_t = dout.stride(2);
+  if (dq.defined()) a.dq_stride_b = dq.stride(0), a.dq_stride_h = dq.stride(1), a.dq_stride_t = dq.stride(2);
   a.dk_stride_b = dk.stride(0), a.dk_stride_h = dk.stride(1), a.dk_stride_t = dk.stride(2);
   a.dv_stride_b = dv.stride(0), a.dv_stride_h = dv.stride(1), a.dv_stride_t = dv.stride(2);
-  te_fuser::launch_attention_hp_dkdv(a, hp_code_or_none(type), as_stream(stream));
+  return a;
+}
+
+// dk and dv of the bf16 / fp16 attention backward on Hopper from a given delta
+// (rowsum(do ∘ o), fp32 (B, H, Tq) contiguous; launch_attention_hp_dkdv): new
+// tensors (B, Hkv, Tk, D). None for operands the Python path must look at.
+std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(const at::Tensor& q, const at::Tensor& k,
+                                                                    const at::Tensor& v, const at::Tensor& dout,
+                                                                    const at::Tensor& lse, const at::Tensor& delta,
+                                                                    double softmax_scale, bool causal, int64_t device,
+                                                                    int64_t stream) {
+  if (!hp_backward_operands(q, k, v, dout, dout, lse, &delta, device)) return std::nullopt;
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  const auto a = hp_backward_args(q, k, v, dout, dout, lse, delta, at::Tensor(), dk, dv, softmax_scale, causal);
+  te_fuser::launch_attention_hp_dkdv(a, hp_code_or_none(q.scalar_type()), as_stream(stream));
   return std::make_tuple(dk, dv);
+}
+
+// The bf16 / fp16 attention backward on Hopper: the dq kernel (which writes delta),
+// then the dk / dv kernel; (dq, dk, dv) new tensors of q's, k's, v's shapes. None
+// for operands the Python path must look at.
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+    const at::Tensor& dout, double softmax_scale, bool causal, int64_t device, int64_t stream) {
+  if (!hp_backward_operands(q, k, v, o, dout, lse, nullptr, device)) return std::nullopt;
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor delta = at::empty(lse.sizes(), lse.options());
+  const auto a = hp_backward_args(q, k, v, o, dout, lse, delta, dq, dk, dv, softmax_scale, causal);
+  const int type = hp_code_or_none(q.scalar_type());
+  te_fuser::launch_attention_hp_dq(a, type, as_stream(stream));
+  te_fuser::launch_attention_hp_dkdv(a, type, as_stream(stream));
+  return std::make_tuple(dq, dk, dv);
 }
 
 // V (B, Hkv, Tk, D) as the FP8 attention forward reads it: (B·Hkv, D, pitch)
@@ -851,7 +886,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_fp8_keys_inner", &attention_fp8_keys_inner,
         "V as the FP8 attention forward reads it (keys inner, in the kernel's order), or None");
   m.def("attention_hp_dkdv", &attention_hp_dkdv,
-        "dk and dv of the bf16 / fp16 attention backward on Hopper's tensor cores (deterministic), or None for "
+        "dk and dv of the bf16 / fp16 attention backward on Hopper's tensor cores from a given delta "
+        "(deterministic), or None for operands the Python path takes");
+  m.def("attention_hp_backward", &attention_hp_backward,
+        "the bf16 / fp16 attention backward on Hopper's tensor cores, (dq, dk, dv) (deterministic), or None for "
         "operands the Python path takes");
   m.def("attention_schedule", &attention_schedule,
         "the Hopper attention kernels' consumer schedule: (turns, overlap), each 0, 1 or -1 to leave it; returns "

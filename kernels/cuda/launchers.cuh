@@ -241,26 +241,33 @@ struct AttentionHpArgs : AttentionShape {
 // or 128; sm_90a).
 void launch_attention_hp_forward(const AttentionHpArgs& args, int type, void* stream);
 
-// The bf16 / fp16 backward's dk and dv (attention_hp_kernels.cu): q, k, v and dout
-// (do) of that type, lse and delta (rowsum(do ∘ o)) (B, H, Tq) fp32 contiguous; dk
-// and dv (B, Hkv, Tk, D) of that type, each the sum over the query heads of its kv
-// head, written in full (no atomics: the same bits every run).
-struct AttentionDkdvArgs : AttentionShape {
+// The bf16 / fp16 backward's (attention_hp_kernels.cu): q, k, v, o and dout (do)
+// of that type, lse (B, H, Tq) fp32 contiguous; delta = rowsum(do ∘ o) (B, H, Tq)
+// fp32 contiguous, which the dq kernel writes and the dk / dv kernel reads; dq (B,
+// H, Tq, D), dk and dv (B, Hkv, Tk, D) of that type, dk and dv each the sum over the
+// query heads of its kv head. Every gradient is written once, by one block (no
+// atomics: the same bits every run).
+struct AttentionBwdArgs : AttentionShape {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
+  const void* o = nullptr;
   const void* dout = nullptr;
-  const float* delta = nullptr;
+  float* delta = nullptr;
+  void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
   float softmax_scale = 0.0f;
   int64_t do_stride_b = 0, do_stride_h = 0, do_stride_t = 0;
+  int64_t dq_stride_b = 0, dq_stride_h = 0, dq_stride_t = 0;
   int64_t dk_stride_b = 0, dk_stride_h = 0, dk_stride_t = 0;
   int64_t dv_stride_b = 0, dv_stride_h = 0, dv_stride_t = 0;
 };
 
-// dk and dv (type bf16 or fp16; head dim 64 or 128; sm_90a).
-void launch_attention_hp_dkdv(const AttentionDkdvArgs& args, int type, void* stream);
+// dq and delta; then dk and dv, from that delta (type bf16 or fp16; head dim 64 or
+// 128; sm_90a).
+void launch_attention_hp_dq(const AttentionBwdArgs& args, int type, void* stream);
+void launch_attention_hp_dkdv(const AttentionBwdArgs& args, int type, void* stream);
 
 // The first of the two alone: V (args.v, its strides, batch, hkv, tk, head_dim)
 // into vt (args.vt, vt_pitch) (a test's view of what the forward reads).
