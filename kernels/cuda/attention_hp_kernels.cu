@@ -242,8 +242,9 @@ void launch_typed(const AttentionHpArgs& a, cudaStream_t stream) {
 // step of its first key); each consumer warpgroup owns 64 of the keys and keeps
 // their dk and dv in fp32 registers across the steps, products kept transposed
 // (keys along the rows):
-//   Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ · qk_scale - lse · log2 e) (masked), dv += Pᵀ do,
-//   dPᵀ = V doᵀ, dSᵀ = Pᵀ ∘ (dPᵀ - delta), dk += dSᵀ q; dk · softmax_scale at the end.
+//   Sᵀ = K Qᵀ and dPᵀ = V doᵀ issued together, Pᵀ = exp2(Sᵀ · qk_scale - lse ·
+//   log2 e) (masked) while dPᵀ runs, dv += Pᵀ do, dSᵀ = Pᵀ ∘ (dPᵀ - delta) while
+//   that runs, dk += dSᵀ q; dk · softmax_scale at the end.
 // Pᵀ and dSᵀ are rounded to the input type as the A operand of their products (the
 // accumulator's layout, as P in the forward); q and do are the B operand of those
 // MN-major (queries along their rows), of Sᵀ and dPᵀ K-major. One producer thread
@@ -417,11 +418,13 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     }
     const uint64_t q_mn = step_mn_descriptor(S::q_of(base, s)), do_mn = step_mn_descriptor(S::do_of(base, s));
     barrier_wait(S::full(base, s), (i / kDkdvStages) & 1);
-    float st[32];
+    float st[32], dp[32];
     mma_fence();
     hmma_rows<D, f16>(st, k_desc, q_desc);
     mma_commit();
-    mma_wait_all();
+    hmma_rows<D, f16>(dp, v_desc, do_desc);
+    mma_commit();
+    mma_wait_all_but_newest();  // Sᵀ
     fence_registers(st);
 #pragma unroll
     for (int e = 0; e < 32; ++e) {  // row key0 + 8·((e / 2) % 2), column 8·(e / 4) + col + e % 2
@@ -435,19 +438,14 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
 #pragma unroll
       for (int w2 = 0; w2 < 4; ++w2) pf[kk][w2] = pack2<f16>(st[8 * kk + 2 * w2], st[8 * kk + 2 * w2 + 1]);
     }
-    float dp[32];
     mma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dv, pf[kk], do_mn + 128 * kk);
     mma_commit();
-    hmma_rows<D, f16>(dp, v_desc, do_desc);
-    mma_commit();
     float delta[16];
     column_values(delta, a.delta + bh * a.tq, m0, col, a.tq, 1.0f);
-    mma_wait_all();
-    fence_registers(dv);
+    mma_wait_all_but_newest();  // dPᵀ (dv += Pᵀ do may still run)
     fence_registers(dp);
-    fence_registers(pf);
     uint32_t df[4][4];  // dSᵀ as the A operand
 #pragma unroll
     for (int e = 0; e < 32; ++e) dp[e] = st[e] * (dp[e] - delta[2 * (e / 4) + e % 2]);
@@ -461,6 +459,8 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dk, df[kk], q_mn + 128 * kk);
     mma_commit();
     mma_wait_all();
+    fence_registers(dv);
+    fence_registers(pf);
     fence_registers(dk);
     fence_registers(df);
     barrier_arrive(S::empty(base, s));
