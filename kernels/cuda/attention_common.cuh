@@ -420,12 +420,11 @@ inline int multiprocessors() {
   return n;
 }
 
-// Launch of a forward kernel: one block an SM (or one an item, if fewer), 384
-// threads, Smem::bytes of dynamic shared memory and the slack block_shared_memory
-// aligns within (the attribute set once per kernel and device); the kernel's
-// arguments a, then `more`.
+// kernel launched on `grid` blocks of 384 threads with Smem::bytes of dynamic shared
+// memory and the slack block_shared_memory aligns within (the attribute set once
+// per kernel and device); its arguments a, then `more`.
 template <auto kernel, typename Smem, typename Args, typename... More>
-void launch_blocks(const Args& a, cudaStream_t stream, const char* name, const More&... more) {
+void launch_on(dim3 grid, const Args& a, cudaStream_t stream, const char* name, const More&... more) {
   constexpr int bytes = Smem::bytes + 1024;
   static bool sized[64] = {false};  // per kernel (a template argument) and device
   int device = 0;
@@ -434,9 +433,14 @@ void launch_blocks(const Args& a, cudaStream_t stream, const char* name, const M
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), name);
     if (device >= 0 && device < 64) sized[device] = true;
   }
-  const int grid = std::min(work_items(a), multiprocessors());
-  kernel<<<unsigned(grid), kForwardThreads, bytes, stream>>>(a, more...);
+  kernel<<<grid, kForwardThreads, bytes, stream>>>(a, more...);
   check_launch(name);
+}
+
+// Launch of a forward kernel: one block an SM (or one an item, if fewer).
+template <auto kernel, typename Smem, typename Args, typename... More>
+void launch_blocks(const Args& a, cudaStream_t stream, const char* name, const More&... more) {
+  launch_on<kernel, Smem>(dim3(unsigned(std::min(work_items(a), multiprocessors()))), a, stream, name, more...);
 }
 
 // The driver's cuTensorMapEncodeTiled, asked of the runtime once (no link to the

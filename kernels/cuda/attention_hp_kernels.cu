@@ -288,31 +288,74 @@ __device__ __forceinline__ uint64_t step_mn_descriptor(uint32_t addr) {
   return uint64_t((addr >> 4) & 0x3FFFu) | (block_stride << 16) | (group_stride << 32) | (uint64_t(1) << 62);
 }
 
-// Shared memory: K and V (128 rows each, kBlockBytes a 64-column block), the ring
-// of steps (q, then do: 64 rows each, 8 KiB a column block), then the barriers:
-// q_full(0) for K and V, full / empty a stage.
-template <int D>
-struct DkdvSmem : RingBarriers<kDkdvStages, 2 * kBlockN * D * 2 + kDkdvStages * 2 * kStepRows * D * 2> {
-  static constexpr int kv_bytes = kBlockN * D * 2;
-  static constexpr int rows_bytes = kStepRows * D * 2;
-  static constexpr int row_block = kStepRows * 128;
-  static constexpr int k = 0;
-  static constexpr int v = kv_bytes;
-  static constexpr int steps = 2 * kv_bytes;
-  static constexpr int producer_arrivals = 1;  // the copying thread, with the bytes
+// Shared memory of a backward block: a pair of held tiles (128 rows each, copied
+// once: K and V for dk / dv, q and do for dq; kBlockBytes a 64-column block), then
+// a ring of STAGES steps, each a pair of 64-row tiles (q and do, or K and V; 8 KiB a
+// column block), then the barriers: q_full(0) for the held pair, full / empty a
+// stage. One producer thread copies (its arrival brings the bytes).
+template <int D, int STAGES>
+struct BwdSmem : RingBarriers<STAGES, 2 * kBlockN * D * 2 + STAGES * 2 * kStepRows * D * 2> {
+  static constexpr int held_bytes = kBlockN * D * 2;  // kBlockM == kBlockN
+  static constexpr int step_bytes = kStepRows * D * 2;
+  static constexpr int step_block = kStepRows * 128;
+  static constexpr int producer_arrivals = 1;
   template <bool CAUSAL>
   static constexpr int producer_registers = 24;
   template <bool CAUSAL>
   static constexpr int consumer_registers = 240;
-  static __device__ __forceinline__ uint32_t q_of(uint32_t base, int s) { return base + steps + s * 2 * rows_bytes; }
-  static __device__ __forceinline__ uint32_t do_of(uint32_t base, int s) { return q_of(base, s) + rows_bytes; }
+  static __device__ __forceinline__ uint32_t held(uint32_t base, int i) { return base + i * held_bytes; }
+  static __device__ __forceinline__ uint32_t step(uint32_t base, int s, int i) {
+    return base + 2 * held_bytes + (2 * s + i) * step_bytes;
+  }
 };
 
-// The tensor maps of q, do (boxes of 64 columns x 64 rows), k and v (64 x 128), as
-// bytes: (2·D, T, heads, batch).
-struct DkdvMaps {
-  CUtensorMap q, dout, k, v;
+// The tensor maps of a backward block's held pair (boxes of 64 columns x 128 rows)
+// and step pair (64 x 64), as bytes: (2·D, T, heads, batch).
+struct BwdMaps {
+  CUtensorMap held[2], step[2];
 };
+
+// The producer of a backward block, one thread: the held pair (head held_head, its
+// 128 rows from held_row), then step j's pair at (head, first row) = at(j) for each
+// of `steps` steps, into the ring once both consumers released the stage.
+template <int D, int STAGES, typename At>
+__device__ __forceinline__ void produce_bwd(const BwdMaps& maps, uint32_t base, int b, int held_head, int held_row,
+                                            int steps, At at) {
+  using S = BwdSmem<D, STAGES>;
+  const uint32_t held = S::q_full(base, 0);
+  barrier_arrive_expect_bytes(held, 2 * S::held_bytes);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk) {
+      tensor_copy_4d(S::held(base, i) + blk * kBlockBytes, &maps.held[i], 128 * blk, held_row, held_head, b, held);
+    }
+  }
+  for (int j = 0; j < steps; ++j) {
+    const int s = j % STAGES;
+    if (j >= STAGES) barrier_wait(S::empty(base, s), ((j / STAGES) - 1) & 1);
+    const uint32_t full = S::full(base, s);
+    barrier_arrive_expect_bytes(full, 2 * S::step_bytes);
+    const int2 where = at(j);  // (head, first row)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int blk = 0; blk < D / 64; ++blk) {
+        tensor_copy_4d(S::step(base, s, i) + blk * S::step_block, &maps.step[i], 128 * blk, where.y, where.x, b,
+                       full);
+      }
+    }
+  }
+}
+
+// The tensor map of a 16-bit (B, heads, T, D) operand, as bytes, read in boxes of
+// 64 columns x `rows` rows.
+inline CUtensorMap rows_map(const void* data, int batch, int heads, int t, int d, int64_t sb, int64_t sh, int64_t st,
+                            int rows, const char* what) {
+  return byte_tensor_map<4>(data, {uint64_t(2 * d), uint64_t(t), uint64_t(heads), uint64_t(batch)},
+                            {uint64_t(2 * st), uint64_t(2 * sh), uint64_t(2 * sb)}, {128u, uint32_t(rows), 1u, 1u},
+                            what);
+}
 
 // The steps of a block: 64-query steps of each of the G query heads of kv head hk,
 // from `first` (causal: the step of the block's first key) to tq.
@@ -333,30 +376,6 @@ struct DkdvWork {
   }
   __device__ __forceinline__ int row(int i) const { return first + kStepRows * (i % per_head); }
 };
-
-template <int D>
-__device__ __forceinline__ void produce_dkdv(const DkdvMaps& maps, uint32_t base, const AttentionBwdArgs& a,
-                                             const DkdvWork& w) {
-  using S = DkdvSmem<D>;
-  const uint32_t kv = S::q_full(base, 0);
-  barrier_arrive_expect_bytes(kv, 2 * S::kv_bytes);
-#pragma unroll
-  for (int blk = 0; blk < D / 64; ++blk) {
-    tensor_copy_4d(base + S::k + blk * kBlockBytes, &maps.k, 128 * blk, w.n0, w.hk, w.b, kv);
-    tensor_copy_4d(base + S::v + blk * kBlockBytes, &maps.v, 128 * blk, w.n0, w.hk, w.b, kv);
-  }
-  for (int i = 0; i < w.steps; ++i) {
-    const int s = i % kDkdvStages, h = w.head(a, i), m0 = w.row(i);
-    if (i >= kDkdvStages) barrier_wait(S::empty(base, s), ((i / kDkdvStages) - 1) & 1);
-    const uint32_t full = S::full(base, s);
-    barrier_arrive_expect_bytes(full, 2 * S::rows_bytes);
-#pragma unroll
-    for (int blk = 0; blk < D / 64; ++blk) {
-      tensor_copy_4d(S::q_of(base, s) + blk * S::row_block, &maps.q, 128 * blk, m0, h, w.b, full);
-      tensor_copy_4d(S::do_of(base, s) + blk * S::row_block, &maps.dout, 128 * blk, m0, h, w.b, full);
-    }
-  }
-}
 
 // This thread's 16 query columns of a step (column c: query m0 + 8·(c / 2) + col +
 // c % 2) of a per-query fp32 row `row`, times `scale`; 0 past tq (masked there).
@@ -390,7 +409,7 @@ __device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[D / 2]
 template <int D, bool CAUSAL, typename T>
 __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdArgs& a, const DkdvWork& w, int group,
                                              int tid) {
-  using S = DkdvSmem<D>;
+  using S = BwdSmem<D, kDkdvStages>;
   constexpr bool f16 = std::is_same<T, __half>::value;
   constexpr float kLog2e = 1.4426950408889634f;
   const int lane = tid % 32, col = 2 * (lane % 4);
@@ -401,8 +420,8 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
   uint64_t k_desc[D / 64], v_desc[D / 64];  // this warpgroup's 64 keys of each column block
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk) {
-    k_desc[blk] = tile_descriptor<128>(base + S::k + blk * kBlockBytes + 64 * group * 128);
-    v_desc[blk] = tile_descriptor<128>(base + S::v + blk * kBlockBytes + 64 * group * 128);
+    k_desc[blk] = tile_descriptor<128>(S::held(base, 0) + blk * kBlockBytes + 64 * group * 128);
+    v_desc[blk] = tile_descriptor<128>(S::held(base, 1) + blk * kBlockBytes + 64 * group * 128);
   }
   barrier_wait(S::q_full(base, 0), 0);
   for (int i = 0; i < w.steps; ++i) {
@@ -413,10 +432,10 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     uint64_t q_desc[D / 64], do_desc[D / 64];
 #pragma unroll
     for (int blk = 0; blk < D / 64; ++blk) {
-      q_desc[blk] = tile_descriptor<128>(S::q_of(base, s) + blk * S::row_block);
-      do_desc[blk] = tile_descriptor<128>(S::do_of(base, s) + blk * S::row_block);
+      q_desc[blk] = tile_descriptor<128>(S::step(base, s, 0) + blk * S::step_block);
+      do_desc[blk] = tile_descriptor<128>(S::step(base, s, 1) + blk * S::step_block);
     }
-    const uint64_t q_mn = step_mn_descriptor(S::q_of(base, s)), do_mn = step_mn_descriptor(S::do_of(base, s));
+    const uint64_t q_mn = step_mn_descriptor(S::step(base, s, 0)), do_mn = step_mn_descriptor(S::step(base, s, 1));
     barrier_wait(S::full(base, s), (i / kDkdvStages) & 1);
     float st[32], dp[32];
     mma_fence();
@@ -473,66 +492,38 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
 
 template <int D, bool CAUSAL, typename T>
 __global__ void __launch_bounds__(kForwardThreads, 1)
-    attention_hp_dkdv_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ DkdvMaps maps) {
-  using S = DkdvSmem<D>;
+    attention_hp_dkdv_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ BwdMaps maps) {
+  using S = BwdSmem<D, kDkdvStages>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = block_shared_memory<S>(smem_raw);
   const DkdvWork w = DkdvWork::of(a, CAUSAL);
   const int group = threadIdx.x / kWarpgroup, tid = threadIdx.x % kWarpgroup;
   if (group == 0) {
     fewer_registers<S::template producer_registers<CAUSAL>>();
-    if (tid == 0) produce_dkdv<D>(maps, base, a, w);
+    if (tid == 0) {
+      produce_bwd<D, kDkdvStages>(maps, base, w.b, w.hk, w.n0, w.steps,
+                                  [&](int i) { return make_int2(w.head(a, i), w.row(i)); });
+    }
   } else {
     more_registers<S::template consumer_registers<CAUSAL>>();
     consume_dkdv<D, CAUSAL, T>(base, a, w, group - 1, tid);
   }
 }
 
-// The tensor map of a 16-bit (B, heads, T, D) operand, as bytes, read in boxes of
-// 64 columns x `rows` rows.
-inline CUtensorMap rows_map(const void* data, int batch, int heads, int t, int d, int64_t sb, int64_t sh, int64_t st,
-                            int rows, const char* what) {
-  return byte_tensor_map<4>(data, {uint64_t(2 * d), uint64_t(t), uint64_t(heads), uint64_t(batch)},
-                            {uint64_t(2 * st), uint64_t(2 * sh), uint64_t(2 * sb)}, {128u, uint32_t(rows), 1u, 1u},
-                            what);
-}
-
 template <int D, bool CAUSAL, typename T>
 void launch_dkdv(const AttentionBwdArgs& a, cudaStream_t stream) {
-  using S = DkdvSmem<D>;
-  auto kernel = attention_hp_dkdv_kernel<D, CAUSAL, T>;
-  constexpr int bytes = S::bytes + 1024;
-  static bool sized[64] = {false};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= 64 || !sized[device]) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-               "attention_hp_dkdv");
-    if (device >= 0 && device < 64) sized[device] = true;
-  }
-  DkdvMaps maps;
-  maps.q = rows_map(a.q, a.batch, a.h, a.tq, D, a.q_stride_b, a.q_stride_h, a.q_stride_t, kStepRows,
-                    "attention_hp_dkdv's q");
-  maps.dout = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kStepRows,
-                       "attention_hp_dkdv's do");
-  maps.k = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kBlockN,
-                    "attention_hp_dkdv's k");
-  maps.v = rows_map(a.v, a.batch, a.hkv, a.tk, D, a.v_stride_b, a.v_stride_h, a.v_stride_t, kBlockN,
-                    "attention_hp_dkdv's v");
+  BwdMaps maps;
+  maps.held[0] = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kBlockN,
+                          "attention_hp_dkdv's k");
+  maps.held[1] = rows_map(a.v, a.batch, a.hkv, a.tk, D, a.v_stride_b, a.v_stride_h, a.v_stride_t, kBlockN,
+                          "attention_hp_dkdv's v");
+  maps.step[0] = rows_map(a.q, a.batch, a.h, a.tq, D, a.q_stride_b, a.q_stride_h, a.q_stride_t, kStepRows,
+                          "attention_hp_dkdv's q");
+  maps.step[1] = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kStepRows,
+                          "attention_hp_dkdv's do");
   const dim3 grid(unsigned((a.tk + kBlockN - 1) / kBlockN), unsigned(a.batch * a.hkv));
-  kernel<<<grid, kForwardThreads, bytes, stream>>>(a, maps);
-  check_launch("attention_hp_dkdv");
-}
-
-template <typename T>
-void launch_dkdv_typed(const AttentionBwdArgs& a, cudaStream_t stream) {
-  if (a.head_dim == 128) {
-    a.causal ? launch_dkdv<128, true, T>(a, stream) : launch_dkdv<128, false, T>(a, stream);
-  } else if (a.head_dim == 64) {
-    a.causal ? launch_dkdv<64, true, T>(a, stream) : launch_dkdv<64, false, T>(a, stream);
-  } else {
-    throw std::invalid_argument("attention_hp_dkdv: head dim " + std::to_string(a.head_dim) + " is not 64 or 128");
-  }
+  launch_on<attention_hp_dkdv_kernel<D, CAUSAL, T>, BwdSmem<D, kDkdvStages>>(grid, a, stream, "attention_hp_dkdv",
+                                                                             maps);
 }
 
 // ---------------------------------------------------------------------------
@@ -546,32 +537,7 @@ void launch_dkdv_typed(const AttentionBwdArgs& a, cudaStream_t stream) {
 //   dq · softmax_scale at the end.
 // ---------------------------------------------------------------------------
 
-constexpr int kStepKeys = 64;  // keys a step (the 64-row step layout of the dk / dv kernel)
 constexpr int kDqStages = 3;
-
-// Shared memory: q and do (128 rows each, kBlockBytes a 64-column block), the ring
-// of steps (k, then v: 64 rows each), then the barriers: q_full(0) for q and do.
-template <int D>
-struct DqSmem : RingBarriers<kDqStages, 2 * kBlockM * D * 2 + kDqStages * 2 * kStepKeys * D * 2> {
-  static constexpr int block_bytes = kBlockM * D * 2;
-  static constexpr int step_bytes = kStepKeys * D * 2;
-  static constexpr int step_block = kStepKeys * 128;
-  static constexpr int q = 0;
-  static constexpr int dout = block_bytes;
-  static constexpr int steps = 2 * block_bytes;
-  static constexpr int producer_arrivals = 1;  // the copying thread, with the bytes
-  template <bool CAUSAL>
-  static constexpr int producer_registers = 24;
-  template <bool CAUSAL>
-  static constexpr int consumer_registers = 240;
-  static __device__ __forceinline__ uint32_t k_of(uint32_t base, int s) { return base + steps + s * 2 * step_bytes; }
-  static __device__ __forceinline__ uint32_t v_of(uint32_t base, int s) { return k_of(base, s) + step_bytes; }
-};
-
-// The tensor maps of q, do (boxes of 64 columns x 128 rows), k and v (64 x 64).
-struct DqMaps {
-  CUtensorMap q, dout, k, v;
-};
 
 // A block's queries and key steps.
 struct DqWork {
@@ -583,33 +549,10 @@ struct DqWork {
     w.hk = w.h / (a.h / a.hkv);
     w.m0 = blockIdx.x * kBlockM;
     const int key_end = causal ? min(a.tk, w.m0 + kBlockM) : a.tk;
-    w.steps = (key_end + kStepKeys - 1) / kStepKeys;
+    w.steps = (key_end + kStepRows - 1) / kStepRows;
     return w;
   }
 };
-
-template <int D>
-__device__ __forceinline__ void produce_dq(const DqMaps& maps, uint32_t base, const DqWork& w) {
-  using S = DqSmem<D>;
-  const uint32_t rows = S::q_full(base, 0);
-  barrier_arrive_expect_bytes(rows, 2 * S::block_bytes);
-#pragma unroll
-  for (int blk = 0; blk < D / 64; ++blk) {
-    tensor_copy_4d(base + S::q + blk * kBlockBytes, &maps.q, 128 * blk, w.m0, w.h, w.b, rows);
-    tensor_copy_4d(base + S::dout + blk * kBlockBytes, &maps.dout, 128 * blk, w.m0, w.h, w.b, rows);
-  }
-  for (int j = 0; j < w.steps; ++j) {
-    const int s = j % kDqStages;
-    if (j >= kDqStages) barrier_wait(S::empty(base, s), ((j / kDqStages) - 1) & 1);
-    const uint32_t full = S::full(base, s);
-    barrier_arrive_expect_bytes(full, 2 * S::step_bytes);
-#pragma unroll
-    for (int blk = 0; blk < D / 64; ++blk) {
-      tensor_copy_4d(S::k_of(base, s) + blk * S::step_block, &maps.k, 128 * blk, j * kStepKeys, w.hk, w.b, full);
-      tensor_copy_4d(S::v_of(base, s) + blk * S::step_block, &maps.v, 128 * blk, j * kStepKeys, w.hk, w.b, full);
-    }
-  }
-}
 
 // Σ a[i] · b[i] over 8 elements of T at 16-byte aligned a and b, in fp32.
 template <typename T>
@@ -661,7 +604,7 @@ __device__ __forceinline__ void row_deltas(const AttentionBwdArgs& a, const DqWo
 template <int D, bool CAUSAL, typename T>
 __device__ __forceinline__ void consume_dq(uint32_t base, const AttentionBwdArgs& a, const DqWork& w, int group,
                                            int tid) {
-  using S = DqSmem<D>;
+  using S = BwdSmem<D, kDqStages>;
   constexpr bool f16 = std::is_same<T, __half>::value;
   constexpr float kLog2e = 1.4426950408889634f;
   const int lane = tid % 32, col = 2 * (lane % 4);
@@ -679,8 +622,8 @@ __device__ __forceinline__ void consume_dq(uint32_t base, const AttentionBwdArgs
   uint64_t q_desc[D / 64], do_desc[D / 64];  // this warpgroup's 64 queries of each column block
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk) {
-    q_desc[blk] = tile_descriptor<128>(base + S::q + blk * kBlockBytes + 64 * group * 128);
-    do_desc[blk] = tile_descriptor<128>(base + S::dout + blk * kBlockBytes + 64 * group * 128);
+    q_desc[blk] = tile_descriptor<128>(S::held(base, 0) + blk * kBlockBytes + 64 * group * 128);
+    do_desc[blk] = tile_descriptor<128>(S::held(base, 1) + blk * kBlockBytes + 64 * group * 128);
   }
   barrier_wait(S::q_full(base, 0), 0);
   for (int j = 0; j < w.steps; ++j) {
@@ -688,10 +631,10 @@ __device__ __forceinline__ void consume_dq(uint32_t base, const AttentionBwdArgs
     uint64_t k_desc[D / 64], v_desc[D / 64];
 #pragma unroll
     for (int blk = 0; blk < D / 64; ++blk) {
-      k_desc[blk] = tile_descriptor<128>(S::k_of(base, s) + blk * S::step_block);
-      v_desc[blk] = tile_descriptor<128>(S::v_of(base, s) + blk * S::step_block);
+      k_desc[blk] = tile_descriptor<128>(S::step(base, s, 0) + blk * S::step_block);
+      v_desc[blk] = tile_descriptor<128>(S::step(base, s, 1) + blk * S::step_block);
     }
-    const uint64_t k_mn = step_mn_descriptor(S::k_of(base, s));
+    const uint64_t k_mn = step_mn_descriptor(S::step(base, s, 0));
     barrier_wait(S::full(base, s), (j / kDqStages) & 1);
     float st[32], dp[32];
     mma_fence();
@@ -703,7 +646,7 @@ __device__ __forceinline__ void consume_dq(uint32_t base, const AttentionBwdArgs
     fence_registers(st);
 #pragma unroll
     for (int e = 0; e < 32; ++e) {  // row row0 + 8·((e / 2) % 2), key 64j + 8·(e / 4) + col + e % 2
-      const int row = row0 + 8 * ((e / 2) % 2), key = j * kStepKeys + 8 * (e / 4) + col + e % 2;
+      const int row = row0 + 8 * ((e / 2) % 2), key = j * kStepRows + 8 * (e / 4) + col + e % 2;
       const bool seen = key < a.tk && row < a.tq && (!CAUSAL || key <= row);
       st[e] = seen ? fast_exp2(fmaf(st[e], a.qk_scale, -lse2[(e / 2) % 2])) : 0.0f;
     }
@@ -732,15 +675,18 @@ __device__ __forceinline__ void consume_dq(uint32_t base, const AttentionBwdArgs
 
 template <int D, bool CAUSAL, typename T>
 __global__ void __launch_bounds__(kForwardThreads, 1)
-    attention_hp_dq_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ DqMaps maps) {
-  using S = DqSmem<D>;
+    attention_hp_dq_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ BwdMaps maps) {
+  using S = BwdSmem<D, kDqStages>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = block_shared_memory<S>(smem_raw);
   const DqWork w = DqWork::of(a, CAUSAL);
   const int group = threadIdx.x / kWarpgroup, tid = threadIdx.x % kWarpgroup;
   if (group == 0) {
     fewer_registers<S::template producer_registers<CAUSAL>>();
-    if (tid == 0) produce_dq<D>(maps, base, w);
+    if (tid == 0) {
+      produce_bwd<D, kDqStages>(maps, base, w.b, w.h, w.m0, w.steps,
+                                [&](int j) { return make_int2(w.hk, j * kStepRows); });
+    }
   } else {
     more_registers<S::template consumer_registers<CAUSAL>>();
     consume_dq<D, CAUSAL, T>(base, a, w, group - 1, tid);
@@ -749,38 +695,51 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
 
 template <int D, bool CAUSAL, typename T>
 void launch_dq(const AttentionBwdArgs& a, cudaStream_t stream) {
-  using S = DqSmem<D>;
-  auto kernel = attention_hp_dq_kernel<D, CAUSAL, T>;
-  constexpr int bytes = S::bytes + 1024;
-  static bool sized[64] = {false};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= 64 || !sized[device]) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "attention_hp_dq");
-    if (device >= 0 && device < 64) sized[device] = true;
-  }
-  DqMaps maps;
-  maps.q = rows_map(a.q, a.batch, a.h, a.tq, D, a.q_stride_b, a.q_stride_h, a.q_stride_t, kBlockM,
-                    "attention_hp_dq's q");
-  maps.dout = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kBlockM,
-                       "attention_hp_dq's do");
-  maps.k = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kStepKeys,
-                    "attention_hp_dq's k");
-  maps.v = rows_map(a.v, a.batch, a.hkv, a.tk, D, a.v_stride_b, a.v_stride_h, a.v_stride_t, kStepKeys,
-                    "attention_hp_dq's v");
+  BwdMaps maps;
+  maps.held[0] = rows_map(a.q, a.batch, a.h, a.tq, D, a.q_stride_b, a.q_stride_h, a.q_stride_t, kBlockM,
+                          "attention_hp_dq's q");
+  maps.held[1] = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kBlockM,
+                          "attention_hp_dq's do");
+  maps.step[0] = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kStepRows,
+                          "attention_hp_dq's k");
+  maps.step[1] = rows_map(a.v, a.batch, a.hkv, a.tk, D, a.v_stride_b, a.v_stride_h, a.v_stride_t, kStepRows,
+                          "attention_hp_dq's v");
   const dim3 grid(unsigned((a.tq + kBlockM - 1) / kBlockM), unsigned(a.batch * a.h));
-  kernel<<<grid, kForwardThreads, bytes, stream>>>(a, maps);
-  check_launch("attention_hp_dq");
+  launch_on<attention_hp_dq_kernel<D, CAUSAL, T>, BwdSmem<D, kDqStages>>(grid, a, stream, "attention_hp_dq", maps);
 }
 
-template <typename T>
-void launch_dq_typed(const AttentionBwdArgs& a, cudaStream_t stream) {
+// Backward kernel DQ (true: dq, false: dk / dv) for a's head dim, mask and `type`.
+template <bool DQ, typename T>
+void launch_backward_typed(const AttentionBwdArgs& a, cudaStream_t stream, const char* name) {
+  const auto launch = [&](auto d, auto causal) {
+    if constexpr (DQ) {
+      launch_dq<decltype(d)::value, decltype(causal)::value, T>(a, stream);
+    } else {
+      launch_dkdv<decltype(d)::value, decltype(causal)::value, T>(a, stream);
+    }
+  };
+  using D128 = std::integral_constant<int, 128>;
+  using D64 = std::integral_constant<int, 64>;
   if (a.head_dim == 128) {
-    a.causal ? launch_dq<128, true, T>(a, stream) : launch_dq<128, false, T>(a, stream);
+    a.causal ? launch(D128(), std::true_type()) : launch(D128(), std::false_type());
   } else if (a.head_dim == 64) {
-    a.causal ? launch_dq<64, true, T>(a, stream) : launch_dq<64, false, T>(a, stream);
+    a.causal ? launch(D64(), std::true_type()) : launch(D64(), std::false_type());
   } else {
-    throw std::invalid_argument("attention_hp_dq: head dim " + std::to_string(a.head_dim) + " is not 64 or 128");
+    throw std::invalid_argument(std::string(name) + ": head dim " + std::to_string(a.head_dim) + " is not 64 or 128");
+  }
+}
+
+template <bool DQ>
+void launch_backward(const AttentionBwdArgs& a, int type, void* stream, const char* name) {
+  if (a.batch <= 0 || a.h <= 0 || a.tq <= 0 || a.tk <= 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (type == kBFloat16) {
+    launch_backward_typed<DQ, __nv_bfloat16>(a, s, name);
+  } else if (type == kFloat16) {
+    launch_backward_typed<DQ, __half>(a, s, name);
+  } else {
+    throw std::invalid_argument(std::string(name) + ": the inputs must be bfloat16 or float16 (type code " +
+                                std::to_string(type) + ")");
   }
 }
 
@@ -800,29 +759,11 @@ void launch_attention_hp_forward(const AttentionHpArgs& a, int type, void* strea
 }
 
 void launch_attention_hp_dq(const AttentionBwdArgs& a, int type, void* stream) {
-  if (a.batch <= 0 || a.h <= 0 || a.tq <= 0) return;
-  auto s = static_cast<cudaStream_t>(stream);
-  if (type == kBFloat16) {
-    launch_dq_typed<__nv_bfloat16>(a, s);
-  } else if (type == kFloat16) {
-    launch_dq_typed<__half>(a, s);
-  } else {
-    throw std::invalid_argument("attention_hp_dq: the inputs must be bfloat16 or float16 (type code " +
-                                std::to_string(type) + ")");
-  }
+  launch_backward<true>(a, type, stream, "attention_hp_dq");
 }
 
 void launch_attention_hp_dkdv(const AttentionBwdArgs& a, int type, void* stream) {
-  if (a.batch <= 0 || a.hkv <= 0 || a.tk <= 0) return;
-  auto s = static_cast<cudaStream_t>(stream);
-  if (type == kBFloat16) {
-    launch_dkdv_typed<__nv_bfloat16>(a, s);
-  } else if (type == kFloat16) {
-    launch_dkdv_typed<__half>(a, s);
-  } else {
-    throw std::invalid_argument("attention_hp_dkdv: the inputs must be bfloat16 or float16 (type code " +
-                                std::to_string(type) + ")");
-  }
+  launch_backward<false>(a, type, stream, "attention_hp_dkdv");
 }
 
 }  // namespace te_fuser
