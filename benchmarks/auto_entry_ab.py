@@ -5,9 +5,13 @@ turns, the order reversed every other round, one untimed step after each switch
 
     python benchmarks/auto_entry_ab.py --kernel dact_dbias --entries triton cuda [--full-size] [--rounds 8]
     python benchmarks/auto_entry_ab.py --cuda-forward [--entries cudnn hopper]
+    python benchmarks/auto_entry_ab.py --kernel attention_backward --cuda-backward hopper
 
 ``--cuda-forward`` takes, instead of an auto entry, the cuda backend's bf16
 attention forward in turns: cuDNN's and our Hopper kernel's (``set_forward_kernel``).
+``--cuda-backward NAME`` makes NAME the cuda backend's attention backward first
+(``set_backward_kernel``: cuDNN's or our Hopper kernels), e.g. to take Triton's and
+ours in turns.
 
 Per recipe: each entry's median ms a step and in how many rounds the second entry
 was faster. Between processes the host's speed moves by ±15% (RESULTS.md), so an
@@ -63,6 +67,8 @@ def main(argv=None) -> None:
     p.add_argument("--cuda-forward", action="store_true",
                    help="instead of an auto entry, the cuda backend's attention forward kernels in turns "
                         "(set_forward_kernel; default entries: cudnn hopper)")
+    p.add_argument("--cuda-backward", default=None, choices=["cudnn", "hopper"],
+                   help="the cuda backend's attention backward for this run (set_backward_kernel)")
     p.add_argument("--recipes", nargs="+", default=["current", "delayed"], choices=sorted(RECIPES))
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=10, help="steps timed a turn")
@@ -85,6 +91,10 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     first, second = args.entries
+    if args.cuda_backward is not None:
+        from te_fuser.kernels.cuda import attention as cuda_attention
+
+        cuda_attention.set_backward_kernel(args.cuda_backward)
     if args.cuda_forward:
         from te_fuser.kernels.cuda import attention as cuda_attention
 

@@ -281,3 +281,47 @@ def test_backward_the_same_bits_on_every_run_and_beside_triton(D):
         assert all(torch.equal(a, b) for a, b in zip(first, again))
     dq_triton = triton_attention.attention_dq(q, k, v, o, lse, do, True, 0.09)[0]
     assert_close(first[0], dq_triton, "attention_bf16", f"dq beside Triton's, D={D}", scaled=True)
+
+
+@hopper
+def test_backward_writes_the_fused_qkv_gradient_layout():
+    """Equal lengths: dq, dk and dv are views of one (B, T, H + 2·Hkv, D) buffer, as
+    Triton's backward writes them (the fused QKV tensor's gradient, no concatenation)."""
+    q, k, v, do = (_randn((2, heads, 300, 64), seed, torch.bfloat16) for seed, heads in ((1, 4), (2, 2), (3, 2), (4, 4)))
+    o, lse = tk.attention_forward(q, k, v, True, 0.125)
+    dq, dk, dv = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 0.125)
+    base = dq.untyped_storage().data_ptr()
+    assert dk.untyped_storage().data_ptr() == base and dv.untyped_storage().data_ptr() == base
+    assert dq.stride() == (300 * 8 * 64, 64, 8 * 64, 1) and dk.stride() == dq.stride() == dv.stride()
+    want = tk.attention_backward(q, k, v, o, lse, do, True, 0.125)
+    for name, g, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert_close(g, w, "attention_bf16", f"{name} beside Triton's", scaled=True)
+
+
+def test_the_backends_backward_kernel_is_a_choice_of_two():
+    """set_backward_kernel: cuDNN's (the default) or ours, the previous one returned; a
+    name of neither refused before anything changes."""
+    assert cuda_attn._backward_kernel["name"] == "cudnn"
+    assert cuda_attn.set_backward_kernel("hopper") == "cudnn"
+    try:
+        with pytest.raises(ValueError, match="set_backward_kernel: name must be one of"):
+            cuda_attn.set_backward_kernel("flash")
+        assert cuda_attn._backward_kernel["name"] == "hopper"
+    finally:
+        assert cuda_attn.set_backward_kernel("cudnn") == "hopper"
+
+
+@hopper
+def test_the_backends_backward_runs_the_hopper_kernels_when_chosen():
+    """With "hopper" the cuda backend's backward gives our kernels' bits, in the fused
+    gradient's layout; cuDNN's again after."""
+    q, k, v, do = (_randn((2, heads, 300, 64), seed, torch.bfloat16) for seed, heads in ((1, 4), (2, 2), (3, 2), (4, 4)))
+    o, lse = tk.attention_forward(q, k, v, True, 0.125)
+    ours = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 0.125)
+    previous = cuda_attn.set_backward_kernel("hopper")
+    try:
+        got = cuda_attn.attention_backward(q, k, v, o, lse, do, True, 0.125)
+    finally:
+        cuda_attn.set_backward_kernel(previous)
+    assert all(torch.equal(a, b) for a, b in zip(got, ours))
+    assert got[1].untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()

@@ -63,7 +63,7 @@ __all__ = ["attention_forward", "attention_backward", "attention_forward_unsuppo
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
            "set_hopper_schedule", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason",
            "set_forward_kernel", "FORWARD_KERNELS", "attention_dkdv_hopper",
-           "attention_backward_hopper"]
+           "attention_backward_hopper", "set_backward_kernel", "BACKWARD_KERNELS"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -186,9 +186,26 @@ def _in_layout_of(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+BACKWARD_KERNELS = ("cudnn", "hopper")
+_backward_kernel = {"name": "cudnn"}
+
+
+def set_backward_kernel(name: str) -> str:
+    """Which kernels this backend's bf16 / fp16 attention backward runs in this process:
+    ``"cudnn"`` (the default; it adds with atomics, so not the same bits every run) or
+    ``"hopper"`` (:func:`attention_backward_hopper`, the same bits every run, for the
+    operands its extension entry takes; cuDNN's for the rest), the choice to measure
+    on the GPU before either becomes the default. Returns the previous one."""
+    if name not in BACKWARD_KERNELS:
+        raise ValueError(f"set_backward_kernel: name must be one of {list(BACKWARD_KERNELS)}, got {name!r}")
+    previous = _backward_kernel["name"]
+    _backward_kernel["name"] = name
+    return previous
+
+
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
-    """``(dq, dk, dv)`` as :func:`attention_backward_reference`, on cuDNN: views of
-    one (B, T, H + 2·Hkv, D) buffer.
+    """``(dq, dk, dv)`` as :func:`attention_backward_reference`, on cuDNN (or our Hopper
+    kernels: :func:`set_backward_kernel`): views of one (B, T, H + 2·Hkv, D) buffer.
 
     o and do are handed to cuDNN in q's stride order (copied when they are stored
     otherwise, e.g. an FP8 forward's o beside dequantized, contiguous q, k, v):
@@ -197,13 +214,26 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     came out 2.3)."""
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
     _require(attention_backward_unsupported_reason(q, k), "attention_backward")
-    return _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    return _chosen_backward(q, k, v, o, lse, do, causal, softmax_scale)
 
 
 def _backward_supported(q, k, v, o, lse, do, causal, softmax_scale):
     """:func:`attention_backward` without the second look at its reason (see
     :func:`_forward_supported`)."""
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    return _chosen_backward(q, k, v, o, lse, do, causal, softmax_scale)
+
+
+def _chosen_backward(q, k, v, o, lse, do, causal, softmax_scale):
+    if _backward_kernel["name"] == "hopper":  # the extension checks the operands: None for what it does not take
+        from ._build import extension, stream_of_index
+        from .cast import current_device_index
+
+        index = current_device_index()
+        out = extension().attention_hp_backward(q, k, v, o, lse.float().contiguous(), do, float(softmax_scale),
+                                                bool(causal), index, stream_of_index(index))
+        if out is not None:
+            return out
     return _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale)
 
 

@@ -778,15 +778,26 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(const at::Te
 }
 
 // The bf16 / fp16 attention backward on Hopper: the dq kernel (which writes delta),
-// then the dk / dv kernel; (dq, dk, dv) new tensors of q's, k's, v's shapes. None
-// for operands the Python path must look at.
+// then the dk / dv kernel; (dq, dk, dv) of q's, k's, v's shapes, laid out as
+// Triton's backward lays them out. None for operands the Python path must look at.
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
     const at::Tensor& dout, double softmax_scale, bool causal, int64_t device, int64_t stream) {
   if (!hp_backward_operands(q, k, v, o, dout, lse, nullptr, device)) return std::nullopt;
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  // (B, heads, T, D) views of one (B, T, H + 2·Hkv, D) buffer (the fused QKV tensor's
+  // gradient, as Triton's backward writes it) where the lengths agree; else three
+  // tensors in the (B, T, heads, D) layout
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Tq = q.size(2), Tk = k.size(2), D = q.size(3);
+  at::Tensor dq, dk, dv;
+  if (Tq == Tk) {
+    const at::Tensor fused = at::empty({B, Tq, H + 2 * Hkv, D}, q.options());
+    const auto views = fused.transpose(1, 2).split_with_sizes({H, Hkv, Hkv}, 1);
+    dq = views[0], dk = views[1], dv = views[2];
+  } else {
+    dq = at::empty({B, Tq, H, D}, q.options()).transpose(1, 2);
+    dk = at::empty({B, Tk, Hkv, D}, q.options()).transpose(1, 2);
+    dv = at::empty({B, Tk, Hkv, D}, q.options()).transpose(1, 2);
+  }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   const auto a = hp_backward_args(q, k, v, o, dout, lse, delta, dq, dk, dv, softmax_scale, causal);
   const int type = hp_code_or_none(q.scalar_type());
