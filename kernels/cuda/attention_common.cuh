@@ -331,7 +331,6 @@ __device__ __forceinline__ void store_rows(const Args& a, const float (&acc)[D /
 template <int STAGES, int AT>
 struct RingBarriers {
   static constexpr int stages = STAGES;
-  static constexpr int barriers = AT;
   static constexpr int bytes = AT + 8 * (4 + 2 * STAGES);
   static constexpr int producer_arrivals = kWarpgroup;
   static constexpr bool generic_copies = true;  // cp.async: a consumer fences what it waited for (wait_q, wait_tile)
@@ -408,18 +407,6 @@ __device__ __forceinline__ void more_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// The SMs of the current device (asked once per device).
-inline int multiprocessors() {
-  static int count[64] = {0};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device >= 0 && device < 64 && count[device] > 0) return count[device];
-  int n = 0;
-  check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  if (device >= 0 && device < 64) count[device] = n;
-  return n;
-}
-
 // kernel launched on `grid` blocks of 384 threads with Smem::bytes of dynamic shared
 // memory and the slack block_shared_memory aligns within (the attribute set once
 // per kernel and device); its arguments a, then `more`.
@@ -440,7 +427,7 @@ void launch_on(dim3 grid, const Args& a, cudaStream_t stream, const char* name, 
 // Launch of a forward kernel: one block an SM (or one an item, if fewer).
 template <auto kernel, typename Smem, typename Args, typename... More>
 void launch_blocks(const Args& a, cudaStream_t stream, const char* name, const More&... more) {
-  launch_on<kernel, Smem>(dim3(unsigned(std::min(work_items(a), multiprocessors()))), a, stream, name, more...);
+  launch_on<kernel, Smem>(dim3(unsigned(std::min(work_items(a), sm_count()))), a, stream, name, more...);
 }
 
 // The driver's cuTensorMapEncodeTiled, asked of the runtime once (no link to the
@@ -557,7 +544,7 @@ __device__ __forceinline__ void run_block(const Args& a, uint8_t* smem_raw, Prod
   if (group == 0) {
     fewer_registers<Smem::template producer_registers<CAUSAL>>();
     for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { produce(base, w, n, t0, tid); });
-    copies_wait_all();  // not gone before its last copies have landed (and arrived)
+    if constexpr (Smem::generic_copies) copies_wait_all();  // not gone before its last copies have landed (and arrived)
   } else {
     more_registers<Smem::template consumer_registers<CAUSAL>>();
     for_each_item<CAUSAL>(a, [&](const BlockWork& w, int n, int t0) { consume(base, w, n, t0, group - 1, tid); });

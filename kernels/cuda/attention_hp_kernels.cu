@@ -212,7 +212,8 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
     attention_hp_forward_kernel(const __grid_constant__ AttentionHpArgs a) {
   extern __shared__ uint8_t smem_raw[];
   run_block<HpSmem<D>, CAUSAL>(
-      a, smem_raw, [&](uint32_t base, const BlockWork& w, int n, int t0, int tid) { produce<D, T>(a, base, w, n, t0, tid); },
+      a, smem_raw,
+      [&](uint32_t base, const BlockWork& w, int n, int t0, int tid) { produce<D, T>(a, base, w, n, t0, tid); },
       [&](uint32_t base, const BlockWork& w, int n, int t0, int group, int tid) {
         consume<D, CAUSAL, T>(a, base, w, n, t0, group, tid);
       });

@@ -397,17 +397,17 @@ __global__ void __launch_bounds__(kTransposeThreads) v_keys_inner_kernel(const _
   }
 }
 
-// The forward's tensor maps (forward_maps's layouts) of a's q, k and vt.
+// The forward's tensor maps (ForwardMaps's layouts) of a's q, k and vt.
 template <int D>
 ForwardMaps forward_maps(const AttentionFp8Args& a) {
+  static_assert(kBlockM == kBlockN, "q and k copied in boxes of one shape");
   ForwardMaps maps;
-  const uint32_t rows[4] = {uint32_t(D), uint32_t(kBlockM), 1u, 1u};
+  const uint32_t rows[4] = {uint32_t(D), uint32_t(kBlockN), 1u, 1u};
   maps.q = byte_tensor_map<4>(a.q, {uint64_t(D), uint64_t(a.tq), uint64_t(a.h), uint64_t(a.batch)},
                               {uint64_t(a.q_stride_t), uint64_t(a.q_stride_h), uint64_t(a.q_stride_b)}, rows,
                               "attention_fp8_forward's q");
-  const uint32_t keys[4] = {uint32_t(D), uint32_t(kBlockN), 1u, 1u};
   maps.k = byte_tensor_map<4>(a.k, {uint64_t(D), uint64_t(a.tk), uint64_t(a.hkv), uint64_t(a.batch)},
-                              {uint64_t(a.k_stride_t), uint64_t(a.k_stride_h), uint64_t(a.k_stride_b)}, keys,
+                              {uint64_t(a.k_stride_t), uint64_t(a.k_stride_h), uint64_t(a.k_stride_b)}, rows,
                               "attention_fp8_forward's k");
   maps.vt = byte_tensor_map<2>(a.vt, {uint64_t(a.vt_pitch), uint64_t(a.batch) * a.hkv * D}, {uint64_t(a.vt_pitch)},
                                {uint32_t(kBlockN), uint32_t(D)}, "attention_fp8_forward's vt");

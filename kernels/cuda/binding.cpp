@@ -840,8 +840,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
     bool causal, at::ScalarType out_dtype, int64_t device, int64_t stream) {
   const int out = hp_code_or_none(out_dtype);
   if (out < 0 || !attention_operands(q, k, v, at::kFloat8_e4m3fn, device) || broadcast_dim(q) || broadcast_dim(k) ||
-      scales.scalar_type() != at::kFloat ||
-      !scales.is_cuda() || scales.get_device() != device || scales.numel() != 4 || !scales.is_contiguous()) {
+      scales.scalar_type() != at::kFloat || !scales.is_cuda() || scales.get_device() != device ||
+      scales.numel() != 4 || !scales.is_contiguous()) {
     return std::nullopt;
   }
   auto [o, lse] = attention_outputs(q, out_dtype);
