@@ -258,7 +258,11 @@ def test_layouts_it_refuses_on_the_gpu():
     odd = torch.zeros(1, 2, 8, 72, device="cuda").to(E4M3)[..., :64]  # rows 72 bytes apart
     assert "16-byte" in cuda_attn.attention_forward_fp8_unsupported_reason(odd, odd)
     shared = torch.zeros(1, 1, 8, 64, device="cuda").to(E4M3).expand(1, 2, 8, 64)
-    assert "tensor maps" in cuda_attn.attention_forward_fp8_unsupported_reason(q, shared)
+    plain = torch.zeros(1, 2, 8, 64, device="cuda").to(E4M3)
+    for q_, k_, name in ((plain, shared, "k"), (shared, plain, "q")):
+        reason = cuda_attn.attention_forward_fp8_unsupported_reason(q_, k_)
+        assert "tensor maps" in reason and f"{name} has shape" in reason
+    assert cuda_attn.attention_forward_fp8_unsupported_reason(plain, plain) is None
     one = torch.tensor(1.0, device="cuda")
     with pytest.raises(ValueError, match="head dims"):
         cuda_attn.attention_forward_fp8(q, q, q, one, one, one, one, True, 0.125, torch.bfloat16)
