@@ -235,7 +235,8 @@ def _backward_rows(c: _Case, triton_out: tuple, cuda_out: tuple | None) -> None:
 def _hopper_dkdv_rows(c: _Case, o, lse, do, dq_sdpa, sdpa_bwd_ms: float) -> None:
     """The deterministic backwards with our Hopper kernels: Triton's dq kernel (which
     also stores delta), then our dk / dv kernel, each part alone (Triton's dk / dv
-    kernel's time is its whole backward's less its dq kernel's), and our two kernels."""
+    kernel's time is its whole backward's less its dq kernel's), and our backward
+    whose dk / dv kernel also adds dq (with delta before and dq's store after)."""
     causal, scale, bwd_flops = c.causal, c.scale, c.bwd_flops
     q, k, v = c.sets[0]
 

@@ -402,11 +402,12 @@ def attention_dkdv_hopper(q, k, v, o, lse, do, causal, softmax_scale, delta=None
 
 def attention_backward_hopper(q, k, v, o, lse, do, causal, softmax_scale):
     """``(dq, dk, dv)`` of :func:`attention_backward_reference`, bf16 or fp16, on
-    Hopper's tensor cores in our two kernels (``attention_hp_kernels.cu``): dq over
-    blocks of 128 queries (it also writes ``delta = rowsum(o · do)``), then dk and dv
-    over blocks of 128 keys (:func:`attention_dkdv_hopper`'s kernel). Every gradient
-    is written once, by one block: the same bits every run. P and dS are rounded to
-    the input type for their products, as Triton's backward does."""
+    Hopper's tensor cores in our kernel (``attention_hp_kernels.cu``): blocks of 128
+    keys keep their dk and dv in registers over every query that reads them (as
+    :func:`attention_dkdv_hopper`'s kernel) and add their share of dq to fp32 chunks
+    of 64 queries in a fixed order (the later key blocks first); ``delta = rowsum(o
+    · do)`` before, dq from its chunks after. The same bits every run. P and dS are
+    rounded to the input type for their products, as Triton's backward does."""
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
     reason = _hopper_backward_reason(q, k, v, do, o)
     return _run_checked("attention_backward_hopper", "attention_hp_backward", reason, q, k, v, o,

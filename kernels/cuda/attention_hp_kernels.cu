@@ -290,23 +290,44 @@ __device__ __forceinline__ uint64_t step_mn_descriptor(uint32_t addr) {
 }
 
 // Shared memory of a backward block: a pair of held tiles (128 rows each, copied
-// once: K and V for dk / dv, q and do for dq; kBlockBytes a 64-column block), then
-// a ring of STAGES steps, each a pair of 64-row tiles (q and do, or K and V; 8 KiB a
-// column block), then the barriers: q_full(0) for the held pair, full / empty a
-// stage. One producer thread copies (its arrival brings the bytes).
-template <int D, int STAGES>
-struct BwdSmem : RingBarriers<STAGES, 2 * kBlockN * D * 2 + STAGES * 2 * kStepRows * D * 2> {
-  static constexpr int held_bytes = kBlockN * D * 2;  // kBlockM == kBlockN
+// once: K and V; kBlockBytes a 64-column block), then a ring of STAGES steps, each a
+// pair of 64-row tiles (q and do; 8 KiB a column block), then, where the block adds
+// its share of dq (DQ), two dSᵀ buffers (128 keys x 64 queries, 16-bit, rows of 128
+// bytes under the 128-byte swizzle) and two dq buffers (64 queries x D fp32, in the
+// accumulators' order: float4 j of thread slot t at 16·(j·slots + t)), then the
+// barriers: q_full(0) for the held pair, full / empty a stage, then (DQ) dq_full /
+// dq_empty a dq buffer. One producer thread copies (its arrival brings the bytes).
+constexpr int kDsBytes = kBlockN * kStepRows * 2;
+__host__ __device__ constexpr int dq_chunk_bytes(int d) { return kStepRows * d * 4; }
+// The threads that write a dq buffer: both warpgroups at head dim 128, one at 64.
+__host__ __device__ constexpr int dq_slots(int d) { return d == 128 ? 2 * kWarpgroup : kWarpgroup; }
+constexpr int bwd_buffer_bytes(int d, int stages, bool dq) {
+  return 2 * kBlockN * d * 2 + stages * 2 * kStepRows * d * 2 + (dq ? 2 * kDsBytes + 2 * dq_chunk_bytes(d) : 0);
+}
+template <int D, int STAGES, bool DQ = false>
+struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
+  using Ring = RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)>;
+  static constexpr int bytes = Ring::bytes + (DQ ? 4 * 8 : 0);
+  static constexpr int head_dim = D;
+  static constexpr int held_bytes = kBlockN * D * 2;
   static constexpr int step_bytes = kStepRows * D * 2;
   static constexpr int step_block = kStepRows * 128;
   static constexpr int producer_arrivals = 1;
   template <bool CAUSAL>
-  static constexpr int producer_registers = 24;
+  static constexpr int producer_registers = DQ ? 32 : 24;  // DQ: the dq writer beside the copying thread
   template <bool CAUSAL>
   static constexpr int consumer_registers = 240;
   static __device__ __forceinline__ uint32_t held(uint32_t base, int i) { return base + i * held_bytes; }
   static __device__ __forceinline__ uint32_t step(uint32_t base, int s, int i) {
     return base + 2 * held_bytes + (2 * s + i) * step_bytes;
+  }
+  static __device__ __forceinline__ uint32_t ds(uint32_t base, int i) {
+    return base + 2 * held_bytes + 2 * STAGES * step_bytes + i * kDsBytes;
+  }
+  static __device__ __forceinline__ uint32_t dq(uint32_t base, int i) { return ds(base, 2) + i * dq_chunk_bytes(D); }
+  static __device__ __forceinline__ uint32_t dq_full(uint32_t base, int i) { return base + Ring::bytes + 8 * i; }
+  static __device__ __forceinline__ uint32_t dq_empty(uint32_t base, int i) {
+    return base + Ring::bytes + 16 + 8 * i;
   }
 };
 
@@ -319,10 +340,10 @@ struct BwdMaps {
 // The producer of a backward block, one thread: the held pair (head held_head, its
 // 128 rows from held_row), then step j's pair at (head, first row) = at(j) for each
 // of `steps` steps, into the ring once both consumers released the stage.
-template <int D, int STAGES, typename At>
+template <typename S, typename At>
 __device__ __forceinline__ void produce_bwd(const BwdMaps& maps, uint32_t base, int b, int held_head, int held_row,
                                             int steps, At at) {
-  using S = BwdSmem<D, STAGES>;
+  constexpr int D = S::head_dim, STAGES = S::stages;
   const uint32_t held = S::q_full(base, 0);
   barrier_arrive_expect_bytes(held, 2 * S::held_bytes);
 #pragma unroll
@@ -406,15 +427,100 @@ __device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[D / 2]
   }
 }
 
+// The 16-bit dq share of a step, 64 x 64 x 16: a (64 queries x 16 keys) and b (16
+// keys x 64 head-dim columns) both MN-major in shared memory (dSᵀ and K as they lie).
+template <bool F16, bool FIRST>
+__device__ __forceinline__ void hmma_dq(float (&d)[32], uint64_t a, uint64_t b) {
+  if constexpr (F16 && FIRST) {
+    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 0, TE_R32, "%32, %33", "1, 1, 1, 1") : TE_D32("=f")
+                 : "l"(a), "l"(b));
+  } else if constexpr (F16) {
+    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 1, TE_R32, "%32, %33", "1, 1, 1, 1") : TE_D32("+f")
+                 : "l"(a), "l"(b));
+  } else if constexpr (FIRST) {
+    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 0, TE_R32, "%32, %33", "1, 1, 1, 1") : TE_D32("=f")
+                 : "l"(a), "l"(b));
+  } else {
+    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 1, TE_R32, "%32, %33", "1, 1, 1, 1") : TE_D32("+f")
+                 : "l"(a), "l"(b));
+  }
+}
+
+// Both consumer warpgroups at one point (named barrier 1; 0 is __syncthreads').
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(2 * kWarpgroup) : "memory"); }
+
+// The dq adds' order across blocks (a turn counter per dq chunk in global memory):
+// an acquiring read, a releasing add, the bulk copies of shared memory to global
+// (a plain store, or an fp32 add there) and their completion.
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_store(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_add(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all_but_newest() {
+  asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory");
+}
+
+// The dq chunks: 64 queries of one (batch, head) each, (B, H, ceil(Tq / 64)).
+__host__ __device__ __forceinline__ int dq_steps(const AttentionBwdArgs& a) {
+  return (a.tq + kStepRows - 1) / kStepRows;
+}
+
+// Step i's dq share, dS K over the block's 128 keys (dSᵀ in buffer `ds`; K's columns
+// of this warpgroup at k_mn), after the products already issued, into dq buffer i % 2
+// once the writer has emptied it; its barrier told.
+template <int D, bool F16>
+__device__ __forceinline__ void make_dq(uint32_t base, uint32_t ds, uint64_t k_mn, int i, int group, int tid) {
+  using S = BwdSmem<D, kDkdvStages, true>;
+  float dq[32];
+  const uint64_t ds_mn = mn_descriptor(ds);
+  hmma_dq<F16, true>(dq, ds_mn, k_mn);
+#pragma unroll
+  for (int kk = 1; kk < kBlockN / 16; ++kk) hmma_dq<F16, false>(dq, ds_mn + 128 * kk, k_mn + 128 * kk);
+  mma_commit();
+  mma_wait_all();
+  fence_registers(dq);
+  if (i >= 2) barrier_wait(S::dq_empty(base, i % 2), ((i / 2) - 1) & 1);  // step i - 2's dq written out
+  const uint32_t out = S::dq(base, i % 2) + 16 * ((D == 128 ? group * kWarpgroup : 0) + tid);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(out + 16 * dq_slots(D) * j), "f"(dq[4 * j]),
+                 "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+                 : "memory");
+  }
+  fence_for_tensor_cores();  // the bulk copy reads it through the async proxy
+  barrier_arrive(S::dq_full(base, i % 2));
+}
+
 // A consumer warpgroup: dk and dv of its 64 keys over the block's steps, then stored.
-template <int D, bool CAUSAL, typename T>
+// DQ: each step's dSᵀ (both warpgroups' keys) also goes to shared memory, and dq's
+// share of the block's 128 keys, dS K, is made there (head dim 128: each warpgroup
+// 64 of the columns; 64: the warpgroup of the step's parity, all of them) and left in
+// a dq buffer for the block's dq writer (write_dq).
+template <int D, bool CAUSAL, bool DQ, typename T, int GROUP>
 __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdArgs& a, const DkdvWork& w, int group,
                                              int tid) {
-  using S = BwdSmem<D, kDkdvStages>;
+  using S = BwdSmem<D, kDkdvStages, DQ>;
   constexpr bool f16 = std::is_same<T, __half>::value;
   constexpr float kLog2e = 1.4426950408889634f;
   const int lane = tid % 32, col = 2 * (lane % 4);
-  const int key0 = w.n0 + 64 * group + 16 * (tid / 32) + lane / 4;  // this thread's keys: key0, key0 + 8
+  const int key_row = 64 * group + 16 * (tid / 32) + lane / 4;  // this thread's keys' rows in the block: +0, +8
+  const int key0 = w.n0 + key_row;
   float dk[D / 2], dv[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
@@ -424,8 +530,12 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     k_desc[blk] = tile_descriptor<128>(S::held(base, 0) + blk * kBlockBytes + 64 * group * 128);
     v_desc[blk] = tile_descriptor<128>(S::held(base, 1) + blk * kBlockBytes + 64 * group * 128);
   }
+  // dq's B operand: the block's 128 keys of the columns this warpgroup makes
+  const uint64_t k_mn = mn_descriptor(S::held(base, 0) + (D == 128 ? group : 0) * kBlockBytes);
   barrier_wait(S::q_full(base, 0), 0);
-  for (int i = 0; i < w.steps; ++i) {
+  // step i; MAKES: this warpgroup makes its dq share (head dim 64: the warpgroup of
+  // the step's parity, a constant of each half of the loop's body below)
+  const auto step = [&](int i, auto makes) {
     const int s = i % kDkdvStages, h = w.head(a, i), m0 = w.row(i);
     const int64_t bh = int64_t(w.b) * a.h + h;
     float lse2[16];  // in base 2
@@ -474,16 +584,47 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
 #pragma unroll
       for (int w2 = 0; w2 < 4; ++w2) df[kk][w2] = pack2<f16>(dp[8 * kk + 2 * w2], dp[8 * kk + 2 * w2 + 1]);
     }
+    if constexpr (DQ) {
+      // dSᵀ into buffer i % 2: df[kk][w2] is rows key_row + 8·(w2 % 2), queries
+      // 16kk + 8·(w2 / 2) + col and one more (conflict-free under the swizzle). The
+      // products of step i - 2 that read the buffer ended before both warpgroups
+      // passed step i - 1's sync.
+      const uint32_t ds = S::ds(base, i % 2);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int w2 = 0; w2 < 4; ++w2) {
+          const uint32_t at = ds + swizzled<128>(key_row + 8 * (w2 % 2), 2 * kk + w2 / 2) + 2 * col;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(df[kk][w2]) : "memory");
+        }
+      }
+      fence_for_tensor_cores();
+      consumers_sync();
+    }
     mma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dk, df[kk], q_mn + 128 * kk);
     mma_commit();
-    mma_wait_all();
+    if constexpr (decltype(makes)::value) {
+      make_dq<D, f16>(base, S::ds(base, i % 2), k_mn, i, group, tid);
+    } else {
+      mma_wait_all();
+    }
     fence_registers(dv);
     fence_registers(pf);
     fence_registers(dk);
     fence_registers(df);
     barrier_arrive(S::empty(base, s));
+  };
+  using Even = std::integral_constant<bool, DQ && (D == 128 || GROUP == 0)>;
+  using Odd = std::integral_constant<bool, DQ && (D == 128 || GROUP == 1)>;
+  if constexpr (Even::value == Odd::value) {
+    for (int i = 0; i < w.steps; ++i) step(i, Even());
+  } else {
+    for (int i = 0; i < w.steps; i += 2) {
+      step(i, Even());
+      if (i + 1 < w.steps) step(i + 1, Odd());
+    }
   }
   store_key_rows<D, T>(static_cast<T*>(a.dk) + int64_t(w.b) * a.dk_stride_b + int64_t(w.hk) * a.dk_stride_h, dk,
                        a.softmax_scale, a.dk_stride_t, key0, col, a.tk);
@@ -491,27 +632,87 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
                        1.0f, a.dv_stride_t, key0, col, a.tk);
 }
 
-template <int D, bool CAUSAL, typename T>
+// The block's dq writer (one thread of the producer warpgroup): each step's dq share
+// from its buffer into the fp32 chunk of (batch, head, 64 queries) in global memory,
+// in a fixed order: the key blocks that read those queries add to the chunk from the
+// last block down (a causal block n reads query steps 2n and on, so a later block
+// reaches each step first), the first of them storing. The chunk's turn counter says
+// how many have added; the block waits for its turn, adds, and passes the turn on
+// once the add has landed, which it waits for behind the next step's add (its buffer
+// is freed then too). A block only waits for blocks after it in the grid, which start
+// no later than it does: every wait ends.
+template <int D, bool CAUSAL>
+__device__ __forceinline__ void write_dq(uint32_t base, const AttentionBwdArgs& a, const DkdvWork& w) {
+  using S = BwdSmem<D, kDkdvStages, true>;
+  const int last_block = (a.tk + kBlockN - 1) / kBlockN - 1, n = w.n0 / kBlockN, steps = dq_steps(a);
+  const auto turn_of = [&](int i) {
+    return a.dq_turns + (int64_t(w.b) * a.h + w.head(a, i)) * steps + w.row(i) / kStepRows;
+  };
+  for (int i = 0; i < w.steps; ++i) {
+    const int m = w.row(i) / kStepRows;
+    const int before = (CAUSAL ? min(last_block, m * kStepRows / kBlockN) : last_block) - n;  // blocks after n
+    int* turn = turn_of(i);
+    barrier_wait(S::dq_full(base, i % 2), (i / 2) & 1);
+    while (load_acquire(turn) != before) __nanosleep(32);
+    fence_async_global();
+    float* dst = a.dq_accum + (turn - a.dq_turns) * int64_t(kStepRows * D);
+    if (before == 0) {
+      bulk_store(dst, S::dq(base, i % 2), dq_chunk_bytes(D));
+    } else {
+      bulk_add(dst, S::dq(base, i % 2), dq_chunk_bytes(D));
+    }
+    bulk_commit();
+    if (i > 0) {  // step i - 1's add landed: its turn passed on, its buffer free
+      bulk_wait_all_but_newest();
+      fence_async_global();
+      add_release(turn_of(i - 1), 1);
+      barrier_arrive(S::dq_empty(base, (i - 1) % 2));
+    }
+  }
+  if (w.steps > 0) {
+    bulk_wait_all();
+    fence_async_global();
+    add_release(turn_of(w.steps - 1), 1);
+  }
+}
+
+template <int D, bool CAUSAL, bool DQ, typename T>
 __global__ void __launch_bounds__(kForwardThreads, 1)
     attention_hp_dkdv_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ BwdMaps maps) {
-  using S = BwdSmem<D, kDkdvStages>;
+  using S = BwdSmem<D, kDkdvStages, DQ>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = block_shared_memory<S>(smem_raw);
+  if constexpr (DQ) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        barrier_init(S::dq_full(base, i), dq_slots(D));  // the threads that write a dq buffer
+        barrier_init(S::dq_empty(base, i), 1);            // the writer
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
   const DkdvWork w = DkdvWork::of(a, CAUSAL);
   const int group = threadIdx.x / kWarpgroup, tid = threadIdx.x % kWarpgroup;
   if (group == 0) {
     fewer_registers<S::template producer_registers<CAUSAL>>();
     if (tid == 0) {
-      produce_bwd<D, kDkdvStages>(maps, base, w.b, w.hk, w.n0, w.steps,
-                                  [&](int i) { return make_int2(w.head(a, i), w.row(i)); });
+      produce_bwd<S>(maps, base, w.b, w.hk, w.n0, w.steps, [&](int i) { return make_int2(w.head(a, i), w.row(i)); });
+    } else if (DQ && tid == 32) {
+      write_dq<D, CAUSAL>(base, a, w);
     }
   } else {
     more_registers<S::template consumer_registers<CAUSAL>>();
-    consume_dkdv<D, CAUSAL, T>(base, a, w, group - 1, tid);
+    if (DQ && D == 64 && group == 2) {  // the warpgroup a constant: its dq steps' branch uniform to the compiler
+      consume_dkdv<D, CAUSAL, DQ, T, 1>(base, a, w, 1, tid);
+    } else {
+      consume_dkdv<D, CAUSAL, DQ, T, 0>(base, a, w, group - 1, tid);
+    }
   }
 }
 
-template <int D, bool CAUSAL, typename T>
+template <int D, bool CAUSAL, bool DQ, typename T>
 void launch_dkdv(const AttentionBwdArgs& a, cudaStream_t stream) {
   BwdMaps maps;
   maps.held[0] = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kBlockN,
@@ -522,38 +723,16 @@ void launch_dkdv(const AttentionBwdArgs& a, cudaStream_t stream) {
                           "attention_hp_dkdv's q");
   maps.step[1] = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kStepRows,
                           "attention_hp_dkdv's do");
+  // key blocks fastest: the blocks of one kv head start together (write_dq's waits)
   const dim3 grid(unsigned((a.tk + kBlockN - 1) / kBlockN), unsigned(a.batch * a.hkv));
-  launch_on<attention_hp_dkdv_kernel<D, CAUSAL, T>, BwdSmem<D, kDkdvStages>>(grid, a, stream, "attention_hp_dkdv",
-                                                                             maps);
+  launch_on<attention_hp_dkdv_kernel<D, CAUSAL, DQ, T>, BwdSmem<D, kDkdvStages, DQ>>(grid, a, stream,
+                                                                                     "attention_hp_dkdv", maps);
 }
 
 // ---------------------------------------------------------------------------
-// The backward's dq (and delta, which the dk / dv kernel reads): a block holds 128
-// queries of one head (q and do copied once) and works through 64-key steps
-// (causal: the keys up to its last query); each consumer warpgroup owns 64 of the
-// queries and keeps their dq in fp32 registers:
-//   delta = rowsum(o ∘ do) (its rows, read from global memory, stored),
-//   S = Q Kᵀ and dP = dO Vᵀ issued together, P = exp2(S · qk_scale - lse · log2 e)
-//   (masked) while dP runs, dS = P ∘ (dP - delta), dq += dS K (K read MN-major);
-//   dq · softmax_scale at the end.
+// Before and after the backward with dq: delta = rowsum(o ∘ do) (the dk / dv kernel
+// reads it), and dq from its fp32 chunks (times softmax_scale, in the input type).
 // ---------------------------------------------------------------------------
-
-constexpr int kDqStages = 3;
-
-// A block's queries and key steps.
-struct DqWork {
-  int b, h, hk, m0, steps;
-  static __device__ __forceinline__ DqWork of(const AttentionBwdArgs& a, bool causal) {
-    DqWork w;
-    w.b = blockIdx.y / a.h;
-    w.h = blockIdx.y % a.h;
-    w.hk = w.h / (a.h / a.hkv);
-    w.m0 = blockIdx.x * kBlockM;
-    const int key_end = causal ? min(a.tk, w.m0 + kBlockM) : a.tk;
-    w.steps = (key_end + kStepRows - 1) / kStepRows;
-    return w;
-  }
-};
 
 // Σ a[i] · b[i] over 8 elements of T at 16-byte aligned a and b, in fp32.
 template <typename T>
@@ -576,147 +755,68 @@ __device__ __forceinline__ float dot8(const T* a, const T* b) {
   return sum;
 }
 
-// delta = rowsum(o ∘ do) of a consumer's rows row0 and row0 + 8 (0 past tq), its quad
-// of lanes a quarter of the head dim each; stored by the quad's first lane.
+constexpr int kRowThreads = 256;
+
+// delta of (B, H, Tq) rows, 8 threads a row (16-byte pieces of o and do each).
 template <int D, typename T>
-__device__ __forceinline__ void row_deltas(const AttentionBwdArgs& a, const DqWork& w, int row0, int lane,
-                                           float (&delta)[2]) {
-  const T* o = static_cast<const T*>(a.o) + int64_t(w.b) * a.o_stride_b + int64_t(w.h) * a.o_stride_h;
-  const T* dout = static_cast<const T*>(a.dout) + int64_t(w.b) * a.do_stride_b + int64_t(w.h) * a.do_stride_h;
-  const int part = (lane % 4) * (D / 4);
+__global__ void __launch_bounds__(kRowThreads) attention_hp_delta_kernel(const __grid_constant__ AttentionBwdArgs a) {
+  const int64_t row = (int64_t(blockIdx.x) * kRowThreads + threadIdx.x) / 8;
+  const int piece = threadIdx.x % 8;
+  const bool inside = row < int64_t(a.batch) * a.h * a.tq;
+  float sum = 0.0f;
+  if (inside) {
+    const int t = int(row % a.tq);
+    const int64_t bh = row / a.tq, b = bh / a.h, h = bh % a.h;
+    const T* o = static_cast<const T*>(a.o) + b * a.o_stride_b + h * a.o_stride_h + t * a.o_stride_t;
+    const T* dout = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h + t * a.do_stride_t;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    float sum = 0.0f;
-    if (row < a.tq) {
-#pragma unroll
-      for (int j = 0; j < D / 4; j += 8) {
-        sum += dot8(o + int64_t(row) * a.o_stride_t + part + j, dout + int64_t(row) * a.do_stride_t + part + j);
-      }
-    }
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-    delta[r] = sum;
-    if (lane % 4 == 0 && row < a.tq) a.delta[(int64_t(w.b) * a.h + w.h) * a.tq + row] = sum;
+    for (int j = 8 * piece; j < D; j += 64) sum += dot8(o + j, dout + j);
   }
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
+  if (inside && piece == 0) a.delta[row] = sum;
 }
 
-// A consumer warpgroup: dq of its 64 queries over the block's key steps, then stored.
-template <int D, bool CAUSAL, typename T>
-__device__ __forceinline__ void consume_dq(uint32_t base, const AttentionBwdArgs& a, const DqWork& w, int group,
-                                           int tid) {
-  using S = BwdSmem<D, kDqStages>;
-  constexpr bool f16 = std::is_same<T, __half>::value;
-  constexpr float kLog2e = 1.4426950408889634f;
-  const int lane = tid % 32, col = 2 * (lane % 4);
-  const int row0 = w.m0 + 64 * group + 16 * (tid / 32) + lane / 4;  // this thread's queries: row0, row0 + 8
-  float delta[2], lse2[2];
-  row_deltas<D, T>(a, w, row0, lane, delta);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    lse2[r] = row < a.tq ? a.lse[(int64_t(w.b) * a.h + w.h) * a.tq + row] * kLog2e : 0.0f;
-  }
-  float dq[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) dq[i] = 0.0f;
-  uint64_t q_desc[D / 64], do_desc[D / 64];  // this warpgroup's 64 queries of each column block
-#pragma unroll
-  for (int blk = 0; blk < D / 64; ++blk) {
-    q_desc[blk] = tile_descriptor<128>(S::held(base, 0) + blk * kBlockBytes + 64 * group * 128);
-    do_desc[blk] = tile_descriptor<128>(S::held(base, 1) + blk * kBlockBytes + 64 * group * 128);
-  }
-  barrier_wait(S::q_full(base, 0), 0);
-  for (int j = 0; j < w.steps; ++j) {
-    const int s = j % kDqStages;
-    uint64_t k_desc[D / 64], v_desc[D / 64];
-#pragma unroll
-    for (int blk = 0; blk < D / 64; ++blk) {
-      k_desc[blk] = tile_descriptor<128>(S::step(base, s, 0) + blk * S::step_block);
-      v_desc[blk] = tile_descriptor<128>(S::step(base, s, 1) + blk * S::step_block);
-    }
-    const uint64_t k_mn = step_mn_descriptor(S::step(base, s, 0));
-    barrier_wait(S::full(base, s), (j / kDqStages) & 1);
-    float st[32], dp[32];
-    mma_fence();
-    hmma_rows<D, f16>(st, q_desc, k_desc);
-    mma_commit();
-    hmma_rows<D, f16>(dp, do_desc, v_desc);
-    mma_commit();
-    mma_wait_all_but_newest();  // S
-    fence_registers(st);
-#pragma unroll
-    for (int e = 0; e < 32; ++e) {  // row row0 + 8·((e / 2) % 2), key 64j + 8·(e / 4) + col + e % 2
-      const int row = row0 + 8 * ((e / 2) % 2), key = j * kStepRows + 8 * (e / 4) + col + e % 2;
-      const bool seen = key < a.tk && row < a.tq && (!CAUSAL || key <= row);
-      st[e] = seen ? fast_exp2(fmaf(st[e], a.qk_scale, -lse2[(e / 2) % 2])) : 0.0f;
-    }
-    mma_wait_all();  // dP
-    fence_registers(dp);
-    uint32_t df[4][4];  // dS as the A operand: keys 16kk .. 16kk + 15 of step kk
-#pragma unroll
-    for (int e = 0; e < 32; ++e) dp[e] = st[e] * (dp[e] - delta[(e / 2) % 2]);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-      for (int w2 = 0; w2 < 4; ++w2) df[kk][w2] = pack2<f16>(dp[8 * kk + 2 * w2], dp[8 * kk + 2 * w2 + 1]);
-    }
-    mma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dq, df[kk], k_mn + 128 * kk);
-    mma_commit();
-    mma_wait_all();
-    fence_registers(dq);
-    fence_registers(df);
-    barrier_arrive(S::empty(base, s));
-  }
-  store_key_rows<D, T>(static_cast<T*>(a.dq) + int64_t(w.b) * a.dq_stride_b + int64_t(w.h) * a.dq_stride_h, dq,
-                       a.softmax_scale, a.dq_stride_t, row0, col, a.tq);
+// dq from its chunks: a thread one float4 of a chunk (j, slot as consume_dkdv wrote
+// it: the accumulator's rows 16·warp + lane / 4 and 8 more, columns 8j + 2·(lane % 4)
+// and one more, of the slot's warpgroup's 64 columns at head dim 128).
+template <int D, typename T>
+__global__ void __launch_bounds__(kRowThreads) attention_hp_dq_store_kernel(const __grid_constant__ AttentionBwdArgs a) {
+  constexpr int slots = dq_slots(D), per_chunk = kStepRows * D / 4;
+  const int64_t f = int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
+  const int steps = dq_steps(a);
+  if (f >= int64_t(a.batch) * a.h * steps * per_chunk) return;
+  const int64_t chunk = f / per_chunk, bh = chunk / steps;
+  const int within = int(f % per_chunk), j = within / slots, slot = within % slots;
+  const int tid = slot % kWarpgroup, lane = tid % 32;
+  const int row = int(chunk % steps) * kStepRows + 16 * (tid / 32) + lane / 4;
+  const int column = (D == 128 ? 64 * (slot / kWarpgroup) : 0) + 8 * j + 2 * (lane % 4);
+  const float4 v = reinterpret_cast<const float4*>(a.dq_accum)[f];
+  T* dq = static_cast<T*>(a.dq) + (bh / a.h) * a.dq_stride_b + (bh % a.h) * a.dq_stride_h + column;
+  const float s = a.softmax_scale;
+  if (row < a.tq) store_pair(dq + int64_t(row) * a.dq_stride_t, v.x * s, v.y * s);
+  if (row + 8 < a.tq) store_pair(dq + int64_t(row + 8) * a.dq_stride_t, v.z * s, v.w * s);
 }
 
-template <int D, bool CAUSAL, typename T>
-__global__ void __launch_bounds__(kForwardThreads, 1)
-    attention_hp_dq_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ BwdMaps maps) {
-  using S = BwdSmem<D, kDqStages>;
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = block_shared_memory<S>(smem_raw);
-  const DqWork w = DqWork::of(a, CAUSAL);
-  const int group = threadIdx.x / kWarpgroup, tid = threadIdx.x % kWarpgroup;
-  if (group == 0) {
-    fewer_registers<S::template producer_registers<CAUSAL>>();
-    if (tid == 0) {
-      produce_bwd<D, kDqStages>(maps, base, w.b, w.h, w.m0, w.steps,
-                                [&](int j) { return make_int2(w.hk, j * kStepRows); });
-    }
-  } else {
-    more_registers<S::template consumer_registers<CAUSAL>>();
-    consume_dq<D, CAUSAL, T>(base, a, w, group - 1, tid);
-  }
-}
-
-template <int D, bool CAUSAL, typename T>
-void launch_dq(const AttentionBwdArgs& a, cudaStream_t stream) {
-  BwdMaps maps;
-  maps.held[0] = rows_map(a.q, a.batch, a.h, a.tq, D, a.q_stride_b, a.q_stride_h, a.q_stride_t, kBlockM,
-                          "attention_hp_dq's q");
-  maps.held[1] = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kBlockM,
-                          "attention_hp_dq's do");
-  maps.step[0] = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kStepRows,
-                          "attention_hp_dq's k");
-  maps.step[1] = rows_map(a.v, a.batch, a.hkv, a.tk, D, a.v_stride_b, a.v_stride_h, a.v_stride_t, kStepRows,
-                          "attention_hp_dq's v");
-  const dim3 grid(unsigned((a.tq + kBlockM - 1) / kBlockM), unsigned(a.batch * a.h));
-  launch_on<attention_hp_dq_kernel<D, CAUSAL, T>, BwdSmem<D, kDqStages>>(grid, a, stream, "attention_hp_dq", maps);
-}
-
-// Backward kernel DQ (true: dq, false: dk / dv) for a's head dim, mask and `type`.
+// The backward (DQ: delta, dk / dv with dq's chunks, dq; else dk / dv from a given
+// delta) for a's head dim, mask and `type`.
 template <bool DQ, typename T>
 void launch_backward_typed(const AttentionBwdArgs& a, cudaStream_t stream, const char* name) {
   const auto launch = [&](auto d, auto causal) {
+    constexpr int D = decltype(d)::value;
     if constexpr (DQ) {
-      launch_dq<decltype(d)::value, decltype(causal)::value, T>(a, stream);
-    } else {
-      launch_dkdv<decltype(d)::value, decltype(causal)::value, T>(a, stream);
+      const int64_t rows = int64_t(a.batch) * a.h * a.tq;
+      attention_hp_delta_kernel<D, T><<<unsigned((rows * 8 + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
+                                        stream>>>(a);
+      check_launch("attention_hp_delta");
+    }
+    launch_dkdv<D, decltype(causal)::value, DQ, T>(a, stream);
+    if constexpr (DQ) {
+      const int64_t pieces = int64_t(a.batch) * a.h * dq_steps(a) * (kStepRows * D / 4);
+      attention_hp_dq_store_kernel<D, T><<<unsigned((pieces + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
+                                           stream>>>(a);
+      check_launch("attention_hp_dq_store");
     }
   };
   using D128 = std::integral_constant<int, 128>;
@@ -759,8 +859,8 @@ void launch_attention_hp_forward(const AttentionHpArgs& a, int type, void* strea
   }
 }
 
-void launch_attention_hp_dq(const AttentionBwdArgs& a, int type, void* stream) {
-  launch_backward<true>(a, type, stream, "attention_hp_dq");
+void launch_attention_hp_backward(const AttentionBwdArgs& a, int type, void* stream) {
+  launch_backward<true>(a, type, stream, "attention_hp_backward");
 }
 
 void launch_attention_hp_dkdv(const AttentionBwdArgs& a, int type, void* stream) {

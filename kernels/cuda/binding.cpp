@@ -777,9 +777,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(const at::Te
   return std::make_tuple(dk, dv);
 }
 
-// The bf16 / fp16 attention backward on Hopper: the dq kernel (which writes delta),
-// then the dk / dv kernel; (dq, dk, dv) of q's, k's, v's shapes, laid out as
-// Triton's backward lays them out. None for operands the Python path must look at.
+// The bf16 / fp16 attention backward on Hopper: delta, then the dk / dv kernel that
+// also adds each block's share of dq to fp32 chunks in a fixed order, then dq; (dq,
+// dk, dv) of q's, k's, v's shapes, laid out as Triton's backward lays them out. None
+// for operands the Python path must look at.
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
     const at::Tensor& dout, double softmax_scale, bool causal, int64_t device, int64_t stream) {
@@ -799,10 +800,13 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backw
     dv = at::empty({B, Tk, Hkv, D}, q.options()).transpose(1, 2);
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
-  const auto a = hp_backward_args(q, k, v, o, dout, lse, delta, dq, dk, dv, softmax_scale, causal);
-  const int type = hp_code_or_none(q.scalar_type());
-  te_fuser::launch_attention_hp_dq(a, type, as_stream(stream));
-  te_fuser::launch_attention_hp_dkdv(a, type, as_stream(stream));
+  const int64_t chunks = (Tq + 63) / 64;  // dq's chunks of 64 queries
+  const at::Tensor dq_accum = at::empty({B, H, chunks, 64 * D}, lse.options());
+  const at::Tensor turns = at::zeros({B, H, chunks}, lse.options().dtype(at::kInt));
+  auto a = hp_backward_args(q, k, v, o, dout, lse, delta, dq, dk, dv, softmax_scale, causal);
+  a.dq_accum = dq_accum.data_ptr<float>();
+  a.dq_turns = turns.data_ptr<int>();
+  te_fuser::launch_attention_hp_backward(a, hp_code_or_none(q.scalar_type()), as_stream(stream));
   return std::make_tuple(dq, dk, dv);
 }
 

@@ -257,6 +257,8 @@ struct AttentionBwdArgs : AttentionShape {
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  float* dq_accum = nullptr;  // dq's fp32 chunks (B, H, ceil(Tq / 64), 64·D), and their turn counters, zeros
+  int* dq_turns = nullptr;
   float softmax_scale = 0.0f;
   int64_t do_stride_b = 0, do_stride_h = 0, do_stride_t = 0;
   int64_t dq_stride_b = 0, dq_stride_h = 0, dq_stride_t = 0;
@@ -264,9 +266,10 @@ struct AttentionBwdArgs : AttentionShape {
   int64_t dv_stride_b = 0, dv_stride_h = 0, dv_stride_t = 0;
 };
 
-// dq and delta; then dk and dv, from that delta (type bf16 or fp16; head dim 64 or
-// 128; sm_90a).
-void launch_attention_hp_dq(const AttentionBwdArgs& args, int type, void* stream);
+// The whole backward (delta, then dk and dv with dq's chunks added in a fixed
+// order, then dq); dk and dv alone from a given delta (type bf16 or fp16; head dim
+// 64 or 128; sm_90a).
+void launch_attention_hp_backward(const AttentionBwdArgs& args, int type, void* stream);
 void launch_attention_hp_dkdv(const AttentionBwdArgs& args, int type, void* stream);
 
 // The first of the two alone: V (args.v, its strides, batch, hkv, tk, head_dim)
