@@ -314,7 +314,7 @@ struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
   static constexpr int step_block = kStepRows * 128;
   static constexpr int producer_arrivals = 1;
   template <bool CAUSAL>
-  static constexpr int producer_registers = DQ ? 32 : 24;  // DQ: the dq writer beside the copying thread
+  static constexpr int producer_registers = 24;  // 128 · 24 + 256 · 240: the 384 · 168 the block starts with
   template <bool CAUSAL>
   static constexpr int consumer_registers = 240;
   static __device__ __forceinline__ uint32_t held(uint32_t base, int i) { return base + i * held_bytes; }
@@ -383,11 +383,12 @@ inline CUtensorMap rows_map(const void* data, int batch, int heads, int t, int d
 // from `first` (causal: the step of the block's first key) to tq.
 struct DkdvWork {
   int b, hk, n0, first, per_head, steps;
-  static __device__ __forceinline__ DkdvWork of(const AttentionBwdArgs& a, bool causal) {
+  // last_first: the grid's key blocks from the last down (write_dq's order)
+  static __device__ __forceinline__ DkdvWork of(const AttentionBwdArgs& a, bool causal, bool last_first) {
     DkdvWork w;
     w.b = blockIdx.y / a.hkv;
     w.hk = blockIdx.y % a.hkv;
-    w.n0 = blockIdx.x * kBlockN;
+    w.n0 = (last_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockN;
     w.first = causal ? w.n0 / kStepRows * kStepRows : 0;
     w.per_head = w.first < a.tq ? (a.tq - w.first + kStepRows - 1) / kStepRows : 0;
     w.steps = w.per_head * (a.h / a.hkv);
@@ -639,19 +640,18 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
 // reaches each step first), the first of them storing. The chunk's turn counter says
 // how many have added; the block waits for its turn, adds, and passes the turn on
 // once the add has landed, which it waits for behind the next step's add (its buffer
-// is freed then too). A block only waits for blocks after it in the grid, which start
-// no later than it does: every wait ends.
+// is freed then too). The grid runs a kv head's key blocks from the last down, so a
+// block only waits for blocks that started before it: every wait ends, however few
+// blocks the GPU holds at once.
 template <int D, bool CAUSAL>
 __device__ __forceinline__ void write_dq(uint32_t base, const AttentionBwdArgs& a, const DkdvWork& w) {
   using S = BwdSmem<D, kDkdvStages, true>;
   const int last_block = (a.tk + kBlockN - 1) / kBlockN - 1, n = w.n0 / kBlockN, steps = dq_steps(a);
-  const auto turn_of = [&](int i) {
-    return a.dq_turns + (int64_t(w.b) * a.h + w.head(a, i)) * steps + w.row(i) / kStepRows;
-  };
+  int* last_turn = nullptr;
   for (int i = 0; i < w.steps; ++i) {
     const int m = w.row(i) / kStepRows;
     const int before = (CAUSAL ? min(last_block, m * kStepRows / kBlockN) : last_block) - n;  // blocks after n
-    int* turn = turn_of(i);
+    int* turn = a.dq_turns + (int64_t(w.b) * a.h + w.head(a, i)) * steps + m;
     barrier_wait(S::dq_full(base, i % 2), (i / 2) & 1);
     while (load_acquire(turn) != before) __nanosleep(32);
     fence_async_global();
@@ -665,14 +665,15 @@ __device__ __forceinline__ void write_dq(uint32_t base, const AttentionBwdArgs& 
     if (i > 0) {  // step i - 1's add landed: its turn passed on, its buffer free
       bulk_wait_all_but_newest();
       fence_async_global();
-      add_release(turn_of(i - 1), 1);
+      add_release(last_turn, 1);
       barrier_arrive(S::dq_empty(base, (i - 1) % 2));
     }
+    last_turn = turn;
   }
-  if (w.steps > 0) {
+  if (last_turn != nullptr) {
     bulk_wait_all();
     fence_async_global();
-    add_release(turn_of(w.steps - 1), 1);
+    add_release(last_turn, 1);
   }
 }
 
@@ -693,7 +694,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
     }
     __syncthreads();
   }
-  const DkdvWork w = DkdvWork::of(a, CAUSAL);
+  const DkdvWork w = DkdvWork::of(a, CAUSAL, DQ);
   const int group = threadIdx.x / kWarpgroup, tid = threadIdx.x % kWarpgroup;
   if (group == 0) {
     fewer_registers<S::template producer_registers<CAUSAL>>();
@@ -723,7 +724,7 @@ void launch_dkdv(const AttentionBwdArgs& a, cudaStream_t stream) {
                           "attention_hp_dkdv's q");
   maps.step[1] = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kStepRows,
                           "attention_hp_dkdv's do");
-  // key blocks fastest: the blocks of one kv head start together (write_dq's waits)
+  // key blocks fastest (DQ: from the last down, write_dq's order)
   const dim3 grid(unsigned((a.tk + kBlockN - 1) / kBlockN), unsigned(a.batch * a.hkv));
   launch_on<attention_hp_dkdv_kernel<D, CAUSAL, DQ, T>, BwdSmem<D, kDkdvStages, DQ>>(grid, a, stream,
                                                                                      "attention_hp_dkdv", maps);
