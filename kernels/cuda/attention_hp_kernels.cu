@@ -296,7 +296,7 @@ __device__ __forceinline__ uint64_t step_mn_descriptor(uint32_t addr) {
 // bytes under the 128-byte swizzle) and two dq buffers (64 queries x D fp32, in the
 // accumulators' order: float4 j of thread slot t at 16·(j·slots + t)), then the
 // barriers: q_full(0) for the held pair, full / empty a stage, then (DQ) dq_full /
-// dq_empty a dq buffer. One producer thread copies (its arrival brings the bytes).
+// dq_empty a dq buffer and ds_full / ds_empty a dSᵀ buffer. One producer thread copies (its arrival brings the bytes).
 constexpr int kDsBytes = kBlockN * kStepRows * 2;
 __host__ __device__ constexpr int dq_chunk_bytes(int d) { return kStepRows * d * 4; }
 // The threads that write a dq buffer: both warpgroups at head dim 128, one at 64.
@@ -307,7 +307,7 @@ constexpr int bwd_buffer_bytes(int d, int stages, bool dq) {
 template <int D, int STAGES, bool DQ = false>
 struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
   using Ring = RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)>;
-  static constexpr int bytes = Ring::bytes + (DQ ? 4 * 8 : 0);
+  static constexpr int bytes = Ring::bytes + (DQ ? 8 * 8 : 0);
   static constexpr int head_dim = D;
   static constexpr int held_bytes = kBlockN * D * 2;
   static constexpr int step_bytes = kStepRows * D * 2;
@@ -328,6 +328,10 @@ struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
   static __device__ __forceinline__ uint32_t dq_full(uint32_t base, int i) { return base + Ring::bytes + 8 * i; }
   static __device__ __forceinline__ uint32_t dq_empty(uint32_t base, int i) {
     return base + Ring::bytes + 16 + 8 * i;
+  }
+  static __device__ __forceinline__ uint32_t ds_full(uint32_t base, int i) { return base + Ring::bytes + 32 + 8 * i; }
+  static __device__ __forceinline__ uint32_t ds_empty(uint32_t base, int i) {
+    return base + Ring::bytes + 48 + 8 * i;
   }
 };
 
@@ -447,9 +451,6 @@ __device__ __forceinline__ void hmma_dq(float (&d)[32], uint64_t a, uint64_t b) 
   }
 }
 
-// Both consumer warpgroups at one point (named barrier 1; 0 is __syncthreads').
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(2 * kWarpgroup) : "memory"); }
-
 // The dq adds' order across blocks (a turn counter per dq chunk in global memory):
 // an acquiring read, a releasing add, the bulk copies of shared memory to global
 // (a plain store, or an fp32 add there) and their completion.
@@ -482,20 +483,23 @@ __host__ __device__ __forceinline__ int dq_steps(const AttentionBwdArgs& a) {
   return (a.tq + kStepRows - 1) / kStepRows;
 }
 
-// Step i's dq share, dS K over the block's 128 keys (dSᵀ in buffer `ds`; K's columns
-// of this warpgroup at k_mn), after the products already issued, into dq buffer i % 2
-// once the writer has emptied it; its barrier told.
+// Step i's dq share, dS K over the block's 128 keys (K's columns of this warpgroup at
+// k_mn), once both warpgroups have left step i's dSᵀ in buffer i % 2, after the
+// products already issued; the dSᵀ buffer freed, the result into dq buffer i % 2 once
+// the writer has emptied it, its barrier told.
 template <int D, bool F16>
-__device__ __forceinline__ void make_dq(uint32_t base, uint32_t ds, uint64_t k_mn, int i, int group, int tid) {
+__device__ __forceinline__ void make_dq(uint32_t base, uint64_t k_mn, int i, int group, int tid) {
   using S = BwdSmem<D, kDkdvStages, true>;
+  barrier_wait(S::ds_full(base, i % 2), (i / 2) & 1);
   float dq[32];
-  const uint64_t ds_mn = mn_descriptor(ds);
+  const uint64_t ds_mn = mn_descriptor(S::ds(base, i % 2));
   hmma_dq<F16, true>(dq, ds_mn, k_mn);
 #pragma unroll
   for (int kk = 1; kk < kBlockN / 16; ++kk) hmma_dq<F16, false>(dq, ds_mn + 128 * kk, k_mn + 128 * kk);
   mma_commit();
   mma_wait_all();
   fence_registers(dq);
+  barrier_arrive(S::ds_empty(base, i % 2));
   if (i >= 2) barrier_wait(S::dq_empty(base, i % 2), ((i / 2) - 1) & 1);  // step i - 2's dq written out
   const uint32_t out = S::dq(base, i % 2) + 16 * ((D == 128 ? group * kWarpgroup : 0) + tid);
 #pragma unroll
@@ -534,9 +538,16 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
   // dq's B operand: the block's 128 keys of the columns this warpgroup makes
   const uint64_t k_mn = mn_descriptor(S::held(base, 0) + (D == 128 ? group : 0) * kBlockBytes);
   barrier_wait(S::q_full(base, 0), 0);
-  // step i; MAKES: this warpgroup makes its dq share (head dim 64: the warpgroup of
-  // the step's parity, a constant of each half of the loop's body below)
-  const auto step = [&](int i, auto makes) {
+  const auto store_dkdv = [&] {
+    store_key_rows<D, T>(static_cast<T*>(a.dk) + int64_t(w.b) * a.dk_stride_b + int64_t(w.hk) * a.dk_stride_h, dk,
+                         a.softmax_scale, a.dk_stride_t, key0, col, a.tk);
+    store_key_rows<D, T>(static_cast<T*>(a.dv) + int64_t(w.b) * a.dv_stride_b + int64_t(w.hk) * a.dv_stride_h, dv,
+                         1.0f, a.dv_stride_t, key0, col, a.tk);
+  };
+  // step i; makes_last: this warpgroup makes its dq share of step i - 1 there (head
+  // dim 64: the warpgroup of that step's parity, a constant of each half of the
+  // loop's body below), so that neither warpgroup waits for the other's dSᵀ
+  const auto step = [&](int i, auto makes_last) {
     const int s = i % kDkdvStages, h = w.head(a, i), m0 = w.row(i);
     const int64_t bh = int64_t(w.b) * a.h + h;
     float lse2[16];  // in base 2
@@ -586,10 +597,10 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
       for (int w2 = 0; w2 < 4; ++w2) df[kk][w2] = pack2<f16>(dp[8 * kk + 2 * w2], dp[8 * kk + 2 * w2 + 1]);
     }
     if constexpr (DQ) {
-      // dSᵀ into buffer i % 2: df[kk][w2] is rows key_row + 8·(w2 % 2), queries
-      // 16kk + 8·(w2 / 2) + col and one more (conflict-free under the swizzle). The
-      // products of step i - 2 that read the buffer ended before both warpgroups
-      // passed step i - 1's sync.
+      // dSᵀ into buffer i % 2 once step i - 2's dq products have read it: df[kk][w2]
+      // is rows key_row + 8·(w2 % 2), queries 16kk + 8·(w2 / 2) + col and one more
+      // (conflict-free under the swizzle)
+      if (i >= 2) barrier_wait(S::ds_empty(base, i % 2), ((i / 2) - 1) & 1);
       const uint32_t ds = S::ds(base, i % 2);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -600,14 +611,17 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
         }
       }
       fence_for_tensor_cores();
-      consumers_sync();
+      barrier_arrive(S::ds_full(base, i % 2));
+      mma_wait_all();  // dv += Pᵀ do (done by now): Pᵀ's registers free for dS K's
+      fence_registers(pf);
+      fence_registers(dv);
     }
     mma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dk, df[kk], q_mn + 128 * kk);
     mma_commit();
-    if constexpr (decltype(makes)::value) {
-      make_dq<D, f16>(base, S::ds(base, i % 2), k_mn, i, group, tid);
+    if constexpr (decltype(makes_last)::value) {  // the last step's dq share, beside this step's dk
+      make_dq<D, f16>(base, k_mn, i - 1, group, tid);
     } else {
       mma_wait_all();
     }
@@ -617,20 +631,21 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     fence_registers(df);
     barrier_arrive(S::empty(base, s));
   };
-  using Even = std::integral_constant<bool, DQ && (D == 128 || GROUP == 0)>;
+  using Even = std::integral_constant<bool, DQ && (D == 128 || GROUP == 0)>;  // makes an even step's dq
   using Odd = std::integral_constant<bool, DQ && (D == 128 || GROUP == 1)>;
+  if (w.steps == 0) return store_dkdv();
+  step(0, std::false_type());
   if constexpr (Even::value == Odd::value) {
-    for (int i = 0; i < w.steps; ++i) step(i, Even());
+    for (int i = 1; i < w.steps; ++i) step(i, Even());
+    if constexpr (Even::value) make_dq<D, f16>(base, k_mn, w.steps - 1, group, tid);
   } else {
-    for (int i = 0; i < w.steps; i += 2) {
+    for (int i = 1; i < w.steps; i += 2) {  // step i makes step i - 1's dq: odd steps an even one's
       step(i, Even());
       if (i + 1 < w.steps) step(i + 1, Odd());
     }
+    if ((w.steps - 1) % 2 == GROUP) make_dq<D, f16>(base, k_mn, w.steps - 1, group, tid);
   }
-  store_key_rows<D, T>(static_cast<T*>(a.dk) + int64_t(w.b) * a.dk_stride_b + int64_t(w.hk) * a.dk_stride_h, dk,
-                       a.softmax_scale, a.dk_stride_t, key0, col, a.tk);
-  store_key_rows<D, T>(static_cast<T*>(a.dv) + int64_t(w.b) * a.dv_stride_b + int64_t(w.hk) * a.dv_stride_h, dv,
-                       1.0f, a.dv_stride_t, key0, col, a.tk);
+  store_dkdv();
 }
 
 // The block's dq writer (one thread of the producer warpgroup): each step's dq share
@@ -689,6 +704,8 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
       for (int i = 0; i < 2; ++i) {
         barrier_init(S::dq_full(base, i), dq_slots(D));  // the threads that write a dq buffer
         barrier_init(S::dq_empty(base, i), 1);            // the writer
+        barrier_init(S::ds_full(base, i), 2 * kWarpgroup);  // both consumers' threads
+        barrier_init(S::ds_empty(base, i), dq_slots(D));    // the threads whose products read it
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
