@@ -12,7 +12,9 @@ of ``bench_attention.CASES`` (default the main one, 4x16x4096x128 causal):
   the kernel that writes V transposed (``v_keys_inner_kernel``) before it;
 - ``hpfwd``: our Hopper bf16 forward (``attention_hp_kernels.cu``);
 - ``cudnnfwd`` / ``cudnnbwd``: SDPA's cuDNN kernels, the yardstick;
-- ``bwd``: Triton's two-kernel backward (dq's kernel, then dk / dv's).
+- ``bwd``: Triton's two-kernel backward (dq's kernel, then dk / dv's);
+- ``hpbwd``: our Hopper backward (``attention_hp_kernels.cu``: delta, the dk / dv
+  kernel that adds dq, dq's store); ``hpdkdv``: its dk / dv kernel without dq.
 
     python benchmarks/ncu_attention.py [--targets fp8fwd ...] [--case main] [--out DIR] [--source]
 
@@ -38,8 +40,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-TARGETS = ("fp8fwd", "hpfwd", "cudnnfwd", "bwd", "cudnnbwd")
-SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis", "WarpStateStats")
+TARGETS = ("fp8fwd", "hpfwd", "cudnnfwd", "bwd", "cudnnbwd", "hpbwd", "hpdkdv")
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis", "WarpStateStats",
+            "MemoryWorkloadAnalysis")
 SOURCE_SECTIONS = ("WarpStateStats", "SourceCounters")  # the stall samples of each SASS instruction
 # Raw counters beside the sections: every stall reason and every pipe's utilization
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
@@ -267,6 +270,14 @@ def _call(target: str, case: str, device: str = "cuda"):
         o = ba._sdpa(qg, kg, vg, causal, "cudnn")
         return lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
     o, lse = tk.attention_forward(q, k, v, causal, scale)
+    if target in ("hpbwd", "hpdkdv"):
+        reason = cuda_attn.attention_forward_hopper_unsupported_reason(q, k)
+        if reason is not None:
+            raise SystemExit(f"ncu_attention: {target}: {reason}")
+        if target == "hpbwd":
+            return lambda: cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, causal, scale)
+        delta = (o.float() * do.float()).sum(-1)
+        return lambda: cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, causal, scale, delta=delta)
     return lambda: tk.attention_backward(q, k, v, o, lse, do, causal, scale)
 
 
