@@ -255,21 +255,22 @@ void launch_typed(const AttentionHpArgs& a, cudaStream_t stream) {
 constexpr int kStepRows = 64;  // queries a step
 constexpr int kDkdvStages = 2;
 
-// d (=|+=) a·b, 64 x 64 x 16: a (64 x 16) and b (64 x 16) K-major in shared memory.
-template <bool F16, bool FIRST>
+// d (=|+=) a·b, 64 x 64 x 16, a and b in shared memory: K-major (a 64 x 16, b 64 x
+// 16), or with MN (both MN-major: a 16 x 64, b 16 x 64, as they lie along the rows).
+template <bool F16, bool FIRST, bool MN = false>
 __device__ __forceinline__ void hmma_n64(float (&d)[32], uint64_t a, uint64_t b) {
   if constexpr (F16 && FIRST) {
-    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 0, TE_R32, "%32, %33", "1, 1, 0, 0") : TE_D32("=f")
-                 : "l"(a), "l"(b));
+    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 0, TE_R32, "%32, %33", "1, 1, %34, %34") : TE_D32("=f")
+                 : "l"(a), "l"(b), "n"(int(MN)));
   } else if constexpr (F16) {
-    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 1, TE_R32, "%32, %33", "1, 1, 0, 0") : TE_D32("+f")
-                 : "l"(a), "l"(b));
+    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 1, TE_R32, "%32, %33", "1, 1, %34, %34") : TE_D32("+f")
+                 : "l"(a), "l"(b), "n"(int(MN)));
   } else if constexpr (FIRST) {
-    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 0, TE_R32, "%32, %33", "1, 1, 0, 0") : TE_D32("=f")
-                 : "l"(a), "l"(b));
+    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 0, TE_R32, "%32, %33", "1, 1, %34, %34") : TE_D32("=f")
+                 : "l"(a), "l"(b), "n"(int(MN)));
   } else {
-    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 1, TE_R32, "%32, %33", "1, 1, 0, 0") : TE_D32("+f")
-                 : "l"(a), "l"(b));
+    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 1, TE_R32, "%32, %33", "1, 1, %34, %34") : TE_D32("+f")
+                 : "l"(a), "l"(b), "n"(int(MN)));
   }
 }
 
@@ -432,25 +433,6 @@ __device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[D / 2]
   }
 }
 
-// The 16-bit dq share of a step, 64 x 64 x 16: a (64 queries x 16 keys) and b (16
-// keys x 64 head-dim columns) both MN-major in shared memory (dSᵀ and K as they lie).
-template <bool F16, bool FIRST>
-__device__ __forceinline__ void hmma_dq(float (&d)[32], uint64_t a, uint64_t b) {
-  if constexpr (F16 && FIRST) {
-    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 0, TE_R32, "%32, %33", "1, 1, 1, 1") : TE_D32("=f")
-                 : "l"(a), "l"(b));
-  } else if constexpr (F16) {
-    asm volatile(TE_WGMMA("m64n64k16", "f16.f16", 1, TE_R32, "%32, %33", "1, 1, 1, 1") : TE_D32("+f")
-                 : "l"(a), "l"(b));
-  } else if constexpr (FIRST) {
-    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 0, TE_R32, "%32, %33", "1, 1, 1, 1") : TE_D32("=f")
-                 : "l"(a), "l"(b));
-  } else {
-    asm volatile(TE_WGMMA("m64n64k16", "bf16.bf16", 1, TE_R32, "%32, %33", "1, 1, 1, 1") : TE_D32("+f")
-                 : "l"(a), "l"(b));
-  }
-}
-
 // The dq adds' order across blocks (a turn counter per dq chunk in global memory):
 // an acquiring read, a releasing add, the bulk copies of shared memory to global
 // (a plain store, or an fp32 add there) and their completion.
@@ -493,9 +475,9 @@ __device__ __forceinline__ void make_dq(uint32_t base, uint64_t k_mn, int i, int
   barrier_wait(S::ds_full(base, i % 2), (i / 2) & 1);
   float dq[32];
   const uint64_t ds_mn = mn_descriptor(S::ds(base, i % 2));
-  hmma_dq<F16, true>(dq, ds_mn, k_mn);
+  hmma_n64<F16, true, true>(dq, ds_mn, k_mn);  // dSᵀ and K as they lie
 #pragma unroll
-  for (int kk = 1; kk < kBlockN / 16; ++kk) hmma_dq<F16, false>(dq, ds_mn + 128 * kk, k_mn + 128 * kk);
+  for (int kk = 1; kk < kBlockN / 16; ++kk) hmma_n64<F16, false, true>(dq, ds_mn + 128 * kk, k_mn + 128 * kk);
   mma_commit();
   mma_wait_all();
   fence_registers(dq);
