@@ -299,14 +299,11 @@ __device__ __forceinline__ uint64_t step_mn_descriptor(uint32_t addr) {
 // barriers: q_full(0) for the held pair, full / empty a stage, then (DQ) dq_full /
 // dq_empty a dq buffer and ds_full / ds_empty a dSᵀ buffer. One producer thread copies (its arrival brings the bytes).
 constexpr int kDsBytes = kBlockN * kStepRows * 2;
-// A dq buffer (and chunk): each consumer thread's 32 fp32 accumulators, float4 j of
-// thread slot t (warpgroup · 128 + thread) at 16·(j·256 + t). Head dim 128: each
-// warpgroup's 64 columns of the 64 queries; 64: each warpgroup's share over its own
-// 64 keys, all columns (the two summed in dq's store).
-constexpr int kDqSlots = 2 * kWarpgroup;
-constexpr int kDqChunkBytes = kDqSlots * 32 * 4;
+__host__ __device__ constexpr int dq_chunk_bytes(int d) { return kStepRows * d * 4; }
+// The threads that write a dq buffer: both warpgroups at head dim 128, one at 64.
+__host__ __device__ constexpr int dq_slots(int d) { return d == 128 ? 2 * kWarpgroup : kWarpgroup; }
 constexpr int bwd_buffer_bytes(int d, int stages, bool dq) {
-  return 2 * kBlockN * d * 2 + stages * 2 * kStepRows * d * 2 + (dq ? 2 * kDsBytes + 2 * kDqChunkBytes : 0);
+  return 2 * kBlockN * d * 2 + stages * 2 * kStepRows * d * 2 + (dq ? 2 * kDsBytes + 2 * dq_chunk_bytes(d) : 0);
 }
 template <int D, int STAGES, bool DQ = false>
 struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
@@ -328,7 +325,7 @@ struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
   static __device__ __forceinline__ uint32_t ds(uint32_t base, int i) {
     return base + 2 * held_bytes + 2 * STAGES * step_bytes + i * kDsBytes;
   }
-  static __device__ __forceinline__ uint32_t dq(uint32_t base, int i) { return ds(base, 2) + i * kDqChunkBytes; }
+  static __device__ __forceinline__ uint32_t dq(uint32_t base, int i) { return ds(base, 2) + i * dq_chunk_bytes(D); }
   static __device__ __forceinline__ uint32_t dq_full(uint32_t base, int i) { return base + Ring::bytes + 8 * i; }
   static __device__ __forceinline__ uint32_t dq_empty(uint32_t base, int i) {
     return base + Ring::bytes + 16 + 8 * i;
@@ -468,40 +465,28 @@ __host__ __device__ __forceinline__ int dq_steps(const AttentionBwdArgs& a) {
   return (a.tq + kStepRows - 1) / kStepRows;
 }
 
-// wgmma groups this thread may leave running (the oldest waited for first).
-template <int N>
-__device__ __forceinline__ void mma_wait_but() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Step i's dq share, dS K (head dim 128: over the block's 128 keys, this warpgroup's
-// 64 columns; 64: over its own 64 keys; K's part at k_mn), once both warpgroups have left step i's dSᵀ in buffer i % 2; `beside` issues
-// (and commits) one more product after it, left running. The dSᵀ buffer freed, the
-// result into dq buffer i % 2 once the writer has emptied it, its barrier told.
-template <int D, bool F16, typename Beside>
-__device__ __forceinline__ void make_dq(uint32_t base, uint64_t k_mn, int i, int group, int tid, Beside beside) {
+// Step i's dq share, dS K over the block's 128 keys (K's columns of this warpgroup at
+// k_mn), once both warpgroups have left step i's dSᵀ in buffer i % 2, after the
+// products already issued; the dSᵀ buffer freed, the result into dq buffer i % 2 once
+// the writer has emptied it, its barrier told.
+template <int D, bool F16>
+__device__ __forceinline__ void make_dq(uint32_t base, uint64_t k_mn, int i, int group, int tid) {
   using S = BwdSmem<D, kDkdvStages, true>;
-  constexpr int keys = D == 128 ? kBlockN : 64;  // head dim 64: this warpgroup's own keys
   barrier_wait(S::ds_full(base, i % 2), (i / 2) & 1);
   float dq[32];
-  const uint64_t ds_mn = mn_descriptor(S::ds(base, i % 2) + (D == 128 ? 0 : 64 * group * 128));
-  mma_fence();
+  const uint64_t ds_mn = mn_descriptor(S::ds(base, i % 2));
   hmma_n64<F16, true, true>(dq, ds_mn, k_mn);  // dSᵀ and K as they lie
 #pragma unroll
-  for (int kk = 1; kk < keys / 16; ++kk) hmma_n64<F16, false, true>(dq, ds_mn + 128 * kk, k_mn + 128 * kk);
+  for (int kk = 1; kk < kBlockN / 16; ++kk) hmma_n64<F16, false, true>(dq, ds_mn + 128 * kk, k_mn + 128 * kk);
   mma_commit();
-  if (beside()) {
-    mma_wait_but<1>();
-  } else {
-    mma_wait_all();
-  }
+  mma_wait_all();
   fence_registers(dq);
   barrier_arrive(S::ds_empty(base, i % 2));
   if (i >= 2) barrier_wait(S::dq_empty(base, i % 2), ((i / 2) - 1) & 1);  // step i - 2's dq written out
-  const uint32_t out = S::dq(base, i % 2) + 16 * (group * kWarpgroup + tid);
+  const uint32_t out = S::dq(base, i % 2) + 16 * ((D == 128 ? group * kWarpgroup : 0) + tid);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(out + 16 * kDqSlots * j), "f"(dq[4 * j]),
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(out + 16 * dq_slots(D) * j), "f"(dq[4 * j]),
                  "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
                  : "memory");
   }
@@ -514,7 +499,7 @@ __device__ __forceinline__ void make_dq(uint32_t base, uint64_t k_mn, int i, int
 // share of the block's 128 keys, dS K, is made there (head dim 128: each warpgroup
 // 64 of the columns; 64: the warpgroup of the step's parity, all of them) and left in
 // a dq buffer for the block's dq writer (write_dq).
-template <int D, bool CAUSAL, bool DQ, typename T>
+template <int D, bool CAUSAL, bool DQ, typename T, int GROUP>
 __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdArgs& a, const DkdvWork& w, int group,
                                              int tid) {
   using S = BwdSmem<D, kDkdvStages, DQ>;
@@ -532,9 +517,8 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     k_desc[blk] = tile_descriptor<128>(S::held(base, 0) + blk * kBlockBytes + 64 * group * 128);
     v_desc[blk] = tile_descriptor<128>(S::held(base, 1) + blk * kBlockBytes + 64 * group * 128);
   }
-  // dq's B operand: the block's 128 keys of this warpgroup's 64 columns (head dim
-  // 128), or this warpgroup's 64 keys (64)
-  const uint64_t k_mn = mn_descriptor(S::held(base, 0) + (D == 128 ? group * kBlockBytes : 64 * group * 128));
+  // dq's B operand: the block's 128 keys of the columns this warpgroup makes
+  const uint64_t k_mn = mn_descriptor(S::held(base, 0) + (D == 128 ? group : 0) * kBlockBytes);
   barrier_wait(S::q_full(base, 0), 0);
   const auto store_dkdv = [&] {
     store_key_rows<D, T>(static_cast<T*>(a.dk) + int64_t(w.b) * a.dk_stride_b + int64_t(w.hk) * a.dk_stride_h, dk,
@@ -542,16 +526,14 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     store_key_rows<D, T>(static_cast<T*>(a.dv) + int64_t(w.b) * a.dv_stride_b + int64_t(w.hk) * a.dv_stride_h, dv,
                          1.0f, a.dv_stride_t, key0, col, a.tk);
   };
-  // step i; makes_last: it makes the dq share of step i - 1, so that neither
-  // warpgroup waits for the other's dSᵀ. At head dim 64 a step leaves its dk product
-  // running into the next step, which issues its Sᵀ and dPᵀ first, then waits for it
-  // (and frees the stage it read); at 128 the registers do not hold both (ptxas
-  // serializes the products), so a step waits for its own.
-  constexpr bool overlap = D == 64;
-  uint32_t pf[4][4], df[4][4];  // Pᵀ and dSᵀ as A operands, kept until their products end
+  // step i; makes_last: this warpgroup makes its dq share of step i - 1 there (head
+  // dim 64: the warpgroup of that step's parity, a constant of each half of the
+  // loop's body below), so that neither warpgroup waits for the other's dSᵀ
   const auto step = [&](int i, auto makes_last) {
     const int s = i % kDkdvStages, h = w.head(a, i), m0 = w.row(i);
     const int64_t bh = int64_t(w.b) * a.h + h;
+    float lse2[16];  // in base 2
+    column_values(lse2, a.lse + bh * a.tq, m0, col, a.tq, kLog2e);
     uint64_t q_desc[D / 64], do_desc[D / 64];
 #pragma unroll
     for (int blk = 0; blk < D / 64; ++blk) {
@@ -566,17 +548,7 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     mma_commit();
     hmma_rows<D, f16>(dp, v_desc, do_desc);
     mma_commit();
-    if constexpr (overlap) {
-      mma_wait_but<2>();  // the last step's products (dv, dk): its Pᵀ, dSᵀ and stage free
-      fence_registers(pf);
-      fence_registers(df);
-      fence_registers(dk);
-      fence_registers(dv);
-      if (i > 0) barrier_arrive(S::empty(base, (i - 1) % kDkdvStages));
-    }
-    float lse2[16];  // in base 2
-    column_values(lse2, a.lse + bh * a.tq, m0, col, a.tq, kLog2e);
-    mma_wait_but<1>();  // Sᵀ
+    mma_wait_all_but_newest();  // Sᵀ
     fence_registers(st);
 #pragma unroll
     for (int e = 0; e < 32; ++e) {  // row key0 + 8·((e / 2) % 2), column 8·(e / 4) + col + e % 2
@@ -584,8 +556,9 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
       const bool seen = query < a.tq && (!CAUSAL || query >= key);
       st[e] = seen ? fast_exp2(fmaf(st[e], a.qk_scale, -lse2[c])) : 0.0f;
     }
+    uint32_t pf[4][4];  // Pᵀ as the A operand: queries 16kk .. 16kk + 15 of step kk
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {  // Pᵀ: queries 16kk .. 16kk + 15 of step kk
+    for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
       for (int w2 = 0; w2 < 4; ++w2) pf[kk][w2] = pack2<f16>(st[8 * kk + 2 * w2], st[8 * kk + 2 * w2 + 1]);
     }
@@ -595,8 +568,9 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     mma_commit();
     float delta[16];
     column_values(delta, a.delta + bh * a.tq, m0, col, a.tq, 1.0f);
-    mma_wait_but<1>();  // dPᵀ (dv += Pᵀ do may still run)
+    mma_wait_all_but_newest();  // dPᵀ (dv += Pᵀ do may still run)
     fence_registers(dp);
+    uint32_t df[4][4];  // dSᵀ as the A operand
 #pragma unroll
     for (int e = 0; e < 32; ++e) dp[e] = st[e] * (dp[e] - delta[2 * (e / 4) + e % 2]);
 #pragma unroll
@@ -620,41 +594,39 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
       }
       fence_for_tensor_cores();
       barrier_arrive(S::ds_full(base, i % 2));
-    }
-    const auto issue_dk = [&] {
-      mma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dk, df[kk], q_mn + 128 * kk);
-      mma_commit();
-      return true;
-    };
-    if constexpr (decltype(makes_last)::value) {  // the last step's dq share, then this step's dk beside it
-      make_dq<D, f16>(base, k_mn, i - 1, group, tid, issue_dk);
-    } else {
-      issue_dk();
-    }
-    if constexpr (!overlap) {
-      mma_wait_all();
+      mma_wait_all();  // dv += Pᵀ do (done by now): Pᵀ's registers free for dS K's
       fence_registers(pf);
-      fence_registers(df);
-      fence_registers(dk);
       fence_registers(dv);
-      barrier_arrive(S::empty(base, s));
     }
-  };
-  const auto finish = [&] {  // the last step's products, then dk and dv stored
-    mma_wait_all();
-    fence_registers(pf);
-    fence_registers(df);
-    fence_registers(dk);
+    mma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dk, df[kk], q_mn + 128 * kk);
+    mma_commit();
+    if constexpr (decltype(makes_last)::value) {  // the last step's dq share, beside this step's dk
+      make_dq<D, f16>(base, k_mn, i - 1, group, tid);
+    } else {
+      mma_wait_all();
+    }
     fence_registers(dv);
+    fence_registers(pf);
+    fence_registers(dk);
+    fence_registers(df);
+    barrier_arrive(S::empty(base, s));
   };
-  const auto nothing = [] { return false; };
+  using Even = std::integral_constant<bool, DQ && (D == 128 || GROUP == 0)>;  // makes an even step's dq
+  using Odd = std::integral_constant<bool, DQ && (D == 128 || GROUP == 1)>;
   if (w.steps == 0) return store_dkdv();
   step(0, std::false_type());
-  for (int i = 1; i < w.steps; ++i) step(i, std::bool_constant<DQ>());
-  finish();
-  if constexpr (DQ) make_dq<D, f16>(base, k_mn, w.steps - 1, group, tid, nothing);
+  if constexpr (Even::value == Odd::value) {
+    for (int i = 1; i < w.steps; ++i) step(i, Even());
+    if constexpr (Even::value) make_dq<D, f16>(base, k_mn, w.steps - 1, group, tid);
+  } else {
+    for (int i = 1; i < w.steps; i += 2) {  // step i makes step i - 1's dq: odd steps an even one's
+      step(i, Even());
+      if (i + 1 < w.steps) step(i + 1, Odd());
+    }
+    if ((w.steps - 1) % 2 == GROUP) make_dq<D, f16>(base, k_mn, w.steps - 1, group, tid);
+  }
   store_dkdv();
 }
 
@@ -680,11 +652,11 @@ __device__ __forceinline__ void write_dq(uint32_t base, const AttentionBwdArgs& 
     barrier_wait(S::dq_full(base, i % 2), (i / 2) & 1);
     while (load_acquire(turn) != before) __nanosleep(32);
     fence_async_global();
-    float* dst = a.dq_accum + (turn - a.dq_turns) * int64_t(kDqChunkBytes / 4);
+    float* dst = a.dq_accum + (turn - a.dq_turns) * int64_t(kStepRows * D);
     if (before == 0) {
-      bulk_store(dst, S::dq(base, i % 2), kDqChunkBytes);
+      bulk_store(dst, S::dq(base, i % 2), dq_chunk_bytes(D));
     } else {
-      bulk_add(dst, S::dq(base, i % 2), kDqChunkBytes);
+      bulk_add(dst, S::dq(base, i % 2), dq_chunk_bytes(D));
     }
     bulk_commit();
     if (i > 0) {  // step i - 1's add landed: its turn passed on, its buffer free
@@ -712,10 +684,10 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        barrier_init(S::dq_full(base, i), kDqSlots);  // the threads that write a dq buffer
+        barrier_init(S::dq_full(base, i), dq_slots(D));  // the threads that write a dq buffer
         barrier_init(S::dq_empty(base, i), 1);            // the writer
         barrier_init(S::ds_full(base, i), 2 * kWarpgroup);  // both consumers' threads
-        barrier_init(S::ds_empty(base, i), kDqSlots);    // the threads whose products read it
+        barrier_init(S::ds_empty(base, i), dq_slots(D));    // the threads whose products read it
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -732,7 +704,11 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
     }
   } else {
     more_registers<S::template consumer_registers<CAUSAL>>();
-    consume_dkdv<D, CAUSAL, DQ, T>(base, a, w, group - 1, tid);
+    if (DQ && D == 64 && group == 2) {  // the warpgroup a constant: its dq steps' branch uniform to the compiler
+      consume_dkdv<D, CAUSAL, DQ, T, 1>(base, a, w, 1, tid);
+    } else {
+      consume_dkdv<D, CAUSAL, DQ, T, 0>(base, a, w, group - 1, tid);
+    }
   }
 }
 
@@ -802,13 +778,12 @@ __global__ void __launch_bounds__(kRowThreads) attention_hp_delta_kernel(const _
   if (inside && piece == 0) a.delta[row] = sum;
 }
 
-// dq from its chunks: a thread one float4 j of a thread slot (consume_dkdv's make_dq:
-// the accumulator's rows 16·warp + lane / 4 and 8 more, columns 8j + 2·(lane % 4) and
-// one more; head dim 128: of the slot's warpgroup's 64 columns; 64: the two
-// warpgroups' slots summed, the first's plus the second's).
+// dq from its chunks: a thread one float4 of a chunk (j, slot as consume_dkdv wrote
+// it: the accumulator's rows 16·warp + lane / 4 and 8 more, columns 8j + 2·(lane % 4)
+// and one more, of the slot's warpgroup's 64 columns at head dim 128).
 template <int D, typename T>
 __global__ void __launch_bounds__(kRowThreads) attention_hp_dq_store_kernel(const __grid_constant__ AttentionBwdArgs a) {
-  constexpr int slots = D == 128 ? kDqSlots : kWarpgroup, per_chunk = 8 * slots;
+  constexpr int slots = dq_slots(D), per_chunk = kStepRows * D / 4;
   const int64_t f = int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
   const int steps = dq_steps(a);
   if (f >= int64_t(a.batch) * a.h * steps * per_chunk) return;
@@ -817,12 +792,7 @@ __global__ void __launch_bounds__(kRowThreads) attention_hp_dq_store_kernel(cons
   const int tid = slot % kWarpgroup, lane = tid % 32;
   const int row = int(chunk % steps) * kStepRows + 16 * (tid / 32) + lane / 4;
   const int column = (D == 128 ? 64 * (slot / kWarpgroup) : 0) + 8 * j + 2 * (lane % 4);
-  const float4* pieces = reinterpret_cast<const float4*>(a.dq_accum) + chunk * (8 * kDqSlots) + j * kDqSlots;
-  float4 v = pieces[slot];
-  if constexpr (D == 64) {
-    const float4 u = pieces[kWarpgroup + slot];
-    v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
-  }
+  const float4 v = reinterpret_cast<const float4*>(a.dq_accum)[f];
   T* dq = static_cast<T*>(a.dq) + (bh / a.h) * a.dq_stride_b + (bh % a.h) * a.dq_stride_h + column;
   const float s = a.softmax_scale;
   if (row < a.tq) store_pair(dq + int64_t(row) * a.dq_stride_t, v.x * s, v.y * s);
@@ -843,7 +813,7 @@ void launch_backward_typed(const AttentionBwdArgs& a, cudaStream_t stream, const
     }
     launch_dkdv<D, decltype(causal)::value, DQ, T>(a, stream);
     if constexpr (DQ) {
-      const int64_t pieces = int64_t(a.batch) * a.h * dq_steps(a) * 8 * (D == 128 ? kDqSlots : kWarpgroup);
+      const int64_t pieces = int64_t(a.batch) * a.h * dq_steps(a) * (kStepRows * D / 4);
       attention_hp_dq_store_kernel<D, T><<<unsigned((pieces + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
                                            stream>>>(a);
       check_launch("attention_hp_dq_store");

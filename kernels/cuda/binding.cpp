@@ -801,7 +801,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backw
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   const int64_t chunks = (Tq + 63) / 64;  // dq's chunks of 64 queries
-  const at::Tensor dq_accum = at::empty({B, H, chunks, 64 * 128}, lse.options());  // 32 KiB a chunk (any head dim)
+  const at::Tensor dq_accum = at::empty({B, H, chunks, 64 * D}, lse.options());
   const at::Tensor turns = at::zeros({B, H, chunks}, lse.options().dtype(at::kInt));
   auto a = hp_backward_args(q, k, v, o, dout, lse, delta, dq, dk, dv, softmax_scale, causal);
   a.dq_accum = dq_accum.data_ptr<float>();
