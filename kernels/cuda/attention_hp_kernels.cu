@@ -295,15 +295,20 @@ __device__ __forceinline__ uint64_t step_mn_descriptor(uint32_t addr) {
 // pair of 64-row tiles (q and do; 8 KiB a column block), then, where the block adds
 // its share of dq (DQ), two dSᵀ buffers (128 keys x 64 queries, 16-bit, rows of 128
 // bytes under the 128-byte swizzle) and two dq buffers (64 queries x D fp32, in the
-// accumulators' order: float4 j of thread slot t at 16·(j·slots + t)), then the
+// accumulators' order: float4 j of thread slot t at 16·(j·slots + t)), then a
+// step's per-query columns a stage (lse · log2 e and delta, 512 bytes), then the
 // barriers: q_full(0) for the held pair, full / empty a stage, then (DQ) dq_full /
 // dq_empty a dq buffer and ds_full / ds_empty a dSᵀ buffer. One producer thread copies (its arrival brings the bytes).
 constexpr int kDsBytes = kBlockN * kStepRows * 2;
 __host__ __device__ constexpr int dq_chunk_bytes(int d) { return kStepRows * d * 4; }
 // The threads that write a dq buffer: both warpgroups at head dim 128, one at 64.
 __host__ __device__ constexpr int dq_slots(int d) { return d == 128 ? 2 * kWarpgroup : kWarpgroup; }
+// A step's per-query columns: lse · log2 e, then delta, 64 fp32 each (the rows
+// buffer's chunk, made before the kernel: zeros past Tq).
+constexpr int kColumnsBytes = 2 * kStepRows * 4;
 constexpr int bwd_buffer_bytes(int d, int stages, bool dq) {
-  return 2 * kBlockN * d * 2 + stages * 2 * kStepRows * d * 2 + (dq ? 2 * kDsBytes + 2 * dq_chunk_bytes(d) : 0);
+  return 2 * kBlockN * d * 2 + stages * 2 * kStepRows * d * 2 + (dq ? 2 * kDsBytes + 2 * dq_chunk_bytes(d) : 0) +
+         stages * kColumnsBytes;
 }
 template <int D, int STAGES, bool DQ = false>
 struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
@@ -326,6 +331,10 @@ struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
     return base + 2 * held_bytes + 2 * STAGES * step_bytes + i * kDsBytes;
   }
   static __device__ __forceinline__ uint32_t dq(uint32_t base, int i) { return ds(base, 2) + i * dq_chunk_bytes(D); }
+  static constexpr int columns_at = bwd_buffer_bytes(D, STAGES, DQ) - STAGES * kColumnsBytes;
+  static __device__ __forceinline__ uint32_t columns(uint32_t base, int s) {
+    return base + columns_at + s * kColumnsBytes;
+  }
   static __device__ __forceinline__ uint32_t dq_full(uint32_t base, int i) { return base + Ring::bytes + 8 * i; }
   static __device__ __forceinline__ uint32_t dq_empty(uint32_t base, int i) {
     return base + Ring::bytes + 16 + 8 * i;
@@ -343,11 +352,20 @@ struct BwdMaps {
 };
 
 // The producer of a backward block, one thread: the held pair (head held_head, its
-// 128 rows from held_row), then step j's pair at (head, first row) = at(j) for each
-// of `steps` steps, into the ring once both consumers released the stage.
+// 128 rows from held_row), then step j's pair at (head, first row) = at(j) and its
+// per-query columns (a.rows) for each of `steps` steps, into the ring once both
+// consumers released the stage.
+// One bulk copy of `bytes` (a multiple of 16, both ends 16-byte aligned) from global
+// memory into shared memory, completing that many bytes of barrier `bar`.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 template <typename S, typename At>
 __device__ __forceinline__ void produce_bwd(const BwdMaps& maps, uint32_t base, int b, int held_head, int held_row,
-                                            int steps, At at) {
+                                            int steps, At at, const AttentionBwdArgs& a) {
   constexpr int D = S::head_dim, STAGES = S::stages;
   const uint32_t held = S::q_full(base, 0);
   barrier_arrive_expect_bytes(held, 2 * S::held_bytes);
@@ -362,8 +380,11 @@ __device__ __forceinline__ void produce_bwd(const BwdMaps& maps, uint32_t base, 
     const int s = j % STAGES;
     if (j >= STAGES) barrier_wait(S::empty(base, s), ((j / STAGES) - 1) & 1);
     const uint32_t full = S::full(base, s);
-    barrier_arrive_expect_bytes(full, 2 * S::step_bytes);
+    barrier_arrive_expect_bytes(full, 2 * S::step_bytes + kColumnsBytes);
     const int2 where = at(j);  // (head, first row)
+    const int chunks = (a.tq + kStepRows - 1) / kStepRows;
+    bulk_copy(S::columns(base, s), a.rows + ((int64_t(b) * a.h + where.x) * chunks + where.y / kStepRows) * 128,
+              kColumnsBytes, full);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -405,14 +426,12 @@ struct DkdvWork {
   __device__ __forceinline__ int row(int i) const { return first + kStepRows * (i % per_head); }
 };
 
-// This thread's 16 query columns of a step (column c: query m0 + 8·(c / 2) + col +
-// c % 2) of a per-query fp32 row `row`, times `scale`; 0 past tq (masked there).
-__device__ __forceinline__ void column_values(float (&out)[16], const float* row, int m0, int col, int tq,
-                                              float scale) {
+// This thread's 16 query columns of a step (column c: query 8·(c / 2) + col + c % 2
+// of the step) of 64 fp32 in shared memory at `at`.
+__device__ __forceinline__ void stage_columns(float (&out)[16], uint32_t at, int col) {
 #pragma unroll
-  for (int c = 0; c < 16; ++c) {
-    const int query = m0 + 8 * (c / 2) + col + c % 2;
-    out[c] = query < tq ? row[query] * scale : 0.0f;
+  for (int c = 0; c < 16; c += 2) {
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(out[c]), "=f"(out[c + 1]) : "r"(at + 4 * (8 * (c / 2) + col)));
   }
 }
 
@@ -504,7 +523,6 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
                                              int tid) {
   using S = BwdSmem<D, kDkdvStages, DQ>;
   constexpr bool f16 = std::is_same<T, __half>::value;
-  constexpr float kLog2e = 1.4426950408889634f;
   const int lane = tid % 32, col = 2 * (lane % 4);
   const int key_row = 64 * group + 16 * (tid / 32) + lane / 4;  // this thread's keys' rows in the block: +0, +8
   const int key0 = w.n0 + key_row;
@@ -530,10 +548,10 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
   // dim 64: the warpgroup of that step's parity, a constant of each half of the
   // loop's body below), so that neither warpgroup waits for the other's dSᵀ
   const auto step = [&](int i, auto makes_last) {
-    const int s = i % kDkdvStages, h = w.head(a, i), m0 = w.row(i);
-    const int64_t bh = int64_t(w.b) * a.h + h;
+    const int s = i % kDkdvStages, m0 = w.row(i);
+    barrier_wait(S::full(base, s), (i / kDkdvStages) & 1);
     float lse2[16];  // in base 2
-    column_values(lse2, a.lse + bh * a.tq, m0, col, a.tq, kLog2e);
+    stage_columns(lse2, S::columns(base, s), col);
     uint64_t q_desc[D / 64], do_desc[D / 64];
 #pragma unroll
     for (int blk = 0; blk < D / 64; ++blk) {
@@ -541,7 +559,6 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
       do_desc[blk] = tile_descriptor<128>(S::step(base, s, 1) + blk * S::step_block);
     }
     const uint64_t q_mn = step_mn_descriptor(S::step(base, s, 0)), do_mn = step_mn_descriptor(S::step(base, s, 1));
-    barrier_wait(S::full(base, s), (i / kDkdvStages) & 1);
     float st[32], dp[32];
     mma_fence();
     hmma_rows<D, f16>(st, k_desc, q_desc);
@@ -567,7 +584,7 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
     for (int kk = 0; kk < 4; ++kk) hmma_values<D, f16>(dv, pf[kk], do_mn + 128 * kk);
     mma_commit();
     float delta[16];
-    column_values(delta, a.delta + bh * a.tq, m0, col, a.tq, 1.0f);
+    stage_columns(delta, S::columns(base, s) + kStepRows * 4, col);
     mma_wait_all_but_newest();  // dPᵀ (dv += Pᵀ do may still run)
     fence_registers(dp);
     uint32_t df[4][4];  // dSᵀ as the A operand
@@ -698,7 +715,8 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
   if (group == 0) {
     fewer_registers<S::template producer_registers<CAUSAL>>();
     if (tid == 0) {
-      produce_bwd<S>(maps, base, w.b, w.hk, w.n0, w.steps, [&](int i) { return make_int2(w.head(a, i), w.row(i)); });
+      produce_bwd<S>(maps, base, w.b, w.hk, w.n0, w.steps, [&](int i) { return make_int2(w.head(a, i), w.row(i)); },
+                     a);
     } else if (DQ && tid == 32) {
       write_dq<D, CAUSAL>(base, a, w);
     }
@@ -730,8 +748,9 @@ void launch_dkdv(const AttentionBwdArgs& a, cudaStream_t stream) {
 }
 
 // ---------------------------------------------------------------------------
-// Before and after the backward with dq: delta = rowsum(o ∘ do) (the dk / dv kernel
-// reads it), and dq from its fp32 chunks (times softmax_scale, in the input type).
+// Before and after the dk / dv kernel: the steps' per-query columns (lse · log2 e and
+// delta = rowsum(o ∘ do), made or given), and dq from its fp32 chunks (times
+// softmax_scale, in the input type).
 // ---------------------------------------------------------------------------
 
 // Σ a[i] · b[i] over 8 elements of T at 16-byte aligned a and b, in fp32.
@@ -757,16 +776,23 @@ __device__ __forceinline__ float dot8(const T* a, const T* b) {
 
 constexpr int kRowThreads = 256;
 
-// delta of (B, H, Tq) rows, 8 threads a row (16-byte pieces of o and do each).
-template <int D, typename T>
-__global__ void __launch_bounds__(kRowThreads) attention_hp_delta_kernel(const __grid_constant__ AttentionBwdArgs a) {
-  const int64_t row = (int64_t(blockIdx.x) * kRowThreads + threadIdx.x) / 8;
+// The per-query columns the dk / dv kernel's producer copies with each step (a.rows:
+// (B·H, ceil(Tq / 64), 2, 64) fp32, a step's lse · log2 e, then its delta, zeros past
+// Tq), 8 threads a query: MAKE, delta = rowsum(o ∘ do) (16-byte pieces of o and do
+// each); else delta copied from a.delta.
+template <int D, typename T, bool MAKE>
+__global__ void __launch_bounds__(kRowThreads) attention_hp_columns_kernel(const __grid_constant__ AttentionBwdArgs a) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int steps = dq_steps(a), padded = steps * kStepRows;
+  const int64_t slot = (int64_t(blockIdx.x) * kRowThreads + threadIdx.x) / 8;  // (bh, padded query)
   const int piece = threadIdx.x % 8;
-  const bool inside = row < int64_t(a.batch) * a.h * a.tq;
+  const bool inside = slot < int64_t(a.batch) * a.h * padded;
+  const int t = int(slot % padded);
+  const int64_t bh = slot / padded;
+  const bool query = inside && t < a.tq;
   float sum = 0.0f;
-  if (inside) {
-    const int t = int(row % a.tq);
-    const int64_t bh = row / a.tq, b = bh / a.h, h = bh % a.h;
+  if (MAKE && query) {
+    const int64_t b = bh / a.h, h = bh % a.h;
     const T* o = static_cast<const T*>(a.o) + b * a.o_stride_b + h * a.o_stride_h + t * a.o_stride_t;
     const T* dout = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h + t * a.do_stride_t;
 #pragma unroll
@@ -775,7 +801,11 @@ __global__ void __launch_bounds__(kRowThreads) attention_hp_delta_kernel(const _
   sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
   sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
   sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
-  if (inside && piece == 0) a.delta[row] = sum;
+  if (inside && piece == 0) {
+    float* chunk = a.rows + (bh * steps + t / kStepRows) * (2 * kStepRows);
+    chunk[t % kStepRows] = query ? a.lse[bh * a.tq + t] * kLog2e : 0.0f;
+    chunk[kStepRows + t % kStepRows] = query ? (MAKE ? sum : a.delta[bh * a.tq + t]) : 0.0f;
+  }
 }
 
 // dq from its chunks: a thread one float4 of a chunk (j, slot as consume_dkdv wrote
@@ -799,18 +829,16 @@ __global__ void __launch_bounds__(kRowThreads) attention_hp_dq_store_kernel(cons
   if (row + 8 < a.tq) store_pair(dq + int64_t(row + 8) * a.dq_stride_t, v.z * s, v.w * s);
 }
 
-// The backward (DQ: delta, dk / dv with dq's chunks, dq; else dk / dv from a given
-// delta) for a's head dim, mask and `type`.
+// The backward (the per-query columns, with delta made (DQ) or given; dk / dv, with
+// dq's chunks (DQ); dq (DQ)) for a's head dim, mask and `type`.
 template <bool DQ, typename T>
 void launch_backward_typed(const AttentionBwdArgs& a, cudaStream_t stream, const char* name) {
   const auto launch = [&](auto d, auto causal) {
     constexpr int D = decltype(d)::value;
-    if constexpr (DQ) {
-      const int64_t rows = int64_t(a.batch) * a.h * a.tq;
-      attention_hp_delta_kernel<D, T><<<unsigned((rows * 8 + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
-                                        stream>>>(a);
-      check_launch("attention_hp_delta");
-    }
+    const int64_t queries = int64_t(a.batch) * a.h * dq_steps(a) * kStepRows;
+    attention_hp_columns_kernel<D, T, DQ><<<unsigned((queries * 8 + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
+                                            stream>>>(a);
+    check_launch("attention_hp_columns");
     launch_dkdv<D, decltype(causal)::value, DQ, T>(a, stream);
     if constexpr (DQ) {
       const int64_t pieces = int64_t(a.batch) * a.h * dq_steps(a) * (kStepRows * D / 4);

@@ -737,11 +737,18 @@ bool hp_backward_operands(const at::Tensor& q, const at::Tensor& k, const at::Te
          !broadcast_dim(dout) && rows_of(lse) && (delta == nullptr || rows_of(*delta));
 }
 
+// The buffer of the Hopper backward's per-step query columns (launchers.cuh's
+// AttentionBwdArgs::rows), which its first kernel fills.
+at::Tensor step_columns(const at::Tensor& q, const at::Tensor& lse) {
+  return at::empty({q.size(0) * q.size(1), (q.size(2) + 63) / 64, 2, 64}, lse.options());
+}
+
 // The launch's arguments of the Hopper backward kernels (dq, dk, dv: their outputs).
 te_fuser::AttentionBwdArgs hp_backward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             const at::Tensor& o, const at::Tensor& dout, const at::Tensor& lse,
                                             const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
-                                            const at::Tensor& dv, double softmax_scale, bool causal) {
+                                            const at::Tensor& dv, const at::Tensor& rows, double softmax_scale,
+                                            bool causal) {
   te_fuser::AttentionBwdArgs a;
   describe_attention(a, q, k, v, o, lse, softmax_scale, causal);
   a.q = q.data_ptr();
@@ -749,12 +756,13 @@ te_fuser::AttentionBwdArgs hp_backward_args(const at::Tensor& q, const at::Tenso
   a.v = v.data_ptr();
   a.o = o.data_ptr();
   a.dout = dout.data_ptr();
-  a.delta = delta.data_ptr<float>();
+  a.delta = delta.defined() ? delta.data_ptr<float>() : nullptr;  // undefined: the kernels make it
   a.dq = dq.defined() ? dq.data_ptr() : nullptr;
   a.dk = dk.data_ptr();
   a.dv = dv.data_ptr();
   a.softmax_scale = static_cast<float>(softmax_scale);
   a.do_stride_b = dout.stride(0), a.do_stride_h = dout.stride(1), a.do_stride_t = dout.stride(2);
+  a.rows = rows.data_ptr<float>();
   if (dq.defined()) a.dq_stride_b = dq.stride(0), a.dq_stride_h = dq.stride(1), a.dq_stride_t = dq.stride(2);
   a.dk_stride_b = dk.stride(0), a.dk_stride_h = dk.stride(1), a.dk_stride_t = dk.stride(2);
   a.dv_stride_b = dv.stride(0), a.dv_stride_h = dv.stride(1), a.dv_stride_t = dv.stride(2);
@@ -772,7 +780,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(const at::Te
   if (!hp_backward_operands(q, k, v, dout, dout, lse, &delta, device)) return std::nullopt;
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  const auto a = hp_backward_args(q, k, v, dout, dout, lse, delta, at::Tensor(), dk, dv, softmax_scale, causal);
+  const at::Tensor rows = step_columns(q, lse);
+  const auto a = hp_backward_args(q, k, v, dout, dout, lse, delta, at::Tensor(), dk, dv, rows, softmax_scale, causal);
   te_fuser::launch_attention_hp_dkdv(a, hp_code_or_none(q.scalar_type()), as_stream(stream));
   return std::make_tuple(dk, dv);
 }
@@ -799,11 +808,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backw
     dk = at::empty({B, Tk, Hkv, D}, q.options()).transpose(1, 2);
     dv = at::empty({B, Tk, Hkv, D}, q.options()).transpose(1, 2);
   }
-  at::Tensor delta = at::empty(lse.sizes(), lse.options());
   const int64_t chunks = (Tq + 63) / 64;  // dq's chunks of 64 queries
   const at::Tensor dq_accum = at::empty({B, H, chunks, 64 * D}, lse.options());
   const at::Tensor turns = at::zeros({B, H, chunks}, lse.options().dtype(at::kInt));
-  auto a = hp_backward_args(q, k, v, o, dout, lse, delta, dq, dk, dv, softmax_scale, causal);
+  const at::Tensor rows = step_columns(q, lse);
+  auto a = hp_backward_args(q, k, v, o, dout, lse, at::Tensor(), dq, dk, dv, rows, softmax_scale, causal);
   a.dq_accum = dq_accum.data_ptr<float>();
   a.dq_turns = turns.data_ptr<int>();
   te_fuser::launch_attention_hp_backward(a, hp_code_or_none(q.scalar_type()), as_stream(stream));

@@ -257,6 +257,7 @@ struct AttentionBwdArgs : AttentionShape {
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  float* rows = nullptr;  // the steps' per-query columns ((B·H, ceil(Tq / 64), 2, 64): lse · log2 e, delta)
   float* dq_accum = nullptr;  // dq's fp32 chunks (B, H, ceil(Tq / 64), 64·D), and their turn counters, zeros
   int* dq_turns = nullptr;
   float softmax_scale = 0.0f;
