@@ -409,12 +409,15 @@ inline CUtensorMap rows_map(const void* data, int batch, int heads, int t, int d
 // from `first` (causal: the step of the block's first key) to tq.
 struct DkdvWork {
   int b, hk, n0, first, per_head, steps;
-  // last_first: the grid's key blocks from the last down (write_dq's order)
-  static __device__ __forceinline__ DkdvWork of(const AttentionBwdArgs& a, bool causal, bool last_first) {
+  // The grid (launch_dkdv): dq (write_dq's order), x the key blocks from the last
+  // down, y the (batch, kv head)s; else x the (batch, kv head)s, y the key blocks,
+  // so that every kv head's first (causal: longest) block runs before any second.
+  static __device__ __forceinline__ DkdvWork of(const AttentionBwdArgs& a, bool causal, bool dq) {
     DkdvWork w;
-    w.b = blockIdx.y / a.hkv;
-    w.hk = blockIdx.y % a.hkv;
-    w.n0 = (last_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockN;
+    const int bh = dq ? blockIdx.y : blockIdx.x;
+    w.b = bh / a.hkv;
+    w.hk = bh % a.hkv;
+    w.n0 = (dq ? gridDim.x - 1 - blockIdx.x : blockIdx.y) * kBlockN;
     w.first = causal ? w.n0 / kStepRows * kStepRows : 0;
     w.per_head = w.first < a.tq ? (a.tq - w.first + kStepRows - 1) / kStepRows : 0;
     w.steps = w.per_head * (a.h / a.hkv);
@@ -741,8 +744,8 @@ void launch_dkdv(const AttentionBwdArgs& a, cudaStream_t stream) {
                           "attention_hp_dkdv's q");
   maps.step[1] = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kStepRows,
                           "attention_hp_dkdv's do");
-  // key blocks fastest (DQ: from the last down, write_dq's order)
-  const dim3 grid(unsigned((a.tk + kBlockN - 1) / kBlockN), unsigned(a.batch * a.hkv));
+  const unsigned blocks = unsigned((a.tk + kBlockN - 1) / kBlockN), heads = unsigned(a.batch * a.hkv);
+  const dim3 grid = DQ ? dim3(blocks, heads) : dim3(heads, blocks);  // DkdvWork::of
   launch_on<attention_hp_dkdv_kernel<D, CAUSAL, DQ, T>, BwdSmem<D, kDkdvStages, DQ>>(grid, a, stream,
                                                                                      "attention_hp_dkdv", maps);
 }
