@@ -306,6 +306,12 @@ __host__ __device__ constexpr int dq_slots(int d) { return d == 128 ? 2 * kWarpg
 // A step's per-query columns: lse · log2 e, then delta, 64 fp32 each (the rows
 // buffer's chunk, made before the kernel: zeros past Tq).
 constexpr int kColumnsBytes = 2 * kStepRows * 4;
+
+// The query steps of a (batch, head): its dq chunks and per-query column chunks,
+// 64 queries each.
+__host__ __device__ __forceinline__ int dq_steps(const AttentionBwdArgs& a) {
+  return (a.tq + kStepRows - 1) / kStepRows;
+}
 constexpr int bwd_buffer_bytes(int d, int stages, bool dq) {
   return 2 * kBlockN * d * 2 + stages * 2 * kStepRows * d * 2 + (dq ? 2 * kDsBytes + 2 * dq_chunk_bytes(d) : 0) +
          stages * kColumnsBytes;
@@ -382,9 +388,8 @@ __device__ __forceinline__ void produce_bwd(const BwdMaps& maps, uint32_t base, 
     const uint32_t full = S::full(base, s);
     barrier_arrive_expect_bytes(full, 2 * S::step_bytes + kColumnsBytes);
     const int2 where = at(j);  // (head, first row)
-    const int chunks = (a.tq + kStepRows - 1) / kStepRows;
-    bulk_copy(S::columns(base, s), a.rows + ((int64_t(b) * a.h + where.x) * chunks + where.y / kStepRows) * 128,
-              kColumnsBytes, full);
+    const int64_t chunk = (int64_t(b) * a.h + where.x) * dq_steps(a) + where.y / kStepRows;
+    bulk_copy(S::columns(base, s), a.rows + chunk * (2 * kStepRows), kColumnsBytes, full);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -480,11 +485,6 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all_but_newest() {
   asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory");
-}
-
-// The dq chunks: 64 queries of one (batch, head) each, (B, H, ceil(Tq / 64)).
-__host__ __device__ __forceinline__ int dq_steps(const AttentionBwdArgs& a) {
-  return (a.tq + kStepRows - 1) / kStepRows;
 }
 
 // Step i's dq share, dS K over the block's 128 keys (K's columns of this warpgroup at
