@@ -811,25 +811,40 @@ __global__ void __launch_bounds__(kRowThreads) attention_hp_columns_kernel(const
   }
 }
 
-// dq from its chunks: a thread one float4 of a chunk (j, slot as consume_dkdv wrote
-// it: the accumulator's rows 16·warp + lane / 4 and 8 more, columns 8j + 2·(lane % 4)
-// and one more, of the slot's warpgroup's 64 columns at head dim 128).
+// dq from its chunks. A chunk holds float4 (j, slot) as make_dq wrote them: slot's
+// thread tid = slot % 128 of the warpgroup making columns 64·(slot / 128) (head dim
+// 128) has rows 16·(tid / 32) + (tid % 32) / 4 and 8 more, columns 8j + 2·(tid % 4)
+// and one more. A thread here takes the four consecutive slots 4g .. 4g + 3 of one j
+// (64 contiguous bytes: rows r = 16·(g / 8) + g % 8 and r + 8, columns 8j .. 8j + 7)
+// and stores 16 bytes to each row; j runs fastest, so a warp's loads are whole
+// sectors and 8 of its threads store a row's 64 columns whole.
 template <int D, typename T>
 __global__ void __launch_bounds__(kRowThreads) attention_hp_dq_store_kernel(const __grid_constant__ AttentionBwdArgs a) {
-  constexpr int slots = dq_slots(D), per_chunk = kStepRows * D / 4;
+  constexpr int slots = dq_slots(D), per_chunk = kStepRows * D / 16;  // threads a chunk
   const int64_t f = int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
   const int steps = dq_steps(a);
   if (f >= int64_t(a.batch) * a.h * steps * per_chunk) return;
   const int64_t chunk = f / per_chunk, bh = chunk / steps;
-  const int within = int(f % per_chunk), j = within / slots, slot = within % slots;
-  const int tid = slot % kWarpgroup, lane = tid % 32;
-  const int row = int(chunk % steps) * kStepRows + 16 * (tid / 32) + lane / 4;
-  const int column = (D == 128 ? 64 * (slot / kWarpgroup) : 0) + 8 * j + 2 * (lane % 4);
-  const float4 v = reinterpret_cast<const float4*>(a.dq_accum)[f];
-  T* dq = static_cast<T*>(a.dq) + (bh / a.h) * a.dq_stride_b + (bh % a.h) * a.dq_stride_h + column;
+  const int within = int(f % per_chunk), j = within % 8, g = (within / 8) % 32, half = within / 256;
+  const float4* src = reinterpret_cast<const float4*>(a.dq_accum) + chunk * (kStepRows * D / 4) + j * slots +
+                      kWarpgroup * half + 4 * g;
+  float4 v[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) v[q] = src[q];
+  const int row = int(chunk % steps) * kStepRows + 16 * (g / 8) + g % 8;
+  T* dq = static_cast<T*>(a.dq) + (bh / a.h) * a.dq_stride_b + (bh % a.h) * a.dq_stride_h + 64 * half + 8 * j;
   const float s = a.softmax_scale;
-  if (row < a.tq) store_pair(dq + int64_t(row) * a.dq_stride_t, v.x * s, v.y * s);
-  if (row + 8 < a.tq) store_pair(dq + int64_t(row + 8) * a.dq_stride_t, v.z * s, v.w * s);
+  constexpr bool f16 = std::is_same<T, __half>::value;
+  if (row < a.tq) {
+    *reinterpret_cast<uint4*>(dq + int64_t(row) * a.dq_stride_t) =
+        make_uint4(pack2<f16>(v[0].x * s, v[0].y * s), pack2<f16>(v[1].x * s, v[1].y * s),
+                   pack2<f16>(v[2].x * s, v[2].y * s), pack2<f16>(v[3].x * s, v[3].y * s));
+  }
+  if (row + 8 < a.tq) {
+    *reinterpret_cast<uint4*>(dq + int64_t(row + 8) * a.dq_stride_t) =
+        make_uint4(pack2<f16>(v[0].z * s, v[0].w * s), pack2<f16>(v[1].z * s, v[1].w * s),
+                   pack2<f16>(v[2].z * s, v[2].w * s), pack2<f16>(v[3].z * s, v[3].w * s));
+  }
 }
 
 // The backward (the per-query columns, with delta made (DQ) or given; dk / dv, with
@@ -844,7 +859,7 @@ void launch_backward_typed(const AttentionBwdArgs& a, cudaStream_t stream, const
     check_launch("attention_hp_columns");
     launch_dkdv<D, decltype(causal)::value, DQ, T>(a, stream);
     if constexpr (DQ) {
-      const int64_t pieces = int64_t(a.batch) * a.h * dq_steps(a) * (kStepRows * D / 4);
+      const int64_t pieces = int64_t(a.batch) * a.h * dq_steps(a) * (kStepRows * D / 16);
       attention_hp_dq_store_kernel<D, T><<<unsigned((pieces + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
                                            stream>>>(a);
       check_launch("attention_hp_dq_store");
