@@ -199,7 +199,8 @@ def _fp8_forward_rows(c: _Case, sdpa_ms: float, o_sdpa: torch.Tensor) -> None:
 
 def _backward_rows(c: _Case, triton_out: tuple, cuda_out: tuple | None) -> None:
     """The bf16 backwards from each forward's o and lse: SDPA's flash and cuDNN
-    kernels, Triton's two kernels, the cuda backend's (cuDNN)."""
+    kernels, Triton's two kernels, the cuda backend's (its deterministic default, then
+    cuDNN's)."""
     causal, scale, bwd_flops = c.causal, c.scale, c.bwd_flops
     q, k, v = c.sets[0]
     o, lse = triton_out
@@ -224,10 +225,16 @@ def _backward_rows(c: _Case, triton_out: tuple, cuda_out: tuple | None) -> None:
     except RuntimeError as err:
         print(f"  (sdpa cudnn backward: {str(err)[:80]})")
     o_c, lse_c = cuda_out
-    dq = ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)[0]
-    diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
-    c.row("bwd bf16", "cuda", harness.time_ms(lambda: ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)),
-          bwd_flops, sdpa_bwd_ms, "sdpa bf16", diff)
+    for choice, label in (("fastest", "cuda"), ("cudnn", "cuda cudnn")):  # the default, then cuDNN's (atomics)
+        previous = cuda_attn.set_backward_kernel(choice)
+        try:
+            dq = ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)[0]
+            diff = f"max|dq - sdpa| {(dq.float() - dq_sdpa.float()).abs().max().item():.2e}"
+            c.row("bwd bf16", label, harness.time_ms(
+                lambda: ck.attention_backward(q, k, v, o_c, lse_c, do, causal, scale)), bwd_flops, sdpa_bwd_ms,
+                "sdpa bf16", diff)
+        finally:
+            cuda_attn.set_backward_kernel(previous)
     if cuda_attn.attention_forward_hopper_unsupported_reason(q, k) is None:
         _hopper_dkdv_rows(c, o, lse, do, dq_sdpa, sdpa_bwd_ms)
 
@@ -335,9 +342,9 @@ def sweep(ceiling: float, case_name: str = "main", kernels=None, device: str = "
 def _targets(rows: list[Row]) -> None:
     """Each target against SDPA's flash kernel and against its cuDNN kernel (what
     SDPA picks by default on Hopper), for what the auto backend runs: the cuda
-    backend's (cuDNN) bf16 forward where it ran, the FP8 forward of Triton, the
-    Triton backward (the deterministic one), and our Hopper kernels' forwards where
-    they ran."""
+    backend's (cuDNN) bf16 forward where it ran, the FP8 forwards, the deterministic
+    backwards (Triton's, the cuda backend's default, our Hopper kernels'), and our
+    Hopper kernels' forwards where they ran."""
     main = _label(*CASES["main"])
     wanted = {"fwd bf16": 0.9, "fwd fp8": 1.3, "bwd bf16": 0.9}
     ms = {(r.case, r.backend): r.ms for r in rows if r.shape == main}
@@ -349,7 +356,7 @@ def _targets(rows: list[Row]) -> None:
                 ["cuda hopper"] if (case, "cuda hopper") in ms else [])
         else:  # the FP8 forward: Triton's and our Hopper kernel's; the backward: the deterministic ones (not cuDNN's)
             candidates = [b for b in ("triton", "cuda", "triton dq + cuda hopper dk/dv", "cuda hopper")
-                          if (case, b) in ms and not (case.startswith("bwd") and b == "cuda")]
+                          if (case, b) in ms]
         for ours in candidates:
             for peer in ("torch sdpa flash", "torch sdpa cudnn"):
                 if (peer_case, peer) in ms:

@@ -13,6 +13,7 @@ import torch
 
 from te_fuser import backend
 from te_fuser.kernels import cuda as ck
+from te_fuser.kernels.cuda import attention as cuda_attn
 from te_fuser.kernels import reference as ref
 from te_fuser.kernels import triton as tk
 from te_fuser.ops.basic.attention import _fused_gradient
@@ -88,11 +89,13 @@ def test_what_cudnn_does_not_take_goes_to_triton():
         ck.attention_forward(q, k, v, True, 0.125)
 
 
-def test_auto_sends_the_forwards_to_cuda_and_keeps_the_deterministic_backward():
-    """The bf16 forward to cuDNN, the FP8 forward to our Hopper kernel, the backward to Triton."""
+def test_auto_sends_the_forwards_and_the_deterministic_backward_to_cuda():
+    """The bf16 forward to cuDNN, the FP8 forward to our Hopper kernel, the backward to
+    the cuda backend, whose default choice is deterministic (ours or Triton's)."""
+    assert cuda_attn._backward_kernel["name"] == "fastest"
     with backend.use_backend("auto"):
         assert backend.resolve("attention_forward", "cuda").backend == "cuda"
-        assert backend.resolve("attention_backward", "cuda").backend == "triton"
+        assert backend.resolve("attention_backward", "cuda").backend == "cuda"
         assert backend.resolve("attention_forward_fp8", "cuda").backend == "cuda"
 
 
@@ -109,16 +112,22 @@ def test_cudnn_forward_then_triton_backward_against_float64():
 
 
 def test_deterministic_mode_keeps_the_backward_off_cudnn():
+    """With cuDNN's backward chosen, deterministic algorithms refuse it (and the backend
+    sends the call to Triton); the default choice runs under them."""
     q, k, v, do = qkv(*SHAPES_SQUARE[0], torch.bfloat16)
     o, lse = ck.attention_forward(q, k, v, True, 0.125)
+    want = tk.attention_backward(q, k, v, o, lse, do, True, 0.125)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    previous = cuda_attn.set_backward_kernel("cudnn")
     try:
         assert "not deterministic" in ck.attention_backward_unsupported_reason(q, k)
         with pytest.raises(ValueError, match="attention_backward: cuDNN's attention backward is not deterministic"):
             ck.attention_backward(q, k, v, o, lse, do, True, 0.125)
         bwd = backend.resolve("attention_backward", "cuda", backend="cuda").fn
-        got = bwd(q, k, v, o, lse, do, True, 0.125)
-        want = tk.attention_backward(q, k, v, o, lse, do, True, 0.125)
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert all(torch.equal(g, w) for g, w in zip(bwd(q, k, v, o, lse, do, True, 0.125), want))
+        cuda_attn.set_backward_kernel(previous)
+        assert ck.attention_backward_unsupported_reason(q, k) is None
+        assert all(torch.equal(g, w) for g, w in zip(ck.attention_backward(q, k, v, o, lse, do, True, 0.125), want))
     finally:
+        cuda_attn.set_backward_kernel(previous)
         torch.use_deterministic_algorithms(False)

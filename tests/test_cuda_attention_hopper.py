@@ -298,23 +298,52 @@ def test_backward_writes_the_fused_qkv_gradient_layout():
         assert_close(g, w, "attention_bf16", f"{name} beside Triton's", scaled=True)
 
 
-def test_the_backends_backward_kernel_is_a_choice_of_two():
-    """set_backward_kernel: cuDNN's (the default) or ours, the previous one returned; a
-    name of neither refused before anything changes."""
-    assert cuda_attn._backward_kernel["name"] == "cudnn"
-    assert cuda_attn.set_backward_kernel("hopper") == "cudnn"
+def test_the_backends_backward_kernel_is_a_choice_of_three():
+    """set_backward_kernel: the fastest deterministic one (the default), ours wherever
+    it runs, or cuDNN's; the previous one returned; another name refused before
+    anything changes."""
+    assert cuda_attn._backward_kernel["name"] == "fastest"
+    assert cuda_attn.set_backward_kernel("hopper") == "fastest"
     try:
         with pytest.raises(ValueError, match="set_backward_kernel: name must be one of"):
             cuda_attn.set_backward_kernel("flash")
         assert cuda_attn._backward_kernel["name"] == "hopper"
-    finally:
         assert cuda_attn.set_backward_kernel("cudnn") == "hopper"
+    finally:
+        cuda_attn.set_backward_kernel("fastest")
+
+
+@pytest.mark.parametrize("tk_, d, causal, wins", [(4096, 64, True, True), (2048, 128, True, True),
+                                                  (2048, 64, True, False), (1024, 128, True, False),
+                                                  (1024, 64, True, False), (4096, 128, False, False)])
+def test_the_hopper_backward_is_chosen_where_it_was_measured_faster(tk_, d, causal, wins):
+    """The shapes of RESULTS.md run 219 on either side of the rule (keys · head dim of
+    2^18 or more, causal), judged from the shapes alone (meta tensors)."""
+    q = torch.empty(4, 16, tk_, d, device="meta")
+    k = torch.empty(4, 4, tk_, d, device="meta")
+    assert cuda_attn.hopper_backward_wins(q, k, causal) is wins
+
+
+@hopper
+@pytest.mark.parametrize("t, d, ours", [(2048, 128, True), (1024, 64, False)])
+def test_the_backends_default_backward_is_ours_or_tritons_by_shape(t, d, ours):
+    """The default choice gives our kernels' bits where the rule picks them and the
+    Triton kernels' elsewhere: both the same bits on every run."""
+    q, k, v, do = (_randn((1, heads, t, d), seed, torch.bfloat16) for seed, heads in ((1, 2), (2, 1), (3, 1), (4, 2)))
+    o, lse = tk.attention_forward(q, k, v, True, d ** -0.5)
+    assert cuda_attn.hopper_backward_wins(q, k, True) is ours
+    kernel = cuda_attn.attention_backward_hopper if ours else tk.attention_backward
+    want = kernel(q, k, v, o, lse, do, True, d ** -0.5)
+    got = cuda_attn.attention_backward(q, k, v, o, lse, do, True, d ** -0.5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    again = cuda_attn.attention_backward(q, k, v, o, lse, do, True, d ** -0.5)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
 @hopper
 def test_the_backends_backward_runs_the_hopper_kernels_when_chosen():
     """With "hopper" the cuda backend's backward gives our kernels' bits, in the fused
-    gradient's layout; cuDNN's again after."""
+    gradient's layout, at a shape the default sends to Triton."""
     q, k, v, do = (_randn((2, heads, 300, 64), seed, torch.bfloat16) for seed, heads in ((1, 4), (2, 2), (3, 2), (4, 4)))
     o, lse = tk.attention_forward(q, k, v, True, 0.125)
     ours = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 0.125)

@@ -21,8 +21,11 @@ for bit):
 - ``gemm``: ``torch._scaled_mm`` (cuBLASLt) plus one fused epilogue kernel;
   operand pairs cuBLASLt cannot run go to the reference GEMM
   (:func:`gemm_unsupported_reason` says why);
-- ``attention_forward``, ``attention_backward``: cuDNN's fused flash attention
-  (bf16, fp16) through torch's SDPA operators; other operands go to Triton;
+- ``attention_forward``: cuDNN's fused flash attention (bf16, fp16) through
+  torch's SDPA operators; other operands go to Triton;
+- ``attention_backward``: deterministic: our Hopper backward (one kernel adding dq
+  in a fixed order) at the causal shapes where it beats the Triton kernels, the
+  Triton kernels elsewhere; cuDNN's (atomics) when chosen (``set_backward_kernel``);
 - ``attention_forward_fp8``: our Hopper FP8 flash attention forward (wgmma, a
   producer warpgroup and two consumers, P·V added in the tensor cores'
   accumulator); head dims other than 64 and 128, other GPUs and layouts its copies

@@ -8,12 +8,15 @@ faster than our Triton kernels on Hopper at the shapes a transformer runs
 (``benchmarks/RESULTS.md``), so the auto table sends the bf16 and fp16 forward
 here; the FP8 forward is our own Hopper kernel (below).
 
-The backward is not deterministic: cuDNN accumulates dq across key tiles with
-atomics, so two runs of one training step may differ in the last bits (and a
-recipe switch would no longer be bit-identical to a fresh model). The auto table
-therefore keeps the backward on the Triton kernels, which sum in registers
-(deterministic; slower, see RESULTS.md); the ``cuda`` backend chosen explicitly
-runs cuDNN's backward, except under ``torch.use_deterministic_algorithms(True)``.
+The backward is deterministic by default: our Hopper backward
+(:func:`attention_backward_hopper`, dq added in a fixed order) where it was
+measured faster than the Triton kernels, the Triton kernels (which sum in
+registers) for the rest (:func:`hopper_backward_wins`); both give the same bits
+on every run, so a recipe switch stays bit-identical to a fresh model, and the
+auto table sends the backward here. cuDNN's backward is faster still but adds dq
+across key tiles with atomics, so two runs of one step may differ in the last
+bits: ``set_backward_kernel("cudnn")`` chooses it for a process, except under
+``torch.use_deterministic_algorithms(True)``.
 
 Layouts. q, k, v are the op's views of the fused QKV tensor (B, T, H + 2·Hkv, D);
 cuDNN writes o in q's stride order, so o's (B, T, H·D) merge is a view. Its
@@ -63,7 +66,7 @@ __all__ = ["attention_forward", "attention_backward", "attention_forward_unsuppo
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
            "set_hopper_schedule", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason",
            "set_forward_kernel", "FORWARD_KERNELS", "attention_dkdv_hopper",
-           "attention_backward_hopper", "set_backward_kernel", "BACKWARD_KERNELS"]
+           "attention_backward_hopper", "set_backward_kernel", "BACKWARD_KERNELS", "hopper_backward_wins"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -98,7 +101,7 @@ def attention_forward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> st
 
 
 def attention_backward_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    if torch.are_deterministic_algorithms_enabled():
+    if _backward_kernel["name"] == "cudnn" and torch.are_deterministic_algorithms_enabled():
         return "cuDNN's attention backward is not deterministic (torch.use_deterministic_algorithms is on)"
     return _unsupported(q, k)
 
@@ -186,16 +189,16 @@ def _in_layout_of(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-BACKWARD_KERNELS = ("cudnn", "hopper")
-_backward_kernel = {"name": "cudnn"}
+BACKWARD_KERNELS = ("fastest", "hopper", "cudnn")
+_backward_kernel = {"name": "fastest"}
 
 
 def set_backward_kernel(name: str) -> str:
     """Which kernels this backend's bf16 / fp16 attention backward runs in this process:
-    ``"cudnn"`` (the default; it adds with atomics, so not the same bits every run) or
-    ``"hopper"`` (:func:`attention_backward_hopper`, the same bits every run, for the
-    operands its extension entry takes; cuDNN's for the rest), the choice to measure
-    on the GPU before either becomes the default. Returns the previous one."""
+    ``"fastest"`` (the default: our Hopper backward where :func:`hopper_backward_wins`,
+    else the Triton kernels), ``"hopper"`` (our Hopper backward wherever its extension
+    entry takes the operands, else the Triton kernels) or ``"cudnn"`` (cuDNN's, which
+    adds with atomics: not the same bits every run). Returns the previous one."""
     if name not in BACKWARD_KERNELS:
         raise ValueError(f"set_backward_kernel: name must be one of {list(BACKWARD_KERNELS)}, got {name!r}")
     previous = _backward_kernel["name"]
@@ -203,9 +206,21 @@ def set_backward_kernel(name: str) -> str:
     return previous
 
 
+def hopper_backward_wins(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether our Hopper backward was measured faster than the Triton kernels for
+    this shape (RESULTS.md run 219, H100): causal attention with Tk · D of 2^18 or
+    more (head dim 128 from 2048 keys, 64 from 4096: 0.90-0.95x Triton's time at
+    4096 keys, 0.95 at head dim 128 and 2048). Below that the block's fixed costs
+    (its K and V, the turns it waits for) weigh on too few steps (1.02-1.16x at
+    1024 and 2048 keys); without the mask the blocks of a kv head add to each chunk
+    one after another (1.01-1.27x)."""
+    return bool(causal) and k.shape[2] * q.shape[3] >= 1 << 18
+
+
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
-    """``(dq, dk, dv)`` as :func:`attention_backward_reference`, on cuDNN (or our Hopper
-    kernels: :func:`set_backward_kernel`): views of one (B, T, H + 2·Hkv, D) buffer.
+    """``(dq, dk, dv)`` as :func:`attention_backward_reference`, on our Hopper kernels or
+    the Triton kernels (or cuDNN: :func:`set_backward_kernel`): views of one (B, T, H +
+    2·Hkv, D) buffer.
 
     o and do are handed to cuDNN in q's stride order (copied when they are stored
     otherwise, e.g. an FP8 forward's o beside dequantized, contiguous q, k, v):
@@ -225,16 +240,29 @@ def _backward_supported(q, k, v, o, lse, do, causal, softmax_scale):
 
 
 def _chosen_backward(q, k, v, o, lse, do, causal, softmax_scale):
-    if _backward_kernel["name"] == "hopper":  # the extension checks the operands: None for what it does not take
-        from ._build import extension, stream_of_index
-        from .cast import current_device_index
-
-        index = current_device_index()
-        out = extension().attention_hp_backward(q, k, v, o, lse.float().contiguous(), do, float(softmax_scale),
-                                                bool(causal), index, stream_of_index(index))
+    name = _backward_kernel["name"]
+    if name == "cudnn":
+        return _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    if name == "hopper" or hopper_backward_wins(q, k, causal):
+        out = _hopper_backward_call(q, k, v, o, lse, do, causal, softmax_scale)
         if out is not None:
             return out
-    return _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    from ..triton.attention import attention_backward as triton_backward  # here: importing this backend loads no triton
+
+    return triton_backward(q, k, v, o, lse, do, causal, softmax_scale)
+
+
+def _hopper_backward_call(q, k, v, o, lse, do, causal, softmax_scale):
+    """The extension's Hopper backward, or None where it does not take the operands
+    (it checks them: another GPU, a head dim, a layout) or there is no extension."""
+    from ._build import extension, stream_of_index, unavailable_reason
+    from .cast import current_device_index
+
+    if unavailable_reason(q.device) is not None:
+        return None
+    index = current_device_index()
+    return extension().attention_hp_backward(q, k, v, o, lse.float().contiguous(), do, float(softmax_scale),
+                                             bool(causal), index, stream_of_index(index))
 
 
 def _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale):
