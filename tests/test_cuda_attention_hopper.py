@@ -313,29 +313,36 @@ def test_the_backends_backward_kernel_is_a_choice_of_three():
         cuda_attn.set_backward_kernel("fastest")
 
 
-@pytest.mark.parametrize("tk_, d, causal, wins", [(4096, 64, True, True), (2048, 128, True, True),
-                                                  (2048, 64, True, False), (1024, 128, True, False),
-                                                  (1024, 64, True, False), (4096, 128, False, False)])
-def test_the_hopper_backward_is_chosen_where_it_was_measured_faster(tk_, d, causal, wins):
-    """The shapes of RESULTS.md run 219 on either side of the rule (keys · head dim of
-    2^18 or more, causal), judged from the shapes alone (meta tensors)."""
+@pytest.mark.parametrize("tk_, d, kv_heads, causal, form", [
+    (4096, 64, 16, True, "one kernel"), (2048, 128, 16, True, "one kernel"), (4096, 128, 4, True, "dk/dv"),
+    (2048, 64, 16, True, None), (1024, 128, 16, True, None), (1024, 64, 4, True, None),
+    (4096, 128, 16, False, None), (4096, 128, 4, False, None)])
+def test_the_hopper_backward_is_chosen_where_it_was_measured_faster(tk_, d, kv_heads, causal, form):
+    """The shapes of RESULTS.md runs 219-221 on either side of the rule (keys · head
+    dim of 2^18 or more, causal; grouped kv heads take the dk / dv kernel after
+    Triton's dq), judged from the shapes alone (meta tensors)."""
     q = torch.empty(4, 16, tk_, d, device="meta")
-    k = torch.empty(4, 4, tk_, d, device="meta")
-    assert cuda_attn.hopper_backward_wins(q, k, causal) is wins
+    k = torch.empty(4, kv_heads, tk_, d, device="meta")
+    assert cuda_attn.hopper_backward_form(q, k, causal) == form
 
 
 @hopper
-@pytest.mark.parametrize("t, d, ours", [(2048, 128, True), (1024, 64, False)])
-def test_the_backends_default_backward_is_ours_or_tritons_by_shape(t, d, ours):
-    """The default choice gives our kernels' bits where the rule picks them and the
-    Triton kernels' elsewhere: both the same bits on every run."""
-    q, k, v, do = (_randn((1, heads, t, d), seed, torch.bfloat16) for seed, heads in ((1, 2), (2, 1), (3, 1), (4, 2)))
+@pytest.mark.parametrize("t, d, kv_heads", [(2048, 128, 2), (2048, 128, 1), (1024, 64, 2)])
+def test_the_backends_default_backward_is_ours_or_tritons_by_shape(t, d, kv_heads):
+    """The default choice gives the bits of the form the rule names (our one kernel,
+    Triton's dq then our dk / dv kernel) or of the Triton kernels, in the fused
+    gradient's layout, the same bits on every run."""
+    q, k, v, do = (_randn((1, heads, t, d), seed, torch.bfloat16)
+                   for seed, heads in ((1, 2), (2, kv_heads), (3, kv_heads), (4, 2)))
     o, lse = tk.attention_forward(q, k, v, True, d ** -0.5)
-    assert cuda_attn.hopper_backward_wins(q, k, True) is ours
-    kernel = cuda_attn.attention_backward_hopper if ours else tk.attention_backward
+    form = cuda_attn.hopper_backward_form(q, k, True)
+    assert form == {2048: "one kernel" if kv_heads == 2 else "dk/dv", 1024: None}[t]
+    kernel = {"one kernel": cuda_attn.attention_backward_hopper, "dk/dv": _backward_with_hopper_dkdv,
+              None: tk.attention_backward}[form]
     want = kernel(q, k, v, o, lse, do, True, d ** -0.5)
     got = cuda_attn.attention_backward(q, k, v, o, lse, do, True, d ** -0.5)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(g.untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr() for g in got)
     again = cuda_attn.attention_backward(q, k, v, o, lse, do, True, d ** -0.5)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 

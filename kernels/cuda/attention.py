@@ -9,9 +9,10 @@ faster than our Triton kernels on Hopper at the shapes a transformer runs
 here; the FP8 forward is our own Hopper kernel (below).
 
 The backward is deterministic by default: our Hopper backward
-(:func:`attention_backward_hopper`, dq added in a fixed order) where it was
-measured faster than the Triton kernels, the Triton kernels (which sum in
-registers) for the rest (:func:`hopper_backward_wins`); both give the same bits
+(:func:`attention_backward_hopper`, dq added in a fixed order, or Triton's dq
+kernel and our dk / dv kernel) where it was measured faster than the Triton
+kernels, the Triton kernels (which sum in registers) for the rest
+(:func:`hopper_backward_form`); all give the same bits
 on every run, so a recipe switch stays bit-identical to a fresh model, and the
 auto table sends the backward here. cuDNN's backward is faster still but adds dq
 across key tiles with atomics, so two runs of one step may differ in the last
@@ -66,7 +67,7 @@ __all__ = ["attention_forward", "attention_backward", "attention_forward_unsuppo
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
            "set_hopper_schedule", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason",
            "set_forward_kernel", "FORWARD_KERNELS", "attention_dkdv_hopper",
-           "attention_backward_hopper", "set_backward_kernel", "BACKWARD_KERNELS", "hopper_backward_wins"]
+           "attention_backward_hopper", "set_backward_kernel", "BACKWARD_KERNELS", "hopper_backward_form"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _no_rng: dict = {}  # device -> the (seed, offset) pair cuDNN's backward takes; unused without dropout
@@ -195,8 +196,8 @@ _backward_kernel = {"name": "fastest"}
 
 def set_backward_kernel(name: str) -> str:
     """Which kernels this backend's bf16 / fp16 attention backward runs in this process:
-    ``"fastest"`` (the default: our Hopper backward where :func:`hopper_backward_wins`,
-    else the Triton kernels), ``"hopper"`` (our Hopper backward wherever its extension
+    ``"fastest"`` (the default: one of our Hopper backwards where
+    :func:`hopper_backward_form` names it, else the Triton kernels), ``"hopper"`` (our Hopper backward wherever its extension
     entry takes the operands, else the Triton kernels) or ``"cudnn"`` (cuDNN's, which
     adds with atomics: not the same bits every run). Returns the previous one."""
     if name not in BACKWARD_KERNELS:
@@ -206,15 +207,21 @@ def set_backward_kernel(name: str) -> str:
     return previous
 
 
-def hopper_backward_wins(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-    """Whether our Hopper backward was measured faster than the Triton kernels for
-    this shape (RESULTS.md run 219, H100): causal attention with Tk · D of 2^18 or
-    more (head dim 128 from 2048 keys, 64 from 4096: 0.90-0.95x Triton's time at
-    4096 keys, 0.95 at head dim 128 and 2048). Below that the block's fixed costs
-    (its K and V, the turns it waits for) weigh on too few steps (1.02-1.16x at
-    1024 and 2048 keys); without the mask the blocks of a kv head add to each chunk
-    one after another (1.01-1.27x)."""
-    return bool(causal) and k.shape[2] * q.shape[3] >= 1 << 18
+def hopper_backward_form(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
+    """Which of our Hopper backwards was measured faster than the Triton kernels for
+    this shape (RESULTS.md runs 219-221, H100), None for neither. Causal attention
+    with Tk · D of 2^18 or more (head dim 128 from 2048 keys, 64 from 4096):
+    ``"one kernel"`` (:func:`attention_backward_hopper`, 0.90-0.95x Triton's time)
+    with as many kv heads as query heads; ``"dk/dv"`` (Triton's dq kernel, then our
+    dk / dv kernel, 0.82x) with grouped kv heads, whose blocks walk G heads' queries
+    each, so the one kernel's grid, which must run a kv head's short blocks before
+    its long ones for its fixed order of dq's adds, leaves a long tail. Below that a
+    block's fixed costs (its K and V, the turns it waits for) weigh on too few steps
+    (1.02-1.16x at 1024 and 2048 keys); without the mask a kv head's blocks add to
+    each chunk of dq one after another (1.01-1.27x)."""
+    if not causal or k.shape[2] * q.shape[3] < 1 << 18:
+        return None
+    return "one kernel" if q.shape[1] == k.shape[1] else "dk/dv"
 
 
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
@@ -243,26 +250,31 @@ def _chosen_backward(q, k, v, o, lse, do, causal, softmax_scale):
     name = _backward_kernel["name"]
     if name == "cudnn":
         return _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale)
-    if name == "hopper" or hopper_backward_wins(q, k, causal):
-        out = _hopper_backward_call(q, k, v, o, lse, do, causal, softmax_scale)
-        if out is not None:
-            return out
-    from ..triton.attention import attention_backward as triton_backward  # here: importing this backend loads no triton
+    from ..triton import attention as triton_attention  # here: importing this backend loads no triton
 
-    return triton_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    form = "one kernel" if name == "hopper" else hopper_backward_form(q, k, causal)
+    if form is not None and _extension_runs(q.device):
+        from ._build import extension, stream_of_index
+        from .cast import current_device_index
+
+        index, lse = current_device_index(), lse.float().contiguous()
+        if form == "one kernel":  # the extension checks the operands: None for what it does not take
+            out = extension().attention_hp_backward(q, k, v, o, lse, do, float(softmax_scale), bool(causal), index,
+                                                    stream_of_index(index))
+            if out is not None:
+                return out
+        elif _hopper_backward_reason(q, k, v, do) is None:
+            dq, dk, dv, delta = triton_attention.attention_dq_with_buffers(q, k, v, o, lse, do, causal, softmax_scale)
+            if extension().attention_hp_dkdv(q, k, v, do, lse, delta, float(softmax_scale), bool(causal), index,
+                                             stream_of_index(index), dk, dv) is not None:
+                return dq, dk, dv
+    return triton_attention.attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
 
 
-def _hopper_backward_call(q, k, v, o, lse, do, causal, softmax_scale):
-    """The extension's Hopper backward, or None where it does not take the operands
-    (it checks them: another GPU, a head dim, a layout) or there is no extension."""
-    from ._build import extension, stream_of_index, unavailable_reason
-    from .cast import current_device_index
+def _extension_runs(device: torch.device) -> bool:
+    from ._build import unavailable_reason
 
-    if unavailable_reason(q.device) is not None:
-        return None
-    index = current_device_index()
-    return extension().attention_hp_backward(q, k, v, o, lse.float().contiguous(), do, float(softmax_scale),
-                                             bool(causal), index, stream_of_index(index))
+    return unavailable_reason(device) is None
 
 
 def _cudnn_backward(q, k, v, o, lse, do, causal, softmax_scale):
@@ -425,7 +437,7 @@ def attention_dkdv_hopper(q, k, v, o, lse, do, causal, softmax_scale, delta=None
     if delta is None:
         delta = (o.float() * do.float()).sum(-1)
     return _run_checked("attention_dkdv_hopper", "attention_hp_dkdv", reason, q, k, v, do, lse.float().contiguous(),
-                        delta.contiguous(), float(softmax_scale), bool(causal))
+                        delta.contiguous(), float(softmax_scale), bool(causal), None, None)
 
 
 def attention_backward_hopper(q, k, v, o, lse, do, causal, softmax_scale):

@@ -770,16 +770,26 @@ te_fuser::AttentionBwdArgs hp_backward_args(const at::Tensor& q, const at::Tenso
 }
 
 // dk and dv of the bf16 / fp16 attention backward on Hopper from a given delta
-// (rowsum(do ∘ o), fp32 (B, H, Tq) contiguous; launch_attention_hp_dkdv): new
-// tensors (B, Hkv, Tk, D). None for operands the Python path must look at.
-std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(const at::Tensor& q, const at::Tensor& k,
-                                                                    const at::Tensor& v, const at::Tensor& dout,
-                                                                    const at::Tensor& lse, const at::Tensor& delta,
-                                                                    double softmax_scale, bool causal, int64_t device,
-                                                                    int64_t stream) {
+// (rowsum(do ∘ o), fp32 (B, H, Tq) contiguous; launch_attention_hp_dkdv): into
+// dk_out and dv_out where given, else new tensors (B, Hkv, Tk, D). None for
+// operands the Python path must look at.
+std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout, const at::Tensor& lse,
+    const at::Tensor& delta, double softmax_scale, bool causal, int64_t device, int64_t stream,
+    const std::optional<at::Tensor>& dk_out, const std::optional<at::Tensor>& dv_out) {
   if (!hp_backward_operands(q, k, v, dout, dout, lse, &delta, device)) return std::nullopt;
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  // given outputs (views of the fused gradient, say): k's type, shape and device, their
+  // pairs of elements 4-byte aligned (the kernel stores two at a time)
+  const auto writable = [&](const std::optional<at::Tensor>& out) {
+    if (!out.has_value()) return true;
+    const at::Tensor& t = *out;
+    return t.scalar_type() == k.scalar_type() && t.is_cuda() && t.get_device() == device &&
+           t.sizes().equals(k.sizes()) && t.stride(3) == 1 && t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0 &&
+           t.stride(2) % 2 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
+  };
+  if (!writable(dk_out) || !writable(dv_out)) return std::nullopt;
+  at::Tensor dk = dk_out.has_value() ? *dk_out : at::empty(k.sizes(), k.options());
+  at::Tensor dv = dv_out.has_value() ? *dv_out : at::empty(v.sizes(), v.options());
   const at::Tensor rows = step_columns(q, lse);
   const auto a = hp_backward_args(q, k, v, dout, dout, lse, delta, at::Tensor(), dk, dv, rows, softmax_scale, causal);
   te_fuser::launch_attention_hp_dkdv(a, hp_code_or_none(q.scalar_type()), as_stream(stream));

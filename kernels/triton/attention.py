@@ -674,6 +674,15 @@ def attention_dq(q, k, v, o, lse, do, causal, softmax_scale):
     return dq, delta
 
 
+def attention_dq_with_buffers(q, k, v, o, lse, do, causal, softmax_scale):
+    """:func:`attention_dq` with the buffers another dk / dv kernel fills: ``(dq, dk,
+    dv, delta)``, dk and dv the unwritten views beside dq of one (B, T, H + 2·Hkv, D)
+    buffer (as :func:`attention_backward` returns them), zeros where there is no
+    query."""
+    dq, dk, dv, delta, _ = _backward_start(q, k, v, o, lse, do, causal, softmax_scale, "attention_dq")
+    return dq, dk, dv, delta
+
+
 def _backward_start(q, k, v, o, lse, do, causal, softmax_scale, kernel: str):
     """The checks, the gradients' buffers and the dq kernel (which stores delta):
     ``(dq, dk, dv, delta, launch)``, launch the dk / dv kernel's operands (None:
