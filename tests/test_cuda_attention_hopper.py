@@ -361,3 +361,27 @@ def test_the_backends_backward_runs_the_hopper_kernels_when_chosen():
         cuda_attn.set_backward_kernel(previous)
     assert all(torch.equal(a, b) for a, b in zip(got, ours))
     assert got[1].untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()
+
+
+@hopper
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["one kernel", "dk/dv"])
+def test_the_attention_op_trains_on_the_hopper_backward_under_auto(kv_heads):
+    """The op under auto (cuDNN's forward, the cuda backend's default backward) at a
+    shape the rule gives our kernels: the same bits on every run, and the gradient
+    of the fused QKV input within the bf16 bound of the Triton backend's."""
+    import te_fuser as te
+    from te_fuser import backend
+    from op_testing import run
+
+    op = te.ops.DotProductAttention(2, 128, kv_heads, causal=True)
+    x = _randn((1, 2048, (2 + 2 * kv_heads) * 128), 5, torch.bfloat16)
+    dy = _randn((1, 2048, 2 * 128), 6, torch.bfloat16)
+    with backend.use_backend("auto"):
+        assert backend.resolve("attention_backward", "cuda").backend == "cuda"
+        out, grads = run(op, x, dy=dy)
+        again = run(op, x, dy=dy)[1]
+    with backend.use_backend("triton"):
+        out_t, grads_t = run(op, x, dy=dy)
+    assert torch.equal(grads["x"], again["x"])
+    assert_close(out[0], out_t[0], "attention_bf16", "output beside Triton's", scaled=True)
+    assert_close(grads["x"], grads_t["x"], "attention_bf16", "the QKV gradient beside Triton's", scaled=True)
