@@ -265,8 +265,8 @@ def _chosen_backward(q, k, v, o, lse, do, causal, softmax_scale):
                 return out
         elif _hopper_backward_reason(q, k, v, do) is None:
             dq, dk, dv, delta = triton_attention.attention_dq_with_buffers(q, k, v, o, lse, do, causal, softmax_scale)
-            if extension().attention_hp_dkdv(q, k, v, do, lse, delta, float(softmax_scale), bool(causal), index,
-                                             stream_of_index(index), dk, dv) is not None:
+            if extension().attention_hp_dkdv(q, k, v, do, lse, delta, float(softmax_scale), bool(causal), dk, dv,
+                                             index, stream_of_index(index)) is not None:
                 return dq, dk, dv
     return triton_attention.attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
 

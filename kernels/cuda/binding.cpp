@@ -775,8 +775,8 @@ te_fuser::AttentionBwdArgs hp_backward_args(const at::Tensor& q, const at::Tenso
 // operands the Python path must look at.
 std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout, const at::Tensor& lse,
-    const at::Tensor& delta, double softmax_scale, bool causal, int64_t device, int64_t stream,
-    const std::optional<at::Tensor>& dk_out, const std::optional<at::Tensor>& dv_out) {
+    const at::Tensor& delta, double softmax_scale, bool causal, const std::optional<at::Tensor>& dk_out,
+    const std::optional<at::Tensor>& dv_out, int64_t device, int64_t stream) {
   if (!hp_backward_operands(q, k, v, dout, dout, lse, &delta, device)) return std::nullopt;
   // given outputs (views of the fused gradient, say): k's type, shape and device, their
   // pairs of elements 4-byte aligned (the kernel stores two at a time)
