@@ -164,7 +164,7 @@ def test_layouts_it_refuses_on_the_gpu():
         cuda_attn.attention_forward_hopper(q, q, q, True, 0.125)
 
 
-# -- the backward's dk / dv kernel ---------------------------------------------------------
+# -- the backward's two forms, then the dk / dv kernel ------------------------------------
 
 
 def _backward_with_hopper_dkdv(q, k, v, o, lse, do, causal, scale):
@@ -180,26 +180,42 @@ class HopperDkdv:
     attention_backward = staticmethod(_backward_with_hopper_dkdv)
 
 
+class HopperBackward:
+    """Triton's forward, then our one-kernel Hopper backward, as ``check_kernels`` takes a backend."""
+
+    attention_forward = staticmethod(tk.attention_forward)
+    attention_backward = staticmethod(cuda_attn.attention_backward_hopper)
+
+
+FORMS = {"dk/dv": (HopperDkdv, "cuda hopper dkdv"), "one kernel": (HopperBackward, "cuda hopper backward")}
+
+
 @hopper
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", HOPPER_SHAPES)
-def test_dkdv_against_float64(shape, causal):
-    """dk and dv on odd lengths (a partial key block, Tq above and below Tk, grouped
-    kv heads summed over their query heads, head dims 64 and 128) against float64
-    attention fed the same o and lse."""
-    check_kernels(shape, torch.bfloat16, causal, kernels=HopperDkdv, name="cuda hopper dkdv")
+def test_backward_against_float64(shape, causal, form):
+    """Both forms (Triton's dq then our dk / dv kernel; our one kernel): dq, dk and dv
+    on odd lengths (partial blocks of queries and keys, Tq above and below Tk,
+    grouped kv heads summed over their query heads, head dims 64 and 128) against
+    float64 attention fed the same o and lse."""
+    kernels, name = FORMS[form]
+    check_kernels(shape, torch.bfloat16, causal, kernels=kernels, name=name)
 
 
 @hopper
-def test_dkdv_fp16_against_float64():
-    check_kernels(HOPPER_SHAPES[4], torch.float16, True, kernels=HopperDkdv, name="cuda hopper dkdv")
+@pytest.mark.parametrize("form", list(FORMS))
+def test_backward_fp16_against_float64(form):
+    kernels, name = FORMS[form]
+    check_kernels(HOPPER_SHAPES[4], torch.float16, True, kernels=kernels, name=name)
 
 
 @hopper
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("T,D,causal", GPU_CASES)
-def test_dkdv_at_real_sizes(T, D, causal):
-    check_bf16_at_real_size(HopperDkdv, T, D, causal, name="cuda hopper dkdv")
-
+def test_backward_at_real_sizes(T, D, causal, form):
+    kernels, name = FORMS[form]
+    check_bf16_at_real_size(kernels, T, D, causal, name=name)
 
 @hopper
 @pytest.mark.parametrize("D", [64, 128])
@@ -237,35 +253,7 @@ def test_dkdv_names_what_it_does_not_take():
         cuda_attn.attention_dkdv_hopper(f32, f32, f32, f32, lse, f32, True, 0.125)
 
 
-# -- the whole backward: our dq kernel (and the delta it writes), then dk / dv -------------
-
-
-class HopperBackward:
-    """Triton's forward, then our Hopper backward (both kernels), as ``check_kernels`` takes a backend."""
-
-    attention_forward = staticmethod(tk.attention_forward)
-    attention_backward = staticmethod(cuda_attn.attention_backward_hopper)
-
-
-@hopper
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", HOPPER_SHAPES)
-def test_backward_against_float64(shape, causal):
-    """dq, dk and dv on odd lengths (partial blocks of queries and keys, Tq above and
-    below Tk, grouped kv heads, head dims 64 and 128) against float64 attention fed the
-    same o and lse."""
-    check_kernels(shape, torch.bfloat16, causal, kernels=HopperBackward, name="cuda hopper backward")
-
-
-@hopper
-def test_backward_fp16_against_float64():
-    check_kernels(HOPPER_SHAPES[4], torch.float16, True, kernels=HopperBackward, name="cuda hopper backward")
-
-
-@hopper
-@pytest.mark.parametrize("T,D,causal", GPU_CASES)
-def test_backward_at_real_sizes(T, D, causal):
-    check_bf16_at_real_size(HopperBackward, T, D, causal, name="cuda hopper backward")
+# -- the one kernel: dk / dv with dq added in a fixed order ---------------------------------
 
 
 @hopper
