@@ -209,7 +209,7 @@ def set_backward_kernel(name: str) -> str:
 
 def hopper_backward_form(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
     """Which of our Hopper backwards was measured faster than the Triton kernels for
-    this shape (RESULTS.md runs 219-221, H100), None for neither. Causal attention
+    this shape (RESULTS.md runs 219-224, H100), None for neither. Causal attention
     with Tk · D of 2^18 or more (head dim 128 from 2048 keys, 64 from 4096):
     ``"one kernel"`` (:func:`attention_backward_hopper`, 0.90-0.95x Triton's time)
     with as many kv heads as query heads; ``"dk/dv"`` (Triton's dq kernel, then our
@@ -268,6 +268,8 @@ def _chosen_backward(q, k, v, o, lse, do, causal, softmax_scale):
             if extension().attention_hp_dkdv(q, k, v, do, lse, delta, float(softmax_scale), bool(causal), dk, dv,
                                              index, stream_of_index(index)) is not None:
                 return dq, dk, dv
+            # the extension checks what the reason above checks, so this is not expected: the whole
+            # backward again on Triton's kernels rather than a second path for dk and dv alone
     return triton_attention.attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
 
 
