@@ -373,3 +373,47 @@ def test_the_attention_op_trains_on_the_hopper_backward_under_auto(kv_heads):
     assert torch.equal(grads["x"], again["x"])
     assert_close(out[0], out_t[0], "attention_bf16", "output beside Triton's", scaled=True)
     assert_close(grads["x"], grads_t["x"], "attention_bf16", "the QKV gradient beside Triton's", scaled=True)
+
+
+@hopper
+def test_a_graphed_step_through_the_hopper_backward_replays_the_eager_bits():
+    """An attention sub-layer (QKV projection, attention at a shape the rule gives our
+    one kernel, projection) trained eagerly and through ``te.make_graphed_step`` side
+    by side: the captured backward (its counters, chunks and tensor maps) replays the
+    eager losses, gradients and weights bit for bit."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import te_fuser as te
+
+    torch.manual_seed(0)
+    model = te.ops.Sequential(te.ops.Linear(256, 6 * 128), te.ops.DotProductAttention(2, 128, causal=True),
+                              te.ops.Linear(256, 256)).to("cuda", torch.bfloat16)
+    assert cuda_attn.hopper_backward_form(torch.empty(1, 2, 2048, 128, device="meta"),
+                                          torch.empty(1, 2, 2048, 128, device="meta"), True) == "one kernel"
+
+    def trainer(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+
+        def step(x, target):
+            loss = F.mse_loss(m(x).float(), target)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return opt, step
+
+    eager_model, graphed_model = model, copy.deepcopy(model)
+    eager_opt, eager_step = trainer(eager_model)
+    _, graphed_step = trainer(graphed_model)
+    step = te.make_graphed_step(graphed_step, graphed_model, warmup_steps=1)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for i in range(4):
+        x = torch.randn(1, 2048, 256, device="cuda", generator=gen).bfloat16()
+        target = torch.randn(1, 2048, 256, device="cuda", generator=gen)
+        eager_opt.zero_grad(set_to_none=True)
+        assert torch.equal(eager_step(x, target), step(x, target)), f"step {i}: loss"
+        for (name, p), (_, q) in zip(eager_model.named_parameters(), graphed_model.named_parameters()):
+            assert torch.equal(p, q) and torch.equal(p.grad, q.grad), f"step {i}: {name}"
+    assert step.stats.replays == 3  # the captured step replays too
