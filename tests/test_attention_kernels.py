@@ -458,6 +458,27 @@ def test_backward_writes_the_fused_qkv_gradient_layout():
     assert _fused_gradient(*(t.clone() for t in (dq, dk, dv))) is None  # separate tensors: concatenated
 
 
+def test_the_dq_kernel_alone_hands_over_the_backwards_buffers():
+    """``attention_dq_with_buffers``: the first kernel's dq and delta, with dk and dv
+    the views beside dq of the same fused buffer (another dk / dv kernel fills them,
+    as the cuda backend's grouped form does); dq and delta are those of the whole
+    backward and of ``attention_dq``."""
+    from te_fuser.kernels.triton import attention as attn
+
+    B, H, Hkv, T, D = 1, 4, 2, 45, 32
+    q, k, v = (_randn((B, n, T, D), seed, std=0.5).to(DEVICE) for seed, n in ((1, H), (2, Hkv), (3, Hkv)))
+    o, lse = tk.attention_forward(q, k, v, True, 1 / math.sqrt(D))
+    do = _randn((B, H, T, D), 4).to(DEVICE)
+    dq, dk, dv, delta = attn.attention_dq_with_buffers(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
+    base = dq.untyped_storage().data_ptr()
+    assert dk.untyped_storage().data_ptr() == base and dv.untyped_storage().data_ptr() == base
+    assert dk.shape == k.shape and dv.shape == v.shape and dk.stride() == dq.stride()
+    whole = tk.attention_backward(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
+    alone_dq, alone_delta = attn.attention_dq(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
+    assert torch.equal(dq, whole[0]) and torch.equal(dq, alone_dq) and torch.equal(delta, alone_delta)
+    want = (o.double() * do.double()).sum(-1)
+    assert_close(delta, want, "attention_fp32", "delta = rowsum(o * do)", scaled=True)
+
 @pytest.mark.parametrize("B,H,Hkv,T,D,dtype", [(2, 4, 2, 37, 32, torch.bfloat16), (1, 2, 2, 20, 64, torch.float32)])
 def test_merge_head_gradients_copies_the_bytes_into_the_fused_layout(B, H, Hkv, T, D, dtype):
     """The cuda backend's backward hands cuDNN's dense dq, dk, dv to one launch that
