@@ -10,8 +10,8 @@ turns, the order reversed every other round, one untimed step after each switch
 ``--cuda-forward`` takes, instead of an auto entry, the cuda backend's bf16
 attention forward in turns: cuDNN's and our Hopper kernel's (``set_forward_kernel``).
 ``--cuda-backward NAME`` makes NAME the cuda backend's attention backward first
-(``set_backward_kernel``: cuDNN's or our Hopper kernels), e.g. to take Triton's and
-ours in turns.
+(``set_backward_kernel``: the fastest deterministic one, the default; our Hopper
+kernels wherever they run; cuDNN's), e.g. to take Triton's and ours in turns.
 
 Per recipe: each entry's median ms a step and in how many rounds the second entry
 was faster. Between processes the host's speed moves by ±15% (RESULTS.md), so an
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     p.add_argument("--cuda-forward", action="store_true",
                    help="instead of an auto entry, the cuda backend's attention forward kernels in turns "
                         "(set_forward_kernel; default entries: cudnn hopper)")
-    p.add_argument("--cuda-backward", default=None, choices=["cudnn", "hopper"],
+    p.add_argument("--cuda-backward", default=None, choices=["fastest", "hopper", "cudnn"],
                    help="the cuda backend's attention backward for this run (set_backward_kernel)")
     p.add_argument("--recipes", nargs="+", default=["current", "delayed"], choices=sorted(RECIPES))
     p.add_argument("--rounds", type=int, default=8)
