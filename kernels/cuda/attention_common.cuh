@@ -449,17 +449,15 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // The tensor map of a byte tensor of RANK dims at `data` (dims[0] innermost and
 // contiguous; strides[i] the bytes between steps of dim i + 1), copied in boxes of
 // `box` whose rows (box[0] bytes: 64 or 128) land under the swizzle of that many
-// bytes, as wgmma's descriptors read them (tile_descriptor); `swizzled` false: rows
-// of any multiple of 16 bytes as they lie. `what` names the operand in an error.
+// bytes, as wgmma's descriptors read them (tile_descriptor). `what` names the
+// operand in an error.
 template <int RANK>
 CUtensorMap byte_tensor_map(const void* data, const uint64_t (&dims)[RANK], const uint64_t (&strides)[RANK - 1],
-                            const uint32_t (&box)[RANK], const char* what, bool swizzled = true) {
+                            const uint32_t (&box)[RANK], const char* what) {
   CUtensorMap map;
   uint32_t unit[RANK];
   for (int i = 0; i < RANK; ++i) unit[i] = 1;
-  const CUtensorMapSwizzle swizzle = !swizzled      ? CU_TENSOR_MAP_SWIZZLE_NONE
-                                     : box[0] == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
-                                                     : CU_TENSOR_MAP_SWIZZLE_64B;
+  const CUtensorMapSwizzle swizzle = box[0] == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
   const CUresult status = tensor_map_encoder()(
       &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, RANK, const_cast<void*>(data), dims, strides, box, unit,
       CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

@@ -692,6 +692,17 @@ void describe_attention(te_fuser::AttentionShape& a, const at::Tensor& q, const 
   a.o_stride_b = o.stride(0), a.o_stride_h = o.stride(1), a.o_stride_t = o.stride(2);
 }
 
+// describe_attention, and the tensors' addresses, for the bf16 / fp16 Hopper kernels.
+void describe_hp_attention(te_fuser::AttentionHpArgs& a, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse, double softmax_scale,
+                           bool causal) {
+  describe_attention(a, q, k, v, o, lse, softmax_scale, causal);
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.o = o.data_ptr();
+}
+
 // o (B, H, Tq, D) in `type`, a view of a (B, Tq, H, D) tensor (its (B, Tq, H·D)
 // merge a view), and lse (B, H, Tq) fp32 of q's attention: new tensors.
 std::tuple<at::Tensor, at::Tensor> attention_outputs(const at::Tensor& q, at::ScalarType type) {
@@ -712,11 +723,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_forward_lean(cons
   if ((type != at::kBFloat16 && type != at::kHalf) || !attention_operands(q, k, v, type, device)) return std::nullopt;
   auto [o, lse] = attention_outputs(q, type);
   te_fuser::AttentionHpArgs a;
-  describe_attention(a, q, k, v, o, lse, softmax_scale, causal);
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
-  a.o = o.data_ptr();
+  describe_hp_attention(a, q, k, v, o, lse, softmax_scale, causal);
   te_fuser::launch_attention_hp_forward(a, hp_code_or_none(type), as_stream(stream));
   return std::make_tuple(o, lse);
 }
@@ -750,11 +757,7 @@ te_fuser::AttentionBwdArgs hp_backward_args(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& dv, const at::Tensor& rows, double softmax_scale,
                                             bool causal) {
   te_fuser::AttentionBwdArgs a;
-  describe_attention(a, q, k, v, o, lse, softmax_scale, causal);
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
-  a.o = o.data_ptr();
+  describe_hp_attention(a, q, k, v, o, lse, softmax_scale, causal);
   a.dout = dout.data_ptr();
   a.delta = delta.defined() ? delta.data_ptr<float>() : nullptr;  // undefined: the kernels make it
   a.dq = dq.defined() ? dq.data_ptr() : nullptr;

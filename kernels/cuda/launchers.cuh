@@ -247,11 +247,7 @@ void launch_attention_hp_forward(const AttentionHpArgs& args, int type, void* st
 // H, Tq, D), dk and dv (B, Hkv, Tk, D) of that type, dk and dv each the sum over the
 // query heads of its kv head. Every gradient is written once, by one block (no
 // atomics: the same bits every run).
-struct AttentionBwdArgs : AttentionShape {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  const void* o = nullptr;
+struct AttentionBwdArgs : AttentionHpArgs {  // o: the forward's output, read here
   const void* dout = nullptr;
   float* delta = nullptr;
   void* dq = nullptr;
