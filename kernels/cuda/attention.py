@@ -270,7 +270,7 @@ def _chosen_backward(q, k, v, o, lse, do, causal, softmax_scale):
                 return dq, dk, dv
             # the extension checks what the reason above checks, so this is not expected: the whole
             # backward again on Triton's kernels rather than a second path for dk and dv alone
-    return triton_attention.attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
+    return triton_attention.attention_backward_prechecked(q, k, v, o, lse, do, causal, softmax_scale)
 
 
 def _extension_runs(device: torch.device) -> bool:

@@ -655,7 +655,14 @@ def _gradient_buffers(q, k, v):
 
 def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
     """Flash attention backward: ``(dq, dk, dv)`` as :func:`attention_backward_reference`."""
-    dq, dk, dv, delta, launch = _backward_start(q, k, v, o, lse, do, causal, softmax_scale, "attention_backward")
+    _check_backward(q, k, v, o, lse, do, causal, softmax_scale, "attention_backward")
+    return attention_backward_prechecked(q, k, v, o, lse, do, causal, softmax_scale)
+
+
+def attention_backward_prechecked(q, k, v, o, lse, do, causal, softmax_scale):
+    """:func:`attention_backward` for arguments its caller has checked (the cuda
+    backend, choosing between its kernels and these), without a second check."""
+    dq, dk, dv, delta, launch = _backward_start(q, k, v, o, lse, do, causal, softmax_scale)
     if launch is not None:
         q, k, v, do, lse, meta, qk_scale, G = launch
         B, H, Tq, D = q.shape
@@ -670,7 +677,7 @@ def attention_backward(q, k, v, o, lse, do, causal, softmax_scale):
 def attention_dq(q, k, v, o, lse, do, causal, softmax_scale):
     """The backward's first kernel alone: ``(dq, delta)``, ``delta = rowsum(o · do)``
     fp32 (B, H, Tq), contiguous, what a dk / dv kernel reads beside lse."""
-    dq, _, _, delta, _ = _backward_start(q, k, v, o, lse, do, causal, softmax_scale, "attention_dq")
+    dq, _, _, delta = attention_dq_with_buffers(q, k, v, o, lse, do, causal, softmax_scale)
     return dq, delta
 
 
@@ -679,16 +686,19 @@ def attention_dq_with_buffers(q, k, v, o, lse, do, causal, softmax_scale):
     dv, delta)``, dk and dv the unwritten views beside dq of one (B, T, H + 2·Hkv, D)
     buffer (as :func:`attention_backward` returns them), zeros where there is no
     query."""
-    dq, dk, dv, delta, _ = _backward_start(q, k, v, o, lse, do, causal, softmax_scale, "attention_dq")
-    return dq, dk, dv, delta
+    _check_backward(q, k, v, o, lse, do, causal, softmax_scale, "attention_dq")
+    return _backward_start(q, k, v, o, lse, do, causal, softmax_scale)[:4]
 
 
-def _backward_start(q, k, v, o, lse, do, causal, softmax_scale, kernel: str):
-    """The checks, the gradients' buffers and the dq kernel (which stores delta):
-    ``(dq, dk, dv, delta, launch)``, launch the dk / dv kernel's operands (None:
-    nothing to run)."""
+def _check_backward(q, k, v, o, lse, do, causal, softmax_scale, kernel: str) -> None:
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
     _require_supported(q, kernel)
+
+
+def _backward_start(q, k, v, o, lse, do, causal, softmax_scale):
+    """The gradients' buffers and the dq kernel (which stores delta), for checked
+    arguments: ``(dq, dk, dv, delta, launch)``, launch the dk / dv kernel's operands
+    (None: nothing to run)."""
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     q, k, v, o, do = (_inner(t) for t in (q, k, v, o, do))
