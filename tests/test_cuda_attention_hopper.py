@@ -217,16 +217,23 @@ def test_backward_at_real_sizes(T, D, causal, form):
     kernels, name = FORMS[form]
     check_bf16_at_real_size(kernels, T, D, causal, name=name)
 
+def _the_same_bits_thrice(kernel, D):
+    """``kernel``'s gradients at T 777 (grouped kv heads 8:2, causal), asserted the same
+    bits in three more calls: (its first result, its operands)."""
+    q, k, v, do = (_randn((2, heads, 777, D), seed, torch.bfloat16) for seed, heads in ((1, 8), (2, 2), (3, 2), (4, 8)))
+    o, lse = tk.attention_forward(q, k, v, True, 0.09)
+    first = kernel(q, k, v, o, lse, do, True, 0.09)
+    for _ in range(3):
+        again = kernel(q, k, v, o, lse, do, True, 0.09)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    return first, (q, k, v, o, lse, do)
+
+
 @hopper
 @pytest.mark.parametrize("D", [64, 128])
 def test_dkdv_the_same_bits_on_every_run(D):
     """No atomics: every dk and dv is written once, by the block of its keys."""
-    q, k, v, do = (_randn((2, heads, 777, D), seed, torch.bfloat16) for seed, heads in ((1, 8), (2, 2), (3, 2), (4, 8)))
-    o, lse = tk.attention_forward(q, k, v, True, 0.09)
-    first = cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, True, 0.09)
-    for _ in range(3):
-        again = cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, True, 0.09)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    first, (q, k, v, o, lse, do) = _the_same_bits_thrice(cuda_attn.attention_dkdv_hopper, D)
     delta = triton_attention.attention_dq(q, k, v, o, lse, do, True, 0.09)[1]  # the same sums, another order
     beside = cuda_attn.attention_dkdv_hopper(q, k, v, o, lse, do, True, 0.09, delta=delta)
     for a, b in zip(first, beside):
@@ -261,12 +268,7 @@ def test_dkdv_names_what_it_does_not_take():
 def test_backward_the_same_bits_on_every_run_and_beside_triton(D):
     """No atomics: the same bits on every run; dq and the delta it writes as close to
     Triton's dq kernel's as bf16 products allow."""
-    q, k, v, do = (_randn((2, heads, 777, D), seed, torch.bfloat16) for seed, heads in ((1, 8), (2, 2), (3, 2), (4, 8)))
-    o, lse = tk.attention_forward(q, k, v, True, 0.09)
-    first = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 0.09)
-    for _ in range(3):
-        again = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 0.09)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    first, (q, k, v, o, lse, do) = _the_same_bits_thrice(cuda_attn.attention_backward_hopper, D)
     dq_triton = triton_attention.attention_dq(q, k, v, o, lse, do, True, 0.09)[0]
     assert_close(first[0], dq_triton, "attention_bf16", f"dq beside Triton's, D={D}", scaled=True)
 
