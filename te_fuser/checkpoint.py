@@ -20,6 +20,14 @@ A region called under ``torch.utils.checkpoint`` itself gets none of this: the
 backward recomputes it under the te.autocast state in force then (usually
 none), the fused ops keep their saved state (nothing is dropped), and the
 recomputed forward is thrown away; gradients are right, nothing is saved.
+That is the non-reentrant checkpoint. The reentrant one (``use_reentrant=True``,
+or another library's ``autograd.Function`` named for checkpointing, as
+DeepSpeed's and Megatron's are) runs the region's forward without autograd and
+takes every gradient from the recomputation, so under an FP8 recipe they would be
+a high-precision forward's: the fuser refuses it there, at the region's first
+fused group whose input requires grad, before that group casts anything
+(``ops/fuser.py``'s ``refuse_reentrant_checkpoint``). Without an FP8 recipe the
+recomputation runs the forward's plan and trains as the region kept.
 """
 
 from __future__ import annotations

@@ -327,6 +327,84 @@ def test_torch_checkpoint_on_te_ops_warns_once_and_names_te_checkpoint(monkeypat
     assert torch.equal(x.grad, want)
 
 
+class _ReentrantCheckpointed(_Model):
+    """The model with its block under torch's reentrant checkpoint (the habit of
+    older training code and of libraries that default to it)."""
+
+    def forward(self, x):
+        if self.checkpointed:
+            x = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+        else:
+            x = self.block(x)
+        return self.head(x)
+
+
+def test_torch_reentrant_checkpoint_without_fp8_trains_as_the_same_region_kept():
+    """Without an FP8 recipe the reentrant checkpoint's recomputation runs the plan its
+    forward ran: four steps of AdamW give the kept run's losses and parameters, bit
+    for bit."""
+    _assert_trains_as_kept(_ReentrantCheckpointed, [(None, 4)], seed=2)
+
+
+@pytest.mark.parametrize("name", ["delayed", "current", "mxfp8"])
+def test_torch_reentrant_checkpoint_under_fp8_is_refused_before_anything_changes(name):
+    """Under an FP8 recipe the reentrant checkpoint's forward is refused at its first
+    te op, naming the checkpoint and te.checkpoint, before any cast: once where the
+    group has no plan for a forward without autograd (a miss), once where a forward
+    under no_grad published and armed one (a hit). The scaling state is as it was,
+    and steps without the checkpoint then train as a twin that never met it."""
+    torch.manual_seed(3)
+    refused = _ReentrantCheckpointed(False).to(DEVICE)
+    twin = copy.deepcopy(refused)
+    recipe = RECIPES[name]
+    for model in (refused, twin):
+        _train(model, [(recipe, 1)])
+    x = torch.randn(64, H).to(DEVICE).requires_grad_()
+    refusal = r"LayerNorm.*torch.utils.checkpoint.checkpoint\(\.\.\., use_reentrant=True\) under an FP8 recipe.*te.checkpoint"
+    for armed in (False, True):
+        if armed:
+            for model in (refused, twin):
+                with torch.no_grad(), te.autocast(recipe=recipe):
+                    model.block(x)
+        before = _delayed_state(refused)
+        refused.checkpointed = True
+        with pytest.raises(RuntimeError, match=refusal), te.autocast(recipe=recipe):
+            refused(x)
+        refused.checkpointed = False
+        for a, b in zip(before, _delayed_state(refused), strict=True):
+            assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert torch.equal(_train(refused, [(recipe, 2)], seed=4), _train(twin, [(recipe, 2)], seed=4))
+    for p, q in zip(refused.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_another_librarys_reentrant_checkpoint_is_named_and_no_grad_around_a_leaf_is_not_refused():
+    """A reentrant checkpoint of another library (an autograd.Function whose name
+    says checkpoint, as DeepSpeed's and Megatron's do) is refused by its name; a
+    forward under no_grad whose input requires grad, outside any checkpoint, runs."""
+
+    class CheckpointFunction(torch.autograd.Function):  # the shape of DeepSpeed's and Megatron's
+        @staticmethod
+        def forward(ctx, run_function, *args):
+            ctx.run_function = run_function
+            ctx.save_for_backward(*args)
+            with torch.no_grad():
+                return run_function(*args)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise AssertionError("not reached")
+
+    seq = te.ops.Sequential(te.ops.LayerNorm(H), te.ops.Linear(H, H)).to(DEVICE)
+    x = torch.randn(8, H).to(DEVICE).requires_grad_()
+    with te.autocast(recipe=RECIPES["current"]):
+        with pytest.raises(RuntimeError, match=r"runs inside CheckpointFunction under an FP8 recipe"):
+            CheckpointFunction.apply(seq, x)
+        with torch.no_grad():
+            y = seq(x)
+    assert not y.requires_grad
+
+
 @pytest.mark.parametrize("name", ["delayed", "current"])
 def test_gradient_accumulation_with_kept_weight_casts_trains_alike_checkpointed(name):
     """Three micro-batches a step inside te.reuse_quantized_weights() (the weights

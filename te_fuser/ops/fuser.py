@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 from torch.nn.modules import module as _module_hooks
+from torch.utils.checkpoint import CheckpointFunction as _TorchCheckpointFunction
 
 from .. import backend
 from ..autocast import STATE_STACK as _AUTOCAST_STACK
@@ -395,6 +397,8 @@ class OperationFuser:
         needs_backward = _grad_enabled() and (  # 5
             x.requires_grad or self._params_require_grad() or any(t.requires_grad for t in extra_inputs)
         )
+        if not needs_backward and state.recipe is not None and not state.calibrating:
+            refuse_reentrant_checkpoint(self, x, extra_inputs)  # before a plan is built
         dtype = compute_dtype(x) if _any_autocast() else x.dtype  # 6
         plan = self.plan_for(x, training, needs_backward, dtype, state, raw)
         return apply_plan(x, (self, plan), *self._flat_params, *extra_inputs)
@@ -1017,10 +1021,55 @@ def _warn_hooks_unseen() -> None:
         "For activation checkpointing of te ops call te.checkpoint(function, *args)", stacklevel=2)
 
 
+# The code of torch's reentrant checkpoint's forward (torch.utils.checkpoint.checkpoint(use_reentrant=True))
+_REENTRANT_CHECKPOINT_FORWARD = _TorchCheckpointFunction.forward.__code__
+_STACK_DEPTH_SEARCHED = 64
+
+
+def _reentrant_checkpoint_above() -> "str | None":
+    """The name of a reentrant checkpoint whose forward runs further up the stack:
+    torch's ``CheckpointFunction``, or an ``autograd.Function`` of another library
+    whose class name says checkpoint (DeepSpeed's, Megatron's); None if none."""
+    frame = sys._getframe(2)
+    for _ in range(_STACK_DEPTH_SEARCHED):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code is _REENTRANT_CHECKPOINT_FORWARD:
+            return "torch.utils.checkpoint.checkpoint(..., use_reentrant=True)"
+        if code.co_name == "forward" and code.co_argcount:
+            ctx = frame.f_locals.get(code.co_varnames[0])
+            if isinstance(ctx, torch.autograd.function.BackwardCFunction) and "checkpoint" in type(ctx).__name__.lower():
+                return type(ctx).__name__.removesuffix("Backward")
+        frame = frame.f_back
+    return None
+
+
+def refuse_reentrant_checkpoint(fuser: "OperationFuser", x: torch.Tensor, extra_inputs: tuple) -> None:
+    """A fused group running under an FP8 recipe without autograd although an input
+    requires grad: the signature of a reentrant checkpoint's forward, whose backward
+    runs the region again outside this te.autocast (its gradients would be a
+    high-precision forward's, and delayed scaling's scales move in between). Raises
+    there, naming the checkpoint; elsewhere (no_grad around a leaf that requires
+    grad) returns."""
+    if not (x.requires_grad or _any_requires_grad(extra_inputs)):
+        return
+    name = _reentrant_checkpoint_above()
+    if name is not None:
+        raise RuntimeError(
+            f"op fuser ({fuser.ops[0].describe()}...): runs inside {name} under an FP8 recipe. A reentrant "
+            f"checkpoint runs its region again in the backward, outside this forward's te.autocast, so the "
+            f"gradients would be those of a high-precision forward and delayed scaling's scales would move between "
+            f"the two runs. Checkpoint te ops with te.checkpoint(function, *args), which replays the forward's "
+            f"recipe and scales, or with use_reentrant=False (without an FP8 recipe the reentrant checkpoint is fine)")
+
+
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, fuser_and_plan, *tensors):
         fuser, plan = fuser_and_plan
+        if not plan.needs_backward and plan.installs and (x.requires_grad or len(tensors) > len(fuser._flat_params)):
+            refuse_reentrant_checkpoint(fuser, x, tensors[len(fuser._flat_params):])  # a guard's hit in a checkpoint?
         if RUN_WATCH:
             RUN_WATCH[-1].add(fuser)
         extra_inputs = tensors[len(fuser._flat_params):]
