@@ -145,6 +145,12 @@ def _run_group_backward_fake(ticket, grads, needs, like):
 
 def compiled_call(fuser, x: torch.Tensor, training: bool, extra_inputs: tuple):
     """What a traced call of ``fuser`` puts in the graph: one ``te_fuser::run_group``."""
+    if fuser._derived:
+        _, module, name = fuser._derived[0]
+        raise RuntimeError(
+            f"te_fuser under torch.compile: {type(module).__name__}.{name} is pruned or parametrized "
+            f"(torch.nn.utils.prune / parametrize), which a compiled te op group does not read; run the group "
+            f"eagerly (leave it out of the compiled region) or remove the pruning or parametrization")
     params = [p for op in fuser.ops for p in op.parameters()]
     needs_backward = torch.is_grad_enabled() and (
         x.requires_grad or any(p.requires_grad for p in params) or any(t.requires_grad for t in extra_inputs))

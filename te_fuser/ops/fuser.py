@@ -29,6 +29,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 from torch.nn.modules import module as _module_hooks
+from torch.nn.utils import parametrize as _parametrize
+from torch.nn.utils.prune import BasePruningMethod as _PruningMethod
 from torch.utils.checkpoint import CheckpointFunction as _TorchCheckpointFunction
 
 from .. import backend
@@ -216,10 +218,10 @@ class OperationFuser:
         self.ops = list(ops)
         self.fuse = fuse
         self.rules = rules  # the fusion rules of its plans (None: the table in force at each build)
-        # Parameters are read live from these dicts (each op's and its submodules'),
-        # so a replaced Parameter (tying, assign-loads, FSDP2) is what runs and trains.
-        self._param_dicts = tuple(m._parameters for op in self.ops for m in op.modules())
-        self._dicts_per_op = [sum(1 for _ in op.modules()) for op in self.ops]
+        # Parameters are read live from the ops' dicts (each op's and its submodules',
+        # _refresh_params), so a replaced Parameter (tying, assign-loads, FSDP2) is what
+        # runs and trains; a pruned or parametrized one through its module's attribute.
+        self._param_dicts: tuple = ()
         # The modules whose forward hooks this fuser runs around its ops (those not
         # called through their own ``__call__``), and the hook dicts that must be
         # empty for a call to skip them.
@@ -390,6 +392,11 @@ class OperationFuser:
                             f"got {type(x).__name__}")
         if not self._params_current():  # behind 9: the ops' dicts, which the guard does not read
             self._refresh_params()
+        if self._derived:
+            if self._parametrized and not _parametrize._cache_enabled:
+                with _parametrize.cached():  # the ops read the value evaluated here, with its graph
+                    return self._run(x, training, extra_inputs)
+            self._read_derived()
         raw = _AUTOCAST_STACK[-1]  # 3: te.autocast's state (see autocast.current_state)
         state = raw if self.own_recipe is None else self.resolve(raw)
         if _PROBE:
@@ -452,31 +459,56 @@ class OperationFuser:
         that repeat it (with extra inputs, through :meth:`entry_with_extras`)."""
         out = self.run(x, training, extra_inputs)
         plan, state, guard = self._plan, self._last_state, self._guard
-        if plan is not None and state is not None and guard is not None and not _PROBE and not (
-                self.hook_modules and self._hooks_present()):  # hooks: every call takes the Python path
+        if plan is not None and state is not None and guard is not None and not _PROBE and not self._derived and not (
+                self.hook_modules and self._hooks_present()):  # hooks, derived parameters: every call takes this path
             guard.arm(Decision(state, plan.training, plan.needs_backward, tuple(self._flat_params), plan.dtype,
                                plan.is_cuda, plan.in_shape, plan.epoch, plan_entry(), (self, plan)))
         return out
 
     # -- parameters, read live -------------------------------------------------------
     def _params_current(self) -> bool:
-        """Whether the ops' parameters are still the objects of ``_flat_params``."""
-        flat, i = self._flat_params, 0
+        """Whether the ops' parameter dicts still hold what :meth:`_refresh_params` read
+        (``_flat_params`` itself unless a parameter is derived), under the same names
+        (looked at once a te_fuser.epoch change: pruning renames a Parameter)."""
+        flat, i = self._read_params, 0
         for params in self._param_dicts:
             for p in params.values():
                 if p is not None:
                     if i == len(flat) or flat[i] is not p:
                         return False
                     i += 1
-        return i == len(flat)
+        if i != len(flat):
+            return False
+        if self._names_epoch != _EPOCH[0]:
+            if self._param_names != _parameter_names(self._param_dicts):
+                return False
+            self._names_epoch = _EPOCH[0]
+        return True
 
     def _refresh_params(self) -> None:
-        """Read the parameters the ops hold now (``op.parameters()`` order)."""
-        dicts, params = iter(self._param_dicts), []
-        for n in self._dicts_per_op:
-            params.append([p for _ in range(n) for p in next(dicts).values() if p is not None])
+        """Read the parameters the ops hold now, per op its slots in the order it
+        registered them (:func:`_parameter_slots`): a Parameter, or for a pruned or
+        parametrized one the tensor its module's attribute gives now (``_derived``:
+        read again every call, :meth:`_read_derived`)."""
+        dicts, read, params, derived = [], [], [], []
+        for op in self.ops:
+            mine = []
+            for m in _parameter_modules(op):
+                dicts.append(m._parameters)
+                read.extend(p for p in m._parameters.values() if p is not None)
+                for name, p in _parameter_slots(m):
+                    if p is None:
+                        derived.append((sum(map(len, params)) + len(mine), m, name))
+                        p = getattr(m, name)
+                    mine.append(p)
+            params.append(mine)
+        self._param_dicts = tuple(dicts)
+        self._param_names, self._names_epoch = _parameter_names(self._param_dicts), _EPOCH[0]
         self._params = params
         self._flat_params = [p for ps in params for p in ps]
+        self._read_params = self._flat_params if not derived else read
+        self._derived = tuple(derived)
+        self._parametrized = any(_parametrize.is_parametrized(m, name) for _, m, name in derived)
         # Per op: its slice of the autograd inputs (x, fuser and plan, *params, *extra inputs)
         # and of the flat parameter gradients, computed once for every backward.
         self._grad_slices = _grad_slices([len(ps) for ps in params], self._n_public_in)
@@ -530,6 +562,14 @@ class OperationFuser:
             return False
         self._last_recipe, self._last_state = recipe, raw
         return True
+
+    def _read_derived(self) -> None:
+        """The derived parameters' tensors as their modules give them now (a pruning
+        hook has just set the attribute; a parametrization is evaluated, under grad
+        mode as the call runs, so its gradient reaches the parametrization's own)."""
+        flat = self._flat_params
+        for i, m, name in self._derived:
+            flat[i] = getattr(m, name)
 
     def _params_require_grad(self) -> bool:
         for p in self._flat_params:
@@ -1007,6 +1047,46 @@ def keep_graph() -> bool:
 
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) in force, or None
 _HOOKS_WARNED: list = []
+
+
+def _parameter_names(dicts: tuple) -> tuple:
+    return tuple(tuple(d) for d in dicts)
+
+
+def _parameter_modules(op: BasicOperation):
+    """The modules whose parameters are ``op``'s: the op and its submodules, but not
+    what a parametrization keeps (its originals and its own parameters are reached
+    through the parametrized tensor's graph)."""
+    skipped: set = set()
+    for m in op.modules():
+        if id(m) in skipped:
+            continue
+        held = m._modules.get("parametrizations") if _parametrize.is_parametrized(m) else None
+        if held is not None:
+            skipped.update(id(sub) for sub in held.modules())
+        yield m
+
+
+def _parameter_slots(m: torch.nn.Module) -> list:
+    """``[(name, Parameter or None)]``: ``m``'s parameters in the order it registered
+    them (``WatchedModule._param_order``, then any other in its dict's order), None
+    where the op must read the module's attribute instead: a parametrized name
+    (``torch.nn.utils.parametrize``: weight_norm, LoRA-like reparametrizations) or a
+    pruned one (``torch.nn.utils.prune``, whose ``<name>_orig`` it stands for)."""
+    params = m._parameters
+    pruned = {h._tensor_name for h in m._forward_pre_hooks.values() if isinstance(h, _PruningMethod)}
+    parametrized = m._modules["parametrizations"] if _parametrize.is_parametrized(m) else {}
+    order = m.__dict__.get("_param_order", ())
+    names = [*order, *(n for n in params if n not in order), *(n for n in parametrized if n not in order)]
+    slots = []
+    for name in names:
+        if name in parametrized or name in pruned:
+            slots.append((name, None))
+        elif name.endswith("_orig") and name[:-5] in pruned:
+            continue
+        elif params.get(name) is not None:
+            slots.append((name, params[name]))
+    return slots
 
 
 def _warn_hooks_unseen() -> None:

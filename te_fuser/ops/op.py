@@ -144,9 +144,16 @@ class WatchedModule(nn.Module):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "_parameters", _WatchedParameters(self._parameters))
+        # The parameters' names in the order first registered: the order the op reads and
+        # returns gradients in, also while one of them is pruned or parametrized (the
+        # fuser's parameter slots, ops/fuser.py)
+        object.__setattr__(self, "_param_order", [])
 
     def register_parameter(self, name, param) -> None:
         super().register_parameter(name, param)
+        order = self.__dict__.get("_param_order")
+        if order is not None and name not in order:
+            order.append(name)
         _EPOCH[0] += 1
 
     def __delattr__(self, name) -> None:
