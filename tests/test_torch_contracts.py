@@ -1,6 +1,7 @@
 """torch's contracts hold for te_fuser models: a second backward through a freed
-graph raises, a non-floating input is a TypeError, and a warm model checks its
-input as a fresh one does, with the op's own message, on the hot path too."""
+graph raises, a second derivative through te ops raises rather than coming out
+wrong, a non-floating input is a TypeError, and a warm model checks its input as a
+fresh one does, with the op's own message, on the hot path too."""
 
 from __future__ import annotations
 
@@ -33,6 +34,33 @@ def test_a_second_backward_through_a_freed_graph_raises(recipe_name):
     loss.backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "delayed", "current"])
+def test_a_second_derivative_through_te_ops_raises_and_the_first_is_right(recipe_name):
+    """A gradient penalty (``autograd.grad(create_graph=True)`` on the input, then a
+    backward through that gradient): the gradients made under create_graph are the
+    plain backward's, bit for bit, and the backward through them raises, naming te
+    ops, where it used to run and leave out the second derivative through the
+    group's saved input and weights; plain torch modules around the group still
+    differentiate twice."""
+    recipe = RECIPES[recipe_name]
+    model = build()
+    head = torch.nn.Linear(H, 1)
+    x = torch.randn(16, H)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    grads = []
+    for create_graph, xi in zip((False, True), xs):
+        model.zero_grad(set_to_none=True)
+        y = head(call(model, xi, recipe)).sum()
+        grads.append(torch.autograd.grad(y, [xi, *model.parameters()], create_graph=create_graph))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    with pytest.raises(RuntimeError, match="second derivative through te ops is not supported"):
+        grads[1][0].square().sum().backward()
+    z = torch.randn(16, H, requires_grad=True)  # torch's own layers: untouched
+    (g,) = torch.autograd.grad(head(z).sum(), z, create_graph=True)
+    g.square().sum().backward()
+    assert head.weight.grad is not None
 
 
 def test_retain_graph_runs_the_backward_twice():

@@ -1174,6 +1174,10 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dy, *grad_extra_outputs):
+        if _grad_enabled():  # create_graph=True: the gradients are made, but not differentiable again
+            with torch.no_grad():
+                grads = _FuserFunction.backward(fctx, dy, *grad_extra_outputs)
+            return _not_differentiable_again(grads)
         saved = fctx.saved_tensors  # raises, as torch does, when the graph was freed by an earlier backward
         fuser, plan, ctxs, x_dtype, input_as_extra, stowed = fctx.state
         if stowed:  # the tensors autograd kept (or te.checkpoint's recomputation rebuilt) back in place
@@ -1182,6 +1186,24 @@ class _FuserFunction(torch.autograd.Function):
             fctx.state = None  # the saved tensors go with this backward, as autograd's own do
         return run_backward(fuser, plan, ctxs, fctx.needs_input_grad, x_dtype, dy, grad_extra_outputs,
                             input_as_extra)
+
+
+_TWICE = (b"te_fuser: a second derivative through te ops is not supported (a gradient made with "
+          b"create_graph=True, e.g. for a gradient penalty, then differentiated again): a fused group's backward "
+          b"is not differentiable. The gradient itself is right; leave the te ops out of what is differentiated twice")
+
+
+def _not_differentiable_again(grads: tuple) -> tuple:
+    """A fused group's gradients under ``create_graph=True``: each an alias that requires
+    grad through a node that raises if a backward reaches it (torch's
+    ``once_differentiable``, but whether or not the incoming gradients require grad,
+    since the second derivative also runs through the saved input and weights)."""
+    aliases = []
+    for g in grads:
+        if g is not None:
+            g = g.detach().requires_grad_()
+        aliases.append(g)
+    return torch._C._functions.DelayedError(_TWICE, len(aliases))(*aliases)
 
 
 # torch's C entry of Function.apply, bound to _FuserFunction (torch's Python apply ends in it)
