@@ -490,7 +490,7 @@ class OperationFuser:
         registered them (:func:`_parameter_slots`): a Parameter, or for a pruned or
         parametrized one the tensor its module's attribute gives now (``_derived``:
         read again every call, :meth:`_read_derived`)."""
-        dicts, read, params, derived = [], [], [], []
+        dicts, read, params, derived, flat_index = [], [], [], [], 0
         for op in self.ops:
             mine = []
             for m in _parameter_modules(op):
@@ -498,9 +498,10 @@ class OperationFuser:
                 read.extend(p for p in m._parameters.values() if p is not None)
                 for name, p in _parameter_slots(m):
                     if p is None:
-                        derived.append((sum(map(len, params)) + len(mine), m, name))
+                        derived.append((flat_index, m, name))
                         p = getattr(m, name)
                     mine.append(p)
+                    flat_index += 1
             params.append(mine)
         self._param_dicts = tuple(dicts)
         self._param_names, self._names_epoch = _parameter_names(self._param_dicts), _EPOCH[0]
