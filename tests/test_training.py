@@ -281,3 +281,63 @@ def test_an_ema_copy_evaluates_under_the_recipe_as_in_bf16(name):
     n_params = len(list(ema.module.parameters()))
     assert name != "delayed" or len(copied) > n_params
     assert all(torch.equal(a, b) for a, b in zip(_state(ema.module)[n_params:], copied[n_params:], strict=True))
+
+
+@pytest.mark.parametrize("trained, validated", [
+    ("delayed", "current"), ("delayed", "block"), ("delayed", "mxfp8"), ("delayed", "delayed_other"),
+    ("current", "delayed"),
+])
+def test_validating_under_another_recipe_leaves_training_as_it_was(trained, validated):
+    """Validation under another recipe than training's (to see how the model fares
+    in it) between training steps: the training run's losses, parameters and
+    delayed-scaling state are those of a run that never validated, bit for bit. The
+    evaluation casts with its own quantizers and leaves the installed ones as they
+    are; before, its plan installed its recipe's, and training's delayed-scaling
+    history started over (or, from another delayed recipe, came back resized)."""
+    recipes = {**FP8, "delayed_other": R.DelayedScaling(amax_history_len=2, margin=1)}
+    recipe, other = recipes[trained], recipes[validated]
+
+    def run(validating):
+        model = student()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
+        losses = []
+        for step in range(6):
+            if validating and step in (2, 4):
+                validate(model, other)
+            loss = loss_of(model, *data(step), recipe)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        return torch.stack(losses), _state(model)
+
+    plain, validated_run = run(False), run(True)
+    assert torch.equal(validated_run[0], plain[0])
+    assert len(validated_run[1]) == len(plain[1])
+    assert trained != "delayed" or len(plain[1]) > len(list(student().parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(validated_run[1], plain[1]))
+
+
+def test_a_switch_after_validating_under_its_recipe_is_a_switch():
+    """Training delayed -> validating under current scaling -> training under current
+    scaling: the switch gives the losses and parameters of a run that switched
+    without the validation (a fresh model's quantizers on the target recipe)."""
+
+    def run(validating):
+        model = student()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
+        losses = []
+        for step in range(6):
+            recipe = FP8["delayed"] if step < 3 else FP8["current"]
+            if validating and step == 3:
+                validate(model, FP8["current"])
+            loss = loss_of(model, *data(step), recipe)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        return torch.stack(losses), _state(model)
+
+    plain, validated = run(False), run(True)
+    assert torch.equal(validated[0], plain[0])
+    assert all(torch.equal(a, b) for a, b in zip(validated[1], plain[1], strict=True))

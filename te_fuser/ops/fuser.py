@@ -171,6 +171,9 @@ class FusionPlan:
     # forward and backward as run_forward and run_backward run them, made at the first call
     forward_steps: tuple | None = field(default=None, repr=False, compare=False)
     backward_steps: tuple | None = field(default=None, repr=False, compare=False)
+    # An evaluation plan published while the ops hold another recipe's quantizers: it
+    # casts with its own and leaves theirs, and their scaling state, as they are
+    private: bool = False
 
     def __post_init__(self) -> None:  # the key's fields, unpacked for the hot path
         key = self.key
@@ -584,11 +587,24 @@ class OperationFuser:
         still hold its quantizers (a high-precision plan holds none and depends on none)."""
         if plan.backend != backend.get_backend():
             return False
+        if plan.private:  # its quantizers are its own while the ops hold another recipe's
+            if not self._holds_another_recipe(plan.recipe_key):
+                return False
+            plan.epoch = _EPOCH[0]
+            return True
         for op, qs in zip(self.ops, plan.quantizers if plan.installs else ()):
             if op.installed_quantizers is not qs or op.quantizer_key != plan.recipe_key:
                 return False
         plan.epoch = _EPOCH[0]
         return True
+
+    def _holds_another_recipe(self, recipe_key: str) -> bool:
+        """Whether the ops hold quantizers built for a recipe other than ``recipe_key``."""
+        for op in self.ops:
+            key = op.quantizer_key
+            if key is not None and key != recipe_key:
+                return True
+        return False
 
     # -- building a plan --------------------------------------------------------
     def build(self, recipe, calibrating, shape, dtype, device, needs_backward, training,
@@ -829,6 +845,10 @@ class OperationFuser:
             for q in qs.values():
                 if hasattr(q, "amax_reduction_group"):
                     q.amax_reduction_group, q.recipe_key = group, plan.recipe_key
+        plan.private = not plan.training and self._holds_another_recipe(plan.recipe_key)
+        if plan.private:  # a validation under another recipe: training's quantizers stay installed
+            plan.epoch = _EPOCH[0]
+            return
         changed = False
         for op, qs in zip(self.ops, plan.quantizers):
             if op.installed_quantizers is not qs or op.quantizer_key != plan.recipe_key:
