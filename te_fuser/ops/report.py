@@ -83,6 +83,8 @@ def group_report(index: int, fuser) -> GroupReport:
     conditions = (("backward", str(key.needs_backward)), ("dtype", str(key.dtype).replace("torch.", "")),
                   ("training", str(key.training)), ("calibrating", str(key.calibrating)),
                   ("device", key.device_type), ("backend", key.backend))
+    if plan.private:  # an evaluation under another recipe: the ops keep the installed quantizers (training's)
+        conditions += (("quantizers", "private"),)
     return GroupReport(index, ops, None, plan.recipe_key, conditions, _steps(plan.forward),
                        _steps(plan.backward) if key.needs_backward else (), tuple(plan.declined), tuple(plan.notes))
 
