@@ -346,3 +346,37 @@ def test_a_switch_after_validating_under_its_recipe_is_a_switch():
     plain, validated = run(False), run(True)
     assert torch.equal(validated[0], plain[0])
     assert all(torch.equal(a, b) for a, b in zip(validated[1], plain[1], strict=True))
+
+
+@pytest.mark.parametrize("validated", ["delayed", "current"])
+def test_a_backward_in_evaluation_mode_leaves_training_as_it_was(validated):
+    """Gradients taken in evaluation mode between training steps (a saliency map, an
+    input attack on the model being trained), under training's delayed recipe or
+    another: the backward of an evaluation records nothing, as its forward does, so
+    the training run's losses, parameters and delayed-scaling state are those of a
+    run without them, bit for bit (the backward's gradient casts had recorded into
+    training's histories)."""
+    recipe, other = FP8["delayed"], FP8[validated]
+
+    def run(probing):
+        model = student()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
+        losses = []
+        for step in range(6):
+            if probing and step in (2, 4):
+                model.eval()
+                x = VALIDATION[0][0].clone().requires_grad_()
+                with torch.autocast(DEVICE, dtype=torch.bfloat16), te.autocast(recipe=other):
+                    saliency = torch.autograd.grad(model(x).float().sum(), x)[0]
+                assert torch.isfinite(saliency).all()
+                model.train()
+            loss = loss_of(model, *data(step), recipe)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        return torch.stack(losses), _state(model)
+
+    plain, probed = run(False), run(True)
+    assert torch.equal(probed[0], plain[0])
+    assert all(torch.equal(a, b) for a, b in zip(probed[1], plain[1], strict=True))

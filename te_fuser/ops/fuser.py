@@ -1303,7 +1303,15 @@ def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tup
     *extra-input gradients)`` aligned with ``needs``, the needs-input-grad flags of
     ``(x, fuser and plan, *parameters, *extra inputs)``. ``input_as_extra``: the
     (op, slot) of an extra input that is x itself (:func:`_input_as_extra`); its
-    gradient is added into dx by the first op's backward, and none is returned for it."""
+    gradient is added into dx by the first op's backward, and none is returned for it.
+    The backward of an evaluation plan records no more than its forward did
+    (delayed scaling's recording off, as in :func:`_run_evaluation`)."""
+    if not plan.training and not _EVALUATING[0]:  # a backward in evaluation mode (saliency, input attacks)
+        _EVALUATING[0] = True
+        try:
+            return run_backward(fuser, plan, ctxs, needs, x_dtype, dy, grad_extra_outputs, input_as_extra)
+        finally:
+            _EVALUATING[0] = False
     needs = tuple(needs)
     for ctx, (need_input, p_need) in zip(ctxs, _grad_flags(fuser, needs)):
         ctx.needs_input_grad = need_input
