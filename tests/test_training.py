@@ -252,6 +252,34 @@ def test_calibration_records_in_evaluation_mode_and_an_fp8_evaluation_does_not()
     assert all(torch.equal(a, b) for a, b in zip(_state(model), calibrated, strict=True))
 
 
+def test_calibrating_a_model_trained_under_another_recipe_installs_what_it_records():
+    """A model trained under current scaling, then calibrated for delayed scaling in
+    evaluation mode and evaluated under it: the calibration installs its quantizers
+    (an evaluation under another recipe keeps its own, a calibration does not), so
+    the evaluation casts with the calibrated scales, bit for bit as a model with the
+    same weights that was never trained under another recipe."""
+    recipe = R.DelayedScaling(amax_history_len=4)
+    model = student()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
+    for step in range(2):
+        loss_of(model, *data(step), FP8["current"]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    twin = student()
+    twin.load_state_dict(model.state_dict())
+    x = data(0)[0]
+    outputs = []
+    for m in (model, twin):
+        m.eval()
+        with torch.no_grad(), te.autocast(enabled=False, calibrating=True, recipe=recipe):
+            m(x)
+        with torch.no_grad(), te.autocast(recipe=recipe):
+            outputs.append(m(x))
+        assert "quantizers=private" not in str(m.fusion_plan())
+    assert torch.equal(outputs[0], outputs[1])
+    assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(twin), strict=True))
+
+
 @pytest.mark.parametrize("name", ["delayed", "current"])
 def test_an_ema_copy_evaluates_under_the_recipe_as_in_bf16(name):
     """An exponential moving average of the weights (``torch.optim.swa_utils``'s

@@ -845,8 +845,10 @@ class OperationFuser:
             for q in qs.values():
                 if hasattr(q, "amax_reduction_group"):
                     q.amax_reduction_group, q.recipe_key = group, plan.recipe_key
-        plan.private = not plan.training and self._holds_another_recipe(plan.recipe_key)
-        if plan.private:  # a validation under another recipe: training's quantizers stay installed
+        # a validation under another recipe: training's quantizers stay installed (a
+        # calibration installs: recording into the ops' quantizers is what it is for)
+        plan.private = not plan.training and not plan.calibrating and self._holds_another_recipe(plan.recipe_key)
+        if plan.private:
             plan.epoch = _EPOCH[0]
             return
         changed = False
