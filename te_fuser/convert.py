@@ -19,7 +19,10 @@ checkpoint of either model loads into the other:
 
 Everything else stays as it is, and so does a module ``skip`` names (a module path,
 or a predicate on ``(path, module)``), with all below it. A layer te_fuser cannot
-take as it is (a LayerNorm without bias, a norm over several dims) stays torch's.
+take as it is (a LayerNorm without bias, a norm over several dims) stays torch's,
+and so does one whose te op would drop something of it: a parametrization
+(``torch.nn.utils.parametrize``), a pruning mask (``torch.nn.utils.prune``) or
+module hooks.
 :func:`convert` returns the model; with ``report=True`` also a
 :class:`ConversionReport` of what changed and what was left, with the reason.
 """
@@ -30,6 +33,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.prune import BasePruningMethod
 
 from . import ops
 
@@ -103,12 +108,32 @@ class ConversionReport:
         return "\n".join(lines)
 
 
+def _held_back(module: nn.Module) -> "str | None":
+    """Why a layer of a convertible kind is kept as it is: what its te op would drop
+    (a parametrization, a pruning mask, module hooks); None when nothing."""
+    if parametrize.is_parametrized(module):
+        return f"is parametrized ({', '.join(module.parametrizations)}: torch.nn.utils.parametrize)"
+    pruned = [h._tensor_name for h in module._forward_pre_hooks.values() if isinstance(h, BasePruningMethod)]
+    if pruned:
+        return f"is pruned ({', '.join(pruned)}: torch.nn.utils.prune)"
+    if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
+        return "has module hooks, which the te op standing for it would not carry"
+    return None
+
+
 def _convert_one(module: nn.Module, path: str, in_sequential: bool, report: ConversionReport):
     """The te module standing for ``module``, or ``None`` to keep it."""
-    make = _LAYERS.get(type(module))
-    if make is None and in_sequential and type(module) in _ACTIVATIONS:
+    kind = type(module)
+    if parametrize.is_parametrized(module):  # its class is torch's subclass of the layer's
+        kind = kind.__bases__[0]
+    make = _LAYERS.get(kind)
+    if make is None and in_sequential and kind in _ACTIVATIONS:
         make = _activation
     if make is None:
+        return None
+    held = _held_back(module)
+    if held is not None:
+        report.kept.append((path, f"{kind.__name__} {held}"))
         return None
     new = make(module)
     if isinstance(new, str):

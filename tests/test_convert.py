@@ -115,6 +115,33 @@ def test_sequentials_become_fused_groups_and_what_cannot_convert_stays():
     plain.load_state_dict(converted.state_dict())
 
 
+def test_a_pruned_parametrized_or_hooked_layer_stays_torchs_and_keeps_what_it_has():
+    """Layers whose te op would drop something of theirs stay torch's, each with the
+    reason: a pruned Linear (its mask goes on applying: the pruned entries stay zero
+    through two SGD steps), a weight-normed one and one with a forward hook (which
+    goes on firing); their plain neighbours convert."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 32), nn.GELU(approximate="tanh"),
+                          nn.Linear(32, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 32))
+    mask = (torch.rand(32, 32) > 0.5).float()
+    torch.nn.utils.prune.custom_from_mask(model[0], "weight", mask)
+    torch.nn.utils.parametrizations.weight_norm(model[2], "weight")
+    fired = []
+    model[4].register_forward_hook(lambda module, args, out: fired.append(True))
+    converted, report = te.convert(model, report=True)
+    kept = dict(report.kept)
+    assert "is pruned (weight" in kept["0"] and "is parametrized (weight" in kept["2"]
+    assert "module hooks" in kept["4"]
+    assert [type(converted[i]).__module__.startswith("torch") for i in (0, 2, 4, 6)] == [True, True, True, False]
+    opt = torch.optim.SGD(converted.parameters(), lr=0.5)
+    for _ in range(2):
+        with te.autocast(recipe=FP8_RECIPES["current"]):
+            converted(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(converted[0].weight * (1 - mask), torch.zeros(32, 32)) and len(fired) == 2
+
+
 def test_skip_takes_a_predicate_and_refuses_a_bare_string():
     model = decoder()
     te.convert(model, skip=lambda path, m: path.startswith("self_attn"))
