@@ -500,9 +500,10 @@ class OperationFuser:
                 dicts.append(m._parameters)
                 read.extend(p for p in m._parameters.values() if p is not None)
                 for name, p in _parameter_slots(m):
-                    if p is None:
+                    if p is None:  # read again with its graph by each call (a read here would save tensors)
                         derived.append((flat_index, m, name))
-                        p = getattr(m, name)
+                        with torch.no_grad():
+                            p = getattr(m, name)
                     mine.append(p)
                     flat_index += 1
             params.append(mine)
