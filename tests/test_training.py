@@ -408,3 +408,28 @@ def test_a_backward_in_evaluation_mode_leaves_training_as_it_was(validated):
     plain, probed = run(False), run(True)
     assert torch.equal(probed[0], plain[0])
     assert all(torch.equal(a, b) for a, b in zip(probed[1], plain[1], strict=True))
+
+
+def test_parameter_gradients_in_evaluation_mode_under_delayed_scaling_warn_once(monkeypatch):
+    """Training with the model left in evaluation mode (a forgotten model.train(), or
+    eval mode to switch dropout off) under delayed scaling: the histories do not move,
+    so the first such backward warns, naming model.train(); once a process. Input
+    gradients alone and current scaling do not warn."""
+    import warnings
+
+    from te_fuser.ops import fuser as fuser_module
+
+    monkeypatch.setattr(fuser_module, "_EVAL_BACKWARD_WARNED", [])
+    model = student().eval()
+    x = data(0)[0].clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_of(model, x, data(0)[1], FP8["current"]).backward()
+        model.requires_grad_(False)
+        loss_of(model, x, data(0)[1], FP8["delayed"]).backward()
+        model.requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"evaluation mode.*records no amax.*model\.train\(\)"):
+        loss_of(model, x, data(0)[1], FP8["delayed"]).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_of(model, x, data(0)[1], FP8["delayed"]).backward()

@@ -1113,6 +1113,24 @@ def _parameter_slots(m: torch.nn.Module) -> list:
     return slots
 
 
+_EVAL_BACKWARD_WARNED: list = []
+
+
+def _keeps_state(plan: FusionPlan) -> bool:
+    """Whether a plan casts with quantizers that keep scaling state (delayed scaling's)."""
+    return any(type(q) not in _STATELESS for qs in plan.quantizers for q in qs.values())
+
+
+def _warn_eval_backward() -> None:
+    """Once a process: parameter gradients from ops in evaluation mode under a recipe
+    whose scaling keeps a history, which moves in training mode only."""
+    _EVAL_BACKWARD_WARNED.append(True)
+    warnings.warn(
+        "te_fuser: parameter gradients from ops in evaluation mode (model.eval()) under delayed scaling: like "
+        "the forward, the backward of an evaluation records no amax, so the scaling histories stay as training "
+        "left them. To train, call model.train() (to train without dropout, set its probability to 0)", stacklevel=3)
+
+
 def _warn_hooks_unseen() -> None:
     """Once a process: a fuser ran under autograd's saved-tensor hooks outside
     te.checkpoint, where its ops keep their saved state on the node."""
@@ -1310,6 +1328,8 @@ def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tup
     The backward of an evaluation plan records no more than its forward did
     (delayed scaling's recording off, as in :func:`_run_evaluation`)."""
     if not plan.training and not _EVALUATING[0]:  # a backward in evaluation mode (saliency, input attacks)
+        if not _EVAL_BACKWARD_WARNED and any(needs[2:2 + len(fuser._flat_params)]) and _keeps_state(plan):
+            _warn_eval_backward()
         _EVALUATING[0] = True
         try:
             return run_backward(fuser, plan, ctxs, needs, x_dtype, dy, grad_extra_outputs, input_as_extra)
