@@ -34,9 +34,9 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.prune import BasePruningMethod
 
 from . import ops
+from .ops.fuser import pruned_names
 
 __all__ = ["convert", "ConversionReport"]
 
@@ -113,9 +113,9 @@ def _held_back(module: nn.Module) -> "str | None":
     (a parametrization, a pruning mask, module hooks); None when nothing."""
     if parametrize.is_parametrized(module):
         return f"is parametrized ({', '.join(module.parametrizations)}: torch.nn.utils.parametrize)"
-    pruned = [h._tensor_name for h in module._forward_pre_hooks.values() if isinstance(h, BasePruningMethod)]
+    pruned = pruned_names(module)
     if pruned:
-        return f"is pruned ({', '.join(pruned)}: torch.nn.utils.prune)"
+        return f"is pruned ({', '.join(sorted(pruned))}: torch.nn.utils.prune)"
     if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
         return "has module hooks, which the te op standing for it would not carry"
     return None

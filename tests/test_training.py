@@ -311,6 +311,24 @@ def test_an_ema_copy_evaluates_under_the_recipe_as_in_bf16(name):
     assert all(torch.equal(a, b) for a, b in zip(_state(ema.module)[n_params:], copied[n_params:], strict=True))
 
 
+def _run_interrupted(recipe_at, interrupt=None, steps: int = 6):
+    """``steps`` AdamW steps, step ``i`` under ``recipe_at(i)``, with
+    ``interrupt(model, i)`` before each when given (a validation, gradients taken in
+    evaluation mode): ``(losses, _state(model))``."""
+    model = student()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
+    losses = []
+    for step in range(steps):
+        if interrupt is not None:
+            interrupt(model, step)
+        loss = loss_of(model, *data(step), recipe_at(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses), _state(model)
+
+
 @pytest.mark.parametrize("trained, validated", [
     ("delayed", "current"), ("delayed", "block"), ("delayed", "mxfp8"), ("delayed", "delayed_other"),
     ("current", "delayed"),
@@ -325,21 +343,11 @@ def test_validating_under_another_recipe_leaves_training_as_it_was(trained, vali
     recipes = {**FP8, "delayed_other": R.DelayedScaling(amax_history_len=2, margin=1)}
     recipe, other = recipes[trained], recipes[validated]
 
-    def run(validating):
-        model = student()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
-        losses = []
-        for step in range(6):
-            if validating and step in (2, 4):
-                validate(model, other)
-            loss = loss_of(model, *data(step), recipe)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        return torch.stack(losses), _state(model)
+    def validating(model, step):
+        if step in (2, 4):
+            validate(model, other)
 
-    plain, validated_run = run(False), run(True)
+    plain, validated_run = _run_interrupted(lambda step: recipe), _run_interrupted(lambda step: recipe, validating)
     if trained == "delayed":  # the report says so while the evaluation's plan is the published one
         model = student()
         loss_of(model, *data(0), recipe).backward()
@@ -356,22 +364,14 @@ def test_a_switch_after_validating_under_its_recipe_is_a_switch():
     scaling: the switch gives the losses and parameters of a run that switched
     without the validation (a fresh model's quantizers on the target recipe)."""
 
-    def run(validating):
-        model = student()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
-        losses = []
-        for step in range(6):
-            recipe = FP8["delayed"] if step < 3 else FP8["current"]
-            if validating and step == 3:
-                validate(model, FP8["current"])
-            loss = loss_of(model, *data(step), recipe)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        return torch.stack(losses), _state(model)
+    def recipe_at(step):
+        return FP8["delayed"] if step < 3 else FP8["current"]
 
-    plain, validated = run(False), run(True)
+    def validating(model, step):
+        if step == 3:
+            validate(model, FP8["current"])
+
+    plain, validated = _run_interrupted(recipe_at), _run_interrupted(recipe_at, validating)
     assert torch.equal(validated[0], plain[0])
     assert all(torch.equal(a, b) for a, b in zip(validated[1], plain[1], strict=True))
 
@@ -386,26 +386,16 @@ def test_a_backward_in_evaluation_mode_leaves_training_as_it_was(validated):
     training's histories)."""
     recipe, other = FP8["delayed"], FP8[validated]
 
-    def run(probing):
-        model = student()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE == "cuda")
-        losses = []
-        for step in range(6):
-            if probing and step in (2, 4):
-                model.eval()
-                x = VALIDATION[0][0].clone().requires_grad_()
-                with torch.autocast(DEVICE, dtype=torch.bfloat16), te.autocast(recipe=other):
-                    saliency = torch.autograd.grad(model(x).float().sum(), x)[0]
-                assert torch.isfinite(saliency).all()
-                model.train()
-            loss = loss_of(model, *data(step), recipe)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        return torch.stack(losses), _state(model)
+    def probing(model, step):
+        if step in (2, 4):
+            model.eval()
+            x = VALIDATION[0][0].clone().requires_grad_()
+            with torch.autocast(DEVICE, dtype=torch.bfloat16), te.autocast(recipe=other):
+                saliency = torch.autograd.grad(model(x).float().sum(), x)[0]
+            assert torch.isfinite(saliency).all()
+            model.train()
 
-    plain, probed = run(False), run(True)
+    plain, probed = _run_interrupted(lambda step: recipe), _run_interrupted(lambda step: recipe, probing)
     assert torch.equal(probed[0], plain[0])
     assert all(torch.equal(a, b) for a, b in zip(probed[1], plain[1], strict=True))
 

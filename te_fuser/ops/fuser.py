@@ -989,12 +989,13 @@ def _backward_steps(plan: FusionPlan) -> tuple:
     return steps
 
 
-def _run_evaluation(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
-    """:func:`run_forward` of a plan in evaluation mode: delayed scaling's recording
-    off while it runs (its casts take the scale as it stands: ``quantization/delayed.py``)."""
+def _unrecorded(run, *args):
+    """``run(*args)`` of a plan in evaluation mode, its forward or its backward, with
+    delayed scaling's recording off (its casts take the scale as it stands:
+    ``quantization/delayed.py``)."""
     _EVALUATING[0] = True
     try:
-        return run_forward(fuser, plan, x, extra_inputs)
+        return run(*args)
     finally:
         _EVALUATING[0] = False
 
@@ -1002,7 +1003,7 @@ def _run_evaluation(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
 def run_forward(fuser: OperationFuser, plan: FusionPlan, x, extra_inputs):
     """The plan's forward steps on ``x``: ``(contexts, output, extra outputs)``."""
     if not plan.training and not _EVALUATING[0]:
-        return _run_evaluation(fuser, plan, x, extra_inputs)
+        return _unrecorded(run_forward, fuser, plan, x, extra_inputs)
     run = plan.run
     ctxs = [OpContext(op, qs, run) for op, qs in zip(fuser.ops, plan.quantizers)]
     steps = plan.forward_steps or _forward_steps(fuser, plan)
@@ -1091,6 +1092,12 @@ def _parameter_modules(op: BasicOperation):
         yield m
 
 
+def pruned_names(m: torch.nn.Module) -> set:
+    """The names of ``m``'s tensors that ``torch.nn.utils.prune`` masks (each kept as
+    ``<name>_orig``, the masked tensor set as an attribute by a forward pre-hook)."""
+    return {h._tensor_name for h in m._forward_pre_hooks.values() if isinstance(h, _PruningMethod)}
+
+
 def _parameter_slots(m: torch.nn.Module) -> list:
     """``[(name, Parameter or None)]``: ``m``'s parameters in the order it registered
     them (``WatchedModule._param_order``, then any other in its dict's order), None
@@ -1098,7 +1105,7 @@ def _parameter_slots(m: torch.nn.Module) -> list:
     (``torch.nn.utils.parametrize``: weight_norm, LoRA-like reparametrizations) or a
     pruned one (``torch.nn.utils.prune``, whose ``<name>_orig`` it stands for)."""
     params = m._parameters
-    pruned = {h._tensor_name for h in m._forward_pre_hooks.values() if isinstance(h, _PruningMethod)}
+    pruned = pruned_names(m)
     parametrized = m._modules["parametrizations"] if _parametrize.is_parametrized(m) else {}
     order = m.__dict__.get("_param_order", ())
     names = [*order, *(n for n in params if n not in order), *(n for n in parametrized if n not in order)]
@@ -1114,11 +1121,6 @@ def _parameter_slots(m: torch.nn.Module) -> list:
 
 
 _EVAL_BACKWARD_WARNED: list = []
-
-
-def _keeps_state(plan: FusionPlan) -> bool:
-    """Whether a plan casts with quantizers that keep scaling state (delayed scaling's)."""
-    return any(type(q) not in _STATELESS for qs in plan.quantizers for q in qs.values())
 
 
 def _warn_eval_backward() -> None:
@@ -1326,15 +1328,11 @@ def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tup
     (op, slot) of an extra input that is x itself (:func:`_input_as_extra`); its
     gradient is added into dx by the first op's backward, and none is returned for it.
     The backward of an evaluation plan records no more than its forward did
-    (delayed scaling's recording off, as in :func:`_run_evaluation`)."""
+    (:func:`_unrecorded`)."""
     if not plan.training and not _EVALUATING[0]:  # a backward in evaluation mode (saliency, input attacks)
-        if not _EVAL_BACKWARD_WARNED and any(needs[2:2 + len(fuser._flat_params)]) and _keeps_state(plan):
+        if not _EVAL_BACKWARD_WARNED and any(needs[2:2 + len(fuser._flat_params)]) and not _keepable(plan.quantizers):
             _warn_eval_backward()
-        _EVALUATING[0] = True
-        try:
-            return run_backward(fuser, plan, ctxs, needs, x_dtype, dy, grad_extra_outputs, input_as_extra)
-        finally:
-            _EVALUATING[0] = False
+        return _unrecorded(run_backward, fuser, plan, ctxs, needs, x_dtype, dy, grad_extra_outputs, input_as_extra)
     needs = tuple(needs)
     for ctx, (need_input, p_need) in zip(ctxs, _grad_flags(fuser, needs)):
         ctx.needs_input_grad = need_input
