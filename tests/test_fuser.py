@@ -501,6 +501,49 @@ def test_plans_of_one_recipe_share_its_quantizers_after_a_switch_back():
             assert op.installed_quantizers is qs
 
 
+@pytest.mark.parametrize("validate_under", ["delayed", "delayed_margin"])
+def test_validations_between_steps_publish_the_plans_with_state_again(validate_under, monkeypatch):
+    """Delayed scaling: a training and an evaluation plan of one recipe share the
+    installed quantizers, so a validation between training steps publishes the
+    kept evaluation plan and the step after it the kept training plan again (no
+    build), as long as the ops hold exactly those quantizers. A validation under
+    another delayed recipe casts with quantizers of its own, continuing the state
+    as it is at that call: its plan is built each time. Either way the losses,
+    weights and scaling states equal a model that builds every plan, bit for bit."""
+    from te_fuser.ops.fuser import OperationFuser
+
+    x = [representable(32, H, generator=torch.Generator().manual_seed(i)) * 0.125 for i in range(5)]
+    other = R.DelayedScaling(margin=1) if validate_under == "delayed_margin" else RECIPES["delayed"]
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        outs, phases = [], []
+        for i in range(4):
+            outs.append(step(model, x[i], RECIPES["delayed"], opt))
+            phases.append(set(model.fusion_stats().last_build_phases))
+            model.eval()
+            with torch.no_grad(), te.autocast(recipe=other):
+                outs.append(model(x[4]))
+            phases.append(set(model.fusion_stats().last_build_phases))
+            model.train()
+        states = [q.state_tensors() for f in model._fusers() for op in f.ops
+                  for q in op.installed_quantizers.values()]
+        return outs, [p.detach().clone() for p in model.parameters()], states, phases
+
+    kept = train(mlp())
+    original = OperationFuser._may_publish_again
+    monkeypatch.setattr(OperationFuser, "_may_publish_again", lambda self, plan: plan.stateless and original(self, plan))
+    built = train(mlp())
+    assert_identical(kept[:3], built[:3], "training with validations, plans kept against built")
+    steps, validations = kept[3][0::2], kept[3][1::2]
+    assert all(p == {"kept", "publish"} for p in steps[1:]), "the training plan published again"
+    if validate_under == "delayed":
+        assert all(p == {"kept", "publish"} for p in validations[1:]), "the evaluation plan published again"
+    else:  # the validation's own quantizers continue the state of its call: built each time
+        assert all("kept" not in p for p in validations)
+    assert all("kept" not in p for p in built[3])
+
+
 def test_a_switch_back_matches_again_under_another_rule_table():
     """A plan template belongs to the rule table it was matched with: a switch back
     inside ``without_fusion_rules`` (or after a rule is registered) matches again."""

@@ -174,6 +174,8 @@ class FusionPlan:
     # An evaluation plan published while the ops hold another recipe's quantizers: it
     # casts with its own and leaves theirs, and their scaling state, as they are
     private: bool = False
+    # Whether none of its quantizers keeps scaling state (see _keepable)
+    stateless: bool = True
 
     def __post_init__(self) -> None:  # the key's fields, unpacked for the hot path
         key = self.key
@@ -198,7 +200,7 @@ class PlanTemplate:
     backward: MatchResult
     notes: list[str]
     shapes: dict = field(default_factory=dict)
-    plans: dict = field(default_factory=dict)  # PlanKey -> a plan built from it whose quantizers hold no state
+    plans: dict = field(default_factory=dict)  # PlanKey -> the last plan built from it (see _may_publish_again)
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -671,17 +673,27 @@ class OperationFuser:
                           out_shape=out_shape, amax_reduction_group=amax_reduction_group,
                           in_shape=shape, shapes=template.shapes)  # a shape one plan takes, all of its template take
         plan.build_phases = phases
-        if _keepable(quantizers):
-            template.plans[key] = plan
+        plan.stateless = _keepable(quantizers)
+        template.plans[key] = plan
         return plan
 
     def _may_publish_again(self, kept: FusionPlan) -> bool:
-        """Whether ``kept`` (a plan whose quantizers hold no state, published before)
-        may be published for its key again instead of a new one: unless the ops
-        hold quantizers of its recipe key already that are not its own, as where
-        another plan of that key was built since (the plans of one recipe key share
-        the installed quantizers; see :meth:`candidate`)."""
+        """Whether ``kept`` (the last plan built for its key, published before) may
+        be published for its key again instead of a new one. A plan whose quantizers
+        hold no state may, unless the ops hold quantizers of its recipe key already
+        that are not its own, as where another plan of that key was built since (the
+        plans of one recipe key share the installed quantizers; see
+        :meth:`candidate`). A plan whose quantizers keep scaling state (delayed
+        scaling) may only while the ops hold exactly its quantizers, whose state is
+        then the live one: a training step after a validation under the same recipe
+        (and back) publishes its plan again; after a switch away, or where it was an
+        evaluation's own (private) plan, a new plan continues the state installed."""
         if not kept.installs:
+            return True
+        if not kept.stateless:
+            for op, qs in zip(self.ops, kept.quantizers):
+                if op.installed_quantizers is not qs or op.quantizer_key != kept.recipe_key:
+                    return False
             return True
         for op, qs in zip(self.ops, kept.quantizers):
             if op.quantizer_key == kept.recipe_key and op.installed_quantizers is not qs:
