@@ -243,7 +243,8 @@ def _hopper_dkdv_rows(c: _Case, o, lse, do, dq_sdpa, sdpa_bwd_ms: float) -> None
     """The deterministic backwards with our Hopper kernels: Triton's dq kernel (which
     also stores delta), then our dk / dv kernel, each part alone (Triton's dk / dv
     kernel's time is its whole backward's less its dq kernel's), and our backward
-    whose dk / dv kernel also adds dq (with delta before and dq's store after)."""
+    whose dk / dv kernel also adds dq (with delta before and dq's store after), and
+    (causal) that backward with dq stored or delta made in its dk / dv kernel."""
     causal, scale, bwd_flops = c.causal, c.scale, c.bwd_flops
     q, k, v = c.sets[0]
 
@@ -269,6 +270,16 @@ def _hopper_dkdv_rows(c: _Case, o, lse, do, dq_sdpa, sdpa_bwd_ms: float) -> None
     c.row("bwd bf16", "cuda hopper", harness.time_ms(
         lambda: cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, causal, scale)), bwd_flops, sdpa_bwd_ms,
         "sdpa bf16", diff)
+    if not causal:
+        return
+    for stages, label in (((True, False), "dq"), ((False, True), "delta"), ((True, True), "dq and delta")):
+        previous = cuda_attn.set_hopper_backward_stages(*stages)
+        try:  # the same bits as the row above (test_cuda_attention_hopper.py)
+            c.row("bwd bf16", f"cuda hopper, {label} in its dk/dv kernel", harness.time_ms(
+                lambda: cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, causal, scale)), bwd_flops,
+                sdpa_bwd_ms, "sdpa bf16")
+        finally:
+            cuda_attn.set_hopper_backward_stages(*previous)
 
 
 _JIT = {"fwd": "_attention_forward_kernel", "fwd_fp8": "_attention_forward_kernel", "dq": "_attention_dq_kernel",

@@ -273,6 +273,46 @@ def test_backward_the_same_bits_on_every_run_and_beside_triton(D):
     assert_close(first[0], dq_triton, "attention_bf16", f"dq beside Triton's, D={D}", scaled=True)
 
 
+@contextlib.contextmanager
+def _stages(dq_in_kernel: bool, delta_in_kernel: bool):
+    previous = cuda_attn.set_hopper_backward_stages(dq_in_kernel, delta_in_kernel)
+    try:
+        yield
+    finally:
+        cuda_attn.set_hopper_backward_stages(*previous)
+
+
+STAGES = [(True, False), (False, True), (True, True)]
+
+
+@hopper
+@pytest.mark.parametrize("dq_in_kernel,delta_in_kernel", STAGES, ids=["dq", "delta", "dq+delta"])
+@pytest.mark.parametrize("B,H,Hkv,Tq,Tk,D", [(2, 4, 4, 1000, 1000, 128), (1, 3, 3, 67, 67, 64), (2, 8, 8, 777, 777, 64),
+                                              (1, 4, 4, 200, 330, 128), (1, 4, 4, 330, 200, 128), (2, 8, 2, 500, 500, 128),
+                                              (1, 16, 16, 4096, 4096, 128)])
+def test_backward_stages_in_the_kernel_give_the_same_bits(B, H, Hkv, Tq, Tk, D, dq_in_kernel, delta_in_kernel):
+    """dq stored and delta made in the dk / dv kernel (set_hopper_backward_stages):
+    the same dq, dk and dv bits as the kernels before and after it (the same fp32
+    chunks converted, delta summed in the columns kernel's order), five calls in a
+    row (a claim or a flag that never came would hang one), at odd lengths, Tq above
+    and below Tk (delta then made before the kernel), grouped kv heads (likewise)
+    and a real size; fp16 too at one shape."""
+    for dtype in (torch.bfloat16, torch.float16) if Tq == 1000 else (torch.bfloat16,):
+        q = _randn((B, H, Tq, D), 1, dtype)
+        k, v = (_randn((B, Hkv, Tk, D), seed, dtype) for seed in (2, 3))
+        do = _randn((B, H, Tq, D), 4, dtype)
+        o, lse = tk.attention_forward(q, k, v, True, 1 / math.sqrt(D))
+        want = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
+        with _stages(dq_in_kernel, delta_in_kernel):
+            for _ in range(5):
+                got = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
+                for name, g, w in zip(("dq", "dk", "dv"), got, want):
+                    assert torch.equal(g, w), (f"{name}, {dtype}, (B, H, Hkv, Tq, Tk, D) = {(B, H, Hkv, Tq, Tk, D)}, "
+                                               f"stages {(dq_in_kernel, delta_in_kernel)}: max diff "
+                                               f"{(g.float() - w.float()).abs().max().item():.3e}")
+        assert cuda_attn.set_hopper_backward_stages() == (False, False), "the default restored"
+
+
 @hopper
 def test_backward_writes_the_fused_qkv_gradient_layout():
     """Equal lengths: dq, dk and dv are views of one (B, T, H + 2·Hkv, D) buffer, as

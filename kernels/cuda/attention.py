@@ -65,7 +65,7 @@ from ..reference.attention import check_attention, check_attention_backward, che
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
-           "set_hopper_schedule", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason",
+           "set_hopper_schedule", "set_hopper_backward_stages", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason",
            "set_forward_kernel", "FORWARD_KERNELS", "attention_dkdv_hopper",
            "attention_backward_hopper", "set_backward_kernel", "BACKWARD_KERNELS", "hopper_backward_form"]
 
@@ -398,6 +398,27 @@ def _run_checked(kernel: str, entry: str, reason: str | None, q, k, v, *args):
         raise ValueError(f"{kernel}: the extension did not take q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     return out
+
+
+def set_hopper_backward_stages(dq_in_kernel: bool | None = None,
+                               delta_in_kernel: bool | None = None) -> tuple[bool, bool]:
+    """What the one-kernel Hopper backward's dk / dv kernel (:func:`attention_backward_hopper`,
+    causal only) also does, for this process (it builds the extension if need be);
+    None leaves a setting. ``dq_in_kernel``: once every block of the grid has
+    started, a finished block's consumers store dq's chunks in the input type as
+    their last adds land (key block 0, every chunk's last adder, queues each one),
+    so no kernel follows it. ``delta_in_kernel`` (as many kv heads as query heads,
+    Tq <= Tk): key block n makes delta = rowsum(o ∘ do) of query chunks 2n and 2n +
+    1, which it reads first, while its first copies land, and flags them for the
+    blocks after it, so the kernel before it reads lse alone. The same bits as
+    without, either way. Both off by default: not yet timed beside the kernels they
+    replace (RESULTS.md). Returns the previous ``(dq_in_kernel, delta_in_kernel)``."""
+    from ._build import extension
+
+    def code(value):
+        return -1 if value is None else int(bool(value))
+
+    return tuple(extension().attention_backward_stages(code(dq_in_kernel), code(delta_in_kernel)))
 
 
 def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) -> tuple[bool, bool]:

@@ -298,7 +298,9 @@ __device__ __forceinline__ uint64_t step_mn_descriptor(uint32_t addr) {
 // accumulators' order: float4 j of thread slot t at 16·(j·slots + t)), then a
 // step's per-query columns a stage (lse · log2 e and delta, 512 bytes), then the
 // barriers: q_full(0) for the held pair, full / empty a stage, then (DQ) dq_full /
-// dq_empty a dq buffer and ds_full / ds_empty a dSᵀ buffer. One producer thread copies (its arrival brings the bytes).
+// dq_empty a dq buffer and ds_full / ds_empty a dSᵀ buffer, then (DQ) two words for
+// the chunk the consumers claim (store_ready_dq). One producer thread copies (its
+// arrival brings the bytes).
 constexpr int kDsBytes = kBlockN * kStepRows * 2;
 __host__ __device__ constexpr int dq_chunk_bytes(int d) { return kStepRows * d * 4; }
 // The threads that write a dq buffer: both warpgroups at head dim 128, one at 64.
@@ -319,7 +321,7 @@ constexpr int bwd_buffer_bytes(int d, int stages, bool dq) {
 template <int D, int STAGES, bool DQ = false>
 struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
   using Ring = RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)>;
-  static constexpr int bytes = Ring::bytes + (DQ ? 8 * 8 : 0);
+  static constexpr int bytes = Ring::bytes + (DQ ? 8 * 8 + 8 : 0);
   static constexpr int head_dim = D;
   static constexpr int held_bytes = kBlockN * D * 2;
   static constexpr int step_bytes = kStepRows * D * 2;
@@ -349,6 +351,8 @@ struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
   static __device__ __forceinline__ uint32_t ds_empty(uint32_t base, int i) {
     return base + Ring::bytes + 48 + 8 * i;
   }
+  // the chunk the consumers' leader claimed in round r (store_ready_dq), two in turn
+  static __device__ __forceinline__ uint32_t claim(uint32_t base, int r) { return base + Ring::bytes + 64 + 4 * (r % 2); }
 };
 
 // The tensor maps of a backward block's held pair (boxes of 64 columns x 128 rows)
@@ -356,6 +360,41 @@ struct BwdSmem : RingBarriers<STAGES, bwd_buffer_bytes(D, STAGES, DQ)> {
 struct BwdMaps {
   CUtensorMap held[2], step[2];
 };
+
+// The dq adds' order across blocks (a turn counter per dq chunk in global memory):
+// an acquiring read, a releasing add, the bulk copies of shared memory to global
+// (a plain store, or an fp32 add there) and their completion.
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_store(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_add(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all_but_newest() {
+  asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory");
+}
+__device__ __forceinline__ int load_relaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 
 // The producer of a backward block, one thread: the held pair (head held_head, its
 // 128 rows from held_row), then step j's pair at (head, first row) = at(j) and its
@@ -369,7 +408,7 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                : "memory");
 }
 
-template <typename S, typename At>
+template <typename S, int IN = 0, typename At>
 __device__ __forceinline__ void produce_bwd(const BwdMaps& maps, uint32_t base, int b, int held_head, int held_row,
                                             int steps, At at, const AttentionBwdArgs& a) {
   constexpr int D = S::head_dim, STAGES = S::stages;
@@ -386,10 +425,22 @@ __device__ __forceinline__ void produce_bwd(const BwdMaps& maps, uint32_t base, 
     const int s = j % STAGES;
     if (j >= STAGES) barrier_wait(S::empty(base, s), ((j / STAGES) - 1) & 1);
     const uint32_t full = S::full(base, s);
-    barrier_arrive_expect_bytes(full, 2 * S::step_bytes + kColumnsBytes);
     const int2 where = at(j);  // (head, first row)
     const int64_t chunk = (int64_t(b) * a.h + where.x) * dq_steps(a) + where.y / kStepRows;
-    bulk_copy(S::columns(base, s), a.rows + chunk * (2 * kStepRows), kColumnsBytes, full);
+    // delta made in the kernel (a.delta_ready): the chunk's first reader, key block m / 2,
+    // leaves it in the stage itself (lse alone copied); any other block copies the
+    // chunk's columns once they are flagged
+    uint32_t columns_bytes = kColumnsBytes;
+    if constexpr ((IN & kDeltaInKernel) != 0) {
+      if (where.y / kStepRows / 2 == held_row / kBlockN) {
+        columns_bytes = kStepRows * 4;
+      } else {
+        while (load_acquire(a.delta_ready + chunk) == 0) __nanosleep(64);
+        fence_async_global();
+      }
+    }
+    barrier_arrive_expect_bytes(full, 2 * S::step_bytes + columns_bytes);
+    bulk_copy(S::columns(base, s), a.rows + chunk * (2 * kStepRows), columns_bytes, full);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -460,32 +511,42 @@ __device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[D / 2]
   }
 }
 
-// The dq adds' order across blocks (a turn counter per dq chunk in global memory):
-// an acquiring read, a releasing add, the bulk copies of shared memory to global
-// (a plain store, or an fp32 add there) and their completion.
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void add_release(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_store(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_add(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all_but_newest() {
-  asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory");
-}
+// dq's chunks in the input type as their last adds land, inside the dk / dv kernel
+// (no kernel after it). Past the turn counters (one a chunk, a.dq_turns, zeros): a
+// queue of the chunks whose every add has landed (chunk + 1 a slot, zeros until
+// written), pushed by their last adder (the block of key block 0, which reads every
+// query step), then three counters: blocks started, chunks claimed, chunks pushed.
+struct DqQueue {
+  int* slots;
+  int* started;
+  int* claimed;
+  int* pushed;
+  int chunks;
+  static __device__ __forceinline__ DqQueue of(const AttentionBwdArgs& a) {
+    const int chunks = a.batch * a.h * dq_steps(a);
+    int* q = a.dq_turns + chunks;
+    return {q, q + chunks, q + chunks + 1, q + chunks + 2, chunks};
+  }
+  // A slot reserved, then written (after the chunk's last add landed and its turn
+  // passed on, so that a claimer acquiring the slot sees every add).
+  __device__ __forceinline__ void push(int chunk) const { store_release(slots + atomicAdd(pushed, 1), chunk + 1); }
+  // The oldest chunk pushed and not yet claimed, waiting while none is; -1 once every
+  // chunk is claimed. A slot claimed may be reserved a moment before it is written.
+  __device__ __forceinline__ int claim() const {
+    for (;;) {
+      const int c = load_relaxed(claimed);
+      if (c >= chunks) return -1;
+      if (c >= load_relaxed(pushed)) {
+        __nanosleep(256);
+        continue;
+      }
+      if (atomicCAS(claimed, c, c + 1) != c) continue;
+      int v;
+      while ((v = load_acquire(slots + c)) == 0) __nanosleep(32);
+      return v - 1;
+    }
+  }
+};
 
 // Step i's dq share, dS K over the block's 128 keys (K's columns of this warpgroup at
 // k_mn), once both warpgroups have left step i's dSᵀ in buffer i % 2, after the
@@ -516,12 +577,80 @@ __device__ __forceinline__ void make_dq(uint32_t base, uint64_t k_mn, int i, int
   barrier_arrive(S::dq_full(base, i % 2));
 }
 
+// Σ a[i] · b[i] over 8 elements of T at 16-byte aligned a and b, in fp32.
+template <typename T>
+__device__ __forceinline__ float dot8(const T* a, const T* b) {
+  const uint4 x = *reinterpret_cast<const uint4*>(a), y = *reinterpret_cast<const uint4*>(b);
+  const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 u, v;
+    if constexpr (std::is_same<T, __half>::value) {
+      u = __half22float2(*reinterpret_cast<const __half2*>(&xs[i]));
+      v = __half22float2(*reinterpret_cast<const __half2*>(&ys[i]));
+    } else {
+      u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xs[i]));
+      v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ys[i]));
+    }
+    sum = fmaf(u.x, v.x, fmaf(u.y, v.y, sum));
+  }
+  return sum;
+}
+
+// Named barrier 3 (1 and 2 are the forwards' turns): the two consumer warpgroups.
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, %0;\n" ::"n"(2 * kWarpgroup) : "memory"); }
+
+// This block's first two steps' delta where the kernel makes it (a.delta_ready:
+// causal, as many kv heads as query heads, Tq <= Tk). Key block n is the first reader
+// of query chunks 2n and 2n + 1, its first two steps (a head's key blocks launch from
+// the last down), so its consumers make their delta = rowsum(o ∘ do) while the
+// block's first copies land, two threads a query: each sums four of the columns
+// kernel's eight 16-byte pieces (p, p + 64 columns) and pairs them as its shuffles
+// do, so the sum is that kernel's, bit for bit. Into the two stages' columns (the
+// producer copies only lse there) and a.rows, then the chunks flagged for the blocks
+// after it (whose producers copy their columns once flagged).
+template <int D, typename T>
+__device__ __forceinline__ void make_first_delta(uint32_t base, const AttentionBwdArgs& a, const DkdvWork& w,
+                                                 int ctid) {
+  using S = BwdSmem<D, kDkdvStages, true>;
+  const int steps = dq_steps(a), m0 = w.n0 / kStepRows;
+  if (m0 >= steps) return;
+  const int q = ctid / 2, half = ctid % 2, j = q / kStepRows, m = m0 + j, t = m * kStepRows + q % kStepRows;
+  const int64_t bh = int64_t(w.b) * a.h + w.hk;
+  float sum = 0.0f;
+  if (m < steps && t < a.tq) {
+    const T* o = static_cast<const T*>(a.o) + w.b * a.o_stride_b + w.hk * a.o_stride_h + t * a.o_stride_t;
+    const T* dout = static_cast<const T*>(a.dout) + w.b * a.do_stride_b + w.hk * a.do_stride_h + t * a.do_stride_t;
+    float piece[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      piece[i] = 0.0f;
+#pragma unroll
+      for (int c = 8 * (4 * half + i); c < D; c += 64) piece[i] += dot8(o + c, dout + c);
+    }
+    sum = (piece[0] + piece[1]) + (piece[2] + piece[3]);
+  }
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+  if (half == 0 && m < steps) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(S::columns(base, j) + 4 * (kStepRows + q % kStepRows)), "f"(sum)
+                 : "memory");
+    fence_for_tensor_cores();  // a later stage's columns come through the async proxy
+    a.rows[(bh * steps + m) * (2 * kStepRows) + kStepRows + q % kStepRows] = sum;
+  }
+  consumers_sync();
+  if (ctid == 0) {
+    __threadfence();
+    for (int jj = 0; jj < 2 && m0 + jj < steps; ++jj) store_release(a.delta_ready + bh * steps + m0 + jj, 1);
+  }
+}
+
 // A consumer warpgroup: dk and dv of its 64 keys over the block's steps, then stored.
 // DQ: each step's dSᵀ (both warpgroups' keys) also goes to shared memory, and dq's
 // share of the block's 128 keys, dS K, is made there (head dim 128: each warpgroup
 // 64 of the columns; 64: the warpgroup of the step's parity, all of them) and left in
 // a dq buffer for the block's dq writer (write_dq).
-template <int D, bool CAUSAL, bool DQ, typename T, int GROUP>
+template <int D, bool CAUSAL, bool DQ, typename T, int GROUP, int IN>
 __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdArgs& a, const DkdvWork& w, int group,
                                              int tid) {
   using S = BwdSmem<D, kDkdvStages, DQ>;
@@ -540,6 +669,7 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
   }
   // dq's B operand: the block's 128 keys of the columns this warpgroup makes
   const uint64_t k_mn = mn_descriptor(S::held(base, 0) + (D == 128 ? group : 0) * kBlockBytes);
+  if constexpr ((IN & kDeltaInKernel) != 0) make_first_delta<D, T>(base, a, w, kWarpgroup * group + tid);
   barrier_wait(S::q_full(base, 0), 0);
   const auto store_dkdv = [&] {
     store_key_rows<D, T>(static_cast<T*>(a.dk) + int64_t(w.b) * a.dk_stride_b + int64_t(w.hk) * a.dk_stride_h, dk,
@@ -660,10 +790,17 @@ __device__ __forceinline__ void consume_dkdv(uint32_t base, const AttentionBwdAr
 // is freed then too). The grid runs a kv head's key blocks from the last down, so a
 // block only waits for blocks that started before it: every wait ends, however few
 // blocks the GPU holds at once.
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, int IN>
 __device__ __forceinline__ void write_dq(uint32_t base, const AttentionBwdArgs& a, const DkdvWork& w) {
   using S = BwdSmem<D, kDkdvStages, true>;
   const int last_block = (a.tk + kBlockN - 1) / kBlockN - 1, n = w.n0 / kBlockN, steps = dq_steps(a);
+  const auto pass_on = [&](int* turn) {  // the add landed: the turn passed on; key block 0, the last adder, pushes
+    fence_async_global();
+    add_release(turn, 1);
+    if constexpr ((IN & kDqInKernel) != 0) {  // (the queue made here: the writer's registers are few)
+      if (n == 0) DqQueue::of(a).push(int(turn - a.dq_turns));
+    }
+  };
   int* last_turn = nullptr;
   for (int i = 0; i < w.steps; ++i) {
     const int m = w.row(i) / kStepRows;
@@ -681,157 +818,36 @@ __device__ __forceinline__ void write_dq(uint32_t base, const AttentionBwdArgs& 
     bulk_commit();
     if (i > 0) {  // step i - 1's add landed: its turn passed on, its buffer free
       bulk_wait_all_but_newest();
-      fence_async_global();
-      add_release(last_turn, 1);
+      pass_on(last_turn);
       barrier_arrive(S::dq_empty(base, (i - 1) % 2));
     }
     last_turn = turn;
   }
   if (last_turn != nullptr) {
     bulk_wait_all();
-    fence_async_global();
-    add_release(last_turn, 1);
+    pass_on(last_turn);
   }
 }
 
-template <int D, bool CAUSAL, bool DQ, typename T>
-__global__ void __launch_bounds__(kForwardThreads, 1)
-    attention_hp_dkdv_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ BwdMaps maps) {
-  using S = BwdSmem<D, kDkdvStages, DQ>;
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = block_shared_memory<S>(smem_raw);
-  if constexpr (DQ) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        barrier_init(S::dq_full(base, i), dq_slots(D));  // the threads that write a dq buffer
-        barrier_init(S::dq_empty(base, i), 1);            // the writer
-        barrier_init(S::ds_full(base, i), 2 * kWarpgroup);  // both consumers' threads
-        barrier_init(S::ds_empty(base, i), dq_slots(D));    // the threads whose products read it
-      }
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-  }
-  const DkdvWork w = DkdvWork::of(a, CAUSAL, DQ);
-  const int group = threadIdx.x / kWarpgroup, tid = threadIdx.x % kWarpgroup;
-  if (group == 0) {
-    fewer_registers<S::template producer_registers<CAUSAL>>();
-    if (tid == 0) {
-      produce_bwd<S>(maps, base, w.b, w.hk, w.n0, w.steps, [&](int i) { return make_int2(w.head(a, i), w.row(i)); },
-                     a);
-    } else if (DQ && tid == 32) {
-      write_dq<D, CAUSAL>(base, a, w);
-    }
-  } else {
-    more_registers<S::template consumer_registers<CAUSAL>>();
-    if (DQ && D == 64 && group == 2) {  // the warpgroup a constant: its dq steps' branch uniform to the compiler
-      consume_dkdv<D, CAUSAL, DQ, T, 1>(base, a, w, 1, tid);
-    } else {
-      consume_dkdv<D, CAUSAL, DQ, T, 0>(base, a, w, group - 1, tid);
-    }
-  }
-}
-
-template <int D, bool CAUSAL, bool DQ, typename T>
-void launch_dkdv(const AttentionBwdArgs& a, cudaStream_t stream) {
-  BwdMaps maps;
-  maps.held[0] = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kBlockN,
-                          "attention_hp_dkdv's k");
-  maps.held[1] = rows_map(a.v, a.batch, a.hkv, a.tk, D, a.v_stride_b, a.v_stride_h, a.v_stride_t, kBlockN,
-                          "attention_hp_dkdv's v");
-  maps.step[0] = rows_map(a.q, a.batch, a.h, a.tq, D, a.q_stride_b, a.q_stride_h, a.q_stride_t, kStepRows,
-                          "attention_hp_dkdv's q");
-  maps.step[1] = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kStepRows,
-                          "attention_hp_dkdv's do");
-  const unsigned blocks = unsigned((a.tk + kBlockN - 1) / kBlockN), heads = unsigned(a.batch * a.hkv);
-  const dim3 grid = DQ ? dim3(blocks, heads) : dim3(heads, blocks);  // DkdvWork::of
-  launch_on<attention_hp_dkdv_kernel<D, CAUSAL, DQ, T>, BwdSmem<D, kDkdvStages, DQ>>(grid, a, stream,
-                                                                                     "attention_hp_dkdv", maps);
-}
-
-// ---------------------------------------------------------------------------
-// Before and after the dk / dv kernel: the steps' per-query columns (lse · log2 e and
-// delta = rowsum(o ∘ do), made or given), and dq from its fp32 chunks (times
-// softmax_scale, in the input type).
-// ---------------------------------------------------------------------------
-
-// Σ a[i] · b[i] over 8 elements of T at 16-byte aligned a and b, in fp32.
-template <typename T>
-__device__ __forceinline__ float dot8(const T* a, const T* b) {
-  const uint4 x = *reinterpret_cast<const uint4*>(a), y = *reinterpret_cast<const uint4*>(b);
-  const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 u, v;
-    if constexpr (std::is_same<T, __half>::value) {
-      u = __half22float2(*reinterpret_cast<const __half2*>(&xs[i]));
-      v = __half22float2(*reinterpret_cast<const __half2*>(&ys[i]));
-    } else {
-      u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xs[i]));
-      v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ys[i]));
-    }
-    sum = fmaf(u.x, v.x, fmaf(u.y, v.y, sum));
-  }
-  return sum;
-}
-
-constexpr int kRowThreads = 256;
-
-// The per-query columns the dk / dv kernel's producer copies with each step (a.rows:
-// (B·H, ceil(Tq / 64), 2, 64) fp32, a step's lse · log2 e, then its delta, zeros past
-// Tq), 8 threads a query: MAKE, delta = rowsum(o ∘ do) (16-byte pieces of o and do
-// each); else delta copied from a.delta.
-template <int D, typename T, bool MAKE>
-__global__ void __launch_bounds__(kRowThreads) attention_hp_columns_kernel(const __grid_constant__ AttentionBwdArgs a) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  const int steps = dq_steps(a), padded = steps * kStepRows;
-  const int64_t slot = (int64_t(blockIdx.x) * kRowThreads + threadIdx.x) / 8;  // (bh, padded query)
-  const int piece = threadIdx.x % 8;
-  const bool inside = slot < int64_t(a.batch) * a.h * padded;
-  const int t = int(slot % padded);
-  const int64_t bh = slot / padded;
-  const bool query = inside && t < a.tq;
-  float sum = 0.0f;
-  if (MAKE && query) {
-    const int64_t b = bh / a.h, h = bh % a.h;
-    const T* o = static_cast<const T*>(a.o) + b * a.o_stride_b + h * a.o_stride_h + t * a.o_stride_t;
-    const T* dout = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h + t * a.do_stride_t;
-#pragma unroll
-    for (int j = 8 * piece; j < D; j += 64) sum += dot8(o + j, dout + j);
-  }
-  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
-  if (inside && piece == 0) {
-    float* chunk = a.rows + (bh * steps + t / kStepRows) * (2 * kStepRows);
-    chunk[t % kStepRows] = query ? a.lse[bh * a.tq + t] * kLog2e : 0.0f;
-    chunk[kStepRows + t % kStepRows] = query ? (MAKE ? sum : a.delta[bh * a.tq + t]) : 0.0f;
-  }
-}
-
-// dq from its chunks. A chunk holds float4 (j, slot) as make_dq wrote them: slot's
-// thread tid = slot % 128 of the warpgroup making columns 64·(slot / 128) (head dim
-// 128) has rows 16·(tid / 32) + (tid % 32) / 4 and 8 more, columns 8j + 2·(tid % 4)
-// and one more. A thread here takes the four consecutive slots 4g .. 4g + 3 of one j
-// (64 contiguous bytes: rows r = 16·(g / 8) + g % 8 and r + 8, columns 8j .. 8j + 7)
-// and stores 16 bytes to each row; j runs fastest, so a warp's loads are whole
-// sectors and 8 of its threads store a row's 64 columns whole.
+// Piece p of dq's chunk `chunk` in the input type (times softmax_scale). A chunk
+// holds float4 (j, slot) as make_dq wrote them: slot's thread tid = slot % 128 of the
+// warpgroup making columns 64·(slot / 128) (head dim 128) has rows 16·(tid / 32) +
+// (tid % 32) / 4 and 8 more, columns 8j + 2·(tid % 4) and one more. Piece p takes
+// the four consecutive slots 4g .. 4g + 3 of one j (64 contiguous bytes: rows r =
+// 16·(g / 8) + g % 8 and r + 8, columns 8j .. 8j + 7) and stores 16 bytes to each
+// row; j runs fastest, so a warp's loads are whole sectors and 8 of its threads store
+// a row's 64 columns whole. The loads go to L2 (other blocks added the chunk).
 template <int D, typename T>
-__global__ void __launch_bounds__(kRowThreads) attention_hp_dq_store_kernel(const __grid_constant__ AttentionBwdArgs a) {
-  constexpr int slots = dq_slots(D), per_chunk = kStepRows * D / 16;  // threads a chunk
-  const int64_t f = int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
-  const int steps = dq_steps(a);
-  if (f >= int64_t(a.batch) * a.h * steps * per_chunk) return;
-  const int64_t chunk = f / per_chunk, bh = chunk / steps;
-  const int within = int(f % per_chunk), j = within % 8, g = (within / 8) % 32, half = within / 256;
-  const float4* src = reinterpret_cast<const float4*>(a.dq_accum) + chunk * (kStepRows * D / 4) + j * slots +
+__device__ __forceinline__ void store_dq_piece(const AttentionBwdArgs& a, int chunk, int p) {
+  constexpr int slots = dq_slots(D);
+  const int steps = dq_steps(a), bh = chunk / steps;
+  const int j = p % 8, g = (p / 8) % 32, half = p / 256;
+  const float4* src = reinterpret_cast<const float4*>(a.dq_accum) + int64_t(chunk) * (kStepRows * D / 4) + j * slots +
                       kWarpgroup * half + 4 * g;
   float4 v[4];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) v[q] = src[q];
-  const int row = int(chunk % steps) * kStepRows + 16 * (g / 8) + g % 8;
+  for (int q = 0; q < 4; ++q) v[q] = __ldcg(src + q);
+  const int row = (chunk % steps) * kStepRows + 16 * (g / 8) + g % 8;
   T* dq = static_cast<T*>(a.dq) + (bh / a.h) * a.dq_stride_b + (bh % a.h) * a.dq_stride_h + 64 * half + 8 * j;
   const float s = a.softmax_scale;
   constexpr bool f16 = std::is_same<T, __half>::value;
@@ -847,19 +863,187 @@ __global__ void __launch_bounds__(kRowThreads) attention_hp_dq_store_kernel(cons
   }
 }
 
-// The backward (the per-query columns, with delta made (DQ) or given; dk / dv, with
-// dq's chunks (DQ); dq (DQ)) for a's head dim, mask and `type`.
+// The consumers' last work (DQ): once every block of the grid has started, nothing is
+// left for this SM but dq's chunks, which the running blocks' last adds complete one
+// by one; the leader claims the oldest one pushed (waiting while none is) and all 256
+// threads store it, until every chunk is claimed. A block done before the grid's last
+// block started leaves at once, so that those start. Every chunk is stored: the block
+// to finish last started after all others and claims until none is left.
+template <int D, typename T>
+__device__ __forceinline__ void store_ready_dq(uint32_t base, const AttentionBwdArgs& a, int ctid) {
+  using S = BwdSmem<D, kDkdvStages, true>;
+  const DqQueue queue = DqQueue::of(a);
+  for (int round = 0;; ++round) {
+    if (ctid == 0) {
+      const bool all_started = round > 0 || load_relaxed(queue.started) == int(gridDim.x * gridDim.y);
+      const int chunk = all_started ? queue.claim() : -1;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(S::claim(base, round)), "r"(chunk) : "memory");
+    }
+    consumers_sync();
+    int chunk;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(chunk) : "r"(S::claim(base, round)) : "memory");
+    if (chunk < 0) return;
+#pragma unroll
+    for (int p = ctid; p < kStepRows * D / 16; p += 2 * kWarpgroup) store_dq_piece<D, T>(a, chunk, p);
+  }
+}
+
+template <int D, bool CAUSAL, bool DQ, typename T, int IN>
+__global__ void __launch_bounds__(kForwardThreads, 1)
+    attention_hp_dkdv_kernel(const __grid_constant__ AttentionBwdArgs a, const __grid_constant__ BwdMaps maps) {
+  using S = BwdSmem<D, kDkdvStages, DQ>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = block_shared_memory<S>(smem_raw);
+  if constexpr (DQ) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        barrier_init(S::dq_full(base, i), dq_slots(D));  // the threads that write a dq buffer
+        barrier_init(S::dq_empty(base, i), 1);            // the writer
+        barrier_init(S::ds_full(base, i), 2 * kWarpgroup);  // both consumers' threads
+        barrier_init(S::ds_empty(base, i), dq_slots(D));    // the threads whose products read it
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      if constexpr ((IN & kDqInKernel) != 0) atomicAdd(DqQueue::of(a).started, 1);
+    }
+    __syncthreads();
+  }
+  const DkdvWork w = DkdvWork::of(a, CAUSAL, DQ);
+  const int group = threadIdx.x / kWarpgroup, tid = threadIdx.x % kWarpgroup;
+  if (group == 0) {
+    fewer_registers<S::template producer_registers<CAUSAL>>();
+    if (tid == 0) {
+      produce_bwd<S, IN>(maps, base, w.b, w.hk, w.n0, w.steps, [&](int i) { return make_int2(w.head(a, i), w.row(i)); },
+                     a);
+    } else if (DQ && tid == 32) {
+      write_dq<D, CAUSAL, IN>(base, a, w);
+    }
+  } else {
+    more_registers<S::template consumer_registers<CAUSAL>>();
+    if (DQ && D == 64 && group == 2) {  // the warpgroup a constant: its dq steps' branch uniform to the compiler
+      consume_dkdv<D, CAUSAL, DQ, T, 1, IN>(base, a, w, 1, tid);
+    } else {
+      consume_dkdv<D, CAUSAL, DQ, T, 0, IN>(base, a, w, group - 1, tid);
+    }
+    if constexpr ((IN & kDqInKernel) != 0) store_ready_dq<D, T>(base, a, threadIdx.x - kWarpgroup);
+  }
+}
+
+template <int D, bool CAUSAL, bool DQ, typename T, int IN = 0>
+void launch_dkdv(const AttentionBwdArgs& a, cudaStream_t stream) {
+  BwdMaps maps;
+  maps.held[0] = rows_map(a.k, a.batch, a.hkv, a.tk, D, a.k_stride_b, a.k_stride_h, a.k_stride_t, kBlockN,
+                          "attention_hp_dkdv's k");
+  maps.held[1] = rows_map(a.v, a.batch, a.hkv, a.tk, D, a.v_stride_b, a.v_stride_h, a.v_stride_t, kBlockN,
+                          "attention_hp_dkdv's v");
+  maps.step[0] = rows_map(a.q, a.batch, a.h, a.tq, D, a.q_stride_b, a.q_stride_h, a.q_stride_t, kStepRows,
+                          "attention_hp_dkdv's q");
+  maps.step[1] = rows_map(a.dout, a.batch, a.h, a.tq, D, a.do_stride_b, a.do_stride_h, a.do_stride_t, kStepRows,
+                          "attention_hp_dkdv's do");
+  const unsigned blocks = unsigned((a.tk + kBlockN - 1) / kBlockN), heads = unsigned(a.batch * a.hkv);
+  const dim3 grid = DQ ? dim3(blocks, heads) : dim3(heads, blocks);  // DkdvWork::of
+  launch_on<attention_hp_dkdv_kernel<D, CAUSAL, DQ, T, IN>, BwdSmem<D, kDkdvStages, DQ>>(grid, a, stream,
+                                                                                     "attention_hp_dkdv", maps);
+}
+
+// ---------------------------------------------------------------------------
+// Before the dk / dv kernel: the steps' per-query columns (lse · log2 e and delta =
+// rowsum(o ∘ do), made or given).
+// ---------------------------------------------------------------------------
+
+constexpr int kRowThreads = 256;
+
+// Where the per-query columns' delta comes from: a.delta (given), rowsum(o ∘ do) made
+// here, or made by the dk / dv kernel (later: lse alone here).
+enum DeltaFrom { kDeltaGiven, kDeltaMade, kDeltaLater };
+
+// The per-query columns the dk / dv kernel's producer copies with each step (a.rows:
+// (B·H, ceil(Tq / 64), 2, 64) fp32, a step's lse · log2 e, then its delta, zeros past
+// Tq): kDeltaMade, 8 threads a query, delta = rowsum(o ∘ do) (16-byte pieces of o and
+// do each); else a thread a query, delta copied from a.delta or left to the kernel.
+template <int D, typename T, int DELTA>
+__global__ void __launch_bounds__(kRowThreads) attention_hp_columns_kernel(const __grid_constant__ AttentionBwdArgs a) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int per_query = DELTA == kDeltaMade ? 8 : 1;
+  const int steps = dq_steps(a), padded = steps * kStepRows;
+  const int64_t slot = (int64_t(blockIdx.x) * kRowThreads + threadIdx.x) / per_query;  // (bh, padded query)
+  const int piece = threadIdx.x % per_query;
+  const bool inside = slot < int64_t(a.batch) * a.h * padded;
+  const int t = int(slot % padded);
+  const int64_t bh = slot / padded;
+  const bool query = inside && t < a.tq;
+  float sum = 0.0f;
+  if constexpr (DELTA == kDeltaMade) {
+    if (query) {
+      const int64_t b = bh / a.h, h = bh % a.h;
+      const T* o = static_cast<const T*>(a.o) + b * a.o_stride_b + h * a.o_stride_h + t * a.o_stride_t;
+      const T* dout = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h + t * a.do_stride_t;
+#pragma unroll
+      for (int j = 8 * piece; j < D; j += 64) sum += dot8(o + j, dout + j);
+    }
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
+  }
+  if (inside && piece == 0) {
+    float* chunk = a.rows + (bh * steps + t / kStepRows) * (2 * kStepRows);
+    chunk[t % kStepRows] = query ? a.lse[bh * a.tq + t] * kLog2e : 0.0f;
+    if constexpr (DELTA != kDeltaLater) {
+      chunk[kStepRows + t % kStepRows] = query ? (DELTA == kDeltaMade ? sum : a.delta[bh * a.tq + t]) : 0.0f;
+    }
+  }
+}
+
+// dq from its chunks after the dk / dv kernel (unless that stored them): a thread a
+// piece (store_dq_piece).
+template <int D, typename T>
+__global__ void __launch_bounds__(kRowThreads) attention_hp_dq_store_kernel(const __grid_constant__ AttentionBwdArgs a) {
+  constexpr int per_chunk = kStepRows * D / 16;
+  const int64_t f = int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
+  if (f < int64_t(a.batch) * a.h * dq_steps(a) * per_chunk) store_dq_piece<D, T>(a, int(f / per_chunk), int(f % per_chunk));
+}
+
+// The backward (the per-query columns, with delta made (DQ: here or in the dk / dv
+// kernel) or given; dk / dv, with dq's chunks added (DQ); dq stored from them in the
+// dk / dv kernel or after it (DQ)) for a's head dim, mask and `type`.
 template <bool DQ, typename T>
-void launch_backward_typed(const AttentionBwdArgs& a, cudaStream_t stream, const char* name) {
+void launch_backward_typed(const AttentionBwdArgs& given, cudaStream_t stream, const char* name) {
+  // What the dk / dv kernel also does, as asked, where it may: causal only (dq stored
+  // in it), delta made by each query chunk's first reader where there is one block
+  // (as many kv heads as query heads, Tq <= Tk; its flags past the queue)
+  AttentionBwdArgs a = given;
+  const int chunks = a.batch * a.h * dq_steps(a);
+  a.in_kernel = DQ && a.causal ? given.in_kernel & (kDqInKernel | kDeltaInKernel) : 0;
+  if (!(a.h == a.hkv && a.tq <= a.tk)) a.in_kernel &= ~kDeltaInKernel;
+  if (a.in_kernel & kDeltaInKernel) a.delta_ready = a.dq_turns + 2 * chunks + 3;
   const auto launch = [&](auto d, auto causal) {
     constexpr int D = decltype(d)::value;
-    const int64_t queries = int64_t(a.batch) * a.h * dq_steps(a) * kStepRows;
-    attention_hp_columns_kernel<D, T, DQ><<<unsigned((queries * 8 + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
-                                            stream>>>(a);
+    const int64_t queries = int64_t(chunks) * kStepRows;
+    const auto columns = [&](auto delta, int per_query) {
+      attention_hp_columns_kernel<D, T, decltype(delta)::value>
+          <<<unsigned((queries * per_query + kRowThreads - 1) / kRowThreads), kRowThreads, 0, stream>>>(a);
+    };
+    if (!DQ) {
+      columns(std::integral_constant<int, kDeltaGiven>(), 1);
+    } else if (a.delta_ready == nullptr) {
+      columns(std::integral_constant<int, kDeltaMade>(), 8);
+    } else {
+      columns(std::integral_constant<int, kDeltaLater>(), 1);
+    }
     check_launch("attention_hp_columns");
-    launch_dkdv<D, decltype(causal)::value, DQ, T>(a, stream);
-    if constexpr (DQ) {
-      const int64_t pieces = int64_t(a.batch) * a.h * dq_steps(a) * (kStepRows * D / 16);
+    constexpr bool kCausal = decltype(causal)::value;
+    if constexpr (DQ && kCausal) {
+      switch (a.in_kernel) {
+        case kDqInKernel: launch_dkdv<D, kCausal, DQ, T, kDqInKernel>(a, stream); break;
+        case kDeltaInKernel: launch_dkdv<D, kCausal, DQ, T, kDeltaInKernel>(a, stream); break;
+        case kDqInKernel | kDeltaInKernel: launch_dkdv<D, kCausal, DQ, T, kDqInKernel | kDeltaInKernel>(a, stream); break;
+        default: launch_dkdv<D, kCausal, DQ, T>(a, stream);
+      }
+    } else {
+      launch_dkdv<D, kCausal, DQ, T>(a, stream);
+    }
+    if (DQ && !(a.in_kernel & kDqInKernel)) {
+      const int64_t pieces = queries * D / 16;
       attention_hp_dq_store_kernel<D, T><<<unsigned((pieces + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
                                            stream>>>(a);
       check_launch("attention_hp_dq_store");

@@ -254,8 +254,11 @@ struct AttentionBwdArgs : AttentionHpArgs {  // o: the forward's output, read he
   void* dk = nullptr;
   void* dv = nullptr;
   float* rows = nullptr;  // the steps' per-query columns ((B·H, ceil(Tq / 64), 2, 64): lse · log2 e, delta)
-  float* dq_accum = nullptr;  // dq's fp32 chunks (B, H, ceil(Tq / 64), 64·D), and their turn counters, zeros
-  int* dq_turns = nullptr;
+  float* dq_accum = nullptr;  // dq's fp32 chunks (B, H, ceil(Tq / 64), 64·D); their turn counters, then the
+  int* dq_turns = nullptr;    // queue of chunks to store and its three counters, then a flag a chunk: its delta
+                              // made (3·B·H·chunks + 3), zeros
+  int* delta_ready = nullptr;  // set by the launch where the dk / dv kernel makes delta (those flags)
+  int in_kernel = 0;           // what the whole backward's dk / dv kernel also does: kDqInKernel | kDeltaInKernel
   float softmax_scale = 0.0f;
   int64_t do_stride_b = 0, do_stride_h = 0, do_stride_t = 0;
   int64_t dq_stride_b = 0, dq_stride_h = 0, dq_stride_t = 0;
@@ -263,8 +266,14 @@ struct AttentionBwdArgs : AttentionHpArgs {  // o: the forward's output, read he
   int64_t dv_stride_b = 0, dv_stride_h = 0, dv_stride_t = 0;
 };
 
+// What the whole backward's dk / dv kernel may also do (AttentionBwdArgs::in_kernel):
+// store dq's chunks as they complete (no kernel after it), make delta where each
+// query chunk has one first reader (lse alone before it).
+constexpr int kDqInKernel = 1;
+constexpr int kDeltaInKernel = 2;
+
 // The whole backward (delta, then dk and dv with dq's chunks added in a fixed
-// order, then dq); dk and dv alone from a given delta (type bf16 or fp16; head dim
+// order, then dq; see kDqInKernel and kDeltaInKernel); dk and dv alone from a given delta (type bf16 or fp16; head dim
 // 64 or 128; sm_90a).
 void launch_attention_hp_backward(const AttentionBwdArgs& args, int type, void* stream);
 void launch_attention_hp_dkdv(const AttentionBwdArgs& args, int type, void* stream);
