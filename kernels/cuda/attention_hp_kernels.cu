@@ -515,17 +515,19 @@ __device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[D / 2]
 // (no kernel after it). Past the turn counters (one a chunk, a.dq_turns, zeros): a
 // queue of the chunks whose every add has landed (chunk + 1 a slot, zeros until
 // written), pushed by their last adder (the block of key block 0, which reads every
-// query step), then three counters: blocks started, chunks claimed, chunks pushed.
+// query step), then four counters: blocks started, chunks claimed, chunks pushed,
+// blocks done with their keys.
 struct DqQueue {
   int* slots;
   int* started;
   int* claimed;
   int* pushed;
+  int* done;
   int chunks;
   static __device__ __forceinline__ DqQueue of(const AttentionBwdArgs& a) {
     const int chunks = a.batch * a.h * dq_steps(a);
     int* q = a.dq_turns + chunks;
-    return {q, q + chunks, q + chunks + 1, q + chunks + 2, chunks};
+    return {q, q + chunks, q + chunks + 1, q + chunks + 2, q + chunks + 3, chunks};
   }
   // A slot reserved, then written (after the chunk's last add landed and its turn
   // passed on, so that a claimer acquiring the slot sees every add).
@@ -863,20 +865,23 @@ __device__ __forceinline__ void store_dq_piece(const AttentionBwdArgs& a, int ch
   }
 }
 
-// The consumers' last work (DQ): once every block of the grid has started, nothing is
-// left for this SM but dq's chunks, which the running blocks' last adds complete one
-// by one; the leader claims the oldest one pushed (waiting while none is) and all 256
-// threads store it, until every chunk is claimed. A block done before the grid's last
-// block started leaves at once, so that those start. Every chunk is stored: the block
-// to finish last started after all others and claims until none is left.
+// The consumers' last work (kDqInKernel): once every block of the grid has started,
+// nothing is left for this SM but dq's chunks, which the running blocks' last adds
+// complete one by one; the leader claims the oldest one pushed (waiting while none
+// is) and all 256 threads store it, until every chunk is claimed. A block done before
+// the grid's last block started leaves at once, so that those start. Every chunk is
+// stored: the last block to count itself done (an atomic count, so exactly one) knows
+// every block has started and claims until none is left, whatever it saw of the
+// start count.
 template <int D, typename T>
 __device__ __forceinline__ void store_ready_dq(uint32_t base, const AttentionBwdArgs& a, int ctid) {
   using S = BwdSmem<D, kDkdvStages, true>;
   const DqQueue queue = DqQueue::of(a);
   for (int round = 0;; ++round) {
     if (ctid == 0) {
-      const bool all_started = round > 0 || load_relaxed(queue.started) == int(gridDim.x * gridDim.y);
-      const int chunk = all_started ? queue.claim() : -1;
+      const int grid = int(gridDim.x * gridDim.y);
+      const bool claims = round > 0 || atomicAdd(queue.done, 1) == grid - 1 || load_relaxed(queue.started) == grid;
+      const int chunk = claims ? queue.claim() : -1;
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(S::claim(base, round)), "r"(chunk) : "memory");
     }
     consumers_sync();
@@ -1015,7 +1020,7 @@ void launch_backward_typed(const AttentionBwdArgs& given, cudaStream_t stream, c
   const int chunks = a.batch * a.h * dq_steps(a);
   a.in_kernel = DQ && a.causal ? given.in_kernel & (kDqInKernel | kDeltaInKernel) : 0;
   if (!(a.h == a.hkv && a.tq <= a.tk)) a.in_kernel &= ~kDeltaInKernel;
-  if (a.in_kernel & kDeltaInKernel) a.delta_ready = a.dq_turns + 2 * chunks + 3;
+  if (a.in_kernel & kDeltaInKernel) a.delta_ready = a.dq_turns + 2 * chunks + 4;
   const auto launch = [&](auto d, auto causal) {
     constexpr int D = decltype(d)::value;
     const int64_t queries = int64_t(chunks) * kStepRows;

@@ -841,8 +841,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backw
   const int64_t chunks = (Tq + 63) / 64;  // dq's chunks of 64 queries
   const at::Tensor dq_accum = at::empty({B, H, chunks, 64 * D}, lse.options());
   // a turn counter a chunk, then the queue of chunks stored in the kernel and its
-  // three counters (DqQueue), then a flag a chunk: its delta made in the kernel
-  const at::Tensor turns = at::zeros({3 * B * H * chunks + 3}, lse.options().dtype(at::kInt));
+  // four counters (DqQueue), then a flag a chunk: its delta made in the kernel
+  const at::Tensor turns = at::zeros({3 * B * H * chunks + 4}, lse.options().dtype(at::kInt));
   const at::Tensor rows = step_columns(q, lse);
   auto a = hp_backward_args(q, k, v, o, dout, lse, at::Tensor(), dq, dk, dv, rows, softmax_scale, causal);
   a.dq_accum = dq_accum.data_ptr<float>();

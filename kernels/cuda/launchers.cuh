@@ -255,8 +255,8 @@ struct AttentionBwdArgs : AttentionHpArgs {  // o: the forward's output, read he
   void* dv = nullptr;
   float* rows = nullptr;  // the steps' per-query columns ((B·H, ceil(Tq / 64), 2, 64): lse · log2 e, delta)
   float* dq_accum = nullptr;  // dq's fp32 chunks (B, H, ceil(Tq / 64), 64·D); their turn counters, then the
-  int* dq_turns = nullptr;    // queue of chunks to store and its three counters, then a flag a chunk: its delta
-                              // made (3·B·H·chunks + 3), zeros
+  int* dq_turns = nullptr;    // queue of chunks to store and its four counters, then a flag a chunk: its delta
+                              // made (3·B·H·chunks + 4), zeros
   int* delta_ready = nullptr;  // set by the launch where the dk / dv kernel makes delta (those flags)
   int in_kernel = 0;           // what the whole backward's dk / dv kernel also does: kDqInKernel | kDeltaInKernel
   float softmax_scale = 0.0f;
