@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -162,6 +162,14 @@ for part in $parts; do
       timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_fp8.py 2>&1 | tee "$OUT/attnfp8_tests.log" | tail -15
       timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_hopper.py 2>&1 | tee "$OUT/attnhp_tests.log" | tail -15
       timeout 240 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main d64 gqa gpt} 2>&1 | tee "$OUT/attnhopper.log" | tail -60 ;;
+    stages)  # the Hopper backward's stages in its dk / dv kernel (set_hopper_backward_stages): the extension built,
+      # the same-bits tests first (a short limit: a claim or a flag that never came would hang), then every form
+      # timed beside SDPA's and Triton's backwards
+      timeout 300 python3 -c "from te_fuser.kernels.cuda import load_extension; load_extension()" 2>&1 | tail -5
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_attention_hopper.py -k stages 2>&1 \
+        | tee "$OUT/stages_tests.log" | tail -6
+      timeout 240 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main d64 gpt} 2>&1 | tee "$OUT/stages.log" \
+        | grep -E "bwd" | tail -40 ;;
     attnsweep)  # every Triton attention kernel's launch shapes at the main case (the forwards' one-loop shapes
       # and the dk / dv kernel's since its one loop among them): what ATTENTION_PLANS should hold
       timeout 400 python3 benchmarks/bench_attention.py --cases main --sweep --sweep-kernels fwd fwd_fp8 dq dkdv 2>&1 \
