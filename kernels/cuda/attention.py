@@ -415,10 +415,7 @@ def set_hopper_backward_stages(dq_in_kernel: bool | None = None,
     replace (RESULTS.md). Returns the previous ``(dq_in_kernel, delta_in_kernel)``."""
     from ._build import extension
 
-    def code(value):
-        return -1 if value is None else int(bool(value))
-
-    return tuple(extension().attention_backward_stages(code(dq_in_kernel), code(delta_in_kernel)))
+    return tuple(extension().attention_backward_stages(_setting(dq_in_kernel), _setting(delta_in_kernel)))
 
 
 def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) -> tuple[bool, bool]:
@@ -434,10 +431,12 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) 
     ``(turns, overlap)``."""
     from ._build import extension
 
-    def code(value):
-        return -1 if value is None else int(bool(value))
+    return tuple(extension().attention_schedule(_setting(turns), _setting(overlap)))
 
-    return tuple(extension().attention_schedule(code(turns), code(overlap)))
+
+def _setting(value: bool | None) -> int:
+    """A process setting as the extension takes it: 0 or 1, -1 to leave it."""
+    return -1 if value is None else int(bool(value))
 
 
 # --------------------------------------------------- bf16 / fp16 forward, Hopper

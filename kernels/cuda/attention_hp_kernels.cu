@@ -600,8 +600,8 @@ __device__ __forceinline__ float dot8(const T* a, const T* b) {
   return sum;
 }
 
-// Named barrier 3 (1 and 2 are the forwards' turns): the two consumer warpgroups.
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, %0;\n" ::"n"(2 * kWarpgroup) : "memory"); }
+// Both consumer warpgroups at named barrier 3 (1 and 2 are the forwards' turns).
+__device__ __forceinline__ void consumers_sync() { turn_wait(3); }
 
 // This block's first two steps' delta where the kernel makes it (a.delta_ready:
 // causal, as many kv heads as query heads, Tq <= Tk). Key block n is the first reader

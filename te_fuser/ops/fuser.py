@@ -595,10 +595,16 @@ class OperationFuser:
                 return False
             plan.epoch = _EPOCH[0]
             return True
-        for op, qs in zip(self.ops, plan.quantizers if plan.installs else ()):
+        if plan.installs and not self._holds_quantizers_of(plan):
+            return False
+        plan.epoch = _EPOCH[0]
+        return True
+
+    def _holds_quantizers_of(self, plan: FusionPlan) -> bool:
+        """Whether every op holds exactly ``plan``'s quantizers, installed under its recipe key."""
+        for op, qs in zip(self.ops, plan.quantizers):
             if op.installed_quantizers is not qs or op.quantizer_key != plan.recipe_key:
                 return False
-        plan.epoch = _EPOCH[0]
         return True
 
     def _holds_another_recipe(self, recipe_key: str) -> bool:
@@ -691,10 +697,7 @@ class OperationFuser:
         if not kept.installs:
             return True
         if not kept.stateless:
-            for op, qs in zip(self.ops, kept.quantizers):
-                if op.installed_quantizers is not qs or op.quantizer_key != kept.recipe_key:
-                    return False
-            return True
+            return self._holds_quantizers_of(kept)
         for op, qs in zip(self.ops, kept.quantizers):
             if op.quantizer_key == kept.recipe_key and op.installed_quantizers is not qs:
                 return False
@@ -1342,7 +1345,7 @@ def run_backward(fuser: OperationFuser, plan: FusionPlan, ctxs: list, needs: tup
     The backward of an evaluation plan records no more than its forward did
     (:func:`_unrecorded`)."""
     if not plan.training and not _EVALUATING[0]:  # a backward in evaluation mode (saliency, input attacks)
-        if not _EVAL_BACKWARD_WARNED and any(needs[2:2 + len(fuser._flat_params)]) and not _keepable(plan.quantizers):
+        if not _EVAL_BACKWARD_WARNED and not plan.stateless and any(needs[2:2 + len(fuser._flat_params)]):
             _warn_eval_backward()
         return _unrecorded(run_backward, fuser, plan, ctxs, needs, x_dtype, dy, grad_extra_outputs, input_as_extra)
     needs = tuple(needs)
