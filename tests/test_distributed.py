@@ -556,6 +556,121 @@ def test_fsdp2_per_layer_trains_as_ddp_under_every_recipe(schedule, name):
     assert states, f"{name}: the ranks' scaling states differ"
 
 
+# -- FP8 parameters under DDP and FSDP2, with gradient accumulation ------------------
+
+
+def _fp8_parameters_run(rank: int, how: str, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, list]:
+    """A model made under ``te.quantized_model_init`` (FP8 weights, the masters in
+    AdamW's state) trained as users train: two micro-batches a step (DDP's first
+    under ``no_sync``, its gradient buckets the ``.grad`` views), the gradients
+    clipped, fused AdamW where the parameters are plain tensors. ``how``: 'one'
+    (this process on the global micro-batches), 'ddp' or 'fsdp2' (every op then
+    the root sharded), each rank on its half. The losses of the global micro-batches,
+    the weights before and after (dequantized), whether every weight is still FP8,
+    and the warnings' messages."""
+    import warnings
+
+    import te_fuser as te
+    from te_fuser.quantization.float8_tensor import Float8Tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    recipe = {"delayed": _DELAYED, "current": _CURRENT}[name]
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        model = te.ops.Sequential(te.ops.LayerNorm(32), te.ops.Linear(32, 64), te.ops.GELU(),
+                                  te.ops.Linear(64, 32)).to(device())
+    start = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).cpu()
+    run = model
+    if how == "ddp":
+        run = DDP(model, gradient_as_bucket_view=True)
+    elif how == "fsdp2":
+        mesh = init_device_mesh(device_type(), (WORLD,))
+        for module in model:
+            fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=how != "fsdp2")
+    data = torch.randn(3, 2, WORLD * 16, 32, generator=torch.Generator().manual_seed(13))
+    data[..., 16:, :] *= 3.0  # rank 1's half is larger: the ranks' current-scaling amaxes differ
+    data = data.to(device())
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fp8_parameters_steps(rank, how, recipe, model, run, opt, data, losses)
+    weights = [p.full_tensor() if how == "fsdp2" else p for p in model.parameters()]
+    fp8 = all(isinstance(w, Float8Tensor) for w in weights if w.dim() == 2)
+    flat = torch.cat([w.detach().float().reshape(-1) for w in weights])
+    return torch.stack(losses).cpu(), start, flat.cpu(), fp8, [str(w.message) for w in caught]
+
+
+def _fp8_parameters_steps(rank: int, how: str, recipe, model, run, opt, data, losses: list) -> None:
+    import contextlib
+
+    import te_fuser as te
+
+    for step in range(data.shape[0]):
+        for micro in range(2):
+            x = data[step, micro] if how == "one" else data[step, micro].chunk(WORLD)[rank]
+            accumulating = how == "ddp" and micro == 0
+            with run.no_sync() if accumulating else contextlib.nullcontext():
+                with te.autocast(recipe=recipe):
+                    loss = run(x).float().square().mean()
+                (loss / 2).backward()
+            if how != "one":
+                loss = sum(gathered(loss.detach().reshape(1))) / WORLD
+            losses.append(loss.detach().reshape(()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def _fp8_parameters_worker(rank: int, folder: str, results) -> None:
+    init(rank, WORLD, folder)
+    try:
+        _recipes()
+        runs = {(how, name): _fp8_parameters_run(rank, how, name)
+                for how in ("one", "ddp", "fsdp2") for name in ("delayed", "current")}
+        same = {key: all(torch.equal(w, run[2]) for w in gathered(run[2])) for key, run in runs.items()}
+        if rank == 0:
+            results["runs"], results["ranks agree"] = runs, same
+        dist.barrier()
+        results[f"done {rank}"] = True
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fp8_parameters():
+    return spawned(_fp8_parameters_worker, WORLD, gpus=True)
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+def test_fp8_parameters_accumulate_and_clip_in_ddp_and_fsdp2_as_one_process(fp8_parameters, how, name):
+    """FP8 weights in DDP (``no_sync`` accumulation, bucket views) and in FSDP2 per
+    layer: the ranks hold the same weights and the run is one process on the global
+    batch within E4M3's bounds (each rank's gradient sums its half, and current
+    scaling casts each half with its own amax). In DDP every weight stays FP8;
+    FSDP2's shards are plain tensors, which each linear says once, naming the FP8
+    all-gather instead."""
+    from tolerances import assert_close
+
+    one_losses, start, one_weights, _, one_warned = fp8_parameters["runs"][("one", name)]
+    losses, _, weights, fp8, warned = fp8_parameters["runs"][(how, name)]
+    replaced = [m for m in warned if "made under te.quantized_model_init" in m]
+    assert not any("quantized_model_init" in m for m in one_warned), one_warned
+    if how == "ddp":
+        assert fp8 and not replaced, f"ddp, {name}: a weight is no longer an FP8 parameter after the steps"
+    else:
+        assert not fp8 and len(replaced) == 2, f"fsdp2, {name}: each linear warns once, got {replaced}"
+        assert "plain float32 tensor" in replaced[0] and "enable_fsdp_fp8_all_gather" in replaced[0], replaced[0]
+    assert fp8_parameters["ranks agree"][(how, name)], f"{how}, {name}: the ranks' weights differ"
+    assert_close(losses, one_losses, torch.float8_e4m3fn, f"{how}, {name}: the global micro-batches' losses")
+    assert_close(weights, one_weights, torch.float8_e4m3fn, f"{how}, {name}: the weights after three steps")
+    assert not torch.equal(weights, start), f"{how}, {name}: the steps trained nothing"
+
+
 # -- the multi-GPU benchmark, at smoke size on CPU -------------------------------------
 
 

@@ -224,6 +224,23 @@ def test_a_write_to_the_weight_is_what_the_next_forward_and_step_use(how):
     assert got == want, f"{how}: after the write {got} != {want}"
 
 
+def test_a_weight_assigned_in_place_of_the_fp8_parameter_trains_and_is_named_once():
+    """A plain Parameter assigned over an FP8 one: a warning naming the op (once),
+    then the op trains as a high-precision model with that weight, bit for bit."""
+    recipe = FP8_RECIPES["current"]
+    model = _fp8_model(recipe)
+    ref = _twin(model)
+    op = model[0].linear
+    op.weight = torch.nn.Parameter(ref[0].linear.weight.detach().clone())
+    optimizer, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    batches = _batches(3)
+    with pytest.warns(UserWarning, match="made under te.quantized_model_init, its weight is now a plain float32") as w:
+        got = _train(model, optimizer, batches, recipe)
+    assert sum("quantized_model_init" in str(r.message) for r in w) == 1 and op.describe() in str(w[0].message)
+    assert got == _train(ref, ref_opt, batches, recipe)
+    assert type(model[2].linear.weight) is Float8Tensor  # the other linear keeps its FP8 parameter
+
+
 def test_high_precision_forward_of_fp8_parameters_uses_their_values():
     model = _fp8_model(FP8_RECIPES["current"])
     x = _batches(1)[0][0]

@@ -66,7 +66,7 @@ from ..quantization.tensor import QuantizedTensor
 from ..recipe import Recipe
 
 __all__ = ["quantized_model_init", "fp8_model_init", "fp8_init_recipe", "make_fp8_parameter", "fp8_weight",
-           "parameter_bytes", "restore_fp8_parameters", "master_of", "snapshot_fp8_parameters",
+           "fp8_weight_replaced", "parameter_bytes", "restore_fp8_parameters", "master_of", "snapshot_fp8_parameters",
            "restore_fp8_parameter_snapshot"]
 
 
@@ -124,6 +124,23 @@ def _storage_quantizer(recipe: Recipe, role: QuantizerRole):
     if isinstance(quantizer, DelayedScalingQuantizer):
         quantizer = Float8CurrentScalingQuantizer(quantizer.fp8_dtype, role=role)
     return quantizer
+
+
+def fp8_weight_replaced(op, weight: torch.Tensor) -> None:
+    """Warn, once for ``op``, that the FP8 parameter it was made with is no longer
+    its weight: FSDP2's ``fully_shard`` stores every parameter's shards as plain
+    tensors (it keeps no FP8 parameter), and a weight assigned after construction
+    replaces it. Training goes on correctly, the weight cast at every forward like
+    any high-precision weight, but its bytes are no longer FP8's, which the user
+    chose ``quantized_model_init`` for."""
+    op._made_fp8 = False
+    warnings.warn(
+        f"{op.describe()}: made under te.quantized_model_init, its weight is now a plain "
+        f"{str(weight.dtype).removeprefix('torch.')} tensor, not an FP8 parameter (FSDP2's fully_shard keeps no FP8 "
+        f"parameter; assigning a new weight replaces it). It trains correctly, cast at every forward like any "
+        f"weight, without FP8 parameters' memory. Under FSDP2, make the model without quantized_model_init and call "
+        f"te.enable_fsdp_fp8_all_gather(model) before fully_shard: the weights then go over the wire in FP8",
+        UserWarning, stacklevel=2)
 
 
 def make_fp8_parameter(weight: torch.Tensor, recipe: Recipe, role: QuantizerRole, preserve: bool = False):

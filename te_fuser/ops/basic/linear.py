@@ -50,7 +50,7 @@ from ...quantization.base import EpilogueCast
 from ..gemm import apply_activation, bias_in, columnwise, gemm, gemm_fp8_out, rowwise
 from ..op import BasicOperation, OpContext
 from ..fp8_all_gather import GatheredWeight
-from ..fp8_parameters import fp8_init_recipe, fp8_weight, make_fp8_parameter
+from ..fp8_parameters import fp8_init_recipe, fp8_weight, fp8_weight_replaced, make_fp8_parameter
 from ...quantization.float8_tensor import Float8Tensor
 from ...quantization.role import QuantizerRole
 from ..weight_cache import WeightCache, reuse_scope_open
@@ -65,6 +65,7 @@ class BasicLinear(BasicOperation):
     casts_weights = True
     forward_roles = ("input", "weight")
     backward_roles = ("grad_output",)
+    _made_fp8 = False  # made as an FP8 parameter, until a forward finds it replaced (fp8_weight_replaced)
 
     def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None, name=None,
                  accumulate_into_main_grad: bool = False) -> None:
@@ -81,6 +82,7 @@ class BasicLinear(BasicOperation):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as torch.nn.Linear
         fp8_init = fp8_init_recipe()
         if fp8_init is not None:  # te.quantized_model_init: the weight is held in FP8 (ops/fp8_parameters.py)
+            self._made_fp8 = True
             self.weight = make_fp8_parameter(self.weight, fp8_init[0], QuantizerRole.make("linear", "weight", name),
                                              preserve=fp8_init[1])
         self._weight_cache = WeightCache()
@@ -171,6 +173,8 @@ def linear_forward(
     run = ctx.run
     dtype = run.compute_dtype
     param = weight = op.weight
+    if op._made_fp8 and type(param) is not Float8Tensor:
+        fp8_weight_replaced(op, param)
     x_shape = x.shape
     # An FP8 weight is cast from the parameter itself (an fp32 master weight in one
     # rounding, without a compute-dtype copy first); the compute-dtype copy is made
