@@ -532,21 +532,16 @@ struct DqQueue {
   // A slot reserved, then written (after the chunk's last add landed and its turn
   // passed on, so that a claimer acquiring the slot sees every add).
   __device__ __forceinline__ void push(int chunk) const { store_release(slots + atomicAdd(pushed, 1), chunk + 1); }
-  // The oldest chunk pushed and not yet claimed, waiting while none is; -1 once every
-  // chunk is claimed. A slot claimed may be reserved a moment before it is written.
+  // The next chunk in push order (a ticket: one fetch-and-add, never retried, so the
+  // claimers of every SM take chunks in parallel; a compare-and-swap loop on this one
+  // counter serialized them, about 0.3 µs a chunk on an H100), waiting while its slot
+  // is not written yet; -1 once every chunk is claimed.
   __device__ __forceinline__ int claim() const {
-    for (;;) {
-      const int c = load_relaxed(claimed);
-      if (c >= chunks) return -1;
-      if (c >= load_relaxed(pushed)) {
-        __nanosleep(256);
-        continue;
-      }
-      if (atomicCAS(claimed, c, c + 1) != c) continue;
-      int v;
-      while ((v = load_acquire(slots + c)) == 0) __nanosleep(32);
-      return v - 1;
-    }
+    const int c = atomicAdd(claimed, 1);
+    if (c >= chunks) return -1;
+    int v;
+    while ((v = load_acquire(slots + c)) == 0) __nanosleep(64);
+    return v - 1;
   }
 };
 
