@@ -13,7 +13,8 @@ Also: FSDP2 per layer round-trips through torch.distributed.checkpoint with the
 scaling state (two ranks and four); a recipe schedule (bf16 -> delayed ->
 current -> bf16) on two ranks, in DDP and in FSDP2 per layer, is one process on
 the whole batch within the tolerance table; FSDP2 per layer trains as DDP, bit
-for bit, under every recipe of tests/op_testing.py."""
+for bit, under every recipe of tests/op_testing.py; FP8 parameters accumulate
+(``no_sync``) and clip in DDP and FSDP2 as one process on the whole batch."""
 
 from __future__ import annotations
 
@@ -502,9 +503,11 @@ def _schedule_worker(rank: int, folder: str, results) -> None:
         _recipes()
         runs = {how: _schedule_run(rank, how) for how in ("one", "ddp", "fsdp2")}
         recipes = _every_recipe(rank)
+        fp8_parameters = _fp8_parameters_runs(rank)
         if rank == 0:
             results["schedule"] = runs
             results["every recipe"] = recipes
+            results["fp8 parameters"] = fp8_parameters
         dist.barrier()
         results[f"done {rank}"] = True
     finally:
@@ -625,29 +628,18 @@ def _fp8_parameters_steps(rank: int, how: str, recipe, model, run, opt, data, lo
         opt.zero_grad()
 
 
-def _fp8_parameters_worker(rank: int, folder: str, results) -> None:
-    init(rank, WORLD, folder)
-    try:
-        _recipes()
-        runs = {(how, name): _fp8_parameters_run(rank, how, name)
-                for how in ("one", "ddp", "fsdp2") for name in ("delayed", "current")}
-        same = {key: all(torch.equal(w, run[2]) for w in gathered(run[2])) for key, run in runs.items()}
-        if rank == 0:
-            results["runs"], results["ranks agree"] = runs, same
-        dist.barrier()
-        results[f"done {rank}"] = True
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def fp8_parameters():
-    return spawned(_fp8_parameters_worker, WORLD, gpus=True)
+def _fp8_parameters_runs(rank: int) -> dict:
+    """Each way of :func:`_fp8_parameters_run` under delayed and current scaling, and
+    whether the ranks' weights agree after it."""
+    runs = {(how, name): _fp8_parameters_run(rank, how, name)
+            for how in ("one", "ddp", "fsdp2") for name in ("delayed", "current")}
+    same = {key: all(torch.equal(w, run[2]) for w in gathered(run[2])) for key, run in runs.items()}
+    return {"runs": runs, "ranks agree": same}
 
 
 @pytest.mark.parametrize("name", ["delayed", "current"])
 @pytest.mark.parametrize("how", ["ddp", "fsdp2"])
-def test_fp8_parameters_accumulate_and_clip_in_ddp_and_fsdp2_as_one_process(fp8_parameters, how, name):
+def test_fp8_parameters_accumulate_and_clip_in_ddp_and_fsdp2_as_one_process(schedule, how, name):
     """FP8 weights in DDP (``no_sync`` accumulation, bucket views) and in FSDP2 per
     layer: the ranks hold the same weights and the run is one process on the global
     batch within E4M3's bounds (each rank's gradient sums its half, and current
@@ -656,6 +648,7 @@ def test_fp8_parameters_accumulate_and_clip_in_ddp_and_fsdp2_as_one_process(fp8_
     all-gather instead."""
     from tolerances import assert_close
 
+    fp8_parameters = schedule["fp8 parameters"]
     one_losses, start, one_weights, _, one_warned = fp8_parameters["runs"][("one", name)]
     losses, _, weights, fp8, warned = fp8_parameters["runs"][(how, name)]
     replaced = [m for m in warned if "made under te.quantized_model_init" in m]
