@@ -562,15 +562,16 @@ def test_fsdp2_per_layer_trains_as_ddp_under_every_recipe(schedule, name):
 # -- FP8 parameters under DDP and FSDP2, with gradient accumulation ------------------
 
 
-def _fp8_parameters_run(rank: int, how: str, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, list]:
+def _fp8_parameters_run(rank: int, how: str, name: str) -> tuple:
     """A model made under ``te.quantized_model_init`` (FP8 weights, the masters in
     AdamW's state) trained as users train: two micro-batches a step (DDP's first
     under ``no_sync``, its gradient buckets the ``.grad`` views), the gradients
     clipped, fused AdamW where the parameters are plain tensors. ``how``: 'one'
-    (this process on the global micro-batches), 'ddp' or 'fsdp2' (every op then
-    the root sharded), each rank on its half. The losses of the global micro-batches,
+    (this process on the global micro-batches), 'ddp', 'fsdp2' (every op then the
+    root sharded) or 'fsdp2_fp8_all_gather' (``te.enable_fsdp_fp8_all_gather`` before
+    the sharding), each rank on its half. The losses of the global micro-batches,
     the weights before and after (dequantized), whether every weight is still FP8,
-    and the warnings' messages."""
+    the warnings' messages and the forward all-gathers that went in FP8."""
     import warnings
 
     import te_fuser as te
@@ -588,12 +589,14 @@ def _fp8_parameters_run(rank: int, how: str, name: str) -> tuple[torch.Tensor, t
     run = model
     if how == "ddp":
         run = DDP(model, gradient_as_bucket_view=True)
-    elif how == "fsdp2":
+    elif how.startswith("fsdp2"):
+        if how == "fsdp2_fp8_all_gather":
+            te.enable_fsdp_fp8_all_gather(model)
         mesh = init_device_mesh(device_type(), (WORLD,))
         for module in model:
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=how != "fsdp2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=not how.startswith("fsdp2"))
     data = torch.randn(3, 2, WORLD * 16, 32, generator=torch.Generator().manual_seed(13))
     data[..., 16:, :] *= 3.0  # rank 1's half is larger: the ranks' current-scaling amaxes differ
     data = data.to(device())
@@ -601,10 +604,11 @@ def _fp8_parameters_run(rank: int, how: str, name: str) -> tuple[torch.Tensor, t
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _fp8_parameters_steps(rank, how, recipe, model, run, opt, data, losses)
-    weights = [p.full_tensor() if how == "fsdp2" else p for p in model.parameters()]
+    weights = [p.full_tensor() if how.startswith("fsdp2") else p for p in model.parameters()]
     fp8 = all(isinstance(w, Float8Tensor) for w in weights if w.dim() == 2)
     flat = torch.cat([w.detach().float().reshape(-1) for w in weights])
-    return torch.stack(losses).cpu(), start, flat.cpu(), fp8, [str(w.message) for w in caught]
+    fp8_gathers = te.fp8_all_gather_stats(model)["fp8"] if how == "fsdp2_fp8_all_gather" else 0
+    return torch.stack(losses).cpu(), start, flat.cpu(), fp8, [str(w.message) for w in caught], fp8_gathers
 
 
 def _fp8_parameters_steps(rank: int, how: str, recipe, model, run, opt, data, losses: list) -> None:
@@ -632,32 +636,38 @@ def _fp8_parameters_runs(rank: int) -> dict:
     """Each way of :func:`_fp8_parameters_run` under delayed and current scaling, and
     whether the ranks' weights agree after it."""
     runs = {(how, name): _fp8_parameters_run(rank, how, name)
-            for how in ("one", "ddp", "fsdp2") for name in ("delayed", "current")}
+            for how in ("one", "ddp", "fsdp2", "fsdp2_fp8_all_gather") for name in ("delayed", "current")}
     same = {key: all(torch.equal(w, run[2]) for w in gathered(run[2])) for key, run in runs.items()}
     return {"runs": runs, "ranks agree": same}
 
 
 @pytest.mark.parametrize("name", ["delayed", "current"])
-@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("how", ["ddp", "fsdp2", "fsdp2_fp8_all_gather"])
 def test_fp8_parameters_accumulate_and_clip_in_ddp_and_fsdp2_as_one_process(schedule, how, name):
     """FP8 weights in DDP (``no_sync`` accumulation, bucket views) and in FSDP2 per
     layer: the ranks hold the same weights and the run is one process on the global
     batch within E4M3's bounds (each rank's gradient sums its half, and current
-    scaling casts each half with its own amax). In DDP every weight stays FP8;
-    FSDP2's shards are plain tensors, which each linear says once, naming the FP8
-    all-gather instead."""
+    scaling casts each half with its own amax). In DDP every weight stays FP8.
+    FSDP2's shards are plain tensors, which each linear says once; with
+    ``te.enable_fsdp_fp8_all_gather`` first (the route that warning names) nothing is
+    said and the run is FSDP2's without it, bit for bit, the weights gathered in FP8."""
     from tolerances import assert_close
 
     fp8_parameters = schedule["fp8 parameters"]
-    one_losses, start, one_weights, _, one_warned = fp8_parameters["runs"][("one", name)]
-    losses, _, weights, fp8, warned = fp8_parameters["runs"][(how, name)]
+    one_losses, start, one_weights, _, one_warned, _ = fp8_parameters["runs"][("one", name)]
+    losses, _, weights, fp8, warned, fp8_gathers = fp8_parameters["runs"][(how, name)]
     replaced = [m for m in warned if "made under te.quantized_model_init" in m]
     assert not any("quantized_model_init" in m for m in one_warned), one_warned
     if how == "ddp":
         assert fp8 and not replaced, f"ddp, {name}: a weight is no longer an FP8 parameter after the steps"
-    else:
+    elif how == "fsdp2":
         assert not fp8 and len(replaced) == 2, f"fsdp2, {name}: each linear warns once, got {replaced}"
         assert "plain float32 tensor" in replaced[0] and "enable_fsdp_fp8_all_gather" in replaced[0], replaced[0]
+    else:
+        assert not replaced and fp8_gathers > 0, f"{how}, {name}: {replaced}, {fp8_gathers} FP8 gathers"
+        plain_losses, _, plain_weights, *_ = fp8_parameters["runs"][("fsdp2", name)]
+        assert torch.equal(losses, plain_losses) and torch.equal(weights, plain_weights), (
+            f"{how}, {name}: not FSDP2's run without the FP8 all-gather")
     assert fp8_parameters["ranks agree"][(how, name)], f"{how}, {name}: the ranks' weights differ"
     assert_close(losses, one_losses, torch.float8_e4m3fn, f"{how}, {name}: the global micro-batches' losses")
     assert_close(weights, one_weights, torch.float8_e4m3fn, f"{how}, {name}: the weights after three steps")

@@ -241,6 +241,35 @@ def test_a_weight_assigned_in_place_of_the_fp8_parameter_trains_and_is_named_onc
     assert type(model[2].linear.weight) is Float8Tensor  # the other linear keeps its FP8 parameter
 
 
+@pytest.mark.parametrize("preserve", [False, True])
+def test_the_fsdp2_fp8_all_gather_takes_fp8_parameters_on_from_their_start(preserve):
+    """te.enable_fsdp_fp8_all_gather on FP8 parameters: each weight continues in high
+    precision from the value its first optimizer step would start from (the
+    preserved initial value, else the FP8 value), with no warning; after a step,
+    from its master."""
+    import warnings
+
+    recipe = FP8_RECIPES["current"]
+    torch.manual_seed(0)
+    with quantized_model_init(enabled=True, recipe=recipe, preserve_high_precision_init_val=preserve):
+        model = _model()
+    stepped = _fp8_model(recipe)
+    opt = torch.optim.AdamW(stepped.parameters(), lr=1e-2)
+    _train(stepped, opt, _batches(1), recipe)
+    for m in (model, stepped):
+        w = m[0].linear.weight
+        want = master_of(w) if master_of(w) is not None else (
+            w.get_high_precision_init_val() if preserve else w.dequantize())
+        want, fp8_value = want.clone().reshape(w.shape), w.dequantize()
+        assert torch.equal(want, fp8_value) is (m is model and not preserve)  # a master or a preserved start differ
+        te.enable_fsdp_fp8_all_gather(m)
+        got = m[0].linear.weight.data._data
+        assert type(got) is torch.Tensor and torch.equal(got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _batches(2), recipe)
+
+
 def test_high_precision_forward_of_fp8_parameters_uses_their_values():
     model = _fp8_model(FP8_RECIPES["current"])
     x = _batches(1)[0][0]

@@ -66,8 +66,10 @@ from torch.utils._pytree import tree_map_only
 from ..autocast import current_state
 from ..kernels.formats import Scaling
 from ..kernels.operand import ScaledOperand
+from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.tensor import QuantizedTensor
 from ..quantization.delayed import EVALUATING
+from .fp8_parameters import high_precision_start
 
 __all__ = ["enable_fsdp_fp8_all_gather", "fp8_all_gather_stats", "Float8AllGatherShard", "GatheredWeight"]
 
@@ -356,7 +358,10 @@ def enable_fsdp_fp8_all_gather(model: nn.Module) -> nn.Module:
     wherever it runs a per-tensor FP8 recipe (see the module doc). Call it before
     ``fully_shard`` and before the optimizer is made: each weight Parameter is
     replaced by one whose data is a :class:`Float8AllGatherShard` (a weight tied to
-    several linears stays one Parameter). Returns ``model``."""
+    several linears stays one Parameter). An FP8 parameter (made under
+    ``te.quantized_model_init``) becomes its high-precision value: its master, else
+    its preserved initial value, else its FP8 value, as its first optimizer step
+    would start (FSDP2 keeps no FP8 parameter). Returns ``model``."""
     from .basic.linear import BasicLinear
 
     replaced: dict[int, nn.Parameter] = {}
@@ -372,9 +377,12 @@ def enable_fsdp_fp8_all_gather(model: nn.Module) -> nn.Module:
             continue
         new = replaced.get(id(weight))
         if new is None:
-            data = Float8AllGatherShard(weight.detach(), _WeightGather(name or "weight"))
+            # an FP8 parameter (te.quantized_model_init) continues in high precision from its master or start
+            value = high_precision_start(weight) if type(weight) is Float8Tensor else weight.detach()
+            data = Float8AllGatherShard(value, _WeightGather(name or "weight"))
             new = replaced[id(weight)] = nn.Parameter(data, requires_grad=weight.requires_grad)
         module.weight = new
+        module._made_fp8 = False  # asked for: no warning that its FP8 parameter is gone
     if not replaced and not any(isinstance(m, BasicLinear) for m in model.modules()):
         raise ValueError(f"enable_fsdp_fp8_all_gather: {type(model).__name__} holds no te_fuser linear")
     return model

@@ -66,7 +66,7 @@ from ..quantization.tensor import QuantizedTensor
 from ..recipe import Recipe
 
 __all__ = ["quantized_model_init", "fp8_model_init", "fp8_init_recipe", "make_fp8_parameter", "fp8_weight",
-           "fp8_weight_replaced", "parameter_bytes", "restore_fp8_parameters", "master_of", "snapshot_fp8_parameters",
+           "fp8_weight_replaced", "high_precision_start", "parameter_bytes", "restore_fp8_parameters", "master_of", "snapshot_fp8_parameters",
            "restore_fp8_parameter_snapshot"]
 
 
@@ -132,14 +132,15 @@ def fp8_weight_replaced(op, weight: torch.Tensor) -> None:
     tensors (it keeps no FP8 parameter), and a weight assigned after construction
     replaces it. Training goes on correctly, the weight cast at every forward like
     any high-precision weight, but its bytes are no longer FP8's, which the user
-    chose ``quantized_model_init`` for."""
+    chose ``quantized_model_init`` for. (``te.enable_fsdp_fp8_all_gather`` replaces
+    FP8 parameters too, by request: it says nothing.)"""
     op._made_fp8 = False
     warnings.warn(
         f"{op.describe()}: made under te.quantized_model_init, its weight is now a plain "
         f"{str(weight.dtype).removeprefix('torch.')} tensor, not an FP8 parameter (FSDP2's fully_shard keeps no FP8 "
         f"parameter; assigning a new weight replaces it). It trains correctly, cast at every forward like any "
-        f"weight, without FP8 parameters' memory. Under FSDP2, make the model without quantized_model_init and call "
-        f"te.enable_fsdp_fp8_all_gather(model) before fully_shard: the weights then go over the wire in FP8",
+        f"weight, without FP8 parameters' memory. Under FSDP2, call te.enable_fsdp_fp8_all_gather(model) before "
+        f"fully_shard: the weights then go over the wire in FP8",
         UserWarning, stacklevel=2)
 
 
@@ -233,6 +234,15 @@ def _initial_master(p: Float8Tensor) -> torch.Tensor:
             p.clear_high_precision_init_val()
             return candidate
     return p.dequantize().contiguous()
+
+
+def high_precision_start(p: Float8Tensor) -> torch.Tensor:
+    """The high-precision value an FP8 parameter continues from where it stops being
+    one (``te.enable_fsdp_fp8_all_gather``): its master while that is its source, else
+    as the first optimizer step would start (the preserved initial value, else the
+    FP8 value)."""
+    master = master_of(p)
+    return master.detach().reshape(p.shape).clone() if master is not None else _initial_master(p)
 
 
 def _after_step(optimizer, args, kwargs) -> None:
