@@ -307,14 +307,33 @@ def test_an_ema_copy_of_fp8_parameters_accumulates_its_updates_as_in_high_precis
             torch._foreach_lerp_(want, values, 1 - 0.9)
     for (e, _), w in zip(fp8, want):
         assert type(e) is Float8Tensor
-        assert torch.equal(e.fp8_storage.updated_from().reshape(w.shape), w)
+        assert torch.equal(e.fp8_storage.cast_from().reshape(w.shape), w)
         assert_close(e.dequantize(), w, torch.float8_e4m3fn, "the EMA's FP8 values against the fp32 EMA")
         assert torch.equal(e.dequantize(), e.fp8_storage.quantizer.cast(w, rowwise=True, columnwise=False)
                            .dequantize().reshape(w.shape))
     e = fp8[0][0]
     with torch.no_grad():
         e.copy_(torch.zeros(e.shape))
-    assert e.fp8_storage.updated_from() is None
+    assert e.fp8_storage.cast_from() is None
+
+
+def test_a_step_after_an_in_place_update_starts_from_its_high_precision_result():
+    """A decay written into FP8 parameters between steps (``p.mul_``): the next
+    optimizer step's master is the update's high-precision result, not its FP8
+    cast, so the run is a plain model's that decays alike, bit for bit."""
+    recipe = FP8_RECIPES["current"]
+    model = _fp8_model(recipe)
+    twin = _twin(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
+    for batch in _batches(3):
+        for m, opt in zip((model, twin), opts):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.mul_(0.97)
+            _train(m, opt, [batch], recipe)
+    for p_twin, p in zip(twin.parameters(), model.parameters()):
+        got = master_of(p) if type(p) is Float8Tensor else p
+        assert torch.equal(got.reshape(p_twin.shape), p_twin)
 
 
 def test_high_precision_forward_of_fp8_parameters_uses_their_values():

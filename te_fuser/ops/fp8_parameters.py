@@ -181,6 +181,7 @@ def _is_source(storage: Float8Storage, master: torch.Tensor) -> bool:
 
 def _record(storage: Float8Storage, master: torch.Tensor) -> None:
     _SOURCE[storage] = (weakref.ref(master), weakref.ref(storage.q))
+    storage.note_source(master, held=False)  # an in-place update of the parameter starts from its master
 
 
 def master_of(param: Float8Tensor) -> torch.Tensor | None:
@@ -214,8 +215,8 @@ def _before_step(optimizer, args, kwargs) -> None:
             master = state.pop("master", None)
             if master is None:
                 master = _initial_master(p)
-            elif not _is_source(p.fp8_storage, master):
-                master = p.dequantize().contiguous()
+            elif not _is_source(p.fp8_storage, master):  # written since: from what was written
+                master = _written_value(p)
             master.grad = p.grad
             optimizer.state[master] = state
             params[i] = master
@@ -224,16 +225,24 @@ def _before_step(optimizer, args, kwargs) -> None:
         _SWAPS[optimizer] = swaps
 
 
+def _written_value(p: Float8Tensor) -> torch.Tensor:
+    """A written parameter's value in high precision: an in-place update's result
+    (``Float8Storage.cast_from``), else its FP8 value."""
+    updated = p.fp8_storage.cast_from()
+    return updated.reshape(p.shape).clone() if updated is not None else p.dequantize().contiguous()
+
+
 def _initial_master(p: Float8Tensor) -> torch.Tensor:
     """The first step's master: the preserved initial value while it is the
-    parameter's source (its cast gives the parameter's bytes), else the FP8 value."""
+    parameter's source (its cast gives the parameter's bytes), else the written
+    value (:func:`_written_value`)."""
     init = p.get_high_precision_init_val()
     if init is not None:
         candidate = init.to(device=p.device, dtype=p.dtype).reshape(p.shape).contiguous()
         if _is_source(p.fp8_storage, candidate):
             p.clear_high_precision_init_val()
             return candidate
-    return p.dequantize().contiguous()
+    return _written_value(p)
 
 
 def high_precision_start(p: Float8Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ The values live in a shared :class:`Float8Storage`: a write rebinds its
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -47,9 +49,10 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 class Float8Storage:
     """The FP8 values one tensor and its aliases share: ``q`` (a QuantizedTensor of
     the 2-D flattening), the ``quantizer`` that casts writes (``None``: read-only),
-    ``writes``, bumped at every write, and ``source``: ``(value, q)`` where ``q`` was
-    cast from the high-precision ``value`` by an in-place update (see
-    :func:`_write_through`), else None."""
+    ``writes``, bumped at every write, and ``source``: None or ``(value, q)``, the
+    high-precision value a ``q`` was cast from (see :meth:`cast_from`): an in-place
+    update's result (held), or an FP8 parameter's master (a weak reference: the
+    optimizer holds it); ``q`` a weak reference too."""
 
     __slots__ = ("q", "quantizer", "writes", "source", "__weakref__")
 
@@ -58,11 +61,20 @@ class Float8Storage:
             raise TypeError(f"Float8Storage.q: must be a QuantizedTensor, got {type(q).__name__}")
         self.q, self.quantizer, self.writes, self.source = q, quantizer, 0, None
 
-    def updated_from(self) -> torch.Tensor | None:
-        """The high-precision value the current FP8 values were cast from by an
-        in-place update, while they are (a write of any other kind ends it)."""
+    def cast_from(self) -> torch.Tensor | None:
+        """The high-precision value the current FP8 values were cast from, where one
+        is known: an in-place update's result, or a master recorded with
+        :meth:`note_source`; None after any other write."""
         source = self.source
-        return source[0] if source is not None and source[1] is self.q else None
+        if source is None or source[1]() is not self.q:
+            return None
+        value = source[0]
+        return value() if isinstance(value, weakref.ref) else value
+
+    def note_source(self, value: torch.Tensor, held: bool = True) -> None:
+        """Record that the current FP8 values are the cast of ``value`` (``held``:
+        keep it alive, else only while someone else does)."""
+        self.source = (value if held else weakref.ref(value), weakref.ref(self.q))
 
     def write(self, value: torch.Tensor, quantizer=None) -> None:
         """Cast ``value`` (high precision, the storage's shape) as its new values,
@@ -271,7 +283,8 @@ def _written_args(func, args, kwargs) -> list:
 
 # In-place updates that read the values they write (an EMA's lerp, a decay's mul, an
 # add): a storage they write keeps its high-precision result as its source, the next
-# such update starts from it. Repeated small updates then accumulate as in high
+# such update starts from it (or from an FP8 parameter's master, its source after a
+# step). Repeated small updates then accumulate as in high
 # precision (an EMA copy of an FP8 model: re-cast each update, such an EMA drifted
 # 0.06 from the fp32 one in 200 steps), at the cost of that one high-precision copy.
 # Writes that replace the values (fill_, uniform_, copy_, ...) keep none.
@@ -290,7 +303,7 @@ def _write_through(func, args, kwargs, written: list):
     update = _updates(func)
     proxies = {}
     for t in written:
-        source = t._storage.updated_from() if update else None
+        source = t._storage.cast_from() if update else None
         proxies[id(t)] = source.reshape(t.shape).clone() if source is not None else t.dequantize()
 
     def unwrap(x):
@@ -303,6 +316,6 @@ def _write_through(func, args, kwargs, written: list):
         storage, value = t._storage, proxies[id(t)].reshape(t._storage.q.shape)
         storage.write(value)
         if update:
-            storage.source = (value, storage.q)
+            storage.note_source(value)
     back = {id(p): t for t in written for p in [proxies[id(t)]]}
     return tree_map(lambda x: back.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
