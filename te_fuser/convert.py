@@ -25,6 +25,8 @@ and so does one whose te op would drop something of it: a parametrization
 module hooks.
 :func:`convert` returns the model; with ``report=True`` also a
 :class:`ConversionReport` of what changed and what was left, with the reason.
+Inside an enabled ``te.quantized_model_init`` it refuses to run: FP8 parameters
+are made by linears built there, and the converted ones keep the model's own.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import ops
+from .ops.fp8_parameters import fp8_init_recipe
 from .ops.fuser import pruned_names
 
 __all__ = ["convert", "ConversionReport"]
@@ -175,6 +178,11 @@ def convert(model: nn.Module, *, skip: Skip = None, report: bool = False):
         raise TypeError(f"convert(model): must be a torch.nn.Module, got {type(model).__name__}")
     if report is not True and report is not False:
         raise TypeError(f"convert(report=...): must be True or False, got {report!r}")
+    if fp8_init_recipe() is not None:
+        raise RuntimeError(
+            "convert: called inside te.quantized_model_init, whose FP8 parameters are made by linears built there; "
+            "convert keeps the model's own Parameters (an optimizer built before keeps training them), so none "
+            "would be FP8. Call it outside, or build the te_fuser model inside quantized_model_init instead")
     log = ConversionReport()
     out = _walk(model, "", _skipper(skip), log)
     return (out, log) if report else out

@@ -148,3 +148,17 @@ def test_skip_takes_a_predicate_and_refuses_a_bare_string():
     assert isinstance(model.self_attn.q_proj, nn.Linear) and isinstance(model.mlp.up_proj, te.ops.Linear)
     with pytest.raises(TypeError, match="in a list"):
         te.convert(decoder(), skip="mlp")
+
+
+def test_converting_inside_quantized_model_init_is_refused_before_anything_changes():
+    """te.convert keeps the model's own Parameters, so inside quantized_model_init no
+    weight would be FP8 (each linear would then warn at its first forward): a clear
+    error naming both, with the model untouched."""
+    model = decoder()
+    before = {name: type(m) for name, m in model.named_modules()}
+    with te.quantized_model_init(enabled=True, recipe=FP8_RECIPES["current"]):
+        with pytest.raises(RuntimeError, match="convert: called inside te.quantized_model_init.*own Parameters"):
+            te.convert(model)
+    assert {name: type(m) for name, m in model.named_modules()} == before
+    with te.quantized_model_init(enabled=False):
+        assert isinstance(te.convert(model).mlp.up_proj, te.ops.Linear)
