@@ -233,9 +233,16 @@ def dequantized(x):
 
 
 def _rebuild(copies, shape, q_shape, dtype, requires_grad):
+    """A pickled Float8Tensor (``__reduce_ex__``): its copies' tensors and scaling
+    names, shapes, nominal dtype; it makes nothing but these tensors' wrappers."""
     ops = [None if c is None else ScaledOperand(*c) for c in copies]
     q = QuantizedTensor(ops[0], ops[1], torch.Size(q_shape), dtype)
     return Float8Tensor(Float8Storage(q), shape, requires_grad)
+
+
+# torch.load reads only allowed globals by default (weights_only): a state dict holding
+# FP8 parameters loads as saved, without weights_only=False.
+torch.serialization.add_safe_globals([_rebuild])
 
 
 def _infer(shape, numel: int) -> torch.Size:
