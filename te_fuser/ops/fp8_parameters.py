@@ -66,8 +66,8 @@ from ..quantization.tensor import QuantizedTensor
 from ..recipe import Recipe
 
 __all__ = ["quantized_model_init", "fp8_model_init", "fp8_init_recipe", "make_fp8_parameter", "fp8_weight",
-           "fp8_weight_replaced", "high_precision_start", "parameter_bytes", "restore_fp8_parameters", "master_of", "snapshot_fp8_parameters",
-           "restore_fp8_parameter_snapshot"]
+           "fp8_weight_replaced", "high_precision_start", "parameter_bytes", "restore_fp8_parameters", "master_of",
+           "snapshot_fp8_parameters", "restore_fp8_parameter_snapshot"]
 
 
 class _InitState:
