@@ -157,14 +157,12 @@ def make_fp8_parameter(weight: torch.Tensor, recipe: Recipe, role: QuantizerRole
 
 
 # -- masters ---------------------------------------------------------------------------
-# storage -> (master, the QuantizedTensor cast from it): the master is the
-# storage's source while its values are still that cast.
-_SOURCE: "weakref.WeakKeyDictionary[Float8Storage, tuple]" = weakref.WeakKeyDictionary()
+# A master is its storage's source (Float8Storage.note_source, held weakly: the
+# optimizer holds it) while the storage's values are still its cast.
 
 
 def _is_source(storage: Float8Storage, master: torch.Tensor) -> bool:
-    known = _SOURCE.get(storage)
-    if known is not None and known[0]() is master and known[1]() is storage.q:
+    if storage.cast_from(held=False) is master:
         return True
     # a master from elsewhere (a loaded optimizer checkpoint): trusted if it casts to these very bytes
     q = storage.q
@@ -180,17 +178,12 @@ def _is_source(storage: Float8Storage, master: torch.Tensor) -> bool:
 
 
 def _record(storage: Float8Storage, master: torch.Tensor) -> None:
-    _SOURCE[storage] = (weakref.ref(master), weakref.ref(storage.q))
-    storage.note_source(master, held=False)  # an in-place update of the parameter starts from its master
+    storage.note_source(master, held=False)  # an in-place update of the parameter starts from it too
 
 
 def master_of(param: Float8Tensor) -> torch.Tensor | None:
     """The master copy that is ``param``'s source now, if one is known."""
-    known = _SOURCE.get(param.fp8_storage)
-    if known is None:
-        return None
-    master = known[0]()
-    return master if master is not None and known[1]() is param.fp8_storage.q else None
+    return param.fp8_storage.cast_from(held=False)
 
 
 def _high_precision(param: Float8Tensor) -> torch.Tensor:

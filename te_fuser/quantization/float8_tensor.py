@@ -61,15 +61,19 @@ class Float8Storage:
             raise TypeError(f"Float8Storage.q: must be a QuantizedTensor, got {type(q).__name__}")
         self.q, self.quantizer, self.writes, self.source = q, quantizer, 0, None
 
-    def cast_from(self) -> torch.Tensor | None:
+    def cast_from(self, held: bool | None = None) -> torch.Tensor | None:
         """The high-precision value the current FP8 values were cast from, where one
         is known: an in-place update's result, or a master recorded with
-        :meth:`note_source`; None after any other write."""
+        :meth:`note_source`; None after any other write. ``held``: only a value
+        noted so (True: an update's result; False: a master someone else holds)."""
         source = self.source
         if source is None or source[1]() is not self.q:
             return None
         value = source[0]
-        return value() if isinstance(value, weakref.ref) else value
+        weak = isinstance(value, weakref.ref)
+        if held is not None and held == weak:
+            return None
+        return value() if weak else value
 
     def note_source(self, value: torch.Tensor, held: bool = True) -> None:
         """Record that the current FP8 values are the cast of ``value`` (``held``:
