@@ -272,9 +272,10 @@ def _hopper_dkdv_rows(c: _Case, o, lse, do, dq_sdpa, sdpa_bwd_ms: float) -> None
         "sdpa bf16", diff)
     if not causal:
         return
-    for stages, label in (((True, False), "dq"), ((False, True), "delta"), ((True, True), "dq and delta")):
+    for stages, label in (((False, False), "nothing else"), ((True, False), "dq"), ((False, True), "delta"),
+                          ((True, True), "dq and delta")):
         previous = cuda_attn.set_hopper_backward_stages(*stages)
-        try:  # the same bits as the row above (test_cuda_attention_hopper.py)
+        try:  # the same bits as the row above, whose stages are chosen by shape (test_cuda_attention_hopper.py)
             c.row("bwd bf16", f"cuda hopper, {label} in its dk/dv kernel", harness.time_ms(
                 lambda: cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, causal, scale)), bwd_flops,
                 sdpa_bwd_ms, "sdpa bf16")

@@ -302,7 +302,8 @@ def test_backward_stages_in_the_kernel_give_the_same_bits(B, H, Hkv, Tq, Tk, D, 
         k, v = (_randn((B, Hkv, Tk, D), seed, dtype) for seed in (2, 3))
         do = _randn((B, H, Tq, D), 4, dtype)
         o, lse = tk.attention_forward(q, k, v, True, 1 / math.sqrt(D))
-        want = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
+        with _stages(False, False):
+            want = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
         with _stages(dq_in_kernel, delta_in_kernel):
             for _ in range(5):
                 got = cuda_attn.attention_backward_hopper(q, k, v, o, lse, do, True, 1 / math.sqrt(D))
@@ -310,7 +311,7 @@ def test_backward_stages_in_the_kernel_give_the_same_bits(B, H, Hkv, Tq, Tk, D, 
                     assert torch.equal(g, w), (f"{name}, {dtype}, (B, H, Hkv, Tq, Tk, D) = {(B, H, Hkv, Tq, Tk, D)}, "
                                                f"stages {(dq_in_kernel, delta_in_kernel)}: max diff "
                                                f"{(g.float() - w.float()).abs().max().item():.3e}")
-        assert cuda_attn.set_hopper_backward_stages() == (False, False), "the default restored"
+        assert cuda_attn.set_hopper_backward_stages() == (cuda_attn.BY_SHAPE, False), "the default restored"
 
 
 @hopper
@@ -486,3 +487,28 @@ def test_fp8_attention_trains_on_the_hopper_backward_under_auto(fp8_field):
                  scaled=True)
     assert_close(grads["x"].float(), grads_t["x"].float(), "attention_fp8_op",
                  f"{fp8_field} QKV gradient beside Triton's", scaled=True)
+
+
+def test_backward_stages_are_settings_checked_before_they_change_and_chosen_by_shape():
+    """set_hopper_backward_stages takes True, False or BY_SHAPE (None leaves one) and
+    names the argument it refuses, changing nothing; by shape, dq is stored in the dk /
+    dv kernel at head dim 128 up to 8192 keys (where it was measured faster) and delta
+    is made before it. Pure Python: runs without the extension."""
+    q128, k128 = torch.empty(1, 2, 64, 128), torch.empty(1, 2, 4096, 128)
+    q64, k64 = torch.empty(1, 2, 64, 64), torch.empty(1, 2, 4096, 64)
+    long_k = torch.empty(1, 2, 16384, 128)
+    previous = cuda_attn.set_hopper_backward_stages()
+    try:
+        assert previous == (cuda_attn.BY_SHAPE, False)
+        assert cuda_attn._in_kernel_stages(q128, k128) == 1
+        assert cuda_attn._in_kernel_stages(q64, k64) == 0
+        assert cuda_attn._in_kernel_stages(q128, long_k) == 0
+        with pytest.raises(ValueError, match="delta_in_kernel must be True, False, 'by shape' or None, got 'yes'"):
+            cuda_attn.set_hopper_backward_stages(True, "yes")
+        assert cuda_attn.set_hopper_backward_stages() == previous, "a refused setting changes nothing"
+        cuda_attn.set_hopper_backward_stages(False, True)
+        assert cuda_attn._in_kernel_stages(q128, k128) == 2
+        cuda_attn.set_hopper_backward_stages(True, cuda_attn.BY_SHAPE)
+        assert cuda_attn._in_kernel_stages(q64, k64) == 1
+    finally:
+        cuda_attn.set_hopper_backward_stages(*previous)

@@ -65,7 +65,8 @@ from ..reference.attention import check_attention, check_attention_backward, che
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
-           "set_hopper_schedule", "set_hopper_backward_stages", "attention_forward_hopper", "attention_forward_hopper_unsupported_reason",
+           "set_hopper_schedule", "set_hopper_backward_stages", "BY_SHAPE", "attention_forward_hopper",
+           "attention_forward_hopper_unsupported_reason",
            "set_forward_kernel", "FORWARD_KERNELS", "attention_dkdv_hopper",
            "attention_backward_hopper", "set_backward_kernel", "BACKWARD_KERNELS", "hopper_backward_form"]
 
@@ -259,8 +260,8 @@ def _chosen_backward(q, k, v, o, lse, do, causal, softmax_scale):
 
         index, lse = current_device_index(), lse.float().contiguous()
         if form == "one kernel":  # the extension checks the operands: None for what it does not take
-            out = extension().attention_hp_backward(q, k, v, o, lse, do, float(softmax_scale), bool(causal), index,
-                                                    stream_of_index(index))
+            out = extension().attention_hp_backward(q, k, v, o, lse, do, float(softmax_scale), bool(causal),
+                                                    _in_kernel_stages(q, k), index, stream_of_index(index))
             if out is not None:
                 return out
         elif _hopper_backward_reason(q, k, v, do) is None:
@@ -400,24 +401,49 @@ def _run_checked(kernel: str, entry: str, reason: str | None, q, k, v, *args):
     return out
 
 
-def set_hopper_backward_stages(dq_in_kernel: bool | None = None,
-                               delta_in_kernel: bool | None = None) -> tuple[bool, bool]:
+BY_SHAPE = "by shape"  # a stage of the Hopper backward that _in_kernel_stages chooses by the operands' shape
+_backward_stages = {"dq_in_kernel": BY_SHAPE, "delta_in_kernel": False}
+
+
+def set_hopper_backward_stages(dq_in_kernel: bool | str | None = None,
+                               delta_in_kernel: bool | str | None = None) -> tuple:
     """What the one-kernel Hopper backward's dk / dv kernel (:func:`attention_backward_hopper`,
-    causal only) also does, for this process (it builds the extension if need be);
+    causal only) also does, for this process: True, False or :data:`BY_SHAPE` each;
     None leaves a setting. ``dq_in_kernel``: once every block of the grid has
     started, a finished block's consumers store dq's chunks in the input type as
-    their last adds land (key block 0, every chunk's last adder, queues each one),
-    so no kernel follows it. ``delta_in_kernel`` (as many kv heads as query heads,
-    Tq <= Tk): key block n makes delta = rowsum(o ∘ do) of query chunks 2n and 2n +
-    1, which it reads first, while its first copies land, and flags them for the
-    blocks after it, so the kernel before it reads lse alone. The same bits as
-    without, either way. Both off by default (RESULTS.md run 227, H100): delta in
-    the kernel is 1.6% faster at the main case and 1.4% slower at head dim 64; dq's
-    store in it was 1.3-1.45 ms slower from serialized claims, since taken by one
-    fetch-and-add each. Returns the previous ``(dq_in_kernel, delta_in_kernel)``."""
-    from ._build import extension
+    their last adds land (key block 0, every chunk's last adder, queues each one;
+    the claimers take them by one fetch-and-add each), so no kernel follows it.
+    ``delta_in_kernel`` (as many kv heads as query heads, Tq <= Tk): key block n
+    makes delta = rowsum(o ∘ do) of query chunks 2n and 2n + 1, which it reads
+    first, while its first copies land, and flags them for the blocks after it, so
+    the kernel before it reads lse alone. The same bits as without, either way.
+    By default dq is stored in the kernel by shape (:func:`_in_kernel_stages`) and
+    delta is not made there (RESULTS.md runs 227 and 232, H100: 0.6% slower at
+    the main case, 2.1% at head dim 64). Returns the previous pair."""
+    given = {"dq_in_kernel": dq_in_kernel, "delta_in_kernel": delta_in_kernel}
+    for name, value in given.items():
+        if value is not None and not isinstance(value, bool) and value != BY_SHAPE:
+            raise ValueError(f"set_hopper_backward_stages: {name} must be True, False, {BY_SHAPE!r} or None, "
+                             f"got {value!r}")
+    previous = (_backward_stages["dq_in_kernel"], _backward_stages["delta_in_kernel"])
+    _backward_stages.update({name: value for name, value in given.items() if value is not None})
+    return previous
 
-    return tuple(extension().attention_backward_stages(_setting(dq_in_kernel), _setting(delta_in_kernel)))
+
+def _in_kernel_stages(q: torch.Tensor, k: torch.Tensor) -> int:
+    """The extension's bits for what the dk / dv kernel also does for these operands
+    (1: dq stored, 2: delta made). By shape, dq is stored in the kernel at head dim
+    128 up to 8192 keys, where it was measured faster than its own kernel after
+    (RESULTS.md run 232, H100, five rounds in turns: 0.982x at 4x16x4096, 0.990x at
+    8x16x2048, 0.987x at 2x16x8192), and not at head dim 64 (1.009x at 4096 keys,
+    1.023x at 8192) or at 16384 keys (1.002x); delta, never."""
+    bits = 0
+    for bit, name, by_shape in ((1, "dq_in_kernel", q.shape[3] == 128 and k.shape[2] <= 8192),
+                                (2, "delta_in_kernel", False)):
+        setting = _backward_stages[name]
+        if setting is True or (setting == BY_SHAPE and by_shape):
+            bits |= bit
+    return bits
 
 
 def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) -> tuple[bool, bool]:
@@ -475,7 +501,7 @@ def attention_backward_hopper(q, k, v, o, lse, do, causal, softmax_scale):
     check_attention_backward(q, k, v, o, lse, do, causal, softmax_scale)
     reason = _hopper_backward_reason(q, k, v, do, o)
     return _run_checked("attention_backward_hopper", "attention_hp_backward", reason, q, k, v, o,
-                        lse.float().contiguous(), do, float(softmax_scale), bool(causal))
+                        lse.float().contiguous(), do, float(softmax_scale), bool(causal), _in_kernel_stages(q, k))
 
 
 def _hopper_backward_reason(q, k, v, do, o=None) -> str | None:

@@ -637,21 +637,6 @@ std::tuple<bool, bool> attention_schedule(int64_t turns, int64_t overlap) {
   return previous;
 }
 
-// What the Hopper backward's dk / dv kernel also does (AttentionBwdArgs::in_kernel:
-// kDqInKernel, kDeltaInKernel), for this process; none by default (not yet measured
-// against the kernels before and after it).
-int attention_backward_in_kernel_state = 0;
-
-// Sets each of the two given as 0 or 1 (-1 leaves it): dq stored and delta made in the
-// dk / dv kernel; returns the previous pair.
-std::tuple<bool, bool> attention_backward_stages(int64_t dq, int64_t delta) {
-  int& bits = attention_backward_in_kernel_state;
-  const std::tuple<bool, bool> previous{(bits & te_fuser::kDqInKernel) != 0, (bits & te_fuser::kDeltaInKernel) != 0};
-  if (dq >= 0) bits = dq != 0 ? bits | te_fuser::kDqInKernel : bits & ~te_fuser::kDqInKernel;
-  if (delta >= 0) bits = delta != 0 ? bits | te_fuser::kDeltaInKernel : bits & ~te_fuser::kDeltaInKernel;
-  return previous;
-}
-
 // A 4-D view of `type` on `device` whose rows the Hopper attention kernels' copies
 // read as 16-byte chunks: head dim 64 or 128 and contiguous, the start and the
 // other strides multiples of 16 bytes.
@@ -816,13 +801,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_hp_dkdv(
 
 // The bf16 / fp16 attention backward on Hopper: delta, then the dk / dv kernel that
 // also adds each block's share of dq to fp32 chunks in a fixed order, then dq from
-// them (or, as attention_backward_stages sets, dq stored and delta made in the dk /
-// dv kernel); (dq,
-// dk, dv) of q's, k's, v's shapes, laid out as Triton's backward lays them out. None
-// for operands the Python path must look at.
+// them (or, as `in_kernel` asks: kDqInKernel | kDeltaInKernel, dq stored and delta made
+// in the dk / dv kernel); (dq, dk, dv) of q's, k's, v's shapes, laid out as Triton's
+// backward lays them out. None for operands the Python path must look at.
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
-    const at::Tensor& dout, double softmax_scale, bool causal, int64_t device, int64_t stream) {
+    const at::Tensor& dout, double softmax_scale, bool causal, int64_t in_kernel, int64_t device, int64_t stream) {
   if (!hp_backward_operands(q, k, v, o, dout, lse, nullptr, device)) return std::nullopt;
   // (B, heads, T, D) views of one (B, T, H + 2·Hkv, D) buffer (the fused QKV tensor's
   // gradient, as Triton's backward writes it) where the lengths agree; else three
@@ -847,7 +831,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backw
   auto a = hp_backward_args(q, k, v, o, dout, lse, at::Tensor(), dq, dk, dv, rows, softmax_scale, causal);
   a.dq_accum = dq_accum.data_ptr<float>();
   a.dq_turns = turns.data_ptr<int>();
-  a.in_kernel = attention_backward_in_kernel_state;
+  a.in_kernel = static_cast<int>(in_kernel & (te_fuser::kDqInKernel | te_fuser::kDeltaInKernel));
   te_fuser::launch_attention_hp_backward(a, hp_code_or_none(q.scalar_type()), as_stream(stream));
   return std::make_tuple(dq, dk, dv);
 }
@@ -946,11 +930,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dk and dv of the bf16 / fp16 attention backward on Hopper's tensor cores from a given delta "
         "(deterministic), or None for operands the Python path takes");
   m.def("attention_hp_backward", &attention_hp_backward,
-        "the bf16 / fp16 attention backward on Hopper's tensor cores, (dq, dk, dv) (deterministic), or None for "
-        "operands the Python path takes");
-  m.def("attention_backward_stages", &attention_backward_stages,
-        "what the Hopper backward's dk / dv kernel also does: (dq stored, delta made), each 0, 1 or -1 to leave "
-        "it; returns the previous pair");
+        "the bf16 / fp16 attention backward on Hopper's tensor cores, (dq, dk, dv) (deterministic), with what its "
+        "dk / dv kernel also does (1: dq stored, 2: delta made), or None for operands the Python path takes");
   m.def("attention_schedule", &attention_schedule,
         "the Hopper attention kernels' consumer schedule: (turns, overlap), each 0, 1 or -1 to leave it; returns "
         "the previous pair");
