@@ -1,0 +1,83 @@
+"""The Hopper backward's in-kernel stages (``set_hopper_backward_stages``) in turns
+beside SDPA's cuDNN backward: per causal shape, ``--rounds`` rounds in which each
+arm is timed once (``harness.time_ms``: the median of a ``do_bench``, L2 flushed),
+so clock and thermal drift fall on every arm alike; the medians over the rounds
+and their ratios. Arms: the backend's backward as chosen (stages by shape), with
+nothing in the dk / dv kernel, with dq stored in it, with delta made in it, and
+cuDNN's. Every stage's dq, dk and dv are checked bit for bit against nothing-in-
+the-kernel's first.
+
+    python benchmarks/stages_ab.py [--cases 4x16x4096x128 ...] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import harness
+from te_fuser.kernels.cuda import attention as cuda_attn
+from te_fuser.kernels.triton import attention as triton_attn
+
+ARMS = {"by shape": (cuda_attn.BY_SHAPE, False), "nothing": (False, False), "dq": (True, False),
+        "delta": (False, True)}
+
+
+def _with_stages(stages, fn):
+    def run():
+        previous = cuda_attn.set_hopper_backward_stages(*stages)
+        try:
+            return fn()
+        finally:
+            cuda_attn.set_hopper_backward_stages(*previous)
+    return run
+
+
+def compare(B: int, H: int, T: int, D: int, rounds: int) -> None:
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 1 / math.sqrt(D)
+    o, lse = triton_attn.attention_forward(q, k, v, True, scale)[:2]
+    ours = lambda: cuda_attn.attention_backward(q, k, v, o, lse, do, True, scale)  # noqa: E731
+    arms = {label: _with_stages(stages, ours) for label, stages in ARMS.items()}
+    want = arms["nothing"]()
+    for label, arm in arms.items():
+        if not all(torch.equal(g, w) for g, w in zip(arm(), want)):
+            raise SystemExit(f"{B}x{H}x{T}x{D}: {label} does not give the bits of nothing in the kernel")
+    qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+    arms["cudnn"] = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+    times: dict = {label: [] for label in arms}
+    for _ in range(rounds):
+        for label, arm in arms.items():
+            times[label].append(harness.time_ms(arm))
+    median = {label: statistics.median(t) for label, t in times.items()}
+    case = f"{B}x{H}x{T}x{D}"
+    for label, t in times.items():
+        print(f"  {case:16s} {label:>9s} {median[label]:8.4f} ms  (min {min(t):.4f}; "
+              + " ".join(f"{x:.3f}" for x in t) + ")")
+    print(f"  {case:16s} cudnn / by shape {median['cudnn'] / median['by shape']:.3f}x, cudnn / nothing "
+          f"{median['cudnn'] / median['nothing']:.3f}x, dq / nothing {median['dq'] / median['nothing']:.3f}, "
+          f"delta / nothing {median['delta'] / median['nothing']:.3f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["4x16x4096x128", "8x16x2048x128", "2x16x8192x128",
+                                                         "4x16x4096x64", "2x16x8192x64"],
+                        help="B x H x T x D, causal, as many kv heads as query heads")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    for case in args.cases:
+        compare(*(int(x) for x in case.split("x")), rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    main()
