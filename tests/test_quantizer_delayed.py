@@ -618,6 +618,7 @@ def _cast_with_update_from_the_reference(monkeypatch) -> list:
             def with_update(x, scale, history, count, margin, algo_max, rowwise, columnwise, round_bf16=False,
                             sums_dtype=torch.float32):
                 calls.append(x.shape)
+                x = x.reshape(-1, x.shape[-1])  # as the CUDA entry: x of two or more dims as its 2-D flattening
                 data, data_t, sums, amax = cast(x, scale, rowwise, columnwise, round_bf16, sums_dtype)
                 state = delayed_scale_update_reference(history, amax, scale, count, fp8_dtype, margin,
                                                        "max" if algo_max else "most_recent")
@@ -730,6 +731,51 @@ def test_the_one_call_path_leaves_a_reduced_amax_to_the_deferred_path(monkeypatc
     assert q._cast_and_update(cast, x, True, False, False) is None
     monkeypatch.setattr(q, "_group", lambda: None)
     assert q._cast_and_update(cast, x, True, False, False) is not None
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (4, 16, 48)], ids=["2-D", "3-D"])
+def test_the_ops_lean_updating_cast_is_the_general_path_in_fewer_calls(monkeypatch, shape):
+    """The ops' common cast (``cast`` and ``_lean_column_sums`` of a seeded quantizer,
+    x as it comes) takes the backend's updating entry directly: the same bytes,
+    sums and state tensors as the general path (``_cast``), step after step; and it
+    declines with nothing changed (state, pending amaxes) where the general path
+    must run: unseeded, under a reduction group, in evaluation."""
+    from te_fuser.quantization import delayed
+
+    calls = _updating_entry(monkeypatch)
+    device = _updating_device()
+    lean, general = DelayedScalingQuantizer(E4M3, amax_history_len=4), DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    monkeypatch.setattr(general, "_updating_cast", lambda *args: None)
+    for step, amax in enumerate([3.0, 7.0, 0.5, 448.0]):
+        x = with_amax(amax, shape).to(device)
+        before = len(calls)
+        got = [lean.cast(x, rowwise=True, columnwise=True),
+               lean._lean_column_sums(x.float(), True, True, True)]
+        want = [general.cast(x, rowwise=True, columnwise=True),
+                general._lean_column_sums(x.float(), True, True, True)]
+        (q, (qs, sums)), (w, (ws, wsums)) = got, want
+        for a, b in ((q, w), (qs, ws)):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            for mine, theirs in ((a.rowwise, b.rowwise), (a.columnwise, b.columnwise)):
+                assert torch.equal(mine.data.view(torch.uint8), theirs.data.view(torch.uint8)), step
+                assert torch.equal(mine.scale_inv, theirs.scale_inv), step
+        assert torch.equal(sums, wsums)
+        for name in DelayedScalingQuantizer.STATE_TENSORS:
+            assert torch.equal(getattr(lean, name), getattr(general, name)), (step, name)
+        if device == "cpu" and step > 0:  # the first cast seeds (a current-scaling cast)
+            assert len(calls) - before == 4, "both lean casts and the general path's took the updating entry"
+    x = with_amax(2.0, shape).to(device)
+    state = [getattr(lean, f"_{name}") for name in DelayedScalingQuantizer.STATE_TENSORS]
+    monkeypatch.setattr(lean, "_group", lambda: "a group")
+    assert lean._updating_cast(x, True, True, "quantize_tensorwise", False, torch.float32) is None
+    monkeypatch.setattr(lean, "_group", lambda: None)
+    monkeypatch.setattr(delayed, "EVALUATING", [True])
+    assert lean._updating_cast(x, True, True, "quantize_tensorwise", False, torch.float32) is None
+    assert DelayedScalingQuantizer(E4M3)._updating_cast(x, True, True, "quantize_tensorwise", False,
+                                                        torch.float32) is None, "unseeded: the seeding path"
+    assert all(getattr(lean, f"_{name}") is t for name, t in zip(DelayedScalingQuantizer.STATE_TENSORS, state)), \
+        "a declined cast changes nothing"
+    assert lean._pending == 0
 
 
 def test_a_training_loop_keeps_every_loss_bit_with_the_update_in_the_cast(monkeypatch):

@@ -263,16 +263,43 @@ class DelayedScalingQuantizer(Quantizer):
         skip the generic checks, with the same result."""
         if not self._lean(x, rowwise, columnwise):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
+        out = self._updating_cast(x, rowwise, columnwise, "quantize_tensorwise", False, torch.float32)
+        if out is not None:
+            return QuantizedTensor.of_cast(out[0], out[1], x.shape, x.dtype)
         rowwise_op, columnwise_op, _ = self._cast(self._flat(x), rowwise, columnwise, "quantize_tensorwise")
         return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, x.dtype)
 
     def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
                           sums_dtype: torch.dtype = torch.float32):
         """The ops' column-sums casts, lean as :meth:`cast` (fp32 cast as bf16 rounded as the kernel reads it)."""
+        dtype = torch.bfloat16 if round_bf16 else x.dtype
+        out = self._updating_cast(x, rowwise, columnwise, "quantize_tensorwise_column_sums", round_bf16, sums_dtype)
+        if out is not None:
+            return QuantizedTensor.of_cast(out[0], out[1], x.shape, dtype), out[2]
         rowwise_op, columnwise_op, sums = self._cast(self._flat(x), rowwise, columnwise,
                                                      "quantize_tensorwise_column_sums", round_bf16, sums_dtype)
-        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape,
-                                       torch.bfloat16 if round_bf16 else x.dtype), sums
+        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, dtype), sums
+
+    def _updating_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool,
+                       sums_dtype: torch.dtype):
+        """The ops' common cast in a training step, x as it comes (two or more dims:
+        the backend's entry flattens it): a seeded quantizer, nothing waiting, no
+        checkpointed region, evaluation or reduction group, and a backend cast that
+        updates the state in the same call (:meth:`_cast_and_update`, whose checks
+        the entry makes: x and the state on the current device). ``(row-wise
+        operand, column-wise operand, sums)`` with the new state bound, or None
+        with nothing changed, for :meth:`_cast`'s general path. The same bits and
+        state as that path: fewer calls on the host for the step's every cast."""
+        frames = CHECKPOINT_FRAMES
+        if self._pending or not self.seeded or frames[0] is not None or frames[1] is not None or EVALUATING[0]:
+            return None
+        scale_inv = self._scale_inv  # the scale this cast uses goes with its operands
+        out = self._cast_and_update(self._caster(kernel, x.device, _generic_tensorwise), x, rowwise, columnwise,
+                                    round_bf16, sums_dtype)
+        if out is None:
+            return None
+        return (tensor_scaled(out[0], scale_inv) if rowwise else None,
+                tensor_scaled(out[1], scale_inv) if columnwise else None, out[2])
 
     def _quantize(
         self, x_hp: torch.Tensor, rowwise: bool, columnwise: bool
