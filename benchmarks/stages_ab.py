@@ -74,6 +74,9 @@ def main() -> None:
                         help="B x H x T x D, causal, as many kv heads as query heads")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("stages_ab needs a GPU (Hopper: the one-kernel backward's extension)")
+        return
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for case in args.cases:
         compare(*(int(x) for x in case.split("x")), rounds=args.rounds)

@@ -51,7 +51,7 @@ def test_benchmark_rows_go_to_an_untracked_file_and_are_recorded_only_when_asked
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU they are full benchmarks (run_gpu.sh handoff, launches)")
 @pytest.mark.parametrize("script", ["bench_handoff.py", "count_launches.py", "gemm_workspace_ab.py",
-                                    "ncu_attention.py"])
+                                    "ncu_attention.py", "stages_ab.py"])
 def test_a_gpu_benchmark_imports_and_asks_for_a_gpu_on_cpu(script):
     run = subprocess.run([sys.executable, f"benchmarks/{script}"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
