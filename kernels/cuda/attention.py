@@ -418,8 +418,8 @@ def set_hopper_backward_stages(dq_in_kernel: bool | str | None = None,
     first, while its first copies land, and flags them for the blocks after it, so
     the kernel before it reads lse alone. The same bits as without, either way.
     By default dq is stored in the kernel by shape (:func:`_in_kernel_stages`) and
-    delta is not made there (RESULTS.md runs 227 and 232, H100: 0.6% slower at
-    the main case, 2.1% at head dim 64). Returns the previous pair."""
+    delta is not made there (RESULTS.md runs 232-237, H100: 0.2-6.8% slower at
+    every shape timed). Returns the previous pair."""
     given = {"dq_in_kernel": dq_in_kernel, "delta_in_kernel": delta_in_kernel}
     for name, value in given.items():
         if value is not None and not isinstance(value, bool) and value != BY_SHAPE:
