@@ -530,8 +530,11 @@ def test_the_issues_table_from_runs_in_processes_of_their_own(tmp_path):
         median = float(rows[2][2].rstrip("x"))
         assert abs(median - sum(ratios) / 2) <= 0.006, (ratios, median)
         least = 0.95 if kind == "bf16" else 1.3
-        met = sum(r >= least for r in ratios)
-        assert f"target te/torch >= {least}: met in {met} of 2 runs" in table.stdout
+        # the table counts the unrounded ratios: a printed one within its rounding of the target may fall either way
+        surely = sum(r - least > 0.005 for r in ratios)
+        maybe = sum(abs(r - least) <= 0.005 for r in ratios)
+        assert any(f"target te/torch >= {least}: met in {met} of 2 runs" in table.stdout
+                   for met in range(surely, surely + maybe + 1)), (ratios, table.stdout)
     assert "the same bits in every run" in table.stdout
     other = tmp_path / "other.json"
     report = json.loads(pathlib.Path(paths[0]).read_text())
