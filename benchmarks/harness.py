@@ -50,6 +50,16 @@ def time_ms(fn: Callable[..., object], inputs: Sequence[tuple] = ((),), warmup_m
     return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def rounds_ms(arms: dict, rounds: int) -> dict:
+    """Per arm, ``rounds`` times of :func:`time_ms` (ms), the arms taking turns round
+    by round, so that a drift of the clocks or of the host touches every arm alike."""
+    times: dict = {label: [] for label in arms}
+    for _ in range(rounds):
+        for label, fn in arms.items():
+            times[label].append(time_ms(fn))
+    return times
+
+
 def interleaved_ms(arms: dict, rounds: int, steps: int = 1, sync: Callable[[], object] | None = None,
                    warmup: int = 3) -> dict:
     """Per arm, the median over ``rounds`` of the milliseconds per call of

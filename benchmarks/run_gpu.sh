@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages stagesab pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages stagesab fwdab pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -170,10 +170,11 @@ for part in $parts; do
         | tee "$OUT/stages_tests.log" | tail -6
       timeout 240 python3 benchmarks/bench_attention.py --cases ${ATTN_CASES:-main d64 gpt} 2>&1 | tee "$OUT/stages.log" \
         | grep -E "bwd" | tail -40 ;;
-    stagesab)  # the stages' forms and cuDNN's backward in turns, rounds of each (medians; the bits checked)
+    stagesab|fwdab)  # in turns, rounds of each (medians): the backward's stages and cuDNN's backward (the bits
+      # checked), or (fwdab) the FP8 and bf16 forwards and cuDNN's bf16 forward
       timeout 300 python3 -c "from te_fuser.kernels.cuda import load_extension; load_extension()" 2>&1 | tail -5
-      timeout 400 python3 benchmarks/stages_ab.py ${STAGES_CASES:+--cases $STAGES_CASES} 2>&1 \
-        | tee "$OUT/stagesab.log" | tail -40 ;;
+      timeout 400 python3 benchmarks/stages_ab.py ${STAGES_CASES:+--cases $STAGES_CASES} \
+        $([ "$part" = fwdab ] && echo --forward) 2>&1 | tee "$OUT/$part.log" | tail -40 ;;
     attnsweep)  # every Triton attention kernel's launch shapes at the main case (the forwards' one-loop shapes
       # and the dk / dv kernel's since its one loop among them): what ATTENTION_PLANS should hold
       timeout 400 python3 benchmarks/bench_attention.py --cases main --sweep --sweep-kernels fwd fwd_fp8 dq dkdv 2>&1 \

@@ -1,13 +1,17 @@
-"""The Hopper backward's in-kernel stages (``set_hopper_backward_stages``) in turns
-beside SDPA's cuDNN backward: per causal shape, ``--rounds`` rounds in which each
-arm is timed once (``harness.time_ms``: the median of a ``do_bench``, L2 flushed),
-so clock and thermal drift fall on every arm alike; the medians over the rounds
-and their ratios. Arms: the backend's backward as chosen (stages by shape), with
-nothing in the dk / dv kernel, with dq stored in it, with delta made in it, and
-cuDNN's. Every stage's dq, dk and dv are checked bit for bit against nothing-in-
-the-kernel's first.
+"""The Hopper attention kernels in turns beside SDPA's cuDNN kernels: per causal
+shape, ``--rounds`` rounds in which each arm is timed once (``harness.time_ms``: the
+median of a ``do_bench``, L2 flushed), so clock and host drift fall on every arm
+alike; the medians over the rounds and their ratios.
 
-    python benchmarks/stages_ab.py [--cases 4x16x4096x128 ...] [--rounds 7]
+- the backward's in-kernel stages (``set_hopper_backward_stages``): the backend's
+  backward as chosen (stages by shape), with nothing in the dk / dv kernel, with dq
+  stored in it, with delta made in it, and cuDNN's; every stage's dq, dk and dv
+  checked bit for bit against nothing-in-the-kernel's first;
+- ``--forward``: the FP8 forward (E4M3 q, k, v by current scaling, cast before the
+  rounds: the QKV GEMM's epilogue writes them under ``fp8_mha``), the cuda backend's
+  bf16 forward and cuDNN's bf16 forward (#16's FP8 bar: 1.3x cuDNN's time).
+
+    python benchmarks/stages_ab.py [--forward] [--cases 4x16x4096x128 ...] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import harness
+from bench_attention import _fp8  # current scaling to E4M3: (data, scale_inv)
 from te_fuser.kernels.cuda import attention as cuda_attn
 from te_fuser.kernels.triton import attention as triton_attn
 
@@ -53,18 +58,47 @@ def compare(B: int, H: int, T: int, D: int, rounds: int) -> None:
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
     arms["cudnn"] = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
-    times: dict = {label: [] for label in arms}
-    for _ in range(rounds):
-        for label, arm in arms.items():
-            times[label].append(harness.time_ms(arm))
-    median = {label: statistics.median(t) for label, t in times.items()}
     case = f"{B}x{H}x{T}x{D}"
-    for label, t in times.items():
-        print(f"  {case:16s} {label:>9s} {median[label]:8.4f} ms  (min {min(t):.4f}; "
-              + " ".join(f"{x:.3f}" for x in t) + ")")
+    median = _print_rounds(case, harness.rounds_ms(arms, rounds))
     print(f"  {case:16s} cudnn / by shape {median['cudnn'] / median['by shape']:.3f}x, cudnn / nothing "
           f"{median['cudnn'] / median['nothing']:.3f}x, dq / nothing {median['dq'] / median['nothing']:.3f}, "
           f"delta / nothing {median['delta'] / median['nothing']:.3f}", flush=True)
+
+
+def _print_rounds(case: str, times: dict) -> dict:
+    """Each arm's median and rounds; returns the medians."""
+    median = {label: statistics.median(t) for label, t in times.items()}
+    for label, t in times.items():
+        print(f"  {case:16s} {label:>9s} {median[label]:8.4f} ms  (min {min(t):.4f}; "
+              + " ".join(f"{x:.3f}" for x in t) + ")")
+    return median
+
+
+def compare_forwards(B: int, H: int, T: int, D: int, rounds: int) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    scale = 1 / math.sqrt(D)
+    (q8, qsi), (k8, ksi), (v8, vsi) = _fp8(q), _fp8(k), _fp8(v)
+    if cuda_attn.attention_forward_fp8_unsupported_reason(q8, k8) is not None:
+        raise SystemExit(f"{B}x{H}x{T}x{D}: {cuda_attn.attention_forward_fp8_unsupported_reason(q8, k8)}")
+    p_scale = torch.tensor(448.0, device="cuda")
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        o_cudnn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    arms = {"fp8": lambda: cuda_attn.attention_forward_fp8(q8, k8, v8, qsi, ksi, vsi, p_scale, True, scale,
+                                                           torch.bfloat16),
+            "bf16": lambda: cuda_attn.attention_forward(q, k, v, True, scale),
+            "cudnn": cudnn}
+    o8 = arms["fp8"]()[0]
+    print(f"  {B}x{H}x{T}x{D}: max|o fp8 - o cudnn| {(o8.float() - o_cudnn.float()).abs().max().item():.2e}")
+    case = f"{B}x{H}x{T}x{D} fwd"
+    median = _print_rounds(case, harness.rounds_ms(arms, rounds))
+    print(f"  {case:16s} cudnn / fp8 {median['cudnn'] / median['fp8']:.3f}x, cudnn / bf16 "
+          f"{median['cudnn'] / median['bf16']:.3f}x", flush=True)
 
 
 def main() -> None:
@@ -73,13 +107,14 @@ def main() -> None:
                                                          "4x16x4096x64", "2x16x8192x64"],
                         help="B x H x T x D, causal, as many kv heads as query heads")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--forward", action="store_true", help="the forwards (FP8, bf16, cuDNN's) instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("stages_ab needs a GPU (Hopper: the one-kernel backward's extension)")
+        print("stages_ab needs a GPU (Hopper: our attention kernels' extension)")
         return
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for case in args.cases:
-        compare(*(int(x) for x in case.split("x")), rounds=args.rounds)
+        (compare_forwards if args.forward else compare)(*(int(x) for x in case.split("x")), rounds=args.rounds)
 
 
 if __name__ == "__main__":
