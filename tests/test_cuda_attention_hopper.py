@@ -505,6 +505,8 @@ def test_backward_stages_are_settings_checked_before_they_change_and_chosen_by_s
         assert cuda_attn._in_kernel_stages(q128, long_k) == 0
         with pytest.raises(ValueError, match="delta_in_kernel must be True, False, 'by shape' or None, got 'yes'"):
             cuda_attn.set_hopper_backward_stages(True, "yes")
+        with pytest.raises(ValueError, match="dq_in_kernel must be"):
+            cuda_attn.set_hopper_backward_stages(torch.tensor(1.0))
         assert cuda_attn.set_hopper_backward_stages() == previous, "a refused setting changes nothing"
         cuda_attn.set_hopper_backward_stages(False, True)
         assert cuda_attn._in_kernel_stages(q128, k128) == 2

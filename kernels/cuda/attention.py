@@ -422,7 +422,7 @@ def set_hopper_backward_stages(dq_in_kernel: bool | str | None = None,
     every shape timed). Returns the previous pair."""
     given = {"dq_in_kernel": dq_in_kernel, "delta_in_kernel": delta_in_kernel}
     for name, value in given.items():
-        if value is not None and not isinstance(value, bool) and value != BY_SHAPE:
+        if value is not None and not isinstance(value, bool) and not (isinstance(value, str) and value == BY_SHAPE):
             raise ValueError(f"set_hopper_backward_stages: {name} must be True, False, {BY_SHAPE!r} or None, "
                              f"got {value!r}")
     previous = (_backward_stages["dq_in_kernel"], _backward_stages["delta_in_kernel"])
@@ -434,9 +434,9 @@ def _in_kernel_stages(q: torch.Tensor, k: torch.Tensor) -> int:
     """The extension's bits for what the dk / dv kernel also does for these operands
     (1: dq stored, 2: delta made). By shape, dq is stored in the kernel at head dim
     128 up to 8192 keys, where it was measured faster than its own kernel after
-    (RESULTS.md run 232, H100, five rounds in turns: 0.982x at 4x16x4096, 0.990x at
-    8x16x2048, 0.987x at 2x16x8192), and not at head dim 64 (1.009x at 4096 keys,
-    1.023x at 8192) or at 16384 keys (1.002x); delta, never."""
+    (RESULTS.md runs 233 and 236, H100, rounds in turns: 0.965-0.990x at 4x16x4096,
+    8x16x2048 and 2x16x8192), and not at head dim 64 (1.004-1.035x at 4096 and 8192
+    keys) or at 16384 keys (1.002x); delta, never."""
     bits = 0
     for bit, name, by_shape in ((1, "dq_in_kernel", q.shape[3] == 128 and k.shape[2] <= 8192),
                                 (2, "delta_in_kernel", False)):
