@@ -437,13 +437,10 @@ def _in_kernel_stages(q: torch.Tensor, k: torch.Tensor) -> int:
     (RESULTS.md runs 233 and 236, H100, rounds in turns: 0.965-0.990x at 4x16x4096,
     8x16x2048 and 2x16x8192), and not at head dim 64 (1.004-1.035x at 4096 and 8192
     keys) or at 16384 keys (1.002x); delta, never."""
-    bits = 0
-    for bit, name, by_shape in ((1, "dq_in_kernel", q.shape[3] == 128 and k.shape[2] <= 8192),
-                                (2, "delta_in_kernel", False)):
-        setting = _backward_stages[name]
-        if setting is True or (setting == BY_SHAPE and by_shape):
-            bits |= bit
-    return bits
+    dq = _backward_stages["dq_in_kernel"]
+    if dq == BY_SHAPE:
+        dq = q.shape[3] == 128 and k.shape[2] <= 8192
+    return (1 if dq else 0) | (2 if _backward_stages["delta_in_kernel"] is True else 0)
 
 
 def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) -> tuple[bool, bool]:

@@ -831,7 +831,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> attention_hp_backw
   auto a = hp_backward_args(q, k, v, o, dout, lse, at::Tensor(), dq, dk, dv, rows, softmax_scale, causal);
   a.dq_accum = dq_accum.data_ptr<float>();
   a.dq_turns = turns.data_ptr<int>();
-  a.in_kernel = static_cast<int>(in_kernel & (te_fuser::kDqInKernel | te_fuser::kDeltaInKernel));
+  a.in_kernel = static_cast<int>(in_kernel);  // the launch keeps the stages it may run (causal, the layouts)
   te_fuser::launch_attention_hp_backward(a, hp_code_or_none(q.scalar_type()), as_stream(stream));
   return std::make_tuple(dq, dk, dv);
 }
