@@ -778,6 +778,18 @@ def test_the_ops_lean_updating_cast_is_the_general_path_in_fewer_calls(monkeypat
     assert lean._pending == 0
 
 
+def test_training_through_the_updating_casts_ends_within_the_band_of_bf16(monkeypatch):
+    """Loss parity on the path a GPU takes: a model trained under delayed scaling with
+    every seeded cast through the updating entry (the ops' lean path) ends within
+    the FP8 band of the bf16 run, evaluated in bf16 and under the recipe (that
+    model trains on the CPU: the reference composition of the entry, on any machine)."""
+    import test_training
+
+    calls = _cast_with_update_from_the_reference(monkeypatch)
+    test_training.test_fp8_training_ends_within_the_band_of_bf16_evaluated_in_bf16_and_in_fp8("delayed")
+    assert len(calls) > 100, f"the casts did not take the updating entry: {len(calls)} calls"
+
+
 def test_a_training_loop_keeps_every_loss_bit_with_the_update_in_the_cast(monkeypatch):
     """The smoke GPT trained as users train it (fused AdamW, evaluations without FP8, a
     checkpoint resumed, recipe switches bf16 -> delayed -> current -> bf16): every
