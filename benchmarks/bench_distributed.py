@@ -11,7 +11,14 @@ reduce_dtype=fp32)``, under ``torch.autocast(bf16)`` and fused AdamW. Arms:
 - ``bf16``: no FP8 recipe;
 - ``fp8``: ``--recipe`` (delayed or current scaling), weights gathered in bf16;
 - ``fp8_all_gather``: the same with ``te.enable_fsdp_fp8_all_gather``: the
-  linears' weights gathered in FP8.
+  linears' weights gathered in FP8;
+- ``unsharded_bf16`` / ``unsharded_fp8``: the same model and step without
+  ``fully_shard``, each rank alone on its GPU: the one-GPU baseline that the
+  scaling efficiency (an FSDP2 arm's tokens/s per GPU over its unsharded twin's)
+  is measured against.
+
+``--profile`` adds, per arm, one profiled step: its GPU kernel time beside its
+wall time, and the kernels that take most of it (rank 0 prints them).
 
 Per arm: tokens/s per GPU (median step time), and per rank and step the bytes its
 all-gathers send (counted at the one-tensor all-gather that FSDP2 and the FP8
@@ -44,7 +51,7 @@ import te_fuser as te  # noqa: E402
 from te_fuser.models.gpt import GPT, GPTConfig  # noqa: E402
 from te_fuser.ops.fp8_all_gather import ALL_GATHER_NAME  # noqa: E402
 
-ARMS = ("bf16", "fp8", "fp8_all_gather")
+ARMS = ("bf16", "fp8", "fp8_all_gather", "unsharded_bf16", "unsharded_fp8")
 
 
 class _Sent:
@@ -76,6 +83,8 @@ def build(arm: str, config: GPTConfig, device: torch.device, mesh):
 
     torch.manual_seed(0)
     model = GPT(config, device=device)
+    if arm.startswith("unsharded"):
+        return model
     if arm == "fp8_all_gather":
         te.enable_fsdp_fp8_all_gather(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -85,14 +94,15 @@ def build(arm: str, config: GPTConfig, device: torch.device, mesh):
     return model
 
 
-def measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, steps: int, timed: int) -> dict:
+def measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, steps: int, timed: int,
+            profile: bool = False) -> dict:
     model = build(arm, config, device, mesh)
     cuda = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     gen = torch.Generator().manual_seed(dist.get_rank())
     batch = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=gen).to(device)
     x, y = batch[:, :-1], batch[:, 1:]
-    fp8 = recipe if arm != "bf16" else None
+    fp8 = recipe if "bf16" not in arm else None
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16), te.autocast(enabled=fp8 is not None, recipe=fp8):
@@ -120,7 +130,8 @@ def measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, ste
     if cuda:
         gather_ms = _nccl_all_gather_ms(step)
     step_s = statistics.median(times)
-    return {"arm": arm, "step_ms": step_s * 1e3, "tokens_per_s_per_gpu": config.batch_size * config.seq_len / step_s,
+    kernels = _profiled_step(step, cuda) if profile else None
+    return {"arm": arm, "device": str(device), "kernels": kernels, "step_ms": step_s * 1e3, "tokens_per_s_per_gpu": config.batch_size * config.seq_len / step_s,
             "all_gather_bytes_per_step": sent.bytes // timed, "all_gathers_per_step": sent.calls // timed,
             "all_gather_ms_per_step": gather_ms, "loss": loss.item(), "gathers": te.fp8_all_gather_stats(model)}
 
@@ -136,6 +147,26 @@ def _nccl_all_gather_ms(step) -> float:
     return total_us / 1e3
 
 
+def _profiled_step(step, cuda: bool, top: int = 12) -> dict:
+    """One step under the profiler: its wall time, its kernels' total device time, and
+    the ``top`` kernels (or, without a GPU, operators) by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    events = [e for e in events if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events.sort(key=own, reverse=True)
+    return {"wall_ms": wall * 1e3, "busy_ms": sum(own(e) for e in events) / 1e3,
+            "top": [(e.key[:90], e.count, own(e) / 1e3) for e in events[:top]]}
+
+
 def run(rank: int, world: int, args) -> None:
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world and not args.smoke
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -149,7 +180,8 @@ def run(rank: int, world: int, args) -> None:
         mesh = init_device_mesh(device.type, (world,))
         config = GPTConfig.smoke() if args.smoke else GPTConfig.gpu()
         recipe = {"delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling()}[args.recipe]
-        figures = [measure(arm, recipe, config, device, mesh, args.steps, args.timed) for arm in args.arms]
+        figures = [measure(arm, recipe, config, device, mesh, args.steps, args.timed, getattr(args, 'profile', False))
+                   for arm in args.arms]
         if rank == 0:
             report(figures, config, world, args)
         dist.barrier()
@@ -160,12 +192,26 @@ def run(rank: int, world: int, args) -> None:
 def report(figures: list[dict], config: GPTConfig, world: int, args) -> None:
     shape = f"GPT {config.n_layer}x{config.d_model}, seq {config.seq_len}, batch {config.batch_size}/GPU, {world} ranks"
     base = next((f for f in figures if f["arm"] == "bf16"), None)
+    unsharded = {f["arm"].removeprefix("unsharded_"): f for f in figures if f["arm"].startswith("unsharded")}
+    for f in figures:  # scaling efficiency: tokens/s per GPU over the unsharded twin's on one GPU
+        twin = unsharded.get("bf16" if f["arm"] == "bf16" else "fp8")
+        f["vs_unsharded"] = (f["tokens_per_s_per_gpu"] / twin["tokens_per_s_per_gpu"]
+                             if twin and not f["arm"].startswith("unsharded") else None)
     print(shape)
-    print(f"{'arm':16} {'tok/s/GPU':>12} {'vs bf16':>8} {'step ms':>9} {'AG MB/step':>11} {'AG ms/step':>11}")
+    print(f"{'arm':16} {'tok/s/GPU':>12} {'vs bf16':>8} {'vs 1 GPU':>9} {'step ms':>9} {'AG MB/step':>11} "
+          f"{'AG ms/step':>11}")
     for f in figures:
         ratio = f["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else float("nan")
-        print(f"{f['arm']:16} {f['tokens_per_s_per_gpu']:12.0f} {ratio:8.2f} {f['step_ms']:9.2f} "
+        eff = f"{f['vs_unsharded']:9.2f}" if f["vs_unsharded"] is not None else f"{'-':>9}"
+        print(f"{f['arm']:16} {f['tokens_per_s_per_gpu']:12.0f} {ratio:8.2f} {eff} {f['step_ms']:9.2f} "
               f"{f['all_gather_bytes_per_step'] / 2**20:11.2f} {f['all_gather_ms_per_step']:11.2f}")
+    for f in figures:
+        if f.get("kernels"):
+            k = f["kernels"]
+            what = "kernels" if "cuda" in str(f.get("device", "")) else "operators (self CPU time)"
+            print(f"\n{f['arm']}: a profiled step {k['wall_ms']:.2f} ms, {what} {k['busy_ms']:.2f} ms")
+            for name, count, ms in k["top"]:
+                print(f"  {ms:9.3f} ms {count:5d}x  {name}")
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": shape, "recipe": args.recipe, "arms": figures}, indent=1))
     if not args.no_csv:
@@ -192,6 +238,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="warm-up steps per arm")
     p.add_argument("--timed", type=int, default=10, help="timed steps per arm")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, the smoke-size GPT, two local processes")
+    p.add_argument("--profile", action="store_true", help="per arm, one profiled step's kernels (rank 0 prints)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-csv", action="store_true")
     args = p.parse_args(argv)
