@@ -16,7 +16,8 @@ import torch
 
 import te_fuser as te
 
-RECIPES = {"current": te.recipe.Float8CurrentScaling(), "delayed": te.recipe.DelayedScaling(amax_history_len=16)}
+RECIPES = {"current": te.recipe.Float8CurrentScaling(), "delayed": te.recipe.DelayedScaling(),
+           "delayed16": te.recipe.DelayedScaling(amax_history_len=16)}
 
 
 def main(argv=None):
