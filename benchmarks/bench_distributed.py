@@ -12,13 +12,16 @@ reduce_dtype=fp32)``, under ``torch.autocast(bf16)`` and fused AdamW. Arms:
 - ``fp8``: ``--recipe`` (delayed or current scaling), weights gathered in bf16;
 - ``fp8_all_gather``: the same with ``te.enable_fsdp_fp8_all_gather``: the
   linears' weights gathered in FP8;
-- ``unsharded_bf16`` / ``unsharded_fp8``: the same model and step without
-  ``fully_shard``, each rank alone on its GPU: the one-GPU baseline that the
-  scaling efficiency (an FSDP2 arm's tokens/s per GPU over its unsharded twin's)
-  is measured against.
+- ``torch_bf16``: the same network in plain torch (``TorchGPT``) under FSDP2: what
+  FSDP2 costs a model without te_fuser;
+- ``unsharded_bf16`` / ``unsharded_fp8`` / ``unsharded_torch_bf16``: those models
+  and steps without ``fully_shard``, each rank alone on its GPU: the one-GPU
+  baseline that the scaling efficiency (an FSDP2 arm's tokens/s per GPU over its
+  unsharded twin's) is measured against.
 
 ``--profile`` adds, per arm, one profiled step: its GPU kernel time beside its
-wall time, and the kernels that take most of it (rank 0 prints them).
+wall time, and the kernels that take most of it (rank 0 prints them; the JSON
+keeps every kernel).
 
 Per arm: tokens/s per GPU (median step time), and per rank and step the bytes its
 all-gathers send (counted at the one-tensor all-gather that FSDP2 and the FP8
@@ -48,10 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import te_fuser as te  # noqa: E402
-from te_fuser.models.gpt import GPT, GPTConfig  # noqa: E402
+from te_fuser.models.gpt import GPT, GPTConfig, TorchGPT  # noqa: E402
 from te_fuser.ops.fp8_all_gather import ALL_GATHER_NAME  # noqa: E402
 
-ARMS = ("bf16", "fp8", "fp8_all_gather", "unsharded_bf16", "unsharded_fp8")
+ARMS = ("bf16", "fp8", "fp8_all_gather", "torch_bf16", "unsharded_bf16", "unsharded_fp8", "unsharded_torch_bf16")
 
 
 class _Sent:
@@ -82,7 +85,7 @@ def build(arm: str, config: GPTConfig, device: torch.device, mesh):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = GPT(config, device=device)
+    model = (TorchGPT if "torch" in arm else GPT)(config, device=device)
     if arm.startswith("unsharded"):
         return model
     if arm == "fp8_all_gather":
@@ -164,7 +167,8 @@ def _profiled_step(step, cuda: bool, top: int = 12) -> dict:
     own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     events.sort(key=own, reverse=True)
     return {"wall_ms": wall * 1e3, "busy_ms": sum(own(e) for e in events) / 1e3,
-            "top": [(e.key[:90], e.count, own(e) / 1e3) for e in events[:top]]}
+            "top": [(e.key[:90], e.count, own(e) / 1e3) for e in events[:top]],
+            "all": [(e.key, e.count, own(e) / 1e3) for e in events]}
 
 
 def run(rank: int, world: int, args) -> None:
@@ -194,16 +198,16 @@ def report(figures: list[dict], config: GPTConfig, world: int, args) -> None:
     base = next((f for f in figures if f["arm"] == "bf16"), None)
     unsharded = {f["arm"].removeprefix("unsharded_"): f for f in figures if f["arm"].startswith("unsharded")}
     for f in figures:  # scaling efficiency: tokens/s per GPU over the unsharded twin's on one GPU
-        twin = unsharded.get("bf16" if f["arm"] == "bf16" else "fp8")
+        twin = unsharded.get(f["arm"] if "bf16" in f["arm"] else "fp8")
         f["vs_unsharded"] = (f["tokens_per_s_per_gpu"] / twin["tokens_per_s_per_gpu"]
                              if twin and not f["arm"].startswith("unsharded") else None)
     print(shape)
-    print(f"{'arm':16} {'tok/s/GPU':>12} {'vs bf16':>8} {'vs 1 GPU':>9} {'step ms':>9} {'AG MB/step':>11} "
+    print(f"{'arm':20} {'tok/s/GPU':>12} {'vs bf16':>8} {'vs 1 GPU':>9} {'step ms':>9} {'AG MB/step':>11} "
           f"{'AG ms/step':>11}")
     for f in figures:
         ratio = f["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else float("nan")
         eff = f"{f['vs_unsharded']:9.2f}" if f["vs_unsharded"] is not None else f"{'-':>9}"
-        print(f"{f['arm']:16} {f['tokens_per_s_per_gpu']:12.0f} {ratio:8.2f} {eff} {f['step_ms']:9.2f} "
+        print(f"{f['arm']:20} {f['tokens_per_s_per_gpu']:12.0f} {ratio:8.2f} {eff} {f['step_ms']:9.2f} "
               f"{f['all_gather_bytes_per_step'] / 2**20:11.2f} {f['all_gather_ms_per_step']:11.2f}")
     for f in figures:
         if f.get("kernels"):
