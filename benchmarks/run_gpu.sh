@@ -173,9 +173,10 @@ for part in $parts; do
         | grep -E "bwd" | tail -40 ;;
     stagesab|fwdab)  # in turns, rounds of each (medians): the backward's stages and cuDNN's backward (the bits
       # checked), or (fwdab) the FP8 and bf16 forwards and cuDNN's bf16 forward
+      # (FWD_SCHEDULES=1: the FP8 forward under each schedule and the V rewrite alone too)
       timeout 300 python3 -c "from te_fuser.kernels.cuda import load_extension; load_extension()" 2>&1 | tail -5
       timeout 400 python3 benchmarks/stages_ab.py ${STAGES_CASES:+--cases $STAGES_CASES} \
-        $([ "$part" = fwdab ] && echo --forward) 2>&1 | tee "$OUT/$part.log" | tail -40 ;;
+        $([ "$part" = fwdab ] && echo --forward ${FWD_SCHEDULES:+--schedules}) 2>&1 | tee "$OUT/$part.log" | tail -40 ;;
     attnsweep)  # every Triton attention kernel's launch shapes at the main case (the forwards' one-loop shapes
       # and the dk / dv kernel's since its one loop among them): what ATTENTION_PLANS should hold
       timeout 400 python3 benchmarks/bench_attention.py --cases main --sweep --sweep-kernels fwd fwd_fp8 dq dkdv 2>&1 \

@@ -9,9 +9,13 @@ alike; the medians over the rounds and their ratios.
   checked bit for bit against nothing-in-the-kernel's first;
 - ``--forward``: the FP8 forward (E4M3 q, k, v by current scaling, cast before the
   rounds: the QKV GEMM's epilogue writes them under ``fp8_mha``), the cuda backend's
-  bf16 forward and cuDNN's bf16 forward (#16's FP8 bar: 1.3x cuDNN's time).
+  bf16 forward and cuDNN's bf16 forward (#16's FP8 bar: 1.3x cuDNN's time); with
+  ``--schedules`` also the FP8 forward under the other schedules
+  (``set_hopper_schedule``: without turns, in order, in order without turns; each
+  checked against the default within FP8's bound) and the rewrite of V with its
+  keys inner alone (a launch of its own before the forward's every call).
 
-    python benchmarks/stages_ab.py [--forward] [--cases 4x16x4096x128 ...] [--rounds 7]
+    python benchmarks/stages_ab.py [--forward [--schedules]] [--cases 4x16x4096x128 ...] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def _print_rounds(case: str, times: dict) -> dict:
     return median
 
 
-def compare_forwards(B: int, H: int, T: int, D: int, rounds: int) -> None:
+def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: bool = False) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     scale = 1 / math.sqrt(D)
@@ -95,10 +99,36 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int) -> None:
             "cudnn": cudnn}
     o8 = arms["fp8"]()[0]
     print(f"  {B}x{H}x{T}x{D}: max|o fp8 - o cudnn| {(o8.float() - o_cudnn.float()).abs().max().item():.2e}")
+    if schedules:
+        for label, (turns, overlap) in SCHEDULES.items():
+            arms[label] = _with_schedule(turns, overlap, arms["fp8"])
+            other = arms[label]()[0]
+            if (other.float() - o8.float()).abs().max().item() > 0.05:  # the schedules' sums differ in order only
+                raise SystemExit(f"{B}x{H}x{T}x{D}: the FP8 forward {label} is not the default's o")
+        from te_fuser.kernels.cuda._build import extension, stream_of_index
+
+        index = torch.cuda.current_device()
+        arms["V keys inner"] = lambda: extension().attention_fp8_keys_inner(v8, index, stream_of_index(index))
     case = f"{B}x{H}x{T}x{D} fwd"
     median = _print_rounds(case, harness.rounds_ms(arms, rounds))
     print(f"  {case:16s} cudnn / fp8 {median['cudnn'] / median['fp8']:.3f}x, cudnn / bf16 "
-          f"{median['cudnn'] / median['bf16']:.3f}x", flush=True)
+          f"{median['cudnn'] / median['bf16']:.3f}x" + "".join(
+              f", cudnn / fp8 {label} {median['cudnn'] / median[label]:.3f}x" for label in SCHEDULES if label in median)
+          + (f", V keys inner {median['V keys inner'] / median['fp8']:.1%} of fp8" if "V keys inner" in median else ""),
+          flush=True)
+
+
+SCHEDULES = {"no turns": (False, True), "in order": (True, False), "in order, no turns": (False, False)}
+
+
+def _with_schedule(turns: bool, overlap: bool, fn):
+    def run():
+        previous = cuda_attn.set_hopper_schedule(turns=turns, overlap=overlap)
+        try:
+            return fn()
+        finally:
+            cuda_attn.set_hopper_schedule(*previous)
+    return run
 
 
 def main() -> None:
@@ -108,13 +138,19 @@ def main() -> None:
                         help="B x H x T x D, causal, as many kv heads as query heads")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--forward", action="store_true", help="the forwards (FP8, bf16, cuDNN's) instead")
+    parser.add_argument("--schedules", action="store_true",
+                        help="with --forward: the FP8 forward's other schedules and the V rewrite alone too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("stages_ab needs a GPU (Hopper: our attention kernels' extension)")
         return
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for case in args.cases:
-        (compare_forwards if args.forward else compare)(*(int(x) for x in case.split("x")), rounds=args.rounds)
+        shape = (int(x) for x in case.split("x"))
+        if args.forward:
+            compare_forwards(*shape, rounds=args.rounds, schedules=args.schedules)
+        else:
+            compare(*shape, rounds=args.rounds)
 
 
 if __name__ == "__main__":
