@@ -11,8 +11,8 @@ alike; the medians over the rounds and their ratios.
   rounds: the QKV GEMM's epilogue writes them under ``fp8_mha``), the cuda backend's
   bf16 forward and cuDNN's bf16 forward (#16's FP8 bar: 1.3x cuDNN's time); with
   ``--schedules`` also the FP8 forward under the other schedules
-  (``set_hopper_schedule``: lean, without turns, in order; the overlapped ones
-  checked bit for bit against the default, in order within 0.05) and the rewrite of V with its
+  (``set_hopper_schedule``: without turns, in order, in order without turns; each
+  checked against the default within FP8's bound) and the rewrite of V with its
   keys inner alone (a launch of its own before the forward's every call).
 
     python benchmarks/stages_ab.py [--forward [--schedules]] [--cases 4x16x4096x128 ...] [--rounds 7]
@@ -100,11 +100,10 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: boo
     o8 = arms["fp8"]()[0]
     print(f"  {B}x{H}x{T}x{D}: max|o fp8 - o cudnn| {(o8.float() - o_cudnn.float()).abs().max().item():.2e}")
     if schedules:
-        for label, (turns, overlap, lean) in SCHEDULES.items():
-            arms[label] = _with_schedule(turns, overlap, lean, arms["fp8"])
+        for label, (turns, overlap) in SCHEDULES.items():
+            arms[label] = _with_schedule(turns, overlap, arms["fp8"])
             other = arms[label]()[0]
-            same = torch.equal(other, o8) if overlap else (other.float() - o8.float()).abs().max().item() < 0.05
-            if not same:  # in order sums P V in another order; the rest give the default's bits
+            if (other.float() - o8.float()).abs().max().item() > 0.05:  # the schedules' sums differ in order only
                 raise SystemExit(f"{B}x{H}x{T}x{D}: the FP8 forward {label} is not the default's o")
         from te_fuser.kernels.cuda._build import extension, stream_of_index
 
@@ -119,14 +118,12 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: boo
           flush=True)
 
 
-# (turns, overlap, lean): the default is (True, True, False)
-SCHEDULES = {"lean": (True, True, True), "no turns": (False, True, False), "no turns, lean": (False, True, True),
-             "in order": (True, False, False), "in order, no turns": (False, False, False)}
+SCHEDULES = {"no turns": (False, True), "in order": (True, False), "in order, no turns": (False, False)}
 
 
-def _with_schedule(turns: bool, overlap: bool, lean: bool, fn):
+def _with_schedule(turns: bool, overlap: bool, fn):
     def run():
-        previous = cuda_attn.set_hopper_schedule(turns=turns, overlap=overlap, lean=lean)
+        previous = cuda_attn.set_hopper_schedule(turns=turns, overlap=overlap)
         try:
             return fn()
         finally:

@@ -443,8 +443,7 @@ def _in_kernel_stages(q: torch.Tensor, k: torch.Tensor) -> int:
     return (1 if dq else 0) | (2 if _backward_stages["delta_in_kernel"] is True else 0)
 
 
-def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None,
-                        lean: bool | None = None) -> tuple[bool, bool, bool]:
+def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) -> tuple[bool, bool]:
     """The schedule of the Hopper attention kernels' two consumer warpgroups
     (:func:`attention_forward_fp8`, :func:`attention_forward_hopper`), for this
     process (it builds the extension if need be); None leaves a setting. ``turns``
@@ -453,13 +452,11 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None,
     kernel only): each also keeps the next tile's S = Q Kᵀ and the last tile's P V
     in flight during its softmax, P V adding into O in the tensor cores'
     accumulator (other bits, within the same bound); off, each tile's P V is a
-    fresh product added in fp32, as Triton's kernel adds it. ``lean`` (default off;
-    the FP8 kernel only): the rows' maxima reduced as trees rather than chains, and,
-    overlapped, O's rescale skipped in a warp where no row's maximum moved; the same
-    bits either way. Returns the previous ``(turns, overlap, lean)``."""
+    fresh product added in fp32, as Triton's kernel adds it. Returns the previous
+    ``(turns, overlap)``."""
     from ._build import extension
 
-    return tuple(extension().attention_schedule(_setting(turns), _setting(overlap), _setting(lean)))
+    return tuple(extension().attention_schedule(_setting(turns), _setting(overlap)))
 
 
 def _setting(value: bool | None) -> int:

@@ -246,12 +246,9 @@ struct ConsumerRows {
 // the diagonal when causal), the new running maximum, alpha = exp2(m_old - m_new)
 // per row, and sc[i] = p · p_scale = exp2(s · qk_scale - m_new + p_shift), added to
 // the rows' sums (p_shift 0 where P is not scaled).
-//
-// tree_max: each row's maximum as a tree of fmaxf (depth 5) rather than a chain of
-// 16; a maximum is exact in any order, so the same bits, on a shorter path.
 template <bool CAUSAL>
 __device__ __forceinline__ void softmax_rows(float (&sc)[64], float (&alpha)[2], ConsumerRows& rows, int n0,
-                                             int tk, bool tree_max = false) {
+                                             int tk) {
   if (n0 + kBlockN > tk || (CAUSAL && n0 + kBlockN - 1 > rows.first_row)) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
@@ -264,20 +261,8 @@ __device__ __forceinline__ void softmax_rows(float (&sc)[64], float (&alpha)[2],
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
-    if (tree_max) {
-      float t[16];
 #pragma unroll
-      for (int v2 = 0; v2 < 16; ++v2) t[v2] = fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]);
-#pragma unroll
-      for (int w = 8; w >= 1; w /= 2) {
-#pragma unroll
-        for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
-      }
-      mx = t[0];
-    } else {
-#pragma unroll
-      for (int v2 = 0; v2 < 16; ++v2) mx = fmaxf(mx, fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]));
-    }
+    for (int v2 = 0; v2 < 16; ++v2) mx = fmaxf(mx, fmaxf(sc[4 * v2 + 2 * r], sc[4 * v2 + 2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
     const float m_new = fmaxf(rows.m[r], mx * rows.qk_scale);  // qk_scale > 0: the scaled maximum, exactly

@@ -198,8 +198,8 @@ __device__ __forceinline__ void issue_values(float (&d)[D / 2], const uint32_t (
 // (w odd), S columns v2 = 4c + 2·(w / 2) + (0, 1).
 template <bool CAUSAL>
 __device__ __forceinline__ void softmax_tile(float (&sc)[64], uint32_t (&p8)[4][4], float (&alpha)[2],
-                                             ConsumerRows& rows, int n0, int tk, bool lean) {
-  softmax_rows<CAUSAL>(sc, alpha, rows, n0, tk, lean);
+                                             ConsumerRows& rows, int n0, int tk) {
+  softmax_rows<CAUSAL>(sc, alpha, rows, n0, tk);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
 #pragma unroll
@@ -214,8 +214,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], uint32_t (&p8)[4][
 // fresh product added to O in fp32 (the Triton kernel's numerics).
 template <int D, bool CAUSAL>
 __device__ __forceinline__ void consume_in_order(uint32_t base, int t0, int tiles, int tk, uint64_t q_desc,
-                                                 const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2],
-                                                 bool lean) {
+                                                 const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2]) {
   using S = ForwardSmem<D>;
   for (int j = 0; j < tiles; ++j) {
     const int s = (t0 + j) % kStages;
@@ -225,7 +224,7 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int t0, int tile
     scores_in_turn<D>(sc, q_desc, k_desc, turns, j);
     float alpha[2];
     uint32_t p8[4][4];
-    softmax_tile<CAUSAL>(sc, p8, alpha, rows, j * kBlockN, tk, lean);
+    softmax_tile<CAUSAL>(sc, p8, alpha, rows, j * kBlockN, tk);
     float tile_o[D / 2];
     mma_fence();
     issue_values<D, false>(tile_o, p8, v_desc);
@@ -245,12 +244,10 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int t0, int tile
 // serialize every product of the kernel). It still gives both sets the same
 // registers and so waits for P V before the softmax, not after it; keeping the
 // wait below the softmax was measured slower (ARCHITECTURE, RESULTS runs 201-202).
-// lean: a warp none of whose rows' maxima moved (alpha exactly 1 in all its
-// lanes: O times 1 is O) skips O's rescale.
 template <int D, bool CAUSAL>
 __device__ __forceinline__ void overlapped_tile(uint32_t base, int t0, int j, int tk, uint64_t q_desc,
                                                 const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2],
-                                                uint32_t (&previous)[4][4], uint32_t (&next)[4][4], bool lean) {
+                                                uint32_t (&previous)[4][4], uint32_t (&next)[4][4]) {
   using S = ForwardSmem<D>;
   const int t = t0 + j;
   wait_tile<S>(base, t);
@@ -266,15 +263,13 @@ __device__ __forceinline__ void overlapped_tile(uint32_t base, int t0, int j, in
   turns.pass(j);
   mma_wait_all_but_newest();  // the scores
   fence_registers(sc);
-  softmax_tile<CAUSAL>(sc, next, alpha, rows, j * kBlockN, tk, lean);
+  softmax_tile<CAUSAL>(sc, next, alpha, rows, j * kBlockN, tk);
   mma_wait_all();  // P V of tile j - 1
   fence_registers(acc);
   fence_registers(previous);  // read by that product until here
   release_tile<S>(base, t - 1);
-  if (!lean || __any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc[i] *= alpha[(i / 2) % 2];
-  }
+  for (int i = 0; i < D / 2; ++i) acc[i] *= alpha[(i / 2) % 2];
 }
 
 // The last tile's P V of consume_overlapped, and its stage released.
@@ -299,8 +294,7 @@ __device__ __forceinline__ void last_values(uint32_t base, int t0, int tiles, fl
 // consume_in_order's, within the same bound.
 template <int D, bool CAUSAL>
 __device__ __forceinline__ void consume_overlapped(uint32_t base, int t0, int tiles, int tk, uint64_t q_desc,
-                                                   const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2],
-                                                   bool lean) {
+                                                   const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2]) {
   using S = ForwardSmem<D>;
   uint32_t even[4][4], odd[4][4];  // P of the even and of the odd tiles
   {
@@ -308,15 +302,15 @@ __device__ __forceinline__ void consume_overlapped(uint32_t base, int t0, int ti
     float alpha[2];
     wait_tile<S>(base, t0);
     scores_in_turn<D>(sc, q_desc, k_descriptor<D>(base, t0 % kStages), turns, 0);
-    softmax_tile<CAUSAL>(sc, even, alpha, rows, 0, tk, lean);  // O is 0: alpha scales nothing
+    softmax_tile<CAUSAL>(sc, even, alpha, rows, 0, tk);  // O is 0: alpha scales nothing
   }
   int j = 1;
   for (; j + 1 < tiles; j += 2) {
-    overlapped_tile<D, CAUSAL>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd, lean);
-    overlapped_tile<D, CAUSAL>(base, t0, j + 1, tk, q_desc, turns, rows, acc, odd, even, lean);
+    overlapped_tile<D, CAUSAL>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd);
+    overlapped_tile<D, CAUSAL>(base, t0, j + 1, tk, q_desc, turns, rows, acc, odd, even);
   }
   if (j < tiles) {
-    overlapped_tile<D, CAUSAL>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd, lean);
+    overlapped_tile<D, CAUSAL>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd);
     last_values<D>(base, t0, tiles, acc, odd);
   } else {
     last_values<D>(base, t0, tiles, acc, even);
@@ -340,9 +334,9 @@ __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base
   turns.start();
   wait_q<S>(base, n);
   if (a.overlap) {
-    consume_overlapped<D, CAUSAL>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc, a.lean);
+    consume_overlapped<D, CAUSAL>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc);
   } else {
-    consume_in_order<D, CAUSAL>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc, a.lean);
+    consume_in_order<D, CAUSAL>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc);
   }
   release_q<S>(base, n);
   store_rows<D, TOut>(a, acc, rows, a.scales[2], w.b, w.h, tid % 32);

@@ -626,18 +626,14 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
 // and, FP8 only, the next tile's product in flight during the softmax (other bits;
 // the default, as the faster on the H200 at every shape measured but one, within 2%
 // there: RESULTS.md run 186). Set for this process.
-// FP8 only too, lean (AttentionFp8Args::lean): the rows' maxima as trees and O's
-// rescale skipped where no maximum moved (the same bits).
 bool attention_turns_state = true;
 bool attention_overlap_state = true;
-bool attention_lean_state = false;
 
-// Sets each of the three given as 0 or 1 (-1 leaves it); returns the previous three.
-std::tuple<bool, bool, bool> attention_schedule(int64_t turns, int64_t overlap, int64_t lean) {
-  const std::tuple<bool, bool, bool> previous{attention_turns_state, attention_overlap_state, attention_lean_state};
+// Sets each of the two given as 0 or 1 (-1 leaves it); returns the previous pair.
+std::tuple<bool, bool> attention_schedule(int64_t turns, int64_t overlap) {
+  const std::tuple<bool, bool> previous{attention_turns_state, attention_overlap_state};
   if (turns >= 0) attention_turns_state = turns != 0;
   if (overlap >= 0) attention_overlap_state = overlap != 0;
-  if (lean >= 0) attention_lean_state = lean != 0;
   return previous;
 }
 
@@ -891,7 +887,6 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
   a.o = o.data_ptr();
   a.scales = scales.data_ptr<float>();
   a.overlap = attention_overlap_state;
-  a.lean = attention_lean_state;
   a.vt_pitch = pitch;
   te_fuser::launch_attention_fp8_forward(a, out, as_stream(stream));
   return std::make_tuple(o, lse);
@@ -938,8 +933,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the bf16 / fp16 attention backward on Hopper's tensor cores, (dq, dk, dv) (deterministic), with what its "
         "dk / dv kernel also does (1: dq stored, 2: delta made), or None for operands the Python path takes");
   m.def("attention_schedule", &attention_schedule,
-        "the Hopper attention kernels' consumer schedule: (turns, overlap, lean), each 0, 1 or -1 to leave it; "
-        "returns the previous three");
+        "the Hopper attention kernels' consumer schedule: (turns, overlap), each 0, 1 or -1 to leave it; returns "
+        "the previous pair");
   m.def("attention_fp8_forward_lean", &attention_fp8_forward_lean,
         "the FP8 attention forward on Hopper's tensor cores: (o, lse), operands checked here; None for a case the "
         "Python path takes");

@@ -218,7 +218,6 @@ struct AttentionFp8Args : AttentionShape {
   void* o = nullptr;
   const float* scales = nullptr;
   bool overlap = false;  // the next tile's S = Q Kᵀ in flight during the softmax (other bits; see the kernel)
-  bool lean = false;     // the rows' maxima as trees, O's rescale skipped where no maximum moved (the same bits)
   int64_t vt_pitch = 0;
 };
 
