@@ -416,3 +416,38 @@ def test_a_group_of_one_rank_casts_its_shard_as_the_whole_tensor_without_a_colle
     got = spawned(_one_rank_worker, 1)
     assert got["same"] == {"delayed": [True, True, True, True], "current": [True, True, True]}, got["same"]
     assert got["collectives"] == 0, got
+
+
+def test_a_shard_behaves_as_its_tensor_under_every_argument_form():
+    """The shard wrapper's ops unwrap it wherever an op takes it: alone, in a list, in
+    a keyword, in lists of lists and named tuples (the pytree walk); FSDP2's ops
+    (split, view, copy_) keep the wrapper around their results, the rest return
+    plain tensors of the same values."""
+    import collections
+
+    from te_fuser.ops.fp8_all_gather import Float8AllGatherShard, _WeightGather
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    g = _WeightGather("w")
+    s = Float8AllGatherShard(x.clone(), g)
+    assert type(s + y) is torch.Tensor and torch.equal(s + y, x + y)
+    assert torch.equal(torch.add(y, s, alpha=2.0), torch.add(y, x, alpha=2.0))
+    t = Float8AllGatherShard(torch.zeros(6, 4), g)
+    torch.ops.aten.add.out(x, y, out=t)  # the shard a keyword argument
+    assert torch.equal(t._data, x + y)
+    assert torch.equal(torch.cat([y, s]), torch.cat([y, x]))  # in a list
+    assert torch.equal(torch.stack((s, s), dim=0), torch.stack((x, x), dim=0))  # in a tuple
+    pieces = torch.split(s, 2)
+    assert all(type(p) is Float8AllGatherShard and p._gather is g for p in pieces)
+    assert all(torch.equal(p._data, q) for p, q in zip(pieces, torch.split(x, 2)))
+    assert type(s.view(4, 6)) is Float8AllGatherShard and torch.equal(s.view(4, 6)._data, x.view(4, 6))
+    nested = torch.ops.aten._foreach_add.List([s, y], [y, s])  # two lists: the loop's own case
+    assert all(torch.equal(a, b) for a, b in zip(nested, [x + y, y + x]))
+    Pair = collections.namedtuple("Pair", "a b")
+    from te_fuser.ops.fp8_all_gather import _replaced
+
+    args, kwargs = _replaced(Float8AllGatherShard, (Pair(s, 1), [[s]]), {"k": {"s": s}}, lambda t: t._data)
+    assert args[0].a is s._data and args[1][0][0] is s._data and kwargs["k"]["s"] is s._data  # the pytree walk
+    s.mul_(2.0)  # an optimizer's in-place update reaches the wrapped tensor
+    assert torch.equal(s._data, 2 * x)

@@ -95,6 +95,34 @@ _KEEPS_SUBCLASS = {
 }
 
 
+def _replaced(cls, args: tuple, kwargs: dict, get) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with every ``cls`` instance ``t`` replaced by ``get(t)``:
+    a loop over their items and one level of lists and tuples (what aten ops take;
+    about a tenth of the pytree walk's host time), the pytree walk for anything
+    nested deeper."""
+    def one(a):
+        if isinstance(a, cls):
+            return get(a)
+        if isinstance(a, (list, tuple)):
+            if type(a) is torch.Size:
+                return a
+            if type(a) not in (list, tuple) or any(isinstance(x, (list, tuple, dict)) for x in a):
+                raise _Nested  # a named tuple, or lists in a list
+            return type(a)(get(x) if isinstance(x, cls) else x for x in a)
+        if isinstance(a, dict):
+            raise _Nested
+        return a
+
+    try:
+        return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+    except _Nested:
+        return tree_map_only(cls, get, (args, kwargs))
+
+
+class _Nested(Exception):
+    """An op argument nested deeper than _replaced's loop looks."""
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -163,10 +191,12 @@ class Float8AllGatherShard(torch.Tensor):
             gather = t._gather
             return t._data
 
-        args, kwargs = tree_map_only(cls, unwrap, (args, kwargs or {}))
+        args, kwargs = _replaced(cls, args, kwargs or {}, unwrap)
         out = func(*args, **kwargs)
         if func not in _KEEPS_SUBCLASS:
             return out
+        if isinstance(out, torch.Tensor):
+            return cls(out, gather)
         return tree_map_only(torch.Tensor, lambda t: cls(t, gather), out)
 
     # -- FSDP2's all-gather extension ------------------------------------------------
@@ -349,7 +379,7 @@ class GatheredWeight(torch.Tensor):
             size = args[1] if len(args) > 1 else w.shape
             if tuple(size) == tuple(w.shape):  # FSDP2 and nn.Parameter make these of the whole weight
                 return cls(w._fp8, w._scale_inv, w._quantizer, w._hp, w.shape, w.dtype, w._gather)
-        args, kwargs = tree_map_only(cls, lambda t: t.value(), (args, kwargs))
+        args, kwargs = _replaced(cls, args, kwargs, lambda t: t.value())
         return func(*args, **kwargs)
 
 
