@@ -19,11 +19,11 @@ reduce_dtype=fp32)``, under ``torch.autocast(bf16)`` and fused AdamW. Arms:
   baseline that the scaling efficiency (an FSDP2 arm's tokens/s per GPU over its
   unsharded twin's) is measured against.
 
-``--profile`` adds, per arm, one profiled step: its GPU kernel time beside its
-wall time, and the kernels that take most of it (rank 0 prints them; the JSON
-keeps every kernel).
+``--profile`` adds, per arm, one profiled step: its GPU kernel time (annotations'
+spans left out) beside its wall time, and the kernels that take most of it (rank 0
+prints them; the JSON keeps every kernel).
 
-Per arm: tokens/s per GPU (median step time), and per rank and step the bytes its
+Per arm: tokens/s per GPU (``--timed`` steps back to back), and per rank and step the bytes its
 all-gathers send (counted at the one-tensor all-gather that FSDP2 and the FP8
 all-gather call: ``torch.distributed.all_gather_single``, or
 ``all_gather_into_tensor`` where torch lacks it) and their time (on CUDA the GPU
@@ -39,7 +39,6 @@ import contextlib
 import json
 import os
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -118,21 +117,19 @@ def measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, ste
 
     for _ in range(steps):  # warm-up: plans built, kernels compiled, FP8 gathers under way
         step()
-    times = []
-    with _Sent() as sent:
+    with _Sent() as sent:  # the steps back to back, the host running ahead of the GPU as in training
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
         for _ in range(timed):
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
             loss = step()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        if cuda:
+            torch.cuda.synchronize()
+        step_s = (time.perf_counter() - t0) / timed
     gather_ms = sent.seconds * 1e3 / timed
     if cuda:
         gather_ms = _nccl_all_gather_ms(step)
-    step_s = statistics.median(times)
     kernels = _profiled_step(step, cuda) if profile else None
     return {"arm": arm, "device": str(device), "kernels": kernels, "step_ms": step_s * 1e3, "tokens_per_s_per_gpu": config.batch_size * config.seq_len / step_s,
             "all_gather_bytes_per_step": sent.bytes // timed, "all_gathers_per_step": sent.calls // timed,
@@ -162,13 +159,21 @@ def _profiled_step(step, cuda: bool, top: int = 12) -> dict:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0
+              and not _annotation(e)]
     events = [e for e in events if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
     own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     events.sort(key=own, reverse=True)
     return {"wall_ms": wall * 1e3, "busy_ms": sum(own(e) for e in events) / 1e3,
             "top": [(e.key[:90], e.count, own(e) / 1e3) for e in events[:top]],
             "all": [(e.key, e.count, own(e) / 1e3) for e in events]}
+
+
+def _annotation(event) -> bool:
+    """A span that names work (FSDP2's ``FSDP::...``, the optimizer's step, a
+    ``record_function``), not work of its own: on the GPU its time is the span of
+    the kernels under it, gaps included."""
+    return getattr(event, "is_user_annotation", False) or event.key.startswith(("FSDP::", "Optimizer.", "ProfilerStep"))
 
 
 def run(rank: int, world: int, args) -> None:
