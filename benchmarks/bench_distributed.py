@@ -21,7 +21,10 @@ reduce_dtype=fp32)``, under ``torch.autocast(bf16)`` and fused AdamW. Arms:
 
 ``--profile`` adds, per arm, one profiled step: its GPU kernel time (annotations'
 spans left out) beside its wall time, and the kernels that take most of it (rank 0
-prints them; the JSON keeps every kernel).
+prints them; the JSON keeps every kernel). ``--host-profile`` adds one step under
+cProfile, its backward on the calling thread: the host's own time by where the
+Python runs (te_fuser, FSDP2, DTensor, the optimizer, the rest of torch, calls into
+C) and the functions that take most of it.
 
 Per arm: tokens/s per GPU (``--timed`` steps back to back), and per rank and step the bytes its
 all-gathers send (counted at the one-tensor all-gather that FSDP2 and the FP8
@@ -97,7 +100,7 @@ def build(arm: str, config: GPTConfig, device: torch.device, mesh):
 
 
 def measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, steps: int, timed: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, host_profile: bool = False) -> dict:
     model = build(arm, config, device, mesh)
     cuda = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
@@ -131,7 +134,8 @@ def measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, ste
     if cuda:
         gather_ms = _nccl_all_gather_ms(step)
     kernels = _profiled_step(step, cuda) if profile else None
-    return {"arm": arm, "device": str(device), "kernels": kernels, "step_ms": step_s * 1e3, "tokens_per_s_per_gpu": config.batch_size * config.seq_len / step_s,
+    host = _host_profile(step, cuda) if host_profile else None
+    return {"arm": arm, "device": str(device), "kernels": kernels, "host": host, "step_ms": step_s * 1e3, "tokens_per_s_per_gpu": config.batch_size * config.seq_len / step_s,
             "all_gather_bytes_per_step": sent.bytes // timed, "all_gathers_per_step": sent.calls // timed,
             "all_gather_ms_per_step": gather_ms, "loss": loss.item(), "gathers": te.fp8_all_gather_stats(model)}
 
@@ -169,6 +173,36 @@ def _profiled_step(step, cuda: bool, top: int = 12) -> dict:
             "all": [(e.key, e.count, own(e) / 1e3) for e in events]}
 
 
+# where a function's own host time goes, by the path of its source (first match)
+_HOST_PLACES = (("te_fuser", ("/te_fuser/", "/kernels/")), ("FSDP2", ("/torch/distributed/fsdp/",)),
+                ("DTensor", ("/torch/distributed/tensor/",)), ("optimizer", ("/torch/optim/",)),
+                ("torch.distributed", ("/torch/distributed/",)), ("torch", ("/torch/",)), ("calls into C", ("~",)))
+
+
+def _host_profile(step, cuda: bool, top: int = 12) -> dict:
+    """One step under cProfile with autograd's device threads off (the backward on
+    this thread, where cProfile sees it): milliseconds of own time by place
+    (``_HOST_PLACES``, else "other") and the ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        if cuda:
+            torch.cuda.synchronize()
+        profiler.enable()
+        step()
+        profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    places: dict[str, float] = {}
+    for (path, _, _), (_, _, own, _, _) in stats.items():
+        place = next((name for name, marks in _HOST_PLACES if any(m in path for m in marks)), "other")
+        places[place] = places.get(place, 0.0) + own * 1e3
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"own_ms": places, "calls": sum(v[0] for v in stats.values()),
+            "top": [(f"{name} ({Path(path).name}:{line})", v[0], v[2] * 1e3) for (path, line, name), v in ranked]}
+
+
 def _annotation(event) -> bool:
     """A span that names work (FSDP2's ``FSDP::...``, the optimizer's step, a
     ``record_function``), not work of its own: on the GPU its time is the span of
@@ -189,8 +223,8 @@ def run(rank: int, world: int, args) -> None:
         mesh = init_device_mesh(device.type, (world,))
         config = GPTConfig.smoke() if args.smoke else GPTConfig.gpu()
         recipe = {"delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling()}[args.recipe]
-        figures = [measure(arm, recipe, config, device, mesh, args.steps, args.timed, getattr(args, 'profile', False))
-                   for arm in args.arms]
+        figures = [measure(arm, recipe, config, device, mesh, args.steps, args.timed, getattr(args, "profile", False),
+                           getattr(args, "host_profile", False)) for arm in args.arms]
         if rank == 0:
             report(figures, config, world, args)
         dist.barrier()
@@ -221,6 +255,14 @@ def report(figures: list[dict], config: GPTConfig, world: int, args) -> None:
             print(f"\n{f['arm']}: a profiled step {k['wall_ms']:.2f} ms, {what} {k['busy_ms']:.2f} ms")
             for name, count, ms in k["top"]:
                 print(f"  {ms:9.3f} ms {count:5d}x  {name}")
+    for f in figures:
+        if f.get("host"):
+            h = f["host"]
+            places = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(h["own_ms"].items(), key=lambda kv: -kv[1]))
+            print(f"\n{f['arm']}: a step's host time under cProfile, ms of own time by place ({h['calls']} calls): "
+                  f"{places}")
+            for name, count, ms in h["top"]:
+                print(f"  {ms:9.3f} ms {count:6d}x  {name}")
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": shape, "recipe": args.recipe, "arms": figures}, indent=1))
     if not args.no_csv:
@@ -248,6 +290,8 @@ def main(argv=None) -> None:
     p.add_argument("--timed", type=int, default=10, help="timed steps per arm")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, the smoke-size GPT, two local processes")
     p.add_argument("--profile", action="store_true", help="per arm, one profiled step's kernels (rank 0 prints)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="per arm, one step's host time under cProfile by place (rank 0 prints)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-csv", action="store_true")
     args = p.parse_args(argv)
