@@ -24,7 +24,9 @@ spans left out) beside its wall time, and the kernels that take most of it (rank
 prints them; the JSON keeps every kernel). ``--host-profile`` adds one step under
 cProfile, its backward on the calling thread: the host's own time by where the
 Python runs (te_fuser, FSDP2, DTensor, the optimizer, the rest of torch, calls into
-C) and the functions that take most of it.
+C) and the functions that take most of it; with ``--smoke --stub-kernels`` te's
+kernels are ``host_time_cpu.py``'s stand-ins, so the CPU's figures are the
+layers' own (the numbers computed are then meaningless).
 
 Per arm: tokens/s per GPU (``--timed`` steps back to back), and per rank and step the bytes its
 all-gathers send (counted at the one-tensor all-gather that FSDP2 and the FP8
@@ -220,6 +222,12 @@ def run(rank: int, world: int, args) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
+        if getattr(args, "stub_kernels", False):
+            if cuda:
+                raise SystemExit("--stub-kernels: the CPU run's host study only (with --smoke)")
+            from host_time_cpu import stub_kernels
+
+            stub_kernels(update_in_call=True)
         mesh = init_device_mesh(device.type, (world,))
         config = GPTConfig.smoke() if args.smoke else GPTConfig.gpu()
         recipe = {"delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling()}[args.recipe]
@@ -292,6 +300,8 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="per arm, one profiled step's kernels (rank 0 prints)")
     p.add_argument("--host-profile", action="store_true",
                    help="per arm, one step's host time under cProfile by place (rank 0 prints)")
+    p.add_argument("--stub-kernels", action="store_true",
+                   help="with --smoke: te's kernels as stand-ins (host_time_cpu.py's), so the CPU's times are the host's")
     p.add_argument("--json", default=None)
     p.add_argument("--no-csv", action="store_true")
     args = p.parse_args(argv)
