@@ -200,7 +200,12 @@ class Float8AllGatherShard(torch.Tensor):
         return tree_map_only(torch.Tensor, lambda t: cls(t, gather), out)
 
     # -- FSDP2's all-gather extension ------------------------------------------------
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    @property
+    def fsdp_pre_all_gather(self) -> "_PreAllGather":
+        """FSDP2's hook (:meth:`_pre_all_gather`), bound to this shard with its signature ready."""
+        return _PreAllGather(self)
+
+    def _pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """The all-gather input: this shard in FP8 (as uint8, 1 byte per element), or
         the first byte per element of its high-precision bytes (the rest go through
         a collective of their own); padded to FSDP2's shard rows either way."""
@@ -273,9 +278,23 @@ class Float8AllGatherShard(torch.Tensor):
         return GatheredWeight(*payload, shape, param_dtype, g), g.inner
 
 
-# FSDP2 reads the hook's signature at every all-gather (inspect.signature, tens of
-# microseconds a call); a function's own __signature__ is what inspect returns at once.
-Float8AllGatherShard.fsdp_pre_all_gather.__signature__ = inspect.signature(Float8AllGatherShard.fsdp_pre_all_gather)
+class _PreAllGather:
+    """A shard's ``fsdp_pre_all_gather``. FSDP2 reads the hook's signature at every
+    all-gather (``inspect.signature``): of a bound method, inspect builds a new
+    signature without ``self`` each time (tens of microseconds); of an object that
+    carries its ``__signature__``, it returns that at once."""
+
+    __slots__ = ("shard",)
+
+    def __init__(self, shard: Float8AllGatherShard) -> None:
+        self.shard = shard
+
+    def __call__(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return self.shard._pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
+
+
+_PreAllGather.__signature__ = inspect.signature(_PreAllGather.__call__).replace(
+    parameters=list(inspect.signature(_PreAllGather.__call__).parameters.values())[1:])
 
 
 def _predicted_quantizer(module, g: _WeightGather):
