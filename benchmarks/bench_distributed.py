@@ -137,7 +137,8 @@ def measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, ste
         gather_ms = _nccl_all_gather_ms(step)
     kernels = _profiled_step(step, cuda) if profile else None
     host = _host_profile(step, cuda) if host_profile else None
-    return {"arm": arm, "device": str(device), "kernels": kernels, "host": host, "step_ms": step_s * 1e3, "tokens_per_s_per_gpu": config.batch_size * config.seq_len / step_s,
+    return {"arm": arm, "device": str(device), "kernels": kernels, "host": host, "step_ms": step_s * 1e3,
+            "tokens_per_s_per_gpu": config.batch_size * config.seq_len / step_s,
             "all_gather_bytes_per_step": sent.bytes // timed, "all_gathers_per_step": sent.calls // timed,
             "all_gather_ms_per_step": gather_ms, "loss": loss.item(), "gathers": te.fp8_all_gather_stats(model)}
 
@@ -301,7 +302,7 @@ def main(argv=None) -> None:
     p.add_argument("--host-profile", action="store_true",
                    help="per arm, one step's host time under cProfile by place (rank 0 prints)")
     p.add_argument("--stub-kernels", action="store_true",
-                   help="with --smoke: te's kernels as stand-ins (host_time_cpu.py's), so the CPU's times are the host's")
+                   help="with --smoke: te's kernels as stand-ins (host_time_cpu.py's): the CPU's times are the host's")
     p.add_argument("--json", default=None)
     p.add_argument("--no-csv", action="store_true")
     args = p.parse_args(argv)
