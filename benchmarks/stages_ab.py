@@ -37,13 +37,15 @@ ARMS = {"by shape": (cuda_attn.BY_SHAPE, False), "nothing": (False, False), "dq"
         "delta": (False, True)}
 
 
-def _with_stages(stages, fn):
+def _with(setter, settings: tuple, fn):
+    """``fn`` run with ``setter(*settings)`` in force (a process setting of the
+    extension's kernels that returns the previous ones), then set back."""
     def run():
-        previous = cuda_attn.set_hopper_backward_stages(*stages)
+        previous = setter(*settings)
         try:
             return fn()
         finally:
-            cuda_attn.set_hopper_backward_stages(*previous)
+            setter(*previous)
     return run
 
 
@@ -53,7 +55,7 @@ def compare(B: int, H: int, T: int, D: int, rounds: int) -> None:
     scale = 1 / math.sqrt(D)
     o, lse = triton_attn.attention_forward(q, k, v, True, scale)[:2]
     ours = lambda: cuda_attn.attention_backward(q, k, v, o, lse, do, True, scale)  # noqa: E731
-    arms = {label: _with_stages(stages, ours) for label, stages in ARMS.items()}
+    arms = {label: _with(cuda_attn.set_hopper_backward_stages, stages, ours) for label, stages in ARMS.items()}
     want = arms["nothing"]()
     for label, arm in arms.items():
         if not all(torch.equal(g, w) for g, w in zip(arm(), want)):
@@ -101,7 +103,7 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: boo
     print(f"  {B}x{H}x{T}x{D}: max|o fp8 - o cudnn| {(o8.float() - o_cudnn.float()).abs().max().item():.2e}")
     if schedules:
         for label, (turns, overlap) in SCHEDULES.items():
-            arms[label] = _with_schedule(turns, overlap, arms["fp8"])
+            arms[label] = _with(cuda_attn.set_hopper_schedule, (turns, overlap), arms["fp8"])
             other = arms[label]()[0]
             if (other.float() - o8.float()).abs().max().item() > 0.05:  # the schedules' sums differ in order only
                 raise SystemExit(f"{B}x{H}x{T}x{D}: the FP8 forward {label} is not the default's o")
@@ -119,16 +121,6 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: boo
 
 
 SCHEDULES = {"no turns": (False, True), "in order": (True, False), "in order, no turns": (False, False)}
-
-
-def _with_schedule(turns: bool, overlap: bool, fn):
-    def run():
-        previous = cuda_attn.set_hopper_schedule(turns=turns, overlap=overlap)
-        try:
-            return fn()
-        finally:
-            cuda_attn.set_hopper_schedule(*previous)
-    return run
 
 
 def main() -> None:

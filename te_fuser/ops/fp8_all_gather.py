@@ -293,8 +293,8 @@ class _PreAllGather:
         return self.shard._pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
 
 
-_PreAllGather.__signature__ = inspect.signature(_PreAllGather.__call__).replace(
-    parameters=list(inspect.signature(_PreAllGather.__call__).parameters.values())[1:])
+_CALL = inspect.signature(_PreAllGather.__call__)
+_PreAllGather.__signature__ = _CALL.replace(parameters=list(_CALL.parameters.values())[1:])  # without self
 
 
 def _predicted_quantizer(module, g: _WeightGather):

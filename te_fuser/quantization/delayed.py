@@ -263,22 +263,20 @@ class DelayedScalingQuantizer(Quantizer):
         skip the generic checks, with the same result."""
         if not self._lean(x, rowwise, columnwise):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
-        out = self._updating_cast(x, rowwise, columnwise, "quantize_tensorwise", False, torch.float32)
-        if out is not None:
-            return QuantizedTensor.of_cast(out[0], out[1], x.shape, x.dtype)
-        rowwise_op, columnwise_op, _ = self._cast(self._flat(x), rowwise, columnwise, "quantize_tensorwise")
+        rowwise_op, columnwise_op, _ = (
+            self._updating_cast(x, rowwise, columnwise, "quantize_tensorwise", False, torch.float32)
+            or self._cast(self._flat(x), rowwise, columnwise, "quantize_tensorwise"))
         return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, x.dtype)
 
     def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
                           sums_dtype: torch.dtype = torch.float32):
         """The ops' column-sums casts, lean as :meth:`cast` (fp32 cast as bf16 rounded as the kernel reads it)."""
-        dtype = torch.bfloat16 if round_bf16 else x.dtype
-        out = self._updating_cast(x, rowwise, columnwise, "quantize_tensorwise_column_sums", round_bf16, sums_dtype)
-        if out is not None:
-            return QuantizedTensor.of_cast(out[0], out[1], x.shape, dtype), out[2]
-        rowwise_op, columnwise_op, sums = self._cast(self._flat(x), rowwise, columnwise,
-                                                     "quantize_tensorwise_column_sums", round_bf16, sums_dtype)
-        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape, dtype), sums
+        kernel = "quantize_tensorwise_column_sums"
+        rowwise_op, columnwise_op, sums = (
+            self._updating_cast(x, rowwise, columnwise, kernel, round_bf16, sums_dtype)
+            or self._cast(self._flat(x), rowwise, columnwise, kernel, round_bf16, sums_dtype))
+        return QuantizedTensor.of_cast(rowwise_op, columnwise_op, x.shape,
+                                       torch.bfloat16 if round_bf16 else x.dtype), sums
 
     def _updating_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool, kernel: str, round_bf16: bool,
                        sums_dtype: torch.dtype):
