@@ -12,8 +12,10 @@ alike; the medians over the rounds and their ratios.
   bf16 forward and cuDNN's bf16 forward (#16's FP8 bar: 1.3x cuDNN's time); with
   ``--schedules`` also the FP8 forward under the other schedules
   (``set_hopper_schedule``: without turns, in order, in order without turns; each
-  checked against the default within FP8's bound) and the rewrite of V with its
-  keys inner alone (a launch of its own before the forward's every call).
+  checked against the default within FP8's bound), the rewrite of V with its
+  keys inner alone (the launch before the forward's every call where V is not
+  rewritten in the kernel), and the FP8 forward with V rewritten in the kernel and
+  by that launch (``set_hopper_schedule``'s ``v_in_kernel``: the same bits, checked).
 
     python benchmarks/stages_ab.py [--forward [--schedules]] [--cases 4x16x4096x128 ...] [--rounds 7]
 """
@@ -111,12 +113,17 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: boo
 
         index = torch.cuda.current_device()
         arms["V keys inner"] = lambda: extension().attention_fp8_keys_inner(v8, index, stream_of_index(index))
+        for label, in_kernel in (("V launched", False), ("V in kernel", True)):
+            arms[label] = _with(cuda_attn.set_hopper_schedule, (None, None, in_kernel), arms["fp8"])
+            if not all(torch.equal(a, b) for a, b in zip(arms[label](), arms["fp8"]())):  # the same Vᵀ tiles
+                raise SystemExit(f"{B}x{H}x{T}x{D}: the FP8 forward, {label}, is not the default's o and lse")
     case = f"{B}x{H}x{T}x{D} fwd"
     median = _print_rounds(case, harness.rounds_ms(arms, rounds))
     print(f"  {case:16s} cudnn / fp8 {median['cudnn'] / median['fp8']:.3f}x, cudnn / bf16 "
           f"{median['cudnn'] / median['bf16']:.3f}x" + "".join(
               f", cudnn / fp8 {label} {median['cudnn'] / median[label]:.3f}x" for label in SCHEDULES if label in median)
-          + (f", V keys inner {median['V keys inner'] / median['fp8']:.1%} of fp8" if "V keys inner" in median else ""),
+          + (f", V keys inner {median['V keys inner'] / median['fp8']:.1%} of fp8, V in kernel / V launched "
+             f"{median['V in kernel'] / median['V launched']:.3f}" if "V keys inner" in median else ""),
           flush=True)
 
 

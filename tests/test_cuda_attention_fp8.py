@@ -45,8 +45,8 @@ SHAPES = [(1, 4, 2, 67, 67, 64), (1, 8, 2, 67, 45, 64), (2, 4, 4, 45, 67, 64), (
 
 
 @contextlib.contextmanager
-def _schedule(turns: bool, overlap: bool):
-    previous = cuda_attn.set_hopper_schedule(turns, overlap)
+def _schedule(turns: bool | None, overlap: bool | None, v_in_kernel: bool | None = None):
+    previous = cuda_attn.set_hopper_schedule(turns, overlap, v_in_kernel)
     try:
         yield
     finally:
@@ -177,17 +177,42 @@ def test_reads_the_fused_qkv_views_in_place():
 @hopper
 @pytest.mark.parametrize("D", [64, 128])
 def test_the_same_bits_on_every_run_and_schedule(D):
-    """Run after run; with the consumers taking turns at the tensor cores or not
-    (the same bits); overlapped (its own bits, the same on every run, with turns
-    or without)."""
+    """Run after run; with the consumers taking turns at the tensor cores or not,
+    V rewritten in the kernel or before it (the same bits); overlapped (its own
+    bits, the same on every run, with turns or without)."""
     fp8s, scale_invs = fp8_qkv(2, 8, 2, 777, 777, D, seed=4)
     p_scale = torch.tensor(448.0, device="cuda")
     results = {}
     for turns, overlap in ((True, False), (False, False), (True, True), (False, True), (True, False), (True, True)):
-        with _schedule(turns, overlap):
-            got = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
-        first = results.setdefault(overlap, got)
-        assert all(torch.equal(a, b) for a, b in zip(first, got)), (turns, overlap)
+        for v_in_kernel in (False, True):
+            with _schedule(turns, overlap, v_in_kernel):
+                got = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
+            first = results.setdefault(overlap, got)
+            assert all(torch.equal(a, b) for a, b in zip(first, got)), (turns, overlap, v_in_kernel)
+
+
+@hopper
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_v_rewritten_in_the_kernel_gives_the_same_bits(shape, causal, overlap):
+    """The producer warpgroup's rewrite of each V tile in shared memory (a raw tile
+    copied in, its keys turned inner and permuted) against the launch before the
+    forward that rewrites all of V: the same Vᵀ tiles, so the same o and lse, on
+    partial tiles (zeros past the last key), grouped heads, both head dims, and V as
+    a head range of the fused tensor."""
+    B, H, Hkv, Tq, Tk, D = shape
+    fp8s, scale_invs = fp8_qkv(*shape, seed=sum(shape) + 1)
+    if Tq == Tk:  # q, k, v as the op hands them: views of one fused (B, T, H + 2·Hkv, D) tensor
+        fused = torch.cat([t.view(torch.uint8).transpose(1, 2) for t in fp8s], dim=2)
+        heads = fused.transpose(1, 2).view(E4M3)
+        fp8s = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
+    p_scale = torch.tensor(448.0, device="cuda")
+    with _schedule(None, overlap, v_in_kernel=False):
+        launched = _forward(fp8s, scale_invs, p_scale, causal, 1 / math.sqrt(D), torch.bfloat16)
+    with _schedule(None, overlap, v_in_kernel=True):
+        in_kernel = _forward(fp8s, scale_invs, p_scale, causal, 1 / math.sqrt(D), torch.bfloat16)
+    assert torch.equal(launched[0], in_kernel[0]) and torch.equal(launched[1], in_kernel[1])
 
 
 def _beside_triton(shape, causal, overlap, seed):
@@ -299,11 +324,14 @@ def test_the_backend_runs_it_and_sends_what_it_refuses_to_triton():
 @hopper
 def test_the_default_schedule_is_the_overlapped_one():
     """The process starts overlapped with turns (what the auto table's choice was
-    timed with); in order gives other bits, both within the bound (above)."""
-    assert cuda_attn.set_hopper_schedule() == (True, True)
+    timed with), V rewritten in the kernel up to 1024 keys; in order gives other bits,
+    both within the bound (above). A setting that is not one is refused."""
+    assert cuda_attn.set_hopper_schedule() == (True, True, cuda_attn.BY_SHAPE)
     fp8s, scale_invs = fp8_qkv(1, 4, 4, 1000, 1000, 128, seed=13)
     p_scale = torch.tensor(448.0, device="cuda")
     default = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
     with _schedule(True, True):
         overlapped = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(default, overlapped))
+    with pytest.raises(ValueError, match="v_in_kernel is True, False, BY_SHAPE or None, not 'always'"):
+        cuda_attn.set_hopper_schedule(v_in_kernel="always")

@@ -401,7 +401,7 @@ def _run_checked(kernel: str, entry: str, reason: str | None, q, k, v, *args):
     return out
 
 
-BY_SHAPE = "by shape"  # a stage of the Hopper backward that _in_kernel_stages chooses by the operands' shape
+BY_SHAPE = "by shape"  # a setting of the Hopper kernels chosen by the operands' shape (set_hopper_*)
 _backward_stages = {"dq_in_kernel": BY_SHAPE, "delta_in_kernel": False}
 
 
@@ -443,20 +443,29 @@ def _in_kernel_stages(q: torch.Tensor, k: torch.Tensor) -> int:
     return (1 if dq else 0) | (2 if _backward_stages["delta_in_kernel"] is True else 0)
 
 
-def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None) -> tuple[bool, bool]:
-    """The schedule of the Hopper attention kernels' two consumer warpgroups
-    (:func:`attention_forward_fp8`, :func:`attention_forward_hopper`), for this
-    process (it builds the extension if need be); None leaves a setting. ``turns``
-    (default on): they take turns issuing S = Q Kᵀ, so one's softmax runs beside the
-    other's product; the same bits either way. ``overlap`` (default on; the FP8
-    kernel only): each also keeps the next tile's S = Q Kᵀ and the last tile's P V
-    in flight during its softmax, P V adding into O in the tensor cores'
-    accumulator (other bits, within the same bound); off, each tile's P V is a
-    fresh product added in fp32, as Triton's kernel adds it. Returns the previous
-    ``(turns, overlap)``."""
+def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None,
+                        v_in_kernel: bool | str | None = None) -> tuple[bool, bool, bool | str]:
+    """The schedule of the Hopper attention kernels (:func:`attention_forward_fp8`,
+    :func:`attention_forward_hopper`), for this process (it builds the extension if
+    need be); None leaves a setting. ``turns`` (default on): the two consumer
+    warpgroups take turns issuing S = Q Kᵀ, so one's softmax runs beside the other's
+    product; the same bits either way. ``overlap`` (default on; the FP8 kernel
+    only): each also keeps the next tile's S = Q Kᵀ and the last tile's P V in
+    flight during its softmax, P V adding into O in the tensor cores' accumulator
+    (other bits, within the same bound); off, each tile's P V is a fresh product
+    added in fp32, as Triton's kernel adds it. ``v_in_kernel`` (the FP8 kernel
+    only; default :data:`BY_SHAPE`: up to 1024 keys): the producer warpgroup
+    rewrites each V tile with its keys inner in shared memory, rather than a launch
+    before the forward rewriting all of V into a buffer the tiles are copied from;
+    the same bits. The kernel rewrites a tile for each query block that reads it,
+    the launch once: the kernel's is the faster on short sequences only. Returns the previous ``(turns, overlap, v_in_kernel)``."""
     from ._build import extension
 
-    return tuple(extension().attention_schedule(_setting(turns), _setting(overlap)))
+    if v_in_kernel is not None and not isinstance(v_in_kernel, bool) and v_in_kernel != BY_SHAPE:
+        raise ValueError(f"set_hopper_schedule: v_in_kernel is True, False, BY_SHAPE or None, not {v_in_kernel!r}")
+    v_code = 2 if v_in_kernel == BY_SHAPE else _setting(v_in_kernel)
+    turns, overlap, v_code = extension().attention_schedule(_setting(turns), _setting(overlap), v_code)
+    return turns, overlap, BY_SHAPE if v_code == 2 else bool(v_code)
 
 
 def _setting(value: bool | None) -> int:

@@ -333,6 +333,7 @@ struct RingBarriers {
   static constexpr int stages = STAGES;
   static constexpr int bytes = AT + 8 * (4 + 2 * STAGES);
   static constexpr int producer_arrivals = kWarpgroup;
+  static constexpr int later_tile_arrivals = 0;  // a full barrier's arrivals after the copies' (work on the tile)
   static constexpr bool generic_copies = true;  // cp.async: a consumer fences what it waited for (wait_q, wait_tile)
   template <bool CAUSAL>
   static constexpr int producer_registers = 48;
@@ -342,6 +343,8 @@ struct RingBarriers {
   static __device__ __forceinline__ uint32_t q_empty(uint32_t base, int b) { return base + AT + 8 * (2 + b); }
   static __device__ __forceinline__ uint32_t full(uint32_t base, int s) { return base + AT + 8 * (4 + s); }
   static __device__ __forceinline__ uint32_t empty(uint32_t base, int s) { return base + AT + 8 * (4 + STAGES + s); }
+  // A kernel's barriers past these (at `bytes`), initialized by thread 0 with the ring's.
+  static __device__ __forceinline__ void init_more(uint32_t) {}
 };
 
 // What a block works on: batch b, query head h, its kv head hk, the first query row
@@ -388,9 +391,11 @@ __device__ __forceinline__ uint32_t block_shared_memory(uint8_t* smem_raw) {
     }
 #pragma unroll
     for (int s = 0; s < Smem::stages; ++s) {
-      barrier_init(Smem::full(base, s), Smem::producer_arrivals);  // the producer's copying threads
+      // the producer's copying threads, and its arrivals once it worked on the tile
+      barrier_init(Smem::full(base, s), Smem::producer_arrivals + Smem::later_tile_arrivals);
       barrier_init(Smem::empty(base, s), 2 * kWarpgroup);  // both consumers' threads
     }
+    Smem::init_more(base);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();

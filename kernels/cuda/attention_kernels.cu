@@ -14,20 +14,23 @@
 // Blocks are persistent, one an SM (attention_common.cuh's run_block): each works
 // through items (128 queries of one head), every gridDim.x-th of the list that
 // runs the longest rows first (causal). 384 threads:
-//   * warpgroup 0 (producer, 32 or 48 registers a thread after setmaxnreg), one
+//   * warpgroup 0 (producer, 40 to 56 registers a thread after setmaxnreg), one
 //     thread of it: tensor copies (cp.async.bulk.tensor, through maps made at
 //     launch) of an item's Q block into one of two buffers (the next item's while
 //     the consumers finish this one), then of each key tile's K (128 keys x D) and
 //     Vᵀ (D x 128 positions) into a ring of kStages stages, landing in wgmma's
 //     swizzle, zeros past the tensor; their bytes complete the stage's "full"
-//     barrier (one arrival with the bytes expected); a stage is refilled once both
-//     consumers arrived on its "empty" barrier.
+//     barrier (one arrival with the bytes expected, one more once the stage's Vᵀ
+//     is in); a stage is refilled once both consumers arrived on its "empty"
+//     barrier. Vᵀ is either copied from a rewrite of all of V by a launch before
+//     the forward, or (AttentionFp8Args::v_in_kernel) made in shared memory by the
+//     whole warpgroup from V's tile as copied (rewrite_v_tile), one raw tile ahead.
 //   * warpgroups 1, 2 (consumers, 232 or 224 registers): S = Q Kᵀ (wgmma m64n128k32, Q and
 //     K from shared memory), the online softmax on S in registers, P as the
 //     register A operand of O_tile = P V (wgmma m64nDk32, Vᵀ from shared memory),
 //     O += O_tile in fp32. By default the two take turns issuing S = Q Kᵀ (named
 //     barriers), so that one's softmax overlaps the other's tensor-core work. The
-//     overlapped schedule (AttentionFp8Args::overlap, off by default) also keeps
+//     overlapped schedule (AttentionFp8Args::overlap, on by default) also keeps
 //     each consumer's next S = Q Kᵀ and last P V in flight during its softmax,
 //     P V then adding into O in the tensor cores' accumulator (other bits).
 //
@@ -40,8 +43,8 @@
 // the S accumulator leaves it keys {2t, 2t+1, 2t+8, 2t+9}. Rather than exchange
 // bytes between lanes, the kernel feeds the registers as they are and reorders the
 // keys of Vᵀ to match: position 4t + i of each 16 holds key 2t + (0, 1, 8, 9)[i]
-// (v_keys_inner_kernel writes Vᵀ so, zero past the last key). The sum over keys is
-// the same sum.
+// (rewrite_v_tile writes Vᵀ so, zero past the last key). The sum over keys is the
+// same sum.
 #include "attention_common.cuh"
 #include "dispatch.cuh"
 #include "fp8_common.cuh"
@@ -98,45 +101,120 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   return (lo & 0xFFFFu) | (hi << 16);
 }
 
+constexpr int kRawSlots = 2;  // V tiles as copied, ahead of their rewrite (AttentionFp8Args::v_in_kernel)
+
 // Shared memory of a forward block (bytes past a 1024-byte aligned start). One
-// producer thread issues the tensor copies and arrives on a full barrier. The
-// registers a thread keeps are the measured best (RESULTS run 207): the consumers
-// 232 at head dim 128 under the causal mask (2.8-3.6% faster than 224), 224
-// elsewhere (3.4% faster not causal, 9% at head dim 64).
+// producer thread issues the tensor copies and arrives on a full barrier, then
+// once more when the stage's Vᵀ is in (rewritten by the producer warpgroup from a
+// raw slot, or copied with K). The registers a thread keeps are the measured best
+// (RESULTS run 207): the consumers 232 at head dim 128 under the causal mask
+// (2.8-3.6% faster than 224), 224 elsewhere (3.4% faster not causal, 9% at head
+// dim 64); the producer what the pool leaves (128·40 + 256·232 and 128·56 + 256·224
+// are the 384 · 168 registers the block starts with).
 template <int D>
-struct ForwardSmem : RingBarriers<kStages, 2 * kBlockM * D + 2 * kStages * kBlockN * D> {
+struct ForwardSmem
+    : RingBarriers<kStages, 2 * kBlockM * D + 2 * kStages * kBlockN * D + kRawSlots * kBlockN * D> {
+  using Ring = RingBarriers<kStages, 2 * kBlockM * D + 2 * kStages * kBlockN * D + kRawSlots * kBlockN * D>;
   static constexpr int q_bytes = kBlockM * D;
-  static constexpr int q = 0;                          // two buffers of kBlockM x D
-  static constexpr int k = q + 2 * q_bytes;            // kStages x (kBlockN x D)
-  static constexpr int v = k + kStages * kBlockN * D;  // kStages x (D x kBlockN), then the barriers
+  static constexpr int tile_bytes = kBlockN * D;
+  static constexpr int q = 0;                           // two buffers of kBlockM x D
+  static constexpr int k = q + 2 * q_bytes;             // kStages x (kBlockN x D)
+  static constexpr int v = k + kStages * tile_bytes;    // kStages x (D x kBlockN)
+  static constexpr int raw = v + kStages * tile_bytes;  // kRawSlots x (kBlockN x D), then the barriers
+  static constexpr int bytes = Ring::bytes + 8 * kRawSlots;  // and raw_full of each raw slot
   static constexpr int producer_arrivals = 1;
+  static constexpr int later_tile_arrivals = 1;
   static constexpr bool generic_copies = false;  // tensor copies write through the async proxy wgmma reads
   template <bool CAUSAL>
   static constexpr int consumer_registers = D == 128 && CAUSAL ? 232 : 224;
   template <bool CAUSAL>
-  static constexpr int producer_registers = D == 128 && CAUSAL ? 32 : 48;
+  static constexpr int producer_registers = D == 128 && CAUSAL ? 40 : 56;
+  static __device__ __forceinline__ uint32_t raw_full(uint32_t base, int r) { return base + Ring::bytes + 8 * r; }
+  static __device__ __forceinline__ void init_more(uint32_t base) {
+#pragma unroll
+    for (int r = 0; r < kRawSlots; ++r) barrier_init(raw_full(base, r), 1);  // the copying thread
+  }
 };
 
-// The tensor maps the producer copies through: q and k as (D, T, heads, batch)
+// The tensor maps the producer copies through: q, k and v as (D, T, heads, batch)
 // in boxes of (D, 128, 1, 1), Vᵀ as (positions, batch · kv heads · D) in boxes of
-// (128, D); each box lands swizzled as the tile's wgmma descriptor reads it.
+// (128, D) (where a launch before rewrote V: unset where v_in_kernel); each box
+// lands swizzled as the tile's wgmma descriptor reads it (a V box as K's would).
 struct ForwardMaps {
-  CUtensorMap q, k, vt;
+  CUtensorMap q, k, v, vt;
 };
+
+// Named barrier 3: the producer warpgroup's threads (1 and 2 are the consumers' turns).
+__device__ __forceinline__ void producers_sync() { asm volatile("bar.sync 3, %0;\n" ::"n"(kWarpgroup) : "memory"); }
+
+__device__ __forceinline__ uint4 load_shared16(uint32_t addr) {
+  uint4 x;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+               : "r"(addr)
+               : "memory");
+  return x;
+}
+__device__ __forceinline__ void store_shared4(uint32_t addr, uint32_t x) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");
+}
+__device__ __forceinline__ void store_shared16(uint32_t addr, uint4 x) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
+               : "memory");
+}
+
+// One V tile (raw: 128 keys x D bytes as a tensor copy lands them, rows under the
+// D-byte swizzle) rewritten as Vᵀ (vt: D rows of 128 positions, the 128-byte
+// swizzle, the keys permuted as the top of the file says), by 128 threads (the
+// producer warpgroup's, or v_keys_inner_kernel's block). Lane (t, c) of warp w takes keys 16c + 2t + (0, 1, 8, 9) at the 16 bytes
+// dq = w (+ 4) of each: four 16-byte loads, each 4 x 4 block of bytes turned by
+// byte permutes, sixteen words stored at position 16c + 4t of rows 16dq .. 16dq + 15.
+// No two lanes of a store share a bank, nor two lanes of a load's 8-lane phase: the
+// lanes of odd c load each pair of keys the other way round (under either swizzle
+// a key's parity moves its chunk to the other half of the banks).
+template <int D>
+__device__ __forceinline__ void rewrite_v_tile(uint32_t raw, uint32_t vt, int tid) {
+  const int lane = tid % 32, t = lane % 4, c = lane / 4;
+  const int key = 16 * c + 2 * t, swap = c % 2;
+  // bytes (b, b + 1) of word j of keys `first` and first + 1, interleaved: lo for b
+  // = 0, hi for b = 2 (the selector of the pair loaded in order, or swapped; hi's
+  // picks each two bytes further)
+  const uint32_t lo_sel = swap ? 0x1504u : 0x5140u;
+  const auto pairs = [&](int first, int dq, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+    const uint4 x = load_shared16(raw + swizzled<D>(first + swap, dq));
+    const uint4 y = load_shared16(raw + swizzled<D>(first + 1 - swap, dq));
+    const uint32_t wx[4] = {x.x, x.y, x.z, x.w}, wy[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = __byte_perm(wx[j], wy[j], lo_sel);
+      hi[j] = __byte_perm(wx[j], wy[j], lo_sel + 0x2222u);
+    }
+  };
+#pragma unroll 1
+  for (int u = 0; u < D / 64; ++u) {
+    const int dq = tid / 32 + 4 * u;
+    uint32_t lo01[4], hi01[4], lo89[4], hi89[4];
+    pairs(key, dq, lo01, hi01);
+    pairs(key + 8, dq, lo89, hi89);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // bytes 4j .. 4j + 3 of the 16: rows 16dq + 4j + b
+      const uint32_t rows[4] = {__byte_perm(lo01[j], lo89[j], 0x5410), __byte_perm(lo01[j], lo89[j], 0x7632),
+                                __byte_perm(hi01[j], hi89[j], 0x5410), __byte_perm(hi01[j], hi89[j], 0x7632)};
+#pragma unroll
+      for (int b = 0; b < 4; ++b) store_shared4(vt + swizzled<kBlockN>(16 * dq + 4 * j + b, c) + 4 * t, rows[b]);
+    }
+  }
+}
 
 // The producer warpgroup for item n (its first tile the block's t0), one thread of
 // it: Q, then K and Vᵀ of every key tile (produce_ring), each a tensor copy whose
-// bytes complete the buffer's or stage's full barrier.
+// bytes complete the buffer's or stage's full barrier, on which the thread then
+// arrives once more (ForwardSmem::later_tile_arrivals).
 template <int D>
-__device__ __forceinline__ void produce(const AttentionFp8Args& a, const ForwardMaps& maps, uint32_t base,
-                                        const BlockWork& w, int n, int t0, int tid) {
+__device__ __forceinline__ void produce_copied_v(const AttentionFp8Args& a, const ForwardMaps& maps, uint32_t base,
+                                                 const BlockWork& w, int n, int t0, int tid) {
   using S = ForwardSmem<D>;
   if (tid != 0) return;
-  if (n == 0) {
-    prefetch_tensor_map(&maps.q);
-    prefetch_tensor_map(&maps.k);
-    prefetch_tensor_map(&maps.vt);
-  }
   auto copy_q = [&](int buffer) {
     const uint32_t full = S::q_full(base, buffer);
     barrier_arrive_expect_bytes(full, S::q_bytes);
@@ -145,11 +223,71 @@ __device__ __forceinline__ void produce(const AttentionFp8Args& a, const Forward
   const int vt_row = (w.b * a.hkv + w.hk) * D;
   auto copy_tile = [&](int j, int s) {
     const uint32_t full = S::full(base, s);
-    barrier_arrive_expect_bytes(full, 2 * kBlockN * D);
-    tensor_copy_4d(base + S::k + s * kBlockN * D, &maps.k, 0, j * kBlockN, w.hk, w.b, full);
-    tensor_copy_2d(base + S::v + s * D * kBlockN, &maps.vt, j * kBlockN, vt_row, full);
+    barrier_arrive_expect_bytes(full, 2 * S::tile_bytes);
+    tensor_copy_4d(base + S::k + s * S::tile_bytes, &maps.k, 0, j * kBlockN, w.hk, w.b, full);
+    tensor_copy_2d(base + S::v + s * S::tile_bytes, &maps.vt, j * kBlockN, vt_row, full);
+    barrier_arrive(full);
   };
   produce_ring<S>(base, n, t0, w.tiles, copy_q, copy_tile);
+}
+
+// The producer warpgroup for item n with V rewritten in the kernel, all 128
+// threads: thread 0 copies Q and each tile's K (its bytes on the stage's full
+// barrier) and V into raw slot t % kRawSlots (raw_full), kRawSlots tiles ahead;
+// every thread, for each tile once both consumers released its stage, rewrites
+// the raw tile into the stage's Vᵀ (rewrite_v_tile), fences its writes for the
+// tensor cores and meets the others, after which thread 0 arrives on the full
+// barrier and refills the raw slot. The raw slot's phase is the tile's t / kRawSlots.
+template <int D>
+__device__ __forceinline__ void produce_rewritten_v(const ForwardMaps& maps, uint32_t base, const BlockWork& w, int n,
+                                                    int t0, int tid) {
+  using S = ForwardSmem<D>;
+  auto copy_raw = [&](int j) {
+    const int r = (t0 + j) % kRawSlots;
+    barrier_arrive_expect_bytes(S::raw_full(base, r), S::tile_bytes);
+    tensor_copy_4d(base + S::raw + r * S::tile_bytes, &maps.v, 0, j * kBlockN, w.hk, w.b, S::raw_full(base, r));
+  };
+  if (tid == 0) {
+    if (n >= 2) barrier_wait(S::q_empty(base, n % 2), ((n / 2) - 1) & 1);
+    const uint32_t q_full = S::q_full(base, n % 2);
+    barrier_arrive_expect_bytes(q_full, S::q_bytes);
+    tensor_copy_4d(base + S::q + (n % 2) * S::q_bytes, &maps.q, 0, w.m0, w.h, w.b, q_full);
+    for (int j = 0; j < min(kRawSlots, w.tiles); ++j) copy_raw(j);  // every raw slot's last tile rewritten
+  }
+  for (int j = 0; j < w.tiles; ++j) {
+    const int t = t0 + j, s = t % kStages, r = t % kRawSlots;
+    if (t >= kStages) barrier_wait(S::empty(base, s), ((t / kStages) - 1) & 1);
+    const uint32_t full = S::full(base, s);
+    if (tid == 0) {
+      barrier_arrive_expect_bytes(full, S::tile_bytes);
+      tensor_copy_4d(base + S::k + s * S::tile_bytes, &maps.k, 0, j * kBlockN, w.hk, w.b, full);
+    }
+    barrier_wait(S::raw_full(base, r), (t / kRawSlots) & 1);
+    rewrite_v_tile<D>(base + S::raw + r * S::tile_bytes, base + S::v + s * S::tile_bytes, tid);
+    fence_for_tensor_cores();  // the stores before wgmma's reads, the raw loads before the slot's next copy
+    producers_sync();
+    if (tid == 0) {
+      barrier_arrive(full);
+      if (j + kRawSlots < w.tiles) copy_raw(j + kRawSlots);
+    }
+  }
+}
+
+// The producer warpgroup for item n: V rewritten in the kernel or copied as a
+// launch before rewrote it.
+template <int D>
+__device__ __forceinline__ void produce(const AttentionFp8Args& a, const ForwardMaps& maps, uint32_t base,
+                                        const BlockWork& w, int n, int t0, int tid) {
+  if (n == 0 && tid == 0) {
+    prefetch_tensor_map(&maps.q);
+    prefetch_tensor_map(&maps.k);
+    prefetch_tensor_map(a.v_in_kernel ? &maps.v : &maps.vt);
+  }
+  if (a.v_in_kernel) {
+    produce_rewritten_v<D>(maps, base, w, n, t0, tid);
+  } else {
+    produce_copied_v<D>(a, maps, base, w, n, t0, tid);
+  }
 }
 
 // The descriptors of a stage's tiles: K (keys x D) and Vᵀ (D x 128 positions).
@@ -358,42 +496,40 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
 // Vᵀ with its keys permuted (see the top of the file).
 // --------------------------------------------------------------------------
 
-constexpr int kTransposeKeys = 64;
-constexpr int kTransposeThreads = 256;
-
-// Block (64 keys, one kv head): the keys' rows into shared memory (zeros past the
-// last key), then each output word of 16 positions gathered from them.
+// Block (128 keys, one kv head; rewrite_v_tile's 128 threads): the keys' rows into
+// shared memory under the D-byte swizzle, as a tensor copy lands them (zeros past
+// the last key), rewrite_v_tile into a Vᵀ tile, its rows out to vt. Every copy
+// is of whole 16-byte chunks, eight lanes a 128-byte line.
 template <int D>
-__global__ void __launch_bounds__(kTransposeThreads) v_keys_inner_kernel(const __grid_constant__ AttentionFp8Args a) {
-  __shared__ uint32_t tile[kTransposeKeys][D / 4 + 1];  // one word of padding: the gathers' banks differ
+__global__ void __launch_bounds__(kWarpgroup) v_keys_inner_kernel(const __grid_constant__ AttentionFp8Args a) {
+  __shared__ alignas(1024) uint8_t raw[kBlockN * D];
+  __shared__ alignas(1024) uint8_t tile[D * kBlockN];
+  constexpr int chunks = kBlockN * D / 16 / kWarpgroup;  // a thread's, each way
   const int bh = blockIdx.y;
   const int b = bh / a.hkv, hk = bh % a.hkv;
-  const int n0 = blockIdx.x * kTransposeKeys;
+  const int n0 = blockIdx.x * kBlockN;
   const uint8_t* v = a.v + int64_t(b) * a.v_stride_b + int64_t(hk) * a.v_stride_h;
-  for (int i = threadIdx.x; i < kTransposeKeys * (D / 16); i += blockDim.x) {
-    const int r = i / (D / 16), c = i % (D / 16);
-    uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (n0 + r < a.tk) x = *reinterpret_cast<const uint4*>(v + int64_t(n0 + r) * a.v_stride_t + c * 16);
-    tile[r][4 * c] = x.x;
-    tile[r][4 * c + 1] = x.y;
-    tile[r][4 * c + 2] = x.z;
-    tile[r][4 * c + 3] = x.w;
+  const uint32_t raw_at = shared_address(raw), tile_at = shared_address(tile);
+  uint4 x[chunks];
+#pragma unroll
+  for (int i = 0; i < chunks; ++i) {  // every load in flight before the first store
+    const int n = threadIdx.x + i * kWarpgroup, r = n / (D / 16);
+    x[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (n0 + r < a.tk) x[i] = *reinterpret_cast<const uint4*>(v + int64_t(n0 + r) * a.v_stride_t + 16 * (n % (D / 16)));
+  }
+#pragma unroll
+  for (int i = 0; i < chunks; ++i) {
+    const int n = threadIdx.x + i * kWarpgroup;
+    store_shared16(raw_at + swizzled<D>(n / (D / 16), n % (D / 16)), x[i]);
   }
   __syncthreads();
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&tile[0][0]);
-  constexpr int pitch = 4 * (D / 4 + 1);
+  rewrite_v_tile<D>(raw_at, tile_at, threadIdx.x);
+  __syncthreads();
   uint8_t* vt = a.vt + int64_t(bh) * D * a.vt_pitch + n0;
-  for (int i = threadIdx.x; i < D * (kTransposeKeys / 16); i += blockDim.x) {
-    const int d = i / (kTransposeKeys / 16), group = i % (kTransposeKeys / 16);
-    uint32_t words[4];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {  // positions 4w .. 4w + 3: keys 2w + (0, 1, 8, 9)
-      const int key = 16 * group + 2 * w;
-      words[w] = uint32_t(bytes[key * pitch + d]) | (uint32_t(bytes[(key + 1) * pitch + d]) << 8) |
-                 (uint32_t(bytes[(key + 8) * pitch + d]) << 16) | (uint32_t(bytes[(key + 9) * pitch + d]) << 24);
-    }
-    *reinterpret_cast<uint4*>(vt + int64_t(d) * a.vt_pitch + 16 * group) =
-        make_uint4(words[0], words[1], words[2], words[3]);
+  for (int i = 0; i < chunks; ++i) {
+    const int n = threadIdx.x + i * kWarpgroup, d = n / (kBlockN / 16), c = n % (kBlockN / 16);
+    *reinterpret_cast<uint4*>(vt + int64_t(d) * a.vt_pitch + 16 * c) = load_shared16(tile_at + swizzled<kBlockN>(d, c));
   }
 }
 
@@ -401,7 +537,7 @@ __global__ void __launch_bounds__(kTransposeThreads) v_keys_inner_kernel(const _
 template <int D>
 ForwardMaps forward_maps(const AttentionFp8Args& a) {
   static_assert(kBlockM == kBlockN, "q and k copied in boxes of one shape");
-  ForwardMaps maps;
+  ForwardMaps maps{};
   const uint32_t rows[4] = {uint32_t(D), uint32_t(kBlockN), 1u, 1u};
   maps.q = byte_tensor_map<4>(a.q, {uint64_t(D), uint64_t(a.tq), uint64_t(a.h), uint64_t(a.batch)},
                               {uint64_t(a.q_stride_t), uint64_t(a.q_stride_h), uint64_t(a.q_stride_b)}, rows,
@@ -409,8 +545,14 @@ ForwardMaps forward_maps(const AttentionFp8Args& a) {
   maps.k = byte_tensor_map<4>(a.k, {uint64_t(D), uint64_t(a.tk), uint64_t(a.hkv), uint64_t(a.batch)},
                               {uint64_t(a.k_stride_t), uint64_t(a.k_stride_h), uint64_t(a.k_stride_b)}, rows,
                               "attention_fp8_forward's k");
-  maps.vt = byte_tensor_map<2>(a.vt, {uint64_t(a.vt_pitch), uint64_t(a.batch) * a.hkv * D}, {uint64_t(a.vt_pitch)},
-                               {uint32_t(kBlockN), uint32_t(D)}, "attention_fp8_forward's vt");
+  maps.v = byte_tensor_map<4>(a.v, {uint64_t(D), uint64_t(a.tk), uint64_t(a.hkv), uint64_t(a.batch)},
+                              {uint64_t(a.v_stride_t), uint64_t(a.v_stride_h), uint64_t(a.v_stride_b)}, rows,
+                              "attention_fp8_forward's v");
+  if (!a.v_in_kernel) {
+    maps.vt = byte_tensor_map<2>(a.vt, {uint64_t(a.vt_pitch), uint64_t(a.batch) * a.hkv * D},
+                                 {uint64_t(a.vt_pitch)}, {uint32_t(kBlockN), uint32_t(D)},
+                                 "attention_fp8_forward's vt");
+  }
   return maps;
 }
 
@@ -422,14 +564,14 @@ void launch_forward(const AttentionFp8Args& a, cudaStream_t stream) {
 
 template <int D>
 void launch_transpose(const AttentionFp8Args& a, cudaStream_t stream) {
-  const dim3 grid(unsigned(a.vt_pitch / kTransposeKeys), unsigned(a.batch * a.hkv));
-  v_keys_inner_kernel<D><<<grid, kTransposeThreads, 0, stream>>>(a);
+  const dim3 grid(unsigned(a.vt_pitch / kBlockN), unsigned(a.batch * a.hkv));
+  v_keys_inner_kernel<D><<<grid, kWarpgroup, 0, stream>>>(a);
   check_launch("attention_fp8_forward (the keys-inner V)");
 }
 
 template <int D>
 void launch_with_dim(const AttentionFp8Args& a, int out_type, cudaStream_t stream) {
-  launch_transpose<D>(a, stream);
+  if (!a.v_in_kernel) launch_transpose<D>(a, stream);
   dispatch_hp(out_type, "attention_fp8_forward", [&](auto tag) {
     using TOut = typename decltype(tag)::type;
     if (a.causal) {

@@ -621,19 +621,28 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
   return layer_norm_grad(dy, x, weight, mean, rstd, grad_add, stream);
 }
 
-// The Hopper attention kernels' consumer schedule (AttentionShape::turns,
-// AttentionFp8Args::overlap): turns at the tensor cores (the same bits either way),
-// and, FP8 only, the next tile's product in flight during the softmax (other bits;
-// the default, as the faster on the H200 at every shape measured but one, within 2%
-// there: RESULTS.md run 186). Set for this process.
+// The Hopper attention kernels' schedule (AttentionShape::turns,
+// AttentionFp8Args::overlap and v_in_kernel): the consumers' turns at the tensor
+// cores (the same bits either way); FP8 only, the next tile's product in flight
+// during the softmax (other bits; the default, as the faster on the H200 at every
+// shape measured but one, within 2% there: RESULTS.md run 186), and V's keys-inner
+// tiles made by the producer warpgroup rather than by a launch before (the same
+// bits): 0 never, 1 always, 2 (the default) up to 1024 keys. The kernel's rewrite
+// is made once per query block that reads a tile, the launch's once per tile: at
+// 1024 keys the kernel's was 10-11% the faster, at 2048 level, at 4096 1-7% the
+// slower (RESULTS.md runs 212, 248-250). Set for this process.
 bool attention_turns_state = true;
 bool attention_overlap_state = true;
+int64_t attention_v_in_kernel_state = 2;
 
-// Sets each of the two given as 0 or 1 (-1 leaves it); returns the previous pair.
-std::tuple<bool, bool> attention_schedule(int64_t turns, int64_t overlap) {
-  const std::tuple<bool, bool> previous{attention_turns_state, attention_overlap_state};
+// Sets turns and overlap as 0 or 1, v_in_kernel as 0, 1 or 2 (-1 leaves one);
+// returns the previous three.
+std::tuple<bool, bool, int64_t> attention_schedule(int64_t turns, int64_t overlap, int64_t v_in_kernel) {
+  const std::tuple<bool, bool, int64_t> previous{attention_turns_state, attention_overlap_state,
+                                                 attention_v_in_kernel_state};
   if (turns >= 0) attention_turns_state = turns != 0;
   if (overlap >= 0) attention_overlap_state = overlap != 0;
+  if (v_in_kernel >= 0) attention_v_in_kernel_state = std::min<int64_t>(v_in_kernel, 2);
   return previous;
 }
 
@@ -876,18 +885,21 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
   }
   auto [o, lse] = attention_outputs(q, out_dtype);
   if (q.size(0) * q.size(1) * q.size(2) == 0) return std::make_tuple(o, lse);
-  const int64_t pitch = te_fuser::attention_fp8_vt_pitch(k.size(2));
-  at::Tensor vt = at::empty({k.size(0) * k.size(1) * q.size(3) * pitch}, q.options().dtype(at::kByte));
   te_fuser::AttentionFp8Args a;
   describe_attention(a, q, k, v, o, lse, softmax_scale, causal);
   a.q = static_cast<const uint8_t*>(q.data_ptr());
   a.k = static_cast<const uint8_t*>(k.data_ptr());
   a.v = static_cast<const uint8_t*>(v.data_ptr());
-  a.vt = vt.data_ptr<uint8_t>();
   a.o = o.data_ptr();
   a.scales = scales.data_ptr<float>();
   a.overlap = attention_overlap_state;
-  a.vt_pitch = pitch;
+  a.v_in_kernel = attention_v_in_kernel_state == 1 || (attention_v_in_kernel_state == 2 && k.size(2) <= 1024);
+  at::Tensor vt;  // V with its keys inner, where a launch before the forward makes it
+  if (!a.v_in_kernel) {
+    a.vt_pitch = te_fuser::attention_fp8_vt_pitch(k.size(2));
+    vt = at::empty({k.size(0) * k.size(1) * q.size(3) * a.vt_pitch}, q.options().dtype(at::kByte));
+    a.vt = vt.data_ptr<uint8_t>();
+  }
   te_fuser::launch_attention_fp8_forward(a, out, as_stream(stream));
   return std::make_tuple(o, lse);
 }
@@ -933,8 +945,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the bf16 / fp16 attention backward on Hopper's tensor cores, (dq, dk, dv) (deterministic), with what its "
         "dk / dv kernel also does (1: dq stored, 2: delta made), or None for operands the Python path takes");
   m.def("attention_schedule", &attention_schedule,
-        "the Hopper attention kernels' consumer schedule: (turns, overlap), each 0, 1 or -1 to leave it; returns "
-        "the previous pair");
+        "the Hopper attention kernels' schedule: (turns, overlap, v_in_kernel), 0 or 1 (v_in_kernel 2: by the "
+        "keys' length), -1 to leave one; returns the previous three");
   m.def("attention_fp8_forward_lean", &attention_fp8_forward_lean,
         "the FP8 attention forward on Hopper's tensor cores: (o, lse), operands checked here; None for a case the "
         "Python path takes");

@@ -207,9 +207,9 @@ struct AttentionShape {
 };
 
 // The FP8 forward's (attention_kernels.cu): E4M3 q, k, v; vt a buffer of batch · hkv
-// · head_dim · vt_pitch bytes (attention_fp8_vt_pitch) for V with its keys inner; o
-// of a high-precision type; scales the fp32 q_scale_inv, k_scale_inv, v_scale_inv
-// and p_scale.
+// · head_dim · vt_pitch bytes (attention_fp8_vt_pitch) for V with its keys inner
+// (unused where v_in_kernel); o of a high-precision type; scales the fp32
+// q_scale_inv, k_scale_inv, v_scale_inv and p_scale.
 struct AttentionFp8Args : AttentionShape {
   const uint8_t* q = nullptr;
   const uint8_t* k = nullptr;
@@ -218,6 +218,7 @@ struct AttentionFp8Args : AttentionShape {
   void* o = nullptr;
   const float* scales = nullptr;
   bool overlap = false;  // the next tile's S = Q Kᵀ in flight during the softmax (other bits; see the kernel)
+  bool v_in_kernel = false;  // each V tile rewritten keys inner in shared memory, not by a launch before (same bits)
   int64_t vt_pitch = 0;
 };
 
@@ -225,8 +226,8 @@ struct AttentionFp8Args : AttentionShape {
 int64_t attention_fp8_vt_pitch(int64_t tk);
 
 // V rewritten into vt (keys inner, permuted as the kernel reads them, zeros past
-// tk), then the forward into o and lse (out_type a high-precision code; head dim
-// 64 or 128; sm_90a).
+// tk; or each tile of it in the kernel: args.v_in_kernel), then the forward into o
+// and lse (out_type a high-precision code; head dim 64 or 128; sm_90a).
 void launch_attention_fp8_forward(const AttentionFp8Args& args, int out_type, void* stream);
 
 // The bf16 / fp16 forward's (attention_hp_kernels.cu): q, k, v and o of that type.
