@@ -185,7 +185,8 @@ _HOST_PLACES = (("te_fuser", ("/te_fuser/", "/kernels/")), ("FSDP2", ("/torch/di
 def _host_profile(step, cuda: bool, top: int = 12) -> dict:
     """One step under cProfile with autograd's device threads off (the backward on
     this thread, where cProfile sees it): milliseconds of own time by place
-    (``_HOST_PLACES``, else "other") and the ``top`` functions by own time."""
+    (``_HOST_PLACES``, else "other"), the ``top`` functions by own time, and
+    te_fuser's own ``top`` (what of te's grows under FSDP2)."""
     import cProfile
     import pstats
 
@@ -201,9 +202,15 @@ def _host_profile(step, cuda: bool, top: int = 12) -> dict:
     for (path, _, _), (_, _, own, _, _) in stats.items():
         place = next((name for name, marks in _HOST_PLACES if any(m in path for m in marks)), "other")
         places[place] = places.get(place, 0.0) + own * 1e3
-    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return {"own_ms": places, "calls": sum(v[0] for v in stats.values()),
-            "top": [(f"{name} ({Path(path).name}:{line})", v[0], v[2] * 1e3) for (path, line, name), v in ranked]}
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])
+    te_marks = _HOST_PLACES[0][1]
+    te_ranked = [kv for kv in ranked if any(m in kv[0][0] for m in te_marks)]
+
+    def rows(items):
+        return [(f"{name} ({Path(path).name}:{line})", v[0], v[2] * 1e3) for (path, line, name), v in items[:top]]
+
+    return {"own_ms": places, "calls": sum(v[0] for v in stats.values()), "top": rows(ranked),
+            "te_top": rows(te_ranked)}
 
 
 def _annotation(event) -> bool:
@@ -271,6 +278,9 @@ def report(figures: list[dict], config: GPTConfig, world: int, args) -> None:
             print(f"\n{f['arm']}: a step's host time under cProfile, ms of own time by place ({h['calls']} calls): "
                   f"{places}")
             for name, count, ms in h["top"]:
+                print(f"  {ms:9.3f} ms {count:6d}x  {name}")
+            print("  te_fuser's own:")
+            for name, count, ms in h.get("te_top", []):
                 print(f"  {ms:9.3f} ms {count:6d}x  {name}")
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": shape, "recipe": args.recipe, "arms": figures}, indent=1))
