@@ -21,10 +21,13 @@ reduce_dtype=fp32)``, under ``torch.autocast(bf16)`` and fused AdamW. Arms:
 
 ``--profile`` adds, per arm, one profiled step: its GPU kernel time (annotations'
 spans left out) beside its wall time, and the kernels that take most of it (rank 0
-prints them; the JSON keeps every kernel). ``--host-profile`` adds one step under
-cProfile, its backward on the calling thread: the host's own time by where the
-Python runs (te_fuser, FSDP2, DTensor, the optimizer, the rest of torch, calls into
-C) and the functions that take most of it; with ``--smoke --stub-kernels`` te's
+prints them; the JSON keeps every kernel) and the host's calls into the CUDA
+runtime by time. ``--host-profile`` adds one step under cProfile, its backward on
+the calling thread: the host's own time by where the Python runs (te_fuser, FSDP2,
+DTensor, the optimizer, the rest of torch, calls into C), the functions that take
+most of it and te_fuser's that do. ``--caller-backward`` runs every step's backward
+on the calling thread (autograd's device threads off: no hand-offs between
+threads); with ``--smoke --stub-kernels`` te's
 kernels are ``host_time_cpu.py``'s stand-ins, so the CPU's figures are the
 layers' own (the numbers computed are then meaningless).
 
@@ -102,7 +105,15 @@ def build(arm: str, config: GPTConfig, device: torch.device, mesh):
 
 
 def measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, steps: int, timed: int,
-            profile: bool = False, host_profile: bool = False) -> dict:
+            profile: bool = False, host_profile: bool = False, caller_backward: bool = False) -> dict:
+    """One arm's figures; ``caller_backward``: its backwards on the calling thread
+    (autograd's device threads off), not handed to autograd's thread for the GPU."""
+    with torch.autograd.set_multithreading_enabled(not caller_backward):
+        return _measure(arm, recipe, config, device, mesh, steps, timed, profile, host_profile)
+
+
+def _measure(arm: str, recipe, config: GPTConfig, device: torch.device, mesh, steps: int, timed: int,
+             profile: bool, host_profile: bool) -> dict:
     model = build(arm, config, device, mesh)
     cuda = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
@@ -155,8 +166,10 @@ def _nccl_all_gather_ms(step) -> float:
 
 
 def _profiled_step(step, cuda: bool, top: int = 12) -> dict:
-    """One step under the profiler: its wall time, its kernels' total device time, and
-    the ``top`` kernels (or, without a GPU, operators) by self time."""
+    """One step under the profiler: its wall time, its kernels' total device time, the
+    ``top`` kernels (or, without a GPU, operators) by self time, and the host's calls
+    into the CUDA runtime by time (allocations, synchronizations: what blocks a host
+    beside its launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -171,9 +184,12 @@ def _profiled_step(step, cuda: bool, top: int = 12) -> dict:
     events = [e for e in events if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
     own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     events.sort(key=own, reverse=True)
+    runtime = sorted(((e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()
+                      if e.key.startswith("cuda") and e.device_type == torch.autograd.DeviceType.CPU),
+                     key=lambda r: -r[2])
     return {"wall_ms": wall * 1e3, "busy_ms": sum(own(e) for e in events) / 1e3,
             "top": [(e.key[:90], e.count, own(e) / 1e3) for e in events[:top]],
-            "all": [(e.key, e.count, own(e) / 1e3) for e in events]}
+            "all": [(e.key, e.count, own(e) / 1e3) for e in events], "runtime": runtime[:8]}
 
 
 # where a function's own host time goes, by the path of its source (first match)
@@ -240,7 +256,8 @@ def run(rank: int, world: int, args) -> None:
         config = GPTConfig.smoke() if args.smoke else GPTConfig.gpu()
         recipe = {"delayed": te.recipe.DelayedScaling(), "current": te.recipe.Float8CurrentScaling()}[args.recipe]
         figures = [measure(arm, recipe, config, device, mesh, args.steps, args.timed, getattr(args, "profile", False),
-                           getattr(args, "host_profile", False)) for arm in args.arms]
+                           getattr(args, "host_profile", False), getattr(args, "caller_backward", False))
+                   for arm in args.arms]
         if rank == 0:
             report(figures, config, world, args)
         dist.barrier()
@@ -271,6 +288,9 @@ def report(figures: list[dict], config: GPTConfig, world: int, args) -> None:
             print(f"\n{f['arm']}: a profiled step {k['wall_ms']:.2f} ms, {what} {k['busy_ms']:.2f} ms")
             for name, count, ms in k["top"]:
                 print(f"  {ms:9.3f} ms {count:5d}x  {name}")
+            if k.get("runtime"):
+                print("  the host's calls into the CUDA runtime: "
+                      + ", ".join(f"{name} {count}x {ms:.2f} ms" for name, count, ms in k["runtime"]))
     for f in figures:
         if f.get("host"):
             h = f["host"]
@@ -313,6 +333,8 @@ def main(argv=None) -> None:
                    help="per arm, one step's host time under cProfile by place (rank 0 prints)")
     p.add_argument("--stub-kernels", action="store_true",
                    help="with --smoke: te's kernels as stand-ins (host_time_cpu.py's): the CPU's times are the host's")
+    p.add_argument("--caller-backward", action="store_true",
+                   help="every arm's backwards on the calling thread (autograd's device threads off)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-csv", action="store_true")
     args = p.parse_args(argv)

@@ -57,12 +57,12 @@ for part in $parts; do
           --json "$OUT/switch$run.json" 2>&1 | tee "$OUT/switch$run.log" | grep -A8 "1st/alone"
       done ;;
     dist)  # the GPT under FSDP2 on every GPU of the machine over NCCL (one GPU: a group of size 1, a smoke run);
-      # NVLink multicast stays off, as the machines require (DIST_PROFILE=1: each arm's kernels; DIST_HOST_PROFILE=1: its host time by place; DIST_ARMS=...)
+      # NVLink multicast stays off, as the machines require (DIST_PROFILE=1: each arm's kernels; DIST_HOST_PROFILE=1: its host time by place; DIST_CALLER=1: backwards on the calling thread; DIST_ARMS=...)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
       for recipe in ${DIST_RECIPES:-current delayed}; do
         timeout ${DIST_TIMEOUT:-300} torchrun --standalone --nproc-per-node "$ngpu" benchmarks/bench_distributed.py \
-          --recipe "$recipe" ${DIST_PROFILE:+--profile} ${DIST_HOST_PROFILE:+--host-profile} ${DIST_ARMS:+--arms $DIST_ARMS} --json "$OUT/dist_$recipe.json" 2>&1 \
+          --recipe "$recipe" ${DIST_PROFILE:+--profile} ${DIST_HOST_PROFILE:+--host-profile} ${DIST_CALLER:+--caller-backward} ${DIST_ARMS:+--arms $DIST_ARMS} --json "$OUT/dist_$recipe.json" 2>&1 \
           | tee -a "$OUT/dist.log" | grep -v -E "Warn|warn_once|USDT" | tail -${DIST_TAIL:-10}
       done ;;
     disttests)  # the DDP / FSDP2 / DCP tests on the machine's GPUs over NCCL (a test of more ranks than GPUs skips)
