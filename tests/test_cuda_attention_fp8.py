@@ -325,7 +325,7 @@ def test_the_backend_runs_it_and_sends_what_it_refuses_to_triton():
 def test_the_default_schedule_is_the_overlapped_one():
     """The process starts overlapped with turns (what the auto table's choice was
     timed with), V rewritten in the kernel up to 1024 keys; in order gives other bits,
-    both within the bound (above). A setting that is not one is refused."""
+    both within the bound (above)."""
     assert cuda_attn.set_hopper_schedule() == (True, True, cuda_attn.BY_SHAPE)
     fp8s, scale_invs = fp8_qkv(1, 4, 4, 1000, 1000, 128, seed=13)
     p_scale = torch.tensor(448.0, device="cuda")
@@ -333,5 +333,10 @@ def test_the_default_schedule_is_the_overlapped_one():
     with _schedule(True, True):
         overlapped = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(default, overlapped))
+
+
+def test_a_v_setting_that_is_not_one_is_refused_before_anything():
+    """``v_in_kernel`` takes True, False, BY_SHAPE or None; anything else is refused
+    by name before the extension is built or a setting changes (on any machine)."""
     with pytest.raises(ValueError, match="v_in_kernel is True, False, BY_SHAPE or None, not 'always'"):
         cuda_attn.set_hopper_schedule(v_in_kernel="always")

@@ -198,8 +198,9 @@ _backward_kernel = {"name": "fastest"}
 def set_backward_kernel(name: str) -> str:
     """Which kernels this backend's bf16 / fp16 attention backward runs in this process:
     ``"fastest"`` (the default: one of our Hopper backwards where
-    :func:`hopper_backward_form` names it, else the Triton kernels), ``"hopper"`` (our Hopper backward wherever its extension
-    entry takes the operands, else the Triton kernels) or ``"cudnn"`` (cuDNN's, which
+    :func:`hopper_backward_form` names it, else the Triton kernels), ``"hopper"``
+    (our Hopper backward wherever its extension entry takes the operands, else the
+    Triton kernels) or ``"cudnn"`` (cuDNN's, which
     adds with atomics: not the same bits every run). Returns the previous one."""
     if name not in BACKWARD_KERNELS:
         raise ValueError(f"set_backward_kernel: name must be one of {list(BACKWARD_KERNELS)}, got {name!r}")
@@ -458,7 +459,8 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None,
     rewrites each V tile with its keys inner in shared memory, rather than a launch
     before the forward rewriting all of V into a buffer the tiles are copied from;
     the same bits. The kernel rewrites a tile for each query block that reads it,
-    the launch once: the kernel's is the faster on short sequences only. Returns the previous ``(turns, overlap, v_in_kernel)``."""
+    the launch once: the kernel's is the faster on short sequences only. Returns
+    the previous ``(turns, overlap, v_in_kernel)``."""
     from ._build import extension
 
     if v_in_kernel is not None and not isinstance(v_in_kernel, bool) and v_in_kernel != BY_SHAPE:

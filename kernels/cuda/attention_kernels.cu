@@ -166,9 +166,10 @@ __device__ __forceinline__ void store_shared16(uint32_t addr, uint4 x) {
 // One V tile (raw: 128 keys x D bytes as a tensor copy lands them, rows under the
 // D-byte swizzle) rewritten as Vᵀ (vt: D rows of 128 positions, the 128-byte
 // swizzle, the keys permuted as the top of the file says), by 128 threads (the
-// producer warpgroup's, or v_keys_inner_kernel's block). Lane (t, c) of warp w takes keys 16c + 2t + (0, 1, 8, 9) at the 16 bytes
-// dq = w (+ 4) of each: four 16-byte loads, each 4 x 4 block of bytes turned by
-// byte permutes, sixteen words stored at position 16c + 4t of rows 16dq .. 16dq + 15.
+// producer warpgroup's, or v_keys_inner_kernel's block). Lane (t, c) of warp w
+// takes keys 16c + 2t + (0, 1, 8, 9) at the 16 bytes dq = w (and w + 4 at head dim
+// 128) of each: four 16-byte loads, each 4 x 4 block of bytes turned by byte
+// permutes, sixteen words stored at position 16c + 4t of rows 16dq .. 16dq + 15.
 // No two lanes of a store share a bank, nor two lanes of a load's 8-lane phase: the
 // lanes of odd c load each pair of keys the other way round (under either swizzle
 // a key's parity moves its chunk to the other half of the banks).
