@@ -324,7 +324,7 @@ def test_the_backend_runs_it_and_sends_what_it_refuses_to_triton():
 @hopper
 def test_the_default_schedule_is_the_overlapped_one():
     """The process starts overlapped with turns (what the auto table's choice was
-    timed with), V rewritten in the kernel up to 1024 keys; in order gives other bits,
+    timed with), V rewritten in the kernel by shape; in order gives other bits,
     both within the bound (above)."""
     assert cuda_attn.set_hopper_schedule() == (True, True, cuda_attn.BY_SHAPE)
     fp8s, scale_invs = fp8_qkv(1, 4, 4, 1000, 1000, 128, seed=13)

@@ -455,10 +455,10 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None,
     flight during its softmax, P V adding into O in the tensor cores' accumulator
     (other bits, within the same bound); off, each tile's P V is a fresh product
     added in fp32, as Triton's kernel adds it. ``v_in_kernel`` (the FP8 kernel
-    only; default :data:`BY_SHAPE`: up to 1024 keys): the producer warpgroup
-    rewrites each V tile with its keys inner in shared memory, rather than a launch
-    before the forward rewriting all of V into a buffer the tiles are copied from;
-    the same bits. The kernel rewrites a tile for each query block that reads it,
+    only; default :data:`BY_SHAPE`: at head dim 64 up to 1024 keys): the producer
+    warpgroup rewrites each V tile with its keys inner in shared memory, rather than
+    a launch before the forward rewriting all of V into a buffer the tiles are
+    copied from; the same bits. The kernel rewrites a tile for each query block that reads it,
     the launch once: the kernel's is the faster on short sequences only. Returns
     the previous ``(turns, overlap, v_in_kernel)``."""
     from ._build import extension
