@@ -425,7 +425,7 @@ def test_a_shard_behaves_as_its_tensor_under_every_argument_form():
     plain tensors of the same values."""
     import collections
 
-    from te_fuser.ops.fp8_all_gather import Float8AllGatherShard, _WeightGather
+    from te_fuser.ops.fp8_all_gather import Float8AllGatherShard, _replaced, _WeightGather
 
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
     y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
@@ -445,8 +445,6 @@ def test_a_shard_behaves_as_its_tensor_under_every_argument_form():
     nested = torch.ops.aten._foreach_add.List([s, y], [y, s])  # two lists: the loop's own case
     assert all(torch.equal(a, b) for a, b in zip(nested, [x + y, y + x]))
     Pair = collections.namedtuple("Pair", "a b")
-    from te_fuser.ops.fp8_all_gather import _replaced
-
     args, kwargs = _replaced(Float8AllGatherShard, (Pair(s, 1), [[s]]), {"k": {"s": s}}, lambda t: t._data)
     assert args[0].a is s._data and args[1][0][0] is s._data and kwargs["k"]["s"] is s._data  # the pytree walk
     s.mul_(2.0)  # an optimizer's in-place update reaches the wrapped tensor

@@ -458,9 +458,9 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None,
     only; default :data:`BY_SHAPE`: at head dim 64 up to 1024 keys): the producer
     warpgroup rewrites each V tile with its keys inner in shared memory, rather than
     a launch before the forward rewriting all of V into a buffer the tiles are
-    copied from; the same bits. The kernel rewrites a tile for each query block that reads it,
-    the launch once: the kernel's is the faster on short sequences only. Returns
-    the previous ``(turns, overlap, v_in_kernel)``."""
+    copied from; the same bits. The kernel rewrites a tile for each query block
+    that reads it, the launch once: the kernel's is the faster on short sequences
+    only. Returns the previous ``(turns, overlap, v_in_kernel)``."""
     from ._build import extension
 
     if v_in_kernel is not None and not isinstance(v_in_kernel, bool) and v_in_kernel != BY_SHAPE:

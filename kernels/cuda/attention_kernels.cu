@@ -207,6 +207,24 @@ __device__ __forceinline__ void rewrite_v_tile(uint32_t raw, uint32_t vt, int ti
   }
 }
 
+// Item w's Q block into Q buffer `buffer`: a tensor copy whose bytes complete the
+// buffer's full barrier (one arrival expecting them).
+template <int D>
+__device__ __forceinline__ void copy_q(const ForwardMaps& maps, uint32_t base, const BlockWork& w, int buffer) {
+  using S = ForwardSmem<D>;
+  const uint32_t full = S::q_full(base, buffer);
+  barrier_arrive_expect_bytes(full, S::q_bytes);
+  tensor_copy_4d(base + S::q + buffer * S::q_bytes, &maps.q, 0, w.m0, w.h, w.b, full);
+}
+
+// Key tile j's K into stage s, its bytes counted on the stage's full barrier (the
+// caller's arrival expects them).
+template <int D>
+__device__ __forceinline__ void copy_k(const ForwardMaps& maps, uint32_t base, const BlockWork& w, int j, int s) {
+  using S = ForwardSmem<D>;
+  tensor_copy_4d(base + S::k + s * S::tile_bytes, &maps.k, 0, j * kBlockN, w.hk, w.b, S::full(base, s));
+}
+
 // The producer warpgroup for item n (its first tile the block's t0), one thread of
 // it: Q, then K and Vᵀ of every key tile (produce_ring), each a tensor copy whose
 // bytes complete the buffer's or stage's full barrier, on which the thread then
@@ -216,20 +234,15 @@ __device__ __forceinline__ void produce_copied_v(const AttentionFp8Args& a, cons
                                                  const BlockWork& w, int n, int t0, int tid) {
   using S = ForwardSmem<D>;
   if (tid != 0) return;
-  auto copy_q = [&](int buffer) {
-    const uint32_t full = S::q_full(base, buffer);
-    barrier_arrive_expect_bytes(full, S::q_bytes);
-    tensor_copy_4d(base + S::q + buffer * S::q_bytes, &maps.q, 0, w.m0, w.h, w.b, full);
-  };
   const int vt_row = (w.b * a.hkv + w.hk) * D;
   auto copy_tile = [&](int j, int s) {
     const uint32_t full = S::full(base, s);
     barrier_arrive_expect_bytes(full, 2 * S::tile_bytes);
-    tensor_copy_4d(base + S::k + s * S::tile_bytes, &maps.k, 0, j * kBlockN, w.hk, w.b, full);
+    copy_k<D>(maps, base, w, j, s);
     tensor_copy_2d(base + S::v + s * S::tile_bytes, &maps.vt, j * kBlockN, vt_row, full);
     barrier_arrive(full);
   };
-  produce_ring<S>(base, n, t0, w.tiles, copy_q, copy_tile);
+  produce_ring<S>(base, n, t0, w.tiles, [&](int buffer) { copy_q<D>(maps, base, w, buffer); }, copy_tile);
 }
 
 // The producer warpgroup for item n with V rewritten in the kernel, all 128
@@ -250,9 +263,7 @@ __device__ __forceinline__ void produce_rewritten_v(const ForwardMaps& maps, uin
   };
   if (tid == 0) {
     if (n >= 2) barrier_wait(S::q_empty(base, n % 2), ((n / 2) - 1) & 1);
-    const uint32_t q_full = S::q_full(base, n % 2);
-    barrier_arrive_expect_bytes(q_full, S::q_bytes);
-    tensor_copy_4d(base + S::q + (n % 2) * S::q_bytes, &maps.q, 0, w.m0, w.h, w.b, q_full);
+    copy_q<D>(maps, base, w, n % 2);
     for (int j = 0; j < min(kRawSlots, w.tiles); ++j) copy_raw(j);  // every raw slot's last tile rewritten
   }
   for (int j = 0; j < w.tiles; ++j) {
@@ -261,7 +272,7 @@ __device__ __forceinline__ void produce_rewritten_v(const ForwardMaps& maps, uin
     const uint32_t full = S::full(base, s);
     if (tid == 0) {
       barrier_arrive_expect_bytes(full, S::tile_bytes);
-      tensor_copy_4d(base + S::k + s * S::tile_bytes, &maps.k, 0, j * kBlockN, w.hk, w.b, full);
+      copy_k<D>(maps, base, w, j, s);
     }
     barrier_wait(S::raw_full(base, r), (t / kRawSlots) & 1);
     rewrite_v_tile<D>(base + S::raw + r * S::tile_bytes, base + S::v + s * S::tile_bytes, tid);
