@@ -455,7 +455,7 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None,
     flight during its softmax, P V adding into O in the tensor cores' accumulator
     (other bits, within the same bound); off, each tile's P V is a fresh product
     added in fp32, as Triton's kernel adds it. ``v_in_kernel`` (the FP8 kernel
-    only; default :data:`BY_SHAPE`: at head dim 64 up to 1024 keys): the producer
+    only; default :data:`BY_SHAPE`: up to 2048 keys): the producer
     warpgroup rewrites each V tile with its keys inner in shared memory, rather than
     a launch before the forward rewriting all of V into a buffer the tiles are
     copied from; the same bits. The kernel rewrites a tile for each query block

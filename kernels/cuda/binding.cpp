@@ -627,12 +627,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
 // during the softmax (other bits; the default, as the faster on the H200 at every
 // shape measured but one, within 2% there: RESULTS.md run 186), and V's keys-inner
 // tiles made by the producer warpgroup rather than by a launch before (the same
-// bits): 0 never, 1 always, 2 (the default) at head dim 64 up to 1024 keys. The
-// kernel's rewrite is made once per query block that reads a tile, the launch's
-// once per tile: at 1024 keys the kernel's was 10% the faster (head dim 64), at 4096
-// level at head dim 64 and 3-10% the slower at 128 (RESULTS.md runs 248-250); head
-// dim 128 at 1024 keys (11% faster with run 212's rewrite) is yet to be timed with
-// this one. Set for this process.
+// bits): 0 never, 1 always, 2 (the default) up to 2048 keys. The kernel's rewrite
+// is made once per query block that reads a tile, the launch's once per tile: the
+// kernel's was the faster at 1024 keys (10% at head dim 64, 14% at 128) and at 2048
+// (8% at head dim 128), level at 4096 keys with head dim 64 and 3-10% the slower at
+// 128 (RESULTS.md runs 248-250 and 261). Set for this process.
 bool attention_turns_state = true;
 bool attention_overlap_state = true;
 int64_t attention_v_in_kernel_state = 2;
@@ -896,7 +895,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
   a.scales = scales.data_ptr<float>();
   a.overlap = attention_overlap_state;
   a.v_in_kernel = attention_v_in_kernel_state == 1 ||
-                  (attention_v_in_kernel_state == 2 && q.size(3) == 64 && k.size(2) <= 1024);
+                  (attention_v_in_kernel_state == 2 && k.size(2) <= 2048);
   at::Tensor vt;  // V with its keys inner, where a launch before the forward makes it
   if (!a.v_in_kernel) {
     a.vt_pitch = te_fuser::attention_fp8_vt_pitch(k.size(2));
