@@ -1,6 +1,6 @@
 """The small Linear's training-loop step, te_fuser eager beside bf16 eager, drift-resistant.
 
-    python benchmarks/small_loop.py [--size 1024] [--steps 50] [--rounds 30] [--recipes current delayed]
+    python benchmarks/small_loop.py [--size 1024] [--steps 50] [--rounds 30] [--recipes current delayed] [--caller-backward]
 
 A host-bound step (Linear 1024^3 in bf16 with a bias, forward + backward, fresh
 gradients each step, as ``bench_layers.py``'s small case): its time is the host's,
@@ -9,7 +9,10 @@ processes. So the arms take turns in short rounds of ``--steps`` steps, and each
 round gives a ratio to the bf16 round beside it; the rows are the medians of the
 per-round times and of the per-round ratios (bf16 eager's ms over the arm's: the
 issue's "x of bf16 eager"), with their spread. Run the same command on two trees
-with ``ab_gpu.sh`` to compare them.
+with ``ab_gpu.sh`` to compare them. ``--caller-backward`` adds each arm again with
+its backward on the calling thread (autograd's device thread off for that arm),
+its ratio taken to bf16 eager's run the same way: what the hand-off between the
+threads costs each arm.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--caller-backward", action="store_true",
+                   help="also every arm with its backward on the calling thread (autograd's device thread off)")
     args = p.parse_args(argv)
     n = args.size
     torch.manual_seed(0)
@@ -39,7 +44,7 @@ def main(argv=None) -> None:
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 
-    def step_of(module, recipe=None):
+    def step_of(module, recipe=None, threaded=True):
         params = list(module.parameters())
 
         def step():
@@ -48,13 +53,18 @@ def main(argv=None) -> None:
             x.grad = None
             with te.autocast(enabled=recipe is not None, recipe=recipe):
                 y = module(x)
-            y.backward(dy)
+            with torch.autograd.set_multithreading_enabled(threaded):
+                y.backward(dy)
 
         return step
 
     arms = {"bf16 eager": step_of(base)}
     for name in args.recipes:
         arms[f"te_fuser {name} eager"] = step_of(model, RECIPES[name])
+    if args.caller_backward:
+        arms["bf16 eager, caller bwd"] = step_of(base, threaded=False)
+        for name in args.recipes:
+            arms[f"te_fuser {name}, caller bwd"] = step_of(model, RECIPES[name], threaded=False)
     times: dict[str, list[float]] = {name: [] for name in arms}
     for step in arms.values():
         for _ in range(20):
@@ -67,12 +77,12 @@ def main(argv=None) -> None:
                 step()
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - t0) * 1e3 / args.steps)
-    bf16 = times["bf16 eager"]
-    print(f"{'arm':24s} {'ms/step':>8s} {'x bf16':>7s}  (medians of {args.rounds} rounds of {args.steps} steps; "
-          f"ratio range)")
+    print(f"{'arm':30s} {'ms/step':>8s} {'x bf16':>7s}  (medians of {args.rounds} rounds of {args.steps} steps; "
+          f"ratio range; caller bwd arms against bf16's caller bwd arm)")
     for name, ts in times.items():
+        bf16 = times["bf16 eager, caller bwd" if name.endswith("caller bwd") else "bf16 eager"]
         ratios = [b / t for b, t in zip(bf16, ts)]
-        print(f"{name:24s} {statistics.median(ts):8.4f} {statistics.median(ratios):7.3f}  "
+        print(f"{name:30s} {statistics.median(ts):8.4f} {statistics.median(ratios):7.3f}  "
               f"{min(ratios):.3f}..{max(ratios):.3f}")
 
 
