@@ -163,22 +163,18 @@ __device__ __forceinline__ void store_shared16(uint32_t addr, uint4 x) {
                : "memory");
 }
 
-// rewrite_v_tile: one V tile (raw: 128 keys x D bytes as a tensor copy lands
-// them, rows under the D-byte swizzle) rewritten as Vᵀ (vt: D rows of 128
-// positions, the 128-byte swizzle, the keys permuted as the top of the file says),
-// by 128 threads (the producer warpgroup's, or v_keys_inner_kernel's block). Lane (t, c) of warp w
+// One V tile (raw: 128 keys x D bytes as a tensor copy lands them, rows under the
+// D-byte swizzle) rewritten as Vᵀ (vt: D rows of 128 positions, the 128-byte
+// swizzle, the keys permuted as the top of the file says), by 128 threads (the
+// producer warpgroup's, or v_keys_inner_kernel's block). Lane (t, c) of warp w
 // takes keys 16c + 2t + (0, 1, 8, 9) at the 16 bytes dq = w (and w + 4 at head dim
 // 128) of each: four 16-byte loads, each 4 x 4 block of bytes turned by byte
 // permutes, sixteen words stored at position 16c + 4t of rows 16dq .. 16dq + 15.
 // No two lanes of a store share a bank, nor two lanes of a load's 8-lane phase: the
 // lanes of odd c load each pair of keys the other way round (under either swizzle
 // a key's parity moves its chunk to the other half of the banks).
-//
-// rewrite_v_tile_to(raw, tid, store) hands each word to store(row, c, t, word)
-// instead (row 16dq + 4j + b, its bytes 16c + 4t .. 16c + 4t + 3): a warp's 32 words
-// of one store are a whole row of 128 positions.
-template <int D, typename Store>
-__device__ __forceinline__ void rewrite_v_tile_to(uint32_t raw, int tid, Store store) {
+template <int D>
+__device__ __forceinline__ void rewrite_v_tile(uint32_t raw, uint32_t vt, int tid) {
   const int lane = tid % 32, t = lane % 4, c = lane / 4;
   const int key = 16 * c + 2 * t, swap = c % 2;
   // bytes (b, b + 1) of word j of keys `first` and first + 1, interleaved: lo for b
@@ -206,16 +202,9 @@ __device__ __forceinline__ void rewrite_v_tile_to(uint32_t raw, int tid, Store s
       const uint32_t rows[4] = {__byte_perm(lo01[j], lo89[j], 0x5410), __byte_perm(lo01[j], lo89[j], 0x7632),
                                 __byte_perm(hi01[j], hi89[j], 0x5410), __byte_perm(hi01[j], hi89[j], 0x7632)};
 #pragma unroll
-      for (int b = 0; b < 4; ++b) store(16 * dq + 4 * j + b, c, t, rows[b]);
+      for (int b = 0; b < 4; ++b) store_shared4(vt + swizzled<kBlockN>(16 * dq + 4 * j + b, c) + 4 * t, rows[b]);
     }
   }
-}
-
-template <int D>
-__device__ __forceinline__ void rewrite_v_tile(uint32_t raw, uint32_t vt, int tid) {
-  rewrite_v_tile_to<D>(raw, tid, [vt](int row, int c, int t, uint32_t word) {
-    store_shared4(vt + swizzled<kBlockN>(row, c) + 4 * t, word);
-  });
 }
 
 // Item w's Q block into Q buffer `buffer`: a tensor copy whose bytes complete the
@@ -521,18 +510,18 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
 
 // Block (128 keys, one kv head; rewrite_v_tile's 128 threads): the keys' rows into
 // shared memory under the D-byte swizzle, as a tensor copy lands them (zeros past
-// the last key), then rewrite_v_tile_to straight into vt's rows (a warp's store a
-// whole 128-byte row). Every load is of whole 16-byte chunks, eight lanes a
-// 128-byte line.
+// the last key), rewrite_v_tile into a Vᵀ tile, its rows out to vt. Every copy
+// is of whole 16-byte chunks, eight lanes a 128-byte line.
 template <int D>
 __global__ void __launch_bounds__(kWarpgroup) v_keys_inner_kernel(const __grid_constant__ AttentionFp8Args a) {
   __shared__ alignas(1024) uint8_t raw[kBlockN * D];
-  constexpr int chunks = kBlockN * D / 16 / kWarpgroup;  // a thread's
+  __shared__ alignas(1024) uint8_t tile[D * kBlockN];
+  constexpr int chunks = kBlockN * D / 16 / kWarpgroup;  // a thread's, each way
   const int bh = blockIdx.y;
   const int b = bh / a.hkv, hk = bh % a.hkv;
   const int n0 = blockIdx.x * kBlockN;
   const uint8_t* v = a.v + int64_t(b) * a.v_stride_b + int64_t(hk) * a.v_stride_h;
-  const uint32_t raw_at = shared_address(raw);
+  const uint32_t raw_at = shared_address(raw), tile_at = shared_address(tile);
   uint4 x[chunks];
 #pragma unroll
   for (int i = 0; i < chunks; ++i) {  // every load in flight before the first store
@@ -546,11 +535,14 @@ __global__ void __launch_bounds__(kWarpgroup) v_keys_inner_kernel(const __grid_c
     store_shared16(raw_at + swizzled<D>(n / (D / 16), n % (D / 16)), x[i]);
   }
   __syncthreads();
+  rewrite_v_tile<D>(raw_at, tile_at, threadIdx.x);
+  __syncthreads();
   uint8_t* vt = a.vt + int64_t(bh) * D * a.vt_pitch + n0;
-  const int64_t pitch = a.vt_pitch;
-  rewrite_v_tile_to<D>(raw_at, threadIdx.x, [vt, pitch](int row, int c, int t, uint32_t word) {
-    *reinterpret_cast<uint32_t*>(vt + row * pitch + 16 * c + 4 * t) = word;
-  });
+#pragma unroll
+  for (int i = 0; i < chunks; ++i) {
+    const int n = threadIdx.x + i * kWarpgroup, d = n / (kBlockN / 16), c = n % (kBlockN / 16);
+    *reinterpret_cast<uint4*>(vt + int64_t(d) * a.vt_pitch + 16 * c) = load_shared16(tile_at + swizzled<kBlockN>(d, c));
+  }
 }
 
 // The forward's tensor maps (ForwardMaps's layouts) of a's q, k and vt.
