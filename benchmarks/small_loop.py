@@ -58,13 +58,14 @@ def main(argv=None) -> None:
 
         return step
 
-    arms = {"bf16 eager": step_of(base)}
-    for name in args.recipes:
-        arms[f"te_fuser {name} eager"] = step_of(model, RECIPES[name])
-    if args.caller_backward:
-        arms["bf16 eager, caller bwd"] = step_of(base, threaded=False)
+    arms, baseline = {}, {}  # each arm's step, and the bf16 arm its ratio is taken to
+    modes = [(True, " eager")] + ([(False, ", caller bwd")] if args.caller_backward else [])
+    for threaded, suffix in modes:
+        bf16 = f"bf16{suffix}"
+        arms[bf16], baseline[bf16] = step_of(base, threaded=threaded), bf16
         for name in args.recipes:
-            arms[f"te_fuser {name}, caller bwd"] = step_of(model, RECIPES[name], threaded=False)
+            arms[f"te_fuser {name}{suffix}"] = step_of(model, RECIPES[name], threaded)
+            baseline[f"te_fuser {name}{suffix}"] = bf16
     times: dict[str, list[float]] = {name: [] for name in arms}
     for step in arms.values():
         for _ in range(20):
@@ -78,10 +79,9 @@ def main(argv=None) -> None:
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - t0) * 1e3 / args.steps)
     print(f"{'arm':30s} {'ms/step':>8s} {'x bf16':>7s}  (medians of {args.rounds} rounds of {args.steps} steps; "
-          f"ratio range; caller bwd arms against bf16's caller bwd arm)")
+          f"ratio range; caller bwd arms against bf16, caller bwd)")
     for name, ts in times.items():
-        bf16 = times["bf16 eager, caller bwd" if name.endswith("caller bwd") else "bf16 eager"]
-        ratios = [b / t for b, t in zip(bf16, ts)]
+        ratios = [b / t for b, t in zip(times[baseline[name]], ts)]
         print(f"{name:30s} {statistics.median(ts):8.4f} {statistics.median(ratios):7.3f}  "
               f"{min(ratios):.3f}..{max(ratios):.3f}")
 

@@ -629,9 +629,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
 // tiles made by the producer warpgroup rather than by a launch before (the same
 // bits): 0 never, 1 always, 2 (the default) up to 2048 keys. The kernel's rewrite
 // is made once per query block that reads a tile, the launch's once per tile: the
-// kernel's was the faster at 1024 keys (10% at head dim 64, 14% at 128) and at 2048
-// (4% at head dim 64, 8% at 128), level at 4096 keys with head dim 64 and 3-10% the slower at
-// 128 (RESULTS.md runs 248-250, 261 and 262). Set for this process.
+// kernel's was the faster at 1024 keys (10% at head dim 64, 14% at 128) and at
+// 2048 (4% at head dim 64, 8% at 128), level at 4096 keys with head dim 64 and
+// 3-10% the slower at 128 (RESULTS.md runs 248-250, 261 and 262). Set for this
+// process.
 bool attention_turns_state = true;
 bool attention_overlap_state = true;
 int64_t attention_v_in_kernel_state = 2;
