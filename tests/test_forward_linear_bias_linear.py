@@ -343,3 +343,23 @@ def test_cast_given_amax_equals_the_cast():
     assert_bitwise(got.columnwise.data.view(torch.uint8), want.columnwise.data.view(torch.uint8), "column-wise bytes")
     assert_bitwise(got.rowwise.scale_inv.reshape(()), want.rowwise.scale_inv.reshape(()), "scale_inv")
     assert got.shape == want.shape and got.dtype == want.dtype
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_the_fused_activation_saves_its_input_as_the_op_does(recipe_name):
+    """``cache_quantized_input``: the activation's backward reads its input through
+    FP8 in the fused forwards (ForwardLinearBiasActivation, the amax hand-off) as in
+    the op's own forward: the same gradients as the plan without fusion, bit for bit."""
+    from op_testing import RECIPES
+
+    gen = torch.Generator().manual_seed(24)
+    fused = te.ops.Sequential(te.ops.Linear(H, F), te.ops.GELU(cache_quantized_input=True), te.ops.Linear(F, H))
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.copy_(representable(*p.shape, generator=gen, scale_exp=-2 if p.dim() == 1 else -3))
+    plain = te.ops.Sequential(*copy.deepcopy(list(fused)), fuse=False)
+    xs = [representable(3, 7, H, generator=gen, scale_exp=-1) for _ in range(2)]
+    got = _steps(fused, xs, RECIPES[recipe_name], True)
+    want = _steps(plain, xs, RECIPES[recipe_name], True)
+    _assert_identical(got, want, f"cache_quantized_input {recipe_name}")
+    assert fused.fusion_plan().rules() and not plain.fusion_plan().rules()
