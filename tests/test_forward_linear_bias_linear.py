@@ -268,3 +268,98 @@ def test_a_training_step_on_the_gpu_declines_the_hand_off():
     plan = model.fusion_plan()
     assert "ForwardLinearBiasLinear" not in plan
     assert "declined: forward_linear_bias_linear_bias at ops 0..3: a backward follows" in plan, plan
+
+
+# -- current scaling: the activation kernel's amax handed to the second linear's cast ----------
+
+AMAX_CASES = [  # (model, rule expected to fire)
+    ("gelu", "forward_activation_amax_linear_bias"),
+    ("swiglu_gelu", "forward_activation_amax_linear_bias_activation"),
+]
+
+
+def _amax_models(kind: str, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    fused = _model(kind, dtype, gen)
+    xs = [((-2.3 + 0.5 * torch.randn(3, 7, H, generator=gen)) * 2.0**i / 8).to(dtype) for i in range(2)]
+    return fused, copy.deepcopy(fused), xs
+
+
+def _count_given_amax_casts(monkeypatch) -> list:
+    calls = []
+    inner = Float8CurrentScalingQuantizer.cast_given_amax
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(Float8CurrentScalingQuantizer, "cast_given_amax", counting)
+    return calls
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "triton"])
+@pytest.mark.parametrize("kind,rule", AMAX_CASES)
+def test_amax_hand_off_is_bit_identical_to_the_separate_cast(monkeypatch, kind, rule, backend_name):
+    """Training under current scaling: the activation kernel reduces its output's amax
+    and the second linear casts with it given; outputs and gradients are those of
+    the plan without the rule, bit for bit (on the Triton backend under the
+    interpreter on the CPU, compiled on a GPU)."""
+    device = "cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu"
+    fused, plain, xs = _amax_models(kind, torch.bfloat16, 21)
+    fused, plain, xs = fused.to(device), plain.to(device), [x.to(device) for x in xs]
+    recipe = te.recipe.Float8CurrentScaling()
+    calls = _count_given_amax_casts(monkeypatch)
+    with te.autocast(enabled=False, backend=backend_name):
+        got = _steps(fused, xs, recipe, True)
+        assert len(calls) == len(xs), "every training step's hidden tensor is cast with its amax given"
+        with rules.without_fusion_rules(*[r.name for r in DEFAULT_RULES if r.name.startswith("forward_activation_amax")]):
+            want = _steps(plain, xs, recipe, True)
+    assert len(calls) == len(xs)
+    assert rule in fused.fusion_plan().rules(), fused.fusion_plan()
+    assert "ForwardLinearBiasLinear" not in plain.fusion_plan()
+    _assert_identical(got, want, f"{kind} current {backend_name}")
+
+
+def test_amax_hand_off_declines_without_a_backward_and_with_a_high_precision_one():
+    fused, _, xs = _amax_models("gelu", torch.float32, 22)
+    recipe = te.recipe.Float8CurrentScaling()
+    _steps(fused, xs[:1], recipe, False)
+    plan = fused.fusion_plan()
+    assert "declined: forward_activation_amax_linear_bias at ops 0..4: no backward follows" in plan, plan
+    _steps(fused, xs[:1], recipe.replace(backward_override="high_precision"), True)
+    assert "declined: forward_activation_amax_linear_bias at ops 0..4: backward_override='high_precision'" in \
+        fused.fusion_plan()
+    _steps(fused, xs[:1], te.recipe.DelayedScaling(), True)  # not tried: the delayed rules decline instead
+    assert "forward_activation_amax" not in fused.fusion_plan()
+
+
+def test_cast_given_amax_equals_the_cast():
+    gen = torch.Generator().manual_seed(23)
+    x = (torch.randn(9, 40, generator=gen) * 3).to(torch.bfloat16)
+    q = Float8CurrentScalingQuantizer(E4M3, power_2_scales=True, amax_epsilon=1e-3)
+    want = q.cast(x, rowwise=True, columnwise=True)
+    got = q.cast_given_amax(x, x.float().abs().amax().reshape(1), rowwise=True, columnwise=True)
+    assert_bitwise(got.rowwise.data.view(torch.uint8), want.rowwise.data.view(torch.uint8), "row-wise bytes")
+    assert_bitwise(got.columnwise.data.view(torch.uint8), want.columnwise.data.view(torch.uint8), "column-wise bytes")
+    assert_bitwise(got.rowwise.scale_inv.reshape(()), want.rowwise.scale_inv.reshape(()), "scale_inv")
+    assert got.shape == want.shape and got.dtype == want.dtype
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_the_fused_activation_saves_its_input_as_the_op_does(recipe_name):
+    """``cache_quantized_input``: the activation's backward reads its input through
+    FP8 in the fused forwards (ForwardLinearBiasActivation, the amax hand-off) as in
+    the op's own forward: the same gradients as the plan without fusion, bit for bit."""
+    from op_testing import RECIPES
+
+    gen = torch.Generator().manual_seed(24)
+    fused = te.ops.Sequential(te.ops.Linear(H, F), te.ops.GELU(cache_quantized_input=True), te.ops.Linear(F, H))
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.copy_(representable(*p.shape, generator=gen, scale_exp=-2 if p.dim() == 1 else -3))
+    plain = te.ops.Sequential(*copy.deepcopy(list(fused)), fuse=False)
+    xs = [representable(3, 7, H, generator=gen, scale_exp=-1) for _ in range(2)]
+    got = _steps(fused, xs, RECIPES[recipe_name], True)
+    want = _steps(plain, xs, RECIPES[recipe_name], True)
+    _assert_identical(got, want, f"cache_quantized_input {recipe_name}")
+    assert fused.fusion_plan().rules() and not plain.fusion_plan().rules()

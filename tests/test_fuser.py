@@ -274,8 +274,7 @@ group 0: 8 ops: 0:LayerNorm('ln'), 1:MakeExtraOutput, 2:BasicLinear('fc1'), 3:Bi
   forward:
     LayerNorm(0:LayerNorm('ln'))
     MakeExtraOutput(1:MakeExtraOutput)
-    ForwardLinearBiasActivation(2:BasicLinear('fc1'), 3:Bias, 4:SwiGLU)  [rule forward_linear_bias_activation]
-    ForwardLinearBiasAdd(5:BasicLinear('fc2'), 6:Bias('fc2'), 7:AddExtraInput)  [rule forward_linear_bias_add]
+    ForwardLinearBiasLinear(2:BasicLinear('fc1'), 3:Bias, 4:SwiGLU, 5:BasicLinear('fc2'), 6:Bias('fc2'), 7:AddExtraInput)  [rule forward_activation_amax_linear_bias_add]
   backward:
     LayerNorm(0:LayerNorm('ln'))
     BackwardLinearAdd(1:MakeExtraOutput, 2:BasicLinear('fc1'))  [rule backward_linear_add]
@@ -551,13 +550,17 @@ def test_a_switch_back_matches_again_under_another_rule_table():
     current, delayed = RECIPES["current"], RECIPES["delayed"]
     for recipe in (current, delayed):
         step(model, x, recipe)
-    assert "rule forward_linear_bias_activation" in model.fusion_plan()
-    with te.ops.without_fusion_rules("forward_linear_bias_activation"):
+    assert "rule forward_linear_bias_activation" in model.fusion_plan()  # delayed scaling's plan
+    from te_fuser.ops.fused import DEFAULT_RULES
+
+    amax_rules = [rule.name for rule in DEFAULT_RULES if rule.name.startswith("forward_activation_amax_")]
+    with te.ops.without_fusion_rules(*amax_rules):
         step(model, x, current)
-        assert "rule forward_linear_bias_activation" not in model.fusion_plan()
+        assert "rule forward_activation_amax_linear_bias" not in model.fusion_plan()
+        assert "rule forward_linear_bias_activation" in model.fusion_plan()
     step(model, x, delayed)
     step(model, x, current)
-    assert "rule forward_linear_bias_activation" in model.fusion_plan()
+    assert "rule forward_activation_amax_linear_bias" in model.fusion_plan()
 
 
 def test_a_switch_back_checks_a_new_input_shape_again():

@@ -95,6 +95,17 @@ def _hand_off(with_activation: bool, tail: str = "") -> RuleExamples:
         steps=2, backward=not with_activation, on_triton=True)
 
 
+def _amax_hand_off(tail: str) -> RuleExamples:
+    """A current-scaling amax hand-off's examples: an activation kernel between the
+    linears (any kind: with a backward it runs apart from the GEMM), trained."""
+    acts = ACTIVATIONS + (te.ops.QGELU, te.ops.SReLU, te.ops.GEGLU)
+    return RuleExamples(
+        tuple(Example(partial(_hand_off_model, act, tail), extra_inputs=int(tail == "bias_add")) for act in acts),
+        recipes=("current",),
+        why_not_other_recipes="the amax hand-off is a current-scaling rule (test_forward_linear_bias_linear.py)",
+        on_triton=True)
+
+
 _DECLINES_WITHOUT_FP8 = ("the rule declines without an FP8 recipe "
                         "(test_rules_that_read_the_recipe_decline_with_a_reason)")
 _LINEAR_ACTIVATION_LINEAR = tuple(Example(partial(_linear_activation_linear, act)) for act in ACTIVATIONS)
@@ -146,7 +157,14 @@ EXAMPLES: dict[str, RuleExamples] = {
     "forward_linear_bias_activation_linear_bias": _hand_off(True, "bias"),
     "forward_linear_bias_activation_linear_bias_activation": _hand_off(True, "bias_activation"),
     "forward_linear_bias_activation_linear_bias_add": _hand_off(True, "bias_add"),
-    "forward_linear_bias_activation": RuleExamples(_LINEAR_ACTIVATION_LINEAR),
+    "forward_activation_amax_linear": _amax_hand_off(""),
+    "forward_activation_amax_linear_bias": _amax_hand_off("bias"),
+    "forward_activation_amax_linear_bias_activation": _amax_hand_off("bias_activation"),
+    "forward_activation_amax_linear_bias_add": _amax_hand_off("bias_add"),
+    # a norm after the activation: with a linear there, current scaling takes the amax hand-off instead
+    "forward_linear_bias_activation": RuleExamples(
+        tuple(Example(_sequential(partial(te.ops.Linear, H, F), act, partial(te.ops.LayerNorm, _width(act, F))))
+              for act in ACTIVATIONS)),
     "forward_linear_bias_add": RuleExamples(
         (Example(_sequential(partial(te.ops.Linear, H, F), te.ops.AddExtraInput), extra_inputs=1),)),
     "forward_linear_add": RuleExamples(

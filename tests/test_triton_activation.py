@@ -134,3 +134,43 @@ def test_parametrized_gated_kinds_on_odd_shapes_and_views(kind, params):
                      f"{context} dbias", scaled=True)
     x = cases[0][0]
     assert not torch.allclose(tk.activation(x, kind, params=params), tk.activation(x, kind))
+
+
+@pytest.mark.parametrize("kind", KINDS + ["srelu", "geglu"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, None])
+def test_activation_reduces_the_amax_of_its_output(kind, out_dtype):
+    """``amax_out``: amax(|y|) of y as returned (after the rounding to out_dtype), the
+    value a current-scaling cast of y computes first, in the kernel's one pass; the
+    output itself unchanged. The reference's the same for its own y."""
+    x = _x((37, 96), torch.float32, seed=3)
+    plain = tk.activation(x, kind, out_dtype=out_dtype)
+    amax = torch.full((1,), -1.0, device=DEVICE)  # overwritten, not folded into
+    y = tk.activation(x, kind, out_dtype=out_dtype, amax_out=amax)
+    assert torch.equal(y, plain)
+    assert torch.equal(amax, y.float().abs().amax().reshape(1)), (amax, y.float().abs().amax())
+    ref_amax = torch.empty(1, device=DEVICE)
+    y_ref = ref.activation_reference(x, kind, out_dtype=out_dtype, amax_out=ref_amax)
+    assert torch.equal(ref_amax, y_ref.float().abs().amax().reshape(1))
+
+
+def test_activation_amax_of_a_nan_and_of_nothing():
+    x = torch.tensor([[1.0, float("nan"), -2.0, 0.5]], device=DEVICE)
+    amax = torch.empty(1, device=DEVICE)
+    tk.activation(x, "gelu", amax_out=amax)
+    assert amax.isnan().all(), "a NaN in y is the amax (the casts' bit maximum: NaN above inf)"
+    empty = torch.empty(0, 8, device=DEVICE)
+    for fn in (tk.activation, ref.activation_reference):
+        amax.fill_(5.0)
+        fn(empty, "gelu", amax_out=amax)
+        assert amax.item() == 0.0
+
+
+def test_activation_amax_out_must_be_one_fp32_element_beside_x():
+    x = _x((4, 8))
+    for fn in (tk.activation, ref.activation_reference):
+        with pytest.raises(ValueError, match="activation: amax_out must be None or a one-element float32 tensor, "
+                                             "got torch.float32 tensor of 2 elements"):
+            fn(x, "gelu", amax_out=torch.empty(2, device=DEVICE))
+        with pytest.raises(ValueError, match="activation: amax_out must be None or a one-element float32 tensor, "
+                                             "got torch.bfloat16 tensor of 1 elements"):
+            fn(x, "gelu", amax_out=torch.empty(1, device=DEVICE, dtype=torch.bfloat16))

@@ -21,7 +21,8 @@ import torch
 
 from ..formats import ACTIVATIONS, GLU_GATES, GLU_UPS, activation_params
 
-__all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference", "dact_dbias_reference"]
+__all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference", "dact_dbias_reference",
+           "check_amax_out"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
@@ -122,11 +123,34 @@ def _check_kind(kind: str, params=None) -> None:
 
 
 def activation_reference(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
-                         params: tuple | None = None) -> torch.Tensor:
+                         params: tuple | None = None, amax_out: torch.Tensor | None = None) -> torch.Tensor:
     """``kind(x)`` computed in fp32 (or fp64 for fp64 input), returned in that dtype
     or rounded once to ``out_dtype``; ``params``: a parametrized kind's values
-    (its defaults when None)."""
+    (its defaults when None). ``amax_out`` (a one-element fp32 tensor beside ``x``)
+    is overwritten with the result's ``amax(|y|)`` as returned (0 for an empty
+    result, NaN where y holds one): what a current-scaling cast of y would compute
+    first, so the cast can take it as given and read y once."""
     _check_kind(kind, params)
+    if amax_out is not None:
+        check_amax_out(amax_out, x, "activation")
+    y = _activation(x, kind, out_dtype, params)
+    if amax_out is not None:
+        amax = y.abs().amax() if y.numel() else torch.zeros((), device=y.device)
+        amax_out.copy_(amax.float().reshape(amax_out.shape))
+    return y
+
+
+def check_amax_out(amax_out, x: torch.Tensor, kernel: str) -> None:
+    """An amax to write must be a one-element float32 tensor beside ``x``."""
+    if not isinstance(amax_out, torch.Tensor) or amax_out.numel() != 1 or amax_out.dtype != torch.float32:
+        what = (f"{amax_out.dtype} tensor of {amax_out.numel()} elements" if isinstance(amax_out, torch.Tensor)
+                else type(amax_out).__name__)
+        raise ValueError(f"{kernel}: amax_out must be None or a one-element float32 tensor, got {what}")
+    if amax_out.device != x.device:
+        raise ValueError(f"{kernel}: amax_out is on {amax_out.device} but x is on {x.device}")
+
+
+def _activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None, params: tuple | None) -> torch.Tensor:
     x = x if x.dtype == torch.float64 else x.float()
     if kind in GLU_GATES:
         f, _, up_f, _ = _gated(kind, params)

@@ -16,7 +16,8 @@ import triton.language as tl
 
 from ..formats import ACTIVATION_CODES, GLU_GATES, activation_params
 from ._launch import launch
-from ._common import TL_FLOAT, cdiv, check_input, is_interpreted, round_through, sm_count, sum_rows
+from ..reference.activation import check_amax_out
+from ._common import TL_FLOAT, abs_bits, cdiv, check_input, is_interpreted, round_through, sm_count, sum_rows
 from .cast import CastPlan
 
 __all__ = ["activation", "activation_grad", "dact_dbias", "ACTIVATION_CODES"]
@@ -222,10 +223,13 @@ def gated_grad(dy, gate, up, KIND: tl.constexpr, P0: tl.constexpr, P1: tl.conste
 
 
 @triton.jit
-def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, GATED: tl.constexpr, COMPUTE: tl.constexpr,
-                       P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
-    """y (rows, cols_out) = KIND(x); for a GATED kind x is (rows, 2 * cols_out)."""
+def _activation_kernel(x_ptr, y_ptr, amax_ptr, rows, cols_out, KIND: tl.constexpr, GATED: tl.constexpr,
+                       COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, AMAX: tl.constexpr, P0: tl.constexpr,
+                       P1: tl.constexpr, P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y (rows, cols_out) = KIND(x); for a GATED kind x is (rows, 2 * cols_out). With
+    AMAX, the tile's amax(|y|) as y is returned (rounded to ROUND_TO, the output dtype where narrower)
+    folded into amax_ptr (int32 bits of a zeroed fp32: |y|'s bits order like its
+    values, NaN above inf) by an atomic maximum."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_out)
@@ -238,6 +242,9 @@ def _activation_kernel(x_ptr, y_ptr, rows, cols_out, KIND: tl.constexpr, GATED: 
         x = tl.load(x_ptr + offs_r[:, None] * cols_out + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
         y = apply_activation(x, KIND)
     tl.store(y_ptr + offs_r[:, None] * cols_out + offs_c[None, :], y, mask=mask)
+    if AMAX:
+        y_out = y if ROUND_TO is None else round_through(y, ROUND_TO)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, abs_bits(y_out.to(tl.float32)), 0), axis=1), axis=0))
 
 
 @triton.jit
@@ -348,15 +355,19 @@ def _kernel_params(kind: str, params) -> dict:
 
 
 def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
-               params: tuple | None = None) -> torch.Tensor:
+               params: tuple | None = None, amax_out: torch.Tensor | None = None) -> torch.Tensor:
     """``kind(x)`` in fp32 (fp64 for fp64 input), or rounded once to ``out_dtype``;
     a gated kind halves the last dimension; ``params``: a parametrized kind's values
-    (its defaults when None)."""
+    (its defaults when None); ``amax_out``: overwritten with amax(|y|) of y as
+    returned, reduced in the same pass (see the reference)."""
     code = activation_code(kind)
     if kind is None:
         raise ValueError("activation: kind must be given")
     consts = _kernel_params(kind, params)
     check_input(x, "activation", dims=None)
+    if amax_out is not None:
+        check_amax_out(amax_out, x, "activation")
+        amax_out.zero_()  # the kernel folds each tile's maximum in
     x2d, cols = _as_rows(x, kind, "activation")
     tl_compute, compute = _compute_dtype(x)
     rows = x2d.shape[0]
@@ -367,8 +378,11 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
     if y.numel():
         plan = _plan(x, "elementwise")
         grid = (cdiv(rows, plan.block_m), cdiv(cols, plan.block_n))
-        launch(_activation_kernel, grid, x2d, y, rows, cols, KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute,
-               **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
+        round_to = TL_FLOAT[out_dtype] if out_dtype in (torch.bfloat16, torch.float16) else None
+        launch(_activation_kernel, grid, x2d, y, x2d if amax_out is None else amax_out.view(torch.int32), rows, cols,
+               KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute, ROUND_TO=round_to, AMAX=amax_out is not None,
+               **consts,
+               BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y.reshape(*x.shape[:-1], cols)

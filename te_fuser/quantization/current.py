@@ -88,6 +88,22 @@ class Float8CurrentScalingQuantizer(Quantizer):
             return super().cast(x, rowwise=rowwise, columnwise=columnwise)
         return self._lean_cast(x, rowwise, columnwise, "quantize_current", generic_current_caster)[0]
 
+    def cast_given_amax(self, x: torch.Tensor, amax: torch.Tensor, *, rowwise: bool,
+                        columnwise: bool) -> QuantizedTensor:
+        """:meth:`cast` of ``x`` whose ``amax(|x|)`` its producer already reduced
+        (``amax``: a one-element fp32 tensor on x's device, e.g. the activation
+        kernel's ``amax_out``): the cast's second pass alone, the same copies and
+        scale bit for bit as :meth:`cast`. Under a sequence-parallel group the amax
+        is first all-reduced over it, as the cast's own would be."""
+        self._check_input(x, rowwise, columnwise)
+        if self._constrains_shape:
+            self.check_shape(tuple(x.shape), rowwise=rowwise, columnwise=columnwise)
+        if self.sequence_parallel_group is not None:
+            amax = max_over(amax, self.sequence_parallel_group)
+        x_hp = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+        rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise, amax.reshape(()))
+        return QuantizedTensor(rowwise_op, columnwise_op, x.shape, x.dtype)
+
     def _lean_column_sums(self, x: torch.Tensor, rowwise: bool, columnwise: bool, round_bf16: bool,
                           sums_dtype: torch.dtype = torch.float32):
         """The ops' column-sums casts, lean as :meth:`cast` (fp32 cast as bf16 rounded as the kernel reads it)."""

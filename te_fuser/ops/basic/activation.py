@@ -63,9 +63,13 @@ def _interleaved(dx, size):
     return dx.reshape(*lead, 2, n // (2 * size), size).transpose(-3, -2).reshape(*lead, n)
 
 
-def _act(x, kind, params, out_dtype):
-    """``kind(x)`` by the backend kernel: fp32 (fp64 for fp64 input) or rounded once to ``out_dtype``."""
-    return backend.resolve("activation", x.device).fn(x, kind, out_dtype=out_dtype, params=params)
+def _act(x, kind, params, out_dtype, amax_out=None):
+    """``kind(x)`` by the backend kernel: fp32 (fp64 for fp64 input) or rounded once to ``out_dtype``;
+    with ``amax_out``, amax(|result|) written there in the same pass."""
+    fn = backend.resolve("activation", x.device).fn
+    if amax_out is None:
+        return fn(x, kind, out_dtype=out_dtype, params=params)
+    return fn(x, kind, out_dtype=out_dtype, params=params, amax_out=amax_out)
 
 
 def _act_grad(dy, x, kind, params):
@@ -155,6 +159,12 @@ class Activation(BasicOperation):
         return _interleaved(dx, self.glu_interleave_size)
 
     def op_forward(self, ctx, x, extra_inputs):
+        return self.forward_reducing_amax(ctx, x), []
+
+    def forward_reducing_amax(self, ctx, x, amax_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The op's forward output; with ``amax_out`` (a one-element fp32 tensor on
+        x's device) also its amax(|y|), reduced by the kernel as it writes y: what a
+        current-scaling cast of y computes first (see ForwardLinearBiasLinear)."""
         run = ctx.run
         if x.dtype is not run.compute_dtype:
             x = x.to(run.compute_dtype)
@@ -164,7 +174,7 @@ class Activation(BasicOperation):
                 ctx.saved["x_fp8"] = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(x)
             else:
                 ctx.saved["x"] = x
-        return _act(x, self.kind, self.params, x.dtype), []
+        return _act(x, self.kind, self.params, x.dtype, amax_out)
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         x = saved_input(ctx)

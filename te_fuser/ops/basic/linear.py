@@ -47,7 +47,7 @@ from ...quantization.tensor import QuantizedTensor
 from ...kernels.formats import Scaling
 from ...kernels.operand import ScaledOperand
 from ...quantization.base import EpilogueCast
-from ..gemm import apply_activation, bias_in, columnwise, gemm, gemm_fp8_out, rowwise
+from ..gemm import bias_in, columnwise, gemm, gemm_fp8_out, rowwise
 from ..op import BasicOperation, OpContext
 from ..fp8_all_gather import GatheredWeight
 from ..fp8_parameters import fp8_init_recipe, fp8_weight, fp8_weight_replaced, make_fp8_parameter
@@ -458,8 +458,7 @@ def linear_bias_activation_forward(ctxs, ops, x):
     if not run.needs_backward:
         return linear_forward(ctxs[0], linear, x, bias=b, activation=act.kind)
     pre = linear_forward(ctxs[0], linear, x, bias=b)
-    ctxs[2].saved["x"] = pre  # what the activation's own backward reads
-    return apply_activation(pre, act.kind)
+    return act.forward_reducing_amax(ctxs[2], pre)  # the op's own forward: what its backward reads saved as it saves it
 
 
 def linear_bias_add_forward(ctxs, ops, x, residual, scale: float | None = None):

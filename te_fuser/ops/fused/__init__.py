@@ -112,6 +112,34 @@ def _hand_off_possible(ops, recipe, context):
     return None
 
 
+def _current_scaling(recipe):
+    """The amax hand-off saves current scaling's first pass (the amax) over the hidden tensor."""
+    return recipe is not None and recipe.float8_current_scaling()
+
+
+def _amax_hand_off_possible(ops, recipe, context):
+    """``Linear -> Bias -> activation -> Linear ...`` under current scaling: the
+    activation kernel reduces the amax the second linear's cast then takes as given.
+    Only with a backward: without one the first GEMM's epilogue applies the
+    activation, and no kernel writes the hidden tensor apart."""
+    if not context.needs_backward:
+        return ("no backward follows: the first GEMM's epilogue applies the activation (no activation kernel to "
+                "reduce the amax in; the second linear's cast computes it)")
+    if recipe.backward_override == "high_precision":
+        return "backward_override='high_precision': the second linear's backward needs its input in high precision"
+    return None
+
+
+def _amax_hand_off_rules():
+    """Linear -> Bias -> activation -> Linear [-> Bias [-> activation | AddExtraInput]] under current scaling."""
+    head = ((BasicLinear,), (Bias,), (Activation,))
+    return tuple(FusionRule(f"forward_activation_amax_{tail_name}", "forward", head + tail, ForwardLinearBiasLinear,
+                            _amax_hand_off_possible, applies_to=_current_scaling)
+                 for tail_name, tail in (("linear", ((BasicLinear,),)), ("linear_bias", ((BasicLinear,), (Bias,))),
+                                         ("linear_bias_activation", ((BasicLinear,), (Bias,), (Activation,))),
+                                         ("linear_bias_add", ((BasicLinear,), (Bias,), (AddExtraInput,)))))
+
+
 def _hand_off_rules():
     """Linear -> Bias [-> activation] -> Linear [-> Bias [-> activation | AddExtraInput]]: one rule per shape."""
     rules = []
@@ -183,7 +211,7 @@ def _attention_rules():
     return tuple(rules)
 
 
-DEFAULT_RULES = _hand_off_rules() + _attention_rules() + (
+DEFAULT_RULES = _hand_off_rules() + _amax_hand_off_rules() + _attention_rules() + (
     FusionRule("forward_linear_bias_activation", "forward", ((BasicLinear,), (Bias,), (Activation,)),
                ForwardLinearBiasActivation, _epilogue_applies_activation),
     FusionRule("forward_linear_bias_add", "forward", ((BasicLinear,), (Bias,), (AddExtraInput,)), ForwardLinearBiasAdd),
