@@ -272,6 +272,7 @@ def test_a_training_step_on_the_gpu_declines_the_hand_off():
 
 # -- current scaling: the activation kernel's amax handed to the second linear's cast ----------
 
+AMAX_RULES = [r.name for r in DEFAULT_RULES if r.name.startswith("forward_activation_amax_")]
 AMAX_CASES = [  # (model, rule expected to fire)
     ("gelu", "forward_activation_amax_linear_bias"),
     ("swiglu_gelu", "forward_activation_amax_linear_bias_activation"),
@@ -312,7 +313,7 @@ def test_amax_hand_off_is_bit_identical_to_the_separate_cast(monkeypatch, kind, 
     with te.autocast(enabled=False, backend=backend_name):
         got = _steps(fused, xs, recipe, True)
         assert len(calls) == len(xs), "every training step's hidden tensor is cast with its amax given"
-        with rules.without_fusion_rules(*[r.name for r in DEFAULT_RULES if r.name.startswith("forward_activation_amax")]):
+        with rules.without_fusion_rules(*AMAX_RULES):
             want = _steps(plain, xs, recipe, True)
     assert len(calls) == len(xs)
     assert rule in fused.fusion_plan().rules(), fused.fusion_plan()
