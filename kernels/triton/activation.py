@@ -227,9 +227,9 @@ def _activation_kernel(x_ptr, y_ptr, amax_ptr, rows, cols_out, KIND: tl.constexp
                        COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, AMAX: tl.constexpr, P0: tl.constexpr,
                        P1: tl.constexpr, P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """y (rows, cols_out) = KIND(x); for a GATED kind x is (rows, 2 * cols_out). With
-    AMAX, the tile's amax(|y|) as y is returned (rounded to ROUND_TO, the output dtype where narrower)
-    folded into amax_ptr (int32 bits of a zeroed fp32: |y|'s bits order like its
-    values, NaN above inf) by an atomic maximum."""
+    AMAX, the tile's amax(|y|) of y as returned (rounded to ROUND_TO, the output
+    dtype where it is narrower) folded into amax_ptr (the int32 bits of a zeroed
+    fp32: |y|'s bits order like its values, NaN above inf) by an atomic maximum."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_out)
@@ -381,8 +381,7 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
         round_to = TL_FLOAT[out_dtype] if out_dtype in (torch.bfloat16, torch.float16) else None
         launch(_activation_kernel, grid, x2d, y, x2d if amax_out is None else amax_out.view(torch.int32), rows, cols,
                KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute, ROUND_TO=round_to, AMAX=amax_out is not None,
-               **consts,
-               BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
+               **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y.reshape(*x.shape[:-1], cols)
