@@ -20,9 +20,9 @@ import math
 import torch
 
 from ..formats import ACTIVATIONS, GLU_GATES, GLU_UPS, activation_params
+from .cast import check_given_amax
 
-__all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference", "dact_dbias_reference",
-           "check_amax_out"]
+__all__ = ["ACTIVATIONS", "activation_reference", "activation_grad_reference", "dact_dbias_reference"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
@@ -132,22 +132,12 @@ def activation_reference(x: torch.Tensor, kind: str, out_dtype: torch.dtype | No
     first, so the cast can take it as given and read y once."""
     _check_kind(kind, params)
     if amax_out is not None:
-        check_amax_out(amax_out, x, "activation")
+        check_given_amax(amax_out, x, "activation", "amax_out")
     y = _activation(x, kind, out_dtype, params)
     if amax_out is not None:
         amax = y.abs().amax() if y.numel() else torch.zeros((), device=y.device)
         amax_out.copy_(amax.float().reshape(amax_out.shape))
     return y
-
-
-def check_amax_out(amax_out, x: torch.Tensor, kernel: str) -> None:
-    """An amax to write must be a one-element float32 tensor beside ``x``."""
-    if not isinstance(amax_out, torch.Tensor) or amax_out.numel() != 1 or amax_out.dtype != torch.float32:
-        what = (f"{amax_out.dtype} tensor of {amax_out.numel()} elements" if isinstance(amax_out, torch.Tensor)
-                else type(amax_out).__name__)
-        raise ValueError(f"{kernel}: amax_out must be None or a one-element float32 tensor, got {what}")
-    if amax_out.device != x.device:
-        raise ValueError(f"{kernel}: amax_out is on {amax_out.device} but x is on {x.device}")
 
 
 def _activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None, params: tuple | None) -> torch.Tensor:

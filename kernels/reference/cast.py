@@ -231,13 +231,14 @@ def check_matrix(x, kernel: str) -> None:
         raise ValueError(f"{kernel}: x must be a 2-D tensor (M, N), got {got}")
 
 
-def check_given_amax(amax, x: torch.Tensor, kernel: str) -> None:
-    """A precomputed amax must be a one-element fp32 tensor beside ``x``."""
+def check_given_amax(amax, x: torch.Tensor, kernel: str, name: str = "amax") -> None:
+    """A precomputed amax (or one a kernel is to write: ``name`` says which argument)
+    must be a one-element fp32 tensor beside ``x``."""
     if not isinstance(amax, torch.Tensor) or amax.numel() != 1 or amax.dtype != torch.float32:
         what = f"{amax.dtype} tensor of {amax.numel()} elements" if isinstance(amax, torch.Tensor) else type(amax).__name__
-        raise ValueError(f"{kernel}: amax must be None or a one-element float32 tensor, got {what}")
+        raise ValueError(f"{kernel}: {name} must be None or a one-element float32 tensor, got {what}")
     if amax.device != x.device:
-        raise ValueError(f"{kernel}: amax is on {amax.device} but x is on {x.device}")
+        raise ValueError(f"{kernel}: {name} is on {amax.device} but x is on {x.device}")
 
 
 def quantize_rowwise_reference(

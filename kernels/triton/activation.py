@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..formats import ACTIVATION_CODES, GLU_GATES, activation_params
 from ._launch import launch
-from ..reference.activation import check_amax_out
+from ..reference.cast import check_given_amax
 from ._common import TL_FLOAT, abs_bits, cdiv, check_input, is_interpreted, round_through, sm_count, sum_rows
 from .cast import CastPlan
 
@@ -366,7 +366,7 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
     consts = _kernel_params(kind, params)
     check_input(x, "activation", dims=None)
     if amax_out is not None:
-        check_amax_out(amax_out, x, "activation")
+        check_given_amax(amax_out, x, "activation", "amax_out")
         amax_out.zero_()  # the kernel folds each tile's maximum in
     x2d, cols = _as_rows(x, kind, "activation")
     tl_compute, compute = _compute_dtype(x)

@@ -149,13 +149,15 @@ class Quantizer:
             rowwise = self.rowwise_usage
         if columnwise is None:
             columnwise = self.columnwise_usage
+        rowwise_op, columnwise_op = self._quantize(self._checked_matrix(x, rowwise, columnwise), rowwise, columnwise)
+        return QuantizedTensor(rowwise_op, columnwise_op, x.shape, x.dtype)
+
+    def _checked_matrix(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> torch.Tensor:
+        """``x`` checked for a cast of the named copies, as its 2-D flattening ``(M, K)``."""
         self._check_input(x, rowwise, columnwise)
-        shape = x.shape
         if self._constrains_shape:
-            self.check_shape(tuple(shape), rowwise=rowwise, columnwise=columnwise)
-        x_hp = x if len(shape) == 2 else x.reshape(-1, shape[-1])  # (M, K)
-        rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise)
-        return QuantizedTensor(rowwise_op, columnwise_op, shape, x.dtype)
+            self.check_shape(tuple(x.shape), rowwise=rowwise, columnwise=columnwise)
+        return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
     # -- the lean path of the ops' calls (schemes that define one) -------------
     _kept_casters = None  # kernel -> (the backend's fn, the constant arguments, the caster)

@@ -95,12 +95,9 @@ class Float8CurrentScalingQuantizer(Quantizer):
         kernel's ``amax_out``): the cast's second pass alone, the same copies and
         scale bit for bit as :meth:`cast`. Under a sequence-parallel group the amax
         is first all-reduced over it, as the cast's own would be."""
-        self._check_input(x, rowwise, columnwise)
-        if self._constrains_shape:
-            self.check_shape(tuple(x.shape), rowwise=rowwise, columnwise=columnwise)
+        x_hp = self._checked_matrix(x, rowwise, columnwise)
         if self.sequence_parallel_group is not None:
             amax = max_over(amax, self.sequence_parallel_group)
-        x_hp = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
         rowwise_op, columnwise_op = self._quantize(x_hp, rowwise, columnwise, amax.reshape(()))
         return QuantizedTensor(rowwise_op, columnwise_op, x.shape, x.dtype)
 
