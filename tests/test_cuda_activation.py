@@ -2,7 +2,7 @@
 unary kinds against the reference (dx within the dtype's tolerance, dbias the fp32
 sums of the returned dx) on the 16-byte and the element paths, 2-D and 3-D, the
 same bits from the lean entry and on every run; the gated and parametrized kinds,
-a dy of another dtype and another output dtype through the Triton kernel; the lean
+a dy of another dtype, another output dtype and an ``amax_out`` through the Triton kernel; the lean
 entry's hand-backs; the checked path's errors; a GPT trained through it."""
 
 from __future__ import annotations
@@ -74,6 +74,22 @@ def test_what_the_kernel_does_not_compute_goes_to_triton(kind, params, dy_dtype,
     for a, b in zip(got, want):
         assert_bitwise(a, b, f"{kind} {dy_dtype} -> {out_dtype}")
     assert cuda.dact_dbias.lean(dy, x, kind, out_dtype, params) is None
+
+
+def test_an_amax_out_goes_to_triton():
+    """The Triton kernel reduces dx's amax as it writes it; the cuda kernel does not."""
+    cuda = _cuda()
+    from te_fuser.kernels import triton as tk
+
+    x = _x((40, 64), seed=4).to(torch.bfloat16).cuda()
+    dy = _x((40, 64), seed=5).to(torch.bfloat16).cuda()
+    amax, amax_tk = torch.empty(1, device="cuda"), torch.empty(1, device="cuda")
+    got = cuda.dact_dbias(dy, x, "gelu", amax_out=amax)
+    want = tk.dact_dbias(dy, x, "gelu", amax_out=amax_tk)
+    for a, b in zip((*got, amax), (*want, amax_tk)):
+        assert_bitwise(a, b, "gelu with amax_out")
+    assert torch.equal(amax, got[0].float().abs().amax().reshape(1))
+    assert cuda.dact_dbias.lean(dy, x, "gelu", amax_out=amax) is None
 
 
 def test_the_lean_entry_hands_back_what_the_checked_path_must_see():

@@ -287,11 +287,12 @@ def _amax_models(kind: str, dtype: torch.dtype, seed: int):
 
 
 def _count_given_amax_casts(monkeypatch) -> list:
+    """The tensor types of the quantizers that cast with an amax given, call by call."""
     calls = []
     inner = Float8CurrentScalingQuantizer.cast_given_amax
 
     def counting(self, *args, **kwargs):
-        calls.append(1)
+        calls.append(self.role.tensor_type)
         return inner(self, *args, **kwargs)
 
     monkeypatch.setattr(Float8CurrentScalingQuantizer, "cast_given_amax", counting)
@@ -312,10 +313,10 @@ def test_amax_hand_off_is_bit_identical_to_the_separate_cast(monkeypatch, kind, 
     calls = _count_given_amax_casts(monkeypatch)
     with te.autocast(enabled=False, backend=backend_name):
         got = _steps(fused, xs, recipe, True)
-        assert len(calls) == len(xs), "every training step's hidden tensor is cast with its amax given"
+        assert calls.count("input") == len(xs), "every training step's hidden tensor is cast with its amax given"
         with rules.without_fusion_rules(*AMAX_RULES):
             want = _steps(plain, xs, recipe, True)
-    assert len(calls) == len(xs)
+    assert calls.count("input") == len(xs)
     assert rule in fused.fusion_plan().rules(), fused.fusion_plan()
     assert "ForwardLinearBiasLinear" not in plain.fusion_plan()
     _assert_identical(got, want, f"{kind} current {backend_name}")
@@ -332,6 +333,44 @@ def test_amax_hand_off_declines_without_a_backward_and_with_a_high_precision_one
         fused.fusion_plan()
     _steps(fused, xs[:1], te.recipe.DelayedScaling(), True)  # not tried: the delayed rules decline instead
     assert "forward_activation_amax" not in fused.fusion_plan()
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "triton"])
+@pytest.mark.parametrize("kind,per_step", [("gelu", 1), ("swiglu_gelu", 2)])
+def test_the_backward_hands_the_gradient_amax_to_its_cast(monkeypatch, kind, per_step, backend_name):
+    """The backward's twin: ``Linear -> Bias -> activation``'s fused backward reduces
+    the amax of the gradient its ``dact_dbias`` pass writes and the linear's
+    grad-output quantizer casts with it given; outputs, gradients and states are
+    those of the same plan casting the gradient itself, bit for bit."""
+    import te_fuser.ops.fused.backward_linear_bias_activation as backward_module
+
+    device = "cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu"
+    fused, plain, xs = _amax_models(kind, torch.bfloat16, 25)
+    fused, plain, xs = fused.to(device), plain.to(device), [x.to(device) for x in xs]
+    recipe = te.recipe.Float8CurrentScaling()
+    calls = _count_given_amax_casts(monkeypatch)
+    with te.autocast(enabled=False, backend=backend_name):
+        got = _steps(fused, xs, recipe, True)
+        # each Linear -> Bias -> activation's gradient, every step
+        assert calls.count("grad_output") == per_step * len(xs), calls
+        monkeypatch.setattr(backward_module, "_grad_amax_slot", lambda ctx, dy: None)
+        want = _steps(plain, xs, recipe, True)
+    assert calls.count("grad_output") == per_step * len(xs)
+    assert "backward_linear_bias_activation" in fused.fusion_plan().rules(), fused.fusion_plan()
+    _assert_identical(got, want, f"{kind} current backward {backend_name}")
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "block"])
+def test_the_backward_casts_the_gradient_itself_under_other_recipes(monkeypatch, recipe_name):
+    """Only a quantizer that casts with an amax given takes one: delayed scaling (its
+    scale known before the tensor) and block scaling reduce nothing in the pass."""
+    from op_testing import RECIPES
+
+    fused, _, xs = _amax_models("gelu", torch.bfloat16, 26)
+    calls = _count_given_amax_casts(monkeypatch)
+    _steps(fused, xs[:1], RECIPES[recipe_name], True)
+    assert calls == []
+    assert "backward_linear_bias_activation" in fused.fusion_plan().rules(), fused.fusion_plan()
 
 
 def test_cast_given_amax_equals_the_cast():

@@ -174,3 +174,37 @@ def test_activation_amax_out_must_be_one_fp32_element_beside_x():
         with pytest.raises(ValueError, match="activation: amax_out must be None or a one-element float32 tensor, "
                                              "got torch.bfloat16 tensor of 1 elements"):
             fn(x, "gelu", amax_out=torch.empty(1, device=DEVICE, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", KINDS + ["srelu", "geglu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dact_dbias_reduces_the_amax_of_its_gradient(kind, dtype):
+    """``amax_out``: amax(|dx|) of dx as returned (rounded to x's dtype), folded over
+    every program's slab of rows (more rows than one tile); dx and dbias unchanged.
+    The reference's the same for its own dx."""
+    x = _x((83, 96), dtype, seed=5)
+    dy = _x((83, 48 if kind in ("swiglu", "geglu") else 96), dtype, seed=6)
+    dx_plain, db_plain = tk.dact_dbias(dy, x, kind)
+    amax = torch.full((1,), -1.0, device=DEVICE)  # overwritten, not folded into
+    dx, db = tk.dact_dbias(dy, x, kind, amax_out=amax)
+    assert torch.equal(dx, dx_plain) and torch.equal(db, db_plain)
+    assert torch.equal(amax, dx.float().abs().amax().reshape(1)), (amax, dx.float().abs().amax())
+    ref_amax = torch.empty(1, device=DEVICE)
+    dx_ref, _ = ref.dact_dbias_reference(dy, x, kind, amax_out=ref_amax)
+    assert torch.equal(ref_amax, dx_ref.float().abs().amax().reshape(1))
+
+
+def test_dact_dbias_amax_of_a_nan_of_nothing_and_its_checks():
+    x = torch.tensor([[1.0, 2.0, -2.0, 0.5]], device=DEVICE)
+    dy = torch.tensor([[1.0, float("nan"), 3.0, 0.5]], device=DEVICE)
+    amax = torch.empty(1, device=DEVICE)
+    tk.dact_dbias(dy, x, "gelu", amax_out=amax)
+    assert amax.isnan().all(), "a NaN in dx is the amax (the casts' bit maximum: NaN above inf)"
+    empty = torch.empty(0, 8, device=DEVICE)
+    for fn in (tk.dact_dbias, ref.dact_dbias_reference):
+        amax.fill_(5.0)
+        fn(empty, empty, "gelu", amax_out=amax)
+        assert amax.item() == 0.0
+        with pytest.raises(ValueError, match="dact_dbias: amax_out must be None or a one-element float32 tensor, "
+                                             "got torch.float32 tensor of 2 elements"):
+            fn(x, x, "gelu", amax_out=torch.empty(2, device=DEVICE))

@@ -39,20 +39,21 @@ def dact_dbias_unsupported_reason(dy: torch.Tensor, x: torch.Tensor) -> str | No
     return None
 
 
-def _triton(dy, x, kind, out_dtype, params):
+def _triton(dy, x, kind, out_dtype, params, amax_out):
     from ..triton.activation import dact_dbias as triton_dact_dbias  # here: importing this backend loads no triton
 
-    return triton_dact_dbias(dy, x, kind, out_dtype, params)
+    return triton_dact_dbias(dy, x, kind, out_dtype, params, amax_out)
 
 
 def dact_dbias(dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
-               params: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               params: tuple | None = None, amax_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dbias)`` as :func:`dact_dbias_reference`: dx of x's shape rounded to
-    ``out_dtype`` (default x's dtype), dbias the fp32 sums of the rounded dx."""
+    ``out_dtype`` (default x's dtype), dbias the fp32 sums of the rounded dx; with
+    ``amax_out``, the Triton kernel's, which reduces dx's amax as it writes it."""
     code = UNARY_CODES.get(kind)
     if (code is None or activation_params(kind, params) or dy.dtype is not x.dtype
-            or (out_dtype is not None and out_dtype is not x.dtype)):
-        return _triton(dy, x, kind, out_dtype, params)  # its checks name what is wrong
+            or (out_dtype is not None and out_dtype is not x.dtype) or amax_out is not None):
+        return _triton(dy, x, kind, out_dtype, params, amax_out)  # its checks name what is wrong
     for name, t in (("dy", dy), ("x", x)):
         check_cuda_tensor(t, "dact_dbias", name)
     if x.dim() == 0:
@@ -71,11 +72,11 @@ def dact_dbias(dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dt
 
 
 def _lean_dact_dbias(dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
-                     params: tuple | None = None):
+                     params: tuple | None = None, amax_out: torch.Tensor | None = None):
     """:func:`dact_dbias` with its checks in the extension: the same result, or None
     for operands it does not take as they are (then the checked call decides)."""
     code = UNARY_CODES.get(kind)
-    if code is None or params or (out_dtype is not None and out_dtype is not x.dtype):
+    if code is None or params or (out_dtype is not None and out_dtype is not x.dtype) or amax_out is not None:
         return None
     index = current_device_index()
     return extension().dact_dbias_lean(dy, x, code, index, stream_of_index(index))

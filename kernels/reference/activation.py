@@ -135,9 +135,14 @@ def activation_reference(x: torch.Tensor, kind: str, out_dtype: torch.dtype | No
         check_given_amax(amax_out, x, "activation", "amax_out")
     y = _activation(x, kind, out_dtype, params)
     if amax_out is not None:
-        amax = y.abs().amax() if y.numel() else torch.zeros((), device=y.device)
-        amax_out.copy_(amax.float().reshape(amax_out.shape))
+        _write_amax(y, amax_out)
     return y
+
+
+def _write_amax(y: torch.Tensor, amax_out: torch.Tensor) -> None:
+    """``amax_out`` = amax(|y|) in fp32 (0 for an empty ``y``, NaN where it holds one)."""
+    amax = y.abs().amax() if y.numel() else torch.zeros((), device=y.device)
+    amax_out.copy_(amax.float().reshape(amax_out.shape))
 
 
 def _activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None, params: tuple | None) -> torch.Tensor:
@@ -168,12 +173,18 @@ def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, kind: str,
 
 def dact_dbias_reference(
     dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
-    params: tuple | None = None,
+    params: tuple | None = None, amax_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of ``Bias -> activation``: ``dx = dact(dy, x)`` rounded to
     ``out_dtype`` (default ``x.dtype``), and ``dbias`` = the fp32 sum over rows of
     that rounded ``dx`` — the same numbers the unfused activation and bias
-    backwards produce."""
+    backwards produce. ``amax_out`` (a one-element fp32 tensor beside ``x``) is
+    overwritten with ``amax(|dx|)`` of dx as returned, as :func:`activation_reference`'s
+    is with its output's: what a current-scaling cast of dx would compute first."""
+    if amax_out is not None:
+        check_given_amax(amax_out, x, "dact_dbias", "amax_out")
     dx = activation_grad_reference(dy, x, kind, params).to(x.dtype if out_dtype is None else out_dtype)
     dbias = dx.reshape(-1, dx.shape[-1]).float().sum(dim=0)
+    if amax_out is not None:
+        _write_amax(dx, amax_out)
     return dx, dbias

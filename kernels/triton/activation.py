@@ -248,14 +248,21 @@ def _activation_kernel(x_ptr, y_ptr, amax_ptr, rows, cols_out, KIND: tl.constexp
 
 
 @triton.jit
+def _column_bits(v, mask):
+    """The int32 bits of each column's max |v| over the tile's rows in ``mask`` (as fp32)."""
+    return tl.max(tl.where(mask, abs_bits(v.to(tl.float32)), 0), axis=0)
+
+
+@triton.jit
 def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.constexpr, GATED: tl.constexpr,
-               COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
-               P2: tl.constexpr):
+               COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, AMAX: tl.constexpr, P0: tl.constexpr,
+               P1: tl.constexpr, P2: tl.constexpr):
     """Write the input gradient of one tile; return its column sums (two halves,
-    gate then up, for a GATED kind; the second is zeros otherwise). With a ROUND_TO
+    gate then up, for a GATED kind; the second is zeros otherwise) and, with AMAX,
+    the int32 bits of each column's max |dx| (zeros without). With a ROUND_TO
     dtype (narrower than COMPUTE: the op's dtype), dx is first rounded once to
-    it, and the sums are of the rounded values: what the unfused backward (dx in
-    the op's dtype, then a bias gradient of that dx) computes."""
+    it, and the sums and maxima are of the rounded values: what the unfused
+    backward (dx in the op's dtype, then a bias gradient of that dx) computes."""
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols_dy)
     dy = tl.load(dy_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
     if GATED:
@@ -269,7 +276,10 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.co
         dx_row = dx_ptr + offs_r[:, None] * (2 * cols_dy) + offs_c[None, :]
         tl.store(dx_row, d_gate, mask=mask)
         tl.store(dx_row + cols_dy, d_up, mask=mask)
-        return tl.sum(tl.where(mask, d_gate, 0.0), axis=0), tl.sum(tl.where(mask, d_up, 0.0), axis=0)
+        col_bits = tl.zeros_like(offs_c)
+        if AMAX:
+            col_bits = tl.maximum(_column_bits(d_gate, mask), _column_bits(d_up, mask))
+        return tl.sum(tl.where(mask, d_gate, 0.0), axis=0), tl.sum(tl.where(mask, d_up, 0.0), axis=0), col_bits
     else:
         x = tl.load(x_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], mask=mask, other=0.0).to(COMPUTE)
         dx = apply_activation_grad(dy, x, KIND)
@@ -277,7 +287,11 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.co
             dx = round_through(dx, ROUND_TO)
         tl.store(dx_ptr + offs_r[:, None] * cols_dy + offs_c[None, :], dx, mask=mask)
         col_sum = tl.sum(tl.where(mask, dx, 0.0), axis=0)
-        return col_sum, tl.zeros_like(col_sum)
+        col_bits = tl.zeros_like(offs_c)
+        if AMAX:
+            col_bits = _column_bits(dx, mask)
+        return col_sum, tl.zeros_like(col_sum), col_bits
+
 
 
 @triton.jit
@@ -286,32 +300,39 @@ def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.const
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, GATED, COMPUTE, None, P0, P1, P2)
+    _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, GATED, COMPUTE, None, False, P0, P1, P2)
 
 
 @triton.jit
-def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, rows, cols_dy, rows_per_split, KIND: tl.constexpr,
-                       GATED: tl.constexpr, COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr, P0: tl.constexpr,
-                       P1: tl.constexpr, P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _dact_dbias_kernel(dy_ptr, x_ptr, dx_ptr, partial_ptr, amax_ptr, rows, cols_dy, rows_per_split,
+                       KIND: tl.constexpr, GATED: tl.constexpr, COMPUTE: tl.constexpr, ROUND_TO: tl.constexpr,
+                       AMAX: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (c, s) writes dx for its columns over rows [s * rows_per_split, ...)
-    and the column sums of that slab into partial[s] (a row of cols_dx)."""
+    and the column sums of that slab into partial[s] (a row of cols_dx); with AMAX,
+    the slab's max |dx| is folded into amax_ptr (the int32 bits of a zeroed fp32)
+    by one atomic maximum, as :func:`_activation_kernel` folds its tiles'."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     split = tl.program_id(1)
     first = split * rows_per_split
     sum_a = tl.zeros([BLOCK_C], dtype=COMPUTE)
     sum_b = tl.zeros([BLOCK_C], dtype=COMPUTE)
+    bits = tl.zeros([BLOCK_C], dtype=tl.int32)
     for r0 in range(first, tl.minimum(first + rows_per_split, rows), BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         offs_r = tl.where(offs_r < first + rows_per_split, offs_r, rows)  # stay inside this split
-        part_a, part_b = _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, GATED, COMPUTE,
-                                    ROUND_TO, P0, P1, P2)
+        part_a, part_b, part_bits = _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND, GATED,
+                                               COMPUTE, ROUND_TO, AMAX, P0, P1, P2)
         sum_a += part_a
         sum_b += part_b
+        bits = tl.maximum(bits, part_bits)
     cols_dx = 2 * cols_dy if GATED else cols_dy
     col_ok = offs_c < cols_dy
     tl.store(partial_ptr + split * cols_dx + offs_c, sum_a, mask=col_ok)
     if GATED:
         tl.store(partial_ptr + split * cols_dx + cols_dy + offs_c, sum_b, mask=col_ok)
+    if AMAX:
+        tl.atomic_max(amax_ptr, tl.max(bits, axis=0))
 
 
 # ------------------------------------------------------------------ launchers
@@ -421,9 +442,11 @@ def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str, params: tuple 
 
 
 def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, compute,
-                       round_to: torch.dtype | None = None, params: tuple | None = None) -> torch.Tensor:
+                       round_to: torch.dtype | None = None, params: tuple | None = None,
+                       amax_out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the fused kernel into ``dx``, dx first rounded to the narrower
-    ``round_to`` when given; return dbias."""
+    ``round_to`` when given (and its amax folded into the zeroed ``amax_out``);
+    return dbias."""
     tl_compute, torch_compute = compute
     rows, cols_dx = x2d.shape
     plan = _plan(x2d, "dact_dbias")
@@ -435,9 +458,10 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, comput
     splits = cdiv(rows, rows_per_split)
     partial = torch.empty((splits, cols_dx), dtype=torch_compute, device=x2d.device)
     launch(_dact_dbias_kernel, (col_blocks, splits),
-        dy2d, x2d, dx, partial, rows, cols, rows_per_split, KIND=activation_code(kind), GATED=kind in GLU_GATES,
-        COMPUTE=tl_compute,
-        ROUND_TO=None if round_to is None else TL_FLOAT[round_to], **_kernel_params(kind, params),
+        dy2d, x2d, dx, partial, x2d if amax_out is None else amax_out.view(torch.int32), rows, cols, rows_per_split,
+        KIND=activation_code(kind), GATED=kind in GLU_GATES, COMPUTE=tl_compute,
+        ROUND_TO=None if round_to is None else TL_FLOAT[round_to], AMAX=amax_out is not None,
+        **_kernel_params(kind, params),
         BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=plan.num_warps)
     return sum_rows(partial)
@@ -445,24 +469,30 @@ def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, comput
 
 def dact_dbias(
     dy: torch.Tensor, x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
-    params: tuple | None = None,
+    params: tuple | None = None, amax_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dbias)``: the activation gradient, rounded once to ``out_dtype``
     (default ``x.dtype``), and the fp32 sum over all leading dimensions of that
     rounded dx (the gradient of a bias added before the activation, as the unfused
-    ops compute it), in one pass over ``dy`` and ``x``."""
+    ops compute it), in one pass over ``dy`` and ``x``; ``amax_out``: overwritten
+    with amax(|dx|) of dx as returned, reduced in the same pass (see the reference)."""
     dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "dact_dbias")
     activation_params(kind, params)
+    if amax_out is not None:
+        check_given_amax(amax_out, x, "dact_dbias", "amax_out")
+        amax_out.zero_()  # the kernel folds each slab's maximum in
     compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     # The interpreter's own narrowing conversion is not trusted: there the kernel
-    # writes the compute dtype and torch rounds.
+    # rounds in integer arithmetic (exact) and writes the compute dtype, and torch
+    # converts the rounded values.
     in_kernel = out_dtype == compute[1] or not is_interpreted(x)
     dx = torch.empty(x2d.shape, dtype=out_dtype if in_kernel else compute[1], device=x.device)
     if not dx.numel():
         return dx.reshape(x.shape).to(out_dtype), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device)
     dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, compute,
-                               round_to=dx.dtype if dx.dtype != compute[1] else None, params=params)
+                               round_to=out_dtype if out_dtype != compute[1] else None, params=params,
+                               amax_out=amax_out)
     if not in_kernel:
         dx = dx.to(out_dtype)
         dbias = dx.to(compute[1]).sum(dim=0)

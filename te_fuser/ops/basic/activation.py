@@ -394,12 +394,18 @@ class ScaledSReLU(ScaledActivation):
         super().__init__(None, activation_recompute_in_mlp=activation_recompute_in_mlp, name=name)
 
 
-def activation_bias_backward(ctx_act, bias_op, dy):
+def activation_bias_backward(ctx_act, bias_op, dy, amax_out: torch.Tensor | None = None):
     """``(d pre-activation, dbias)`` of ``Bias -> activation`` in one pass, from the
-    activation's saved input (for the fused ops that run the two together)."""
+    activation's saved input (for the fused ops that run the two together); with
+    ``amax_out`` (a one-element fp32 tensor on x's device) also amax(|d pre-activation|),
+    reduced by the kernel as it writes it (see BackwardLinearBiasActivation)."""
     x = saved_input(ctx_act)
     op = ctx_act.op
     dy = dy if dy.dtype is x.dtype else dy.to(x.dtype)
-    dx, db = backend.lean_first(backend.resolve("dact_dbias", x.device).fn, dy, x, op.kind, params=op.params)
+    fn = backend.resolve("dact_dbias", x.device).fn
+    if amax_out is None:
+        dx, db = backend.lean_first(fn, dy, x, op.kind, params=op.params)
+    else:
+        dx, db = fn(dy, x, op.kind, params=op.params, amax_out=amax_out)
     dtype = bias_op.bias.dtype
     return ctx_act.op._interleaved(dx), (db if db.dtype is dtype else db.to(dtype))

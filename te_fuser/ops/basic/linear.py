@@ -286,16 +286,20 @@ def _fprop_operands(ctx: OpContext, op: BasicLinear, x2d: torch.Tensor, w_hp: to
 
 
 def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw: bool, column_sums: bool = False,
-                       as_dtype: torch.dtype | None = None, sums_dtype: torch.dtype = torch.float32):
+                       as_dtype: torch.dtype | None = None, sums_dtype: torch.dtype = torch.float32,
+                       dy_amax: torch.Tensor | None = None):
     """dy, x and w in the form the backward GEMMs take, per ``backward_override``;
     with ``column_sums``, also dy's column sums summed in fp32 and returned as
     ``sums_dtype`` (fp32 or bf16), from the dy cast's own read where its scheme
     allows (else None), the cast as of ``dy2d.to(as_dtype)`` when ``as_dtype`` is
-    given (FP8 backward only)."""
+    given (FP8 backward only); ``dy_amax``: amax(|dy2d|) as its producer reduced it,
+    for a grad-output quantizer that casts with it given (``cast_given_amax``)."""
     run, saved = ctx.run, ctx.saved
     x_s, w_s = saved["x"], saved["w"]
     if run.fp8_backward:
         quantizer = ctx.quantizers.get("grad_output")
+        if dy_amax is not None and not column_sums:
+            return quantizer.cast_given_amax(dy2d, dy_amax, rowwise=need_dx, columnwise=need_dw), x_s, w_s, None
         if column_sums:
             dy_q, sums = quantizer.quantize_with_column_sums(dy2d, rowwise=need_dx, columnwise=need_dw,
                                                              as_dtype=as_dtype, sums_dtype=sums_dtype)
@@ -311,11 +315,15 @@ def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_d
 
 def linear_backward(
     ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None,
-    dy_scale: float | None = None,
+    dy_scale: float | None = None, dy_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dgrad (plus ``grad_residual``, a gradient to add to dx) and wgrad; with
-    ``dy_scale``, those of ``dy_scale · dy`` (see :func:`_scaled_operands`)."""
-    dx, dw, _ = linear_backward_with_column_sums(ctx, op, dy, grad_residual, column_sums=False, dy_scale=dy_scale)
+    ``dy_scale``, those of ``dy_scale · dy`` (see :func:`_scaled_operands`); with
+    ``dy_amax`` (amax(|dy|), a one-element fp32 tensor its producer reduced), dy's
+    FP8 cast takes it as given (``cast_given_amax``: the grad-output quantizer must
+    have one) where dy comes in the compute dtype, else it is not used."""
+    dx, dw, _ = linear_backward_with_column_sums(ctx, op, dy, grad_residual, column_sums=False, dy_scale=dy_scale,
+                                                 dy_amax=dy_amax)
     return dx, dw
 
 
@@ -338,6 +346,7 @@ def _scaled_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_dw:
 def linear_backward_with_column_sums(
     ctx: OpContext, op: BasicLinear, dy: torch.Tensor, grad_residual: torch.Tensor | None = None,
     column_sums: bool = True, dy_scale: float | None = None, sums_dtype: torch.dtype = torch.float32,
+    dy_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """dgrad, wgrad and (with ``column_sums``) dy's column sums, the gradient of a
     bias on this linear's output, read from dy by its cast where it can: summed in
@@ -355,10 +364,12 @@ def linear_backward_with_column_sums(
             as_dtype = dtype
         else:
             dy2d = dy2d.to(dtype)
+            dy_amax = None  # an amax of dy as it came, not as cast
     need_dx = ctx.needs_input_grad
     need_dw = ctx.param_needs_grad[0] if ctx.param_needs_grad else ctx.saved["w_requires_grad"]
     if dy_scale is None:
-        dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums, as_dtype, sums_dtype)
+        dy_q, x_s, w_s, sums = _backward_operands(ctx, dy2d, need_dx, need_dw, column_sums, as_dtype, sums_dtype,
+                                                  dy_amax)
     else:
         dy_q, x_s, w_s, sums = _scaled_operands(ctx, dy2d, need_dx, need_dw, dy_scale)
     dx = dw = None
