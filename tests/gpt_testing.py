@@ -12,11 +12,11 @@ from te_fuser.models.gpt import GPT, GPTConfig
 CONFIG = GPTConfig(n_layer=2, d_model=128, n_head=2, d_ffn=256, seq_len=64, batch_size=2)
 
 
-def step_per_auto_entry(kernel: str, entries: list[str], lean_owner, monkeypatch) -> tuple[dict, list]:
+def step_per_auto_entry(kernel: str, entries: list[str], lean_owner, monkeypatch, recipe=None) -> tuple[dict, list]:
     """``({entry: (loss, {parameter name: gradient})}, calls)``: for each of ``entries``
     in turn, ``kernel``'s auto entry set to it (the table's entry put back after), a
-    fresh GPT of :data:`CONFIG` (seed 0) runs one forward under current scaling and
-    bf16 autocast and one backward on a fixed batch. ``lean_owner.lean`` (the new
+    fresh GPT of :data:`CONFIG` (seed 0) runs one forward under ``recipe`` (current
+    scaling by default) and bf16 autocast and one backward on a fixed batch. ``lean_owner.lean`` (the new
     kernel's lean entry) is wrapped for the last entry's run: ``calls`` holds, per
     call, whether it answered (not None)."""
     calls: list = []
@@ -36,7 +36,8 @@ def step_per_auto_entry(kernel: str, entries: list[str], lean_owner, monkeypatch
                 monkeypatch.setattr(lean_owner, "lean", counted)
             torch.manual_seed(0)
             model = GPT(CONFIG, device="cuda")
-            with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+            with torch.autocast("cuda", dtype=torch.bfloat16), \
+                    te.autocast(recipe=recipe or te.recipe.Float8CurrentScaling()):
                 logits = model(batch[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
             loss.backward()
