@@ -8,7 +8,9 @@ alike; the medians over the rounds and their ratios.
   stored in it, with delta made in it, and cuDNN's; every stage's dq, dk and dv
   checked bit for bit against nothing-in-the-kernel's first;
 - ``--forward``: the FP8 forward (E4M3 q, k, v by current scaling, cast before the
-  rounds: the QKV GEMM's epilogue writes them under ``fp8_mha``), the cuda backend's
+  rounds: the QKV GEMM's epilogue writes them under ``fp8_mha``), the same with V
+  handed as a transposed copy (keys inner, as a transposing cast of V writes it:
+  read as it lies, K's rows copied permuted, no rewrite of V), the cuda backend's
   bf16 forward and cuDNN's bf16 forward (#16's FP8 bar: 1.3x cuDNN's time); with
   ``--schedules`` also the FP8 forward under the other schedules
   (``set_hopper_schedule``: without turns, in order, in order without turns; each
@@ -97,12 +99,18 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: boo
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    # V as its producer's transposed copy would hand it (keys inner): read as it lies, K's rows copied permuted
+    v8_inner = v8.view(torch.uint8).transpose(2, 3).contiguous().transpose(2, 3).view(v8.dtype)
     arms = {"fp8": lambda: cuda_attn.attention_forward_fp8(q8, k8, v8, qsi, ksi, vsi, p_scale, True, scale,
                                                            torch.bfloat16),
+            "fp8, V keys inner given": lambda: cuda_attn.attention_forward_fp8(q8, k8, v8_inner, qsi, ksi, vsi,
+                                                                               p_scale, True, scale, torch.bfloat16),
             "bf16": lambda: cuda_attn.attention_forward(q, k, v, True, scale),
             "cudnn": cudnn}
     o8 = arms["fp8"]()[0]
-    print(f"  {B}x{H}x{T}x{D}: max|o fp8 - o cudnn| {(o8.float() - o_cudnn.float()).abs().max().item():.2e}")
+    o8_inner = arms["fp8, V keys inner given"]()[0]
+    print(f"  {B}x{H}x{T}x{D}: max|o fp8 - o cudnn| {(o8.float() - o_cudnn.float()).abs().max().item():.2e}, "
+          f"max|o fp8 V keys inner given - o fp8| {(o8_inner.float() - o8.float()).abs().max().item():.2e}")
     if schedules:
         for label, (turns, overlap) in SCHEDULES.items():
             arms[label] = _with(cuda_attn.set_hopper_schedule, (turns, overlap), arms["fp8"])
@@ -119,7 +127,8 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: boo
                 raise SystemExit(f"{B}x{H}x{T}x{D}: the FP8 forward, {label}, is not the default's o and lse")
     case = f"{B}x{H}x{T}x{D} fwd"
     median = _print_rounds(case, harness.rounds_ms(arms, rounds))
-    print(f"  {case:16s} cudnn / fp8 {median['cudnn'] / median['fp8']:.3f}x, cudnn / bf16 "
+    print(f"  {case:16s} cudnn / fp8 {median['cudnn'] / median['fp8']:.3f}x, cudnn / fp8 V keys inner given "
+          f"{median['cudnn'] / median['fp8, V keys inner given']:.3f}x, cudnn / bf16 "
           f"{median['cudnn'] / median['bf16']:.3f}x" + "".join(
               f", cudnn / fp8 {label} {median['cudnn'] / median[label]:.3f}x" for label in SCHEDULES if label in median)
           + (f", V keys inner {median['V keys inner'] / median['fp8']:.1%} of fp8, V in kernel / V launched "

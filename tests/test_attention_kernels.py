@@ -237,6 +237,22 @@ def test_fp8_forward_within_its_bound(shape, out_dtype, causal):
         assert_close(lse, lse_exact, "attention_fp8_lse", context.replace(" o", " lse"))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_reads_a_keys_inner_v_as_it_lies(causal):
+    """V handed as a transposed copy (keys inner, as a transposing cast writes it):
+    the Triton kernel reads it in place and the reference takes it as any view, with
+    the bits of the contiguous V."""
+    shape = (2, 4, 2, 37, 48, 64)
+    fp8s, scales = fp8_qkv(*shape, seed=3)
+    v_inner = fp8s[2].view(torch.uint8).transpose(2, 3).contiguous().transpose(2, 3).view(E4M3)
+    assert v_inner.stride(2) == 1 and torch.equal(v_inner.view(torch.uint8), fp8s[2].view(torch.uint8))
+    p_scale = torch.tensor(448.0, device=DEVICE)
+    for name, fn in (("triton", tk.attention_forward_fp8), ("reference", ref.attention_forward_fp8_reference)):
+        want = fn(*fp8s, *scales, p_scale, causal, 0.125, torch.bfloat16)
+        got = fn(fp8s[0], fp8s[1], v_inner, *scales, p_scale, causal, 0.125, torch.bfloat16)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+
+
 P_SCALE_CASES = [(448.0, 1.0), (300.0, 288.0 / 300.0), (1000.0, 448.0 / 1000.0)]  # (p_scale, e4m3(p_scale) / p_scale)
 
 

@@ -6,7 +6,8 @@ lengths (one key tile and many, Tq above and below Tk, grouped kv heads, head di
 p_scale, the fused QKV tensor's views read in place (the same bits as contiguous
 copies), the same bits on every run and with or without the consumers' turns (the
 overlapped schedule: its own bits, within the same bound),
-the Triton FP8 forward beside it at real sizes, the backend's dispatch (Triton's kernel for
+V handed with its keys inner (read as it lies, K's rows copied permuted), the
+Triton FP8 forward beside it at real sizes, the backend's dispatch (Triton's kernel for
 what this one does not take), the default schedule, and what the kernel refuses with a
 reason. The kernel runs on sm_90a only; the reasons also run here on the CPU."""
 
@@ -255,6 +256,113 @@ def test_a_block_works_through_several_items(shape, causal, overlap):
     B, H, _, T, _, D = shape
     assert -(-T // 128) * B * H > 2 * torch.cuda.get_device_properties(0).multi_processor_count
     _beside_triton(shape, causal, overlap, seed=T + D + B)
+
+
+def keys_inner_copy(v: torch.Tensor, layout: str) -> torch.Tensor:
+    """v (B, Hkv, Tk, D) as a view of a transposed copy, its keys inner: of (B, Hkv,
+    D, Tk) storage ("heads"), or of the (Hkv·D, B·Tk) columns a transposing cast of a
+    fused QKV tensor writes ("tokens": v[b, h, t, d] at row h·D + d, column b·Tk + t)."""
+    raw = v.view(torch.uint8)
+    if layout == "heads":
+        return raw.transpose(2, 3).contiguous().transpose(2, 3).view(E4M3)
+    B, Hkv, T, D = v.shape
+    vt = raw.permute(1, 3, 0, 2).reshape(Hkv * D, B * T).contiguous()
+    return vt.view(Hkv, D, B, T).permute(2, 0, 3, 1).view(E4M3)
+
+
+def _fused(fp8s):
+    """q, k, v as head ranges of one fused (B, T, H + 2·Hkv, D) tensor (Tq = Tk)."""
+    H, Hkv = fp8s[0].shape[1], fp8s[1].shape[1]
+    fused = torch.cat([t.view(torch.uint8).transpose(1, 2) for t in fp8s], dim=2)
+    heads = fused.transpose(1, 2).view(E4M3)
+    return heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
+
+
+KEYS_INNER_SHAPES = [(1, 8, 2, 144, 144, 64), (2, 4, 4, 160, 160, 128), (1, 8, 2, 67, 1040, 64),
+                     (2, 4, 1, 1024, 1024, 128), (3, 2, 2, 48, 16, 64)]
+
+
+@hopper
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["heads", "tokens"])
+@pytest.mark.parametrize("shape", KEYS_INNER_SHAPES)
+def test_v_with_its_keys_inner_is_read_as_it_lies(shape, layout, causal, overlap):
+    """V handed as a transposed copy (keys inner) is read as it lies and K's rows are
+    copied permuted instead: o within the FP8 bound of exact attention and lse within
+    its tolerance, beside the forward that rewrites V; k's batches folded into its
+    heads (contiguous q, k) or into its keys (views of the fused QKV tensor, Tq = Tk);
+    partial last tiles, Tq above and below Tk, grouped heads, both head dims; the same
+    bits on every run and with or without the consumers' turns."""
+    B, H, Hkv, Tq, Tk, D = shape
+    fp8s, scale_invs = fp8_qkv(*shape, seed=sum(shape) + 5)
+    if layout == "tokens":
+        if Tq != Tk:
+            pytest.skip("views of one fused tensor have one length")
+        fp8s = _fused(fp8s)
+    v_inner = keys_inner_copy(fp8s[2], layout)
+    assert v_inner.stride(2) == 1 and cuda_attn.keys_inner_reason(fp8s[1], v_inner) is None
+    p_scale = torch.tensor(448.0, device="cuda")
+    scale = 1 / math.sqrt(D)
+    with _schedule(True, overlap):
+        o, lse = _forward((fp8s[0], fp8s[1], v_inner), scale_invs, p_scale, causal, scale, torch.bfloat16)
+        again = _forward((fp8s[0], fp8s[1], v_inner), scale_invs, p_scale, causal, scale, torch.bfloat16)
+        rewritten = _forward(fp8s, scale_invs, p_scale, causal, scale, torch.bfloat16)
+    with _schedule(False, overlap):
+        no_turns = _forward((fp8s[0], fp8s[1], v_inner), scale_invs, p_scale, causal, scale, torch.bfloat16)
+    for other in (again, no_turns):
+        assert torch.equal(o, other[0]) and torch.equal(lse, other[1])
+    context = _context(f"cuda fp8 o, v keys inner ({layout}, overlap={overlap})", shape, torch.bfloat16, causal)
+    q64, k64, v64 = dequantized(fp8s, scale_invs)
+    assert_within_fp8_bound(o, q64, k64, v64, causal, scale, 448.0, context)
+    _, lse_exact = exact_attention(q64, k64, v64, causal, scale)
+    assert_close(lse, lse_exact, "attention_fp8_lse", context.replace(" o", " lse"))
+    assert_close(lse, rewritten[1], "attention_fp8_lse", context.replace(" o", " lse against V rewritten"))
+
+
+@hopper
+@pytest.mark.parametrize("T,D", [(4096, 128), (4096, 64)])
+def test_v_with_its_keys_inner_at_real_sizes(T, D):
+    """The fused QKV tensor's views with V as the cast's transposed columns, causal,
+    at the sizes it is for: within the bound, lse as the reference's."""
+    shape = (2, 8, 2, T, T, D)
+    fp8s, scale_invs = fp8_qkv(*shape, seed=T + D + 7)
+    fp8s = _fused(fp8s)
+    scale = 1 / math.sqrt(D)
+    p_scale = torch.tensor(448.0, device="cuda")
+    o, lse = _forward((fp8s[0], fp8s[1], keys_inner_copy(fp8s[2], "tokens")), scale_invs, p_scale, True, scale,
+                      torch.bfloat16)
+    q32, k32, v32 = dequantized(fp8s, scale_invs, torch.float32)
+    context = _context("cuda fp8 o, v keys inner", shape, "bf16", True)
+    assert_within_fp8_bound(o, q32, k32, v32, True, scale, 448.0, context)
+    _, lse32 = ref.attention_forward_reference(q32, k32, v32, True, scale)
+    assert_close(lse, lse32, "attention_fp8_lse", context.replace(" o", " lse"))
+
+
+@hopper
+def test_a_keys_inner_v_it_cannot_read_as_it_lies_is_copied():
+    """Tk not a multiple of 16 (a group of K's permuted rows would span two heads):
+    V is copied to the layout the forward rewrites, with that forward's bits."""
+    fp8s, scale_invs = fp8_qkv(1, 4, 2, 200, 200, 64, seed=21)
+    v_inner = keys_inner_copy(fp8s[2], "heads")
+    assert "multiple of 16" in cuda_attn.keys_inner_reason(fp8s[1], v_inner)
+    p_scale = torch.tensor(448.0, device="cuda")
+    got = _forward((fp8s[0], fp8s[1], v_inner), scale_invs, p_scale, True, 0.125, torch.bfloat16)
+    want = _forward(fp8s, scale_invs, p_scale, True, 0.125, torch.bfloat16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_why_a_keys_inner_v_is_not_read_as_it_lies():
+    """:func:`keys_inner_reason` on any machine."""
+    k = torch.zeros(2, 2, 64, 64, dtype=torch.uint8)
+    v = torch.zeros(2, 2, 64, 64, dtype=torch.uint8).transpose(2, 3)  # keys inner, (B, Hkv, Tk, D) view
+    assert cuda_attn.keys_inner(v) and not cuda_attn.keys_inner(k)
+    assert cuda_attn.keys_inner_reason(k, v) is None
+    assert "Tk 56 is not a multiple of 16" in cuda_attn.keys_inner_reason(k[:, :, :56], v[:, :, :56])
+    pitch_72 = torch.zeros(2, 2, 64, 72, dtype=torch.uint8)[..., :64].transpose(2, 3)  # head dims 72 bytes apart
+    assert "16-byte" in cuda_attn.keys_inner_reason(k, pitch_72)
+    gapped = torch.zeros(2, 3, 64, 64, dtype=torch.uint8)[:, :2]  # a head left out between batches
+    assert "k's batch stride" in cuda_attn.keys_inner_reason(gapped, v)
 
 
 def test_reasons_name_what_the_kernel_does_not_take():

@@ -374,9 +374,37 @@ def _fp8_forward_supported(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_sca
     return _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
 
 
+def keys_inner(v: torch.Tensor) -> bool:
+    """Whether ``v`` (B, Hkv, Tk, D) lies with its keys inner (a view of a transposed
+    copy: key stride 1), as the FP8 forward may take it (:func:`keys_inner_reason`)."""
+    return v.dim() == 4 and v.shape[3] > 1 and v.stride(2) == 1 and v.stride(3) != 1
+
+
+def keys_inner_reason(k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the FP8 forward would not read a keys-inner ``v`` as it lies (None: it
+    does, reading K's rows permuted instead of rewriting V; else it takes V as a
+    contiguous copy): Tk a multiple of 16, v's other strides and its start multiples
+    of 16 bytes, and k's batches after its heads or after its keys in memory (the
+    copy of K permuted has no dimension left for them)."""
+    if v.shape[2] % 16:
+        return f"Tk {v.shape[2]} is not a multiple of 16"
+    if any(v.stride(d) <= 0 or v.stride(d) % 16 for d in (0, 1, 3)) or v.data_ptr() % 16:
+        return f"v's strides {tuple(v.stride())} at offset {v.data_ptr() % 16} are not of 16-byte multiples"
+    if not (k.shape[0] == 1 or k.stride(0) in (k.shape[1] * k.stride(1), k.shape[2] * k.stride(2))):
+        return f"k's batch stride {k.stride(0)} is neither its heads' nor its keys' end (strides {tuple(k.stride())})"
+    return None
+
+
 def _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype):
-    """The kernel on checked arguments whose q and k it takes (v's layout asked here)."""
+    """The kernel on checked arguments whose q and k it takes (v's layout asked here:
+    one with its keys inner read as it lies where :func:`keys_inner_reason` allows,
+    else copied to the layout the kernel rewrites)."""
     scales = torch.stack([s.reshape(()) for s in (q_scale_inv, k_scale_inv, v_scale_inv, p_scale)])
+    if keys_inner(v):
+        if keys_inner_reason(k, v) is None:
+            return _run_checked("attention_forward_fp8", "attention_fp8_forward_lean", None, q, k, v, scales,
+                                float(softmax_scale), bool(causal), out_dtype)
+        v = v.contiguous()
     reason = _hopper_layout_reason(v, "v", _FP8_KERNEL)
     return _run_checked("attention_forward_fp8", "attention_fp8_forward_lean", reason, q, k, v, scales,
                         float(softmax_scale), bool(causal), out_dtype)

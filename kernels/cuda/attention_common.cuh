@@ -91,6 +91,15 @@ __device__ __forceinline__ void tensor_copy_4d(uint32_t dst, const CUtensorMap* 
       : "memory");
 }
 
+__device__ __forceinline__ void tensor_copy_5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                               int c4, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], "
+      "[%7];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
+}
+
 // The map's descriptor fetched ahead of its first copy.
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
@@ -242,17 +251,21 @@ struct ConsumerRows {
 };
 
 // The online softmax on one tile of S (rows row0, row0 + 8; key n0 + 8·(i / 4) +
-// col + i % 2 in sc[i], row (i / 2) % 2): masked keys to -inf (past tk, and above
+// col + i % 2 in sc[i], or with KEYS_PERMUTED the key K's permuted copy put in that
+// column; row (i / 2) % 2): masked keys to -inf (past tk, and above
 // the diagonal when causal), the new running maximum, alpha = exp2(m_old - m_new)
 // per row, and sc[i] = p · p_scale = exp2(s · qk_scale - m_new + p_shift), added to
 // the rows' sums (p_shift 0 where P is not scaled).
-template <bool CAUSAL>
+template <bool CAUSAL, bool KEYS_PERMUTED = false>
 __device__ __forceinline__ void softmax_rows(float (&sc)[64], float (&alpha)[2], ConsumerRows& rows, int n0,
                                              int tk) {
   if (n0 + kBlockN > tk || (CAUSAL && n0 + kBlockN - 1 > rows.first_row)) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-      const int key = n0 + 8 * (i / 4) + rows.col + i % 2;
+      // column c = 8 (i / 4) + col + i % 2 of S holds key c, or, where K's rows were
+      // copied permuted (attention_kernels.cu), key 16 (c / 16) + 2 (c % 8) + (c / 8) % 2
+      const int key = KEYS_PERMUTED ? n0 + 16 * (i / 8) + 2 * (rows.col + i % 2) + (i / 4) % 2
+                                    : n0 + 8 * (i / 4) + rows.col + i % 2;
       const int row = rows.row0 + 8 * ((i / 2) % 2);
       if (key >= tk || (CAUSAL && key > row)) sc[i] = -INFINITY;
     }

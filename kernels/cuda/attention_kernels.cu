@@ -45,6 +45,18 @@
 // keys of Vᵀ to match: position 4t + i of each 16 holds key 2t + (0, 1, 8, 9)[i]
 // (rewrite_v_tile writes Vᵀ so, zero past the last key). The sum over keys is the
 // same sum.
+//
+// Or the other way round (AttentionFp8Args::keys_permuted), where V comes with its
+// keys inner already (a transposed copy its producer wrote: v's key stride 1): K's
+// rows are copied permuted, through a 5-D tensor map whose box walks the keys as
+// (8 with a stride of 2, 2 with a stride of 1, groups of 16), so that S column c of
+// each 16 holds key 2 (c % 8) + c / 8. A thread's accumulator columns 2t, 2t + 8,
+// 2t + 1, 2t + 9 then hold keys 4t .. 4t + 3, the A operand's order, and Vᵀ is
+// read in plain key order, by a 4-D map over v as it lies: no rewrite of V at all.
+// Five dimensions leave none for K's batches: they are folded into its heads or
+// its keys (kp_batch_heads, kp_batch_keys), which K's strides must allow, and Tk
+// is a multiple of 16 (no group of 16 spans two heads or batches); the mask reads
+// each column's key.
 #include "attention_common.cuh"
 #include "dispatch.cuh"
 #include "fp8_common.cuh"
@@ -140,6 +152,10 @@ struct ForwardSmem
 // in boxes of (D, 128, 1, 1), Vᵀ as (positions, batch · kv heads · D) in boxes of
 // (128, D) (where a launch before rewrote V: unset where v_in_kernel); each box
 // lands swizzled as the tile's wgmma descriptor reads it (a V box as K's would).
+// With keys_permuted: k as (D, 8, 2, Tk / 16, batch · kv heads) or (D, 8, 2, batch
+// · Tk / 16, kv heads) with key strides 2, 1 and 16 in boxes of (D, 8, 2, 8, 1),
+// vt over v with its keys inner as (Tk, D, kv heads, batch) in boxes of (128, D,
+// 1, 1); v unset.
 struct ForwardMaps {
   CUtensorMap q, k, v, vt;
 };
@@ -220,9 +236,15 @@ __device__ __forceinline__ void copy_q(const ForwardMaps& maps, uint32_t base, c
 // Key tile j's K into stage s, its bytes counted on the stage's full barrier (the
 // caller's arrival expects them).
 template <int D>
-__device__ __forceinline__ void copy_k(const ForwardMaps& maps, uint32_t base, const BlockWork& w, int j, int s) {
+__device__ __forceinline__ void copy_k(const AttentionFp8Args& a, const ForwardMaps& maps, uint32_t base,
+                                       const BlockWork& w, int j, int s) {
   using S = ForwardSmem<D>;
-  tensor_copy_4d(base + S::k + s * S::tile_bytes, &maps.k, 0, j * kBlockN, w.hk, w.b, S::full(base, s));
+  if (a.keys_permuted) {  // 8 groups of 16 keys from the tile's first, each as (8 x stride 2, 2 x stride 1)
+    tensor_copy_5d(base + S::k + s * S::tile_bytes, &maps.k, 0, 0, 0, (w.b * a.kp_batch_keys + j * kBlockN) / 16,
+                   w.b * a.kp_batch_heads + w.hk, S::full(base, s));
+  } else {
+    tensor_copy_4d(base + S::k + s * S::tile_bytes, &maps.k, 0, j * kBlockN, w.hk, w.b, S::full(base, s));
+  }
 }
 
 // The producer warpgroup for item n (its first tile the block's t0), one thread of
@@ -238,8 +260,12 @@ __device__ __forceinline__ void produce_copied_v(const AttentionFp8Args& a, cons
   auto copy_tile = [&](int j, int s) {
     const uint32_t full = S::full(base, s);
     barrier_arrive_expect_bytes(full, 2 * S::tile_bytes);
-    copy_k<D>(maps, base, w, j, s);
-    tensor_copy_2d(base + S::v + s * S::tile_bytes, &maps.vt, j * kBlockN, vt_row, full);
+    copy_k<D>(a, maps, base, w, j, s);
+    if (a.keys_permuted) {  // v as it lies, its keys inner
+      tensor_copy_4d(base + S::v + s * S::tile_bytes, &maps.vt, j * kBlockN, 0, w.hk, w.b, full);
+    } else {
+      tensor_copy_2d(base + S::v + s * S::tile_bytes, &maps.vt, j * kBlockN, vt_row, full);
+    }
     barrier_arrive(full);
   };
   produce_ring<S>(base, n, t0, w.tiles, [&](int buffer) { copy_q<D>(maps, base, w, buffer); }, copy_tile);
@@ -253,8 +279,8 @@ __device__ __forceinline__ void produce_copied_v(const AttentionFp8Args& a, cons
 // tensor cores and meets the others, after which thread 0 arrives on the full
 // barrier and refills the raw slot. The raw slot's phase is the tile's t / kRawSlots.
 template <int D>
-__device__ __forceinline__ void produce_rewritten_v(const ForwardMaps& maps, uint32_t base, const BlockWork& w, int n,
-                                                    int t0, int tid) {
+__device__ __forceinline__ void produce_rewritten_v(const AttentionFp8Args& a, const ForwardMaps& maps, uint32_t base,
+                                                    const BlockWork& w, int n, int t0, int tid) {
   using S = ForwardSmem<D>;
   auto copy_raw = [&](int j) {
     const int r = (t0 + j) % kRawSlots;
@@ -272,7 +298,7 @@ __device__ __forceinline__ void produce_rewritten_v(const ForwardMaps& maps, uin
     const uint32_t full = S::full(base, s);
     if (tid == 0) {
       barrier_arrive_expect_bytes(full, S::tile_bytes);
-      copy_k<D>(maps, base, w, j, s);
+      copy_k<D>(a, maps, base, w, j, s);
     }
     barrier_wait(S::raw_full(base, r), (t / kRawSlots) & 1);
     rewrite_v_tile<D>(base + S::raw + r * S::tile_bytes, base + S::v + s * S::tile_bytes, tid);
@@ -295,8 +321,8 @@ __device__ __forceinline__ void produce(const AttentionFp8Args& a, const Forward
     prefetch_tensor_map(&maps.k);
     prefetch_tensor_map(a.v_in_kernel ? &maps.v : &maps.vt);
   }
-  if (a.v_in_kernel) {
-    produce_rewritten_v<D>(maps, base, w, n, t0, tid);
+  if (a.v_in_kernel) {  // never with keys_permuted
+    produce_rewritten_v<D>(a, maps, base, w, n, t0, tid);
   } else {
     produce_copied_v<D>(a, maps, base, w, n, t0, tid);
   }
@@ -345,24 +371,27 @@ __device__ __forceinline__ void issue_values(float (&d)[D / 2], const uint32_t (
 
 // softmax_rows on one tile of S, then P (times p_scale) cast to E4M3 as the A
 // fragment of four k32 steps: step c's word w holds, for row0 (w even) or row0 + 8
-// (w odd), S columns v2 = 4c + 2·(w / 2) + (0, 1).
-template <bool CAUSAL>
+// (w odd), S columns v2 = 4c + 2·(w / 2) + (0, 1): the thread's columns 2t, 2t + 1,
+// 2t + 8, 2t + 9 of 16, or, where K came permuted (KP), 2t, 2t + 8, 2t + 1, 2t + 9
+// (keys 4t .. 4t + 3; see the top of the file).
+template <bool CAUSAL, bool KP>
 __device__ __forceinline__ void softmax_tile(float (&sc)[64], uint32_t (&p8)[4][4], float (&alpha)[2],
                                              ConsumerRows& rows, int n0, int tk) {
-  softmax_rows<CAUSAL>(sc, alpha, rows, n0, tk);
+  softmax_rows<CAUSAL, KP>(sc, alpha, rows, n0, tk);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const int first = 4 * (4 * c + 2 * (w / 2)) + 2 * (w % 2);
-      p8[c][w] = e4m3x4(sc[first], sc[first + 1], sc[first + 4], sc[first + 5]);
+      p8[c][w] = KP ? e4m3x4(sc[first], sc[first + 4], sc[first + 1], sc[first + 5])
+                    : e4m3x4(sc[first], sc[first + 1], sc[first + 4], sc[first + 5]);
     }
   }
 }
 
 // A consumer warpgroup, each tile in order: S = Q Kᵀ, the softmax, O_tile = P V a
 // fresh product added to O in fp32 (the Triton kernel's numerics).
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, bool KP>
 __device__ __forceinline__ void consume_in_order(uint32_t base, int t0, int tiles, int tk, uint64_t q_desc,
                                                  const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2]) {
   using S = ForwardSmem<D>;
@@ -374,7 +403,7 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int t0, int tile
     scores_in_turn<D>(sc, q_desc, k_desc, turns, j);
     float alpha[2];
     uint32_t p8[4][4];
-    softmax_tile<CAUSAL>(sc, p8, alpha, rows, j * kBlockN, tk);
+    softmax_tile<CAUSAL, KP>(sc, p8, alpha, rows, j * kBlockN, tk);
     float tile_o[D / 2];
     mma_fence();
     issue_values<D, false>(tile_o, p8, v_desc);
@@ -394,7 +423,7 @@ __device__ __forceinline__ void consume_in_order(uint32_t base, int t0, int tile
 // serialize every product of the kernel). It still gives both sets the same
 // registers and so waits for P V before the softmax, not after it; keeping the
 // wait below the softmax was measured slower (ARCHITECTURE, RESULTS runs 201-202).
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, bool KP>
 __device__ __forceinline__ void overlapped_tile(uint32_t base, int t0, int j, int tk, uint64_t q_desc,
                                                 const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2],
                                                 uint32_t (&previous)[4][4], uint32_t (&next)[4][4]) {
@@ -413,7 +442,7 @@ __device__ __forceinline__ void overlapped_tile(uint32_t base, int t0, int j, in
   turns.pass(j);
   mma_wait_all_but_newest();  // the scores
   fence_registers(sc);
-  softmax_tile<CAUSAL>(sc, next, alpha, rows, j * kBlockN, tk);
+  softmax_tile<CAUSAL, KP>(sc, next, alpha, rows, j * kBlockN, tk);
   mma_wait_all();  // P V of tile j - 1
   fence_registers(acc);
   fence_registers(previous);  // read by that product until here
@@ -442,7 +471,7 @@ __device__ __forceinline__ void last_values(uint32_t base, int t0, int tiles, fl
 // the tensor cores' accumulator (O rescaled in registers first), so O's sum over
 // the tiles goes through their narrower accumulation: other bits than
 // consume_in_order's, within the same bound.
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, bool KP>
 __device__ __forceinline__ void consume_overlapped(uint32_t base, int t0, int tiles, int tk, uint64_t q_desc,
                                                    const Turns& turns, ConsumerRows& rows, float (&acc)[D / 2]) {
   using S = ForwardSmem<D>;
@@ -452,15 +481,15 @@ __device__ __forceinline__ void consume_overlapped(uint32_t base, int t0, int ti
     float alpha[2];
     wait_tile<S>(base, t0);
     scores_in_turn<D>(sc, q_desc, k_descriptor<D>(base, t0 % kStages), turns, 0);
-    softmax_tile<CAUSAL>(sc, even, alpha, rows, 0, tk);  // O is 0: alpha scales nothing
+    softmax_tile<CAUSAL, KP>(sc, even, alpha, rows, 0, tk);  // O is 0: alpha scales nothing
   }
   int j = 1;
   for (; j + 1 < tiles; j += 2) {
-    overlapped_tile<D, CAUSAL>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd);
-    overlapped_tile<D, CAUSAL>(base, t0, j + 1, tk, q_desc, turns, rows, acc, odd, even);
+    overlapped_tile<D, CAUSAL, KP>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd);
+    overlapped_tile<D, CAUSAL, KP>(base, t0, j + 1, tk, q_desc, turns, rows, acc, odd, even);
   }
   if (j < tiles) {
-    overlapped_tile<D, CAUSAL>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd);
+    overlapped_tile<D, CAUSAL, KP>(base, t0, j, tk, q_desc, turns, rows, acc, even, odd);
     last_values<D>(base, t0, tiles, acc, odd);
   } else {
     last_values<D>(base, t0, tiles, acc, even);
@@ -470,7 +499,7 @@ __device__ __forceinline__ void consume_overlapped(uint32_t base, int t0, int ti
 // A consumer warpgroup: 64 query rows of item n (its first tile the block's t0)
 // through every key tile, its Q buffer released once every tile is read, then o
 // and lse.
-template <int D, bool CAUSAL, typename TOut>
+template <int D, bool CAUSAL, bool KP, typename TOut>
 __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base, const BlockWork& w, int n, int t0,
                                         int group, int tid) {
   using S = ForwardSmem<D>;
@@ -484,15 +513,15 @@ __device__ __forceinline__ void consume(const AttentionFp8Args& a, uint32_t base
   turns.start();
   wait_q<S>(base, n);
   if (a.overlap) {
-    consume_overlapped<D, CAUSAL>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc);
+    consume_overlapped<D, CAUSAL, KP>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc);
   } else {
-    consume_in_order<D, CAUSAL>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc);
+    consume_in_order<D, CAUSAL, KP>(base, t0, w.tiles, a.tk, q_desc, turns, rows, acc);
   }
   release_q<S>(base, n);
   store_rows<D, TOut>(a, acc, rows, a.scales[2], w.b, w.h, tid % 32);
 }
 
-template <int D, bool CAUSAL, typename TOut>
+template <int D, bool CAUSAL, bool KP, typename TOut>
 __global__ void __launch_bounds__(kForwardThreads, 1)
     attention_fp8_forward_kernel(const __grid_constant__ AttentionFp8Args a, const __grid_constant__ ForwardMaps maps) {
   extern __shared__ uint8_t smem_raw[];
@@ -500,7 +529,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1)
       a, smem_raw,
       [&](uint32_t base, const BlockWork& w, int n, int t0, int tid) { produce<D>(a, maps, base, w, n, t0, tid); },
       [&](uint32_t base, const BlockWork& w, int n, int t0, int group, int tid) {
-        consume<D, CAUSAL, TOut>(a, base, w, n, t0, group, tid);
+        consume<D, CAUSAL, KP, TOut>(a, base, w, n, t0, group, tid);
       });
 }
 
@@ -554,6 +583,17 @@ ForwardMaps forward_maps(const AttentionFp8Args& a) {
   maps.q = byte_tensor_map<4>(a.q, {uint64_t(D), uint64_t(a.tq), uint64_t(a.h), uint64_t(a.batch)},
                               {uint64_t(a.q_stride_t), uint64_t(a.q_stride_h), uint64_t(a.q_stride_b)}, rows,
                               "attention_fp8_forward's q");
+  if (a.keys_permuted) {
+    const uint64_t st = uint64_t(a.k_stride_t), fold = a.kp_batch_keys ? uint64_t(a.batch) : 1u;
+    maps.k = byte_tensor_map<5>(
+        a.k, {uint64_t(D), 8u, 2u, fold * uint64_t(a.tk) / 16, uint64_t(a.hkv) * (uint64_t(a.batch) / fold)},
+        {2 * st, st, 16 * st, uint64_t(a.k_stride_h)}, {uint32_t(D), 8u, 2u, uint32_t(kBlockN / 16), 1u},
+        "attention_fp8_forward's k (its keys permuted)");
+    maps.vt = byte_tensor_map<4>(a.v, {uint64_t(a.tk), uint64_t(D), uint64_t(a.hkv), uint64_t(a.batch)},
+                                 {uint64_t(a.v_stride_d), uint64_t(a.v_stride_h), uint64_t(a.v_stride_b)},
+                                 {uint32_t(kBlockN), uint32_t(D), 1u, 1u}, "attention_fp8_forward's v (keys inner)");
+    return maps;
+  }
   maps.k = byte_tensor_map<4>(a.k, {uint64_t(D), uint64_t(a.tk), uint64_t(a.hkv), uint64_t(a.batch)},
                               {uint64_t(a.k_stride_t), uint64_t(a.k_stride_h), uint64_t(a.k_stride_b)}, rows,
                               "attention_fp8_forward's k");
@@ -570,8 +610,13 @@ ForwardMaps forward_maps(const AttentionFp8Args& a) {
 
 template <int D, bool CAUSAL, typename TOut>
 void launch_forward(const AttentionFp8Args& a, cudaStream_t stream) {
-  launch_blocks<attention_fp8_forward_kernel<D, CAUSAL, TOut>, ForwardSmem<D>>(a, stream, "attention_fp8_forward",
-                                                                              forward_maps<D>(a));
+  if (a.keys_permuted) {
+    launch_blocks<attention_fp8_forward_kernel<D, CAUSAL, true, TOut>, ForwardSmem<D>>(
+        a, stream, "attention_fp8_forward", forward_maps<D>(a));
+  } else {
+    launch_blocks<attention_fp8_forward_kernel<D, CAUSAL, false, TOut>, ForwardSmem<D>>(
+        a, stream, "attention_fp8_forward", forward_maps<D>(a));
+  }
 }
 
 template <int D>
@@ -583,7 +628,7 @@ void launch_transpose(const AttentionFp8Args& a, cudaStream_t stream) {
 
 template <int D>
 void launch_with_dim(const AttentionFp8Args& a, int out_type, cudaStream_t stream) {
-  if (!a.v_in_kernel) launch_transpose<D>(a, stream);
+  if (!a.v_in_kernel && !a.keys_permuted) launch_transpose<D>(a, stream);
   dispatch_hp(out_type, "attention_fp8_forward", [&](auto tag) {
     using TOut = typename decltype(tag)::type;
     if (a.causal) {

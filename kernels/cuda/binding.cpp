@@ -876,12 +876,33 @@ std::optional<at::Tensor> attention_fp8_keys_inner(const at::Tensor& v, int64_t 
 // None for operands the Python path must look at: q, k, v not E4M3 views that
 // attention_operands takes, scales not four contiguous fp32 on `device`, an
 // out_dtype not bf16, fp16 or fp32.
+// Whether the FP8 forward reads v (B, Hkv, Tk, D) as it lies with its keys inner
+// (key stride 1: a transposed copy, v's head-dim stride and the others multiples of
+// 16 bytes) and k's rows permuted instead (AttentionFp8Args::keys_permuted): k's
+// batches after its heads (batch stride Hkv head strides) or its keys (Tk key
+// strides), Tk a multiple of 16.
+bool keys_inner_v(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t device) {
+  if (v.scalar_type() != at::kFloat8_e4m3fn || !v.is_cuda() || v.get_device() != device || v.dim() != 4 ||
+      !v.sizes().equals(k.sizes()) || v.stride(2) != 1 || v.size(2) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 != 0) {
+    return false;
+  }
+  for (const int d : {0, 1, 3}) {
+    if (v.stride(d) % 16 != 0 || v.stride(d) <= 0) return false;
+  }
+  return attention_operand(q, at::kFloat8_e4m3fn, device) && attention_operand(k, at::kFloat8_e4m3fn, device) &&
+         q.size(0) == k.size(0) && q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
+         q.size(0) * q.size(1) <= 65535 && k.stride(1) > 0 && k.stride(2) > 0 &&
+         (k.size(0) == 1 || k.stride(0) == k.size(1) * k.stride(1) || k.stride(0) == k.size(2) * k.stride(2));
+}
+
 std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& scales, double softmax_scale,
     bool causal, at::ScalarType out_dtype, int64_t device, int64_t stream) {
   const int out = hp_code_or_none(out_dtype);
-  if (out < 0 || !attention_operands(q, k, v, at::kFloat8_e4m3fn, device) || broadcast_dim(q) || broadcast_dim(k) ||
-      scales.scalar_type() != at::kFloat || !scales.is_cuda() || scales.get_device() != device ||
+  const bool keys_permuted = v.dim() == 4 && v.size(3) > 1 && v.stride(3) != 1 && keys_inner_v(q, k, v, device);
+  if (out < 0 || !(keys_permuted || attention_operands(q, k, v, at::kFloat8_e4m3fn, device)) || broadcast_dim(q) ||
+      broadcast_dim(k) || scales.scalar_type() != at::kFloat || !scales.is_cuda() || scales.get_device() != device ||
       scales.numel() != 4 || !scales.is_contiguous()) {
     return std::nullopt;
   }
@@ -895,10 +916,17 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
   a.o = o.data_ptr();
   a.scales = scales.data_ptr<float>();
   a.overlap = attention_overlap_state;
-  a.v_in_kernel = attention_v_in_kernel_state == 1 ||
-                  (attention_v_in_kernel_state == 2 && k.size(2) <= 2048);
+  a.keys_permuted = keys_permuted;
+  a.v_stride_d = v.stride(3);
+  if (keys_permuted && (k.size(0) == 1 || k.stride(0) == k.size(1) * k.stride(1))) {
+    a.kp_batch_heads = a.hkv;
+  } else if (keys_permuted) {
+    a.kp_batch_keys = a.tk;
+  }
+  a.v_in_kernel = !keys_permuted && (attention_v_in_kernel_state == 1 ||
+                                     (attention_v_in_kernel_state == 2 && k.size(2) <= 2048));
   at::Tensor vt;  // V with its keys inner, where a launch before the forward makes it
-  if (!a.v_in_kernel) {
+  if (!a.v_in_kernel && !keys_permuted) {
     a.vt_pitch = te_fuser::attention_fp8_vt_pitch(k.size(2));
     vt = at::empty({k.size(0) * k.size(1) * q.size(3) * a.vt_pitch}, q.options().dtype(at::kByte));
     a.vt = vt.data_ptr<uint8_t>();

@@ -220,6 +220,15 @@ struct AttentionFp8Args : AttentionShape {
   bool overlap = false;  // the next tile's S = Q Kᵀ in flight during the softmax (other bits; see the kernel)
   bool v_in_kernel = false;  // each V tile rewritten keys inner in shared memory, not by a launch before (same bits)
   int64_t vt_pitch = 0;
+  // v given with its keys inner (v_stride_t 1; v_stride_d between its head-dim
+  // positions), K's rows copied permuted instead of V rewritten (no vt, no
+  // v_in_kernel; see attention_kernels.cu): tk a multiple of 16, v's strides
+  // multiples of 16, and k's batch stride hkv · k_stride_h (its batches folded into
+  // its heads: kp_batch_heads = hkv) or tk · k_stride_t (into its keys:
+  // kp_batch_keys = tk), so that K's map needs five dimensions.
+  bool keys_permuted = false;
+  int64_t v_stride_d = 1;
+  int kp_batch_keys = 0, kp_batch_heads = 0;
 };
 
 // Positions of a row of vt: tk rounded up to the key tile.
