@@ -286,6 +286,13 @@ def _amax_models(kind: str, dtype: torch.dtype, seed: int):
     return fused, copy.deepcopy(fused), xs
 
 
+def _amax_models_for(backend_name: str, kind: str, seed: int):
+    """:func:`_amax_models` in bf16 on the backend's device (Triton's: a GPU where one is)."""
+    device = "cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu"
+    fused, plain, xs = _amax_models(kind, torch.bfloat16, seed)
+    return fused.to(device), plain.to(device), [x.to(device) for x in xs]
+
+
 def _count_given_amax_casts(monkeypatch) -> list:
     """The tensor types of the quantizers that cast with an amax given, call by call."""
     calls = []
@@ -306,9 +313,7 @@ def test_amax_hand_off_is_bit_identical_to_the_separate_cast(monkeypatch, kind, 
     and the second linear casts with it given; outputs and gradients are those of
     the plan without the rule, bit for bit (on the Triton backend under the
     interpreter on the CPU, compiled on a GPU)."""
-    device = "cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu"
-    fused, plain, xs = _amax_models(kind, torch.bfloat16, 21)
-    fused, plain, xs = fused.to(device), plain.to(device), [x.to(device) for x in xs]
+    fused, plain, xs = _amax_models_for(backend_name, kind, 21)
     recipe = te.recipe.Float8CurrentScaling()
     calls = _count_given_amax_casts(monkeypatch)
     with te.autocast(enabled=False, backend=backend_name):
@@ -344,9 +349,7 @@ def test_the_backward_hands_the_gradient_amax_to_its_cast(monkeypatch, kind, per
     those of the same plan casting the gradient itself, bit for bit."""
     import te_fuser.ops.fused.backward_linear_bias_activation as backward_module
 
-    device = "cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu"
-    fused, plain, xs = _amax_models(kind, torch.bfloat16, 25)
-    fused, plain, xs = fused.to(device), plain.to(device), [x.to(device) for x in xs]
+    fused, plain, xs = _amax_models_for(backend_name, kind, 25)
     recipe = te.recipe.Float8CurrentScaling()
     calls = _count_given_amax_casts(monkeypatch)
     with te.autocast(enabled=False, backend=backend_name):
