@@ -286,10 +286,10 @@ def _amax_models(kind: str, dtype: torch.dtype, seed: int):
     return fused, copy.deepcopy(fused), xs
 
 
-def _amax_models_for(backend_name: str, kind: str, seed: int):
-    """:func:`_amax_models` in bf16 on the backend's device (Triton's: a GPU where one is)."""
+def _amax_models_for(backend_name: str, kind: str, seed: int, dtype: torch.dtype = torch.bfloat16):
+    """:func:`_amax_models` on the backend's device (Triton's: a GPU where one is)."""
     device = "cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu"
-    fused, plain, xs = _amax_models(kind, torch.bfloat16, seed)
+    fused, plain, xs = _amax_models(kind, dtype, seed)
     return fused.to(device), plain.to(device), [x.to(device) for x in xs]
 
 
@@ -340,16 +340,18 @@ def test_amax_hand_off_declines_without_a_backward_and_with_a_high_precision_one
     assert "forward_activation_amax" not in fused.fusion_plan()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])
 @pytest.mark.parametrize("kind,per_step", [("gelu", 1), ("swiglu_gelu", 2)])
-def test_the_backward_hands_the_gradient_amax_to_its_cast(monkeypatch, kind, per_step, backend_name):
+def test_the_backward_hands_the_gradient_amax_to_its_cast(monkeypatch, kind, per_step, backend_name, dtype):
     """The backward's twin: ``Linear -> Bias -> activation``'s fused backward reduces
     the amax of the gradient its ``dact_dbias`` pass writes and the linear's
     grad-output quantizer casts with it given; outputs, gradients and states are
-    those of the same plan casting the gradient itself, bit for bit."""
+    those of the same plan casting the gradient itself, bit for bit (a bf16 and an
+    fp32 model: the gradient cast as the pass wrote it)."""
     import te_fuser.ops.fused.backward_linear_bias_activation as backward_module
 
-    fused, plain, xs = _amax_models_for(backend_name, kind, 25)
+    fused, plain, xs = _amax_models_for(backend_name, kind, 25, dtype)
     recipe = te.recipe.Float8CurrentScaling()
     calls = _count_given_amax_casts(monkeypatch)
     with te.autocast(enabled=False, backend=backend_name):
