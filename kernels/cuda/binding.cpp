@@ -870,12 +870,6 @@ std::optional<at::Tensor> attention_fp8_keys_inner(const at::Tensor& v, int64_t 
   return vt;
 }
 
-// The FP8 attention forward (see launch_attention_fp8_forward): (o (B, H, Tq, D) in
-// out_dtype, a view of a (B, Tq, H, D) tensor; lse (B, H, Tq) fp32), new tensors.
-// scales: the fp32 q_scale_inv, k_scale_inv, v_scale_inv and p_scale, contiguous.
-// None for operands the Python path must look at: q, k, v not E4M3 views that
-// attention_operands takes, scales not four contiguous fp32 on `device`, an
-// out_dtype not bf16, fp16 or fp32.
 // Whether the FP8 forward reads v (B, Hkv, Tk, D) as it lies with its keys inner
 // (key stride 1: a transposed copy, v's head-dim stride and the others multiples of
 // 16 bytes) and k's rows permuted instead (AttentionFp8Args::keys_permuted): k's
@@ -896,6 +890,12 @@ bool keys_inner_v(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          (k.size(0) == 1 || k.stride(0) == k.size(1) * k.stride(1) || k.stride(0) == k.size(2) * k.stride(2));
 }
 
+// The FP8 attention forward (see launch_attention_fp8_forward): (o (B, H, Tq, D) in
+// out_dtype, a view of a (B, Tq, H, D) tensor; lse (B, H, Tq) fp32), new tensors.
+// scales: the fp32 q_scale_inv, k_scale_inv, v_scale_inv and p_scale, contiguous.
+// None for operands the Python path must look at: q, k, v not E4M3 views that
+// attention_operands takes, scales not four contiguous fp32 on `device`, an
+// out_dtype not bf16, fp16 or fp32.
 std::optional<std::tuple<at::Tensor, at::Tensor>> attention_fp8_forward_lean(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& scales, double softmax_scale,
     bool causal, at::ScalarType out_dtype, int64_t device, int64_t stream) {

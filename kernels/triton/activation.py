@@ -294,7 +294,6 @@ def _dact_tile(dy_ptr, x_ptr, dx_ptr, offs_r, offs_c, rows, cols_dy, KIND: tl.co
         return col_sum, tl.zeros_like(col_sum), bits
 
 
-
 @triton.jit
 def _activation_grad_kernel(dy_ptr, x_ptr, dx_ptr, rows, cols_dy, KIND: tl.constexpr, GATED: tl.constexpr,
                             COMPUTE: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,

@@ -66,10 +66,7 @@ def _interleaved(dx, size):
 def _act(x, kind, params, out_dtype, amax_out=None):
     """``kind(x)`` by the backend kernel: fp32 (fp64 for fp64 input) or rounded once to ``out_dtype``;
     with ``amax_out``, amax(|result|) written there in the same pass."""
-    fn = backend.resolve("activation", x.device).fn
-    if amax_out is None:
-        return fn(x, kind, out_dtype=out_dtype, params=params)
-    return fn(x, kind, out_dtype=out_dtype, params=params, amax_out=amax_out)
+    return backend.resolve("activation", x.device).fn(x, kind, out_dtype=out_dtype, params=params, amax_out=amax_out)
 
 
 def _act_grad(dy, x, kind, params):
@@ -402,10 +399,7 @@ def activation_bias_backward(ctx_act, bias_op, dy, amax_out: torch.Tensor | None
     x = saved_input(ctx_act)
     op = ctx_act.op
     dy = dy if dy.dtype is x.dtype else dy.to(x.dtype)
-    fn = backend.resolve("dact_dbias", x.device).fn
-    if amax_out is None:
-        dx, db = backend.lean_first(fn, dy, x, op.kind, params=op.params)
-    else:
-        dx, db = fn(dy, x, op.kind, params=op.params, amax_out=amax_out)
+    dx, db = backend.lean_first(backend.resolve("dact_dbias", x.device).fn, dy, x, op.kind, params=op.params,
+                                amax_out=amax_out)  # a lean entry hands an amax_out on to the checked call
     dtype = bias_op.bias.dtype
     return ctx_act.op._interleaved(dx), (db if db.dtype is dtype else db.to(dtype))
