@@ -61,7 +61,7 @@ import functools
 
 import torch
 
-from ..reference.attention import check_attention, check_attention_backward, check_attention_fp8
+from ..reference.attention import check_attention, check_attention_backward, check_attention_fp8, keys_inner
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_unsupported_reason",
            "attention_backward_unsupported_reason", "attention_forward_fp8", "attention_forward_fp8_unsupported_reason",
@@ -372,12 +372,6 @@ def _fp8_forward_supported(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_sca
     has already asked: the argument checks without a second one."""
     check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
     return _fp8_forward(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale, causal, softmax_scale, out_dtype)
-
-
-def keys_inner(v: torch.Tensor) -> bool:
-    """Whether ``v`` (B, Hkv, Tk, D) lies with its keys inner (a view of a transposed
-    copy: key stride 1), as the FP8 forward may take it (:func:`keys_inner_reason`)."""
-    return v.dim() == 4 and v.shape[3] > 1 and v.stride(2) == 1 and v.stride(3) != 1
 
 
 def keys_inner_reason(k: torch.Tensor, v: torch.Tensor) -> str | None:

@@ -133,6 +133,13 @@ def check_attention_fp8(q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, p_scale,
     return dims
 
 
+def keys_inner(v: torch.Tensor) -> bool:
+    """Whether ``v`` (B, Hkv, Tk, D) lies with its keys inner (a view of a transposed
+    copy: key stride 1), the layout the FP8 forward's P·V product reads; the FP8
+    kernels take such a V as it lies where their alignment allows."""
+    return v.dim() == 4 and v.shape[3] > 1 and v.stride(2) == 1 and v.stride(3) != 1
+
+
 # ---------------------------------------------------------------- the math
 
 

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from ..formats import E4M3
-from ..reference.attention import check_attention, check_attention_backward, check_attention_fp8
+from ..reference.attention import check_attention, check_attention_backward, check_attention_fp8, keys_inner
 from ._launch import launch
 from ._common import TL_FLOAT, cdiv, fp8_format, hw_fp8, is_interpreted, round_through, round_to_fp8_grid, to_output
 
@@ -591,7 +591,7 @@ def _forward(q, k, v, causal, softmax_scale, out_dtype, scales, fp8: bool):
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     q, k = _inner(q), _inner(k)
-    if fp8 and v.stride(2) == 1 and all(v.stride(d) % 16 == 0 for d in (0, 1, 3)) and v.data_ptr() % 16 == 0:
+    if fp8 and keys_inner(v) and all(v.stride(d) % 16 == 0 for d in (0, 1, 3)) and v.data_ptr() % 16 == 0:
         vk, stride_vt, stride_vd = v, 1, v.stride(3)  # V given with its keys inner (a transposed copy): as it lies
     elif fp8:  # V transposed, keys contiguous: K-major for the FP8 p·v product; rows padded to 16 bytes
         pitch = -(-Tk // 16) * 16
