@@ -690,19 +690,31 @@ def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
 @triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, out_ptr, M, N, stride_sm, stride_sn,
                        TILE_R: tl.constexpr, TILE_C: tl.constexpr, E8M0: tl.constexpr, IS_E4M3: tl.constexpr,
-                       OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       OUT_DTYPE: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``data * scale_inv`` in fp32, the scale of element (m, n) at
-    ``s[(m // TILE_R) * stride_sm + (n // TILE_C) * stride_sn]``."""
+    ``s[(m // TILE_R) * stride_sm + (n // TILE_C) * stride_sn]``. SCALES names the
+    grid's shape: "tensor" (one scale, read once a program), "row" (one a row, read
+    once a row of the tile) or "tiles" (looked up element by element): the compiler
+    cannot tell a zero stride from the arguments, and looked up element by element
+    one scale costs every thread a load per element."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     q = tl.load(q_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-    s_offs = (offs_m[:, None] // TILE_R) * stride_sm + (offs_n[None, :] // TILE_C) * stride_sn
-    s = tl.load(s_ptr + s_offs, mask=mask, other=1)
+    if SCALES == "tensor":
+        s = tl.load(s_ptr)
+    elif SCALES == "row":
+        s = tl.load(s_ptr + offs_m * stride_sm, mask=offs_m < M, other=1)[:, None]
+    else:
+        s_offs = (offs_m[:, None] // TILE_R) * stride_sm + (offs_n[None, :] // TILE_C) * stride_sn
+        s = tl.load(s_ptr + s_offs, mask=mask, other=1)
     if E8M0:
         s = e8m0_value(s.to(tl.int32))
     out = fp8_to_float(q, IS_E4M3) * s
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], to_output(out, OUT_DTYPE), mask=mask)
+
+
+_SCALE_GRIDS = {Scaling.TENSOR: "tensor", Scaling.ROW: "row"}  # _dequantize_kernel's SCALES; "tiles" otherwise
 
 
 def _scale_lookup(op: ScaledOperand) -> tuple[int, int, int, int]:
@@ -732,6 +744,6 @@ def dequantize(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> tor
         launch(_dequantize_kernel, grid,
             data, op.scale_inv, out, M, N, stride_sm, stride_sn, TILE_R=tile_r, TILE_C=tile_c,
             E8M0=op.scaling == Scaling.MX_32, IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn,
-            OUT_DTYPE=TL_FLOAT[out_dtype],
+            OUT_DTYPE=TL_FLOAT[out_dtype], SCALES=_SCALE_GRIDS.get(op.scaling, "tiles"),
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return out
