@@ -1,0 +1,143 @@
+"""Compile Triton kernels for Hopper (sm_90) on a machine without a GPU and count
+their global memory instructions by width.
+
+    python scripts/triton_sm90.py [--json] [CASE ...]
+
+Whether a tile's loads and stores become 16-byte vector instructions or one
+instruction an element is decided when Triton compiles a launch: its JIT
+specializes the integer arguments divisible by 16 and the 16-byte aligned
+pointers, and the kernel's index arithmetic must let the compiler see contiguous,
+aligned runs. This compiles a kernel as such a launch is compiled
+(``triton.compile`` for the cuda target of capability 9.0, through the ptxas in
+Triton's wheel) and counts the PTX's ``ld.global`` / ``st.global`` by width, so a
+kernel that went element by element (``st.global.b8``, ``ld.global.b16``, a scalar
+load of one scale per element) shows it before a GPU times it. The CASES are the
+GPU's launches at the yardstick GPT's shapes (every size a multiple of the tile).
+Run it without ``TRITON_INTERPRET`` (the interpreter's kernels do not compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the GPU's Triton fuses multiplies and adds by default
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+__all__ = ["unavailable_reason", "memory_ops", "CASES", "case_ops"]
+
+
+def unavailable_reason() -> str | None:
+    """Why kernels cannot be compiled for sm_90 here (None: they can)."""
+    try:
+        importlib.import_module("triton.backends.compiler").GPUTarget
+        importlib.import_module("triton.compiler").ASTSource
+    except (ImportError, AttributeError) as e:
+        return f"this Triton cannot compile ahead of time: {e}"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set (the interpreter's kernels do not compile)"
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        return "this Triton has no nvidia backend"
+    return None
+
+
+def memory_ops(fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4) -> Counter:
+    """The global loads and stores of ``fn`` compiled for sm_90 by PTX mnemonic
+    (e.g. ``st.global.v4.b32``): ``types`` the runtime arguments' Triton types
+    (``*bf16``, ``i32``, ...), ``constexprs`` the compile-time ones, ``aligned`` the
+    arguments the launch specializes as divisible by 16 (pointers: 16-byte aligned)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" for name in fn.arg_names}
+    signature.update(types)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    return Counter(re.findall(r"\b((?:ld|st)\.global[\w.]*)", ptx))
+
+
+def _module(name: str):
+    return importlib.import_module(f"te_fuser.kernels.triton.{name}")
+
+
+def _dequantize(scales: str):
+    cast = _module("cast")
+    types = {"q_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_sm": "i32",
+             "stride_sn": "i32"}
+    consts = dict(TILE_R=1, TILE_C=1, E8M0=False, IS_E4M3=True, OUT_DTYPE=tl.bfloat16, SCALES=scales,
+                  BLOCK_M=32, BLOCK_N=128)
+    # a per-tensor scale's strides are 0: divisible by 16, as the launch specializes them
+    return cast._dequantize_kernel, types, consts, ("q_ptr", "s_ptr", "out_ptr", "M", "N", "stride_sm", "stride_sn")
+
+
+def _activation(kind: str):
+    act = _module("activation")
+    types = {"x_ptr": "*bf16", "y_ptr": "*bf16", "amax_ptr": "*i32", "rows": "i32", "cols_out": "i32"}
+    plan = act.ACTIVATION_PLANS["elementwise"]
+    consts = dict(KIND=act.activation_code(kind), GATED=kind in act.GLU_GATES, COMPUTE=tl.float32,
+                  ROUND_TO=tl.bfloat16, AMAX=True, P0=0.0, P1=0.0, P2=0.0, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n)
+    return act._activation_kernel, types, consts, ("x_ptr", "y_ptr", "rows", "cols_out")
+
+
+def _dact_dbias(kind: str):
+    act = _module("activation")
+    types = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "dx_ptr": "*bf16", "partial_ptr": "*fp32", "amax_ptr": "*i32",
+             "rows": "i32", "cols_dy": "i32", "rows_per_split": "i32"}
+    plan = act.ACTIVATION_PLANS["dact_dbias"]
+    consts = dict(KIND=act.activation_code(kind), GATED=kind in act.GLU_GATES, COMPUTE=tl.float32,
+                  ROUND_TO=tl.bfloat16, AMAX=True, P0=0.0, P1=0.0, P2=0.0, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n)
+    return act._dact_dbias_kernel, types, consts, ("dy_ptr", "x_ptr", "dx_ptr", "partial_ptr", "rows", "cols_dy",
+                                                   "rows_per_split")
+
+
+# name -> (kernel, runtime types, constexprs, arguments divisible by 16)
+CASES = {
+    "dequantize per tensor": lambda: _dequantize("tensor"),
+    # the lookup the per-tensor path replaced: one scale through zero strides, a load an element
+    "dequantize per tensor, looked up": lambda: _dequantize("tiles"),
+    "dequantize per row": lambda: _dequantize("row"),
+    "activation gelu": lambda: _activation("gelu"),
+    "activation swiglu": lambda: _activation("swiglu"),
+    "dact_dbias gelu": lambda: _dact_dbias("gelu"),
+    "dact_dbias swiglu": lambda: _dact_dbias("swiglu"),
+}
+
+
+def case_ops(name: str) -> Counter:
+    fn, types, consts, aligned = CASES[name]()
+    return memory_ops(fn, types, consts, aligned)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("cases", nargs="*", help=f"of {list(CASES)} (default: all)")
+    p.add_argument("--json", action="store_true", help="print {case: {instruction: count}} as JSON")
+    args = p.parse_args(argv)
+    names = args.cases or list(CASES)
+    unknown = [name for name in names if name not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; known: {list(CASES)}")
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"triton_sm90: {reason}")
+    ops = {name: dict(case_ops(name)) for name in names}
+    if args.json:
+        print(json.dumps(ops))
+        return
+    print(f"triton {triton.__version__}, sm_90; global memory instructions a thread")
+    for name, counts in ops.items():
+        print(f"  {name:34s} " + ", ".join(f"{op} x{n}" for op, n in sorted(counts.items())))
+
+
+if __name__ == "__main__":
+    main()
