@@ -11,7 +11,8 @@ aligned runs. This compiles a kernel as such a launch is compiled
 (``triton.compile`` for the cuda target of capability 9.0, through the ptxas in
 Triton's wheel) and counts the PTX's ``ld.global`` / ``st.global`` by width, so a
 kernel that went element by element (``st.global.b8``, ``ld.global.b16``, a scalar
-load of one scale per element) shows it before a GPU times it. The CASES are the
+load of one scale per element) shows it before a GPU times it, and so do its
+registers a thread (what caps the programs an SM holds). The CASES are the
 GPU's launches at the yardstick GPT's shapes (every size a multiple of the tile).
 Run it without ``TRITON_INTERPRET`` (the interpreter's kernels do not compile).
 """
@@ -23,7 +24,9 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -33,7 +36,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the GPU's Triton fuses
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-__all__ = ["unavailable_reason", "memory_ops", "CASES", "case_ops"]
+__all__ = ["unavailable_reason", "compile_sm90", "memory_ops", "registers", "CASES", "case_ops"]
 
 
 def unavailable_reason() -> str | None:
@@ -50,11 +53,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def memory_ops(fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4) -> Counter:
-    """The global loads and stores of ``fn`` compiled for sm_90 by PTX mnemonic
-    (e.g. ``st.global.v4.b32``): ``types`` the runtime arguments' Triton types
-    (``*bf16``, ``i32``, ...), ``constexprs`` the compile-time ones, ``aligned`` the
-    arguments the launch specializes as divisible by 16 (pointers: 16-byte aligned)."""
+def compile_sm90(fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4):
+    """``fn`` compiled for sm_90 as a launch would compile it: ``types`` the runtime
+    arguments' Triton types (``*bf16``, ``i32``, ...), ``constexprs`` the compile-time
+    ones, ``aligned`` the arguments the launch specializes as divisible by 16
+    (pointers: 16-byte aligned). Returns Triton's compiled kernel (``asm`` holds its
+    PTX and cubin)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -62,8 +66,27 @@ def memory_ops(fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4
     signature.update(types)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-    return Counter(re.findall(r"\b((?:ld|st)\.global[\w.]*)", ptx))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def memory_ops(kernel) -> Counter:
+    """A compiled kernel's global loads and stores by PTX mnemonic (e.g. ``st.global.v4.b32``)."""
+    return Counter(re.findall(r"\b((?:ld|st)\.global[\w.]*)", kernel.asm["ptx"]))
+
+
+def registers(kernel) -> int | None:
+    """A compiled kernel's registers a thread (from its cubin, by Triton's cuobjdump;
+    None where that tool is missing): with the program's threads, how many of its
+    programs an SM holds (65,536 registers)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        run = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+)", run.stdout)
+    return int(found.group(1)) if found else None
 
 
 def _module(name: str):
@@ -113,15 +136,18 @@ CASES = {
 }
 
 
-def case_ops(name: str) -> Counter:
+def case_ops(name: str) -> tuple[Counter, int | None]:
+    """A case's global loads and stores and its registers a thread."""
     fn, types, consts, aligned = CASES[name]()
-    return memory_ops(fn, types, consts, aligned)
+    kernel = compile_sm90(fn, types, consts, aligned)
+    return memory_ops(kernel), registers(kernel)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="*", help=f"of {list(CASES)} (default: all)")
-    p.add_argument("--json", action="store_true", help="print {case: {instruction: count}} as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print {case: {instruction: count}} (and {case: registers} on a second line) as JSON")
     args = p.parse_args(argv)
     names = args.cases or list(CASES)
     unknown = [name for name in names if name not in CASES]
@@ -130,13 +156,15 @@ def main(argv=None) -> None:
     reason = unavailable_reason()
     if reason is not None:
         raise SystemExit(f"triton_sm90: {reason}")
-    ops = {name: dict(case_ops(name)) for name in names}
+    results = {name: case_ops(name) for name in names}
     if args.json:
-        print(json.dumps(ops))
+        print(json.dumps({name: dict(ops) for name, (ops, _) in results.items()}))
+        print(json.dumps({name: regs for name, (_, regs) in results.items()}))
         return
-    print(f"triton {triton.__version__}, sm_90; global memory instructions a thread")
-    for name, counts in ops.items():
-        print(f"  {name:34s} " + ", ".join(f"{op} x{n}" for op, n in sorted(counts.items())))
+    print(f"triton {triton.__version__}, sm_90; registers and global memory instructions a thread")
+    for name, (ops, regs) in results.items():
+        print(f"  {name:34s} {regs if regs is not None else '?':>4} regs  "
+              + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def compiled() -> dict:
     if run.returncode != 0 and "triton_sm90: " in run.stderr:
         pytest.skip(run.stderr.strip().splitlines()[-1])  # no sm_90 compile with this Triton
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-2])  # {case: {instruction: count}}
 
 
 def _scalar_loads(ops: dict) -> int:
