@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages stagesab fwdab pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages stagesab fwdab dequant pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -23,6 +23,9 @@ for part in $parts; do
         tests/test_forward_linear_bias_linear.py tests/test_delayed_scale_update.py tests/test_quantizer_delayed.py tests/test_quantizer_rowwise.py \
         tests/test_triton_embedding.py tests/test_embedding.py} \
         2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+    dequant)  # the Triton dequantization's per-tensor scale read once against looked up element by element
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_cast.py -k dequantize 2>&1 | tail -2
+      timeout 120 python3 benchmarks/bench_dequantize.py 2>&1 | tee "$OUT/dequant.log" | tail -4 ;;
     embedding)  # the embedding's weight gradient: its tests, then beside torch's index_put_ and embedding backward
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_embedding.py tests/test_embedding.py 2>&1 \
         | tee "$OUT/embedding.log" | tail -4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
 import re
@@ -51,12 +52,35 @@ def test_benchmark_rows_go_to_an_untracked_file_and_are_recorded_only_when_asked
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU they are full benchmarks (run_gpu.sh handoff, launches)")
 @pytest.mark.parametrize("script", ["bench_handoff.py", "count_launches.py", "gemm_workspace_ab.py",
-                                    "ncu_attention.py", "stages_ab.py"])
+                                    "ncu_attention.py", "stages_ab.py", "bench_dequantize.py"])
 def test_a_gpu_benchmark_imports_and_asks_for_a_gpu_on_cpu(script):
     run = subprocess.run([sys.executable, f"benchmarks/{script}"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "needs a GPU" in run.stdout
+
+
+def test_bench_dequantize_looks_the_scale_up_element_by_element_and_puts_the_grids_back():
+    """bench_dequantize.py's second arm: the same bits through the block scales'
+    lookup, and the table of scale grids as it was after the call."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_dequantize
+    cast = importlib.import_module("te_fuser.kernels.triton.cast")
+    from te_fuser.kernels.operand import ScaledOperand
+
+    op = ScaledOperand((torch.randn(40, 96) * 20).to(torch.float8_e4m3fn), torch.tensor(0.37), "tensor")
+    grids = dict(cast._SCALE_GRIDS)
+    calls = []
+    launch = cast.launch
+    cast.launch = lambda fn, grid, *a, **kw: (calls.append(kw["SCALES"]), launch(fn, grid, *a, **kw))
+    try:
+        once = cast.dequantize(op, torch.bfloat16)
+        looked = bench_dequantize._looked_up(cast, lambda: cast.dequantize(op, torch.bfloat16))()
+    finally:
+        cast.launch = launch
+    assert calls == ["tensor", "tiles"]
+    assert torch.equal(once.view(torch.int16), looked.view(torch.int16))
+    assert cast._SCALE_GRIDS == grids
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it is the full benchmark (run_gpu.sh embedding)")
