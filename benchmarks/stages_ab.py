@@ -11,7 +11,11 @@ alike; the medians over the rounds and their ratios.
   rounds: the QKV GEMM's epilogue writes them under ``fp8_mha``), the same with V
   handed as a transposed copy (keys inner, as a transposing cast of V writes it:
   read as it lies, K's rows copied permuted, no rewrite of V), the cuda backend's
-  bf16 forward and cuDNN's bf16 forward (#16's FP8 bar: 1.3x cuDNN's time); with
+  bf16 forward (cuDNN's unless ``set_forward_kernel`` chose ours) and cuDNN's
+  bf16 forward through SDPA (#16's FP8 bar: 1.3x cuDNN's time), and our
+  persistent forwards (FP8, FP8 with V given, the Hopper bf16) with their items dealt forwards every round instead of
+  forwards and backwards in turn (``set_hopper_schedule``'s ``mirrored``: the same
+  bits, checked); with
   ``--schedules`` also the FP8 forward under the other schedules
   (``set_hopper_schedule``: without turns, in order, in order without turns; each
   checked against the default within FP8's bound), the rewrite of V with its
@@ -106,7 +110,13 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: boo
             "fp8, V keys inner given": lambda: cuda_attn.attention_forward_fp8(q8, k8, v8_inner, qsi, ksi, vsi,
                                                                                p_scale, True, scale, torch.bfloat16),
             "bf16": lambda: cuda_attn.attention_forward(q, k, v, True, scale),
+            "bf16 hopper": lambda: cuda_attn.attention_forward_hopper(q, k, v, True, scale),
             "cudnn": cudnn}
+    for label in ("fp8", "fp8, V keys inner given", "bf16 hopper"):
+        forwards = arms[f"{label}, dealt forwards"] = _with(cuda_attn.set_hopper_schedule,
+                                                            (None, None, None, False), arms[label])
+        if not all(torch.equal(a, b) for a, b in zip(forwards(), arms[label]())):
+            raise SystemExit(f"{B}x{H}x{T}x{D}: the {label} forward dealt forwards is not the default's o and lse")
     o8 = arms["fp8"]()[0]
     o8_inner = arms["fp8, V keys inner given"]()[0]
     print(f"  {B}x{H}x{T}x{D}: max|o fp8 - o cudnn| {(o8.float() - o_cudnn.float()).abs().max().item():.2e}, "
@@ -129,7 +139,9 @@ def compare_forwards(B: int, H: int, T: int, D: int, rounds: int, schedules: boo
     median = _print_rounds(case, harness.rounds_ms(arms, rounds))
     print(f"  {case:16s} cudnn / fp8 {median['cudnn'] / median['fp8']:.3f}x, cudnn / fp8 V keys inner given "
           f"{median['cudnn'] / median['fp8, V keys inner given']:.3f}x, cudnn / bf16 "
-          f"{median['cudnn'] / median['bf16']:.3f}x" + "".join(
+          f"{median['cudnn'] / median['bf16']:.3f}x; mirrored / dealt forwards " + ", ".join(
+              f"{label} {median[label] / median[f'{label}, dealt forwards']:.3f}"
+              for label in ("fp8", "fp8, V keys inner given", "bf16 hopper")) + "".join(
               f", cudnn / fp8 {label} {median['cudnn'] / median[label]:.3f}x" for label in SCHEDULES if label in median)
           + (f", V keys inner {median['V keys inner'] / median['fp8']:.1%} of fp8, V in kernel / V launched "
              f"{median['V in kernel'] / median['V launched']:.3f}" if "V keys inner" in median else ""),

@@ -258,6 +258,26 @@ def test_a_block_works_through_several_items(shape, causal, overlap):
     _beside_triton(shape, causal, overlap, seed=T + D + B)
 
 
+@hopper
+@pytest.mark.parametrize("shape,causal", [((8, 16, 4, 400, 400, 64), True), ((4, 16, 16, 900, 900, 128), True),
+                                          ((4, 16, 16, 900, 900, 128), False)])
+def test_the_items_dealt_either_way_give_the_same_bits(shape, causal):
+    """Which block takes an item changes nothing an item computes: the rounds dealt
+    forwards and backwards in turn (the default) and forwards every round give the
+    same o and lse, over more items than three rounds."""
+    B, H, _, T, _, D = shape
+    assert -(-T // 128) * B * H > 3 * torch.cuda.get_device_properties(0).multi_processor_count
+    fp8s, scale_invs = fp8_qkv(*shape, seed=T + B)
+    p_scale = torch.tensor(448.0, device="cuda")
+    mirrored = _forward(fp8s, scale_invs, p_scale, causal, D ** -0.5, torch.bfloat16)
+    previous = cuda_attn.set_hopper_schedule(mirrored=False)
+    try:
+        forwards = _forward(fp8s, scale_invs, p_scale, causal, D ** -0.5, torch.bfloat16)
+    finally:
+        cuda_attn.set_hopper_schedule(*previous)
+    assert all(torch.equal(a, b) for a, b in zip(mirrored, forwards))
+
+
 def keys_inner_copy(v: torch.Tensor, layout: str) -> torch.Tensor:
     """v (B, Hkv, Tk, D) as a view of a transposed copy, its keys inner: of (B, Hkv,
     D, Tk) storage ("heads"), or of the (Hkv·D, B·Tk) columns a transposing cast of a
@@ -434,7 +454,7 @@ def test_the_default_schedule_is_the_overlapped_one():
     """The process starts overlapped with turns (what the auto table's choice was
     timed with), V rewritten in the kernel by shape; in order gives other bits,
     both within the bound (above)."""
-    assert cuda_attn.set_hopper_schedule() == (True, True, cuda_attn.BY_SHAPE)
+    assert cuda_attn.set_hopper_schedule() == (True, True, cuda_attn.BY_SHAPE, True)
     fp8s, scale_invs = fp8_qkv(1, 4, 4, 1000, 1000, 128, seed=13)
     p_scale = torch.tensor(448.0, device="cuda")
     default = _forward(fp8s, scale_invs, p_scale, True, 0.09, torch.bfloat16)

@@ -106,6 +106,23 @@ def test_the_same_bits_on_every_run_and_with_or_without_turns(D):
         assert all(torch.equal(a, b) for a, b in zip(first, again)), turns
 
 
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_items_dealt_either_way_give_the_same_bits(D):
+    """Over more items than three rounds of the persistent blocks: the rounds dealt
+    forwards and backwards in turn (the default) and forwards every round give the
+    same o and lse."""
+    q, k, v = (_randn((4, heads, 900, D), seed, torch.bfloat16) for seed, heads in ((4, 16), (5, 4), (6, 4)))
+    assert 8 * 4 * 16 > 3 * torch.cuda.get_device_properties(0).multi_processor_count
+    mirrored = cuda_attn.attention_forward_hopper(q, k, v, True, 0.09)
+    previous = cuda_attn.set_hopper_schedule(mirrored=False)
+    try:
+        forwards = cuda_attn.attention_forward_hopper(q, k, v, True, 0.09)
+    finally:
+        cuda_attn.set_hopper_schedule(*previous)
+    assert all(torch.equal(a, b) for a, b in zip(mirrored, forwards))
+
+
 def test_the_backends_forward_kernel_is_a_choice_of_two():
     """set_forward_kernel: cuDNN's (the default) or ours, the previous one returned; a
     name of neither refused before anything changes."""

@@ -467,7 +467,8 @@ def _in_kernel_stages(q: torch.Tensor, k: torch.Tensor) -> int:
 
 
 def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None,
-                        v_in_kernel: bool | str | None = None) -> tuple[bool, bool, bool | str]:
+                        v_in_kernel: bool | str | None = None,
+                        mirrored: bool | None = None) -> tuple[bool, bool, bool | str, bool]:
     """The schedule of the Hopper attention kernels (:func:`attention_forward_fp8`,
     :func:`attention_forward_hopper`), for this process (it builds the extension if
     need be); None leaves a setting. ``turns`` (default on): the two consumer
@@ -482,14 +483,19 @@ def set_hopper_schedule(turns: bool | None = None, overlap: bool | None = None,
     a launch before the forward rewriting all of V into a buffer the tiles are
     copied from; the same bits. The kernel rewrites a tile for each query block
     that reads it, the launch once: the kernel's is the faster on short sequences
-    only. Returns the previous ``(turns, overlap, v_in_kernel)``."""
+    only. ``mirrored`` (default on; both forwards): the persistent blocks take the
+    items (longest first under the causal mask) in rounds dealt forwards and
+    backwards in turn, so that they end together; off, forwards every round (the
+    first blocks then take the longest item of each). The same bits either way.
+    Returns the previous ``(turns, overlap, v_in_kernel, mirrored)``."""
     from ._build import extension
 
     if v_in_kernel is not None and not isinstance(v_in_kernel, bool) and v_in_kernel != BY_SHAPE:
         raise ValueError(f"set_hopper_schedule: v_in_kernel is True, False, BY_SHAPE or None, not {v_in_kernel!r}")
     v_code = 2 if v_in_kernel == BY_SHAPE else _setting(v_in_kernel)
-    turns, overlap, v_code = extension().attention_schedule(_setting(turns), _setting(overlap), v_code)
-    return turns, overlap, BY_SHAPE if v_code == 2 else bool(v_code)
+    turns, overlap, v_code, mirrored = extension().attention_schedule(_setting(turns), _setting(overlap), v_code,
+                                                                      _setting(mirrored))
+    return turns, overlap, BY_SHAPE if v_code == 2 else bool(v_code), mirrored
 
 
 def _setting(value: bool | None) -> int:

@@ -533,13 +533,22 @@ __device__ __forceinline__ void produce_ring(uint32_t base, int n, int t0, int t
   }
 }
 
-// This block's items (blockIdx.x, then every gridDim.x-th): f(work, n, t0), n
-// counting the block's items, t0 the tiles of the items before.
+// This block's items: f(work, n, t0), n counting the block's items, t0 the tiles of
+// the items before. The list is dealt out in rounds of gridDim.x items, in turn
+// forwards and backwards (block i takes round 0's i-th item, round 1's i-th from the
+// end, ...): under the causal mask items shrink down the list, so a block given a
+// long item in one round gets a short one in the next, and the blocks end together.
+// Dealt forwards every round, the first blocks would take the longest item of every
+// round: 6% above the mean at 4 x 16 heads of 4096 queries on 132 SMs, against 0.1%
+// (a.mirrored off: forwards every round, to time against).
 template <bool CAUSAL, typename Args, typename F>
 __device__ __forceinline__ void for_each_item(const Args& a, F f) {
   const int items = work_items(a);
+  const int blocks = int(gridDim.x), mirrored = a.mirrored ? blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
   int t0 = 0;
-  for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
+  for (int n = 0;; ++n) {
+    const int item = n * blocks + ((n & 1) ? mirrored : int(blockIdx.x));
+    if (item >= items) break;  // a block's items only grow down the rounds
     const BlockWork w = block_work<CAUSAL>(a, item);
     f(w, n, t0);
     t0 += w.tiles;

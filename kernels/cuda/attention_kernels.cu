@@ -12,8 +12,9 @@
 // through them), as the Triton kernel of kernels/triton/attention.py does.
 //
 // Blocks are persistent, one an SM (attention_common.cuh's run_block): each works
-// through items (128 queries of one head), every gridDim.x-th of the list that
-// runs the longest rows first (causal). 384 threads:
+// through items (128 queries of one head) of the list that runs the longest rows
+// first (causal), dealt out in rounds, forwards and backwards in turn
+// (for_each_item). 384 threads:
 //   * warpgroup 0 (producer, 40 to 56 registers a thread after setmaxnreg), one
 //     thread of it: tensor copies (cp.async.bulk.tensor, through maps made at
 //     launch) of an item's Q block into one of two buffers (the next item's while

@@ -636,15 +636,20 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_le
 bool attention_turns_state = true;
 bool attention_overlap_state = true;
 int64_t attention_v_in_kernel_state = 2;
+// Both persistent forwards: their items dealt out forwards and backwards in turn
+// (attention_common.cuh's for_each_item), or forwards every round.
+bool attention_mirrored_state = true;
 
-// Sets turns and overlap as 0 or 1, v_in_kernel as 0, 1 or 2 (-1 leaves one);
-// returns the previous three.
-std::tuple<bool, bool, int64_t> attention_schedule(int64_t turns, int64_t overlap, int64_t v_in_kernel) {
-  const std::tuple<bool, bool, int64_t> previous{attention_turns_state, attention_overlap_state,
-                                                 attention_v_in_kernel_state};
+// Sets turns, overlap and mirrored as 0 or 1, v_in_kernel as 0, 1 or 2 (-1 leaves
+// one); returns the previous four.
+std::tuple<bool, bool, int64_t, bool> attention_schedule(int64_t turns, int64_t overlap, int64_t v_in_kernel,
+                                                         int64_t mirrored) {
+  const std::tuple<bool, bool, int64_t, bool> previous{attention_turns_state, attention_overlap_state,
+                                                       attention_v_in_kernel_state, attention_mirrored_state};
   if (turns >= 0) attention_turns_state = turns != 0;
   if (overlap >= 0) attention_overlap_state = overlap != 0;
   if (v_in_kernel >= 0) attention_v_in_kernel_state = std::min<int64_t>(v_in_kernel, 2);
+  if (mirrored >= 0) attention_mirrored_state = mirrored != 0;
   return previous;
 }
 
@@ -697,6 +702,7 @@ void describe_attention(te_fuser::AttentionShape& a, const at::Tensor& q, const 
   a.head_dim = static_cast<int>(q.size(3));
   a.causal = causal;
   a.turns = attention_turns_state;
+  a.mirrored = attention_mirrored_state;
   a.q_stride_b = q.stride(0), a.q_stride_h = q.stride(1), a.q_stride_t = q.stride(2);
   a.k_stride_b = k.stride(0), a.k_stride_h = k.stride(1), a.k_stride_t = k.stride(2);
   a.v_stride_b = v.stride(0), a.v_stride_h = v.stride(1), a.v_stride_t = v.stride(2);
@@ -976,8 +982,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the bf16 / fp16 attention backward on Hopper's tensor cores, (dq, dk, dv) (deterministic), with what its "
         "dk / dv kernel also does (1: dq stored, 2: delta made), or None for operands the Python path takes");
   m.def("attention_schedule", &attention_schedule,
-        "the Hopper attention kernels' schedule: (turns, overlap, v_in_kernel), 0 or 1 (v_in_kernel 2: by the "
-        "shape), -1 to leave one; returns the previous three");
+        "the Hopper attention kernels' schedule: (turns, overlap, v_in_kernel, mirrored), 0 or 1 (v_in_kernel 2: "
+        "by the shape), -1 to leave one; returns the previous four");
   m.def("attention_fp8_forward_lean", &attention_fp8_forward_lean,
         "the FP8 attention forward on Hopper's tensor cores: (o, lse), operands checked here; None for a case the "
         "Python path takes");

@@ -200,6 +200,7 @@ struct AttentionShape {
   int batch = 0, h = 0, hkv = 0, tq = 0, tk = 0, head_dim = 0;
   bool causal = false;
   bool turns = true;  // the consumer warpgroups take turns at S = Q Kᵀ (named barriers)
+  bool mirrored = true;  // the persistent forwards deal their items out forwards and backwards in turn
   int64_t q_stride_b = 0, q_stride_h = 0, q_stride_t = 0;
   int64_t k_stride_b = 0, k_stride_h = 0, k_stride_t = 0;
   int64_t v_stride_b = 0, v_stride_h = 0, v_stride_t = 0;
