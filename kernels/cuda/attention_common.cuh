@@ -540,7 +540,9 @@ __device__ __forceinline__ void produce_ring(uint32_t base, int n, int t0, int t
 // long item in one round gets a short one in the next, and the blocks end together.
 // Dealt forwards every round, the first blocks would take the longest item of every
 // round: 6% above the mean at 4 x 16 heads of 4096 queries on 132 SMs, against 0.1%
-// (a.mirrored off: forwards every round, to time against).
+// (benchmarks/forward_items.py); measured there on an H100, the FP8 forward 1.3-1.5%
+// and the bf16 one 3.7% faster, level at the GPT's 1024 keys (RESULTS.md run 270).
+// a.mirrored off: forwards every round, to time against.
 template <bool CAUSAL, typename Args, typename F>
 __device__ __forceinline__ void for_each_item(const Args& a, F f) {
   const int items = work_items(a);
