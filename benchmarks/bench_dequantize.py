@@ -1,7 +1,7 @@
 """The Triton dequantization of per-tensor FP8 data (GPU): its scale read once a
-program (what ``SCALES="tensor"`` compiles) against looked up element by element
-through zero strides (``"tiles"``, the kernel's lookup for block scales, which the
-per-tensor path used before). Shapes of the GPT's backward under ``fp8_dpa``: the
+program (the scale grid's tile the whole tensor) against looked up element by
+element through zero strides (tiles of one element: the kernel's lookup for block
+scales, which the per-tensor path took before). Shapes of the GPT's backward under ``fp8_dpa``: the
 saved QKV bytes and dO. The arms take turns, ``--rounds`` times (medians, µs), the
 bits checked equal.
 
@@ -20,14 +20,15 @@ from harness import rounds_ms
 
 
 def _looked_up(cast, fn):
-    """``fn`` with every scale grid looked up element by element."""
+    """``fn`` with a per-tensor scale looked up element by element: tiles of one
+    element and zero strides, the grid the kernel was handed before."""
     def run():
-        grids = dict(cast._SCALE_GRIDS)
-        cast._SCALE_GRIDS.clear()
+        lookup = cast._scale_lookup
+        cast._scale_lookup = lambda op: (1, 1, 0, 0)
         try:
             return fn()
         finally:
-            cast._SCALE_GRIDS.update(grids)
+            cast._scale_lookup = lookup
     return run
 
 
@@ -39,7 +40,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         print("bench_dequantize needs a GPU (the compiled Triton kernel)")
         return
-    cast = importlib.import_module("te_fuser.kernels.triton.cast")  # the module: its _SCALE_GRIDS
+    cast = importlib.import_module("te_fuser.kernels.triton.cast")  # the module: its _scale_lookup
     from te_fuser.kernels.operand import ScaledOperand
 
     print(torch.cuda.get_device_name(), "torch", torch.__version__)

@@ -93,11 +93,12 @@ def _module(name: str):
     return importlib.import_module(f"te_fuser.kernels.triton.{name}")
 
 
-def _dequantize(scales: str):
+def _dequantize(tile_r: int, tile_c: int):
+    """The dequantization with a scale grid of (tile_r, tile_c) tiles (0: the whole dimension)."""
     cast = _module("cast")
     types = {"q_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_sm": "i32",
              "stride_sn": "i32"}
-    consts = dict(TILE_R=1, TILE_C=1, E8M0=False, IS_E4M3=True, OUT_DTYPE=tl.bfloat16, SCALES=scales,
+    consts = dict(TILE_R=tile_r, TILE_C=tile_c, E8M0=False, IS_E4M3=True, OUT_DTYPE=tl.bfloat16,
                   BLOCK_M=32, BLOCK_N=128)
     # a per-tensor scale's strides are 0: divisible by 16, as the launch specializes them
     return cast._dequantize_kernel, types, consts, ("q_ptr", "s_ptr", "out_ptr", "M", "N", "stride_sm", "stride_sn")
@@ -125,10 +126,10 @@ def _dact_dbias(kind: str):
 
 # name -> (kernel, runtime types, constexprs, arguments divisible by 16)
 CASES = {
-    "dequantize per tensor": lambda: _dequantize("tensor"),
+    "dequantize per tensor": lambda: _dequantize(0, 0),
     # the lookup the per-tensor path replaced: one scale through zero strides, a load an element
-    "dequantize per tensor, looked up": lambda: _dequantize("tiles"),
-    "dequantize per row": lambda: _dequantize("row"),
+    "dequantize per tensor, looked up": lambda: _dequantize(1, 1),
+    "dequantize per row": lambda: _dequantize(1, 0),
     "activation gelu": lambda: _activation("gelu"),
     "activation swiglu": lambda: _activation("swiglu"),
     "dact_dbias gelu": lambda: _dact_dbias("gelu"),

@@ -62,25 +62,25 @@ def test_a_gpu_benchmark_imports_and_asks_for_a_gpu_on_cpu(script):
 
 def test_bench_dequantize_looks_the_scale_up_element_by_element_and_puts_the_grids_back():
     """bench_dequantize.py's second arm: the same bits through the block scales'
-    lookup, and the table of scale grids as it was after the call."""
+    lookup, and the scale grid's lookup as it was after the call."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_dequantize
     cast = importlib.import_module("te_fuser.kernels.triton.cast")
     from te_fuser.kernels.operand import ScaledOperand
 
     op = ScaledOperand((torch.randn(40, 96) * 20).to(torch.float8_e4m3fn), torch.tensor(0.37), "tensor")
-    grids = dict(cast._SCALE_GRIDS)
+    lookup = cast._scale_lookup
     calls = []
     launch = cast.launch
-    cast.launch = lambda fn, grid, *a, **kw: (calls.append(kw["SCALES"]), launch(fn, grid, *a, **kw))
+    cast.launch = lambda fn, grid, *a, **kw: (calls.append((kw["TILE_R"], kw["TILE_C"])), launch(fn, grid, *a, **kw))
     try:
         once = cast.dequantize(op, torch.bfloat16)
         looked = bench_dequantize._looked_up(cast, lambda: cast.dequantize(op, torch.bfloat16))()
     finally:
         cast.launch = launch
-    assert calls == ["tensor", "tiles"]
+    assert calls == [(0, 0), (1, 1)]  # the whole tensor, then tiles of one element
     assert torch.equal(once.view(torch.int16), looked.view(torch.int16))
-    assert cast._SCALE_GRIDS == grids
+    assert cast._scale_lookup is lookup
 
 
 def test_forward_items_deals_every_item_once_and_balances_the_causal_list():

@@ -690,21 +690,21 @@ def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> ScaledOperand:
 @triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, out_ptr, M, N, stride_sm, stride_sn,
                        TILE_R: tl.constexpr, TILE_C: tl.constexpr, E8M0: tl.constexpr, IS_E4M3: tl.constexpr,
-                       OUT_DTYPE: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``data * scale_inv`` in fp32, the scale of element (m, n) at
-    ``s[(m // TILE_R) * stride_sm + (n // TILE_C) * stride_sn]``. SCALES names the
-    grid's shape: "tensor" (one scale, read once a program), "row" (one a row, read
-    once a row of the tile) or "tiles" (looked up element by element): the compiler
-    cannot tell a zero stride from the arguments, and looked up element by element
-    one scale costs every thread a load per element."""
+    ``s[(m // TILE_R) * stride_sm + (n // TILE_C) * stride_sn]``, a tile side of 0
+    being the whole dimension (``formats.SCALING_TILES``): one scale for the tensor
+    is read once a program, one a row once a row of the tile, and only block scales
+    are looked up element by element (through zero strides the compiler cannot
+    see, one scale would cost every thread a load per element)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     q = tl.load(q_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-    if SCALES == "tensor":
+    if TILE_R == 0:
         s = tl.load(s_ptr)
-    elif SCALES == "row":
-        s = tl.load(s_ptr + offs_m * stride_sm, mask=offs_m < M, other=1)[:, None]
+    elif TILE_C == 0:
+        s = tl.load(s_ptr + (offs_m // TILE_R) * stride_sm, mask=offs_m < M, other=1)[:, None]
     else:
         s_offs = (offs_m[:, None] // TILE_R) * stride_sm + (offs_n[None, :] // TILE_C) * stride_sn
         s = tl.load(s_ptr + s_offs, mask=mask, other=1)
@@ -714,17 +714,12 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, M, N, stride_sm, stride_sn,
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], to_output(out, OUT_DTYPE), mask=mask)
 
 
-_SCALE_GRIDS = {Scaling.TENSOR: "tensor", Scaling.ROW: "row"}  # _dequantize_kernel's SCALES; "tiles" otherwise
-
-
 def _scale_lookup(op: ScaledOperand) -> tuple[int, int, int, int]:
-    """(TILE_R, TILE_C, stride_sm, stride_sn) of an operand's scale grid."""
-    if op.scaling == Scaling.TENSOR:
-        return 1, 1, 0, 0
-    if op.scaling == Scaling.ROW:
-        return 1, 1, op.scale_inv.stride(0), 0
+    """(TILE_R, TILE_C, stride_sm, stride_sn) of an operand's scale grid (a tile
+    side of 0: the whole dimension, its stride unused)."""
     tile_r, tile_c = scaling_tile(op.scaling)
-    return tile_r, tile_c, op.scale_inv.stride(0), op.scale_inv.stride(1)
+    return (tile_r, tile_c, op.scale_inv.stride(0) if tile_r else 0,
+            op.scale_inv.stride(1) if tile_c else 0)
 
 
 def dequantize(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -744,6 +739,6 @@ def dequantize(op: ScaledOperand, out_dtype: torch.dtype = torch.float32) -> tor
         launch(_dequantize_kernel, grid,
             data, op.scale_inv, out, M, N, stride_sm, stride_sn, TILE_R=tile_r, TILE_C=tile_c,
             E8M0=op.scaling == Scaling.MX_32, IS_E4M3=op.fp8_dtype == torch.float8_e4m3fn,
-            OUT_DTYPE=TL_FLOAT[out_dtype], SCALES=_SCALE_GRIDS.get(op.scaling, "tiles"),
+            OUT_DTYPE=TL_FLOAT[out_dtype],
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return out
