@@ -53,7 +53,7 @@ def main(argv=None) -> None:
         same = torch.equal(arms["scale once"]().view(torch.int16), arms["looked up"]().view(torch.int16))
         med = {k: statistics.median(v) * 1e3 for k, v in rounds_ms(arms, args.rounds).items()}
         once, looked = med["scale once"], med["looked up"]
-        print(f"dequantize {shape} e4m3 -> bf16: scale once {once:.1f} us ({3 * M * N / once / 1e6:.0f} GB/s), "
+        print(f"dequantize {shape} e4m3 -> bf16: scale once {once:.1f} us ({3 * M * N / once / 1e3:.0f} GB/s), "
               f"looked up {looked:.1f} us, once / looked up {once / looked:.3f}; the same bits: {same}", flush=True)
 
 
