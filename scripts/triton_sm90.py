@@ -100,8 +100,13 @@ def _dequantize(tile_r: int, tile_c: int):
              "stride_sn": "i32"}
     consts = dict(TILE_R=tile_r, TILE_C=tile_c, E8M0=False, IS_E4M3=True, OUT_DTYPE=tl.bfloat16,
                   BLOCK_M=32, BLOCK_N=128)
-    # a per-tensor scale's strides are 0: divisible by 16, as the launch specializes them
-    return cast._dequantize_kernel, types, consts, ("q_ptr", "s_ptr", "out_ptr", "M", "N", "stride_sm", "stride_sn")
+    aligned = ["q_ptr", "s_ptr", "out_ptr", "M", "N", "stride_sn"]  # stride 0 (unused): divisible by 16
+    if tile_r == 1 and tile_c == 0:  # a row's scale one element apart: the JIT makes a stride of 1 a constant
+        del types["stride_sm"]
+        consts["stride_sm"] = 1
+    else:  # the whole tensor's scale, or the lookup through zero strides: 0
+        aligned.append("stride_sm")
+    return cast._dequantize_kernel, types, consts, tuple(aligned)
 
 
 def _activation(kind: str):
