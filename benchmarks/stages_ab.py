@@ -15,7 +15,8 @@ alike; the medians over the rounds and their ratios.
   bf16 forward through SDPA (#16's FP8 bar: 1.3x cuDNN's time), and our
   persistent forwards (FP8, FP8 with V given, the Hopper bf16) with their items
   dealt forwards every round instead of forwards and backwards in turn
-  (``set_hopper_schedule``'s ``mirrored``: the same bits, checked); with ``--schedules`` also the FP8 forward under the other schedules
+  (``set_hopper_schedule``'s ``mirrored``: the same bits, checked); with
+  ``--schedules`` also the FP8 forward under the other schedules
   (``set_hopper_schedule``: without turns, in order, in order without turns; each
   checked against the default within FP8's bound), the rewrite of V with its
   keys inner alone (the launch before the forward's every call where V is not
