@@ -249,6 +249,59 @@ def _group_launches(events, steps: int, top: int) -> list[tuple[str, str, float]
     return rows[:top]
 
 
+_BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                   "cudaMemcpyAsync", "cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaFreeHost", "cudaMallocHost",
+                   "cudaStreamWaitEvent", "cudaStreamQuery", "cudaEventQuery")
+
+
+def sync_points(step, steps: int, top: int) -> tuple[list[tuple[str, float, float]], list[tuple[str, int]]]:
+    """Where ``step`` may make its host wait for the GPU: ``(calls, warned)``. ``calls``
+    are the CUDA runtime calls that can block or that copy, ``(name, per step, host ms
+    per step)`` over ``steps`` profiled steps (a blocking call's host time is the GPU
+    work it waited for, and the GPU then idles while the host catches up); ``warned``
+    are torch's own synchronizing operations seen by ``torch.cuda.set_sync_debug_mode``
+    in one step, ``(innermost project frame, count)``."""
+    import traceback
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.name in _BLOCKING_CALLS:
+            entry = totals.setdefault(ev.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += ev.cpu_time_total / 1e3
+    calls = sorted(((n, v[0] / steps, v[1] / steps) for n, v in totals.items()), key=lambda r: -r[2])
+    seen: dict[str, int] = {}
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if _own_frame(f.filename)]
+        where = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else filename
+        seen[where] = seen.get(where, 0) + 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.autograd.set_multithreading_enabled(False):  # the backward's warnings on this thread
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    torch.cuda.synchronize()
+    return calls[:top], sorted(seen.items(), key=lambda r: -r[1])[:top]
+
+
 def _on_caller(step):
     """``step`` with its backward on the calling thread (autograd's device threads off
     for it): the backward's Python and launches stay on the forward's thread and core."""
@@ -386,6 +439,9 @@ def main(argv=None):
     p.add_argument("--phases", action="store_true",
                    help="also time, per arm, the host and the GPU in each phase of the step (forward, backward, "
                         "optimizer): where the GPU waits on the host")
+    p.add_argument("--syncs", action="store_true",
+                   help="per arm, the CUDA runtime calls that can block the host (or copy) per step, and torch's "
+                        "synchronizing operations in one step (torch.cuda.set_sync_debug_mode)")
     p.add_argument("--sources", type=int, default=0, metavar="N",
                    help="also list, per arm, the N most frequent sources of GPU work: the runtime calls (kernels, "
                         "memsets, copies) grouped by the project's frame (and torch op) that made them")
@@ -469,6 +525,14 @@ def main(argv=None):
             print("  phase        host ms   GPU ms (from the host's start of the phase to the GPU's end of it)")
             for name, (host_ms, gpu_ms) in phases.items():
                 print(f"  {name:<10} {host_ms:8.2f} {gpu_ms:8.2f}")
+        if args.syncs and type(model) is not tuple:
+            calls, warned = sync_points(step, args.steps, args.top)
+            print("  runtime calls that can block or copy (per step, host ms per step):")
+            for name, count, ms in calls:
+                print(f"  {count:7.1f}  {ms:8.3f} ms  {name}")
+            print(f"  torch's synchronizing operations in one step: {sum(n for _, n in warned)}")
+            for where, count in warned:
+                print(f"  {count:5d}x  {where}")
         if args.sources:
             print("  launches by source (per step; memsets and copies first):")
             rows = launch_sources(step, args.steps, 10 * args.sources)
