@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages stagesab fwdab dequant pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages stagesab fwdab dequant pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall dims refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -75,6 +75,11 @@ for part in $parts; do
     determinism)  # the smoke GPT trained three times eagerly and once graphed: the same loss bits
       timeout 200 python3 benchmarks/check_determinism.py --graphed --repeats 3 2>&1 | tee "$OUT/determinism.log" | tail -6 ;;
     profgpt) timeout 300 python3 benchmarks/profile_gpt.py --recipes ${PROF_RECIPES:-bf16 delayed current} --timed 5 --steps 2 ${PROF_HOST:+--host --dump $OUT} ${PROF_HOSTONLY:+--host-only} ${PROF_ATTENTION:+--attention $PROF_ATTENTION} ${PROF_COMPILE:+--compile} ${PROF_SOURCES:+--sources $PROF_SOURCES} ${PROF_PHASES:+--phases} ${PROF_SYNCS:+--syncs} ${PROF_INTERLEAVE:+--interleave $PROF_INTERLEAVE} ${PROF_SEPARATE:+--separate-launches} ${PROF_RUN:+--run-length $PROF_RUN} ${PROF_ONE:+--one-sequential} ${PROF_CALLER:+--caller-backward} ${PROF_PEERS:+--peers} ${PROF_AUTO:+--auto-entry $PROF_AUTO} ${PROF_GRAPHED:+--graphed} --clip ${PROF_CLIP:-1.0} 2>&1 | tee -a "$OUT/profgpt.log" | tail -80 ;;
+    dims)  # x of any dims to the casts, GEMMs and LayerNorms that take it: their tests, then the GPT's step against
+      # the same step reshaping to rows around them, in turns in one process (dims_ab.py)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_lean_entries_gpu.py tests/test_any_dims.py \
+        tests/test_ops_gpu.py tests/test_triton_norm.py tests/test_cuda_gemm.py 2>&1 | tee "$OUT/dims_tests.log" | tail -6
+      timeout 250 python3 benchmarks/dims_ab.py ${DIMS_ARGS:-} 2>&1 | tee "$OUT/dims.log" | tail -24 ;;
     new)  # this stop's tests on the GPU: the CUDA casts and state update, the row-wise recipe, the guard, training
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
         tests/test_cuda_cast.py tests/test_cuda_backend.py tests/test_amax_column_sums.py tests/test_triton_activation.py \

@@ -215,7 +215,7 @@ def test_the_extension_gemm_entry_hands_back_what_the_python_path_must_see():
 
     def call(x, w, sa, sb, bias=None, residual=None, activation=0, device=index):
         return lean(x, w, sa, sb, bias, residual, torch.bfloat16, False, activation, False, device,
-                    stream_of_index(index))
+                    stream_of_index(index), None)
 
     assert_bitwise(call(a.data, b.data, a.scale_inv, b.scale_inv), cuda.gemm(a, b, torch.bfloat16))
     wide = _operand(64, 144, E4M3, 22).data[:, 16:]  # (64, 128), rows 144 apart: not contiguous
@@ -299,3 +299,95 @@ def test_the_delayed_update_entry_hands_back_a_state_it_cannot_read():
     assert prepared.with_update(x, scale, history.double(), count, 0, True, True, True) is None
     assert prepared.with_update(x, scale, history, count.int(), 0, True, True, True) is None
     assert history.abs().sum().item() == 0 and count.item() == 0
+
+
+@pytest.mark.parametrize("lead", [(64,), (4, 16), (2, 4, 8)])
+@pytest.mark.parametrize("activation,with_residual", [(None, False), (None, True), ("gelu", False)])
+def test_the_gemm_entry_gives_the_result_in_the_input_dims(lead, activation, with_residual):
+    """``a_shape`` (..., K): the lean GEMM's result comes as (..., N), a residual may
+    come as (..., N) too, with the bits of the 2-D call; a shape that does not hold
+    a's rows goes back (None) before anything runs."""
+    from te_fuser.kernels.cuda._build import extension, stream_of_index
+
+    m, n, k = 64, 48, 128
+    a, b = _operand(m, k, E4M3, 30), _operand(n, k, E4M3, 31)
+    bias = _x((n,), torch.bfloat16, 32)
+    residual = _x((*lead, n), torch.bfloat16, 33) if with_residual else None
+    want = cuda.gemm.tensorwise(a, b, torch.bfloat16, bias, False, activation,
+                                None if residual is None else residual.reshape(m, n))
+    got = cuda.gemm.tensorwise(a, b, torch.bfloat16, bias, False, activation, residual, None,
+                               torch.Size((*lead, k)))
+    assert got.shape == (*lead, n) and got.is_contiguous()
+    assert_bitwise(got.reshape(m, n), want)
+    got = ops_gemm(a, b, torch.bfloat16, bias=bias, activation=activation, residual=residual,
+                   a_shape=torch.Size((*lead, k)))
+    assert got.shape == (*lead, n)
+    assert_bitwise(got.reshape(m, n), want)
+    index = torch.cuda.current_device()
+    lean = extension().fp8_gemm_lean
+    for shape in ((*lead[:-1], lead[-1] + 1, k), (*lead, k + 16), ()):
+        assert lean(a.data, b.data, a.scale_inv, b.scale_inv, bias, residual, torch.bfloat16, False, 0, False, index,
+                    stream_of_index(index), shape) is None
+    if len(lead) > 1:  # a residual in other dims than the output's asks for them
+        assert lean(a.data, b.data, a.scale_inv, b.scale_inv, bias, _x((*lead, n), torch.bfloat16, 34),
+                    torch.bfloat16, False, 0, False, index, stream_of_index(index), None) is None
+
+
+@pytest.mark.parametrize("lead", [(4, 64), (2, 3, 40)])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_lean_layer_norm_takes_more_dims_as_rows(lead, with_add):
+    """The lean LayerNorm of x (..., N) is that of its 2-D flattening, y and dx of
+    x's shape, bit for bit."""
+    n = 256
+    x = _x((*lead, n), torch.bfloat16, 40)
+    w, b = _x((n,), torch.float32, 41), _x((n,), torch.float32, 42)
+    want = cuda.layer_norm(x.reshape(-1, n), w, b, 1e-5, torch.bfloat16)
+    got = cuda.layer_norm.lean(x, w, b, 1e-5, torch.bfloat16)
+    assert got[0].shape == x.shape
+    for a, c in zip((got[0].reshape(-1, n), *got[1:]), want):
+        assert_bitwise(a, c)
+    dy = _x(x.shape, torch.bfloat16, 43)
+    add = _x(x.shape, torch.float32, 44) if with_add else None
+    want = cuda.layer_norm_grad(dy.reshape(-1, n), x.reshape(-1, n), w, want[1], want[2],
+                                None if add is None else add.reshape(-1, n))
+    got = cuda.layer_norm_grad.lean(dy, x, w, got[1], got[2], add)
+    assert got[0].shape == x.shape
+    for a, c in zip((got[0].reshape(-1, n), *got[1:]), want):
+        assert_bitwise(a, c)
+    assert cuda.layer_norm_grad.lean(dy.reshape(-1, n), x, w, want[1], want[2]) is None  # dy in other dims
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_a_linear_block_on_three_dims_is_the_one_on_rows(recipe_name):
+    """A LayerNorm -> Linear -> GELU -> Linear -> residual block trained on (B, T, d)
+    under an FP8 recipe: its outputs and gradients are those of the same block on
+    the (B*T, d) rows (the ops hand x of any dims to the casts, GEMMs and norms
+    that take it), bit for bit, over two steps."""
+    import te_fuser as te
+
+    recipes = {"current": te.recipe.Float8CurrentScaling(), "delayed": te.recipe.DelayedScaling()}
+
+    def block():
+        torch.manual_seed(0)
+        return te.ops.Sequential(te.ops.LayerNorm(256, device="cuda"), te.ops.Linear(256, 512, device="cuda"),
+                                 te.ops.GELU(), te.ops.Linear(512, 256, device="cuda"), te.ops.AddExtraInput())
+
+    x3 = _x((4, 32, 256), torch.bfloat16, 50).requires_grad_()
+    x2 = x3.detach().reshape(-1, 256).requires_grad_()
+    dy = _x((4, 32, 256), torch.bfloat16, 51)
+    models = block(), block()
+    for _ in range(2):
+        outs = []
+        for model, x in zip(models, (x3, x2)):
+            with te.autocast(recipe=recipes[recipe_name]):
+                y = model(x, x)
+            y.backward(dy.reshape(y.shape))
+            outs.append(y)
+        assert outs[0].shape == x3.shape
+        assert_bitwise(outs[0].reshape(-1, 256), outs[1])
+        assert_bitwise(x3.grad.reshape(-1, 256), x2.grad)
+        for p3, p2 in zip(models[0].parameters(), models[1].parameters()):
+            assert_bitwise(p3.grad, p2.grad)
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        x3.grad = x2.grad = None

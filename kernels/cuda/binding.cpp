@@ -25,7 +25,7 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
                                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                         const std::optional<at::Tensor>& residual, at::ScalarType out_dtype,
                                         bool fast_accum, int64_t activation, bool bias_as_bf16,
-                                        int64_t device, int64_t stream);
+                                        int64_t device, int64_t stream, std::optional<at::IntArrayRef> a_shape);
 int64_t fp8_gemm_plans();
 int64_t fp8_gemm_set_workspace_limit(int64_t bytes);
 std::tuple<at::Tensor, int64_t> fp8_gemm_tensorwise_candidate(const at::Tensor& a, const at::Tensor& b,
@@ -531,12 +531,14 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> dact_dbias_lean(const at::Tens
   return std::make_tuple(dx, dbias);
 }
 
-// LayerNorm: (y in out_dtype, mean, rstd), new tensors (x row-major, weight and bias fp32).
+// LayerNorm over x's last dim: (y in out_dtype of x's shape, mean, rstd (rows,)), new
+// tensors (x row-major, of two or more dims, its rows those of its 2-D flattening;
+// weight and bias fp32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm(const at::Tensor& x, const at::Tensor& weight,
                                                           const at::Tensor& bias, double eps, at::ScalarType out_dtype,
                                                           int64_t stream) {
-  const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor y = at::empty({rows, n}, x.options().dtype(out_dtype));
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype));
   at::Tensor stats = at::empty({2 * rows}, x.options().dtype(at::kFloat));
   at::Tensor mean = piece_of(stats, 0, at::kFloat, {rows}), rstd = piece_of(stats, rows * 4, at::kFloat, {rows});
   if (rows > 0 && n > 0) {
@@ -555,7 +557,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_grad(const at::Tensor&
                                                                const at::Tensor& rstd,
                                                                const std::optional<at::Tensor>& grad_add,
                                                                int64_t stream) {
-  const int64_t rows = x.size(0), n = x.size(1);
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
   at::Tensor dx = at::empty_like(x);
   if (rows == 0 || n == 0) {
     at::Tensor zeros = at::zeros({2 * n}, x.options().dtype(at::kFloat));
@@ -587,31 +589,37 @@ bool fp32_vector(const at::Tensor& t, int64_t n, int64_t device, bool aligned) {
          (!aligned || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0);
 }
 
-// layer_norm with its operands checked here: the same result, or None for
-// operands the Python path must look at (x not a contiguous, 16-byte aligned 2-D
-// CUDA tensor of a high-precision dtype on `device`, weight and bias not aligned
-// contiguous fp32 (N,) there, an out_dtype (default x's) not of the three).
+// layer_norm with its operands checked here: the same result, y of x's shape, or
+// None for operands the Python path must look at (x not a contiguous, 16-byte
+// aligned CUDA tensor of two or more dims and a high-precision dtype on `device`,
+// weight and bias not aligned contiguous fp32 (N,) there, an out_dtype (default
+// x's) not of the three). x of more dims is normalized over its last as its 2-D
+// flattening, which spares the host a reshape on either side.
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_lean(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     std::optional<at::ScalarType> out_dtype, int64_t device, int64_t stream) {
   const at::ScalarType out = out_dtype.value_or(x.scalar_type());
-  if (x.dim() != 2 || hp_code_or_none(x.scalar_type()) < 0 || hp_code_or_none(out) < 0 || !plain_on(x, device) ||
-      !fp32_vector(weight, x.size(1), device, true) || !fp32_vector(bias, x.size(1), device, true)) {
+  if (x.dim() < 2 || hp_code_or_none(x.scalar_type()) < 0 || hp_code_or_none(out) < 0 || !plain_on(x, device) ||
+      !fp32_vector(weight, x.size(-1), device, true) || !fp32_vector(bias, x.size(-1), device, true)) {
     return std::nullopt;
   }
   return layer_norm(x, weight, bias, eps, out, stream);
 }
 
 // layer_norm_grad with its operands checked here, or None (see layer_norm_lean):
-// dy and grad_add of x's shape and a high-precision dtype, aligned and contiguous
-// on `device`, weight as in the forward, mean and rstd contiguous fp32 (rows,) there.
+// dy and grad_add of x's shape (two or more dims, dx then of it too) and a
+// high-precision dtype, aligned and contiguous on `device`, weight as in the
+// forward, mean and rstd contiguous fp32 (rows,) there.
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> layer_norm_grad_lean(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& mean,
     const at::Tensor& rstd, const std::optional<at::Tensor>& grad_add, int64_t device, int64_t stream) {
-  if (x.dim() != 2 || hp_code_or_none(x.scalar_type()) < 0 || hp_code_or_none(dy.scalar_type()) < 0 ||
-      !dy.sizes().equals(x.sizes()) || !plain_on(x, device) || !plain_on(dy, device) ||
-      !fp32_vector(weight, x.size(1), device, true) || !fp32_vector(mean, x.size(0), device, false) ||
-      !fp32_vector(rstd, x.size(0), device, false)) {
+  if (x.dim() < 2 || hp_code_or_none(x.scalar_type()) < 0 || hp_code_or_none(dy.scalar_type()) < 0 ||
+      !dy.sizes().equals(x.sizes()) || !plain_on(x, device) || !plain_on(dy, device)) {
+    return std::nullopt;
+  }
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
+  if (!fp32_vector(weight, n, device, true) || !fp32_vector(mean, rows, device, false) ||
+      !fp32_vector(rstd, rows, device, false)) {
     return std::nullopt;
   }
   if (grad_add && (!grad_add->sizes().equals(x.sizes()) || hp_code_or_none(grad_add->scalar_type()) < 0 ||

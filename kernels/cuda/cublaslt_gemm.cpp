@@ -226,14 +226,23 @@ bool ready(const at::Tensor& t, int64_t device) {
 // (kernels/cuda/gemm.py's _tensorwise) it stands in for; None for every case that
 // path must look at itself (a tensor elsewhere than `device`, not contiguous or not
 // 16-byte aligned, a dtype or shape it converts or refuses, swiglu), before
-// anything is allocated or launched.
+// anything is allocated or launched. `a_shape` (optional): the shape (..., K) of the
+// tensor whose 2-D flattening a is; the result then comes in its dims, (..., N),
+// and the residual may come in them too (a reshape on either side is a dispatch of
+// its own on the host).
 std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                         const std::optional<at::Tensor>& residual, at::ScalarType out_dtype,
                                         bool fast_accum, int64_t activation, bool bias_as_bf16,
-                                        int64_t device, int64_t stream) {
+                                        int64_t device, int64_t stream, std::optional<at::IntArrayRef> a_shape) {
   if (a.dim() != 2 || b.dim() != 2) return std::nullopt;
   const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+  if (a_shape) {  // (..., K) holding m rows
+    const at::IntArrayRef shape = *a_shape;
+    if (shape.empty() || shape.back() != k || c10::multiply_integers(shape.begin(), shape.end() - 1) != m) {
+      return std::nullopt;
+    }
+  }
   const at::ScalarType a_type = a.scalar_type(), b_type = b.scalar_type();
   if (b.size(1) != k || k % 16 || n % 16 || !is_fp8(a_type) || !is_fp8(b_type) ||
       (a_type == at::kFloat8_e5m2 && b_type == at::kFloat8_e5m2)) {
@@ -251,7 +260,9 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
   if (residual) {
     const at::Tensor& r = *residual;
     residual_code = hp_code_or_none(r.scalar_type());
-    if (r.dim() != 2 || r.size(0) != m || r.size(1) != n || residual_code < 0 || !ready(r, device)) {
+    // (M, N), or contiguous in the output's dims (..., N): the same elements in the same order
+    if (r.dim() < 2 || r.size(-1) != n || r.numel() != m * n || (r.dim() != 2 && !a_shape) || residual_code < 0 ||
+        !ready(r, device)) {
       return std::nullopt;
     }
   }
@@ -266,12 +277,19 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
   const bool epilogue = fused || (bias && !in_gemm);
   at::Tensor y = std::get<0>(run_gemm(a, b, scale_a, scale_b, in_gemm ? bias : std::nullopt,
                                       epilogue ? at::kFloat : out_dtype, fast_accum, 0, stream));
-  if (!epilogue) return y;
-  at::Tensor out = out_dtype == at::kFloat ? y : at::empty({m, n}, y.options().dtype(out_dtype));  // fp32: in place
-  launch_epilogue(y.data_ptr(), 0, bias ? bias->data_ptr() : nullptr,
-                  bias ? (bias_as_bf16 ? kBiasFp32AsBf16 : bias_code) : 0, residual ? residual->data_ptr() : nullptr,
-                  residual_code, out.data_ptr(), out_code, m, n, static_cast<int>(activation),
-                  reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  at::Tensor out = y;
+  if (epilogue) {
+    out = out_dtype == at::kFloat ? y : at::empty({m, n}, y.options().dtype(out_dtype));  // fp32: in place
+    launch_epilogue(y.data_ptr(), 0, bias ? bias->data_ptr() : nullptr,
+                    bias ? (bias_as_bf16 ? kBiasFp32AsBf16 : bias_code) : 0,
+                    residual ? residual->data_ptr() : nullptr, residual_code, out.data_ptr(), out_code, m, n,
+                    static_cast<int>(activation), reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  }
+  if (a_shape && a_shape->size() != 2) {  // a new tensor only this call holds: its sizes set in place, no view
+    std::vector<int64_t> sizes(a_shape->begin(), a_shape->end());
+    sizes.back() = n;
+    out.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  }
   return out;
 }
 

@@ -249,7 +249,7 @@ _SAME_WIDTH = tuple(a for a in EPILOGUE_ACTIVATIONS if a != "swiglu")
 
 def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, fast_accum: bool = False,
                 activation: str | None = None, residual: torch.Tensor | None = None,
-                bias_round: torch.dtype | None = None):
+                bias_round: torch.dtype | None = None, a_shape: torch.Size | None = None):
     """:func:`gemm` of two per-tensor scaled operands with the checks a launch needs
     and no more: the same bits, or None for a case it does not take as it is (any
     other scaling, two E5M2 operands, K or N not a multiple of 16, operands apart or
@@ -262,7 +262,9 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     bias to bf16 as it reads it (no converted copy, no launch for it), else the bias
     is converted first. The ops' GEMMs call it first (``gemm.tensorwise``). The
     extension's ``fp8_gemm_lean`` makes the common call with these checks in C++
-    (the same bits; None hands a case back to the checks here)."""
+    (the same bits; None hands a case back to the checks here). ``a_shape``: the
+    shape (..., K) of the tensor whose 2-D flattening ``a`` is; the result then
+    comes in its dims, (..., N), and the residual may too."""
     if a.scaling != Scaling.TENSOR or b.scaling != Scaling.TENSOR:
         return None
     x, w = a.data, b.data
@@ -274,9 +276,14 @@ def _tensorwise(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None = None, 
     if as_bf16 is not None:  # the checks in C++, on torch's current device and its current stream
         index = current_device_index()
         out = extension().fp8_gemm_lean(x, w, a.scale_inv, b.scale_inv, bias, residual, out_dtype, fast_accum,
-                                        ACTIVATION_CODES.get(activation, -1), as_bf16, index, stream_of_index(index))
+                                        ACTIVATION_CODES.get(activation, -1), as_bf16, index, stream_of_index(index),
+                                        a_shape)
         if out is not None:
             return out
+    if a_shape is not None and len(a_shape) != 2:  # the checks below on (M, N); the result in a_shape's dims
+        rows = None if residual is None else residual.reshape(-1, residual.shape[-1])
+        out = _tensorwise(a, b, out_dtype, bias, fast_accum, activation, rows, bias_round)
+        return None if out is None else out.reshape(*a_shape[:-1], out.shape[-1])
     xs, ws = x.shape, w.shape
     if len(xs) != 2 or len(ws) != 2:
         return None

@@ -77,10 +77,11 @@ def _lean_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
                      out_dtype: torch.dtype | None = None):
     """:func:`layer_norm` with its operands checked in C++ (``layer_norm_lean`` in
     ``binding.cpp``): the same result, or None for a case it does not take as it is
-    (x not a contiguous, 16-byte aligned 2-D CUDA tensor of a high-precision dtype
-    on the current device, parameters not aligned fp32 (N,) there), which then goes
-    through :func:`layer_norm` and its checks. The norm ops call it first
-    (``layer_norm.lean``)."""
+    (x not a contiguous, 16-byte aligned CUDA tensor of two or more dims and a
+    high-precision dtype on the current device, parameters not aligned fp32 (N,)
+    there), which then goes through :func:`layer_norm` and its checks. x of more
+    dims is normalized over its last as its 2-D flattening, y of x's shape. The
+    norm ops call it first (``layer_norm.lean``)."""
     index = current_device_index()
     return extension().layer_norm_lean(x, weight, bias, float(eps), out_dtype, index, stream_of_index(index))
 
@@ -88,8 +89,8 @@ def _lean_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
 def _lean_layer_norm_grad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
                           rstd: torch.Tensor, grad_add: torch.Tensor | None = None):
     """:func:`layer_norm_grad` with its operands checked in C++, or None (see
-    :func:`_lean_layer_norm`): dy and grad_add of x's shape, the statistics fp32
-    (rows,), everything contiguous on the current device."""
+    :func:`_lean_layer_norm`): dy and grad_add of x's shape (dx then of it too), the
+    statistics fp32 (rows,), everything contiguous on the current device."""
     index = current_device_index()
     return extension().layer_norm_grad_lean(dy, x, weight, mean, rstd, grad_add, index, stream_of_index(index))
 

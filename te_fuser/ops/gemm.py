@@ -71,6 +71,7 @@ def gemm(
     fast_accum: bool = False,
     compute_dtype: torch.dtype | None = None,
     bias_round: torch.dtype | None = None,
+    a_shape: torch.Size | None = None,
 ) -> torch.Tensor:
     """``activation(a (P, R) @ b (Q, R).T + bias) + residual`` as ``out_dtype``;
     ``fast_accum`` lets an FP8 GEMM promote its partial sums to fp32 only at the end.
@@ -79,16 +80,23 @@ def gemm(
     ``torch.nn.Linear`` does), then the activation, and the residual is added in
     torch's promoted dtype before the result becomes ``out_dtype``. ``bias_round``:
     the bias is ``bias.to(bias_round)`` (an fp32 parameter in a bf16 step); a kernel
-    that can round it as it reads it gets it as it is, every other path a copy."""
+    that can round it as it reads it gets it as it is, every other path a copy.
+    ``a_shape``: the shape (..., R) of the tensor whose 2-D flattening ``a`` is; the
+    result then has its dims, (..., Q), and ``residual`` may have them too (a kernel
+    entry that takes them so spares the host a reshape on either side)."""
     if isinstance(a, ScaledOperand) and isinstance(b, ScaledOperand):
         fn = backend.resolve("gemm", a.data.device).fn
         tensorwise = getattr(fn, "tensorwise", None)  # the kernel's lean entry, where it has one
         if tensorwise is not None:
-            out = tensorwise(a, b, out_dtype, bias, fast_accum, activation, residual, bias_round)
+            out = tensorwise(a, b, out_dtype, bias, fast_accum, activation, residual, bias_round, a_shape)
             if out is not None:
                 return out
-        return fn(a, b, out_dtype, bias=bias_in(bias, bias_round), activation=activation, residual=residual,
-                  fast_accum=fast_accum)
+        out = fn(a, b, out_dtype, bias=bias_in(bias, bias_round), activation=activation, residual=_rows(residual),
+                 fast_accum=fast_accum)
+        return out if a_shape is None or len(a_shape) == 2 else _in_dims(out, a_shape)
+    if a_shape is not None and len(a_shape) != 2 or residual is not None and residual.dim() != 2:
+        out = gemm(a, b, out_dtype, bias, activation, _rows(residual), fast_accum, compute_dtype, bias_round)
+        return out if a_shape is None or len(a_shape) == 2 else _in_dims(out, a_shape)
     bias = bias_in(bias, bias_round)
     compute = out_dtype if compute_dtype is None else compute_dtype
     a_hp = _high_precision(a, compute) if isinstance(a, ScaledOperand) or a.dtype is not compute else a
@@ -106,6 +114,16 @@ def gemm(
 
 
 _NARROW = (torch.bfloat16, torch.float16)
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as its 2-D flattening (itself when it is 2-D, or None)."""
+    return t if t is None or t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _in_dims(out: torch.Tensor, a_shape: torch.Size) -> torch.Tensor:
+    """A 2-D result (P, Q) in the leading dims of ``a_shape``: (..., Q)."""
+    return out.reshape(*a_shape[:-1], out.shape[-1])
 
 
 def _gemm_residual_rounded_once(a_hp, b_hp, out_dtype, bias, activation, residual) -> torch.Tensor:

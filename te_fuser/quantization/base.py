@@ -128,6 +128,10 @@ class Quantizer:
         cls._constrains_shape = cls.check_shape is not Quantizer.check_shape
 
     _constrains_shape = False
+    # Whether :meth:`cast` (and :meth:`quantize_with_column_sums`) return a
+    # QuantizedTensor of x's 2-D flattening for x of any dims, so that a caller may
+    # hand x over as it comes (an identity quantizer returns x itself)
+    flattens = True
 
     rowwise_usage, columnwise_usage = True, False
 

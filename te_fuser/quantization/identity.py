@@ -20,6 +20,7 @@ class IdentityQuantizer(Quantizer):
 
     scaling = "identity"
     min_compute_capability = None
+    flattens = False  # its cast is x itself, of x's dims
 
     def __init__(self, role: QuantizerRole | None = None) -> None:
         super().__init__(None, role)

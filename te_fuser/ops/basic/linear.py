@@ -193,7 +193,10 @@ def linear_forward(
         w_q = op.quantized_weight(ctx.quantizers.get("weight"), w_hp, needs_backward and run.fp8_backward, param)
         keep_fp8 = run.keep_fp8
     else:
-        x2d = x if (len(x_shape) == 2 and x_shape[1] == op.in_features) else x.reshape(-1, op.in_features)  # (M, K)
+        # a cast takes x as it comes, of any dims, as its 2-D flattening; the
+        # high-precision GEMM reads (M, K) (a reshape is a dispatch of its own)
+        flat_cast = run.quantizing and getattr(ctx.quantizers.get("input"), "flattens", False)
+        x2d = x if (len(x_shape) == 2 or flat_cast) else x.reshape(-1, op.in_features)  # (M, K), or (..., K) to cast
         if x2d.dtype is not dtype:
             x2d = x2d.to(dtype)
         x_q, w_q, keep_fp8 = _fprop_operands(ctx, op, x2d, w_hp, param)
@@ -201,25 +204,25 @@ def linear_forward(
         y2d = gemm_fp8_out(rowwise(x_q), rowwise(w_q), out_cast, dtype, bias=bias_in(bias, bias_round),
                            activation=activation, fast_accum=run.fast_accum_fprop)  # (M, N) FP8
     else:
-        res2d = None if residual is None else residual.reshape(-1, op.out_features)
         # with a residual, the sum has torch's promoted dtype (an fp32 residual stream stays fp32)
         out_dtype = dtype if residual is None else _promoted(dtype, residual.dtype)
-        x_op, w_op = rowwise(x_q), rowwise(w_q)
+        x_op, w_op = rowwise(x_q), rowwise(w_q)  # (M, K), (N, K)
         if weight_scale is not None and not (_per_tensor(x_op) and _per_tensor(w_op)):
-            y2d = torch.add(res2d.float(), _gemm_fp32(x_op, w_op, run.fast_accum_fprop),
+            y2d = torch.add(residual.reshape(-1, op.out_features).float(), _gemm_fp32(x_op, w_op, run.fast_accum_fprop),
                             alpha=weight_scale).to(out_dtype)  # (M, N), rounded once
         else:
             if weight_scale is not None:  # the epilogue's fp32 factor, in this GEMM's weight scale only
                 w_op = ScaledOperand(w_op.data, w_op.scale_inv * weight_scale, w_op.scaling)
-            y2d = gemm(x_op, w_op, out_dtype, bias=bias, activation=activation, residual=res2d,
-                       fast_accum=run.fast_accum_fprop, compute_dtype=dtype, bias_round=bias_round)
+            # (..., N) in x's dims, the residual in them too
+            y2d = gemm(x_op, w_op, out_dtype, bias=bias, activation=activation, residual=residual,
+                       fast_accum=run.fast_accum_fprop, compute_dtype=dtype, bias_round=bias_round, a_shape=x_shape)
     if needs_backward:
         saved = ctx.saved
-        saved["x"] = x_q if keep_fp8 else x2d
+        saved["x"] = x_q if keep_fp8 else (x2d if len(x2d.shape) == 2 else x2d.reshape(-1, op.in_features))
         saved["w"] = w_q if keep_fp8 else w_hp
         saved["x_shape"] = x_shape
         saved["w_dtype"], saved["w_requires_grad"] = weight.dtype, param.requires_grad
-    if out_cast is not None or len(x_shape) == 2:
+    if out_cast is not None or len(y2d.shape) == len(x_shape):
         return y2d
     return y2d.reshape(*x_shape[:-1], y2d.shape[-1])
 
@@ -305,8 +308,10 @@ def _backward_operands(ctx: OpContext, dy2d: torch.Tensor, need_dx: bool, need_d
                                                              as_dtype=as_dtype, sums_dtype=sums_dtype)
             return dy_q, x_s, w_s, sums
         return quantizer.cast(dy2d, rowwise=need_dx, columnwise=need_dw), x_s, w_s, None
-    if isinstance(x_s, QuantizedTensor):  # 'dequantized'
+    if isinstance(x_s, QuantizedTensor):  # 'dequantized': (M, K), whatever dims the forward's x had
         x_s = x_s.dequantize(run.compute_dtype)
+        if x_s.dim() != 2:
+            x_s = x_s.reshape(-1, x_s.shape[-1])
     if isinstance(w_s, QuantizedTensor):
         w_s = w_s.dequantize(run.compute_dtype)
     # high precision: the bias's own sum (fp32, then its dtype), as the unfused bias computes it
@@ -355,7 +360,9 @@ def linear_backward_with_column_sums(
     run = ctx.run
     dtype = run.compute_dtype
     dy_shape = dy.shape
-    dy2d = dy if (len(dy_shape) == 2 and dy_shape[1] == op.out_features) else dy.reshape(-1, op.out_features)  # (M, N)
+    # an FP8 cast takes dy as it comes, as its 2-D flattening; the high-precision GEMMs read (M, N)
+    flat_cast = run.fp8_backward and getattr(ctx.quantizers.get("grad_output"), "flattens", False)
+    dy2d = dy if (len(dy_shape) == 2 or flat_cast) else dy.reshape(-1, op.out_features)  # (M, N), or (..., N) to cast
     as_dtype = None
     if dy2d.dtype is not dtype:
         if column_sums and run.fp8_backward and dy_scale is None:
@@ -374,9 +381,10 @@ def linear_backward_with_column_sums(
         dy_q, x_s, w_s, sums = _scaled_operands(ctx, dy2d, need_dx, need_dw, dy_scale)
     dx = dw = None
     if need_dx:
-        res = None if grad_residual is None else grad_residual.reshape(-1, op.in_features)
-        dx2d = _gemm_columnwise(rowwise(dy_q), w_s, dtype, residual=res, fast_accum=run.fast_accum_dgrad)  # (M, K)
         x_shape = ctx.saved["x_shape"]
+        # (..., K) in dy's dims (x's), with the residual gradient in them too, where the GEMM takes them
+        dx2d = _gemm_columnwise(rowwise(dy_q), w_s, dtype, residual=grad_residual, fast_accum=run.fast_accum_dgrad,
+                                a_shape=dy_shape)
         dx = dx2d if dx2d.shape == x_shape else dx2d.reshape(x_shape)
     if need_dw and op.accumulate_into_main_grad:
         dw = _wgrad_into_main_grad(ctx, op, dy_q, x_s)
@@ -395,18 +403,20 @@ def linear_backward_with_column_sums(
 _PLAIN = (torch.Tensor, nn.Parameter)  # tensors torch's own mm takes as they are (no subclass to consult)
 
 
-def _gemm_columnwise(a, b, out_dtype: torch.dtype, residual: torch.Tensor | None = None, fast_accum: bool = False):
+def _gemm_columnwise(a, b, out_dtype: torch.dtype, residual: torch.Tensor | None = None, fast_accum: bool = False,
+                     a_shape: torch.Size | None = None):
     """``gemm(a, columnwise(b), ...)``: a backward GEMM of ``a`` (P, R) and the saved
     ``b`` (R, Q) (dgrad ``dy · w``, wgrad ``dyᵀ · x``). Plain ``a`` and ``b`` in
     ``out_dtype`` without a residual are ``torch.mm(a, b)``: the very call that
     ``gemm`` makes for ``b.t()`` (``b.t().t()`` has ``b``'s own layout), without its
-    two transposes."""
+    two transposes. ``a_shape``: as :func:`~te_fuser.ops.gemm.gemm`'s (the result
+    then in its dims, or 2-D where torch's mm runs)."""
     if type(b) is QuantizedTensor:
-        return gemm(a, b.columnwise, out_dtype, residual=residual, fast_accum=fast_accum)
+        return gemm(a, b.columnwise, out_dtype, residual=residual, fast_accum=fast_accum, a_shape=a_shape)
     if residual is None and type(a) in _PLAIN and type(b) in _PLAIN and a.dtype is out_dtype \
             and b.dtype is out_dtype:
         return torch.mm(a, b)
-    return gemm(a, columnwise(b), out_dtype, residual=residual, fast_accum=fast_accum)
+    return gemm(a, columnwise(b), out_dtype, residual=residual, fast_accum=fast_accum, a_shape=a_shape)
 
 
 def _main_grad(op: BasicLinear) -> torch.Tensor:

@@ -92,15 +92,22 @@ class LayerNorm(_Norm):
     def op_forward(self, ctx, x, extra_inputs):
         # the trailing normalized_shape dims of x normalized as x flattened to (M, N)
         run = ctx.run
-        x2d = x if x.dim() == 2 and len(self.normalized_shape) == 1 else x.reshape(-1, self.size)
         bias = self.bias
         bias = bias if bias.dim() == 1 else bias.reshape(-1)
         scale = self._scale(self.weight)
         norm = backend.resolve("layer_norm", x.device).fn
-        y2d, mean, rstd = backend.lean_first(norm, x2d, scale, bias, self.eps, run.compute_dtype)
+        lean = getattr(norm, "lean", None)
+        # a lean entry normalizes x of any dims over its last as it comes, y of x's shape
+        out = lean(x, scale, bias, self.eps, run.compute_dtype) if (
+            lean is not None and len(self.normalized_shape) == 1) else None
+        x2d = x
+        if out is None:
+            x2d = x if x.dim() == 2 and len(self.normalized_shape) == 1 else x.reshape(-1, self.size)
+            out = norm(x2d, scale, bias, self.eps, run.compute_dtype)
+        y, mean, rstd = out
         if run.needs_backward:
-            ctx.saved["x"], ctx.saved["stats"] = x2d, (mean, rstd)
-        return (y2d if x2d is x else y2d.reshape(x.shape)), []
+            ctx.saved["x"], ctx.saved["stats"] = x2d, (mean, rstd)  # x as the kernel read it
+        return (y if y.shape == x.shape else y.reshape(x.shape)), []
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         """The LayerNorm gradient in fp32 from the saved input and statistics (no
@@ -114,13 +121,18 @@ class LayerNorm(_Norm):
     def op_backward_adding(self, ctx, dy, grad_add):
         """:meth:`op_backward`'s dx and parameter gradients, with ``grad_add`` (x's
         shape, or None) added to dx by the kernel in fp32 before its rounding."""
-        x2d, (mean, rstd) = ctx.saved["x"], ctx.saved["stats"]  # x as (M, N)
+        x_s, (mean, rstd) = ctx.saved["x"], ctx.saved["stats"]  # x as the forward's kernel read it
         weight, bias = self.weight, self.bias
         need_w, need_b = ctx.param_needs_grad or (weight.requires_grad, bias.requires_grad)
-        grad = backend.resolve("layer_norm_grad", x2d.device).fn
-        as_x = (lambda t: t if t.dim() == 2 and t.shape == x2d.shape else t.reshape(x2d.shape))  # (M, N)
-        dy2d, scale, add2d = as_x(dy), self._scale(weight), None if grad_add is None else as_x(grad_add)
-        dx, dw, db = backend.lean_first(grad, dy2d, x2d, scale, mean, rstd, grad_add=add2d)
+        grad = backend.resolve("layer_norm_grad", x_s.device).fn
+        scale, lean = self._scale(weight), getattr(grad, "lean", None)
+        # a lean entry takes dy and grad_add of x's shape as they come, dx of it too
+        out = None if lean is None else lean(dy, x_s, scale, mean, rstd, grad_add)
+        if out is None:
+            x2d = x_s if x_s.dim() == 2 else x_s.reshape(-1, self.size)  # (M, N)
+            as_x = (lambda t: t if t.dim() == 2 and t.shape == x2d.shape else t.reshape(x2d.shape))
+            out = grad(as_x(dy), x2d, scale, mean, rstd, grad_add=None if grad_add is None else as_x(grad_add))
+        dx, dw, db = out
         pgrads = [None if not need else _as_param(g, p) for g, p, need in ((dw, weight, need_w), (db, bias, need_b))]
         return (dx if dx.shape == dy.shape else dx.reshape(dy.shape)), pgrads
 
