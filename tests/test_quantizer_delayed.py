@@ -766,9 +766,9 @@ def test_the_ops_lean_updating_cast_is_the_general_path_in_fewer_calls(monkeypat
             assert len(calls) - before == 4, "both lean casts and the general path's took the updating entry"
     x = with_amax(2.0, shape).to(device)
     state = [getattr(lean, f"_{name}") for name in DelayedScalingQuantizer.STATE_TENSORS]
-    monkeypatch.setattr(lean, "_group", lambda: "a group")
+    monkeypatch.setattr(lean, "amax_reduction_group", object())  # a process group of its own
     assert lean._updating_cast(x, True, True, "quantize_tensorwise", False, torch.float32) is None
-    monkeypatch.setattr(lean, "_group", lambda: None)
+    monkeypatch.setattr(lean, "amax_reduction_group", None)
     monkeypatch.setattr(delayed, "EVALUATING", [True])
     assert lean._updating_cast(x, True, True, "quantize_tensorwise", False, torch.float32) is None
     assert DelayedScalingQuantizer(E4M3)._updating_cast(x, True, True, "quantize_tensorwise", False,

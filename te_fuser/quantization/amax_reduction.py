@@ -28,10 +28,30 @@ __all__ = ["WORLD", "default_group", "PENDING", "flush_amax_reductions", "discar
 WORLD = "world"
 
 
+def _world_state():
+    """torch's record of the default process group (``distributed_c10d._world``), read
+    for its ``_default_pg`` without the three calls ``is_initialized`` makes (every
+    delayed-scaling cast asks); None where this torch lacks it or has no distributed."""
+    dist = torch.distributed
+    if not dist.is_available():
+        return None
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return world if world is not None and hasattr(world, "_default_pg") else None
+
+
+_WORLD_STATE = _world_state()
+
+
 def default_group():
     """The default process group when one is initialized with more than one rank, else None."""
+    world = _WORLD_STATE
+    if world is not None:
+        if world._default_pg is None:  # nothing initialized: the common case, one attribute read
+            return None
+    elif not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
 

@@ -291,11 +291,19 @@ class DelayedScalingQuantizer(Quantizer):
         frames = CHECKPOINT_FRAMES
         if self._pending or not self.seeded or frames[0] is not None or frames[1] is not None or EVALUATING[0]:
             return None
+        # _cast_and_update's call, inline (every cast of a step comes here); a group (_group) reduces apart
+        with_update = getattr(self._caster(kernel, x.device, _generic_tensorwise), "with_update", None)
+        group = self.amax_reduction_group
+        if (with_update is None or not self.update_in_cast or self.scaling_factor_compute_algo is not None
+                or not isinstance(self.amax_compute_algo, str)
+                or group is not None and (default_group() if isinstance(group, str) else group) is not None):
+            return None
         scale_inv = self._scale_inv  # the scale this cast uses goes with its operands
-        out = self._cast_and_update(self._caster(kernel, x.device, _generic_tensorwise), x, rowwise, columnwise,
-                                    round_bf16, sums_dtype)
+        out = with_update(x, self._scale, self._amax_history, self._nonfinite_amax_count, self.margin,
+                          self.amax_compute_algo == "max", rowwise, columnwise, round_bf16, sums_dtype)
         if out is None:
             return None
+        self._amax_history, self._scale, self._scale_inv, self._nonfinite_amax_count = out[4:]
         return (tensor_scaled(out[0], scale_inv) if rowwise else None,
                 tensor_scaled(out[1], scale_inv) if columnwise else None, out[2])
 
