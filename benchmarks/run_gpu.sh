@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages stagesab fwdab dequant pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall dims refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages stagesab fwdab dequant pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall smallloop dims refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -39,6 +39,9 @@ for part in $parts; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_graphed_step.py tests/test_graphs.py 2>&1 \
         | tee "$OUT/step.log" | tail -8
       timeout 60 python3 examples/graphed_step.py 2>&1 | tee -a "$OUT/step.log" | tail -4 ;;
+    smallloop)  # the small Linear's eager step against bf16 eager's, in turns (small_loop.py)
+      timeout 200 python3 benchmarks/small_loop.py --rounds ${SMALL_ROUNDS:-30} --caller-backward 2>&1 \
+        | tee "$OUT/smallloop.log" | tail -12 ;;
     small) timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24 ;;
     mlp) timeout 200 python3 benchmarks/bench_layers.py --cases mlp 2>&1 | tee "$OUT/mlp.log" | tail -16 ;;
     gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation (GPT_GRAPHED=1: te's steps graphed; GPT_CHECKPOINT=1: every block recomputed in the backward; GPT_SCHEDULE=...; GPT_PROFILE=phase: that phase's kernels per arm; GPT_SWITCH=phase: te's switch step into it under cProfile; GPT_ROUNDS=n: n processes, then #14's table with each ratio's spread, benchmarks/gpt_table.py)
@@ -77,8 +80,8 @@ for part in $parts; do
     profgpt) timeout 300 python3 benchmarks/profile_gpt.py --recipes ${PROF_RECIPES:-bf16 delayed current} --timed 5 --steps 2 ${PROF_HOST:+--host --dump $OUT} ${PROF_HOSTONLY:+--host-only} ${PROF_ATTENTION:+--attention $PROF_ATTENTION} ${PROF_COMPILE:+--compile} ${PROF_SOURCES:+--sources $PROF_SOURCES} ${PROF_PHASES:+--phases} ${PROF_SYNCS:+--syncs} ${PROF_INTERLEAVE:+--interleave $PROF_INTERLEAVE} ${PROF_SEPARATE:+--separate-launches} ${PROF_RUN:+--run-length $PROF_RUN} ${PROF_ONE:+--one-sequential} ${PROF_CALLER:+--caller-backward} ${PROF_PEERS:+--peers} ${PROF_AUTO:+--auto-entry $PROF_AUTO} ${PROF_GRAPHED:+--graphed} --clip ${PROF_CLIP:-1.0} 2>&1 | tee -a "$OUT/profgpt.log" | tail -80 ;;
     dims)  # x of any dims to the casts, GEMMs and LayerNorms that take it: their tests, then the GPT's step against
       # the same step reshaping to rows around them, in turns in one process (dims_ab.py)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_lean_entries_gpu.py tests/test_any_dims.py \
-        tests/test_ops_gpu.py tests/test_triton_norm.py tests/test_cuda_gemm.py 2>&1 | tee "$OUT/dims_tests.log" | tail -6
+      timeout 300 python3 -m pytest -q -p no:cacheprovider ${DIMS_TESTS:-tests/test_lean_entries_gpu.py \
+        tests/test_any_dims.py tests/test_quantizer_delayed.py tests/test_training.py} 2>&1 | tee "$OUT/dims_tests.log" | tail -6
       timeout 250 python3 benchmarks/dims_ab.py ${DIMS_ARGS:-} 2>&1 | tee "$OUT/dims.log" | tail -24 ;;
     new)  # this stop's tests on the GPU: the CUDA casts and state update, the row-wise recipe, the guard, training
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
