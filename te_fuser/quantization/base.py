@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import backend
+from ..epoch import CHANGES
 from ..fp8 import FP8_MAX, short_name, torch_dtype
 from ..kernels.operand import ScaledOperand
 from ..kernels.reference.cast import check_sums_dtype
@@ -164,7 +165,7 @@ class Quantizer:
         return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
     # -- the lean path of the ops' calls (schemes that define one) -------------
-    _kept_casters = None  # kernel -> (the backend's fn, the constant arguments, the caster)
+    _kept_casters = None  # kernel -> (the backend's fn, the constant arguments, the caster, epoch, device)
 
     def __getstate__(self) -> dict:
         """A copy or a pickle without the kept casters (functions bound to this
@@ -196,14 +197,21 @@ class Quantizer:
     def _caster(self, kernel: str, device: torch.device, generic):
         """The backend's ``kernel`` on ``device`` with :meth:`_caster_args` bound: the
         kernel's ``prepare`` entry where it has one, else ``generic(fn, *args)``;
-        kept while the backend's choice and the arguments stay the same."""
-        fn = backend.resolve(kernel, device).fn
+        kept while the backend's choice and the arguments stay the same. The
+        backend's choice is looked up again only when the change counter moved
+        (``epoch``: a backend set or overridden, an auto entry changed) or the device
+        is another: a step's every cast asks."""
         args = self._caster_args()
         kept = self._kept_casters
         if kept is None:
             kept = self._kept_casters = {}
         hit = kept.get(kernel)
+        changes = CHANGES[0]
+        if hit is not None and hit[3] == changes and hit[4] == device and hit[1] == args:
+            return hit[2]
+        fn = backend.resolve(kernel, device).fn
         if hit is not None and hit[0] is fn and hit[1] == args:
+            kept[kernel] = (fn, args, hit[2], changes, device)
             return hit[2]
         # A prepared cast binds only constants, so quantizers of one configuration
         # share it: a plan's fresh quantizers do not each prepare their own.
@@ -215,7 +223,7 @@ class Quantizer:
             if len(_SHARED_CASTERS) >= _MAX_SHARED_CASTERS:
                 _SHARED_CASTERS.clear()
             _SHARED_CASTERS[key] = caster
-        kept[kernel] = (fn, args, caster)
+        kept[kernel] = (fn, args, caster, changes, device)
         return caster
 
     def _lean(self, x, rowwise, columnwise) -> bool:
