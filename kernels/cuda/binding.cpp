@@ -25,7 +25,8 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
                                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                         const std::optional<at::Tensor>& residual, at::ScalarType out_dtype,
                                         bool fast_accum, int64_t activation, bool bias_as_bf16,
-                                        int64_t device, int64_t stream, std::optional<at::IntArrayRef> a_shape);
+                                        int64_t device, int64_t stream,
+                                        const std::optional<std::vector<int64_t>>& a_shape);
 int64_t fp8_gemm_plans();
 int64_t fp8_gemm_set_workspace_limit(int64_t bytes);
 std::tuple<at::Tensor, int64_t> fp8_gemm_tensorwise_candidate(const at::Tensor& a, const at::Tensor& b,

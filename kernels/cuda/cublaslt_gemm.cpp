@@ -234,11 +234,12 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
                                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                         const std::optional<at::Tensor>& residual, at::ScalarType out_dtype,
                                         bool fast_accum, int64_t activation, bool bias_as_bf16,
-                                        int64_t device, int64_t stream, std::optional<at::IntArrayRef> a_shape) {
+                                        int64_t device, int64_t stream,
+                                        const std::optional<std::vector<int64_t>>& a_shape) {
   if (a.dim() != 2 || b.dim() != 2) return std::nullopt;
   const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
-  if (a_shape) {  // (..., K) holding m rows
-    const at::IntArrayRef shape = *a_shape;
+  if (a_shape) {  // (..., K) holding m rows (an owning vector: pybind's optional of a view would dangle)
+    const std::vector<int64_t>& shape = *a_shape;
     if (shape.empty() || shape.back() != k || c10::multiply_integers(shape.begin(), shape.end() - 1) != m) {
       return std::nullopt;
     }
@@ -286,7 +287,7 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
                     static_cast<int>(activation), reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
   }
   if (a_shape && a_shape->size() != 2) {  // a new tensor only this call holds: its sizes set in place, no view
-    std::vector<int64_t> sizes(a_shape->begin(), a_shape->end());
+    std::vector<int64_t> sizes = *a_shape;
     sizes.back() = n;
     out.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
   }
