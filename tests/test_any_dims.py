@@ -79,3 +79,25 @@ def test_a_linear_with_a_residual_in_three_dims(name):
     assert_bitwise(outs[0][1], outs[1][1], name)
     assert_bitwise(x3.grad.reshape(-1, D), x2.grad, name)
     assert_bitwise(r3.grad.reshape(-1, F), r2.grad, name)
+
+
+@pytest.mark.parametrize("name", ["none", "delayed", "current", "custom_identity"])
+def test_a_linear_on_one_vector(name):
+    """A 1-D input (K,) gives a 1-D output (N,) and gradients: the numbers of the
+    same Linear on the one row (1, K)."""
+    recipe = RECIPES[name]
+    g = torch.Generator().manual_seed(3)
+    x1 = torch.randn(D, generator=g).bfloat16().requires_grad_()
+    x2 = x1.detach().reshape(1, D).requires_grad_()
+    outs = []
+    for x in (x1, x2):
+        torch.manual_seed(0)
+        model = te.ops.Sequential(te.ops.Linear(D, F))
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = model(x)
+        y.float().square().sum().backward()
+        outs.append((y, model.get_parameter("0.weight").grad))
+    assert outs[0][0].shape == (F,)
+    assert_bitwise(outs[0][0].reshape(1, F), outs[1][0], name)
+    assert_bitwise(outs[0][1], outs[1][1], name)
+    assert_bitwise(x1.grad.reshape(1, D), x2.grad, name)
