@@ -81,7 +81,7 @@ for part in $parts; do
     dims)  # x of any dims to the casts, GEMMs and LayerNorms that take it: their tests, then the GPT's step against
       # the same step reshaping to rows around them, in turns in one process (dims_ab.py)
       timeout 300 python3 -m pytest -q -p no:cacheprovider ${DIMS_TESTS:-tests/test_lean_entries_gpu.py \
-        tests/test_any_dims.py tests/test_quantizer_delayed.py tests/test_training.py} 2>&1 | tee "$OUT/dims_tests.log" | tail -6
+        tests/test_any_dims.py tests/test_quantizer_lean_cast.py tests/test_quantizer_delayed.py tests/test_training.py} 2>&1 | tee "$OUT/dims_tests.log" | tail -6
       timeout 250 python3 benchmarks/dims_ab.py ${DIMS_ARGS:-} 2>&1 | tee "$OUT/dims.log" | tail -24 ;;
     new)  # this stop's tests on the GPU: the CUDA casts and state update, the row-wise recipe, the guard, training
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quantizer_rowwise.py tests/test_delayed_scale_update.py \
