@@ -5,7 +5,9 @@ is registered or removed, and when the kernel backend in force changes
 (``te.set_backend``, ``te.autocast(backend=...)``). A plan remembers the value it
 was last found valid at; the fuser's compiled guard compares that one integer on
 every call, and only a changed value sends a call to the Python path, which then
-checks what the counter stands for.
+checks what the counter stands for. A quantizer's kept prepared casts
+(``Quantizer._caster``) look the backend's choice up again only when it moved, so
+every change of what a kernel name resolves to bumps it (``set_auto_entry`` too).
 """
 
 from __future__ import annotations
