@@ -728,9 +728,9 @@ def test_the_one_call_path_leaves_a_reduced_amax_to_the_deferred_path(monkeypatc
     x = with_amax(2.0).to(_updating_device())
     q._move_state(x.device)  # (what a cast does first)
     cast = q._caster("quantize_tensorwise", x.device, None)
-    monkeypatch.setattr(q, "_group", lambda: "a group")
+    monkeypatch.setattr(q, "amax_reduction_group", object())  # a process group of its own
     assert q._cast_and_update(cast, x, True, False, False) is None
-    monkeypatch.setattr(q, "_group", lambda: None)
+    monkeypatch.setattr(q, "amax_reduction_group", None)
     assert q._cast_and_update(cast, x, True, False, False) is not None
 
 

@@ -93,10 +93,10 @@ def gemm(
                 return out
         out = fn(a, b, out_dtype, bias=bias_in(bias, bias_round), activation=activation, residual=_rows(residual),
                  fast_accum=fast_accum)
-        return out if a_shape is None or len(a_shape) == 2 else _in_dims(out, a_shape)
+        return _in_dims(out, a_shape)
     if a_shape is not None and len(a_shape) != 2 or residual is not None and residual.dim() != 2:
-        out = gemm(a, b, out_dtype, bias, activation, _rows(residual), fast_accum, compute_dtype, bias_round)
-        return out if a_shape is None or len(a_shape) == 2 else _in_dims(out, a_shape)
+        return _in_dims(gemm(a, b, out_dtype, bias, activation, _rows(residual), fast_accum, compute_dtype,
+                             bias_round), a_shape)
     bias = bias_in(bias, bias_round)
     compute = out_dtype if compute_dtype is None else compute_dtype
     a_hp = _high_precision(a, compute) if isinstance(a, ScaledOperand) or a.dtype is not compute else a
@@ -121,9 +121,10 @@ def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-def _in_dims(out: torch.Tensor, a_shape: torch.Size) -> torch.Tensor:
-    """A 2-D result (P, Q) in the leading dims of ``a_shape``: (..., Q)."""
-    return out.reshape(*a_shape[:-1], out.shape[-1])
+def _in_dims(out: torch.Tensor, a_shape: torch.Size | None) -> torch.Tensor:
+    """A 2-D result (P, Q) in the leading dims of ``a_shape``: (..., Q) (itself
+    without a shape or with a 2-D one)."""
+    return out if a_shape is None or len(a_shape) == 2 else out.reshape(*a_shape[:-1], out.shape[-1])
 
 
 def _gemm_residual_rounded_once(a_hp, b_hp, out_dtype, bias, activation, residual) -> torch.Tensor:

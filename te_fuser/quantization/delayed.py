@@ -291,19 +291,11 @@ class DelayedScalingQuantizer(Quantizer):
         frames = CHECKPOINT_FRAMES
         if self._pending or not self.seeded or frames[0] is not None or frames[1] is not None or EVALUATING[0]:
             return None
-        # _cast_and_update's call, inline (every cast of a step comes here); a group (_group) reduces apart
-        with_update = getattr(self._caster(kernel, x.device, _generic_tensorwise), "with_update", None)
-        group = self.amax_reduction_group
-        if (with_update is None or not self.update_in_cast or self.scaling_factor_compute_algo is not None
-                or not isinstance(self.amax_compute_algo, str)
-                or group is not None and (default_group() if isinstance(group, str) else group) is not None):
-            return None
         scale_inv = self._scale_inv  # the scale this cast uses goes with its operands
-        out = with_update(x, self._scale, self._amax_history, self._nonfinite_amax_count, self.margin,
-                          self.amax_compute_algo == "max", rowwise, columnwise, round_bf16, sums_dtype)
+        out = self._cast_and_update(self._caster(kernel, x.device, _generic_tensorwise), x, rowwise, columnwise,
+                                    round_bf16, sums_dtype)
         if out is None:
             return None
-        self._amax_history, self._scale, self._scale_inv, self._nonfinite_amax_count = out[4:]
         return (tensor_scaled(out[0], scale_inv) if rowwise else None,
                 tensor_scaled(out[1], scale_inv) if columnwise else None, out[2])
 
@@ -392,7 +384,8 @@ class DelayedScalingQuantizer(Quantizer):
         the caller casts and records the amax (a reduction must see every rank's
         first, and the other backends update apart). Bit for bit the same state."""
         with_update = getattr(cast, "with_update", None) if self.update_in_cast else None
-        if with_update is None or not self._kernel_update or self._group() is not None:
+        if (with_update is None or not self._kernel_update
+                or self.amax_reduction_group is not None and self._group() is not None):  # no group: no look-up
             return None
         out = with_update(x_hp, self._scale, self._amax_history, self._nonfinite_amax_count, self.margin,
                           self.amax_compute_algo == "max", rowwise, columnwise, round_bf16, sums_dtype)
