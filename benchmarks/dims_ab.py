@@ -79,8 +79,11 @@ def under(context, step):
 
 
 def reshapes_a_step(step) -> int:
-    """``Tensor.reshape`` calls made from Python in one step (autograd's device threads
-    off for it, so the backward's calls are seen)."""
+    """``Tensor.reshape`` calls made from Python in one steady step (autograd's device
+    threads off for it, so the backward's calls are seen), after two steps that build
+    the plans and seed delayed scaling's scales (a seeding step makes its own)."""
+    step()
+    step()
     count = [0]
 
     def hook(frame, event, arg):
