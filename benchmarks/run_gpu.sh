@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install, then the named parts; logs under $OUT.
-#   bash benchmarks/run_gpu.sh [part ...]     parts: tests stages stagesab fwdab dequant pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall smallloop dims refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
+#   bash benchmarks/run_gpu.sh [part ...]     parts: table14 tests stages stagesab fwdab dequant pending split switchsplit autoab abforward embedding gradcasts dbias linear step small threads layers mlp profile proflinear profsmall smallloop dims refusion hot handoff tiles kernels checks graphed host hostcost dact gpt switch dist disttests determinism profgpt attn attnhopper attnsweep attngpt fp8attn ncuattn grouped norm launches workspace
 #   (no part: tests layers refusion kernels; torchao wheels, if any, in .whl/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/te_fuser_out}; mkdir -p "$OUT"
 parts=${*:-tests layers refusion kernels}
+# table14: #14's closing table in one call of under ten minutes: the GPT's schedule in three
+# processes (at most 170 s each), then the small Linear's loop in turns
+if [ "$parts" = "table14" ]; then
+  export GPT_ROUNDS=${GPT_ROUNDS:-3} GPT_TIMEOUT=${GPT_TIMEOUT:-170} SMALL_ROUNDS=${SMALL_ROUNDS:-20}
+  parts="gpt smallloop"
+fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >>"$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site
