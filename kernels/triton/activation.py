@@ -10,6 +10,8 @@ epilogue's activations.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -345,17 +347,18 @@ def _compute_dtype(x: torch.Tensor):
     return (tl.float64, torch.float64) if x.dtype == torch.float64 else (tl.float32, torch.float32)
 
 
-def _as_rows(x: torch.Tensor, kind: str, kernel: str) -> tuple[torch.Tensor, int]:
-    """x as contiguous (rows, cols) and the number of output columns."""
+def _as_rows(x: torch.Tensor, kind: str, kernel: str) -> tuple[torch.Tensor, int, int]:
+    """``(x contiguous, rows, output columns)``: the kernels read x through its
+    pointer as its 2-D flattening (prod(leading), x.shape[-1]), so x keeps its dims
+    (a reshape on either side is a dispatch of its own on the host)."""
     if x.dim() == 0:
         raise ValueError(f"{kernel}: x must have at least one dimension, got a 0-d tensor")
-    x2d = x.contiguous().reshape(-1, x.shape[-1])  # (prod(leading), cols)
-    cols = x2d.shape[1]
+    cols = x.shape[-1]
     if kind in GLU_GATES:
         if cols % 2:
             raise ValueError(f"{kernel}: {kind} needs an even last dimension, got {cols}")
         cols //= 2
-    return x2d, cols
+    return (x if x.is_contiguous() else x.contiguous()), math.prod(x.shape[:-1]), cols
 
 
 # Launch shapes on a GPU (tiles of block_m rows x block_n columns; for dact_dbias,
@@ -392,23 +395,22 @@ def activation(x: torch.Tensor, kind: str, out_dtype: torch.dtype | None = None,
     if amax_out is not None:
         check_given_amax(amax_out, x, "activation", "amax_out")
         amax_out.zero_()  # the kernel folds each tile's maximum in
-    x2d, cols = _as_rows(x, kind, "activation")
+    x_c, rows, cols = _as_rows(x, kind, "activation")
     tl_compute, compute = _compute_dtype(x)
-    rows = x2d.shape[0]
     # On the GPU the store rounds to out_dtype (RNE) in the kernel; the interpreter's
     # own bf16 conversion is not trusted, so there torch rounds the fp32 result.
     store_dtype = out_dtype if (out_dtype is not None and not is_interpreted(x)) else compute
-    y = torch.empty((rows, cols), dtype=store_dtype, device=x.device)
+    y = torch.empty((*x.shape[:-1], cols), dtype=store_dtype, device=x.device)  # written as (rows, cols)
     if y.numel():
         plan = _plan(x, "elementwise")
         grid = (cdiv(rows, plan.block_m), cdiv(cols, plan.block_n))
         round_to = TL_FLOAT[out_dtype] if out_dtype in (torch.bfloat16, torch.float16) else None
-        launch(_activation_kernel, grid, x2d, y, x2d if amax_out is None else amax_out.view(torch.int32), rows, cols,
+        launch(_activation_kernel, grid, x_c, y, x_c if amax_out is None else amax_out.view(torch.int32), rows, cols,
                KIND=code, GATED=kind in GLU_GATES, COMPUTE=tl_compute, ROUND_TO=round_to, AMAX=amax_out is not None,
                **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n, num_warps=plan.num_warps)
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
-    return y.reshape(*x.shape[:-1], cols)
+    return y
 
 
 def _check_grad_inputs(dy: torch.Tensor, x: torch.Tensor, kind: str, kernel: str):
@@ -417,51 +419,51 @@ def _check_grad_inputs(dy: torch.Tensor, x: torch.Tensor, kind: str, kernel: str
         raise ValueError(f"{kernel}: kind must be given")
     check_input(x, kernel, "x", dims=None)
     check_input(dy, kernel, "dy", dims=None)
-    x2d, cols = _as_rows(x, kind, kernel)
+    x_c, rows, cols = _as_rows(x, kind, kernel)
     expected = (*x.shape[:-1], cols)
     if tuple(dy.shape) != expected:
         raise ValueError(f"{kernel}: dy must have shape {expected} for x of shape {tuple(x.shape)} "
                          f"and kind {kind!r}, got {tuple(dy.shape)}")
     if dy.device != x.device:
         raise ValueError(f"{kernel}: dy is on {dy.device} but x is on {x.device}")
-    dy2d = dy.contiguous().reshape(-1, cols)  # (rows, cols)
-    return dy2d, x2d, cols
+    # both contiguous in their own dims, read as (rows, cols) and (rows, x's columns)
+    return (dy if dy.is_contiguous() else dy.contiguous()), x_c, rows, cols
 
 
 def activation_grad(dy: torch.Tensor, x: torch.Tensor, kind: str, params: tuple | None = None) -> torch.Tensor:
     """Gradient w.r.t. the activation's input ``x`` given the output gradient ``dy``."""
-    dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "activation_grad")
+    dy_c, x_c, rows, cols = _check_grad_inputs(dy, x, kind, "activation_grad")
     consts = _kernel_params(kind, params)
     tl_compute, compute = _compute_dtype(x if x.dtype == torch.float64 else dy)
-    rows = x2d.shape[0]
-    dx = torch.empty(x2d.shape, dtype=compute, device=x.device)
+    dx = torch.empty(x.shape, dtype=compute, device=x.device)  # written as (rows, x's columns)
     if dx.numel():
         plan = _plan(x, "elementwise")
         grid = (cdiv(rows, plan.block_m), cdiv(cols, plan.block_n))
-        launch(_activation_grad_kernel, grid, dy2d, x2d, dx, rows, cols, KIND=activation_code(kind),
+        launch(_activation_grad_kernel, grid, dy_c, x_c, dx, rows, cols, KIND=activation_code(kind),
                GATED=kind in GLU_GATES, COMPUTE=tl_compute, **consts, BLOCK_R=plan.block_m, BLOCK_C=plan.block_n,
                num_warps=plan.num_warps)
-    return dx.reshape(x.shape)
+    return dx
 
 
-def _dact_dbias_launch(dy2d, x2d, cols: int, kind: str, dx: torch.Tensor, compute,
+def _dact_dbias_launch(dy_c, x_c, rows: int, cols: int, kind: str, dx: torch.Tensor, compute,
                        round_to: torch.dtype | None = None, params: tuple | None = None,
                        amax_out: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the fused kernel into ``dx``, dx first rounded to the narrower
-    ``round_to`` when given (and its amax folded into the zeroed ``amax_out``);
-    return dbias."""
+    """Run the fused kernel into ``dx`` (x's shape), reading ``dy_c`` and ``x_c``
+    (contiguous) as (rows, cols) and (rows, x's columns), dx first rounded to the
+    narrower ``round_to`` when given (and its amax folded into the zeroed
+    ``amax_out``); return dbias."""
     tl_compute, torch_compute = compute
-    rows, cols_dx = x2d.shape
-    plan = _plan(x2d, "dact_dbias")
+    cols_dx = x_c.shape[-1]
+    plan = _plan(x_c, "dact_dbias")
     block_r, block_c = plan.block_m, plan.block_n
     col_blocks = cdiv(cols, block_c)
-    in_flight = plan.programs_per_sm * sm_count(x2d)
+    in_flight = plan.programs_per_sm * sm_count(x_c)
     splits = max(1, min(cdiv(rows, block_r), in_flight // col_blocks))
     rows_per_split = cdiv(cdiv(rows, splits), block_r) * block_r
     splits = cdiv(rows, rows_per_split)
-    partial = torch.empty((splits, cols_dx), dtype=torch_compute, device=x2d.device)
+    partial = torch.empty((splits, cols_dx), dtype=torch_compute, device=x_c.device)
     launch(_dact_dbias_kernel, (col_blocks, splits),
-        dy2d, x2d, dx, partial, x2d if amax_out is None else amax_out.view(torch.int32), rows, cols, rows_per_split,
+        dy_c, x_c, dx, partial, x_c if amax_out is None else amax_out.view(torch.int32), rows, cols, rows_per_split,
         KIND=activation_code(kind), GATED=kind in GLU_GATES, COMPUTE=tl_compute,
         ROUND_TO=None if round_to is None else TL_FLOAT[round_to], AMAX=amax_out is not None,
         **_kernel_params(kind, params),
@@ -479,7 +481,7 @@ def dact_dbias(
     rounded dx (the gradient of a bias added before the activation, as the unfused
     ops compute it), in one pass over ``dy`` and ``x``; ``amax_out``: overwritten
     with amax(|dx|) of dx as returned, reduced in the same pass (see the reference)."""
-    dy2d, x2d, cols = _check_grad_inputs(dy, x, kind, "dact_dbias")
+    dy_c, x_c, rows, cols = _check_grad_inputs(dy, x, kind, "dact_dbias")
     activation_params(kind, params)
     if amax_out is not None:
         check_given_amax(amax_out, x, "dact_dbias", "amax_out")
@@ -490,13 +492,13 @@ def dact_dbias(
     # rounds in integer arithmetic (exact) and writes the compute dtype, and torch
     # converts the rounded values.
     in_kernel = out_dtype == compute[1] or not is_interpreted(x)
-    dx = torch.empty(x2d.shape, dtype=out_dtype if in_kernel else compute[1], device=x.device)
+    dx = torch.empty(x.shape, dtype=out_dtype if in_kernel else compute[1], device=x.device)  # as (rows, x's columns)
     if not dx.numel():
-        return dx.reshape(x.shape).to(out_dtype), torch.zeros(x2d.shape[1], dtype=compute[1], device=x.device)
-    dbias = _dact_dbias_launch(dy2d, x2d, cols, kind, dx, compute,
+        return dx.to(out_dtype), torch.zeros(x.shape[-1], dtype=compute[1], device=x.device)
+    dbias = _dact_dbias_launch(dy_c, x_c, rows, cols, kind, dx, compute,
                                round_to=out_dtype if out_dtype != compute[1] else None, params=params,
                                amax_out=amax_out)
     if not in_kernel:
         dx = dx.to(out_dtype)
-        dbias = dx.to(compute[1]).sum(dim=0)
-    return dx.reshape(x.shape), dbias
+        dbias = dx.to(compute[1]).reshape(rows, -1).sum(dim=0)
+    return dx, dbias
