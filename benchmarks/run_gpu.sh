@@ -50,10 +50,10 @@ for part in $parts; do
         | tee "$OUT/smallloop.log" | tail -12 ;;
     small) timeout 200 python3 benchmarks/bench_layers.py --cases small 2>&1 | tee "$OUT/small.log" | tail -24 ;;
     mlp) timeout 200 python3 benchmarks/bench_layers.py --cases mlp 2>&1 | tee "$OUT/mlp.log" | tail -16 ;;
-    gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation (GPT_GRAPHED=1: te's steps graphed; GPT_CHECKPOINT=1: every block recomputed in the backward; GPT_SCHEDULE=...; GPT_PROFILE=phase: that phase's kernels per arm; GPT_SWITCH=phase: te's switch step into it under cProfile; GPT_ROUNDS=n: n processes, then #14's table with each ratio's spread, benchmarks/gpt_table.py)
+    gpt)  # the yardstick GPT on real text: the recipe schedule beside torch (and torchao), with validation (GPT_GRAPHED=1: te's steps graphed; GPT_CHECKPOINT=1: every block recomputed in the backward; GPT_SCHEDULE=...; GPT_PROFILE=phase: that phase's kernels per arm; GPT_SWITCH=phase: te's switch step into it under cProfile; GPT_TRACE_SWITCH=phase: that switch step and a step alone under torch.profiler; GPT_ROUNDS=n: n processes, then #14's table with each ratio's spread, benchmarks/gpt_table.py)
       for round in $(seq 1 ${GPT_ROUNDS:-1}); do
         json="$OUT/gpt.json"; [ "${GPT_ROUNDS:-1}" -gt 1 ] && json="$OUT/gpt_$round.json"
-        timeout ${GPT_TIMEOUT:-420} python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} ${GPT_GRAPHED:+--graphed} ${GPT_CHECKPOINT:+--checkpoint} ${GPT_SCHEDULE:+--schedule $GPT_SCHEDULE} ${GPT_PROFILE:+--profile-phase $GPT_PROFILE} ${GPT_SWITCH:+--profile-switch $GPT_SWITCH} --json "$json" 2>&1 \
+        timeout ${GPT_TIMEOUT:-420} python3 examples/train_gpt.py --size gpu --steps ${GPT_STEPS:-30} ${GPT_GRAPHED:+--graphed} ${GPT_CHECKPOINT:+--checkpoint} ${GPT_SCHEDULE:+--schedule $GPT_SCHEDULE} ${GPT_PROFILE:+--profile-phase $GPT_PROFILE} ${GPT_SWITCH:+--profile-switch $GPT_SWITCH} ${GPT_TRACE_SWITCH:+--trace-switch $GPT_TRACE_SWITCH} --json "$json" 2>&1 \
           | tee -a "$OUT/gpt.log" | tail -30
       done
       if [ "${GPT_ROUNDS:-1}" -gt 1 ]; then
