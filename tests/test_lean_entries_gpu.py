@@ -279,6 +279,51 @@ def test_the_any_shape_current_cast_is_the_cast_of_the_flattening(shape, sums):
     assert prepared.any_shape(x.reshape(-1), True, True) is None  # 1-D: the caller's flattening, (1, K)
 
 
+
+@pytest.mark.parametrize("shape", [(4, 16, 256), (96, 128)])
+@pytest.mark.parametrize("rowwise,columnwise", [(True, False), (True, True), (False, True)])
+def test_the_given_amax_cast_is_the_cast_of_the_flattening_with_that_amax(shape, rowwise, columnwise):
+    """``cast.given_amax``: x of two or more dims cast with its producer's amax (here
+    three times x's own, so a cast that took its own would differ), the bits of
+    ``quantize_current`` given that amax on ``x.reshape(-1, K)``; None for a view
+    that is not contiguous, a 1-D x, an amax of another dtype or on the CPU; the
+    column-sums cast offers none."""
+    prepared = cuda.quantize_current.prepare(E4M3)
+    x = _x(shape, torch.bfloat16, 29)
+    amax = x.float().abs().amax().reshape(1) * 3
+    got = prepared.given_amax(x, amax, rowwise, columnwise)
+    data, data_t, _, scale_inv, _ = cuda.quantize_current(x.reshape(-1, shape[-1]), E4M3, False, 0.0, rowwise,
+                                                          columnwise, amax.reshape(()))
+    for g, w in ((got[0], data), (got[1], data_t), (got[2], scale_inv)):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert_bitwise(g, w)
+    own = cuda.quantize_current(x.reshape(-1, shape[-1]), E4M3, False, 0.0, True, False)[3]
+    assert not torch.equal(got[2], own)  # the given amax's scale, not x's own
+    assert prepared.given_amax(x.transpose(0, -1), amax, True, True) is None
+    assert prepared.given_amax(x.reshape(-1), amax, True, False) is None
+    assert prepared.given_amax(x, amax.double(), True, True) is None
+    assert prepared.given_amax(x, amax.cpu(), True, True) is None
+    assert not hasattr(cuda.quantize_current_column_sums.prepare(E4M3), "given_amax")
+
+
+def test_the_quantizer_casts_with_a_given_amax_through_the_prepared_cast():
+    """``cast_given_amax`` of a plain (B, T, K) x takes the prepared cast's
+    ``given_amax``: the copies and scale of the checked path on x's rows."""
+    from te_fuser.quantization import Float8CurrentScalingQuantizer
+
+    q = Float8CurrentScalingQuantizer(E4M3, device="cuda")
+    x = _x((4, 16, 256), torch.bfloat16, 30)
+    amax = x.float().abs().amax().reshape(1) * 3
+    got = q.cast_given_amax(x, amax, rowwise=True, columnwise=True)
+    row, col = q._quantize(x.reshape(-1, 256), True, True, amax.reshape(()))
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert_bitwise(got.rowwise.data, row.data)
+    assert_bitwise(got.columnwise.data, col.data)
+    assert_bitwise(got.rowwise.scale_inv, row.scale_inv)
+    assert "given_amax" in dir(q._kept_casters["quantize_current"][2])
+
+
 def test_the_delayed_update_entry_hands_back_a_state_it_cannot_read():
     """``with_update`` checks x and the state in the extension: a state on the CPU, an
     x that is not contiguous, a history of another dtype go back (None), nothing

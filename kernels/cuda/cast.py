@@ -352,7 +352,12 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
     two or more dims, cast as its 2-D flattening, with x's checks in the extension
     (``cast_current_lean``: no reshape, no Python checks); None for an x they do not
     take (not contiguous or 16-byte aligned, on another device, ...), which the
-    caller then casts through ``cast``."""
+    caller then casts through ``cast``. ``cast.given_amax(x, amax, rowwise,
+    columnwise)`` (without the column sums): the cast's second pass alone of x of two
+    or more dims whose amax(|x|) its producer reduced (one fp32 element on x's
+    device), ``(data or None, data_t or None, scale_inv)``, the bits of
+    :func:`quantize_current` given that amax on x's flattening; None for an x or
+    amax it does not take as they are."""
     op = "quantize_current_column_sums" if sums else "quantize_current"
     code = _fp8_code(fp8_dtype, op)
     epsilon = _check_epsilon(epsilon, op)
@@ -393,8 +398,22 @@ def _prepared_current(fp8_dtype: torch.dtype, power_2: bool = False, epsilon: fl
         return call_lean(x, code, power_2, epsilon, rowwise, columnwise, sums, round_bf16, _sums_bf16(sums_dtype, op),
                          index, stream_of_index(index))
 
+    def given_amax(x: torch.Tensor, amax: torch.Tensor, rowwise: bool, columnwise: bool):
+        if (x.dim() < 2 or not x.is_cuda or x.dtype not in codes or not x.is_contiguous()
+                or x.data_ptr() % ALIGNMENT or amax.dtype is not fp32 or amax.numel() != 1 or not amax.is_cuda):
+            return None
+        index = current_device_index()
+        cols = x.shape[-1]
+        if cols == 0 or x.numel() == 0 or x.get_device() != index or amax.get_device() != index:
+            return None
+        out = call(x, codes[x.dtype], code, x.numel() // cols, cols, power_2, epsilon, rowwise, columnwise, amax,
+                   False, False, False, stream_of_index(index))
+        return out[0], out[1], out[3]
+
     cast.with_scale = with_scale
     cast.any_shape = any_shape
+    if not sums:
+        cast.given_amax = given_amax
     return cast
 
 

@@ -94,7 +94,17 @@ class Float8CurrentScalingQuantizer(Quantizer):
         (``amax``: a one-element fp32 tensor on x's device, e.g. the activation
         kernel's ``amax_out``): the cast's second pass alone, the same copies and
         scale bit for bit as :meth:`cast`. Under a sequence-parallel group the amax
-        is first all-reduced over it, as the cast's own would be."""
+        is first all-reduced over it, as the cast's own would be. The ops' calls take
+        the backend's prepared cast where it offers ``given_amax`` (x as it comes,
+        checked at the launch), else the checked path below."""
+        if self.sequence_parallel_group is None and self._lean(x, rowwise, columnwise):
+            given = getattr(self._caster("quantize_current", x.device, generic_current_caster), "given_amax", None)
+            out = None if given is None else given(x, amax, rowwise, columnwise)
+            if out is not None:
+                data, data_t, scale_inv = out
+                return QuantizedTensor.of_cast(tensor_scaled(data, scale_inv) if rowwise else None,
+                                               tensor_scaled(data_t, scale_inv) if columnwise else None, x.shape,
+                                               x.dtype)
         x_hp = self._checked_matrix(x, rowwise, columnwise)
         if self.sequence_parallel_group is not None:
             amax = max_over(amax, self.sequence_parallel_group)
