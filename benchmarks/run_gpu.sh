@@ -6,11 +6,14 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/te_fuser_out}; mkdir -p "$OUT"
 parts=${*:-tests layers refusion kernels}
-# table14: #14's closing table in one call of under ten minutes: the GPT's schedule in three
-# processes (at most 170 s each), then the small Linear's loop in turns
+# table14: #14's closing table in one call of under ten minutes: the GPU tests of the paths the
+# table runs that changed last (GPU_TESTS), the GPT's schedule in three processes (at most 150 s
+# each), then the small Linear's loop in turns
 if [ "$parts" = "table14" ]; then
-  export GPT_ROUNDS=${GPT_ROUNDS:-3} GPT_TIMEOUT=${GPT_TIMEOUT:-170} SMALL_ROUNDS=${SMALL_ROUNDS:-20}
-  parts="gpt smallloop"
+  export GPT_ROUNDS=${GPT_ROUNDS:-3} GPT_TIMEOUT=${GPT_TIMEOUT:-150} SMALL_ROUNDS=${SMALL_ROUNDS:-20} \
+    GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-150} GPU_TESTS=${GPU_TESTS:-"tests/test_lean_entries_gpu.py \
+    tests/test_triton_activation.py tests/test_activations.py tests/test_forward_linear_bias_linear.py tests/test_training.py"}
+  parts="tests gpt smallloop"
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 if ls .whl/*.whl >/dev/null 2>&1; then
