@@ -54,10 +54,10 @@ def _own_calls(step) -> collections.Counter:
     return calls
 
 
-def _gpt_step(recipe):
-    """The yardstick GPT at two layers of width 64 (te attention), fused AdamW, bf16 autocast."""
+def _gpt_step(recipe, n_layer: int = 2):
+    """The yardstick GPT at ``n_layer`` layers of width 64 (te attention), fused AdamW, bf16 autocast."""
     torch.manual_seed(0)
-    config = GPTConfig(n_layer=2, d_model=64, n_head=4, d_ffn=256, seq_len=32, batch_size=1, attention="te")
+    config = GPTConfig(n_layer=n_layer, d_model=64, n_head=4, d_ffn=256, seq_len=32, batch_size=1, attention="te")
     model = GPT(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     batch = torch.randint(0, config.vocab_size, (1, config.seq_len + 1))
@@ -114,14 +114,5 @@ def test_the_count_sees_the_backward_and_grows_with_the_layers():
     recipe = RECIPES["delayed"]
     two = _own_calls(_gpt_step(recipe))
     assert two[("ops/fuser.py", "run_backward")] > 0
-    torch.manual_seed(0)
-    config = GPTConfig(n_layer=3, d_model=64, n_head=4, d_ffn=256, seq_len=32, batch_size=1, attention="te")
-    model = GPT(config)
-    x = torch.randint(0, config.vocab_size, (1, config.seq_len))
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(recipe=recipe):
-            model(x).float().sum().backward()
-
-    three = sum(_own_calls(step).values())
+    three = sum(_own_calls(_gpt_step(recipe, n_layer=3)).values())
     assert three > sum(two.values()) * 1.2, (three, sum(two.values()))
