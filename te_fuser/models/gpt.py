@@ -215,6 +215,23 @@ class RotaryCausalSelfAttention(nn.Module):
         return y.transpose(1, 2).reshape(batch, seq, d)  # (B, T, d)
 
 
+def _init_as_built(module: nn.Module) -> None:
+    """Draw ``module``'s parameters again in the order its construction drew them:
+    a module with ``reset_parameters`` resets itself (its children too: a
+    ``te.ops.Linear`` its weight and bias), any other resets its children in turn;
+    then the embedding tables take the model's own scale (std 0.02)."""
+    reset = getattr(module, "reset_parameters", None)
+    if reset is not None:
+        reset()
+        return
+    for child in module.children():
+        _init_as_built(child)
+    tables = {_TokenEmbedding: ("tokens",), _Embeddings: ("tokens", "positions")}.get(type(module), ())
+    with torch.no_grad():
+        for name in tables:
+            nn.init.normal_(getattr(module, name).weight, std=0.02)
+
+
 class _TokenEmbedding(nn.Module):
     """Token embeddings alone (the rotary variant's positions are in attention): (B, T) -> (B, T, d)."""
 
@@ -291,6 +308,13 @@ class GPT(nn.Module):
             x = te_checkpoint(block, x) if recompute else block(x)
         return self.head(x)  # (B, T, V)
 
+    def init_weights(self) -> None:
+        """Every parameter drawn again as construction drew it, in the same order: a
+        model made on the meta device (``with torch.device("meta")``, then
+        ``to_empty(device=...)``, under FSDP2 after ``fully_shard``) and initialised
+        under a seed holds what one built directly under that seed holds."""
+        _init_as_built(self)
+
     def sequentials(self) -> list[ops.Sequential]:
         return [m for m in self.modules() if isinstance(m, ops.Sequential)]
 
@@ -352,6 +376,13 @@ class TorchGPT(nn.Module):
         for block in self.blocks:  # each recomputes itself under config.checkpoint
             x = block(x)
         return self.head(x)  # (B, T, V)
+
+    def init_weights(self) -> None:
+        """Every parameter drawn again as construction drew it, in the same order: a
+        model made on the meta device (``with torch.device("meta")``, then
+        ``to_empty(device=...)``, under FSDP2 after ``fully_shard``) and initialised
+        under a seed holds what one built directly under that seed holds."""
+        _init_as_built(self)
 
 
 # -- between the two ---------------------------------------------------------------

@@ -151,8 +151,8 @@ def make_fp8_parameter(weight: torch.Tensor, recipe: Recipe, role: QuantizerRole
         w_hp = weight.detach()
         q = quantizer.cast(w_hp, rowwise=True, columnwise=False)
     param = nn.Parameter(Float8Tensor(Float8Storage(q, quantizer)), requires_grad=weight.requires_grad)
-    if preserve:
-        param._high_precision_init_val = w_hp.cpu().clone()
+    if preserve and not w_hp.is_meta:  # on the meta device there is no value yet: reset_parameters keeps it
+        param.fp8_storage.init_value = w_hp.cpu().clone()
     return param
 
 

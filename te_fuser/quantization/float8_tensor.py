@@ -12,6 +12,8 @@ output), and that every torch function accepts:
 - ``detach``/``alias`` and the views and reshapes that keep the last dim keep
   FP8 and share the values (the 2-D flattening ``(M, K)`` is unchanged, so every
   scaling stays exact); ``clone`` keeps FP8 too;
+- a device move (``.to(device)``, ``.cuda()``) and ``empty_like`` (``Module.to_empty``)
+  keep FP8, so a module's FP8 parameters stay FP8 parameters where it moves;
 - every other function dequantizes its FP8 arguments and returns plain tensors;
 - an in-place write (``copy_``, ``add_``, an optimizer's fused or foreach
   update) computes in high precision and casts the result back with the tensor's
@@ -52,14 +54,17 @@ class Float8Storage:
     ``writes``, bumped at every write, and ``source``: None or ``(value, q)``, the
     high-precision value a ``q`` was cast from (see :meth:`cast_from`): an in-place
     update's result (held), or an FP8 parameter's master (a weak reference: the
-    optimizer holds it); ``q`` a weak reference too."""
+    optimizer holds it); ``q`` a weak reference too. ``init_value``: an FP8
+    parameter's initial high-precision value on the CPU, where
+    ``quantized_model_init(preserve_high_precision_init_val=True)`` kept one (it
+    moves with the values, through device moves and ``to_empty``)."""
 
-    __slots__ = ("q", "quantizer", "writes", "source", "__weakref__")
+    __slots__ = ("q", "quantizer", "writes", "source", "init_value", "__weakref__")
 
     def __init__(self, q: QuantizedTensor, quantizer=None) -> None:
         if not isinstance(q, QuantizedTensor):
             raise TypeError(f"Float8Storage.q: must be a QuantizedTensor, got {type(q).__name__}")
-        self.q, self.quantizer, self.writes, self.source = q, quantizer, 0, None
+        self.q, self.quantizer, self.writes, self.source, self.init_value = q, quantizer, 0, None, None
 
     def cast_from(self, held: bool | None = None) -> torch.Tensor | None:
         """The high-precision value the current FP8 values were cast from, where one
@@ -166,10 +171,10 @@ class Float8Tensor(torch.Tensor):
     def get_high_precision_init_val(self) -> torch.Tensor | None:
         """The initial high-precision value kept on the CPU by
         ``quantized_model_init(preserve_high_precision_init_val=True)``, else None."""
-        return getattr(self, "_high_precision_init_val", None)
+        return self._storage.init_value
 
     def clear_high_precision_init_val(self) -> None:
-        self.__dict__.pop("_high_precision_init_val", None)
+        self._storage.init_value = None
 
     @property
     def fp8_nbytes(self) -> int:
@@ -192,7 +197,10 @@ class Float8Tensor(torch.Tensor):
         clone = QuantizedTensor(*(None if op is None else ScaledOperand(op.data.clone(), op.scale_inv.clone(),
                                                                         op.scaling)
                                   for op in (q.rowwise, q.columnwise)), q.shape, q.dtype)
-        out = Float8Tensor(Float8Storage(clone, self._storage.quantizer), self.shape, self.requires_grad)
+        storage = Float8Storage(clone, self._storage.quantizer)
+        init = self._storage.init_value
+        storage.init_value = None if init is None else init.clone()
+        out = Float8Tensor(storage, self.shape, self.requires_grad)
         memo[id(self)] = out
         return out
 
@@ -215,10 +223,40 @@ class Float8Tensor(torch.Tensor):
             if type(dst) is Float8Tensor:
                 _copy_into(dst, src)
                 return dst
+        if func in _MOVES and type(args[0]) is Float8Tensor and _keeps_fp8(args[0], kwargs):
+            return _moved(args[0], kwargs, empty=func is aten.empty_like.default)
         written = _written_args(func, args, kwargs)
         if written:
             return _write_through(func, args, kwargs, written)
         return func(*tree_map(dequantized, args), **tree_map(dequantized, kwargs))
+
+
+# A device move (``.to(device)``, ``.cuda()``) and ``empty_like`` (``Module.to_empty``
+# of a model made on the meta device) keep FP8: a module's FP8 parameters stay FP8
+# parameters, with the same quantizer, where the nominal dtype and layout stay.
+_MOVES = {aten._to_copy.default, aten.empty_like.default}
+
+
+def _keeps_fp8(t: "Float8Tensor", kwargs) -> bool:
+    dtype, layout = kwargs.get("dtype"), kwargs.get("layout")
+    return (dtype is None or dtype is t.dtype) and (layout is None or layout is torch.strided)
+
+
+def _moved(t: "Float8Tensor", kwargs, empty: bool) -> "Float8Tensor":
+    """``t``'s copies on ``kwargs['device']`` (or where they are): copied, or left
+    uninitialised (``empty``: values to be written before use, as ``empty_like``'s)."""
+    device = kwargs.get("device") or t.device
+    non_blocking = bool(kwargs.get("non_blocking", False))
+
+    def move(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x, device=device) if empty else x.to(device, non_blocking=non_blocking, copy=True)
+
+    q = t._storage.q
+    copies = [None if op is None else ScaledOperand(move(op.data), move(op.scale_inv), op.scaling)
+              for op in (q.rowwise, q.columnwise)]
+    storage = Float8Storage(QuantizedTensor(copies[0], copies[1], q.shape, q.dtype), t._storage.quantizer)
+    storage.init_value = t._storage.init_value
+    return Float8Tensor(storage, t.shape)
 
 
 def _alias(storage: Float8Storage, shape) -> Float8Tensor:

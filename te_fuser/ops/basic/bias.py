@@ -18,13 +18,29 @@ def bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Bias(BasicOperation):
+    """``y = x + b``. ``init_bound``: b starts uniform within ``±init_bound`` (a
+    Linear's bias: ``1 / sqrt(in_features)``, as ``torch.nn.Linear``); None: zeros."""
+
     module_type = "bias"
 
-    def __init__(self, size: int, *, device=None, dtype=None, name=None) -> None:
+    def __init__(self, size: int, *, device=None, dtype=None, name=None, init_bound: float | None = None) -> None:
         super().__init__(name)
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"Bias.size: must be a positive integer, got {size!r}")
-        self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=dtype))  # Linear re-initialises it
+        if init_bound is not None and (isinstance(init_bound, bool) or not isinstance(init_bound, (int, float))
+                                       or not init_bound >= 0):
+            raise ValueError(f"Bias.init_bound: must be None or a non-negative number, got {init_bound!r}")
+        self.init_bound = None if init_bound is None else float(init_bound)
+        self.bias = nn.Parameter(torch.empty(size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw the bias again as construction did, in place (after ``to_empty``, or to start over)."""
+        with torch.no_grad():
+            if self.init_bound is None:
+                self.bias.zero_()
+            else:
+                self.bias.uniform_(-self.init_bound, self.init_bound)
 
     def check_shapes(self, in_shape, quantizers):
         if in_shape[-1] != self.bias.shape[0]:

@@ -49,14 +49,17 @@ class Linear(WatchedModule):
         super().__init__()
         self.linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, name=name,
                                   accumulate_into_main_grad=accumulate_into_main_grad)
-        self.bias_op = Bias(out_features, device=device, dtype=dtype, name=name) if bias else None
-        if self.bias_op is not None:
-            bound = 1.0 / math.sqrt(in_features)
-            with torch.no_grad():
-                self.bias_op.bias.uniform_(-bound, bound)
+        self.bias_op = (Bias(out_features, device=device, dtype=dtype, name=name,
+                             init_bound=1.0 / math.sqrt(in_features)) if bias else None)
         self._own_fuser = None
         self._register_state_dict_hook(_as_torch_keys)
         self._register_load_state_dict_pre_hook(_from_torch_keys)
+
+    def reset_parameters(self) -> None:
+        """Draw the weight and bias again as construction did (``torch.nn.Linear``'s
+        init), in place: after ``to_empty`` or to start over."""
+        for op in self.basic_ops:
+            op.reset_parameters()
 
     @property
     def weight(self) -> nn.Parameter:

@@ -85,7 +85,13 @@ class Embedding(WatchedModule):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.name = name or ""
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
-        nn.init.normal_(self.weight)  # as torch.nn.Embedding
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw the table again as construction did (standard normal, as
+        ``torch.nn.Embedding``), in place (after ``to_empty``, or to start over)."""
+        with torch.no_grad():
+            nn.init.normal_(self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"

@@ -72,6 +72,7 @@ from ...kernels.operand import ScaledOperand
 from ...quantization.tensor import QuantizedTensor
 from ..gemm import columnwise, gemm, rowwise
 from ..op import BasicOperation, OpContext
+from .linear import init_linear_weight
 
 __all__ = ["GroupedLinear", "Groups", "Experts", "LoopRule", "LOOP_RULE", "grouped_gemm_dispatch",
            "grouped_gemm_wgrad_dispatch", "fprop_path", "wgrad_path"]
@@ -102,12 +103,21 @@ class GroupedLinear(BasicOperation):
         if self.scale_bias:
             self.num_extra_inputs = 2
         for g in range(num_groups):
-            w = torch.empty(out_features, in_features, device=device, dtype=dtype)
-            nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # as torch.nn.Linear
-            self.register_parameter(f"weight{g}", nn.Parameter(w))
+            self.register_parameter(f"weight{g}", nn.Parameter(torch.empty(out_features, in_features, device=device,
+                                                                            dtype=dtype)))
         for g in range(num_groups):
-            b = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+            b = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
             self.register_parameter(f"bias{g}", b)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each group's weight drawn again as ``torch.nn.Linear``'s and its bias 0, in
+        place (after ``to_empty``, or to start over)."""
+        for w in self.weights:
+            init_linear_weight(w)
+        with torch.no_grad():
+            for b in self.biases:
+                b.zero_()
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "

@@ -59,6 +59,13 @@ __all__ = ["BasicLinear", "linear_forward", "linear_backward", "input_needs_colu
            "linear_bias_add_forward"]
 
 
+def init_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (N, K) drawn in place as ``torch.nn.Linear`` draws it: uniform
+    within ``1 / sqrt(K)`` (kaiming uniform with ``a = sqrt(5)``)."""
+    with torch.no_grad():
+        return nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
 class BasicLinear(BasicOperation):
     module_type = "linear"
     accepts_fp8_input = True
@@ -66,6 +73,7 @@ class BasicLinear(BasicOperation):
     forward_roles = ("input", "weight")
     backward_roles = ("grad_output",)
     _made_fp8 = False  # made as an FP8 parameter, until a forward finds it replaced (fp8_weight_replaced)
+    _preserve_init = False  # made under quantized_model_init(preserve_high_precision_init_val=True)
 
     def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None, name=None,
                  accumulate_into_main_grad: bool = False) -> None:
@@ -79,10 +87,10 @@ class BasicLinear(BasicOperation):
                 raise ValueError(f"BasicLinear.{field}: must be a positive integer, got {value!r}")
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as torch.nn.Linear
+        init_linear_weight(self.weight)
         fp8_init = fp8_init_recipe()
         if fp8_init is not None:  # te.quantized_model_init: the weight is held in FP8 (ops/fp8_parameters.py)
-            self._made_fp8 = True
+            self._made_fp8, self._preserve_init = True, fp8_init[1]
             self.weight = make_fp8_parameter(self.weight, fp8_init[0], QuantizerRole.make("linear", "weight", name),
                                              preserve=fp8_init[1])
         self._weight_cache = WeightCache()
@@ -92,6 +100,22 @@ class BasicLinear(BasicOperation):
 
     def drop_caches(self) -> None:
         self._weight_cache.clear()
+
+    def reset_parameters(self) -> None:
+        """Draw the weight again as construction did (``torch.nn.Linear``'s uniform
+        init), in place: after ``to_empty`` (a model built on the meta device) or to
+        start over. An FP8 parameter is drawn in its nominal dtype and cast by its
+        own quantizer (its init value kept again where it kept one)."""
+        weight = self.weight
+        with torch.no_grad():
+            if type(weight) is Float8Tensor:
+                w_hp = init_linear_weight(torch.empty(weight.shape, dtype=weight.dtype, device=weight.device))
+                weight.copy_(w_hp)
+                if self._preserve_init:
+                    weight.fp8_storage.init_value = w_hp.cpu().clone()
+            else:
+                init_linear_weight(weight)
+        self.drop_caches()
 
     def quantized_weight(self, quantizer, w_hp: torch.Tensor, need_columnwise: bool, weight=None):
         """The weight cast by ``quantizer``: cast now, or a cast kept inside

@@ -49,9 +49,17 @@ class _Norm(BasicOperation):
             raise TypeError(f"{type(self).__name__}.zero_centered_gamma: must be a bool, got {zero_centered_gamma!r}")
         self.normalized_shape, self.size, self.eps = shape, math.prod(shape), float(eps)
         self.zero_centered_gamma = zero_centered_gamma
-        init = torch.zeros if zero_centered_gamma else torch.ones
-        self.weight = nn.Parameter(init(shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(shape, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The scale 1 (its weight 0 under ``zero_centered_gamma``) and the bias 0
+        again, in place (after ``to_empty``, or to start over)."""
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.bias is not None:
+                self.bias.zero_()
 
     def gamma(self) -> torch.Tensor:
         """The scale the norm applies, flattened (N,): the weight, or ``weight + 1`` in
