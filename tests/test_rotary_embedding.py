@@ -82,7 +82,7 @@ def test_the_rotations_in_place_give_the_copys_bits(recipe_name, backend):
     DotProductAttention's backward (``backward_rotary_dpa``: the inverse rotation
     written back into attention's dqkv), against the same attention sub-layer with
     those rules left out (the rotation's copies): outputs and every gradient bit for
-    bit, two training steps (delayed scaling's second included). On the Triton
+    bit, over one training step (two under delayed scaling: its second's scales). On the Triton
     backend (the interpreter on a CPU) without the attention, which the interpreter
     takes long to run."""
     import copy
@@ -99,7 +99,7 @@ def test_the_rotations_in_place_give_the_copys_bits(recipe_name, backend):
     gen = torch.Generator().manual_seed(4)
     recipe = RECIPES[recipe_name]
     rules = ["forward_linear_bias_rotary"] + (["backward_rotary_dpa"] if backend == "reference" else [])
-    for _ in range(2):
+    for _ in range(2 if recipe_name == "delayed" else 1):  # a stateless recipe's second step repeats its first
         x = representable(B, 32, hidden, generator=gen, dtype=torch.bfloat16, scale_exp=-3).to(device)
         dy = representable(B, 32, hidden, generator=gen, dtype=torch.bfloat16).to(device)
         with te.autocast(enabled=False, backend=backend):
