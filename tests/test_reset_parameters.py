@@ -59,6 +59,29 @@ def test_reset_draws_as_construction(name):
         assert any(not torch.equal(v, built[n]) for n, v in _values(op).items()), f"{name}: a second draw was the same"
 
 
+def test_reset_parameters_resets_each_module_once_in_construction_order():
+    """te.ops.reset_parameters(model) after to_empty gives the model built under the
+    seed, torch modules among te ops included; a loop over modules() is right in
+    distribution but draws a Linear's weight twice."""
+    def build():
+        return torch.nn.Sequential(te.ops.Sequential(te.ops.LayerNorm(32), te.ops.Linear(32, 64), te.ops.GELU()),
+                                   torch.nn.Linear(64, 16), te.ops.Linear(16, 8, bias=False))
+
+    torch.manual_seed(11)
+    built = _values(build())
+    with torch.device("meta"):
+        made = build()
+    made.to_empty(device="cpu")
+    torch.manual_seed(11)
+    assert te.ops.reset_parameters(made) is made
+    _assert_same(_values(made), built, "te.ops.reset_parameters")
+    torch.manual_seed(11)
+    for module in made.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert not torch.equal(_values(made)["0.1.linear.weight"], built["0.1.linear.weight"])
+
+
 def test_linear_bias_keeps_its_uniform_init():
     """A Linear's bias is drawn within 1/sqrt(in_features), also when every module
     of the model resets itself in turn (the composite, then its basic ops)."""
@@ -185,3 +208,38 @@ def test_reset_drops_a_kept_weight_cast():
         expected = fresh(x)
     assert not torch.equal(before, after)
     assert torch.equal(after, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", [te.recipe.Float8CurrentScaling(), te.recipe.DelayedScaling()],
+                         ids=lambda r: type(r).__name__)
+def test_fp8_parameters_move_to_the_gpu_as_fp8(recipe):
+    """A model with FP8 parameters made on the CPU (directly, or on the meta device
+    then reset there) and moved with .cuda() keeps FP8 parameters with the same
+    bytes, and trains a step on the GPU as the one made there from the same bytes."""
+    torch.manual_seed(5)
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+        built = te.ops.Sequential(te.ops.LayerNorm(64), te.ops.Linear(64, 128), te.ops.GELU(), te.ops.Linear(128, 64))
+    with torch.device("meta"), te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+        made = te.ops.Sequential(te.ops.LayerNorm(64), te.ops.Linear(64, 128), te.ops.GELU(), te.ops.Linear(128, 64))
+    made.to_empty(device="cpu")
+    torch.manual_seed(5)
+    te.ops.reset_parameters(made)
+    cpu_bytes = built[1].weight.fp8_storage.q.rowwise.data.view(torch.uint8).clone()
+    built.cuda()
+    made.cuda()
+    for model in (built, made):
+        w = model[1].weight
+        assert type(w) is Float8Tensor and w.is_cuda and isinstance(w, torch.nn.Parameter)
+        assert torch.equal(w.fp8_storage.q.rowwise.data.view(torch.uint8).cpu(), cpu_bytes)
+        assert w.get_high_precision_init_val() is not None
+    x = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for model in (built, made):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with te.autocast(recipe=recipe):
+            y = model(x)
+        y.float().square().mean().backward()
+        opt.step()
+        results.append((y, model[3].weight.dequantize()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

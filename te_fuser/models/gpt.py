@@ -216,13 +216,11 @@ class RotaryCausalSelfAttention(nn.Module):
 
 
 def _init_as_built(module: nn.Module) -> None:
-    """Draw ``module``'s parameters again in the order its construction drew them:
-    a module with ``reset_parameters`` resets itself (its children too: a
-    ``te.ops.Linear`` its weight and bias), any other resets its children in turn;
-    then the embedding tables take the model's own scale (std 0.02)."""
-    reset = getattr(module, "reset_parameters", None)
-    if reset is not None:
-        reset()
+    """Draw ``module``'s parameters again in the order its construction drew them
+    (as ``te.ops.reset_parameters``), the embedding tables then at the model's own
+    scale (std 0.02)."""
+    if callable(getattr(module, "reset_parameters", None)):
+        module.reset_parameters()
         return
     for child in module.children():
         _init_as_built(child)
