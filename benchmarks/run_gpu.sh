@@ -12,7 +12,8 @@ parts=${*:-tests layers refusion kernels}
 if [ "$parts" = "table14" ]; then
   export GPT_ROUNDS=${GPT_ROUNDS:-3} GPT_TIMEOUT=${GPT_TIMEOUT:-150} SMALL_ROUNDS=${SMALL_ROUNDS:-20} \
     GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-150} GPU_TESTS=${GPU_TESTS:-"tests/test_lean_entries_gpu.py \
-    tests/test_triton_activation.py tests/test_activations.py tests/test_forward_linear_bias_linear.py tests/test_training.py"}
+    tests/test_triton_activation.py tests/test_activations.py tests/test_forward_linear_bias_linear.py tests/test_training.py \
+    tests/test_reset_parameters.py"}
   parts="tests gpt smallloop"
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
