@@ -188,6 +188,25 @@ def test_fp8_parameters_made_on_meta(recipe):
         assert torch.equal(a, b)
 
 
+def test_an_fp8_parameters_data_set_takes_the_new_values():
+    """``p.data = new`` on an FP8 parameter (what Module._apply does for .cuda() and
+    .to(device) where the new value is of a compatible kind) takes new's FP8 values,
+    as a plain tensor's does."""
+    recipe = te.recipe.Float8CurrentScaling()
+    with te.quantized_model_init(recipe=recipe):
+        torch.manual_seed(1)
+        a = te.ops.Linear(32, 64, bias=False)
+        torch.manual_seed(2)
+        b = te.ops.Linear(32, 64, bias=False)
+    w = a.weight
+    w.data = b.weight.detach()
+    assert w is a.weight and type(w) is Float8Tensor and isinstance(w, torch.nn.Parameter)
+    assert torch.equal(w.dequantize(), b.weight.dequantize())
+    x = torch.randn(4, 32)
+    with te.autocast(recipe=recipe):
+        assert torch.equal(a(x), b(x))
+
+
 def test_reset_drops_a_kept_weight_cast():
     """A weight cast kept inside te.reuse_quantized_weights() is not used after the
     weight is drawn again: the next forward casts the new values."""

@@ -131,6 +131,19 @@ class Float8Tensor(torch.Tensor):
     def fp8_storage(self) -> Float8Storage:
         return self._storage
 
+    # ``p.data = new`` (``Module._apply`` of ``.cuda()`` / ``.to(device)`` sets it on
+    # each parameter whose new value is of a compatible kind) re-points the tensor;
+    # a Float8Tensor's values live in its storage, which must follow.
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self, type(self))
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        torch._C.TensorBase.data.__set__(self, value)
+        if type(value) is Float8Tensor:
+            self._storage = value._storage
+
     def quantized(self) -> QuantizedTensor:
         """The FP8 copies as the internal QuantizedTensor of this tensor's shape."""
         q = self._storage.q
