@@ -215,19 +215,7 @@ class RotaryCausalSelfAttention(nn.Module):
         return y.transpose(1, 2).reshape(batch, seq, d)  # (B, T, d)
 
 
-def _init_as_built(module: nn.Module) -> None:
-    """Draw ``module``'s parameters again in the order its construction drew them
-    (as ``te.ops.reset_parameters``), the embedding tables then at the model's own
-    scale (std 0.02)."""
-    if callable(getattr(module, "reset_parameters", None)):
-        module.reset_parameters()
-        return
-    for child in module.children():
-        _init_as_built(child)
-    tables = {_TokenEmbedding: ("tokens",), _Embeddings: ("tokens", "positions")}.get(type(module), ())
-    with torch.no_grad():
-        for name in tables:
-            nn.init.normal_(getattr(module, name).weight, std=0.02)
+EMBEDDING_STD = 0.02  # the embedding tables' init scale, after their modules' own draw
 
 
 class _TokenEmbedding(nn.Module):
@@ -236,7 +224,12 @@ class _TokenEmbedding(nn.Module):
     def __init__(self, table: nn.Module) -> None:
         super().__init__()
         self.tokens = table
-        nn.init.normal_(table.weight, std=0.02)
+        nn.init.normal_(table.weight, std=EMBEDDING_STD)
+
+    def reset_parameters(self) -> None:
+        """The table drawn again as construction drew it: its own init, then the model's scale (EMBEDDING_STD)."""
+        self.tokens.reset_parameters()
+        nn.init.normal_(self.tokens.weight, std=EMBEDDING_STD)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.tokens(idx)
@@ -250,7 +243,15 @@ class _Embeddings(nn.Module):
         self.tokens = nn.Embedding(config.vocab_size, config.d_model, device=device)
         self.positions = nn.Embedding(config.seq_len, config.d_model, device=device)
         for table in (self.tokens, self.positions):
-            nn.init.normal_(table.weight, std=0.02)
+            nn.init.normal_(table.weight, std=EMBEDDING_STD)
+
+    def reset_parameters(self) -> None:
+        """The tables drawn again as construction drew them: each its own init, then
+        the model's scale (EMBEDDING_STD)."""
+        for table in (self.tokens, self.positions):
+            table.reset_parameters()
+        for table in (self.tokens, self.positions):
+            nn.init.normal_(table.weight, std=EMBEDDING_STD)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
@@ -311,7 +312,7 @@ class GPT(nn.Module):
         model made on the meta device (``with torch.device("meta")``, then
         ``to_empty(device=...)``, under FSDP2 after ``fully_shard``) and initialised
         under a seed holds what one built directly under that seed holds."""
-        _init_as_built(self)
+        ops.reset_parameters(self)
 
     def sequentials(self) -> list[ops.Sequential]:
         return [m for m in self.modules() if isinstance(m, ops.Sequential)]
@@ -380,7 +381,7 @@ class TorchGPT(nn.Module):
         model made on the meta device (``with torch.device("meta")``, then
         ``to_empty(device=...)``, under FSDP2 after ``fully_shard``) and initialised
         under a seed holds what one built directly under that seed holds."""
-        _init_as_built(self)
+        ops.reset_parameters(self)
 
 
 # -- between the two ---------------------------------------------------------------

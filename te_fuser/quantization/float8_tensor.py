@@ -206,13 +206,8 @@ class Float8Tensor(torch.Tensor):
         return (_rebuild, (copies, tuple(self.shape), q.shape, q.dtype, self.requires_grad))
 
     def __deepcopy__(self, memo):
-        q = self._storage.q
-        clone = QuantizedTensor(*(None if op is None else ScaledOperand(op.data.clone(), op.scale_inv.clone(),
-                                                                        op.scaling)
-                                  for op in (q.rowwise, q.columnwise)), q.shape, q.dtype)
-        storage = Float8Storage(clone, self._storage.quantizer)
         init = self._storage.init_value
-        storage.init_value = None if init is None else init.clone()
+        storage = _storage_copy(self._storage, torch.Tensor.clone, None if init is None else init.clone())
         out = Float8Tensor(storage, self.shape, self.requires_grad)
         memo[id(self)] = out
         return out
@@ -255,6 +250,17 @@ def _keeps_fp8(t: "Float8Tensor", kwargs) -> bool:
     return (dtype is None or dtype is t.dtype) and (layout is None or layout is torch.strided)
 
 
+def _storage_copy(storage: Float8Storage, fn, init_value) -> Float8Storage:
+    """A storage of ``fn`` applied to each of ``storage``'s data and scale tensors,
+    with its quantizer and ``init_value``."""
+    q = storage.q
+    copies = [None if op is None else ScaledOperand(fn(op.data), fn(op.scale_inv), op.scaling)
+              for op in (q.rowwise, q.columnwise)]
+    out = Float8Storage(QuantizedTensor(copies[0], copies[1], q.shape, q.dtype), storage.quantizer)
+    out.init_value = init_value
+    return out
+
+
 def _moved(t: "Float8Tensor", kwargs, empty: bool) -> "Float8Tensor":
     """``t``'s copies on ``kwargs['device']`` (or where they are): copied, or left
     uninitialised (``empty``: values to be written before use, as ``empty_like``'s)."""
@@ -264,12 +270,7 @@ def _moved(t: "Float8Tensor", kwargs, empty: bool) -> "Float8Tensor":
     def move(x: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x, device=device) if empty else x.to(device, non_blocking=non_blocking, copy=True)
 
-    q = t._storage.q
-    copies = [None if op is None else ScaledOperand(move(op.data), move(op.scale_inv), op.scaling)
-              for op in (q.rowwise, q.columnwise)]
-    storage = Float8Storage(QuantizedTensor(copies[0], copies[1], q.shape, q.dtype), t._storage.quantizer)
-    storage.init_value = t._storage.init_value
-    return Float8Tensor(storage, t.shape)
+    return Float8Tensor(_storage_copy(t._storage, move, t._storage.init_value), t.shape)
 
 
 def _alias(storage: Float8Storage, shape) -> Float8Tensor:
