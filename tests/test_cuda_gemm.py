@@ -1,4 +1,4 @@
-"""CUDA backend GEMMs (cuBLASLt via torch._scaled_mm + the epilogue kernel) against
+"""CUDA backend GEMMs (cuBLASLt, directly or via torch._scaled_mm, + the epilogue kernel) against
 float64 on exactly representable operands (needs a Hopper GPU).
 
 ``out = a @ b.T`` with a (M, K), b (N, K) quantized along K. "Exact" operands
@@ -186,6 +186,53 @@ def test_direct_cublaslt_gemm_equals_scaled_mm_bit_for_bit(m, n, k, fp8_pair, ou
     want = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv.float().clone(), scale_b=b.scale_inv.float().clone(),
                             bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
     assert_bitwise(got, want, f"M={m} N={n} K={k} {fp8_pair} {out_dtype} bias={with_bias} fast={fast_accum}")
+
+
+def _scaled_mm_block_scales(a: ScaledOperand, b: ScaledOperand) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-scaled pair's scales in the shapes and strides torch._scaled_mm reads them."""
+    scale_a = a.scale_inv.float().t().contiguous().t()  # (M, K/128), stride (1, M)
+    if b.scaling == "block_128x128":
+        return scale_a, b.scale_inv.float().contiguous().t()  # (K/128, N/128): a row-major grid transposed
+    return scale_a, b.scale_inv.float().t().contiguous()  # (K/128, N)
+
+
+@pytest.mark.parametrize("pair", BLOCK_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.mark.parametrize("m, n, k", [(16384, 3072, 1024), (1024, 4096, 16384), (68, 1024, 1536)])
+@pytest.mark.parametrize("source", ["triton", "reference"])
+@pytest.mark.parametrize("out_dtype, with_bias", [(torch.bfloat16, False), (torch.bfloat16, True),
+                                                  (torch.float32, False)])
+def test_direct_block_gemm_equals_scaled_mm_bit_for_bit(pair, m, n, k, source, out_dtype, with_bias):
+    """The block-scaled GEMM's own cuBLASLt call (its plan kept per problem, the
+    1x128 scales as the Triton cast stores them or copied into that order from the
+    reference's) gives torch._scaled_mm's bits."""
+    from te_fuser.kernels import triton as tk
+
+    g = torch.Generator().manual_seed(m + n + k)
+    x = (0.7 * torch.randn((m, k), generator=g)).to(torch.bfloat16).cuda()
+    w = (0.05 * torch.randn((n, k), generator=g)).to(torch.bfloat16).cuda()
+    tiles = 1 if pair[1] == "block_1x128" else 128
+    cast = tk.quantize_block if source == "triton" else ref.quantize_block_reference
+    a, b = cast(x, E4M3, 1), cast(w, E4M3, tiles)
+    assert cuda.gemm_unsupported_reason(a, b) is None
+    bias = (0.1 * torch.randn(n, generator=g)).to(out_dtype).cuda() if with_bias else None
+    got = cuda.gemm(a, b, out_dtype, bias=bias)
+    scale_a, scale_b = _scaled_mm_block_scales(a, b)
+    want = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    assert_bitwise(got, want, f"{pair} {source} M={m} N={n} K={k} {out_dtype} bias={with_bias}")
+
+
+def test_block_gemm_rejects_scales_of_the_wrong_size():
+    from te_fuser.kernels.cuda._build import extension
+
+    a = realistic_operand("block_1x128", 64, 512, E4M3, seed=1)
+    b = realistic_operand("block_128x128", 256, 512, E4M3, seed=2)
+    scales_b = b.scale_inv.contiguous()
+    with pytest.raises(RuntimeError, match="the scales of a must be a contiguous, 16-byte aligned fp32 tensor of 256"):
+        extension().fp8_gemm_scaled(a.data, b.data, a.scale_inv.float().contiguous()[:32], scales_b, 1, 2, None,
+                                    torch.bfloat16, torch.cuda.current_stream().cuda_stream)
+    with pytest.raises(RuntimeError, match="scale mode of b must be 0"):
+        extension().fp8_gemm_scaled(a.data, b.data, a.scale_inv.t().contiguous(), scales_b, 1, 7, None,
+                                    torch.bfloat16, torch.cuda.current_stream().cuda_stream)
 
 
 def test_direct_cublaslt_gemm_keeps_one_plan_per_problem():

@@ -199,6 +199,25 @@ def test_block_bitwise_with_partial_tiles(fp8_dtype, tile_rows, shape):
         assert_bitwise(got.scale_inv, want.scale_inv, f"block {tile_rows} scale_inv power_2={power_2}")
 
 
+@pytest.mark.parametrize("shape", [(67, 160), (4, 512)])
+def test_block_1x128_scales_lie_in_the_block_gemms_order(shape):
+    """1x128 scales are stored K-block by K-block with the rows inner (what cuBLASLt's
+    block-scaled GEMM reads), so the GEMM takes them without a copy; their values
+    at each (row, K-block) are the reference's, and 128x128 grids stay row-major."""
+    from te_fuser.kernels.cuda.gemm import _block_scales
+
+    x = adversarial(*shape, E4M3, seed=5)
+    op = tk.quantize_block(x, E4M3, 1)
+    rows, k_blocks = op.scale_inv.shape
+    assert (rows, k_blocks) == (shape[0], -(-shape[1] // 128))
+    assert op.scale_inv.stride() == (1, rows) and op.scale_inv.t().is_contiguous()
+    assert _block_scales(op).data_ptr() == op.scale_inv.data_ptr()  # no copy on the way to the GEMM
+    assert_bitwise(_block_scales(op), ref.quantize_block_reference(x, E4M3, 1).scale_inv.t().contiguous(),
+                   "1x128 scales in the GEMM's order")
+    square = tk.quantize_block(x, E4M3, 128)
+    assert square.scale_inv.is_contiguous() and _block_scales(square).data_ptr() == square.scale_inv.data_ptr()
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("tile_rows", [1, 128])
 @pytest.mark.parametrize("shape,dtype", [((67, 160), torch.bfloat16), ((133, 300), torch.float32),

@@ -27,6 +27,10 @@ std::optional<at::Tensor> fp8_gemm_lean(const at::Tensor& a, const at::Tensor& b
                                         bool fast_accum, int64_t activation, bool bias_as_bf16,
                                         int64_t device, int64_t stream,
                                         const std::optional<std::vector<int64_t>>& a_shape);
+at::Tensor fp8_gemm_scaled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                           const at::Tensor& scale_b, int64_t a_mode, int64_t b_mode,
+                           const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, int64_t stream);
+bool fp8_gemm_block_supported();
 int64_t fp8_gemm_plans();
 int64_t fp8_gemm_set_workspace_limit(int64_t bytes);
 std::tuple<at::Tensor, int64_t> fp8_gemm_tensorwise_candidate(const at::Tensor& a, const at::Tensor& b,
@@ -1009,6 +1013,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_gemm_lean", &te_fuser::fp8_gemm_lean,
         "the ops' common FP8 GEMM with its bias, activation and residual epilogue, checked here; None for a case "
         "the Python path takes");
+  m.def("fp8_gemm_scaled", &te_fuser::fp8_gemm_scaled,
+        "FP8 GEMM of tensor- or block-scaled (1x128, 128x128) operands through cuBLASLt, its plan kept per problem");
+  m.def("fp8_gemm_block_supported", &te_fuser::fp8_gemm_block_supported,
+        "whether block-scaled FP8 GEMMs run here (cuBLASLt >= 12.9, built against and loaded)");
   m.def("fp8_gemm_plans", &te_fuser::fp8_gemm_plans, "how many GEMM problems have a kept cuBLASLt plan");
   m.def("fp8_gemm_set_workspace_limit", &te_fuser::fp8_gemm_set_workspace_limit,
         "the most workspace a GEMM planned from now on may ask for (bytes); returns the limit before");

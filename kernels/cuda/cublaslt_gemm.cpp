@@ -8,10 +8,16 @@
 //
 // torch._scaled_mm builds the matmul descriptor and the three matrix layouts and
 // asks cuBLASLt's heuristic for an algorithm on every call. Here they are built
-// once per (shape, dtypes, bias, accumulation, pointer alignments, device) and
-// kept; a call sets the scale and bias pointers on the kept descriptor, allocates
-// the output and enqueues the matmul. The algorithm is the heuristic's first
-// choice, as torch's.
+// once per (shape, dtypes, bias, accumulation, pointer alignments, scale modes,
+// device) and kept; a call sets the scale and bias pointers on the kept descriptor,
+// allocates the output and enqueues the matmul. The algorithm is the heuristic's
+// first choice, as torch's.
+//
+// Block-scaled operands (Hopper, cuBLASLt >= 12.9) take the same path with a scale
+// mode per operand: 1x128 (one fp32 scale per 128 elements of a row along K) or
+// 128x128 (one per tile). cuBLASLt reads a 1x128 operand's scales K-block by
+// K-block, the rows inner: an array (ceil(K/128), rows); a 128x128 operand's as a
+// row-major (ceil(rows/128), ceil(K/128)) grid.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <torch/extension.h>
@@ -27,6 +33,12 @@
 #include "launchers.cuh"
 
 namespace te_fuser {
+
+// Whether block-scaled GEMMs run here: cuBLASLt 12.9 or later, built against and loaded.
+bool fp8_gemm_block_supported() {
+  return CUBLAS_VERSION >= 120900 && cublasLtGetVersion() >= 120900;
+}
+
 namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
@@ -60,7 +72,10 @@ int alignment(const void* p) {
   return align;
 }
 
-using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, int, int, int, int, int, int64_t>;
+using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, int, int, int, int, int, int64_t, int, int>;
+
+// An operand's scale mode: one fp32 scale, 1x128 blocks along K, or 128x128 tiles.
+enum ScaleMode : int { kScaleTensor = 0, kScaleVec128 = 1, kScaleBlock128 = 2 };
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -103,14 +118,37 @@ Device& device_state(Cache& c, const at::Tensor& like) {
   return c.devices.emplace(index, std::move(fresh)).first->second;
 }
 
+#if CUBLAS_VERSION >= 120900
+cublasLtMatmulMatrixScale_t cublas_scale_mode(int mode) {
+  if (mode == kScaleVec128) return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  if (mode == kScaleBlock128) return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
+#endif
+
+// How many fp32 scales an operand of `rows` x `k` holds under `mode`.
+int64_t scale_count(int mode, int64_t rows, int64_t k) {
+  const int64_t k_blocks = (k + 127) / 128;
+  if (mode == kScaleVec128) return k_blocks * rows;
+  if (mode == kScaleBlock128) return k_blocks * ((rows + 127) / 128);
+  return 1;
+}
+
 Plan build_plan(cublasLtHandle_t handle, int64_t m, int64_t n, int64_t k, cudaDataType_t a_type,
                 cudaDataType_t b_type, cudaDataType_t out_type, std::optional<cudaDataType_t> bias_type,
-                bool fast_accum, int align_a, int align_b, int align_d, int candidate, int64_t workspace_limit) {
+                bool fast_accum, int align_a, int align_b, int align_d, int candidate, int64_t workspace_limit,
+                int a_mode, int b_mode) {
   Plan plan;
   check(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   set(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T, "TRANSA");
   set(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N, "TRANSB");
   set(plan.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum), "FAST_ACCUM");
+  if (a_mode != kScaleTensor || b_mode != kScaleTensor) {  // b is cuBLASLt's A, a its B
+#if CUBLAS_VERSION >= 120900
+    set(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, cublas_scale_mode(b_mode), "A_SCALE_MODE");
+    set(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, cublas_scale_mode(a_mode), "B_SCALE_MODE");
+#endif
+  }
   if (bias_type) {
     set(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS, "EPILOGUE");
     set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, *bias_type, "BIAS_DATA_TYPE");
@@ -154,7 +192,8 @@ namespace {
 // output and the algorithm's workspace bytes.
 std::tuple<at::Tensor, int64_t> run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                          const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
-                                         at::ScalarType out_dtype, bool fast_accum, int candidate, int64_t stream) {
+                                         at::ScalarType out_dtype, bool fast_accum, int candidate, int64_t stream,
+                                         int a_mode = kScaleTensor, int b_mode = kScaleTensor) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.is_contiguous() && b.is_contiguous(),
               "te_fuser cuBLASLt FP8 GEMM: a (M, K) and b (N, K) must be contiguous with one K, got ", a.sizes(),
               " and ", b.sizes());
@@ -166,22 +205,35 @@ std::tuple<at::Tensor, int64_t> run_gemm(const at::Tensor& a, const at::Tensor& 
                 "te_fuser cuBLASLt FP8 GEMM: bias must be contiguous with shape (", n, "), got ", bias->sizes());
     bias_type = hp_type(bias->scalar_type(), "bias");
   }
-  for (const at::Tensor* s : {&scale_a, &scale_b}) {
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->numel() == 1 && alignment(s->data_ptr()) >= 16,
-                "te_fuser cuBLASLt FP8 GEMM: scales must be 16-byte aligned one-element fp32 tensors");
+  TORCH_CHECK((a_mode == kScaleTensor && b_mode == kScaleTensor) || fp8_gemm_block_supported(),
+              "te_fuser cuBLASLt FP8 GEMM: block-scaled operands need cuBLASLt >= 12.9 (built against ",
+              CUBLAS_VERSION, ", running ", cublasLtGetVersion(), ")");
+  const int modes[2] = {a_mode, b_mode};
+  const int64_t rows[2] = {m, n};
+  const at::Tensor* scales[2] = {&scale_a, &scale_b};
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor& s = *scales[i];
+    TORCH_CHECK(modes[i] >= kScaleTensor && modes[i] <= kScaleBlock128, "te_fuser cuBLASLt FP8 GEMM: scale mode of ",
+                i ? "b" : "a", " must be 0 (tensor), 1 (1x128) or 2 (128x128), got ", modes[i]);
+    const int64_t count = scale_count(modes[i], rows[i], k);
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == count &&
+                    alignment(s.data_ptr()) >= 16,
+                "te_fuser cuBLASLt FP8 GEMM: the scales of ", i ? "b" : "a", " must be a contiguous, 16-byte aligned "
+                "fp32 tensor of ", count, " elements, got ", s.scalar_type(), " with ", s.numel(),
+                s.is_contiguous() ? "" : ", not contiguous");
   }
   at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   const Key key{m, n, k, a_type, b_type, out_type, bias_type ? static_cast<int>(*bias_type) : -1, fast_accum,
                 alignment(a.data_ptr()), alignment(b.data_ptr()), alignment(out.data_ptr()), a.get_device(),
-                candidate, c.workspace_limit};
+                candidate, c.workspace_limit, a_mode, b_mode};
   Device& device = device_state(c, a);
   auto found = c.plans.find(key);
   if (found == c.plans.end()) {
     found = c.plans.emplace(key, build_plan(device.handle, m, n, k, a_type, b_type, out_type, bias_type,
                                             fast_accum, std::get<8>(key), std::get<9>(key), std::get<10>(key),
-                                            candidate, c.workspace_limit))
+                                            candidate, c.workspace_limit, a_mode, b_mode))
                 .first;
   }
   const Plan& plan = found->second;
@@ -204,6 +256,17 @@ at::Tensor fp8_gemm_tensorwise(const at::Tensor& a, const at::Tensor& b, const a
                                const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                at::ScalarType out_dtype, bool fast_accum, int64_t stream) {
   return std::get<0>(run_gemm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum, 0, stream));
+}
+
+// The same GEMM with block-scaled operands: a_mode, b_mode 0 (one scale), 1 (1x128)
+// or 2 (128x128); each scale tensor contiguous in the order cuBLASLt reads (see the
+// head of this file); bias (N,) of out_dtype or none. fast_accum is ignored by
+// block-scaled GEMMs (they promote every 128-wide block), so it is not taken.
+at::Tensor fp8_gemm_scaled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                           const at::Tensor& scale_b, int64_t a_mode, int64_t b_mode,
+                           const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, int64_t stream) {
+  return std::get<0>(run_gemm(a, b, scale_a, scale_b, bias, out_dtype, false, 0, stream, static_cast<int>(a_mode),
+                              static_cast<int>(b_mode)));
 }
 
 namespace {

@@ -1,9 +1,9 @@
 """FP8 GEMMs through cuBLASLt plus one CUDA epilogue kernel.
 
-Tensor-scaled pairs go straight to cuBLASLt (``cublaslt_gemm.cpp``: the matmul
-descriptor, layouts and algorithm are built once per problem and kept, where
-``torch._scaled_mm`` builds them and asks the heuristic on every call); the other
-pairs go through ``torch._scaled_mm``.
+Tensor-scaled and block-scaled pairs go straight to cuBLASLt
+(``cublaslt_gemm.cpp``: the matmul descriptor, layouts and algorithm are built
+once per problem and kept, where ``torch._scaled_mm`` builds them and asks the
+heuristic on every call); row-scaled pairs go through ``torch._scaled_mm``.
 
 ``out = activation(a @ b.T + bias) + residual`` with ``a`` (M, K) and ``b``
 (N, K), both quantized along K (:mod:`te_fuser.kernels.operand`). cuBLASLt wants
@@ -14,12 +14,13 @@ Scaling pairs run by cuBLASLt:
 
 - ``tensor x tensor``; ``row x row`` (scale_a (M, 1), scale_b (1, N)); a tensor
   scale paired with a row one is expanded to rows;
-- ``block_1x128 x block_128x128`` and ``block_1x128 x block_1x128`` where
-  ``torch._scaled_mm`` has its block-scaled (cuBLASLt >= 12.9, sm_90) path,
-  with M % 4 == 0 (cuBLASLt refuses other M) and K % 128 == 0; for
-  ``block_128x128`` weights also K % 512 == 0: cuBLASLt reads the 128x128
-  scales with K padded to a multiple of 4 blocks, a layout ``torch._scaled_mm``
-  2.11 cannot pass, and gives wrong results for other K (measured on an H200).
+- ``block_1x128 x block_128x128`` and ``block_1x128 x block_1x128`` on a Hopper
+  GPU with cuBLASLt >= 12.9 (its block scale modes), with M % 4 == 0 (cuBLASLt
+  refuses other M) and K % 128 == 0; for ``block_128x128`` weights also
+  K % 512 == 0: cuBLASLt reads the 128x128 scales with K padded to a multiple of
+  4 blocks, and gave wrong results for other K through ``torch._scaled_mm``
+  (measured on an H200). cuBLASLt reads 1x128 scales K-block by K-block with the
+  rows inner, the order the block cast writes them in (:func:`_block_scales`).
 
 Anything else falls back, inside :func:`gemm`, to the reference GEMM (correct,
 slow): MXFP8 operands (no MXFP8 cuBLASLt path on Hopper), other pairs, two E5M2
@@ -51,7 +52,8 @@ WORKSPACE_BYTES = 32 << 20  # the workspace cublaslt_gemm.cpp hands every matmul
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TENSOR_ROW_PAIRS = {(Scaling.TENSOR, Scaling.TENSOR), (Scaling.ROW, Scaling.ROW), (Scaling.TENSOR, Scaling.ROW), (Scaling.ROW, Scaling.TENSOR)}
 _BLOCK_PAIRS = {(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128), (Scaling.BLOCK_1X128, Scaling.BLOCK_1X128)}
-_MIN_BLOCK_TORCH = (2, 10)  # first release with the fixed block-scale layout checks
+# an operand's scale mode in the extension's block-scaled GEMM (cublaslt_gemm.cpp)
+_SCALE_MODES = {Scaling.TENSOR: 0, Scaling.BLOCK_1X128: 1, Scaling.BLOCK_128X128: 2}
 
 
 def set_workspace_limit(nbytes: int) -> int:
@@ -69,18 +71,21 @@ def set_workspace_limit(nbytes: int) -> int:
     return int(extension().fp8_gemm_set_workspace_limit(nbytes))
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+_block_supported: dict[int, bool] = {}
 
 
 def block_scaled_mm_available(device: torch.device) -> bool:
-    """Whether ``torch._scaled_mm`` here runs 1x128 / 128x128 block-scaled GEMMs."""
+    """Whether 1x128 / 128x128 block-scaled GEMMs run on cuBLASLt here: a Hopper GPU
+    (sm_90) and cuBLASLt 12.9 or later, both in the extension's build and loaded."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    if _torch_version() < _MIN_BLOCK_TORCH:
-        return False
-    return torch.cuda.get_device_capability(device) == (9, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    known = _block_supported.get(index)
+    if known is None:
+        known = (torch.cuda.get_device_capability(index) == (9, 0)
+                 and bool(extension().fp8_gemm_block_supported()))
+        _block_supported[index] = known
+    return known
 
 
 def _structural_reason(a: ScaledOperand, b: ScaledOperand) -> str | None:
@@ -115,10 +120,7 @@ def gemm_unsupported_reason(
     if not a.data.is_cuda:
         return f"the operands are on {a.data.device.type}, not on a CUDA device"
     if (a.scaling, b.scaling) in _BLOCK_PAIRS and not block_scaled_mm_available(a.data.device):
-        return (
-            f"torch {torch.__version__} on this GPU has no block-scaled torch._scaled_mm "
-            f"(needs torch >= {'.'.join(map(str, _MIN_BLOCK_TORCH))}, sm_90, cuBLASLt >= 12.9)"
-        )
+        return "block-scaled cuBLASLt GEMMs need a Hopper GPU (sm_90) and cuBLASLt >= 12.9"
     return None
 
 
@@ -159,20 +161,23 @@ def _scale_16(scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_mm_scales(a: ScaledOperand, b: ScaledOperand) -> tuple[torch.Tensor, torch.Tensor]:
-    """scale_a, scale_b in the shapes and strides torch._scaled_mm reads them."""
-    m, n = a.shape[0], b.shape[0]
-    pair = (a.scaling, b.scaling)
-    if pair == (Scaling.TENSOR, Scaling.TENSOR):
+    """scale_a, scale_b of a tensor- or row-scaled pair in the shapes torch._scaled_mm reads."""
+    if (a.scaling, b.scaling) == (Scaling.TENSOR, Scaling.TENSOR):
         return _fp32(a.scale_inv), _fp32(b.scale_inv)
-    if pair in _TENSOR_ROW_PAIRS:
-        return _rows_scale(a, m), _rows_scale(b, n).reshape(1, n)  # (M, 1), (1, N)
-    # 1x128 scales of a: (M, K/128) with stride (1, M) ("outer-dim-major").
-    scale_a = a.scale_inv.float().t().contiguous().t()
-    if b.scaling == Scaling.BLOCK_128X128:
-        scale_b = b.scale_inv.float().contiguous().t()  # (K/128, N/128), transpose of a row-major grid
-    else:
-        scale_b = b.scale_inv.float().t().contiguous()  # (K/128, N), so scale_b.t() is outer-dim-major
-    return scale_a, scale_b
+    return _rows_scale(a, a.shape[0]), _rows_scale(b, b.shape[0]).reshape(1, b.shape[0])  # (M, 1), (1, N)
+
+
+def _block_scales(op: ScaledOperand) -> torch.Tensor:
+    """A block-scaled operand's scales in the order cuBLASLt reads them: 1x128 scales
+    as (ceil(K/128), rows), the rows inner; 128x128 as the row-major tile grid. The
+    block cast writes 1x128 scales in that order (its ``scale_inv`` is the
+    transposed view), so this copies only scales made elsewhere."""
+    scales = op.scale_inv.t() if op.scaling == Scaling.BLOCK_1X128 else op.scale_inv
+    if scales.dtype is not torch.float32:
+        scales = scales.float()
+    if not scales.is_contiguous() or scales.data_ptr() % ALIGNMENT:
+        scales = aligned_contiguous(scales)
+    return scales
 
 
 # The epilogue kernel's bias code for an fp32 bias it rounds to bf16 as it reads it
@@ -348,6 +353,13 @@ def _gemm_cublaslt(a, b, out_dtype, bias, activation, residual, fast_accum) -> t
             y = extension().fp8_gemm_tensorwise(
                 x_fp8, w_fp8, _scale_16(a.scale_inv), _scale_16(b.scale_inv), bias.contiguous() if bias_in_gemm else None,
                 out_dtype_gemm, fast_accum, raw_stream(x_fp8.device),
+            )  # (M, N)  # fmt: skip
+            return _epilogue(y, bias, activation, residual, out_dtype) if needs_epilogue else y
+    if (a.scaling, b.scaling) in _BLOCK_PAIRS:
+        with on_device(x_fp8.device):
+            y = extension().fp8_gemm_scaled(
+                x_fp8, w_fp8, _block_scales(a), _block_scales(b), _SCALE_MODES[a.scaling], _SCALE_MODES[b.scaling],
+                bias if bias_in_gemm else None, out_dtype_gemm, raw_stream(x_fp8.device),
             )  # (M, N)  # fmt: skip
             return _epilogue(y, bias, activation, residual, out_dtype) if needs_epilogue else y
     scale_a, scale_b = _scaled_mm_scales(a, b)

@@ -572,7 +572,7 @@ def quantize_rowwise(
 
 
 @triton.jit
-def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_xn, stride_sm,
+def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_xn, stride_sm, stride_sn,
                            TILE_ROWS: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, POWER_2: tl.constexpr,
                            EPSILON: tl.constexpr, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
                            MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr,
@@ -591,12 +591,12 @@ def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_
     row_amax = tl.max(abs_bits(x), axis=1)  # (ROWS_PER_PROGRAM,) int32 bits
     if TILE_ROWS == 1:
         scale = scale_from_amax(row_amax.to(tl.float32, bitcast=True), FMAX, POWER_2, EPSILON)
-        tl.store(scale_inv_ptr + offs_m * stride_sm + tl.program_id(1), reciprocal(scale), mask=offs_m < M)
+        tl.store(scale_inv_ptr + offs_m * stride_sm + tl.program_id(1) * stride_sn, reciprocal(scale), mask=offs_m < M)
         x_scaled = x * scale[:, None]
     else:
         tile_amax = tl.max(row_amax, axis=0).to(tl.float32, bitcast=True)
         scale = scale_from_amax(tile_amax, FMAX, POWER_2, EPSILON)
-        tl.store(scale_inv_ptr + tl.program_id(0) * stride_sm + tl.program_id(1), reciprocal(scale))
+        tl.store(scale_inv_ptr + tl.program_id(0) * stride_sm + tl.program_id(1) * stride_sn, reciprocal(scale))
         x_scaled = x * scale
     q = fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
     tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
@@ -610,7 +610,9 @@ def quantize_block(
     epsilon: float = 0.0,
 ) -> ScaledOperand:
     """Block scaling of 2-D ``x`` with 1x128 (``tile_rows=1``) or 128x128 tiles;
-    partial tiles at the edges are allowed."""
+    partial tiles at the edges are allowed. 1x128 scales are stored K-block by
+    K-block with the rows inner, the order cuBLASLt's block-scaled GEMM reads: the
+    operand's ``scale_inv`` (M, ceil(N/128)) is the transposed view of that array."""
     kernel = "quantize_block"
     check_input(x, kernel)
     if tile_rows not in (1, 128):
@@ -620,12 +622,16 @@ def quantize_block(
     M, N = x.shape
     scaling = block_scaling(tile_rows)
     q = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
-    scale_inv = torch.empty(scale_grid_shape(scaling, M, N), dtype=torch.float32, device=x.device)
+    grid_shape = scale_grid_shape(scaling, M, N)
+    if tile_rows == 1:  # (ceil(N/128), M) in memory
+        scale_inv = torch.empty(grid_shape[::-1], dtype=torch.float32, device=x.device).t()
+    else:
+        scale_inv = torch.empty(grid_shape, dtype=torch.float32, device=x.device)
     rows_per_program = 128 if tile_rows == 128 else (16 if is_interpreted(x) else 32)
     if M and N:
         grid = (cdiv(M, rows_per_program), cdiv(N, 128))
         launch(_quantize_block_kernel, grid,
-            x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), scale_inv.stride(0),
+            x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), *scale_inv.stride(),
             TILE_ROWS=tile_rows, ROWS_PER_PROGRAM=rows_per_program, POWER_2=bool(power_2), EPSILON=epsilon,
             EVEN=M % rows_per_program == 0 and N % 128 == 0,
             num_warps=8 if tile_rows == 128 else 4, **meta)
