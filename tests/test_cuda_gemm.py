@@ -221,6 +221,25 @@ def test_direct_block_gemm_equals_scaled_mm_bit_for_bit(pair, m, n, k, source, o
     assert_bitwise(got, want, f"{pair} {source} M={m} N={n} K={k} {out_dtype} bias={with_bias}")
 
 
+@pytest.mark.parametrize("pair", BLOCK_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_block_gemm_through_scaled_mm_reads_the_same_scales(monkeypatch, pair, out_dtype):
+    """torch._scaled_mm (BLOCK_GEMM_DIRECT off) takes views of the scales the direct
+    call reads, no copies, and gives the same bits."""
+    from te_fuser.kernels import triton as tk
+    from te_fuser.kernels.cuda import gemm as cuda_gemm
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn((512, 2048), generator=g).to(torch.bfloat16).cuda()
+    w = (0.1 * torch.randn((768, 2048), generator=g)).to(torch.bfloat16).cuda()
+    a, b = tk.quantize_block(x, E4M3, 1), tk.quantize_block(w, E4M3, 1 if pair[1] == "block_1x128" else 128)
+    direct = cuda.gemm(a, b, out_dtype)
+    monkeypatch.setattr(cuda_gemm, "BLOCK_GEMM_DIRECT", False)
+    scale_a, scale_b = cuda_gemm._scaled_mm_scales(a, b)
+    assert scale_a.data_ptr() == a.scale_inv.data_ptr() and scale_b.data_ptr() == b.scale_inv.data_ptr()
+    assert_bitwise(cuda.gemm(a, b, out_dtype), direct, f"{pair} {out_dtype} through torch._scaled_mm")
+
+
 def test_block_gemm_rejects_scales_of_the_wrong_size():
     from te_fuser.kernels.cuda._build import extension
 

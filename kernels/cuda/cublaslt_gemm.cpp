@@ -137,7 +137,7 @@ int64_t scale_count(int mode, int64_t rows, int64_t k) {
 Plan build_plan(cublasLtHandle_t handle, int64_t m, int64_t n, int64_t k, cudaDataType_t a_type,
                 cudaDataType_t b_type, cudaDataType_t out_type, std::optional<cudaDataType_t> bias_type,
                 bool fast_accum, int align_a, int align_b, int align_d, int candidate, int64_t workspace_limit,
-                int a_mode, int b_mode) {
+                int a_mode, int b_mode, const void* scale_a, const void* scale_b) {
   Plan plan;
   check(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   set(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T, "TRANSA");
@@ -149,6 +149,9 @@ Plan build_plan(cublasLtHandle_t handle, int64_t m, int64_t n, int64_t k, cudaDa
     set(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, cublas_scale_mode(a_mode), "B_SCALE_MODE");
 #endif
   }
+  // the scales' pointers known to the heuristic too (each call sets its own before the matmul)
+  set(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b, "A_SCALE_POINTER");
+  set(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scale_a, "B_SCALE_POINTER");
   if (bias_type) {
     set(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS, "EPILOGUE");
     set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, *bias_type, "BIAS_DATA_TYPE");
@@ -233,7 +236,8 @@ std::tuple<at::Tensor, int64_t> run_gemm(const at::Tensor& a, const at::Tensor& 
   if (found == c.plans.end()) {
     found = c.plans.emplace(key, build_plan(device.handle, m, n, k, a_type, b_type, out_type, bias_type,
                                             fast_accum, std::get<8>(key), std::get<9>(key), std::get<10>(key),
-                                            candidate, c.workspace_limit, a_mode, b_mode))
+                                            candidate, c.workspace_limit, a_mode, b_mode, scale_a.data_ptr(),
+                                            scale_b.data_ptr()))
                 .first;
   }
   const Plan& plan = found->second;

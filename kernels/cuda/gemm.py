@@ -54,6 +54,9 @@ _TENSOR_ROW_PAIRS = {(Scaling.TENSOR, Scaling.TENSOR), (Scaling.ROW, Scaling.ROW
 _BLOCK_PAIRS = {(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128), (Scaling.BLOCK_1X128, Scaling.BLOCK_1X128)}
 # an operand's scale mode in the extension's block-scaled GEMM (cublaslt_gemm.cpp)
 _SCALE_MODES = {Scaling.TENSOR: 0, Scaling.BLOCK_1X128: 1, Scaling.BLOCK_128X128: 2}
+# Block-scaled pairs through the extension's own cuBLASLt call (True) or through
+# torch._scaled_mm (False; the same scales, no copies either way)
+BLOCK_GEMM_DIRECT = True
 
 
 def set_workspace_limit(nbytes: int) -> int:
@@ -161,7 +164,10 @@ def _scale_16(scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_mm_scales(a: ScaledOperand, b: ScaledOperand) -> tuple[torch.Tensor, torch.Tensor]:
-    """scale_a, scale_b of a tensor- or row-scaled pair in the shapes torch._scaled_mm reads."""
+    """scale_a, scale_b in the shapes and strides torch._scaled_mm reads them."""
+    if (a.scaling, b.scaling) in _BLOCK_PAIRS:  # views of what cuBLASLt reads: (M, K/128) with stride (1, M), ...
+        scale_b = _block_scales(b)  # ... (K/128, N) for 1x128, (K/128, N/128) transposed from the row-major grid
+        return _block_scales(a).t(), (scale_b.t() if b.scaling == Scaling.BLOCK_128X128 else scale_b)
     if (a.scaling, b.scaling) == (Scaling.TENSOR, Scaling.TENSOR):
         return _fp32(a.scale_inv), _fp32(b.scale_inv)
     return _rows_scale(a, a.shape[0]), _rows_scale(b, b.shape[0]).reshape(1, b.shape[0])  # (M, 1), (1, N)
@@ -355,7 +361,7 @@ def _gemm_cublaslt(a, b, out_dtype, bias, activation, residual, fast_accum) -> t
                 out_dtype_gemm, fast_accum, raw_stream(x_fp8.device),
             )  # (M, N)  # fmt: skip
             return _epilogue(y, bias, activation, residual, out_dtype) if needs_epilogue else y
-    if (a.scaling, b.scaling) in _BLOCK_PAIRS:
+    if (a.scaling, b.scaling) in _BLOCK_PAIRS and BLOCK_GEMM_DIRECT:
         with on_device(x_fp8.device):
             y = extension().fp8_gemm_scaled(
                 x_fp8, w_fp8, _block_scales(a), _block_scales(b), _SCALE_MODES[a.scaling], _SCALE_MODES[b.scaling],
