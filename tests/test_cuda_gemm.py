@@ -9,6 +9,11 @@ operands come from the reference casts of off-centre random data.
 
 from __future__ import annotations
 
+import importlib
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from tolerances import assert_bitwise, assert_close
@@ -227,8 +232,8 @@ def test_block_gemm_through_scaled_mm_reads_the_same_scales(monkeypatch, pair, o
     """torch._scaled_mm (BLOCK_GEMM_DIRECT off) takes views of the scales the direct
     call reads, no copies, and gives the same bits."""
     from te_fuser.kernels import triton as tk
-    from te_fuser.kernels.cuda import gemm as cuda_gemm
 
+    cuda_gemm = importlib.import_module("te_fuser.kernels.cuda.gemm")  # the package's `gemm` is the function
     g = torch.Generator().manual_seed(7)
     x = torch.randn((512, 2048), generator=g).to(torch.bfloat16).cuda()
     w = (0.1 * torch.randn((768, 2048), generator=g)).to(torch.bfloat16).cuda()
@@ -240,18 +245,34 @@ def test_block_gemm_through_scaled_mm_reads_the_same_scales(monkeypatch, pair, o
     assert_bitwise(cuda.gemm(a, b, out_dtype), direct, f"{pair} {out_dtype} through torch._scaled_mm")
 
 
-def test_block_gemm_rejects_scales_of_the_wrong_size():
-    from te_fuser.kernels.cuda._build import extension
+_REJECTIONS = """
+import torch
+from te_fuser.kernels.cuda._build import extension
+from test_cuda_gemm import E4M3, realistic_operand
 
-    a = realistic_operand("block_1x128", 64, 512, E4M3, seed=1)
-    b = realistic_operand("block_128x128", 256, 512, E4M3, seed=2)
-    scales_b = b.scale_inv.contiguous()
-    with pytest.raises(RuntimeError, match="the scales of a must be a contiguous, 16-byte aligned fp32 tensor of 256"):
-        extension().fp8_gemm_scaled(a.data, b.data, a.scale_inv.float().contiguous()[:32], scales_b, 1, 2, None,
-                                    torch.bfloat16, torch.cuda.current_stream().cuda_stream)
-    with pytest.raises(RuntimeError, match="scale mode of b must be 0"):
-        extension().fp8_gemm_scaled(a.data, b.data, a.scale_inv.t().contiguous(), scales_b, 1, 7, None,
-                                    torch.bfloat16, torch.cuda.current_stream().cuda_stream)
+a = realistic_operand("block_1x128", 64, 512, E4M3, seed=1)
+b = realistic_operand("block_128x128", 256, 512, E4M3, seed=2)
+stream = torch.cuda.current_stream().cuda_stream
+for scale_a, b_mode in ((a.scale_inv.float().contiguous()[:32], 2), (a.scale_inv.t().contiguous(), 7)):
+    try:
+        extension().fp8_gemm_scaled(a.data, b.data, scale_a, b.scale_inv.contiguous(), 1, b_mode, None,
+                                    torch.bfloat16, stream)
+    except RuntimeError as error:
+        print(str(error).splitlines()[0])
+"""
+
+
+def test_block_gemm_rejects_scales_of_the_wrong_size_or_mode():
+    """The extension's checks name the operand and what its scales must be (run in a
+    process of its own: an error must come back as an exception, not end the process)."""
+    done = subprocess.run([sys.executable, "-c", _REJECTIONS], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout
+    assert "the scales of a must be a contiguous, 16-byte aligned fp32 tensor of 256 elements, got Float with 128" \
+        in lines[0]
+    assert "scale mode of b must be 0 (tensor), 1 (1x128) or 2 (128x128), got 7" in lines[1]
 
 
 def test_direct_cublaslt_gemm_keeps_one_plan_per_problem():

@@ -361,3 +361,31 @@ def test_empty_inputs():
     assert got[0].shape == (0, 64) and got[1].shape == (64, 0)
     assert [t.item() for t in got[2:]] == [t.item() for t in want[2:]]
     assert tk.quantize_tensorwise(x, torch.tensor(1.0, device=DEVICE), E4M3)[2].item() == 0.0
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("tile_rows", [1, 128])
+@pytest.mark.parametrize("shape", [(67, 160), (256, 128), (130, 300)])
+def test_block_both_copies_from_one_read(fp8_dtype, tile_rows, shape):
+    """``columnwise``: x.T's copy from the same read is the cast of x.T, bit for bit
+    (1x128: its own scales per 128 rows of x; 128x128: the tiles transposed), beside
+    the row-wise copy; without ``rowwise`` only the column-wise copy."""
+    x = adversarial(*shape, fp8_dtype, seed=29)
+    x[:3, :] = 0.0  # all-zero columns of x.T's first tiles
+    for power_2 in (True, False):
+        op, op_t = tk.quantize_block(x, fp8_dtype, tile_rows, power_2, 0.0, True, True)
+        want = ref.quantize_block_reference(x, fp8_dtype, tile_rows, power_2)
+        want_t = (ref.quantize_block_reference(x.t().contiguous(), fp8_dtype, 1, power_2) if tile_rows == 1 else
+                  ScaledOperand(want.data.t().contiguous(), want.scale_inv.t().contiguous(), want.scaling))
+        context = f"block {tile_rows} {shape} power_2={power_2}"
+        assert_bitwise(op.data, want.data, context + " rowwise data")
+        assert_bitwise(op.scale_inv, want.scale_inv, context + " rowwise scales")
+        assert op_t.scaling == want_t.scaling and op_t.data.shape == (shape[1], shape[0])
+        assert_bitwise(op_t.data, want_t.data, context + " columnwise data")
+        assert_bitwise(op_t.scale_inv, want_t.scale_inv, context + " columnwise scales")
+        ref_pair = ref.quantize_block_reference(x, fp8_dtype, tile_rows, power_2, 0.0, True, True)
+        assert_bitwise(ref_pair[1].data, want_t.data, context + " the reference's pair")
+    none, only_t = tk.quantize_block(x, fp8_dtype, tile_rows, False, 0.0, False, True)  # power_2 as the last op_t
+    assert none is None and torch.equal(only_t.data.view(torch.uint8), op_t.data.view(torch.uint8))
+    with pytest.raises(ValueError, match="quantize_block: rowwise and columnwise are both False"):
+        tk.quantize_block(x, fp8_dtype, tile_rows, True, 0.0, False, False)

@@ -265,19 +265,41 @@ def _untile(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return t.reshape(g0 * tr, g1 * tc)[:rows, :cols]
 
 
+def check_block_copies(rowwise: bool, columnwise: bool, kernel: str) -> None:
+    """A block cast makes the row-wise copy, the column-wise one, or both."""
+    for name, value in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{kernel}: {name} must be a bool, got {type(value).__name__}")
+    if not (rowwise or columnwise):
+        raise ValueError(f"{kernel}: rowwise and columnwise are both False: no copy to make")
+
+
 def quantize_block_reference(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
     tile_rows: int,
     power_2: bool = True,
     epsilon: float = 0.0,
-) -> ScaledOperand:
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> ScaledOperand | tuple[ScaledOperand | None, ScaledOperand]:
     """Block scaling of 2-D ``x`` with 1x128 (``tile_rows=1``) or 128x128 tiles.
 
     Partial tiles at the edges are allowed; the padding does not count in amax.
+    ``columnwise``: also ``x.T`` (N, M) quantized along M (1x128: its own scales;
+    128x128: the same tiles transposed), and the result is the pair (the row-wise
+    operand, or None without ``rowwise``, and the column-wise one).
     """
     if tile_rows not in (1, 128):
         raise ValueError(f"tile_rows: must be 1 (1x128) or 128 (128x128), got {tile_rows}")
+    check_block_copies(rowwise, columnwise, "quantize_block")
+    if columnwise:
+        op = quantize_block_reference(x, fp8_dtype, tile_rows, power_2, epsilon)
+        if tile_rows == 1:
+            op_t = quantize_block_reference(x.t(), fp8_dtype, tile_rows, power_2, epsilon)
+        else:
+            op_t = ScaledOperand(op.data.t().contiguous(), op.scale_inv.t().contiguous(), op.scaling)
+        return (op if rowwise else None), op_t
     rows, cols = x.shape
     t, _ = _tiles(x.float(), tile_rows, 128)
     amax = t.abs().amax(dim=(1, 3))  # (R, C)

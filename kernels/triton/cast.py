@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..formats import Scaling, block_scaling, scaling_tile
 from ..operand import ScaledOperand, scale_grid_shape
-from ..reference.cast import check_given_amax, check_matrix, check_sums_dtype, column_sums_as
+from ..reference.cast import check_block_copies, check_given_amax, check_matrix, check_sums_dtype, column_sums_as
 from ._launch import launch
 from ._common import (
     TL_FLOAT,
@@ -573,12 +573,18 @@ def quantize_rowwise(
 
 @triton.jit
 def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_xn, stride_sm, stride_sn,
+                           qt_ptr, scale_t_ptr, stride_tm, stride_tn,
                            TILE_ROWS: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, POWER_2: tl.constexpr,
-                           EPSILON: tl.constexpr, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
+                           EPSILON: tl.constexpr, EVEN: tl.constexpr, ROWWISE: tl.constexpr,
+                           COLUMNWISE: tl.constexpr, OUT_DTYPE: tl.constexpr, FMAX: tl.constexpr,
                            MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr, HW_FP8: tl.constexpr,
                            ROW_MAJOR: tl.constexpr):
     """ROWS_PER_PROGRAM x 128 elements per program: 1x128 tiles (one scale per row)
-    or one 128x128 tile (one scale). Padding outside x does not count in amax."""
+    or one 128x128 tile (one scale). Padding outside x does not count in amax.
+    COLUMNWISE (ROWS_PER_PROGRAM 128): also the transposed copy (N, M) from the same
+    read, quantized along M: under 1x128 one scale per column of the 128-row band
+    (x.T's own 1x128 tiles), under 128x128 the tile's scale; its scales stored at
+    (column, band) through (stride_tm, stride_tn)."""
     offs_m = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     offs_n = tl.program_id(1) * 128 + tl.arange(0, 128)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
@@ -588,18 +594,50 @@ def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_
     else:
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    row_amax = tl.max(abs_bits(x), axis=1)  # (ROWS_PER_PROGRAM,) int32 bits
+    magnitude = abs_bits(x)  # int32 bits
+    row_amax = tl.max(magnitude, axis=1)  # (ROWS_PER_PROGRAM,)
     if TILE_ROWS == 1:
-        scale = scale_from_amax(row_amax.to(tl.float32, bitcast=True), FMAX, POWER_2, EPSILON)
-        tl.store(scale_inv_ptr + offs_m * stride_sm + tl.program_id(1) * stride_sn, reciprocal(scale), mask=offs_m < M)
-        x_scaled = x * scale[:, None]
+        if ROWWISE:
+            scale = scale_from_amax(row_amax.to(tl.float32, bitcast=True), FMAX, POWER_2, EPSILON)
+            tl.store(scale_inv_ptr + offs_m * stride_sm + tl.program_id(1) * stride_sn, reciprocal(scale),
+                     mask=offs_m < M)
+            q = fp8_bytes(x * scale[:, None], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
+            tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+        if COLUMNWISE:
+            col_scale = scale_from_amax(tl.max(magnitude, axis=0).to(tl.float32, bitcast=True), FMAX, POWER_2,
+                                        EPSILON)  # (128,): one per column of the band
+            tl.store(scale_t_ptr + offs_n * stride_tm + tl.program_id(0) * stride_tn, reciprocal(col_scale),
+                     mask=offs_n < N)
+            qt = tl.trans(fp8_bytes(x * col_scale[None, :], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8,
+                                    MOVED=True))
+            if EVEN:
+                tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt)
+            else:
+                tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt, mask=tl.trans(mask))
     else:
         tile_amax = tl.max(row_amax, axis=0).to(tl.float32, bitcast=True)
         scale = scale_from_amax(tile_amax, FMAX, POWER_2, EPSILON)
-        tl.store(scale_inv_ptr + tl.program_id(0) * stride_sm + tl.program_id(1) * stride_sn, reciprocal(scale))
-        x_scaled = x * scale
-    q = fp8_bytes(x_scaled, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
-    tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+        if ROWWISE:
+            tl.store(scale_inv_ptr + tl.program_id(0) * stride_sm + tl.program_id(1) * stride_sn, reciprocal(scale))
+            q = fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
+            tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
+        if COLUMNWISE:
+            tl.store(scale_t_ptr + tl.program_id(1) * stride_tm + tl.program_id(0) * stride_tn, reciprocal(scale))
+            qt = tl.trans(fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=True))
+            if EVEN:
+                tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt)
+            else:
+                tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt, mask=tl.trans(mask))
+
+
+def _block_scales_like(tile_rows: int, rows: int, cols: int, device) -> torch.Tensor:
+    """The scale_inv of a (rows, cols) block-scaled operand: 1x128 scales stored
+    K-block by K-block with the rows inner (the order cuBLASLt's block-scaled GEMM
+    reads; the tensor is the transposed view), 128x128 as the row-major tile grid."""
+    grid_shape = scale_grid_shape(block_scaling(tile_rows), rows, cols)
+    if tile_rows == 1:
+        return torch.empty(grid_shape[::-1], dtype=torch.float32, device=device).t()
+    return torch.empty(grid_shape, dtype=torch.float32, device=device)
 
 
 def quantize_block(
@@ -608,34 +646,50 @@ def quantize_block(
     tile_rows: int,
     power_2: bool = True,
     epsilon: float = 0.0,
-) -> ScaledOperand:
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> ScaledOperand | tuple[ScaledOperand | None, ScaledOperand]:
     """Block scaling of 2-D ``x`` with 1x128 (``tile_rows=1``) or 128x128 tiles;
     partial tiles at the edges are allowed. 1x128 scales are stored K-block by
     K-block with the rows inner, the order cuBLASLt's block-scaled GEMM reads: the
-    operand's ``scale_inv`` (M, ceil(N/128)) is the transposed view of that array."""
+    operand's ``scale_inv`` (M, ceil(N/128)) is the transposed view of that array.
+
+    ``columnwise``: also ``x.T`` (N, M) quantized along M from the same read, as
+    :func:`quantize_block` of ``x.T`` would (1x128: its own scales; 128x128: the same
+    tiles transposed); the result is then the pair (the row-wise operand, or None
+    without ``rowwise``, and the column-wise one)."""
     kernel = "quantize_block"
     check_input(x, kernel)
     if tile_rows not in (1, 128):
         raise ValueError(f"tile_rows: must be 1 (1x128) or 128 (128x128), got {tile_rows}")
+    check_block_copies(rowwise, columnwise, kernel)
     epsilon = check_epsilon(epsilon, kernel)
     meta = _fp8_meta(fp8_dtype, x)
     M, N = x.shape
     scaling = block_scaling(tile_rows)
-    q = torch.empty((M, N), dtype=fp8_dtype, device=x.device)
-    grid_shape = scale_grid_shape(scaling, M, N)
-    if tile_rows == 1:  # (ceil(N/128), M) in memory
-        scale_inv = torch.empty(grid_shape[::-1], dtype=torch.float32, device=x.device).t()
+    q = torch.empty((M, N) if rowwise else (0,), dtype=fp8_dtype, device=x.device)
+    scale_inv = _block_scales_like(tile_rows, M, N, x.device) if rowwise else q
+    qt, scale_t = q, scale_inv
+    if columnwise:
+        qt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
+        scale_t = _block_scales_like(tile_rows, N, M, x.device)
+    if tile_rows == 128 or columnwise:
+        rows_per_program = 128
     else:
-        scale_inv = torch.empty(grid_shape, dtype=torch.float32, device=x.device)
-    rows_per_program = 128 if tile_rows == 128 else (16 if is_interpreted(x) else 32)
+        rows_per_program = 16 if is_interpreted(x) else 32
     if M and N:
         grid = (cdiv(M, rows_per_program), cdiv(N, 128))
+        strides = scale_inv.stride() if rowwise else (0, 0)
         launch(_quantize_block_kernel, grid,
-            x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), *scale_inv.stride(),
+            x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), *strides,
+            qt.view(torch.uint8), scale_t, *(scale_t.stride() if columnwise else (0, 0)),
             TILE_ROWS=tile_rows, ROWS_PER_PROGRAM=rows_per_program, POWER_2=bool(power_2), EPSILON=epsilon,
-            EVEN=M % rows_per_program == 0 and N % 128 == 0,
-            num_warps=8 if tile_rows == 128 else 4, **meta)
-    return ScaledOperand(q, scale_inv, scaling)
+            EVEN=M % rows_per_program == 0 and N % 128 == 0, ROWWISE=rowwise, COLUMNWISE=columnwise,
+            num_warps=8 if rows_per_program == 128 else 4, **meta)
+    op = ScaledOperand(q, scale_inv, scaling) if rowwise else None
+    if not columnwise:
+        return op
+    return op, ScaledOperand(qt, scale_t, scaling)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ import torch
 
 from .. import backend
 from ..fp8 import short_name
-from ..kernels.formats import Scaling, block_scaling
+from ..kernels.formats import block_scaling
 from ..kernels.operand import ScaledOperand
 from ..recipe import BLOCK_SCALING_TILE
 from .base import Quantizer
@@ -23,6 +23,8 @@ class Float8BlockQuantizer(Quantizer):
       per 128 elements along M.
     - 128x128: the column-wise copy is the transposed row-wise data with the
       transposed scale grid: exactly the same tiles.
+
+    Both copies come from one cast (one read of ``x``) when both are asked for.
 
     Any shape is accepted; partial tiles at the edges take their amax from the
     elements they hold. Scales are powers of two when ``power_2_scales``.
@@ -72,19 +74,10 @@ class Float8BlockQuantizer(Quantizer):
     ) -> tuple[ScaledOperand | None, ScaledOperand | None]:
         cast = backend.resolve("quantize_block", x_hp.device).fn
         options = (self.fp8_dtype, self.tile_rows, self.power_2_scales, self.amax_epsilon)
-        if self.block_dim == 1:
-            rowwise_op = cast(x_hp, *options) if rowwise else None  # (M, K)
-            columnwise_op = cast(x_hp.t(), *options) if columnwise else None  # (K, M)
-            return rowwise_op, columnwise_op
-        square = cast(x_hp, *options)  # (M, K), scales (ceil(M/128), ceil(K/128))
-        columnwise_op = None
-        if columnwise:
-            columnwise_op = ScaledOperand(
-                square.data.t().contiguous(),  # (K, M)
-                square.scale_inv.t().contiguous(),  # (ceil(K/128), ceil(M/128))
-                Scaling.BLOCK_128X128,
-            )
-        return (square if rowwise else None), columnwise_op
+        if not columnwise:
+            return (cast(x_hp, *options) if rowwise else None), None
+        # both copies from one read: 1x128 with x.T's own scales, 128x128 the tiles transposed
+        return cast(x_hp, *options, rowwise, True)
 
     def describe(self) -> str:
         tiles = "1x128" if self.block_dim == 1 else "128x128"
