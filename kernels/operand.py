@@ -83,3 +83,14 @@ def tensor_scaled(data: torch.Tensor, scale_inv: torch.Tensor) -> ScaledOperand:
     _set(op, "scale_inv", scale_inv)
     _set(op, "scaling", Scaling.TENSOR)
     return op
+
+
+def scaled_unchecked(data: torch.Tensor, scale_inv: torch.Tensor, scaling: str) -> ScaledOperand:
+    """``ScaledOperand(data, scale_inv, scaling)`` without the checks, for what a cast
+    kernel has just returned in the shapes its scaling gives (the block casts' hot
+    path builds two per call)."""
+    op = _new(ScaledOperand)
+    _set(op, "data", data)
+    _set(op, "scale_inv", scale_inv)
+    _set(op, "scaling", scaling)
+    return op

@@ -476,3 +476,20 @@ def test_ncu_attention_places_the_warps_stalls_by_instruction(capsys, tmp_path):
     assert "fp8fwd-source attention_fp8_forward_kernel" in out and "by opcode: BRA 60.0%, MUFU 25.0%" in out
     cmd = ncu_attention.ncu_command("ncu", "fp8fwd", "main", tmp_path / "x", source=True)
     assert "SourceCounters" in cmd and "--metrics" not in cmd and "SpeedOfLight" not in cmd
+
+
+def test_block_cast_host_times_each_case_and_puts_the_launch_back():
+    """block_cast_host.py: a positive time for each case, the launch stubbed only
+    while it measures (the cast launches again after it)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        block_cast_host = importlib.import_module("block_cast_host")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from te_fuser.kernels.triton import cast
+
+    launch = cast.launch
+    times = block_cast_host.measure(calls=20)
+    assert set(times) == {"1x128 row-wise", "1x128 both copies", "128x128 both copies"}
+    assert all(us > 0 for us in times.values()), times
+    assert cast.launch is launch

@@ -389,3 +389,31 @@ def test_block_both_copies_from_one_read(fp8_dtype, tile_rows, shape):
     assert none is None and torch.equal(only_t.data.view(torch.uint8), op_t.data.view(torch.uint8))
     with pytest.raises(ValueError, match="quantize_block: rowwise and columnwise are both False"):
         tk.quantize_block(x, fp8_dtype, tile_rows, True, 0.0, False, False)
+
+
+def test_block_cast_checks_each_new_configuration_and_keeps_its_launch():
+    """A configuration's arguments are checked the first time it is seen, an error
+    naming the argument, and nothing is kept for it; a checked one keeps its launch
+    constants, and a later call with another x of the same kind takes them (the same
+    bytes as a first call)."""
+    from te_fuser.kernels.triton import cast
+
+    x = adversarial(64, 256, E4M3, seed=31)
+    with pytest.raises(ValueError, match="tile_rows: must be 1 \\(1x128\\) or 128 \\(128x128\\), got 64"):
+        tk.quantize_block(x, E4M3, 64)
+    with pytest.raises(ValueError, match="quantize_block: epsilon must be >= 0, got -1.0"):
+        tk.quantize_block(x, E4M3, 1, True, -1.0)
+    with pytest.raises(TypeError, match="quantize_block: columnwise must be a bool, got int"):
+        tk.quantize_block(x, E4M3, 1, True, 0.0, True, 1)
+    with pytest.raises(TypeError, match="quantize_block: x must be one of .*got torch.int32"):
+        tk.quantize_block(x.to(torch.int32), E4M3, 1)
+    with pytest.raises(ValueError, match="quantize_block: x must be 2-D, got shape \\(2, 32, 256\\)"):
+        tk.quantize_block(x.reshape(2, 32, 256), E4M3, 1)
+    assert not [key for key in cast._BLOCK_LAUNCHES if key[4] == 64 or key[6] == -1.0 or key[1] == torch.int32]
+    first = tk.quantize_block(x, E4M3, 1)
+    kept = len(cast._BLOCK_LAUNCHES)
+    y = adversarial(96, 384, E4M3, seed=37)
+    again = tk.quantize_block(y, E4M3, 1)
+    assert len(cast._BLOCK_LAUNCHES) == kept
+    assert_bitwise(again.data, ref.quantize_block_reference(y, E4M3, 1).data, "a kept configuration")
+    assert_bitwise(first.scale_inv, ref.quantize_block_reference(x, E4M3, 1).scale_inv, "its first call")

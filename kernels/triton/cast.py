@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..formats import Scaling, block_scaling, scaling_tile
-from ..operand import ScaledOperand, scale_grid_shape
+from ..operand import ScaledOperand, scaled_unchecked
 from ..reference.cast import check_block_copies, check_given_amax, check_matrix, check_sums_dtype, column_sums_as
 from ._launch import launch
 from ._common import (
@@ -633,11 +633,42 @@ def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_
 def _block_scales_like(tile_rows: int, rows: int, cols: int, device) -> torch.Tensor:
     """The scale_inv of a (rows, cols) block-scaled operand: 1x128 scales stored
     K-block by K-block with the rows inner (the order cuBLASLt's block-scaled GEMM
-    reads; the tensor is the transposed view), 128x128 as the row-major tile grid."""
-    grid_shape = scale_grid_shape(block_scaling(tile_rows), rows, cols)
+    reads; the tensor (rows, ceil(cols/128)) has strides (1, rows)), 128x128 as the
+    row-major tile grid."""
+    k_blocks = -(-cols // 128)
     if tile_rows == 1:
-        return torch.empty(grid_shape[::-1], dtype=torch.float32, device=device).t()
-    return torch.empty(grid_shape, dtype=torch.float32, device=device)
+        return torch.empty_strided((rows, k_blocks), (1, rows), dtype=torch.float32, device=device)
+    return torch.empty((-(-rows // 128), k_blocks), dtype=torch.float32, device=device)
+
+
+@dataclass(frozen=True)
+class _BlockLaunch:
+    """What a block cast of one configuration launches with: its rows per program
+    and its constexprs and options (with EVEN False and True)."""
+    rows_per_program: int
+    meta: tuple[dict, dict]
+
+
+# (device, x's dtype, whether x's rows are contiguous, fp8_dtype, tile_rows, power_2,
+# epsilon, rowwise, columnwise) -> _BlockLaunch, made once its arguments are checked
+_BLOCK_LAUNCHES: dict[tuple, _BlockLaunch] = {}
+
+
+def _block_launch(x: torch.Tensor, fp8_dtype, tile_rows, power_2, epsilon, rowwise, columnwise) -> _BlockLaunch:
+    kernel = "quantize_block"
+    check_input(x, kernel)
+    if tile_rows not in (1, 128) or isinstance(tile_rows, bool):
+        raise ValueError(f"tile_rows: must be 1 (1x128) or 128 (128x128), got {tile_rows}")
+    check_block_copies(rowwise, columnwise, kernel)
+    epsilon = check_epsilon(epsilon, kernel)
+    if tile_rows == 128 or columnwise:
+        rows_per_program = 128
+    else:
+        rows_per_program = 16 if is_interpreted(x) else 32
+    meta = dict(TILE_ROWS=tile_rows, ROWS_PER_PROGRAM=rows_per_program, POWER_2=bool(power_2), EPSILON=epsilon,
+                ROWWISE=rowwise, COLUMNWISE=columnwise, num_warps=8 if rows_per_program == 128 else 4,
+                **_fp8_meta(fp8_dtype, x))
+    return _BlockLaunch(rows_per_program, (dict(meta, EVEN=False), dict(meta, EVEN=True)))
 
 
 def quantize_block(
@@ -657,39 +688,46 @@ def quantize_block(
     ``columnwise``: also ``x.T`` (N, M) quantized along M from the same read, as
     :func:`quantize_block` of ``x.T`` would (1x128: its own scales; 128x128: the same
     tiles transposed); the result is then the pair (the row-wise operand, or None
-    without ``rowwise``, and the column-wise one)."""
-    kernel = "quantize_block"
-    check_input(x, kernel)
-    if tile_rows not in (1, 128):
-        raise ValueError(f"tile_rows: must be 1 (1x128) or 128 (128x128), got {tile_rows}")
-    check_block_copies(rowwise, columnwise, kernel)
-    epsilon = check_epsilon(epsilon, kernel)
-    meta = _fp8_meta(fp8_dtype, x)
+    without ``rowwise``, and the column-wise one).
+
+    The arguments are checked the first time a configuration is seen; its launch
+    constants are kept (:data:`_BLOCK_LAUNCHES`), so a call after that checks x's
+    kind and shape only."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        check_input(x, "quantize_block")  # raises
+    key = (x.device, x.dtype, x.stride(1) == 1, fp8_dtype, tile_rows, power_2, epsilon, rowwise, columnwise)
+    try:
+        plan = _BLOCK_LAUNCHES.get(key)
+    except TypeError:  # an argument that cannot be hashed: checked (and refused) below
+        plan = None
+    if plan is None:
+        plan = _block_launch(x, fp8_dtype, tile_rows, power_2, epsilon, rowwise, columnwise)
+        if len(_BLOCK_LAUNCHES) < 1024:
+            _BLOCK_LAUNCHES[key] = plan
     M, N = x.shape
     scaling = block_scaling(tile_rows)
-    q = torch.empty((M, N) if rowwise else (0,), dtype=fp8_dtype, device=x.device)
-    scale_inv = _block_scales_like(tile_rows, M, N, x.device) if rowwise else q
-    qt, scale_t = q, scale_inv
+    device = x.device
+    q = scale_inv = qt = scale_t = x  # an operand not made: a pointer the kernel never reads
+    if rowwise:
+        q = torch.empty((M, N), dtype=fp8_dtype, device=device)
+        scale_inv = _block_scales_like(tile_rows, M, N, device)
     if columnwise:
-        qt = torch.empty((N, M), dtype=fp8_dtype, device=x.device)
-        scale_t = _block_scales_like(tile_rows, N, M, x.device)
-    if tile_rows == 128 or columnwise:
-        rows_per_program = 128
-    else:
-        rows_per_program = 16 if is_interpreted(x) else 32
+        qt = torch.empty((N, M), dtype=fp8_dtype, device=device)
+        scale_t = _block_scales_like(tile_rows, N, M, device)
     if M and N:
-        grid = (cdiv(M, rows_per_program), cdiv(N, 128))
-        strides = scale_inv.stride() if rowwise else (0, 0)
-        launch(_quantize_block_kernel, grid,
-            x, q.view(torch.uint8), scale_inv, M, N, x.stride(0), x.stride(1), *strides,
-            qt.view(torch.uint8), scale_t, *(scale_t.stride() if columnwise else (0, 0)),
-            TILE_ROWS=tile_rows, ROWS_PER_PROGRAM=rows_per_program, POWER_2=bool(power_2), EPSILON=epsilon,
-            EVEN=M % rows_per_program == 0 and N % 128 == 0, ROWWISE=rowwise, COLUMNWISE=columnwise,
-            num_warps=8 if rows_per_program == 128 else 4, **meta)
-    op = ScaledOperand(q, scale_inv, scaling) if rowwise else None
+        rows = plan.rows_per_program
+        if tile_rows == 1:  # the scale arrays' strides, as _block_scales_like makes them
+            s_rows, s_cols, t_rows, t_cols = 1, M, 1, N
+        else:
+            s_rows, s_cols, t_rows, t_cols = -(-N // 128), 1, -(-M // 128), 1
+        launch(_quantize_block_kernel, (-(-M // rows), -(-N // 128)),
+            x, q.view(torch.uint8) if rowwise else x, scale_inv, M, N, x.stride(0), x.stride(1), s_rows, s_cols,
+            qt.view(torch.uint8) if columnwise else x, scale_t, t_rows, t_cols,
+            **plan.meta[M % rows == 0 and N % 128 == 0])
+    op = scaled_unchecked(q, scale_inv, scaling) if rowwise else None
     if not columnwise:
         return op
-    return op, ScaledOperand(qt, scale_t, scaling)
+    return op, scaled_unchecked(qt, scale_t, scaling)
 
 
 @triton.jit
