@@ -417,3 +417,19 @@ def test_block_cast_checks_each_new_configuration_and_keeps_its_launch():
     assert len(cast._BLOCK_LAUNCHES) == kept
     assert_bitwise(again.data, ref.quantize_block_reference(y, E4M3, 1).data, "a kept configuration")
     assert_bitwise(first.scale_inv, ref.quantize_block_reference(x, E4M3, 1).scale_inv, "its first call")
+
+
+def test_block_cast_follows_the_encoding_switched_at_run_time(monkeypatch):
+    """The kept launch constants follow EXACT_FP8 as it stands at each call (the
+    benchmarks and the defect check switch it between calls)."""
+    from te_fuser.kernels.triton import _common, cast
+
+    x = adversarial(32, 128, E4M3, seed=41)
+    seen = []
+    monkeypatch.setattr(cast, "launch", lambda kernel, grid, *args, **meta: seen.append(meta["HW_FP8"]))
+    for exact in (False, True, False):
+        monkeypatch.setattr(_common, "EXACT_FP8", exact)
+        tk.quantize_block(x, E4M3, 1)
+    key_exact = [key[-1] for key in cast._BLOCK_LAUNCHES if key[0] == x.device and key[1] == x.dtype]
+    assert True in key_exact and False in key_exact
+    assert seen[1] is False  # exact: never the hardware encoding

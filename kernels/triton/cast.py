@@ -41,6 +41,7 @@ import triton.language as tl
 from ..formats import Scaling, block_scaling, scaling_tile
 from ..operand import ScaledOperand, scaled_unchecked
 from ..reference.cast import check_block_copies, check_given_amax, check_matrix, check_sums_dtype, column_sums_as
+from . import _common
 from ._launch import launch
 from ._common import (
     TL_FLOAT,
@@ -650,7 +651,7 @@ class _BlockLaunch:
 
 
 # (device, x's dtype, whether x's rows are contiguous, fp8_dtype, tile_rows, power_2,
-# epsilon, rowwise, columnwise) -> _BlockLaunch, made once its arguments are checked
+# epsilon, rowwise, columnwise, EXACT_FP8) -> _BlockLaunch, made once its arguments are checked
 _BLOCK_LAUNCHES: dict[tuple, _BlockLaunch] = {}
 
 
@@ -695,11 +696,15 @@ def quantize_block(
     kind and shape only."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         check_input(x, "quantize_block")  # raises
-    key = (x.device, x.dtype, x.stride(1) == 1, fp8_dtype, tile_rows, power_2, epsilon, rowwise, columnwise)
-    try:
-        plan = _BLOCK_LAUNCHES.get(key)
-    except TypeError:  # an argument that cannot be hashed: checked (and refused) below
-        plan = None
+    key = (x.device, x.dtype, x.stride(1) == 1, fp8_dtype, tile_rows, power_2, epsilon, rowwise, columnwise,
+           _common.EXACT_FP8)  # the encoding the kernel is built with can be switched at run time (benchmarks)
+    if rowwise.__class__ is not bool or columnwise.__class__ is not bool or tile_rows.__class__ is bool:
+        plan = None  # 1 and True are one key: the checks below tell them apart
+    else:
+        try:
+            plan = _BLOCK_LAUNCHES.get(key)
+        except TypeError:  # an argument that cannot be hashed: checked (and refused) below
+            plan = None
     if plan is None:
         plan = _block_launch(x, fp8_dtype, tile_rows, power_2, epsilon, rowwise, columnwise)
         if len(_BLOCK_LAUNCHES) < 1024:
