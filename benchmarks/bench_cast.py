@@ -45,11 +45,18 @@ def _cases(mod, x: torch.Tensor):
         "rowwise": (lambda t: mod.quantize_rowwise(t, E4M3), 3 * n, None),
         "block_1x128": (lambda t: mod.quantize_block(t, E4M3, 1), 3 * n, None),
         "block_128x128": (lambda t: mod.quantize_block(t, E4M3, 128), 3 * n, None),
+        # a quantizer's two copies (x and x.T quantized along M): one read, or two casts as before
+        "block_1x128+T": (lambda t: mod.quantize_block(t, E4M3, 1, True, 0.0, True, True), 4 * n, None),
+        "block_1x128, x and x.T cast apart": (lambda t: (mod.quantize_block(t, E4M3, 1),
+                                                         mod.quantize_block(t.t(), E4M3, 1)), 4 * n, None),
+        "block_128x128+T": (lambda t: mod.quantize_block(t, E4M3, 128, True, 0.0, True, True), 4 * n, None),
         "mxfp8": (lambda t: mod.quantize_mxfp8(t, E4M3), 3 * n + n // 32, None),
     }
     kernel_of = {"tensorwise": "quantize_tensorwise", "tensorwise+T": "quantize_tensorwise",
                  "current": "quantize_current", "current+T": "quantize_current", "rowwise": "quantize_rowwise",
-                 "block_1x128": "quantize_block", "block_128x128": "quantize_block", "mxfp8": "quantize_mxfp8"}
+                 "block_1x128": "quantize_block", "block_128x128": "quantize_block", "mxfp8": "quantize_mxfp8",
+                 "block_1x128+T": "quantize_block", "block_1x128, x and x.T cast apart": "quantize_block",
+                 "block_128x128+T": "quantize_block"}
     return {name: case for name, case in cases.items() if hasattr(mod, kernel_of[name])}
 
 

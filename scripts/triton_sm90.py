@@ -129,7 +129,22 @@ def _dact_dbias(kind: str):
                                                    "rows_per_split")
 
 
-# name -> (kernel, runtime types, constexprs, arguments divisible by 16)
+def _block(tile_rows: int, columnwise: bool):
+    """The block cast at its GPU launch: 1x128 row-wise in 32-row programs, or a
+    128-row program making the row-wise and the transposed copy from one read."""
+    cast = _module("cast")
+    types = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_inv_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32",
+             "stride_sm": "i32", "stride_sn": "i32", "qt_ptr": "*u8", "scale_t_ptr": "*fp32", "stride_tm": "i32",
+             "stride_tn": "i32"}
+    rows = 128 if tile_rows == 128 or columnwise else 32
+    consts = dict(stride_xn=1, TILE_ROWS=tile_rows, ROWS_PER_PROGRAM=rows, POWER_2=True, EPSILON=0.0, EVEN=True,
+                  ROWWISE=True, COLUMNWISE=columnwise, OUT_DTYPE=tl.float8e4nv, FMAX=448.0, MANT_BITS=3,
+                  MIN_STEP_EXP=127 - 9, HW_FP8=True, ROW_MAJOR=True)
+    return cast._quantize_block_kernel, types, consts, ("x_ptr", "q_ptr", "scale_inv_ptr", "M", "N", "stride_xm",
+                                                        "qt_ptr", "scale_t_ptr"), 8 if rows == 128 else 4
+
+
+# name -> (kernel, runtime types, constexprs, arguments divisible by 16[, warps])
 CASES = {
     "dequantize per tensor": lambda: _dequantize(0, 0),
     # the lookup the per-tensor path replaced: one scale through zero strides, a load an element
@@ -139,13 +154,16 @@ CASES = {
     "activation swiglu": lambda: _activation("swiglu"),
     "dact_dbias gelu": lambda: _dact_dbias("gelu"),
     "dact_dbias swiglu": lambda: _dact_dbias("swiglu"),
+    "block 1x128": lambda: _block(1, False),
+    "block 1x128 both copies": lambda: _block(1, True),
+    "block 128x128 both copies": lambda: _block(128, True),
 }
 
 
 def case_ops(name: str) -> tuple[Counter, int | None]:
     """A case's global loads and stores and its registers a thread."""
-    fn, types, consts, aligned = CASES[name]()
-    kernel = compile_sm90(fn, types, consts, aligned)
+    fn, types, consts, aligned, *warps = CASES[name]()
+    kernel = compile_sm90(fn, types, consts, aligned, *warps)
     return memory_ops(kernel), registers(kernel)
 
 
