@@ -41,7 +41,6 @@ import triton.language as tl
 from ..formats import Scaling, block_scaling, scaling_tile
 from ..operand import ScaledOperand, scaled_unchecked
 from ..reference.cast import check_block_copies, check_given_amax, check_matrix, check_sums_dtype, column_sums_as
-from . import _common
 from ._launch import launch
 from ._common import (
     TL_FLOAT,
@@ -651,7 +650,7 @@ class _BlockLaunch:
 
 
 # (device, x's dtype, whether x's rows are contiguous, fp8_dtype, tile_rows, power_2,
-# epsilon, rowwise, columnwise, EXACT_FP8) -> _BlockLaunch, made once its arguments are checked
+# epsilon, rowwise, columnwise, hw_fp8(x)) -> _BlockLaunch, made once its arguments are checked
 _BLOCK_LAUNCHES: dict[tuple, _BlockLaunch] = {}
 
 
@@ -697,7 +696,7 @@ def quantize_block(
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         check_input(x, "quantize_block")  # raises
     key = (x.device, x.dtype, x.stride(1) == 1, fp8_dtype, tile_rows, power_2, epsilon, rowwise, columnwise,
-           _common.EXACT_FP8)  # the encoding the kernel is built with can be switched at run time (benchmarks)
+           hw_fp8(x))  # the encoding in force: EXACT_FP8 can be switched at run time (benchmarks)
     if rowwise.__class__ is not bool or columnwise.__class__ is not bool or tile_rows.__class__ is bool:
         plan = None  # 1 and True are one key: the checks below tell them apart
     else:
