@@ -1130,3 +1130,110 @@ def test_a_training_loop_keeps_every_loss_bit_with_the_seeding_cast_and_placed_s
     monkeypatch.setattr(DelayedScalingQuantizer, "seed_in_cast", False)
     monkeypatch.setattr(delayed_module, "_place", lambda quantizers, device: None)
     assert gpt_losses(device=device) == fast
+
+
+def _seeded(fp8, length, amaxes, margin=0, algo="max", device="cpu"):
+    """A delayed-scaling quantizer on ``device`` that recorded ``amaxes`` (newest last)."""
+    q = DelayedScalingQuantizer(fp8, margin=margin, amax_history_len=length, amax_compute_algo=algo, device=device)
+    for amax in amaxes:
+        x = torch.full((4, 16), amax, device=device)
+        q.cast(x, rowwise=True, columnwise=False)
+    q._flush()
+    return q
+
+
+def test_carry_states_together_gives_each_ones_own_carry_bit_for_bit():
+    """A build's quantizers continue their predecessors together (carry_states): the
+    same scale, inverse scale, history, count and seeded flag as each quantizer's own
+    carry_state_from, for groups that grow and shrink the history, change the format,
+    the margin or the algorithm, carry an inf amax's count and a 0 amax; a predecessor
+    not seeded, not delayed, or with a callable algorithm, and a group of one, carry
+    alone. The group's states are 16-byte aligned views (what the GEMM and the casts
+    take as they are)."""
+    from te_fuser.quantization.delayed import carry_states
+
+    specs = [  # (previous: fp8, length, amaxes, margin, algo), (new: fp8, length, margin, algo)
+        ((E4M3, 4, [1.5, 3.0, 0.25], 0, "max"), (E4M3, 8, 0, "max")),
+        ((E4M3, 4, [2.0, 7.0, 0.5, 1.0, 9.0], 0, "max"), (E4M3, 8, 0, "max")),
+        ((E4M3, 4, [0.0], 0, "max"), (E4M3, 8, 0, "max")),  # amax 0: the previous scale kept
+        ((E4M3, 4, [3.0, float("inf"), 5.0], 0, "max"), (E4M3, 8, 0, "max")),  # a skipped inf, counted
+        ((E4M3, 8, [1.0, 2.0, 3.0], 0, "max"), (E5M2, 2, 1, "most_recent")),
+        ((E4M3, 8, [6.0, 0.125], 0, "max"), (E5M2, 2, 1, "most_recent")),
+        ((E5M2, 3, [1.0], 2, "max"), (E4M3, 3, 3, "max")),  # a group of one
+    ]
+    together, alone, pairs = [], [], []
+    for (pf, plen, amaxes, pmargin, palgo), (nf, nlen, nmargin, nalgo) in specs:
+        previous = _seeded(pf, plen, amaxes, pmargin, palgo)
+        for out in (together, alone):
+            out.append(DelayedScalingQuantizer(nf, margin=nmargin, amax_history_len=nlen, amax_compute_algo=nalgo))
+        pairs.append((together[-1], previous))
+    unseeded = DelayedScalingQuantizer(E4M3, amax_history_len=4)
+    custom = DelayedScalingQuantizer(E4M3, amax_history_len=4, amax_compute_algo=lambda h: h.max())
+    current = Float8CurrentScalingQuantizer(E4M3)
+    for previous in (unseeded, current, None):
+        for out in (together, alone):
+            out.append(DelayedScalingQuantizer(E4M3, amax_history_len=4))
+        pairs.append((together[-1], previous))
+    for out in (together, alone):
+        out.append(custom if out is together else DelayedScalingQuantizer(E4M3, amax_history_len=4,
+                                                                          amax_compute_algo=custom.amax_compute_algo))
+    pairs.append((custom, pairs[0][1]))
+    carry_states(pairs)
+    for q, (_, previous) in zip(alone, pairs):
+        q.carry_state_from(previous)
+    for k, (a, b) in enumerate(zip(together, alone)):
+        assert a.seeded == b.seeded, k
+        for name in ("scale", "scale_inv", "amax_history", "nonfinite_amax_count"):
+            assert_bitwise(getattr(a, f"_{name}"), getattr(b, f"_{name}"), f"quantizer {k} {name}")
+    for q in together[:6]:  # the two groups of more than one: views of their blocks
+        assert q._fresh is None and q._shared is None
+        for t in (q._scale, q._scale_inv, q._amax_history, q._nonfinite_amax_count):
+            assert t.data_ptr() % 16 == 0
+    assert together[0]._scale.untyped_storage().data_ptr() == together[3]._scale.untyped_storage().data_ptr()
+    assert int(together[3]._nonfinite_amax_count) == 1
+
+
+@pytest.mark.parametrize("schedule", [("delayed", "delayed_margin", "delayed"), ("delayed", "delayed_e4m3_hist2")])
+def test_a_switch_between_delayed_recipes_trains_as_each_quantizer_carried_alone(monkeypatch, schedule):
+    """A model switched between delayed-scaling recipes (its quantizers carried
+    together) trains to the same bits as with each quantizer carried alone."""
+    import te_fuser as te
+    from te_fuser.ops import fuser as fuser_module
+    from te_fuser.quantization import delayed
+
+    recipes = {"delayed": te.recipe.DelayedScaling(amax_history_len=4),
+               "delayed_margin": te.recipe.DelayedScaling(amax_history_len=8, margin=1),
+               "delayed_e4m3_hist2": te.recipe.DelayedScaling(amax_history_len=2, fp8_format=te.recipe.Format.E4M3)}
+    groups = []
+
+    def train(one_by_one: bool):
+        if one_by_one:
+            monkeypatch.setattr(fuser_module, "carry_states",
+                                lambda pairs: [q.carry_state_from(p) for q, p in pairs])
+        else:
+            monkeypatch.setattr(fuser_module, "carry_states", delayed.carry_states)
+            carry_group = delayed._carry_group
+            monkeypatch.setattr(delayed, "_carry_group", lambda group, *a: (groups.append(len(group)),
+                                                                               carry_group(group, *a)))
+        torch.manual_seed(0)
+        model = te.ops.Sequential(te.ops.Linear(32, 64), te.ops.GELU(), te.ops.Linear(64, 32))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for name in schedule:
+            for _ in range(3):
+                x = torch.randn(16, 32, generator=gen)
+                with te.autocast(recipe=recipes[name]):
+                    loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+    losses_alone, params_alone = train(True)
+    losses_together, params_together = train(False)
+    assert groups and min(groups) >= 2, groups  # the switches carried their quantizers together
+    assert_bitwise(losses_together, losses_alone, f"losses through {schedule}")
+    for a, b in zip(params_together, params_alone):
+        assert_bitwise(a, b, "parameters")

@@ -45,7 +45,7 @@ from ..quantization.mxfp8 import MXFP8Quantizer
 from ..quantization.rowwise import Float8RowwiseQuantizer
 from ..quantization.amax_reduction import WORLD
 from ..quantization.delayed import EVALUATING as _EVALUATING
-from ..quantization.delayed import place_states
+from ..quantization.delayed import carry_states, place_states
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.recompute import ACTIVE as _CHECKPOINT_FRAMES
 from ..quantization.tensor import QuantizedTensor
@@ -766,16 +766,19 @@ class OperationFuser:
         installed ones (or of a loaded checkpoint). Nothing installed is touched.
         ``borrow_state``: fresh states are borrowed until ``place_states``, which the
         caller runs on them next (see ``quantizer_for``)."""
-        out = []
+        out, pairs = [], []
         for op in self.ops:
             qs = {}
             if recipe is not None:
                 for role in op.roles():
                     q = quantizer_for(recipe, role, borrow_state=borrow_state)
-                    q.carry_state_from(op.installed_quantizers.get(role.tensor_type))
-                    op.restore_loaded_state(q, role.tensor_type, recipe_key)
+                    pairs.append((q, op.installed_quantizers.get(role.tensor_type)))
                     qs[role.tensor_type] = q
             out.append(qs)
+        carry_states(pairs)  # each q continues its predecessor (many delayed ones together)
+        for op, qs in zip(self.ops, out):
+            for tensor_type, q in qs.items():
+                op.restore_loaded_state(q, tensor_type, recipe_key)
         return out
 
     def _validate(self, shape, device, quantizers: list[dict], backward_steps: list[PlanStep] | None) -> torch.Size:

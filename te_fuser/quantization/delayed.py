@@ -69,7 +69,7 @@ from .role import QuantizerRole
 from .tensor import QuantizedTensor
 
 
-__all__ = ["DelayedScalingQuantizer", "place_states"]
+__all__ = ["DelayedScalingQuantizer", "carry_states", "place_states"]
 
 
 def _generic_tensorwise(fn, fp8_dtype: torch.dtype):
@@ -800,6 +800,58 @@ def _bind_shared(movers, device: torch.device) -> bool:
         q._fresh = q._shared = shared
         q._borrowed = None
     return True
+
+
+def carry_states(pairs) -> None:
+    """``q.carry_state_from(previous)`` for each ``(q, previous)`` pair, the same
+    states, in far fewer launches where many delayed-scaling quantizers continue
+    seeded ones of one configuration (a switch between delayed-scaling recipes: the
+    GPT's 130 quantizers each made about a dozen small launches, run 300's
+    delayed_mha switch). Each such group's histories are stacked, resized and
+    turned into scales as vectors in one pass of ops, and its states laid out as
+    ``_copied_states`` lays them (each tensor a 16-byte aligned view of a block);
+    every other pair continues alone."""
+    groups: dict[tuple, list] = {}
+    for q, previous in pairs:
+        if (type(q) is DelayedScalingQuantizer and type(previous) is DelayedScalingQuantizer and previous is not q
+                and previous.seeded and q.amax_compute_algo in ("max", "most_recent")
+                and q.scaling_factor_compute_algo is None):
+            previous._flush()
+            key = (q.amax_history_len, previous._amax_history.numel(), q.fmax, q.margin, q.amax_compute_algo,
+                   previous._amax_history.device)
+            groups.setdefault(key, []).append((q, previous))
+        else:
+            q.carry_state_from(previous)
+    for (length, previous_length, fmax, margin, algo, device), group in groups.items():
+        if len(group) < 2:
+            group[0][0].carry_state_from(group[0][1])
+            continue
+        _carry_group(group, length, previous_length, fmax, margin, algo, device)
+
+
+def _carry_group(group: list, length: int, previous_length: int, fmax: float, margin: int, algo: str,
+                 device: torch.device) -> None:
+    """:func:`carry_states` for one group: ``_continue`` of each, as vectors."""
+    n, f, i = len(group), _FLOATS_PER_SLOT, _INT64S_PER_SLOT
+    kept = min(previous_length, length)
+    histories = torch.zeros((n, _padded(length, f)), dtype=torch.float32, device=device)
+    histories[:, :kept] = torch.stack([p._amax_history[:kept] for _, p in group])
+    previous_scales = torch.stack([p._scale for _, p in group])
+    amax = histories[:, :length].amax(dim=1) if algo == "max" else histories[:, 0]
+    scale = divide_by_power_of_2(torch.div(fmax, amax), margin)  # as _next_scale, element by element
+    scale, _ = guarded_scale(scale, amax, previous_scales)
+    scales = torch.zeros((2 * n, f), dtype=torch.float32, device=device)
+    scales[0::2, 0] = scale
+    scales[1::2, 0] = torch.reciprocal(scale)
+    counts = torch.zeros((n, i), dtype=torch.int64, device=device)
+    counts[:, 0] = torch.stack([p._nonfinite_amax_count for _, p in group])
+    views = _state_views(scales, histories.reshape(-1), counts.reshape(-1), [length] * n)
+    for (q, _), scale_view, scale_inv_view, history_view, count_view in zip(group, *views):
+        q._flush()
+        q._scale, q._scale_inv, q._amax_history, q._nonfinite_amax_count = (scale_view, scale_inv_view,
+                                                                              history_view, count_view)
+        q.seeded = True
+        q._borrowed = q._shared = q._fresh = None  # its own state, not a fresh one
 
 
 def place_states(quantizers, device: torch.device) -> None:
