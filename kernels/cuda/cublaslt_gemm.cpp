@@ -36,7 +36,8 @@ namespace te_fuser {
 
 // Whether block-scaled GEMMs run here: cuBLASLt 12.9 or later, built against and loaded.
 bool fp8_gemm_block_supported() {
-  return CUBLAS_VERSION >= 120900 && cublasLtGetVersion() >= 120900;
+  static const bool supported = CUBLAS_VERSION >= 120900 && cublasLtGetVersion() >= 120900;  // asked once
+  return supported;
 }
 
 namespace {

@@ -146,6 +146,22 @@ def _launch_meta(xk: torch.Tensor, plan: CastPlan) -> tuple[int, dict]:
 
 
 @triton.jit
+def _store_fp8_transposed(qt_ptr, v, offs_m, offs_n, M, mask, EVEN: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                          FMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_STEP_EXP: tl.constexpr,
+                          HW_FP8: tl.constexpr):
+    """Store the FP8 bytes of ``v`` (a scaled tile of x at rows ``offs_m``, columns
+    ``offs_n``) transposed into the (N, M) copy at ``qt_ptr``. The bytes change
+    layout (``tl.trans``), so with HW_FP8 they are encoded in int32 lanes (MOVED).
+    EVEN: the tile lies inside x (``mask``, x's, unused)."""
+    qt = tl.trans(fp8_bytes(v, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=True))
+    ptrs = qt_ptr + offs_n[:, None] * M + offs_m[None, :]
+    if EVEN:
+        tl.store(ptrs, qt)
+    else:
+        tl.store(ptrs, qt, mask=tl.trans(mask))
+
+
+@triton.jit
 def _cast_tile(x_ptr, q_ptr, qt_ptr, sums_ptr, scale, tile, M, N, stride_xm, stride_xn,
                ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SUMS: tl.constexpr, ROUND: tl.constexpr,
                BLOCK_M: tl.constexpr,
@@ -179,11 +195,8 @@ def _cast_tile(x_ptr, q_ptr, qt_ptr, sums_ptr, scale, tile, M, N, stride_xm, str
         q = fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=not ROW_MAJOR)
         tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
     if COLUMNWISE:
-        qt = tl.trans(fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=True))
-        if EVEN:
-            tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt)
-        else:
-            tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt, mask=tl.trans(mask))
+        _store_fp8_transposed(qt_ptr, x * scale, offs_m, offs_n, M, mask, EVEN, OUT_DTYPE, FMAX, MANT_BITS,
+                              MIN_STEP_EXP, HW_FP8)
     return abs_bits(x)
 
 
@@ -608,12 +621,8 @@ def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_
                                         EPSILON)  # (128,): one per column of the band
             tl.store(scale_t_ptr + offs_n * stride_tm + tl.program_id(0) * stride_tn, reciprocal(col_scale),
                      mask=offs_n < N)
-            qt = tl.trans(fp8_bytes(x * col_scale[None, :], OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8,
-                                    MOVED=True))
-            if EVEN:
-                tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt)
-            else:
-                tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt, mask=tl.trans(mask))
+            _store_fp8_transposed(qt_ptr, x * col_scale[None, :], offs_m, offs_n, M, mask, EVEN, OUT_DTYPE, FMAX,
+                                  MANT_BITS, MIN_STEP_EXP, HW_FP8)
     else:
         tile_amax = tl.max(row_amax, axis=0).to(tl.float32, bitcast=True)
         scale = scale_from_amax(tile_amax, FMAX, POWER_2, EPSILON)
@@ -623,11 +632,8 @@ def _quantize_block_kernel(x_ptr, q_ptr, scale_inv_ptr, M, N, stride_xm, stride_
             tl.store(q_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
         if COLUMNWISE:
             tl.store(scale_t_ptr + tl.program_id(1) * stride_tm + tl.program_id(0) * stride_tn, reciprocal(scale))
-            qt = tl.trans(fp8_bytes(x * scale, OUT_DTYPE, FMAX, MANT_BITS, MIN_STEP_EXP, HW_FP8, MOVED=True))
-            if EVEN:
-                tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt)
-            else:
-                tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], qt, mask=tl.trans(mask))
+            _store_fp8_transposed(qt_ptr, x * scale, offs_m, offs_n, M, mask, EVEN, OUT_DTYPE, FMAX, MANT_BITS,
+                                  MIN_STEP_EXP, HW_FP8)
 
 
 def _block_scales_like(tile_rows: int, rows: int, cols: int, device) -> torch.Tensor:
@@ -720,13 +726,10 @@ def quantize_block(
         scale_t = _block_scales_like(tile_rows, N, M, device)
     if M and N:
         rows = plan.rows_per_program
-        if tile_rows == 1:  # the scale arrays' strides, as _block_scales_like makes them
-            s_rows, s_cols, t_rows, t_cols = 1, M, 1, N
-        else:
-            s_rows, s_cols, t_rows, t_cols = -(-N // 128), 1, -(-M // 128), 1
         launch(_quantize_block_kernel, (-(-M // rows), -(-N // 128)),
-            x, q.view(torch.uint8) if rowwise else x, scale_inv, M, N, x.stride(0), x.stride(1), s_rows, s_cols,
-            qt.view(torch.uint8) if columnwise else x, scale_t, t_rows, t_cols,
+            x, q.view(torch.uint8) if rowwise else x, scale_inv, M, N, x.stride(0), x.stride(1),
+            *(scale_inv.stride() if rowwise else (0, 0)),
+            qt.view(torch.uint8) if columnwise else x, scale_t, *(scale_t.stride() if columnwise else (0, 0)),
             **plan.meta[M % rows == 0 and N % 128 == 0])
     op = scaled_unchecked(q, scale_inv, scaling) if rowwise else None
     if not columnwise:
