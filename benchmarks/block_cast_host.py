@@ -1,6 +1,6 @@
 """The block cast's host work alone: ``quantize_block``'s Python (checks, allocations,
 the operands it returns) with the kernel launch stubbed out, on CPU tensors, in
-microseconds a call (median of five runs of 3,000 calls). What the GPU host pays on
+microseconds a call (the best of five means over 3,000 calls). What the GPU host pays on
 top is the launch itself.
 
     python benchmarks/block_cast_host.py
@@ -8,24 +8,16 @@ top is the launch itself.
 
 from __future__ import annotations
 
-import statistics
-import time
+import os
+import sys
 
 import torch
 
-from te_fuser.kernels.triton import cast
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_refusion import per_call_us  # noqa: E402
 
-def per_call_us(fn, calls: int = 3000) -> float:
-    for _ in range(200):
-        fn()
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(runs)
+from te_fuser.kernels.triton import cast  # noqa: E402
 
 
 def measure(calls: int = 3000) -> dict[str, float]:
@@ -40,7 +32,9 @@ def measure(calls: int = 3000) -> dict[str, float]:
     launch = cast.launch
     cast.launch = lambda *args, **meta: None  # the wrapper's own work alone
     try:
-        return {name: per_call_us(fn, calls) for name, fn in cases.items()}
+        for fn in cases.values():
+            fn()  # the configuration checked and its launch constants kept
+        return {name: per_call_us(fn, calls, 5) for name, fn in cases.items()}
     finally:
         cast.launch = launch
 
